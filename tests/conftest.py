@@ -57,6 +57,6 @@ def namespace(kube_admin: kube.Kube) -> Iterator[str]:
     kube_admin.delete(f"/api/v1/namespaces/{name}", missing_ok=True)
 
 
-@pytest.fixture
+@pytest.fixture(scope="session")
 def kubeconfig(local_cluster: cluster.LocalCluster) -> Path:
     return local_cluster.kubeconfig

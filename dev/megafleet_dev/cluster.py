@@ -164,10 +164,11 @@ class LocalCluster:
         state = ClusterState.load(self.state_dir)
         records = list(self._records) or (state.processes if state else [])
         for record in reversed(records):
-            _terminate(record)
             child = self._children.pop(record.pid, None)
             if child is not None:
-                child.wait()
+                _stop_child(child)
+            else:
+                _terminate(record)
         self._records = []
 
     # -- components ----------------------------------------------------------------------------
@@ -373,7 +374,14 @@ class LocalCluster:
         reason: str | None = "not checked yet"
         while time.monotonic() < deadline:
             if record is not None and not record.alive():
-                raise ClusterError(f"{what} exited during start-up; see {record.log}:\n{_tail(record.log)}")
+                try:
+                    seen = Path(f"/proc/{record.pid}/cmdline").read_bytes()[:200]
+                    stat = Path(f"/proc/{record.pid}/stat").read_text()[:100]
+                except OSError as error:
+                    seen, stat = b"", str(error)
+                raise ClusterError(
+                    f"{what} exited during start-up ({seen!r} {stat}); see {record.log}:\n{_tail(record.log)}"
+                )
             reason = not_ready()
             if reason is None:
                 return
@@ -410,7 +418,20 @@ def _tail(path: str, lines: int = 20) -> str:
         return ""
 
 
+def _stop_child(child: subprocess.Popen[bytes]) -> None:
+    """Stop a process this object started: SIGTERM, then SIGKILL after the grace period."""
+    if child.poll() is not None:
+        return
+    child.terminate()
+    try:
+        child.wait(timeout=STOP_TIMEOUT_SECONDS)
+    except subprocess.TimeoutExpired:
+        child.kill()
+        child.wait()
+
+
 def _terminate(record: ProcessRecord) -> None:
+    """Stop a process another invocation started (``megafleet dev down``), by its recorded PID."""
     if not record.alive():
         return
     try:

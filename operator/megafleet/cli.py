@@ -1,7 +1,7 @@
 """The ``megafleet`` command.
 
-Sub-commands: ``version``; ``dev`` (the local control plane; needs the development extra and is
-delegated to :mod:`megafleet_dev.cli`). Later sub-commands run the operator.
+Sub-commands: ``version``; ``crds`` (generated CRDs and API reference); ``dev`` (the local control
+plane; needs the development extra and is delegated to :mod:`megafleet_dev.cli`).
 """
 
 from __future__ import annotations
@@ -11,6 +11,7 @@ import importlib
 import sys
 import types
 from collections.abc import Sequence
+from pathlib import Path
 
 import megafleet
 
@@ -19,6 +20,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="megafleet", description=__doc__.splitlines()[0] if __doc__ else None)
     commands = parser.add_subparsers(dest="command", required=True)
     commands.add_parser("version", help="print the version")
+    crds = commands.add_parser("crds", help="write the CRDs and API reference generated from the API models")
+    crds.add_argument("--root", type=Path, default=Path.cwd(), help="repository root (default: current directory)")
+    crds.add_argument("--check", action="store_true", help="only report files that are out of date (exit 1)")
     dev = commands.add_parser("dev", help="local control plane with simulated GPU nodes (development and tests)")
     dev_cli = _dev_cli()
     if dev_cli is not None:
@@ -27,11 +31,26 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.command == "version":
         print(megafleet.__version__)
         return 0
+    if args.command == "crds":
+        return _crds(args.root, check=args.check)
     if dev_cli is None:
         print("megafleet dev needs the development tooling: pip install -e '.[dev]' from a checkout", file=sys.stderr)
         return 2
     result: int = dev_cli.run(args)
     return result
+
+
+def _crds(root: Path, *, check: bool) -> int:
+    from megafleet.api import generate
+
+    if check:
+        stale = generate.stale_files(root)
+        for path in stale:
+            print(f"out of date: {path.relative_to(root)} (run: megafleet crds)", file=sys.stderr)
+        return 1 if stale else 0
+    for path in generate.write(root):
+        print(f"wrote {path.relative_to(root)}")
+    return 0
 
 
 def _dev_cli() -> types.ModuleType | None:

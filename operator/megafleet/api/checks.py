@@ -1,0 +1,62 @@
+"""Everything wrong with a raw MegatronGeneration spec, as the operator reports it in ``InvalidSpec``.
+
+Called by the reconcile handlers before anything is created. Admission already rejects what the
+CRD schema and its CEL rules express; this re-checks it (an object may predate a CRD upgrade) and
+adds the planner's cross-field rules, so one call returns every problem with its field path.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pydantic
+
+from megafleet import planner
+from megafleet.api import v1alpha1
+
+
+def parse_spec(raw: dict[str, Any]) -> tuple[v1alpha1.MegatronGenerationSpec | None, list[planner.Problem]]:
+    """The typed spec and every problem found; the spec is ``None`` when it does not even parse."""
+    try:
+        spec = v1alpha1.MegatronGenerationSpec.model_validate(raw)
+    except pydantic.ValidationError as error:
+        return None, [_problem(item) for item in error.errors()]
+    return spec, planner.validate(fleet_settings(spec))
+
+
+def fleet_settings(spec: v1alpha1.MegatronGenerationSpec) -> planner.FleetSettings:
+    """The planner's view of a spec."""
+    gpus = spec.resources.gpus_per_node
+    return planner.FleetSettings(
+        parallelism=parallelism(spec.parallelism),
+        replicas=spec.replicas,
+        gpus_per_node=gpus,
+        backend=spec.engine.backend,
+        kv_cache_mode=spec.engine.kv_cache_mode,
+        cuda_graphs=cuda_graphs_enabled(spec),
+        weights_initial=spec.weights.initial,
+        refit_transport=spec.refit.transport,
+        checkpoint=spec.model.source,
+    )
+
+
+def parallelism(spec: v1alpha1.ParallelismSpec) -> planner.Parallelism:
+    return planner.Parallelism(
+        tensor=spec.tensor,
+        pipeline=spec.pipeline,
+        context=spec.context,
+        expert=spec.expert,
+        expert_tensor=spec.expert_tensor,
+    )
+
+
+def cuda_graphs_enabled(spec: v1alpha1.MegatronGenerationSpec) -> bool:
+    """``engine.cudaGraphs`` resolved: unset means on for megatron on GPUs, off otherwise."""
+    if spec.engine.cuda_graphs is not None:
+        return spec.engine.cuda_graphs
+    return spec.engine.backend == "megatron" and spec.resources.gpus_per_node > 0
+
+
+def _problem(error: Any) -> planner.Problem:
+    path = ".".join(str(part) for part in ("spec", *error["loc"]))
+    return planner.Problem(field=path, message=str(error["msg"]))

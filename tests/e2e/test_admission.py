@@ -1,0 +1,102 @@
+"""The generated CRDs in a real API server: examples are accepted, bad manifests are rejected at
+admission with a message naming the field, and the scale subresource works with kubectl."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from megafleet_dev import kube, toolchain
+
+ROOT = Path(__file__).resolve().parents[2]
+EXAMPLES = sorted((ROOT / "examples").glob("*.yaml"))
+INVALID = sorted((Path(__file__).parent / "invalid").glob("*.yaml"))
+
+
+def kubectl(kubeconfig: Path, *args: str, stdin: str | None = None) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [str(toolchain.kubectl_path()), *args],
+        input=stdin,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env=dict(os.environ, KUBECONFIG=str(kubeconfig)),
+        check=False,
+    )
+
+
+@pytest.fixture(scope="module")
+def crds_installed(kubeconfig: Path, kube_admin: kube.Kube) -> Iterator[None]:
+    result = kubectl(kubeconfig, "apply", "--server-side", "-f", str(ROOT / "crds"))
+    assert result.returncode == 0, result.stderr
+    for path in (ROOT / "crds").glob("*.yaml"):
+        name = path.name.removeprefix("megafleet.dev_").removesuffix(".yaml") + ".megafleet.dev"
+        kube_admin.wait(
+            f"/apis/apiextensions.k8s.io/v1/customresourcedefinitions/{name}",
+            lambda crd: (kube.condition(crd, "Established") or {}).get("status") == "True",
+            timeout=60,
+            what=f"CRD {name} established",
+        )
+    yield
+
+
+def expectation(path: Path) -> tuple[str, str]:
+    header = dict(line[2:].split(": ", 1) for line in path.read_text().splitlines() if line.startswith("# "))
+    return header["field"], header["expect"]
+
+
+@pytest.mark.parametrize("path", EXAMPLES, ids=[p.stem for p in EXAMPLES])
+def test_every_example_is_accepted(crds_installed: None, kubeconfig: Path, namespace: str, path: Path) -> None:
+    result = kubectl(kubeconfig, "apply", "-n", namespace, "-f", str(path))
+    assert result.returncode == 0, result.stderr
+    assert "created" in result.stdout
+
+
+@pytest.mark.parametrize("path", INVALID, ids=[p.stem for p in INVALID])
+def test_invalid_manifest_is_rejected_naming_the_field(
+    crds_installed: None, kubeconfig: Path, namespace: str, path: Path
+) -> None:
+    field, expected = expectation(path)
+
+    result = kubectl(kubeconfig, "apply", "-n", namespace, "-f", str(path))
+
+    assert result.returncode != 0, f"{path.name} was accepted"
+    assert expected in result.stderr
+    assert field in result.stderr
+    listed = kubectl(kubeconfig, "get", "mgen,mrefit", "-n", namespace, "-o", "name")
+    assert listed.stdout.strip() == ""  # nothing was stored
+
+
+def test_refit_spec_is_immutable(crds_installed: None, kubeconfig: Path, namespace: str) -> None:
+    manifest = {
+        "apiVersion": "megafleet.dev/v1alpha1",
+        "kind": "Refit",
+        "metadata": {"name": "v1"},
+        "spec": {"fleetRef": {"name": "fleet"}, "version": 1, "source": {"checkpoint": {"path": "/ckpt/1"}}},
+    }
+    assert kubectl(kubeconfig, "apply", "-n", namespace, "-f", "-", stdin=json.dumps(manifest)).returncode == 0
+    manifest["spec"]["version"] = 2
+
+    result = kubectl(kubeconfig, "apply", "-n", namespace, "-f", "-", stdin=json.dumps(manifest))
+
+    assert result.returncode != 0
+    assert "a Refit's spec is immutable" in result.stderr
+
+
+def test_kubectl_scale_changes_replicas_and_printer_columns_show_them(
+    crds_installed: None, kubeconfig: Path, namespace: str
+) -> None:
+    assert kubectl(kubeconfig, "apply", "-n", namespace, "-f", str(ROOT / "examples" / "tiny-cpu.yaml")).returncode == 0
+
+    scaled = kubectl(kubeconfig, "scale", "-n", namespace, "mgen/tiny", "--replicas=5")
+    assert scaled.returncode == 0, scaled.stderr
+
+    table = kubectl(kubeconfig, "get", "mgen", "tiny", "-n", namespace)
+    header, row = table.stdout.splitlines()
+    assert header.split() == ["NAME", "DESIRED", "READY", "WEIGHTS", "STATUS", "AGE"]
+    assert row.split()[:2] == ["tiny", "5"]
