@@ -1,0 +1,51 @@
+"""Inference backends behind one interface (:mod:`megafleet_engine.backends.base`).
+
+``transformers`` runs here (CPU or one GPU); ``megatron`` (megatron-core's inference engine) needs
+GPUs and megatron-core, and is imported only when asked for.
+"""
+
+from __future__ import annotations
+
+from megafleet_engine.backends import base
+
+DTYPES = ("bfloat16", "float16", "float32")
+
+
+def load_backend(
+    backend: str,
+    source: str,
+    *,
+    name: str,
+    max_sequence_length: int,
+    dtype: str = "float32",
+    device: str = "cpu",
+    load_weights: bool = True,
+) -> base.Backend:
+    """Build a backend for ``source``; with ``load_weights=False`` (deferred init) the parameters
+    exist but hold no trained values until the first refit writes them."""
+    if dtype not in DTYPES:
+        raise ValueError(f"dtype {dtype!r} is not one of {', '.join(DTYPES)}")
+    if backend == "transformers":
+        from megafleet_engine.backends import transformers_backend
+
+        return transformers_backend.load(
+            source,
+            name=name,
+            max_sequence_length=max_sequence_length,
+            dtype=dtype,
+            device=device,
+            load_weights=load_weights,
+        )
+    if backend == "megatron":
+        from megafleet_engine.backends import megatron_backend  # type: ignore[attr-defined]
+
+        result: base.Backend = megatron_backend.load(
+            source,
+            name=name,
+            max_sequence_length=max_sequence_length,
+            dtype=dtype,
+            device=device,
+            load_weights=load_weights,
+        )
+        return result
+    raise ValueError(f"unknown backend {backend!r}: use transformers or megatron")

@@ -1,0 +1,223 @@
+"""The ``transformers`` backend: Hugging Face causal LMs on CPU or one GPU, tensor parallel 1.
+
+Called by the engine's backend thread (:class:`megafleet_engine.engine.Engine`). A batch is
+decoded together: prompts are left-padded, each step runs one forward pass over every running
+sequence with a shared KV cache, and each sequence samples with its own parameters and seeded
+generator. Greedy decoding gives the model's own greedy output (``model.generate(do_sample=False)``).
+
+Log-probabilities are those of the distribution the token was drawn from before top-k/top-p
+truncation: ``log_softmax(logits / temperature)``, or of the raw logits when greedy.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+from typing import Literal
+
+import torch
+import transformers
+
+from megafleet_engine.backends import base
+from megafleet_engine.models import tiny
+
+
+@dataclasses.dataclass
+class _Running:
+    request: base.SequenceRequest
+    generator: torch.Generator | None
+    produced: int = 0
+    done: bool = False
+
+
+class TransformersBackend:
+    """A :class:`~megafleet_engine.backends.base.Backend` over a ``PreTrainedModel``."""
+
+    def __init__(
+        self,
+        model: transformers.PreTrainedModel,
+        tokenizer: transformers.PreTrainedTokenizerBase,
+        *,
+        name: str,
+        max_sequence_length: int,
+    ) -> None:
+        self.model = model
+        self.tokenizer = tokenizer
+        self.device = next(model.parameters()).device
+        eos = tokenizer.eos_token_id
+        self.info = base.ModelInfo(
+            name=name,
+            max_sequence_length=max_sequence_length,
+            vocab_size=int(model.config.vocab_size),
+            eos_token_id=int(eos) if eos is not None else None,
+        )
+        self._pad_id = int(tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (eos or 0))
+
+    # -- weights -------------------------------------------------------------------------------
+
+    def parameters(self) -> dict[str, torch.Tensor]:
+        return {name: parameter.data for name, parameter in self.model.named_parameters()}
+
+    def load_checkpoint(self, source: str) -> None:
+        """Copy a checkpoint's tensors into the live parameters (never rebinding them)."""
+        if tiny.is_tiny(source):
+            weights = tiny.reference_weights(source)
+        else:
+            from safetensors.torch import load_file
+
+            weights = {}
+            for path in sorted(Path(source).glob("*.safetensors")):
+                weights.update(load_file(str(path)))
+        live = self.parameters()
+        missing = sorted(set(live) - set(weights))
+        if missing:
+            raise ValueError(f"checkpoint {source} lacks {len(missing)} parameters, e.g. {missing[:3]}")
+        with torch.no_grad():
+            for name, tensor in live.items():
+                tensor.copy_(weights[name])
+
+    def finish_weight_update(self, kv_cache_mode: Literal["persist", "offload", "recompute"]) -> None:
+        """No cache outlives a batch here, so every mode is already satisfied."""
+
+    # -- generation ----------------------------------------------------------------------------
+
+    @torch.inference_mode()
+    def generate(self, batch: Sequence[base.SequenceRequest]) -> Iterator[list[base.TokenStep]]:
+        running = [_Running(request, _generator(request.params, self.device)) for request in batch]
+        input_ids, attention_mask = self._left_pad([request.prompt_token_ids for request in batch])
+        position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)
+        cache: transformers.Cache = transformers.DynamicCache()
+        lengths = [len(request.prompt_token_ids) for request in batch]
+        while True:
+            output = self.model(
+                input_ids=input_ids,
+                attention_mask=attention_mask,
+                position_ids=position_ids,
+                cache=cache,
+                use_cache=True,
+            )
+            cache = output.cache
+            logits = output.logits[:, -1, :].float()
+            steps, next_tokens = self._sample(running, logits, lengths)
+            if steps:
+                yield steps
+            if all(state.done for state in running):
+                return
+            input_ids = next_tokens.unsqueeze(-1)
+            attention_mask = torch.cat([attention_mask, torch.ones_like(input_ids)], dim=-1)
+            position_ids = position_ids[:, -1:] + 1
+
+    def _left_pad(self, prompts: Sequence[Sequence[int]]) -> tuple[torch.Tensor, torch.Tensor]:
+        width = max(len(prompt) for prompt in prompts)
+        ids = torch.full((len(prompts), width), self._pad_id, dtype=torch.long)
+        mask = torch.zeros((len(prompts), width), dtype=torch.long)
+        for row, prompt in enumerate(prompts):
+            if prompt:
+                ids[row, width - len(prompt) :] = torch.tensor(prompt, dtype=torch.long)
+                mask[row, width - len(prompt) :] = 1
+        return ids.to(self.device), mask.to(self.device)
+
+    def _sample(
+        self, running: list[_Running], logits: torch.Tensor, lengths: list[int]
+    ) -> tuple[list[base.TokenStep], torch.Tensor]:
+        steps: list[base.TokenStep] = []
+        next_tokens = torch.full((len(running),), self._pad_id, dtype=torch.long, device=logits.device)
+        for row, state in enumerate(running):
+            if state.done:
+                continue
+            params = state.request.params
+            token, logprobs = _pick(logits[row], params, state.generator)
+            next_tokens[row] = token
+            state.produced += 1
+            lengths[row] += 1
+            finish = self._finish_reason(token, state.produced, lengths[row], params)
+            state.done = finish is not None
+            steps.append(
+                base.TokenStep(
+                    request_id=state.request.request_id,
+                    token_id=token,
+                    logprob=float(logprobs[token]) if params.logprobs is not None else None,
+                    top_logprobs=_top(logprobs, params.logprobs),
+                    finish_reason=finish,
+                )
+            )
+        return steps, next_tokens
+
+    def _finish_reason(
+        self, token: int, produced: int, length: int, params: base.SamplingParams
+    ) -> base.FinishReason | None:
+        if not params.ignore_eos and token == self.info.eos_token_id:
+            return "stop"
+        if token in params.stop_token_ids:
+            return "stop"
+        if produced >= params.max_tokens or length >= self.info.max_sequence_length:
+            return "length"
+        return None
+
+
+def _generator(params: base.SamplingParams, device: torch.device) -> torch.Generator | None:
+    if params.greedy:
+        return None
+    generator = torch.Generator(device=device)
+    if params.seed is not None:
+        generator.manual_seed(params.seed)
+    else:
+        generator.seed()
+    return generator
+
+
+def _pick(
+    logits: torch.Tensor, params: base.SamplingParams, generator: torch.Generator | None
+) -> tuple[int, torch.Tensor]:
+    """The next token and the log-probabilities it was drawn from."""
+    if params.greedy:
+        return int(torch.argmax(logits)), torch.log_softmax(logits, dim=-1)
+    scaled = logits / params.temperature
+    logprobs = torch.log_softmax(scaled, dim=-1)
+    filtered = scaled.clone()
+    if params.top_k > 0:
+        cutoff = torch.topk(filtered, min(params.top_k, filtered.numel())).values[-1]
+        filtered[filtered < cutoff] = float("-inf")
+    if params.top_p < 1.0:
+        ordered, order = torch.sort(filtered, descending=True)
+        cumulative = torch.softmax(ordered, dim=-1).cumsum(-1)
+        drop = cumulative - torch.softmax(ordered, dim=-1) >= params.top_p
+        filtered[order[drop]] = float("-inf")
+    probabilities = torch.softmax(filtered, dim=-1)
+    return int(torch.multinomial(probabilities, 1, generator=generator)), logprobs
+
+
+def _top(logprobs: torch.Tensor, count: int | None) -> tuple[tuple[int, float], ...]:
+    if not count:
+        return ()
+    values, indices = torch.topk(logprobs, min(count, logprobs.numel()))
+    return tuple((int(index), float(value)) for index, value in zip(indices, values, strict=True))
+
+
+def load(
+    source: str, *, name: str, max_sequence_length: int, dtype: str, device: str, load_weights: bool
+) -> TransformersBackend:
+    """A backend for a ``tiny://`` model or a local Hugging Face checkpoint folder."""
+    torch_dtype = getattr(torch, dtype)
+    if tiny.is_tiny(source):
+        model, tokenizer = tiny.build_tiny(source, dtype=torch_dtype)
+        if not load_weights:
+            _scramble(model)
+    else:
+        tokenizer = transformers.AutoTokenizer.from_pretrained(source, local_files_only=True)
+        if load_weights:
+            model = transformers.AutoModelForCausalLM.from_pretrained(source, local_files_only=True, dtype=torch_dtype)
+        else:
+            config = transformers.AutoConfig.from_pretrained(source, local_files_only=True)
+            model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch_dtype)
+        model.eval()
+    model.to(device)
+    return TransformersBackend(model, tokenizer, name=name, max_sequence_length=max_sequence_length)
+
+
+def _scramble(model: transformers.PreTrainedModel) -> None:
+    """Deferred init: the parameters exist, but hold zeros until the first refit writes them."""
+    with torch.no_grad():
+        for parameter in model.parameters():
+            parameter.zero_()
