@@ -55,7 +55,10 @@ class ProcessRecord:
             cmdline = Path(f"/proc/{self.pid}/cmdline").read_bytes().split(b"\0")
         except OSError:
             return False
-        return bool(cmdline) and cmdline[0].decode(errors="replace") == self.argv[0] and _not_zombie(self.pid)
+        if not _not_zombie(self.pid):
+            return False
+        # The command line reads empty for an instant while a process execs: that is still ours.
+        return cmdline == [b""] or cmdline[0].decode(errors="replace") == self.argv[0]
 
 
 def _not_zombie(pid: int) -> bool:
@@ -374,14 +377,7 @@ class LocalCluster:
         reason: str | None = "not checked yet"
         while time.monotonic() < deadline:
             if record is not None and not record.alive():
-                try:
-                    seen = Path(f"/proc/{record.pid}/cmdline").read_bytes()[:200]
-                    stat = Path(f"/proc/{record.pid}/stat").read_text()[:100]
-                except OSError as error:
-                    seen, stat = b"", str(error)
-                raise ClusterError(
-                    f"{what} exited during start-up ({seen!r} {stat}); see {record.log}:\n{_tail(record.log)}"
-                )
+                raise ClusterError(f"{what} exited during start-up; see {record.log}:\n{_tail(record.log)}")
             reason = not_ready()
             if reason is None:
                 return

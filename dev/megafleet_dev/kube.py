@@ -19,6 +19,7 @@ import yaml
 
 Object = dict[str, Any]
 Predicate = Callable[[Object | None], bool]
+Events = list[Object]
 
 
 class KubeError(RuntimeError):
@@ -125,6 +126,19 @@ class Kube:
                     return last
             if time.monotonic() >= deadline:
                 raise WaitTimeout(description, timeout, last)
+
+    def history(self, collection: str, *, since: str, window_seconds: int = 2) -> Events:
+        """Every watch event of ``collection`` after resourceVersion ``since``, in API-server order
+        (the server ends the watch after ``window_seconds`` without further events to wait for)."""
+        params = {"watch": "1", "resourceVersion": since, "timeoutSeconds": str(window_seconds)}
+        events: Events = []
+        with self._http.stream("GET", collection, params=params, timeout=httpx.Timeout(30.0)) as response:
+            if response.status_code != 200:
+                raise KubeError(response.status_code, response.read().decode(), f"WATCH {collection}")
+            for line in response.iter_lines():
+                if line:
+                    events.append(json.loads(line))
+        return events
 
     def _watch(
         self, collection: str, name: str, resource_version: str, remaining: float

@@ -23,6 +23,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     crds = commands.add_parser("crds", help="write the CRDs and API reference generated from the API models")
     crds.add_argument("--root", type=Path, default=Path.cwd(), help="repository root (default: current directory)")
     crds.add_argument("--check", action="store_true", help="only report files that are out of date (exit 1)")
+    operator = commands.add_parser("operator", help="run the operator (reconciles MegatronGeneration objects)")
+    operator.add_argument("--namespace", action="append", default=[], help="watch only these namespaces (repeat)")
+    operator.add_argument("--verbose", action="store_true", help="debug logging")
     dev = commands.add_parser("dev", help="local control plane with simulated GPU nodes (development and tests)")
     dev_cli = _dev_cli()
     if dev_cli is not None:
@@ -30,6 +33,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.command == "version":
         print(megafleet.__version__)
+        return 0
+    if args.command == "operator":
+        from megafleet import operator_main
+
+        operator_main.run(namespaces=args.namespace, verbose=args.verbose)
         return 0
     if args.command == "crds":
         return _crds(args.root, check=args.check)

@@ -1,0 +1,41 @@
+"""Condition types, reasons and the one helper that sets a condition (Kubernetes conventions).
+
+A condition's ``lastTransitionTime`` changes only when its status changes, so re-computing the
+same state yields the same list and the reconcile writes nothing.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+ENDPOINTS_RESERVED = "EndpointsReserved"
+PLACED = "Placed"
+READY = "Ready"
+WEIGHTS_CURRENT = "WeightsCurrent"
+ENDPOINTS_VERIFIED = "EndpointsVerified"
+DEGRADED = "Degraded"
+INVALID_SPEC = "InvalidSpec"
+
+Condition = dict[str, Any]
+
+
+def set_condition(
+    conditions: list[Condition], kind: str, status: bool, reason: str, message: str, *, generation: int, now: str
+) -> list[Condition]:
+    """A copy of ``conditions`` with ``kind`` set; other conditions are kept as they are."""
+    value = "True" if status else "False"
+    previous = next((c for c in conditions if c.get("type") == kind), None)
+    changed = previous is None or previous.get("status") != value
+    updated: Condition = {
+        "type": kind,
+        "status": value,
+        "reason": reason,
+        "message": message,
+        "lastTransitionTime": now if changed or previous is None else previous.get("lastTransitionTime", now),
+        "observedGeneration": generation,
+    }
+    return [c for c in conditions if c.get("type") != kind] + [updated]
+
+
+def find(conditions: list[Condition], kind: str) -> Condition | None:
+    return next((c for c in conditions if c.get("type") == kind), None)

@@ -1,0 +1,84 @@
+"""Kopf handlers: every trigger runs the same level-based :func:`megafleet.reconcile.reconcile`.
+
+Imported by ``megafleet operator`` (:mod:`megafleet.operator_main`). Triggers: the fleet is created,
+its spec changes, the operator resumes, a periodic timer (observation), and any event of a pod
+the fleet owns. A per-fleet lock keeps reconciles of one fleet sequential.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Mapping
+from typing import Any, cast
+
+import kopf
+
+from megafleet import kube, names, reconcile
+from megafleet.api import v1alpha1
+
+log = logging.getLogger(__name__)
+
+RESOURCE = (v1alpha1.GROUP, v1alpha1.VERSION, "megatrongenerations")
+OBSERVE_INTERVAL_SECONDS = 5.0
+"""How often every fleet is observed even when nothing announces a change."""
+RETRY_SECONDS = 5.0
+"""Delay before a failed reconcile is retried (Kopf's default of 60 s is too slow for fleets)."""
+
+_locks: dict[tuple[str, str], asyncio.Lock] = {}
+_api: kube.Api | None = None
+
+
+def _client() -> kube.Api:
+    global _api
+    if _api is None:
+        _api = kube.Api()
+    return _api
+
+
+@kopf.on.startup()
+def configure(settings: kopf.OperatorSettings, **_: Any) -> None:
+    # Kopf's own bookkeeping goes to annotations under our prefix, never into our status contract.
+    settings.persistence.progress_storage = kopf.AnnotationsProgressStorage(prefix=names.PREFIX)
+    settings.persistence.diffbase_storage = kopf.AnnotationsDiffBaseStorage(
+        prefix=names.PREFIX, key="last-handled-configuration"
+    )
+    settings.posting.level = logging.INFO
+    settings.watching.server_timeout = 60
+
+
+@kopf.on.cleanup()
+async def close(**_: Any) -> None:
+    if _api is not None:
+        await _api.close()
+
+
+async def _reconcile(namespace: str, name: str) -> None:
+    api = _client()
+    lock = _locks.setdefault((namespace, name), asyncio.Lock())
+    async with lock:
+        fresh = await api.get("MegatronGeneration", name, namespace)  # the latest state, not the event's
+        if fresh is None or fresh["metadata"].get("deletionTimestamp"):
+            return
+
+        def notify(kind: str, reason: str, message: str) -> None:
+            kopf.event(kopf.Body(cast(kopf.RawBody, fresh)), type=kind, reason=reason, message=message)
+
+        await reconcile.reconcile(api, fresh, notify=notify)
+
+
+@kopf.on.create(*RESOURCE, backoff=RETRY_SECONDS)
+@kopf.on.update(*RESOURCE, field="spec", backoff=RETRY_SECONDS)
+@kopf.on.resume(*RESOURCE, backoff=RETRY_SECONDS)
+async def on_fleet_change(namespace: str | None, name: str, **_: Any) -> None:
+    await _reconcile(namespace or "default", name)
+
+
+@kopf.timer(*RESOURCE, interval=OBSERVE_INTERVAL_SECONDS, sharp=False, backoff=RETRY_SECONDS)
+async def observe(namespace: str | None, name: str, **_: Any) -> None:
+    await _reconcile(namespace or "default", name)
+
+
+@kopf.on.event("v1", "pods", labels={names.LABEL_FLEET: kopf.PRESENT})
+async def on_pod_event(namespace: str | None, labels: Mapping[str, str], **_: Any) -> None:
+    await _reconcile(namespace or "default", labels[names.LABEL_FLEET])

@@ -1,0 +1,114 @@
+"""The only module of the operator that calls the Kubernetes API.
+
+Called by :mod:`megafleet.reconcile`. Objects go in and come out as plain JSON dicts (the shapes the
+pure builders in :mod:`megafleet.desired` produce); lightkube does the transport, the kubeconfig or
+in-cluster login, and the typing at the boundary. Every write is counted, so tests and the
+control-plane benchmark can check that an idle reconcile writes nothing.
+"""
+
+from __future__ import annotations
+
+import collections
+from typing import Any
+
+import lightkube
+from lightkube import codecs
+from lightkube.core.exceptions import ApiError
+from lightkube.generic_resource import create_namespaced_resource
+from lightkube.resources.core_v1 import ConfigMap, Node, Pod, Secret, Service
+from lightkube.types import PatchType
+
+from megafleet import names
+from megafleet.api import v1alpha1
+
+Object = dict[str, Any]
+
+MegatronGeneration = create_namespaced_resource(
+    v1alpha1.GROUP, v1alpha1.VERSION, "MegatronGeneration", "megatrongenerations"
+)
+Refit = create_namespaced_resource(v1alpha1.GROUP, v1alpha1.VERSION, "Refit", "refits")
+
+KINDS: dict[str, Any] = {
+    "Pod": Pod,
+    "Service": Service,
+    "ConfigMap": ConfigMap,
+    "Secret": Secret,
+    "Node": Node,
+    "MegatronGeneration": MegatronGeneration,
+    "Refit": Refit,
+}
+
+
+class Api:
+    """Async access to the API server, with a per-verb count of writes."""
+
+    def __init__(self, client: lightkube.AsyncClient | None = None) -> None:
+        self._client = client or lightkube.AsyncClient(field_manager=names.FIELD_MANAGER)
+        self.writes: collections.Counter[str] = collections.Counter()
+
+    async def close(self) -> None:
+        await self._client.close()
+
+    async def get(self, kind: str, name: str, namespace: str | None = None) -> Object | None:
+        try:
+            found = await self._client.get(KINDS[kind], name, namespace=namespace)
+        except ApiError as error:
+            if error.status.code == 404:
+                return None
+            raise
+        return _plain(found)
+
+    async def list(
+        self,
+        kind: str,
+        *,
+        namespace: str | None = None,
+        labels: dict[str, Any] | None = None,
+        fields: dict[str, Any] | None = None,
+    ) -> list[Object]:
+        namespace_arg = namespace if namespace is not None else lightkube.ALL_NS
+        if KINDS[kind] is Node:
+            listing = self._client.list(Node, labels=labels, fields=fields)
+        else:
+            listing = self._client.list(KINDS[kind], namespace=namespace_arg, labels=labels, fields=fields)
+        return [_plain(item) async for item in listing]
+
+    async def create(self, obj: Object) -> Object:
+        """Create ``obj``; an object that already exists is returned as it is (idempotent)."""
+        self.writes[f"create {obj['kind']}"] += 1
+        try:
+            created = await self._client.create(codecs.from_dict(obj))
+        except ApiError as error:
+            if error.status.code == 409:
+                existing = await self.get(obj["kind"], obj["metadata"]["name"], obj["metadata"].get("namespace"))
+                if existing is not None:
+                    return existing
+            raise
+        return _plain(created)
+
+    async def delete(self, kind: str, name: str, namespace: str | None = None) -> None:
+        self.writes[f"delete {kind}"] += 1
+        try:
+            await self._client.delete(KINDS[kind], name, namespace=namespace)
+        except ApiError as error:
+            if error.status.code != 404:
+                raise
+
+    async def patch(self, kind: str, name: str, namespace: str | None, patch: Object) -> Object:
+        self.writes[f"patch {kind}"] += 1
+        patched = await self._client.patch(KINDS[kind], name, patch, namespace=namespace, patch_type=PatchType.MERGE)
+        return _plain(patched)
+
+    async def patch_status(self, kind: str, name: str, namespace: str, status: Object) -> None:
+        """Merge-patch the status subresource (lists such as conditions are replaced whole)."""
+        self.writes[f"status {kind}"] += 1
+        await self._client.patch(
+            KINDS[kind].Status, name, {"status": status}, namespace=namespace, patch_type=PatchType.MERGE
+        )
+
+
+def _plain(obj: Any) -> Object:
+    if isinstance(obj, dict):
+        return obj
+    result: Object = obj.to_dict()
+    return result

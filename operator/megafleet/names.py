@@ -1,0 +1,48 @@
+"""Names, labels, annotations and environment keys shared by the operator, its objects and the engine.
+
+Mirrored in docs/api.md's object list; every key lives under the ``megafleet.dev/`` prefix.
+"""
+
+from __future__ import annotations
+
+PREFIX = "megafleet.dev"
+FIELD_MANAGER = "megafleet-operator"
+
+LABEL_FLEET = f"{PREFIX}/fleet"
+"""On every object a fleet owns: the fleet's name."""
+LABEL_SHARD = f"{PREFIX}/shard"
+"""On shard objects (pods, Services): the shard index."""
+LABEL_POD_INDEX = f"{PREFIX}/pod-index"
+"""On pods: the pod's index inside its shard (pod 0 hosts the frontend rank)."""
+LABEL_COMPONENT = f"{PREFIX}/component"
+"""engine, frontend, ranks, endpoints or agent-token."""
+LABEL_MANAGED_BY = "app.kubernetes.io/managed-by"
+ANNOTATION_TEMPLATE_HASH = f"{PREFIX}/template-hash"
+"""On pods: a hash of the spec fields that shape the pod; a change rolls the shard."""
+
+AGENT_TOKEN_KEY = "token"
+AGENT_TOKEN_MOUNT = "/var/run/megafleet/agent"
+MASTER_PORT = 29500
+
+
+def frontend_service(fleet: str, shard: int) -> str:
+    """The ClusterIP Service of one shard's frontend; its address is the published endpoint."""
+    return f"{fleet}-s{shard}"
+
+
+def ranks_service(fleet: str, shard: int) -> str:
+    """The headless Service giving a shard's pods DNS names (the master address)."""
+    return f"{fleet}-s{shard}-ranks"
+
+
+def pod(fleet: str, shard: int, index: int) -> str:
+    return f"{fleet}-s{shard}-p{index}"
+
+
+def agent_secret(fleet: str) -> str:
+    return f"{fleet}-agent-token"
+
+
+def endpoints_configmap(fleet: str) -> str:
+    """The ConfigMap RL jobs read the frontend URLs from."""
+    return f"{fleet}-endpoints"

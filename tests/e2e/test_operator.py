@@ -1,0 +1,187 @@
+"""The operator against the real local control plane: endpoints first, whole-shard placement by
+clique, InvalidSpec, unschedulable fleets, scaling, deletion and idle reconciles."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from megafleet_dev import kube, nodes
+
+ROOT = Path(__file__).resolve().parents[2]
+WAIT = 90
+
+
+@pytest.fixture(scope="module")
+def operator(kubeconfig: Path, kube_admin: kube.Kube, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
+    """CRDs installed and the operator running as a separate process, as a user runs it."""
+    for path in sorted((ROOT / "crds").glob("*.yaml")):
+        crd = yaml.safe_load(path.read_text())
+        if kube_admin.get(f"/apis/apiextensions.k8s.io/v1/customresourcedefinitions/{crd['metadata']['name']}") is None:
+            kube_admin.create("/apis/apiextensions.k8s.io/v1/customresourcedefinitions", crd)
+        kube_admin.wait(
+            f"/apis/apiextensions.k8s.io/v1/customresourcedefinitions/{crd['metadata']['name']}",
+            lambda obj: (kube.condition(obj, "Established") or {}).get("status") == "True",
+            timeout=WAIT,
+        )
+    log = tmp_path_factory.mktemp("operator") / "operator.log"
+    with log.open("wb") as sink:
+        process = subprocess.Popen(
+            [sys.executable, "-m", "megafleet.cli", "operator"],
+            env=dict(os.environ, KUBECONFIG=str(kubeconfig)),
+            stdout=sink,
+            stderr=subprocess.STDOUT,
+        )
+    try:
+        yield log
+    finally:
+        process.terminate()
+        try:
+            process.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait()
+
+
+def fleets(namespace: str) -> str:
+    return f"/apis/megafleet.dev/v1alpha1/namespaces/{namespace}/megatrongenerations"
+
+
+def fleet(name: str, spec: dict[str, Any]) -> dict[str, Any]:
+    return {
+        "apiVersion": "megafleet.dev/v1alpha1",
+        "kind": "MegatronGeneration",
+        "metadata": {"name": name},
+        "spec": spec,
+    }
+
+
+def condition_is(kind: str, status: str) -> kube.Predicate:
+    return lambda obj: (kube.condition(obj, kind) or {}).get("status") == status
+
+
+def example(name: str) -> dict[str, Any]:
+    document: dict[str, Any] = yaml.safe_load((ROOT / "examples" / name).read_text())
+    return document
+
+
+def test_endpoints_are_published_before_the_first_pod_exists(
+    operator: Path, kube_admin: kube.Kube, namespace: str
+) -> None:
+    manifest = example("tiny-cpu.yaml")
+    created = kube_admin.create(fleets(namespace), manifest)
+    # Every status change and every pod creation, in API-server order, from one watch each.
+    path = f"{fleets(namespace)}/tiny"
+    ready = kube_admin.wait(path, condition_is("Placed", "True"), timeout=WAIT, what="tiny placed")
+    assert ready is not None
+
+    since = created["metadata"]["resourceVersion"]
+    pod_events = kube_admin.history(f"/api/v1/namespaces/{namespace}/pods", since=since)
+    created_pods = [int(e["object"]["metadata"]["resourceVersion"]) for e in pod_events if e["type"] == "ADDED"]
+    assert len(created_pods) == 2
+    first_pod_rv = min(created_pods)
+    history = [
+        event
+        for event in kube_admin.history(fleets(namespace), since=since)
+        if event["object"]["metadata"]["name"] == "tiny"
+    ]
+    published = [
+        int(event["object"]["metadata"]["resourceVersion"])
+        for event in history
+        if len(event["object"].get("status", {}).get("endpoints", [])) == 2
+    ]
+    assert published and min(published) < first_pod_rv
+    status = ready["status"]
+    assert [endpoint["shard"] for endpoint in status["endpoints"]] == [0, 1]
+    for endpoint in status["endpoints"]:
+        service = kube_admin.get(f"/api/v1/namespaces/{namespace}/services/{endpoint['service']}")
+        assert service is not None
+        assert endpoint["url"] == f"http://{service['spec']['clusterIP']}:8000/v1"
+        assert endpoint["dnsURL"] == f"http://{endpoint['service']}.{namespace}.svc:8000/v1"
+    configmap = kube_admin.get(f"/api/v1/namespaces/{namespace}/configmaps/tiny-endpoints")
+    assert configmap is not None
+    assert configmap["data"]["urls"].split() == [endpoint["url"] for endpoint in status["endpoints"]]
+    assert status["selector"] == "megafleet.dev/fleet=tiny,megafleet.dev/component=engine"
+
+
+def test_tp16_shards_each_sit_whole_inside_one_clique(operator: Path, kube_admin: kube.Kube, namespace: str) -> None:
+    manifest = example("gb200-tp16.yaml")
+    kube_admin.create(fleets(namespace), manifest)
+
+    placed = kube_admin.wait(f"{fleets(namespace)}/big-moe-tp16", condition_is("Placed", "True"), timeout=WAIT)
+
+    assert placed is not None
+    shards = placed["status"]["shards"]
+    assert len(shards) == 2
+    seen_nodes: set[str] = set()
+    for shard in shards:
+        assert len(shard["pods"]) == 4
+        pods = [
+            kube_admin.wait(
+                f"/api/v1/namespaces/{namespace}/pods/{name}",
+                lambda p: bool(p and p["spec"].get("nodeName")),
+                timeout=WAIT,
+            )
+            for name in shard["pods"]
+        ]
+        cliques = set()
+        for pod in pods:
+            assert pod is not None
+            node = kube_admin.get(f"/api/v1/nodes/{pod['spec']['nodeName']}")
+            assert node is not None
+            cliques.add(node["metadata"]["labels"][nodes.CLIQUE_LABEL])
+            assert pod["spec"]["nodeName"] not in seen_nodes
+            seen_nodes.add(pod["spec"]["nodeName"])
+        assert cliques == {shard["clique"]}
+    assert shards[0]["clique"] != shards[1]["clique"]  # spreadShards: true
+
+
+def test_a_fleet_that_does_not_fit_reports_why(operator: Path, kube_admin: kube.Kube, namespace: str) -> None:
+    manifest = example("gb200-tp16.yaml")
+    manifest["metadata"]["name"] = "too-big"
+    manifest["spec"]["parallelism"] = {"tensor": 16, "pipeline": 8, "expert": 16}  # 128 GPUs > a 72-GPU clique
+    kube_admin.create(fleets(namespace), manifest)
+
+    status = kube_admin.wait(f"{fleets(namespace)}/too-big", condition_is("Placed", "False"), timeout=WAIT)
+
+    assert status is not None
+    placed = kube.condition(status, "Placed")
+    assert placed is not None and placed["reason"] == "Unschedulable"
+    assert "clique" in placed["message"]
+    assert all(shard["phase"] == "Pending" and shard["lastError"] for shard in status["status"]["shards"])
+    assert kube_admin.list(f"/api/v1/namespaces/{namespace}/pods")["items"] == []
+
+
+def test_missing_api_key_secret_is_invalid_spec_and_nothing_is_created(
+    operator: Path, kube_admin: kube.Kube, namespace: str
+) -> None:
+    manifest = example("tiny-cpu.yaml")
+    manifest["spec"]["frontend"] = {"apiKeySecret": {"name": "frontend-key"}}
+    kube_admin.create(fleets(namespace), manifest)
+
+    invalid = kube_admin.wait(f"{fleets(namespace)}/tiny", condition_is("InvalidSpec", "True"), timeout=WAIT)
+
+    assert invalid is not None
+    message = (kube.condition(invalid, "InvalidSpec") or {})["message"]
+    assert "spec.frontend.apiKeySecret" in message and "frontend-key" in message
+    assert kube_admin.list(f"/api/v1/namespaces/{namespace}/pods")["items"] == []
+    assert kube_admin.list(f"/api/v1/namespaces/{namespace}/services")["items"] == []
+    events = kube_admin.list(f"/api/v1/namespaces/{namespace}/events", field_selector="reason=InvalidSpec")["items"]
+    assert events and events[0]["type"] == "Warning"
+
+    secret = {
+        "apiVersion": "v1",
+        "kind": "Secret",
+        "metadata": {"name": "frontend-key"},
+        "stringData": {"api-key": "k"},
+    }
+    kube_admin.create(f"/api/v1/namespaces/{namespace}/secrets", secret)
+
+    kube_admin.wait(f"{fleets(namespace)}/tiny", condition_is("Placed", "True"), timeout=WAIT, what="fleet recovers")
