@@ -34,7 +34,9 @@ def set_condition(
         "lastTransitionTime": now if changed or previous is None else previous.get("lastTransitionTime", now),
         "observedGeneration": generation,
     }
-    return [c for c in conditions if c.get("type") != kind] + [updated]
+    if previous is None:
+        return [*conditions, updated]
+    return [updated if c.get("type") == kind else c for c in conditions]  # keep the order stable
 
 
 def find(conditions: list[Condition], kind: str) -> Condition | None:
