@@ -7,13 +7,19 @@ them first) and stopped at the end of the session, by PID.
 
 from __future__ import annotations
 
-import uuid
+import os
+import subprocess
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+import yaml
 
-from megafleet_dev import cluster, kube
+from megafleet_dev import cluster, kube, runner
+
+ROOT = Path(__file__).resolve().parents[1]
+OPERATOR_NAMESPACES = "t-*"  # the operator of the test session watches only these namespaces
 
 # Apart from the dev cluster's 127.64.0.0/12, so a running 'megafleet dev up' never collides.
 TEST_POD_NETWORK = "127.128.0.0/12"
@@ -44,17 +50,61 @@ def kube_admin(local_cluster: cluster.LocalCluster) -> Iterator[kube.Kube]:
 
 @pytest.fixture
 def namespace(kube_admin: kube.Kube) -> Iterator[str]:
-    """A fresh namespace whose default ServiceAccount exists (pods can be created at once)."""
-    name = f"t-{uuid.uuid4().hex[:10]}"
-    kube_admin.create("/api/v1/namespaces", {"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": name}})
-    kube_admin.wait(
-        f"/api/v1/namespaces/{name}/serviceaccounts/default",
-        lambda sa: sa is not None,
-        timeout=60,
-        what=f"the default ServiceAccount in {name}",
-    )
+    """A fresh namespace watched by the session's operator (when a test starts it)."""
+    name = kube_admin.create_namespace("t")
     yield name
     kube_admin.delete(f"/api/v1/namespaces/{name}", missing_ok=True)
+
+
+@pytest.fixture(scope="session")
+def crds(kube_admin: kube.Kube) -> None:
+    """The generated CRDs, installed and Established."""
+    for path in sorted((ROOT / "crds").glob("*.yaml")):
+        crd = yaml.safe_load(path.read_text())
+        url = f"/apis/apiextensions.k8s.io/v1/customresourcedefinitions/{crd['metadata']['name']}"
+        if kube_admin.get(url) is None:
+            kube_admin.create("/apis/apiextensions.k8s.io/v1/customresourcedefinitions", crd)
+        kube_admin.wait(
+            url,
+            lambda obj: (kube.condition(obj, "Established") or {}).get("status") == "True",
+            timeout=60,
+            what=f"CRD {crd['metadata']['name']} established",
+        )
+
+
+@pytest.fixture(scope="session")
+def pod_runner(kube_admin: kube.Kube, tmp_path_factory: pytest.TempPathFactory) -> Iterator[runner.Runner]:
+    """Engine pods become local processes bound to their 127.x pod IPs."""
+    local = runner.Runner(kube_admin, tmp_path_factory.mktemp("pods"))
+    local.start()
+    try:
+        yield local
+    finally:
+        local.stop()
+
+
+@pytest.fixture(scope="session")
+def operator(
+    crds: None, kubeconfig: Path, pod_runner: runner.Runner, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[Path]:
+    """The operator as a user runs it: a separate ``megafleet operator`` process; yields its log."""
+    log = tmp_path_factory.mktemp("operator") / "operator.log"
+    with log.open("wb") as sink:
+        process = subprocess.Popen(
+            [sys.executable, "-m", "megafleet.cli", "operator", "--namespace", OPERATOR_NAMESPACES],
+            env=dict(os.environ, KUBECONFIG=str(kubeconfig)),
+            stdout=sink,
+            stderr=subprocess.STDOUT,
+        )
+    try:
+        yield log
+    finally:
+        process.terminate()
+        try:
+            process.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait()
 
 
 @pytest.fixture(scope="session")

@@ -9,10 +9,12 @@ from __future__ import annotations
 import argparse
 import os
 import shutil
+import signal
 import sys
+import threading
 from pathlib import Path
 
-from megafleet_dev import cluster, nodes, toolchain
+from megafleet_dev import cluster, demo, kube, nodes, runner, toolchain
 
 
 def default_state_dir() -> Path:
@@ -40,7 +42,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         + ", ".join(str(pool) for pool in nodes.DEFAULT_POOLS)
         + ")",
     )
+    up.add_argument(
+        "--control-plane-only",
+        action="store_true",
+        help="start only the control plane and nodes (no operator, pod runner or sample fleet)",
+    )
     commands.add_parser("down", help="stop every process of the local cluster and delete its files")
+    commands.add_parser("runner", help="run the local pod runner in the foreground (started by 'up')")
     commands.add_parser("status", help="say what is running and where the kubeconfig is")
     commands.add_parser("build", help="build the pinned control-plane programs into the cache if missing")
 
@@ -54,7 +62,10 @@ def run(args: argparse.Namespace) -> int:
                 print(f"{component.name} {component.version}: {toolchain.component_dir(component)}")
             return 0
         if args.dev_command == "up":
-            return _up(state_dir, tuple(args.pool) if args.pool else nodes.DEFAULT_POOLS)
+            pools = tuple(args.pool) if args.pool else nodes.DEFAULT_POOLS
+            return _up(state_dir, pools, full=not args.control_plane_only)
+        if args.dev_command == "runner":
+            return _runner(state_dir)
         if args.dev_command == "down":
             return _down(state_dir)
         return _status(state_dir)
@@ -63,7 +74,7 @@ def run(args: argparse.Namespace) -> int:
         return 1
 
 
-def _up(state_dir: Path, pools: tuple[nodes.NodePool, ...]) -> int:
+def _up(state_dir: Path, pools: tuple[nodes.NodePool, ...], *, full: bool) -> int:
     if list(cluster.running_processes(state_dir)):
         print(f"the local cluster is already running from {state_dir}")
         return _status(state_dir)
@@ -71,11 +82,35 @@ def _up(state_dir: Path, pools: tuple[nodes.NodePool, ...]) -> int:
         shutil.rmtree(state_dir)
     local = cluster.LocalCluster(state_dir, pools=pools)
     state = local.start()
+    if full:
+        try:
+            demo.start(local)
+        except BaseException:
+            local.stop()
+            raise
     print(f"\nAPI server:  {state.api_server}")
     print(f"kubeconfig:  {state.kubeconfig}")
     print(f"\n  export KUBECONFIG={state.kubeconfig}")
     print(f"  {toolchain.kubectl_path()} get nodes -L {nodes.CLIQUE_LABEL}")
+    if full:
+        print("\n".join(demo.usage(local)))
     print("\nStop it with: megafleet dev down")
+    return 0
+
+
+def _runner(state_dir: Path) -> int:
+    state = cluster.ClusterState.load(state_dir)
+    if state is None:
+        print(f"no local cluster in {state_dir}", file=sys.stderr)
+        return 1
+    stop = threading.Event()
+    signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    signal.signal(signal.SIGINT, lambda *_: stop.set())
+    with kube.Kube.from_kubeconfig(Path(state.kubeconfig)) as client:
+        local = runner.Runner(client, state_dir / "pods")
+        local.start()
+        stop.wait()
+        local.stop()
     return 0
 
 

@@ -196,7 +196,7 @@ class LocalCluster:
     def _start_etcd_and_apiserver(self) -> int:
         client_port, peer_port = free_port(), free_port()
         etcd = toolchain.program_path("etcd")
-        self._spawn(
+        self.spawn(
             "etcd",
             [
                 str(etcd),
@@ -217,7 +217,7 @@ class LocalCluster:
 
         api_port = free_port()
         sa_key = self.state_dir / "sa.key"
-        self._spawn(
+        self.spawn(
             "kube-apiserver",
             [
                 str(toolchain.program_path("kube-apiserver")),
@@ -255,7 +255,7 @@ class LocalCluster:
             "--leader-elect=false",
         ]
         kcm_port, scheduler_port = free_port(), free_port()
-        self._spawn(
+        self.spawn(
             "kube-controller-manager",
             [
                 str(toolchain.program_path("kube-controller-manager")),
@@ -270,7 +270,7 @@ class LocalCluster:
                 "--kube-api-burst=400",
             ],
         )
-        self._spawn(
+        self.spawn(
             "kube-scheduler",
             [
                 str(toolchain.program_path("kube-scheduler")),
@@ -284,7 +284,7 @@ class LocalCluster:
 
     def _start_kwok(self) -> None:
         port = free_port()
-        self._spawn(
+        self.spawn(
             "kwok",
             [
                 str(toolchain.program_path("kwok")),
@@ -344,7 +344,9 @@ class LocalCluster:
         state.save()
         return state
 
-    def _spawn(self, name: str, argv: list[str]) -> None:
+    def spawn(self, name: str, argv: list[str], *, env: dict[str, str] | None = None) -> ProcessRecord:
+        """Start another long-running process that belongs to this cluster (the operator, the pod
+        runner); ``stop`` and ``megafleet dev down`` stop it with the rest."""
         log = self.state_dir / "logs" / f"{name}.log"
         self.report(f"starting {name}")
         with log.open("ab") as sink:
@@ -355,18 +357,26 @@ class LocalCluster:
                 stdin=subprocess.DEVNULL,
                 start_new_session=True,
                 cwd=self.state_dir,
+                env=env,
             )
         self._children[proc.pid] = proc
-        self._records.append(ProcessRecord(name=name, pid=proc.pid, argv=argv, log=str(log)))
-        # Keep the partial state on disk at once, so 'dev down' can clean up after a failed start.
+        record = ProcessRecord(name=name, pid=proc.pid, argv=argv, log=str(log))
+        self._records.append(record)
+        # Keep the state on disk at once, so 'dev down' can clean up even after a failed start.
+        saved = ClusterState.load(self.state_dir)
         ClusterState(
             str(self.state_dir),
             str(self.kubeconfig),
-            "",
+            saved.api_server if saved else "",
             str(self.pod_network),
             [str(pool) for pool in self.pools],
             self._records,
         ).save()
+        return record
+
+    def wait_for(self, what: str, not_ready: Callable[[], str | None]) -> None:
+        """Wait until ``not_ready`` returns None (it returns why not), failing if ``what`` exits."""
+        self._wait(what, not_ready)
 
     def _wait(self, what: str, not_ready: Callable[[], str | None]) -> None:
         """Poll ``not_ready`` (None means ready, else why not) for a process that offers no watch."""

@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import ssl
 import time
+import uuid
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -100,6 +101,19 @@ class Kube:
             return None
         return _checked(response, f"DELETE {path}")
 
+    def create_namespace(self, prefix: str, *, timeout: float = 60) -> str:
+        """A fresh ``<prefix>-<random>`` namespace whose default ServiceAccount exists already
+        (so pods can be created at once: ServiceAccount admission otherwise races the controller)."""
+        name = f"{prefix}-{uuid.uuid4().hex[:10]}"
+        self.create("/api/v1/namespaces", {"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": name}})
+        self.wait(
+            f"/api/v1/namespaces/{name}/serviceaccounts/default",
+            lambda sa: sa is not None,
+            timeout=timeout,
+            what=f"the default ServiceAccount in {name}",
+        )
+        return name
+
     # -- watching ------------------------------------------------------------------------------
 
     def wait(self, path: str, predicate: Predicate, *, timeout: float, what: str | None = None) -> Object | None:
@@ -126,6 +140,37 @@ class Kube:
                     return last
             if time.monotonic() >= deadline:
                 raise WaitTimeout(description, timeout, last)
+
+    def wait_items(
+        self,
+        collection: str,
+        predicate: Callable[[Events], bool],
+        *,
+        timeout: float,
+        field_selector: str | None = None,
+        what: str | None = None,
+    ) -> Events:
+        """Watch a collection until ``predicate`` holds for its items (re-listing after each change)."""
+        deadline = time.monotonic() + timeout
+        while True:
+            listing = self.list(collection, field_selector=field_selector)
+            if predicate(listing["items"]):
+                return list(listing["items"])
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                raise WaitTimeout(what or collection, timeout, {"status": listing["items"]})
+            params = {
+                "watch": "1",
+                "resourceVersion": listing["metadata"]["resourceVersion"],
+                "timeoutSeconds": str(max(1, int(remaining))),
+            }
+            if field_selector:
+                params["fieldSelector"] = field_selector
+            http_timeout = httpx.Timeout(30.0, read=remaining + 5.0)
+            with self._http.stream("GET", collection, params=params, timeout=http_timeout) as response:
+                for line in response.iter_lines():
+                    if line:
+                        break  # something changed: list again
 
     def history(self, collection: str, *, since: str, window_seconds: int = 2) -> Events:
         """Every watch event of ``collection`` after resourceVersion ``since``, in API-server order

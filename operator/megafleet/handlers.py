@@ -14,7 +14,7 @@ from typing import Any, cast
 
 import kopf
 
-from megafleet import kube, names, reconcile
+from megafleet import agents, kube, names, reconcile
 from megafleet.api import v1alpha1
 
 log = logging.getLogger(__name__)
@@ -27,13 +27,14 @@ RETRY_SECONDS = 5.0
 
 _locks: dict[tuple[str, str], asyncio.Lock] = {}
 _api: kube.Api | None = None
+_agents: agents.Agents | None = None
 
 
-def _client() -> kube.Api:
-    global _api
-    if _api is None:
-        _api = kube.Api()
-    return _api
+def _clients() -> tuple[kube.Api, agents.Agents]:
+    global _api, _agents
+    if _api is None or _agents is None:
+        _api, _agents = kube.Api(), agents.Agents()
+    return _api, _agents
 
 
 @kopf.on.startup()
@@ -51,10 +52,12 @@ def configure(settings: kopf.OperatorSettings, **_: Any) -> None:
 async def close(**_: Any) -> None:
     if _api is not None:
         await _api.close()
+    if _agents is not None:
+        await _agents.close()
 
 
 async def _reconcile(namespace: str, name: str) -> None:
-    api = _client()
+    api, agent_client = _clients()
     lock = _locks.setdefault((namespace, name), asyncio.Lock())
     async with lock:
         fresh = await api.get("MegatronGeneration", name, namespace)  # the latest state, not the event's
@@ -64,7 +67,7 @@ async def _reconcile(namespace: str, name: str) -> None:
         def notify(kind: str, reason: str, message: str) -> None:
             kopf.event(kopf.Body(cast(kopf.RawBody, fresh)), type=kind, reason=reason, message=message)
 
-        await reconcile.reconcile(api, fresh, notify=notify)
+        await reconcile.reconcile(api, agent_client, fresh, notify=notify)
 
 
 @kopf.on.create(*RESOURCE, backoff=RETRY_SECONDS)

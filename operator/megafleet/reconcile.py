@@ -9,6 +9,7 @@ API writes. Endpoints are reserved, and written to status and the ConfigMap, bef
 
 from __future__ import annotations
 
+import base64
 import dataclasses
 import datetime
 import json
@@ -19,8 +20,8 @@ from typing import Any
 
 from lightkube import operators
 
-from megafleet import conditions, desired, kube, names, planner
-from megafleet.api import checks
+from megafleet import agents, conditions, desired, kube, names, planner
+from megafleet.api import checks, v1alpha1
 
 log = logging.getLogger(__name__)
 
@@ -58,7 +59,7 @@ class _Shards:
         return cls(grouped)
 
 
-async def reconcile(api: kube.Api, body: Object, *, notify: Notify = _ignore) -> None:
+async def reconcile(api: kube.Api, agent_client: agents.Agents, body: Object, *, notify: Notify = _ignore) -> None:
     """Bring the objects and status of one fleet in line with its spec."""
     metadata = body["metadata"]
     status: Object = dict(body.get("status") or {})
@@ -79,7 +80,7 @@ async def reconcile(api: kube.Api, body: Object, *, notify: Notify = _ignore) ->
         if was_invalid != "True":
             notify("Warning", "InvalidSpec", missing)
         return
-    await _ensure_agent_secret(api, fleet)
+    token = await _ensure_agent_secret(api, fleet)
     endpoints = await _reserve_endpoints(api, fleet, notify)
     status = _with_endpoints(status, fleet, endpoints)
     await _write_status(api, body, status)  # published before any pod is created
@@ -88,7 +89,9 @@ async def reconcile(api: kube.Api, body: Object, *, notify: Notify = _ignore) ->
     await _scale_down(api, fleet, shards, notify)
     restarts = await _remove_broken_shards(api, fleet, shards, status, notify)
     unplaced = await _place_missing(api, fleet, shards, notify)
-    status = _observed(status, fleet, shards, unplaced, restarts)
+    reports = await _ask_agents(agent_client, shards, token)
+    status = _observed(status, fleet, shards, unplaced, restarts, reports)
+    status = _verify_addresses(status, fleet, shards, reports, notify)
     await _write_status(api, body, status)
 
 
@@ -108,9 +111,24 @@ async def _missing_references(api: kube.Api, fleet: desired.Fleet) -> str | None
 # -- endpoints ---------------------------------------------------------------------------------
 
 
-async def _ensure_agent_secret(api: kube.Api, fleet: desired.Fleet) -> None:
-    if await api.get("Secret", names.agent_secret(fleet.name), fleet.namespace) is None:
-        await api.create(desired.agent_secret(fleet, secrets.token_urlsafe(32)))
+async def _ensure_agent_secret(api: kube.Api, fleet: desired.Fleet) -> str:
+    """The fleet's agent token, created once and never rotated by a reconcile."""
+    secret = await api.get("Secret", names.agent_secret(fleet.name), fleet.namespace)
+    if secret is None:
+        secret = await api.create(desired.agent_secret(fleet, secrets.token_urlsafe(32)))
+    return base64.b64decode(secret["data"][names.AGENT_TOKEN_KEY]).decode()
+
+
+async def _ask_agents(
+    agent_client: agents.Agents, shards: _Shards, token: str
+) -> dict[int, list[agents.AgentState | None]]:
+    """Agent reports by shard, in pod order; ``None`` for a pod that is not Running yet."""
+    reports: dict[int, list[agents.AgentState | None]] = {}
+    for shard, pods in shards.pods.items():
+        ips = [pod.get("status", {}).get("podIP") if _pod_running(pod) else None for pod in pods]
+        answers = iter(await agent_client.states([ip for ip in ips if ip], token))
+        reports[shard] = [next(answers) if ip else None for ip in ips]
+    return reports
 
 
 async def _reserve_endpoints(api: kube.Api, fleet: desired.Fleet, notify: Notify) -> list[Any]:
@@ -186,6 +204,11 @@ async def _remove_broken_shards(
     restarts: dict[int, tuple[int, str | None]] = {
         index: (int(item.get("restarts", 0)), item.get("lastError")) for index, item in previous.items()
     }
+    for shard, item in sorted(previous.items()):
+        if item.get("pods") and shard not in shards.pods and shard < fleet.spec.replicas:
+            count = restarts.get(shard, (0, None))[0] + 1
+            restarts[shard] = (count, f"pods gone: {', '.join(item['pods'])}")
+            notify("Warning", "ShardRestarting", f"shard {shard} is re-placed (restart {count}): its pods are gone")
     for shard in sorted(shards.pods):
         reason = _broken(shards.pods[shard], fleet.layout)
         if reason is None:
@@ -208,7 +231,9 @@ async def _inventory(api: kube.Api, fleet: desired.Fleet) -> list[planner.NodeIn
     nodes = []
     for node in await api.list("Node"):
         allocatable = int(str(node.get("status", {}).get("allocatable", {}).get(resource, "0")))
-        schedulable = not node.get("spec", {}).get("unschedulable", False)
+        schedulable = not node.get("spec", {}).get("unschedulable", False) and tolerates(
+            fleet.spec.placement.tolerations, node.get("spec", {}).get("taints") or []
+        )
         nodes.append(
             planner.NodeInfo(
                 name=node["metadata"]["name"],
@@ -219,6 +244,27 @@ async def _inventory(api: kube.Api, fleet: desired.Fleet) -> list[planner.NodeIn
             )
         )
     return nodes
+
+
+def tolerates(tolerations: list[v1alpha1.Toleration], taints: list[Object]) -> bool:
+    """Whether pods with ``tolerations`` may be scheduled onto a node with ``taints``, as the
+    scheduler decides it (only NoSchedule and NoExecute taints keep pods away)."""
+    for taint in taints:
+        if taint.get("effect") not in ("NoSchedule", "NoExecute"):
+            continue
+        if not any(_matches(toleration, taint) for toleration in tolerations):
+            return False
+    return True
+
+
+def _matches(toleration: v1alpha1.Toleration, taint: Object) -> bool:
+    if toleration.effect is not None and toleration.effect != taint.get("effect"):
+        return False
+    if toleration.key is None:
+        return toleration.operator == "Exists"
+    if toleration.key != taint.get("key"):
+        return False
+    return toleration.operator == "Exists" or toleration.value == taint.get("value")
 
 
 def _gpus(pod: Object, resource: str) -> int:
@@ -274,14 +320,36 @@ def _existing_placement(pods: list[Object], clique_label: str) -> planner.ShardP
 # -- status ------------------------------------------------------------------------------------
 
 
-def _pod_ready(pod: Object) -> bool:
+def _pod_running(pod: Object) -> bool:
     status = pod.get("status", {})
-    ready = any(c.get("type") == "Ready" and c.get("status") == "True" for c in status.get("conditions", []) or [])
-    return status.get("phase") == "Running" and bool(status.get("podIP")) and ready
+    return status.get("phase") == "Running" and bool(status.get("podIP"))
+
+
+_AGENT_PHASES = {"loading": "Loading", "stale": "Stale", "suspended": "Refitting", "failed": "Failed"}
+
+
+def _phase_from_agents(reports: list[agents.AgentState | None]) -> tuple[str, str | None, int | None]:
+    """(shard phase, error, weight version) from the agents of one shard's pods."""
+    if any(report is None for report in reports):
+        return "Starting", None, None
+    answered = [report for report in reports if report is not None]
+    for report in answered:
+        if report.error is not None:
+            return "Starting", report.error, None
+    for state, phase in _AGENT_PHASES.items():
+        failing = [report for report in answered if report.state == state]
+        if failing:
+            return phase, failing[0].last_error, failing[0].weight_version
+    return "Ready", None, answered[0].weight_version if answered else None
 
 
 def _shard_status(
-    fleet: desired.Fleet, shard: int, pods: list[Object] | None, unplaced: str | None, restarts: tuple[int, str | None]
+    fleet: desired.Fleet,
+    shard: int,
+    pods: list[Object] | None,
+    unplaced: str | None,
+    restarts: tuple[int, str | None],
+    reports: list[agents.AgentState | None],
 ) -> Object:
     count, last_error = restarts
     entry: Object = {"index": shard, "restarts": count}
@@ -291,7 +359,12 @@ def _shard_status(
         clique = _existing_placement(pods, fleet.spec.placement.clique_label).clique
         if clique is not None:
             entry["clique"] = clique
-        entry["phase"] = "Ready" if all(_pod_ready(pod) for pod in pods) else "Starting"
+        phase, agent_error, version = _phase_from_agents(reports)
+        entry["phase"] = phase
+        # A shard that serves again has recovered: only its restart count remembers the failure.
+        last_error = None if phase == "Ready" else agent_error or last_error
+        if version is not None:
+            entry["weightVersion"] = version
     elif count > MAX_SHARD_RESTARTS:
         entry["phase"] = "Failed"
     else:
@@ -308,12 +381,21 @@ def _observed(
     shards: _Shards,
     unplaced: dict[int, str],
     restarts: dict[int, tuple[int, str | None]],
+    reports: dict[int, list[agents.AgentState | None]],
 ) -> Object:
     replicas = fleet.spec.replicas
     entries = [
-        _shard_status(fleet, shard, shards.pods.get(shard), unplaced.get(shard), restarts.get(shard, (0, None)))
+        _shard_status(
+            fleet,
+            shard,
+            shards.pods.get(shard),
+            unplaced.get(shard),
+            restarts.get(shard, (0, None)),
+            reports.get(shard, []),
+        )
         for shard in range(replicas)
     ]
+    versions = {entry.get("weightVersion") for entry in entries if entry["phase"] == "Ready"}
     ready = sum(1 for entry in entries if entry["phase"] == "Ready")
     updated = dict(status)
     updated.update(
@@ -324,6 +406,10 @@ def _observed(
             "shards": entries,
         }
     )
+    if len(versions) == 1 and None not in versions:
+        updated["weightVersion"] = versions.pop()
+    else:
+        updated.pop("weightVersion", None)
     now = _now()
     found = list(updated.get("conditions", []))
     if unplaced:
@@ -367,6 +453,60 @@ def _observed(
     )
     updated["conditions"] = found
     return updated
+
+
+def _verify_addresses(
+    status: Object,
+    fleet: desired.Fleet,
+    shards: _Shards,
+    reports: dict[int, list[agents.AgentState | None]],
+    notify: Notify,
+) -> Object:
+    """EndpointsVerified: each frontend serves where its reserved Service sends traffic (pod 0's IP
+    on the Service's target port). EndpointSlices cannot prove it here: they reject loopback IPs."""
+    reserved, served = [], []
+    for shard in sorted(shards.pods):
+        frontend = (reports.get(shard) or [None])[0]
+        if frontend is None or frontend.served_address is None:
+            continue
+        pod_ip = shards.pods[shard][0]["status"]["podIP"]
+        reserved.append(f"shard {shard}: {pod_ip}:{fleet.spec.frontend.port}")
+        served.append(f"shard {shard}: {frontend.served_address}")
+    now = _now()
+    found = list(status.get("conditions", []))
+    previous = (conditions.find(found, conditions.ENDPOINTS_VERIFIED) or {}).get("status")
+    if not served:
+        found = conditions.set_condition(
+            found,
+            conditions.ENDPOINTS_VERIFIED,
+            False,
+            "NoFrontendServing",
+            "no frontend reports an address yet",
+            generation=fleet.generation,
+            now=now,
+        )
+    elif reserved == served:
+        found = conditions.set_condition(
+            found,
+            conditions.ENDPOINTS_VERIFIED,
+            True,
+            "Verified",
+            f"{len(served)} frontends serve where their endpoints point",
+            generation=fleet.generation,
+            now=now,
+        )
+    else:
+        message = f"reserved: {', '.join(reserved)}; served: {', '.join(served)}"
+        found = conditions.set_condition(
+            found, conditions.ENDPOINTS_VERIFIED, False, "Mismatch", message, generation=fleet.generation, now=now
+        )
+        if (
+            previous != "False"
+            or (conditions.find(status.get("conditions", []), conditions.ENDPOINTS_VERIFIED) or {}).get("reason")
+            != "Mismatch"
+        ):
+            notify("Warning", "EndpointsMismatch", message)
+    return {**status, "conditions": found}
 
 
 def _invalid(status: Object, message: str, generation: int) -> Object:

@@ -1,50 +1,61 @@
-"""``megafleet dev up|status|down`` as a user runs it: a second, separate local cluster."""
+"""``megafleet dev up|status|down`` as a user runs it (the README's first command): a second local
+cluster with the operator, the pod runner and the tiny fleet, answering a chat completion."""
 
 from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
+
+import httpx
 
 from megafleet_dev import cluster, toolchain
 
 CLI = [sys.executable, "-m", "megafleet.cli", "dev"]
 
 
-def run_cli(*args: str, state_dir: Path, timeout: float = 240) -> subprocess.CompletedProcess[str]:
+def run_cli(*args: str, state_dir: Path, timeout: float = 400) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
         [*CLI, "--state-dir", str(state_dir), *args], capture_output=True, text=True, timeout=timeout, check=False
     )
 
 
-def test_up_status_down_leaves_nothing_running(tmp_path: Path) -> None:
+def test_up_serves_the_tiny_fleet_and_down_leaves_nothing_running(tmp_path: Path) -> None:
     state_dir = tmp_path / "dev"
 
-    up = run_cli("up", "--pool", "small:1x2:8", state_dir=state_dir)
+    up = run_cli("up", state_dir=state_dir)
     assert up.returncode == 0, up.stderr
     state = cluster.ClusterState.load(state_dir)
     assert state is not None
     assert f"kubeconfig:  {state.kubeconfig}" in up.stdout
-    assert "starting kube-apiserver" in up.stderr  # progress is shown
+    assert "starting kube-apiserver" in up.stderr and "waiting for the fleet" in up.stderr  # progress shown
+    assert "fleet default/tiny is Ready: 2 shards" in up.stdout
     try:
         status = run_cli("status", state_dir=state_dir)
         assert status.returncode == 0, status.stdout
-        assert status.stdout.count("running") == len(state.processes) == 5
+        assert status.stdout.count("running") == len(state.processes) == 7  # 5 + operator + pod runner
 
-        # kubectl from the wheel works against it with the printed kubeconfig.
+        match = re.search(r"curl -s (\S+) -H 'Content-Type: application/json' -d '(.+)'", up.stdout)
+        assert match is not None, up.stdout
+        url = match.group(1)
+        reply = httpx.post(url, json=json.loads(match.group(2)), timeout=60)
+        assert reply.status_code == 200
+        assert reply.json()["choices"][0]["message"]["role"] == "assistant"
+        assert reply.headers["x-megafleet-weight-version"] == "0"
+
         env = dict(os.environ, KUBECONFIG=state.kubeconfig)
         got = subprocess.run(
-            [str(toolchain.kubectl_path()), "get", "nodes", "-o", "json"],
+            [str(toolchain.kubectl_path()), "get", "mgen", "tiny", "-o", "json"],
             capture_output=True,
             text=True,
             env=env,
             timeout=60,
             check=True,
         )
-        names = sorted(item["metadata"]["name"] for item in json.loads(got.stdout)["items"])
-        assert names == ["small-c0-n0", "small-c0-n1"]
+        assert json.loads(got.stdout)["status"]["readyReplicas"] == 2
 
         again = run_cli("up", state_dir=state_dir)
         assert again.returncode == 0 and "already running" in again.stdout
@@ -55,3 +66,8 @@ def test_up_status_down_leaves_nothing_running(tmp_path: Path) -> None:
     assert not any(record.alive() for record in state.processes)
     assert not state_dir.exists()
     assert run_cli("status", state_dir=state_dir).returncode == 3
+    try:
+        httpx.post(url, json={}, timeout=5)
+        raise AssertionError("an engine still answers after 'dev down'")
+    except httpx.ConnectError:
+        pass

@@ -3,51 +3,15 @@ clique, InvalidSpec, unschedulable fleets, scaling, deletion and idle reconciles
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-import pytest
 import yaml
 
 from megafleet_dev import kube, nodes
 
 ROOT = Path(__file__).resolve().parents[2]
 WAIT = 90
-
-
-@pytest.fixture(scope="module")
-def operator(kubeconfig: Path, kube_admin: kube.Kube, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
-    """CRDs installed and the operator running as a separate process, as a user runs it."""
-    for path in sorted((ROOT / "crds").glob("*.yaml")):
-        crd = yaml.safe_load(path.read_text())
-        if kube_admin.get(f"/apis/apiextensions.k8s.io/v1/customresourcedefinitions/{crd['metadata']['name']}") is None:
-            kube_admin.create("/apis/apiextensions.k8s.io/v1/customresourcedefinitions", crd)
-        kube_admin.wait(
-            f"/apis/apiextensions.k8s.io/v1/customresourcedefinitions/{crd['metadata']['name']}",
-            lambda obj: (kube.condition(obj, "Established") or {}).get("status") == "True",
-            timeout=WAIT,
-        )
-    log = tmp_path_factory.mktemp("operator") / "operator.log"
-    with log.open("wb") as sink:
-        process = subprocess.Popen(
-            [sys.executable, "-m", "megafleet.cli", "operator"],
-            env=dict(os.environ, KUBECONFIG=str(kubeconfig)),
-            stdout=sink,
-            stderr=subprocess.STDOUT,
-        )
-    try:
-        yield log
-    finally:
-        process.terminate()
-        try:
-            process.wait(timeout=20)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            process.wait()
 
 
 def fleets(namespace: str) -> str:
@@ -173,8 +137,10 @@ def test_missing_api_key_secret_is_invalid_spec_and_nothing_is_created(
     assert "spec.frontend.apiKeySecret" in message and "frontend-key" in message
     assert kube_admin.list(f"/api/v1/namespaces/{namespace}/pods")["items"] == []
     assert kube_admin.list(f"/api/v1/namespaces/{namespace}/services")["items"] == []
-    events = kube_admin.list(f"/api/v1/namespaces/{namespace}/events", field_selector="reason=InvalidSpec")["items"]
-    assert events and events[0]["type"] == "Warning"
+    events = kube_admin.wait_items(
+        f"/api/v1/namespaces/{namespace}/events", bool, field_selector="reason=InvalidSpec", timeout=WAIT
+    )
+    assert events[0]["type"] == "Warning" and "frontend-key" in events[0]["message"]
 
     secret = {
         "apiVersion": "v1",
@@ -185,3 +151,86 @@ def test_missing_api_key_secret_is_invalid_spec_and_nothing_is_created(
     kube_admin.create(f"/api/v1/namespaces/{namespace}/secrets", secret)
 
     kube_admin.wait(f"{fleets(namespace)}/tiny", condition_is("Placed", "True"), timeout=WAIT, what="fleet recovers")
+
+
+def frontend_url(kube_admin: kube.Kube, namespace: str, pod: str) -> str:
+    """Where a test reaches a frontend: its pod's 127.x IP (ClusterIPs are data, never targets)."""
+    found = kube_admin.get(f"/api/v1/namespaces/{namespace}/pods/{pod}")
+    assert found is not None
+    return f"http://{found['status']['podIP']}:8000/v1"
+
+
+def test_tiny_fleet_serves_chat_completions_through_its_frontends(
+    operator: Path, kube_admin: kube.Kube, namespace: str
+) -> None:
+    import openai
+
+    kube_admin.create(fleets(namespace), example("tiny-cpu.yaml"))
+
+    ready = kube_admin.wait(f"{fleets(namespace)}/tiny", condition_is("Ready", "True"), timeout=WAIT, what="Ready")
+
+    assert ready is not None
+    assert ready["status"]["readyReplicas"] == 2 and ready["status"]["weightVersion"] == 0
+    assert (kube.condition(ready, "EndpointsVerified") or {}).get("status") == "True"
+    assert [shard["phase"] for shard in ready["status"]["shards"]] == ["Ready", "Ready"]
+    answers = []
+    for shard in ready["status"]["shards"]:
+        with openai.OpenAI(base_url=frontend_url(kube_admin, namespace, shard["pods"][0]), api_key="unused") as client:
+            reply = client.chat.completions.create(
+                model="tiny", messages=[{"role": "user", "content": "hello"}], max_tokens=8, temperature=0
+            )
+        answers.append(reply.choices[0].message.content)
+    assert answers[0] and answers[0] == answers[1]  # same weights, greedy: every frontend agrees
+
+
+def test_a_deleted_pod_comes_back_behind_the_same_endpoint(
+    operator: Path, kube_admin: kube.Kube, namespace: str
+) -> None:
+    kube_admin.create(fleets(namespace), example("tiny-cpu.yaml"))
+    path = f"{fleets(namespace)}/tiny"
+    before = kube_admin.wait(path, condition_is("Ready", "True"), timeout=WAIT)
+    assert before is not None
+    old = kube_admin.get(f"/api/v1/namespaces/{namespace}/pods/tiny-s1-p0")
+    assert old is not None
+
+    kube_admin.delete(f"/api/v1/namespaces/{namespace}/pods/tiny-s1-p0")
+
+    def healed(obj: kube.Object | None) -> bool:
+        shard = (obj or {}).get("status", {}).get("shards", [{}, {}])[1]
+        return shard.get("restarts") == 1 and shard.get("phase") == "Ready"
+
+    after = kube_admin.wait(path, healed, timeout=WAIT, what="shard 1 re-placed and Ready")
+    assert after is not None
+    assert after["status"]["endpoints"] == before["status"]["endpoints"]
+    new = kube_admin.get(f"/api/v1/namespaces/{namespace}/pods/tiny-s1-p0")
+    assert new is not None and new["metadata"]["uid"] != old["metadata"]["uid"]
+
+
+def test_kubectl_scale_adds_and_removes_shards(operator: Path, kube_admin: kube.Kube, namespace: str) -> None:
+    manifest = example("tiny-cpu.yaml")
+    manifest["spec"]["replicas"] = 1
+    kube_admin.create(fleets(namespace), manifest)
+    path = f"{fleets(namespace)}/tiny"
+    kube_admin.wait(path, condition_is("Ready", "True"), timeout=WAIT)
+
+    kube_admin.patch(f"{path}/scale", {"spec": {"replicas": 3}})
+    grown = kube_admin.wait(
+        path, lambda o: (o or {}).get("status", {}).get("readyReplicas") == 3, timeout=WAIT, what="3 shards"
+    )
+    assert grown is not None and len(grown["status"]["endpoints"]) == 3
+
+    kube_admin.patch(f"{path}/scale", {"spec": {"replicas": 1}})
+    shrunk = kube_admin.wait(
+        path,
+        lambda o: len((o or {}).get("status", {}).get("shards", [])) == 1 and condition_is("Ready", "True")(o),
+        timeout=WAIT,
+        what="back to 1 shard",
+    )
+    assert shrunk is not None and len(shrunk["status"]["endpoints"]) == 1
+    kube_admin.wait_items(
+        f"/api/v1/namespaces/{namespace}/pods",
+        lambda items: len(items) == 1,
+        timeout=WAIT,
+        what="pods of removed shards",
+    )
+    assert kube_admin.get(f"/api/v1/namespaces/{namespace}/services/tiny-s2") is None

@@ -1,34 +1,36 @@
-"""A reconcile with nothing to change makes no API writes (run in-process, real API server)."""
+"""A reconcile with nothing to change makes no API writes (run in-process, real API server, real
+engine processes through the local runner)."""
 
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Iterator
 from pathlib import Path
 
 import lightkube
+import pytest
 import yaml
 from lightkube.config.kubeconfig import KubeConfig
 
+from megafleet import agents, names, reconcile
 from megafleet import kube as operator_kube
-from megafleet import names, reconcile
-from megafleet_dev import kube
+from megafleet_dev import kube, runner
 
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def install_crds(kube_admin: kube.Kube) -> None:
-    for path in sorted((ROOT / "crds").glob("*.yaml")):
-        crd = yaml.safe_load(path.read_text())
-        url = f"/apis/apiextensions.k8s.io/v1/customresourcedefinitions/{crd['metadata']['name']}"
-        if kube_admin.get(url) is None:
-            kube_admin.create("/apis/apiextensions.k8s.io/v1/customresourcedefinitions", crd)
-        kube_admin.wait(url, lambda obj: (kube.condition(obj, "Established") or {}).get("status") == "True", timeout=60)
+@pytest.fixture
+def unwatched_namespace(kube_admin: kube.Kube) -> Iterator[str]:
+    """A namespace the session's operator does not watch: this test is the only reconciler."""
+    name = kube_admin.create_namespace("idle")
+    yield name
+    kube_admin.delete(f"/api/v1/namespaces/{name}", missing_ok=True)
 
 
 def test_second_reconcile_of_a_settled_fleet_writes_nothing(
-    kubeconfig: Path, kube_admin: kube.Kube, namespace: str
+    crds: None, pod_runner: runner.Runner, kubeconfig: Path, kube_admin: kube.Kube, unwatched_namespace: str
 ) -> None:
-    install_crds(kube_admin)
+    namespace = unwatched_namespace
     manifest = yaml.safe_load((ROOT / "examples" / "tiny-cpu.yaml").read_text())
     path = f"/apis/megafleet.dev/v1alpha1/namespaces/{namespace}/megatrongenerations/tiny"
     kube_admin.create(path.rsplit("/", 1)[0], manifest)
@@ -36,26 +38,22 @@ def test_second_reconcile_of_a_settled_fleet_writes_nothing(
     async def scenario() -> tuple[dict[str, int], dict[str, int]]:
         client = lightkube.AsyncClient(config=KubeConfig.from_file(kubeconfig), field_manager=names.FIELD_MANAGER)
         api = operator_kube.Api(client)
+        agent_client = agents.Agents()
         try:
-            await reconcile.reconcile(api, kube_admin.get(path) or {})
+            await reconcile.reconcile(api, agent_client, kube_admin.get(path) or {})
             first = dict(api.writes)
-            for pod in ("tiny-s0-p0", "tiny-s1-p0"):
-                await asyncio.to_thread(
-                    kube_admin.wait,
-                    f"/api/v1/namespaces/{namespace}/pods/{pod}",
-                    lambda p: bool(p and p["status"].get("phase") == "Running"),
-                    timeout=60,
-                )
-            await reconcile.reconcile(api, kube_admin.get(path) or {})  # observes Running pods
+            # Reconcile as the operator's timer would until both engines answer Ready.
+            while (kube_admin.get(path) or {}).get("status", {}).get("readyReplicas") != 2:
+                await asyncio.sleep(0.5)  # stands in for the operator's observation interval
+                await reconcile.reconcile(api, agent_client, kube_admin.get(path) or {})
             api.writes.clear()
-            await reconcile.reconcile(api, kube_admin.get(path) or {})
+            await reconcile.reconcile(api, agent_client, kube_admin.get(path) or {})
             return first, dict(api.writes)
         finally:
             await api.close()
+            await agent_client.close()
 
-    first, idle = asyncio.run(scenario())
+    first, idle = asyncio.run(asyncio.wait_for(scenario(), timeout=120))
 
     assert first["create Pod"] == 2 and first["create Service"] == 4  # the first pass did the work
     assert idle == {}
-    fleet = kube_admin.get(path)
-    assert fleet is not None and fleet["status"]["readyReplicas"] == 2

@@ -72,3 +72,16 @@ def test_frontend_service_selects_only_pod_zero_of_its_shard() -> None:
     service = desired.frontend_service(fleet(), 3)
     assert service["spec"]["selector"] == {names.LABEL_FLEET: "big", names.LABEL_SHARD: "3", names.LABEL_POD_INDEX: "0"}
     assert desired.ranks_service(fleet(), 3)["spec"]["clusterIP"] == "None"
+
+
+def test_tolerations_match_taints_as_the_scheduler_does() -> None:
+    from megafleet import reconcile
+
+    gpu_taint = [{"key": "nvidia.com/gpu", "value": "present", "effect": "NoSchedule"}]
+    exists = v1alpha1.Toleration(key="nvidia.com/gpu", operator="Exists", effect="NoSchedule")
+    equal_other = v1alpha1.Toleration(key="nvidia.com/gpu", operator="Equal", value="absent")
+    assert reconcile.tolerates([exists], gpu_taint)
+    assert not reconcile.tolerates([], gpu_taint)
+    assert not reconcile.tolerates([equal_other], gpu_taint)
+    assert reconcile.tolerates([], [{"key": "soft", "effect": "PreferNoSchedule"}])
+    assert reconcile.tolerates([v1alpha1.Toleration(operator="Exists")], gpu_taint)

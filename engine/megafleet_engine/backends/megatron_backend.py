@@ -1,0 +1,737 @@
+"""The ``megatron`` backend: megatron-core's dynamic inference engine on one or more GPUs.
+
+Called through :func:`megafleet_engine.backends.load_backend` by the engine process (and by
+``bench/engine_megatron.py`` and the GPU tests). megatron-core (>= 0.19, Python >= 3.12) and a
+flash-attention kernel (FA2 >= 2.7.3, FA3 or FA4) are needed at run time only: this module imports
+megatron lazily, inside functions, so it imports (and type-checks) anywhere.
+
+Model sources (``MEGAFLEET_MODEL_SOURCE``):
+
+* ``tiny://llama[?layers=N&hidden=N&...]``: the tiny Llama of :mod:`megafleet_engine.models.tiny`,
+  with the very weights the ``transformers`` backend gets for the same string (mapped through
+  :mod:`~megafleet_engine.backends.weight_maps`), and its byte-level tokenizer.
+* ``random://PRESET[?seed=N&layers=N&hidden=N&heads=N&kv_heads=N&intermediate=N&vocab=N&head_dim=N]``:
+  a Llama-shaped model with random weights (normal, std 0.02; norms 1) drawn on the GPU from
+  ``seed`` (default 0), for benchmarks and refit tests without a checkpoint. Presets:
+  ``llama-8b`` (Llama-3.1-8B), ``llama-1b`` (Llama-3.2-1B), ``llama-70b`` (Llama-3.1-70B). The
+  tokenizer is the tiny byte-level one (ids above 262 decode to nothing).
+* a local folder holding a Hugging Face Llama checkpoint (``config.json``, ``*.safetensors``,
+  tokenizer files): each rank reads only the slices of each tensor it holds.
+
+Generation: a batch is added to megatron's engine as one set of requests and stepped until every
+request finished; each step yields the tokens it produced. Sampling maps onto megatron's
+per-request parameters (greedy = ``top_k=1``; megatron refuses top-k together with top-p and has
+one sampling generator, so per-request seeds are ignored). EOS stops through megatron's
+``termination_id``; other stop ids are applied here (the sequence's later tokens are dropped).
+Log-probabilities are megatron's ``raw_logprobs``: ``log_softmax`` of the raw logits.
+
+Weights: :meth:`MegatronBackend.parameters` returns, by Hugging Face name, views that alias the live
+megatron parameters (fused QKV and gate/up included), and :meth:`MegatronBackend.write_weights`
+copies HF tensors (whole, or only this rank's slice) into them. Writes are in-place ``copy_`` into
+the same storage, so the captured CUDA graphs stay valid; :meth:`finish_weight_update` has nothing
+to rebuild because no request (and so no KV cache entry) outlives a :meth:`generate` call.
+
+Tensor/pipeline parallel > 1: every rank of the model-parallel group builds the backend (same
+arguments); the first rank's :meth:`generate` broadcasts each batch, and the other ranks run
+:meth:`serve_followers`. Written per megatron-core's ``parallel_state``; so far only TP=PP=1 ran.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import importlib
+import itertools
+import json
+import logging
+import socket
+import urllib.parse
+import warnings
+from collections.abc import Iterable, Iterator, Mapping, Sequence
+from pathlib import Path
+from typing import Any, Literal
+
+import torch
+
+from megafleet_engine.backends import base, weight_maps
+from megafleet_engine.backends.weight_maps import Layout, LlamaShape
+
+__all__ = [
+    "PRESETS",
+    "EngineOptions",
+    "MegatronBackend",
+    "ModelSource",
+    "Parallel",
+    "load",
+    "parse_source",
+    "to_megatron_sampling",
+]
+
+log = logging.getLogger(__name__)
+
+RANDOM_SCHEME = "random"
+PRESETS: dict[str, LlamaShape] = {
+    "llama-8b": LlamaShape(
+        layers=32,
+        hidden=4096,
+        heads=32,
+        kv_heads=8,
+        intermediate=14336,
+        vocab=128256,
+        rope_theta=500000.0,
+        rope_scaling_factor=8.0,
+        max_positions=131072,
+    ),
+    "llama-1b": LlamaShape(
+        layers=16,
+        hidden=2048,
+        heads=32,
+        kv_heads=8,
+        intermediate=8192,
+        vocab=128256,
+        head_dim=64,
+        tied_embeddings=True,
+        rope_theta=500000.0,
+        rope_scaling_factor=32.0,
+        max_positions=131072,
+    ),
+    "llama-70b": LlamaShape(
+        layers=80,
+        hidden=8192,
+        heads=64,
+        kv_heads=8,
+        intermediate=28672,
+        vocab=128256,
+        rope_theta=500000.0,
+        rope_scaling_factor=8.0,
+        max_positions=131072,
+    ),
+}
+RANDOM_STD = 0.02
+_SHAPE_KEYS = ("layers", "hidden", "heads", "kv_heads", "intermediate", "vocab", "head_dim")
+_FIRST_REQUEST_ID = 1 << 30  # megatron keeps ids in int32; its own counter (engine.generate) starts at 0
+
+
+# -- sources -------------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelSource:
+    """What a model source string names."""
+
+    kind: Literal["tiny", "random", "checkpoint"]
+    shape: LlamaShape
+    seed: int = 0
+    path: str = ""  # the checkpoint folder, or the tiny:// string
+    eos_token_ids: tuple[int, ...] = ()
+    bos_token_id: int | None = None
+
+
+def parse_source(source: str) -> ModelSource:
+    """Parse a model source (see the module docstring); bad sources raise ``ValueError``."""
+    from megafleet_engine.models import tiny
+
+    if tiny.is_tiny(source):
+        tokenizer = tiny.build_tokenizer()
+        config = tiny.build_config(tiny.parse(source), tokenizer)
+        return ModelSource(
+            "tiny",
+            LlamaShape.from_hf_config(config.to_dict()),
+            path=source,
+            eos_token_ids=(int(tokenizer.eos_token_id),),
+            bos_token_id=int(tokenizer.bos_token_id),
+        )
+    parsed = urllib.parse.urlparse(source)
+    if parsed.scheme == RANDOM_SCHEME:
+        if parsed.netloc not in PRESETS:
+            raise ValueError(f"unknown random model {parsed.netloc!r}; presets: {', '.join(sorted(PRESETS))}")
+        overrides: dict[str, Any] = {}
+        seed = 0
+        for key, value in urllib.parse.parse_qsl(parsed.query, strict_parsing=bool(parsed.query)):
+            if key == "seed":
+                seed = int(value)
+            elif key in _SHAPE_KEYS:
+                overrides[key] = int(value)
+            else:
+                raise ValueError(f"unknown random model option {key!r}; known: seed, {', '.join(_SHAPE_KEYS)}")
+        preset = PRESETS[parsed.netloc]
+        if "hidden" in overrides or "heads" in overrides:
+            overrides.setdefault("head_dim", 0)  # recomputed as hidden // heads
+        shape = dataclasses.replace(preset, **overrides)
+        tokenizer = tiny.build_tokenizer()
+        return ModelSource(
+            "random",
+            shape,
+            seed=seed,
+            eos_token_ids=(int(tokenizer.eos_token_id),),
+            bos_token_id=int(tokenizer.bos_token_id),
+        )
+    if "://" in source:
+        raise ValueError(f"unsupported model source {source!r}: use tiny://, random:// or a checkpoint folder")
+    folder = Path(source)
+    config_file = folder / "config.json"
+    if not config_file.is_file():
+        raise ValueError(f"{source} is not a Hugging Face checkpoint folder (no config.json)")
+    config = json.loads(config_file.read_text())
+    eos = config.get("eos_token_id")
+    eos_ids = tuple(int(i) for i in eos) if isinstance(eos, list) else (() if eos is None else (int(eos),))
+    bos = config.get("bos_token_id")
+    return ModelSource(
+        "checkpoint",
+        LlamaShape.from_hf_config(config),
+        path=str(folder),
+        eos_token_ids=eos_ids,
+        bos_token_id=None if bos is None else int(bos),
+    )
+
+
+# -- options -------------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class Parallel:
+    """How this process joins the model-parallel group (defaults: one process, one GPU)."""
+
+    tensor_parallel: int = 1
+    pipeline_parallel: int = 1
+    rank: int = 0
+    world_size: int = 1
+    local_rank: int = 0
+    master_addr: str = "127.0.0.1"
+    master_port: int = 0  # 0: a free local port (single process only)
+
+
+@dataclasses.dataclass(frozen=True)
+class EngineOptions:
+    """Settings of megatron's dynamic engine."""
+
+    max_batch_size: int = 64
+    """Most requests decoded together (megatron's ``max_requests``); decode CUDA graphs are
+    captured for batch sizes up to it."""
+    kv_buffer_gb: float = 20.0
+    """GPU memory reserved for the paged KV cache."""
+    max_step_tokens: int = 16384
+    """Most tokens in one forward pass (prefill chunks included; megatron's ``max_tokens``)."""
+    block_size_tokens: int = 256
+    cuda_graphs: bool = True
+    """Capture decode CUDA graphs (per layer) at start; eager decode is host-bound."""
+    seed: int = 0
+    """Seed of megatron's RNG trackers (sampling)."""
+
+
+# -- the tokenizer stub megatron's engine calls ----------------------------------------------------
+
+
+class _IdTokenizer:
+    """What megatron's controller asks of a tokenizer. Text is never needed here: a token list
+    "detokenizes" to its ids, which lets top-n log-probabilities (keyed by text) map back to ids."""
+
+    def __init__(self, eod: int, bos: int | None) -> None:
+        self.eod = eod
+        self.bos = bos
+
+    def tokenize(self, text: str) -> list[int]:
+        return [int(part) for part in text.split()]
+
+    def detokenize(self, tokens: Sequence[int]) -> str:
+        return " ".join(str(int(token)) for token in tokens)
+
+
+# -- sampling ------------------------------------------------------------------------------------
+
+
+def to_megatron_sampling(params: base.SamplingParams, *, budget: int, termination_id: int) -> dict[str, Any]:
+    """Keyword arguments of megatron's ``SamplingParams`` for one sequence (``budget``: tokens it
+    may generate). Raises ``ValueError`` for what megatron cannot do (top-k with top-p)."""
+    top_p = params.top_p if params.top_p < 1.0 else 0.0  # megatron: 0.0 = no nucleus cut
+    if params.greedy:
+        temperature, top_k, top_p = 1.0, 1, 0.0
+    else:
+        temperature, top_k = params.temperature, params.top_k
+    if top_k > 0 and top_p > 0.0:
+        raise ValueError("the megatron backend cannot combine top_k and top_p")
+    return {
+        "temperature": temperature,
+        "top_k": top_k,
+        "top_p": top_p,
+        "return_log_probs": params.logprobs is not None,
+        "skip_prompt_log_probs": True,
+        "top_n_logprobs": params.logprobs or 0,
+        "num_tokens_to_generate": min(params.max_tokens, budget),
+        "termination_id": -1 if params.ignore_eos else termination_id,
+    }
+
+
+@dataclasses.dataclass
+class _Sequence:
+    request: base.SequenceRequest
+    stops: frozenset[int]
+    emitted: int = 0
+    done: bool = False
+
+
+# -- the backend ---------------------------------------------------------------------------------
+
+
+class MegatronBackend:
+    """A :class:`~megafleet_engine.backends.base.Backend` over megatron-core's ``DynamicInferenceEngine``.
+
+    Attributes besides the protocol's: ``engine`` (megatron's engine, usable directly), ``model``
+    (the ``GPTModel``), ``shape``, ``layout`` (this rank's part) and ``tokenizer`` (for the
+    frontend; ``None`` for a checkpoint without tokenizer files).
+    """
+
+    def __init__(
+        self,
+        *,
+        engine: Any,
+        model: Any,
+        source: ModelSource,
+        layout: Layout,
+        name: str,
+        max_sequence_length: int,
+        tokenizer: Any,
+        group: Any = None,
+    ) -> None:
+        self.engine = engine
+        self.model = model
+        self.shape = source.shape
+        self.layout = layout
+        self.tokenizer = tokenizer
+        self._group = group  # model-parallel process group when it spans several ranks
+        eos = source.eos_token_ids[0] if source.eos_token_ids else None
+        self.info = base.ModelInfo(
+            name=name,
+            max_sequence_length=max_sequence_length,
+            vocab_size=source.shape.vocab,
+            eos_token_id=eos,
+        )
+        self._other_eos = frozenset(source.eos_token_ids[1:])
+        self._loop = asyncio.new_event_loop()  # megatron's engine runs its coroutines on this loop
+        engine._loop = self._loop
+        self._ids = itertools.count(_FIRST_REQUEST_ID)
+        self._device = torch.cuda.current_device()  # the current device is per thread
+        self._live: dict[str, torch.Tensor] = {name: p.data for name, p in model.named_parameters()}
+        self._specs = weight_maps.shard_map(self.shape, layout)
+        missing, extra = set(self._specs) - set(self._live), set(self._live) - set(self._specs)
+        if missing or extra:
+            raise RuntimeError(
+                f"megatron's parameters differ from the weight map: missing {sorted(missing)[:4]}, "
+                f"unexpected {sorted(extra)[:4]}"
+            )
+        self._by_hf: dict[str, list[tuple[str, weight_maps.Piece]]] = {}
+        for spec in self._specs.values():
+            for piece in spec.pieces:
+                self._by_hf.setdefault(piece.hf_name, []).append((spec.name, piece))
+
+    # -- weights -------------------------------------------------------------------------------
+
+    def parameters(self) -> dict[str, torch.Tensor]:
+        """This rank's part of every HF parameter, as views of the live megatron tensors.
+
+        A view has the shape of the HF slice it holds, except where one strided view covers
+        several query groups of a fused QKV (``(groups, rows per group, hidden)``): write with
+        ``view.copy_(hf_slice.view(view.shape))``. :attr:`shard_map` says which slice each is.
+        """
+        views = {}
+        for hf_name, targets in self._by_hf.items():
+            megatron_name, piece = targets[0]
+            views[hf_name] = weight_maps.megatron_view(self._live[megatron_name], piece)
+        return views
+
+    @property
+    def shard_map(self) -> dict[str, weight_maps.ParamSpec]:
+        """Megatron parameters of this rank and the HF slices they are made of."""
+        return self._specs
+
+    def write_weights(
+        self, weights: Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]], *, sliced: bool = False
+    ) -> None:
+        """Copy HF tensors into the live parameters in place (dtype and device converted).
+
+        ``sliced=False``: each tensor is the whole HF tensor. ``sliced=True``: each tensor is only
+        the range this rank needs (``piece.hf_range`` of the name's piece in :attr:`shard_map`).
+        Names this rank does not hold are ignored (the refit sender may broadcast everything).
+        """
+        items = weights.items() if isinstance(weights, Mapping) else weights
+        with torch.no_grad():
+            for hf_name, tensor in items:
+                for megatron_name, piece in self._by_hf.get(hf_name, ()):
+                    source_piece = dataclasses.replace(piece, hf_start=0) if sliced else piece
+                    view = weight_maps.megatron_view(self._live[megatron_name], piece)
+                    view.copy_(weight_maps.hf_view(tensor, source_piece))
+
+    def load_checkpoint(self, source: str) -> None:
+        """Load weights from a ``tiny://``, ``random://`` or checkpoint-folder source, in place."""
+        parsed = parse_source(source)
+        if parsed.shape != self.shape:
+            raise ValueError(f"{source} has shape {parsed.shape}, the loaded model {self.shape}")
+        if parsed.kind == "tiny":
+            from megafleet_engine.models import tiny
+
+            self.write_weights(tiny.reference_weights(parsed.path))
+        elif parsed.kind == "random":
+            self._fill_random(parsed.seed)
+        else:
+            self._read_checkpoint(Path(parsed.path))
+
+    def finish_weight_update(self, kv_cache_mode: Literal["persist", "offload", "recompute"]) -> None:
+        """Nothing to rebuild: weights were copied into the same storage (CUDA graphs read it at
+        replay) and no request, so no KV cache entry, outlives a :meth:`generate` call."""
+
+    def zero_weights(self) -> None:
+        """Deferred init: the parameters exist but hold zeros until the first refit writes them."""
+        with torch.no_grad():
+            for tensor in self._live.values():
+                tensor.zero_()
+
+    def _fill_random(self, seed: int) -> None:
+        device = next(iter(self._live.values())).device
+        generator = torch.Generator(device=device)
+        generator.manual_seed(seed * 1_000_003 + self.layout.pp_rank * 1_009 + self.layout.tp_rank)
+        with torch.no_grad():
+            for name in sorted(self._live):
+                tensor = self._live[name]
+                if name.endswith(("layernorm.weight", "layer_norm_weight")):
+                    tensor.fill_(1.0)
+                else:
+                    tensor.normal_(0.0, RANDOM_STD, generator=generator)
+
+    def _read_checkpoint(self, folder: Path) -> None:
+        from safetensors import safe_open
+
+        needed = set(self._by_hf)
+        files = sorted(folder.glob("*.safetensors"))
+        if not files:
+            raise ValueError(f"{folder} holds no *.safetensors files")
+        with torch.no_grad():
+            for path in files:
+                with safe_open(str(path), framework="pt", device="cpu") as handle:
+                    for hf_name in sorted(needed & set(handle.keys())):
+                        full = handle.get_slice(hf_name)
+                        for megatron_name, piece in self._by_hf[hf_name]:
+                            dim, start, stop = piece.hf_range
+                            part = full[start:stop] if dim == 0 else full[:, start:stop]
+                            view = weight_maps.megatron_view(self._live[megatron_name], piece)
+                            view.copy_(weight_maps.hf_view(part, dataclasses.replace(piece, hf_start=0)))
+                        needed.discard(hf_name)
+        if needed:
+            raise ValueError(f"checkpoint {folder} lacks {len(needed)} parameters, e.g. {sorted(needed)[:3]}")
+
+    # -- generation ----------------------------------------------------------------------------
+
+    def generate(self, batch: Sequence[base.SequenceRequest]) -> Iterator[list[base.TokenStep]]:
+        if self._group is not None:
+            self._broadcast_batch(list(batch))
+        yield from self._generate(batch)
+
+    def serve_followers(self) -> None:
+        """On model-parallel ranks other than the first: run every batch the first rank
+        broadcasts, in lockstep, until it broadcasts ``None`` (:meth:`close`)."""
+        while True:
+            batch = self._broadcast_batch(None)
+            if batch is None:
+                return
+            for _ in self._generate(batch):
+                pass
+
+    def close(self) -> None:
+        """Release the followers (first rank only) and this backend's event loop."""
+        if self._group is not None and self.layout.tp_rank == 0 and self.layout.pp_rank == 0:
+            self._broadcast_batch(None)
+        self._loop.close()
+
+    def _broadcast_batch(self, batch: list[base.SequenceRequest] | None) -> list[base.SequenceRequest] | None:
+        box: list[Any] = [batch]
+        source = torch.distributed.get_global_rank(self._group, 0)
+        torch.distributed.broadcast_object_list(box, src=source, group=self._group)
+        result: list[base.SequenceRequest] | None = box[0]
+        return result
+
+    def _step(self) -> dict[str, Any]:
+        result: dict[str, Any] = self._loop.run_until_complete(self.engine.async_step())
+        return result
+
+    def _generate(self, batch: Sequence[base.SequenceRequest]) -> Iterator[list[base.TokenStep]]:
+        sampling_params = _megatron("inference.sampling_params")
+
+        torch.cuda.set_device(self._device)  # generate() runs on the engine's own thread
+        eos = self.info.eos_token_id
+        termination = -1 if eos is None else eos
+        sequences: dict[int, _Sequence] = {}
+        for request in batch:
+            prompt = list(request.prompt_token_ids) or [self.engine.controller.tokenizer.eod]
+            budget = self.info.max_sequence_length - len(prompt)
+            if budget <= 0:
+                log.warning(
+                    "request %s: prompt of %d tokens leaves no room to generate", request.request_id, len(prompt)
+                )
+                continue
+            params = request.params
+            stops = frozenset(params.stop_token_ids) | (frozenset() if params.ignore_eos else self._other_eos)
+            request_id = next(self._ids)
+            sequences[request_id] = _Sequence(request, stops)
+            sampling = sampling_params.SamplingParams(
+                **to_megatron_sampling(params, budget=budget, termination_id=termination)
+            )
+            self.engine.add_request(request_id, prompt, sampling)
+        try:
+            while self.engine.has_unfinished_requests():
+                result = self._step()
+                steps: list[base.TokenStep] = []
+                for request_id in result["active_request_ids"]:
+                    if request_id in sequences:
+                        steps.extend(self._new_steps(sequences[request_id], self.engine.get_request(request_id), False))
+                for record in result["finished_request_records"]:
+                    merged = record.requests[-1] if len(record.requests) == 1 else record.merge()
+                    if merged.request_id in sequences:
+                        steps.extend(self._new_steps(sequences[merged.request_id], merged, True))
+                if steps:
+                    yield steps
+        finally:
+            while self.engine.has_unfinished_requests():  # the consumer left early: finish the batch
+                self._step()
+
+    def _new_steps(self, sequence: _Sequence, request: Any, finished: bool) -> list[base.TokenStep]:
+        tokens = list(request.generated_tokens)
+        if sequence.done:
+            return []
+        if finished and not tokens:
+            log.warning("megatron request for %s ended with status %s", sequence.request.request_id, request.status)
+        params = sequence.request.params
+        steps = []
+        for index in range(sequence.emitted, len(tokens)):
+            token = int(tokens[index])
+            last = finished and index == len(tokens) - 1
+            finish: base.FinishReason | None = None
+            if token in sequence.stops or (not params.ignore_eos and token == self.info.eos_token_id):
+                finish = "stop"
+            elif last or index + 1 >= params.max_tokens:
+                finish = "length"
+            steps.append(
+                base.TokenStep(
+                    request_id=sequence.request.request_id,
+                    token_id=token,
+                    logprob=_logprob(request, index) if params.logprobs is not None else None,
+                    top_logprobs=_top_logprobs(request, index) if params.logprobs else (),
+                    finish_reason=finish,
+                )
+            )
+            if finish is not None:
+                sequence.done = True
+                break
+        sequence.emitted = len(tokens)
+        return steps
+
+
+def _logprob(request: Any, index: int) -> float | None:
+    values = request.generated_log_probs
+    return float(values[index]) if values is not None and index < len(values) else None
+
+
+def _top_logprobs(request: Any, index: int) -> tuple[tuple[int, float], ...]:
+    entries = request.generated_top_n_logprobs
+    if not entries or index >= len(entries):
+        return ()
+    ranked = sorted(((int(key), float(value)) for key, value in entries[index].items()), key=lambda kv: -kv[1])
+    return tuple(ranked)
+
+
+# -- building ------------------------------------------------------------------------------------
+
+
+def _megatron(module: str) -> Any:
+    """``megatron.core.<module>``, imported on first use (megatron-core is installed on GPU
+    machines only, and mypy here has no stubs for it)."""
+    return importlib.import_module(f"megatron.core.{module}")
+
+
+def load(
+    source: str,
+    *,
+    name: str,
+    max_sequence_length: int,
+    dtype: str,
+    device: str,
+    load_weights: bool,
+    parallel: Parallel | None = None,
+    options: EngineOptions | None = None,
+) -> MegatronBackend:
+    """Build the model and megatron's engine for ``source`` on this process's GPU.
+
+    ``dtype`` must be ``bfloat16`` or ``float16`` (megatron's flash-attention kernels need them);
+    ``device`` is ``cuda`` or ``cuda:N`` (with several ranks, ``Parallel.local_rank`` picks the GPU).
+    Deferred init (``load_weights=False``) leaves zeros in every parameter.
+    """
+    if dtype not in ("bfloat16", "float16"):
+        raise ValueError(f"the megatron backend runs in bfloat16 or float16, not {dtype}")
+    if not device.startswith("cuda"):
+        raise ValueError(f"the megatron backend needs a CUDA device, not {device!r}")
+    parallel = parallel or Parallel()
+    options = options or EngineOptions()
+    parsed = parse_source(source)
+    torch_dtype: torch.dtype = getattr(torch, dtype)
+    index = torch.device(device).index
+    torch.cuda.set_device(parallel.local_rank if parallel.world_size > 1 or index is None else index)
+    with warnings.catch_warnings():
+        # megatron-core warns at import and construction about optional packages (Apex, Transformer
+        # Engine) and its own deprecations; none of it concerns this configuration.
+        warnings.simplefilter("ignore")
+        layout, group = _init_parallel(parallel, options.seed)
+        model = _build_model(parsed.shape, layout, torch_dtype, max_sequence_length, options)
+        tokenizer = _tokenizer(parsed)
+        eod = parsed.eos_token_ids[0] if parsed.eos_token_ids else 0
+        engine = _build_engine(model, _IdTokenizer(eod, parsed.bos_token_id), max_sequence_length, options)
+    backend = MegatronBackend(
+        engine=engine,
+        model=model,
+        source=parsed,
+        layout=layout,
+        name=name,
+        max_sequence_length=max_sequence_length,
+        tokenizer=tokenizer,
+        group=group,
+    )
+    if not load_weights:
+        backend.zero_weights()
+    elif parsed.kind == "random":
+        backend._fill_random(parsed.seed)
+    else:
+        backend.load_checkpoint(source)
+    torch.cuda.synchronize()
+    return backend
+
+
+def _free_port() -> int:
+    with contextlib.closing(socket.socket(socket.AF_INET, socket.SOCK_STREAM)) as sock:
+        sock.bind(("127.0.0.1", 0))
+        port: int = sock.getsockname()[1]
+        return port
+
+
+def _init_parallel(parallel: Parallel, seed: int) -> tuple[Layout, Any]:
+    """Join the process group and megatron's model-parallel groups (once per process)."""
+    parallel_state = _megatron("parallel_state")
+    tensor_parallel = _megatron("tensor_parallel")
+
+    if parallel.world_size != parallel.tensor_parallel * parallel.pipeline_parallel:
+        raise ValueError(
+            f"world size {parallel.world_size} is not TP {parallel.tensor_parallel} x PP {parallel.pipeline_parallel}"
+        )
+    if torch.distributed.is_initialized() and torch.distributed.get_world_size() != parallel.world_size:
+        raise ValueError(
+            f"the process group has {torch.distributed.get_world_size()} ranks but Parallel says "
+            f"{parallel.world_size}: pass the engine's Parallel(...) to load()"
+        )
+    if not torch.distributed.is_initialized():
+        port = parallel.master_port or (_free_port() if parallel.world_size == 1 else 29500)
+        torch.distributed.init_process_group(
+            "nccl",
+            init_method=f"tcp://{parallel.master_addr}:{port}",
+            world_size=parallel.world_size,
+            rank=parallel.rank,
+        )
+    if not parallel_state.model_parallel_is_initialized():
+        parallel_state.initialize_model_parallel(
+            tensor_model_parallel_size=parallel.tensor_parallel,
+            pipeline_model_parallel_size=parallel.pipeline_parallel,
+        )
+    tensor_parallel.random.model_parallel_cuda_manual_seed(seed, inference_rng_tracker=True)
+    layout = Layout(
+        tp_rank=parallel_state.get_tensor_model_parallel_rank(),
+        tp_size=parallel.tensor_parallel,
+        pp_rank=parallel_state.get_pipeline_model_parallel_rank(),
+        pp_size=parallel.pipeline_parallel,
+    )
+    group = parallel_state.get_model_parallel_group() if parallel.world_size > 1 else None
+    return layout, group
+
+
+def _build_model(
+    shape: LlamaShape, layout: Layout, dtype: torch.dtype, max_sequence_length: int, options: EngineOptions
+) -> Any:
+    gpt = _megatron("models.gpt")
+    specs = _megatron("models.gpt.gpt_layer_specs")
+    config = _megatron("transformer").TransformerConfig(
+        num_layers=shape.layers,
+        hidden_size=shape.hidden,
+        num_attention_heads=shape.heads,
+        num_query_groups=shape.kv_heads,
+        ffn_hidden_size=shape.intermediate,
+        kv_channels=shape.head_dim,
+        layernorm_epsilon=shape.norm_eps,
+        tensor_model_parallel_size=layout.tp_size,
+        pipeline_model_parallel_size=layout.pp_size,
+        pipeline_dtype=dtype,
+        params_dtype=dtype,
+        bf16=dtype == torch.bfloat16,
+        fp16=dtype == torch.float16,
+        normalization="RMSNorm",
+        gated_linear_unit=True,
+        activation_func=torch.nn.functional.silu,
+        add_bias_linear=False,
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+        transformer_impl="local",
+        bias_activation_fusion=False,
+        bias_dropout_fusion=False,
+        masked_softmax_fusion=False,
+        apply_rope_fusion=False,
+        persist_layer_norm=False,
+        gradient_accumulation_fusion=False,
+        perform_initialization=False,  # every parameter is written by load()
+        cuda_graph_impl="local" if options.cuda_graphs else "none",
+        inference_rng_tracker=True,
+    )
+    model = gpt.GPTModel(
+        config=config,
+        transformer_layer_spec=specs.get_gpt_layer_local_spec(normalization="RMSNorm"),
+        vocab_size=weight_maps.padded_vocab_size(shape.vocab, layout),
+        max_sequence_length=max_sequence_length,
+        pre_process=layout.first_stage,
+        post_process=layout.last_stage,
+        parallel_output=True,
+        share_embeddings_and_output_weights=shape.tied_embeddings,
+        position_embedding_type="rope",
+        rotary_base=int(shape.rope_theta),
+        rope_scaling=shape.rope_scaling_factor > 0,
+        rope_scaling_factor=shape.rope_scaling_factor or 8.0,
+    )
+    model.cuda()
+    for parameter in model.parameters():  # RMSNorm weights start in float32
+        parameter.data = parameter.data.to(dtype)
+    model.eval()
+    return model
+
+
+def _build_engine(model: Any, tokenizer: _IdTokenizer, max_sequence_length: int, options: EngineOptions) -> Any:
+    config = _megatron("inference.config").InferenceConfig(
+        block_size_tokens=options.block_size_tokens,
+        buffer_size_gb=options.kv_buffer_gb,
+        max_sequence_length=max_sequence_length,
+        max_requests=options.max_batch_size,
+        max_tokens=max(options.max_step_tokens, max_sequence_length),
+        num_cuda_graphs=-1 if options.cuda_graphs else None,
+        use_cuda_graphs_for_non_decode_steps=False,
+        materialize_only_last_token_logits=True,
+    )
+    context = _megatron("inference.contexts.dynamic_context").DynamicInferenceContext(model.config, config)
+    wrapper = _megatron("inference.model_inference_wrappers.gpt.gpt_inference_wrapper").GPTInferenceWrapper(
+        model, context
+    )
+    controllers = _megatron("inference.text_generation_controllers.text_generation_controller")
+    controller = controllers.TextGenerationController(inference_wrapped_model=wrapper, tokenizer=tokenizer)
+    return _megatron("inference.engines.dynamic_engine").DynamicInferenceEngine(controller=controller, context=context)
+
+
+def _tokenizer(source: ModelSource) -> Any:
+    from megafleet_engine.models import tiny
+
+    if source.kind != "checkpoint":
+        return tiny.build_tokenizer()
+    if not any((Path(source.path) / name).exists() for name in ("tokenizer.json", "tokenizer_config.json")):
+        return None
+    import transformers
+
+    return transformers.AutoTokenizer.from_pretrained(source.path, local_files_only=True)

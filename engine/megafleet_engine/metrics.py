@@ -1,0 +1,144 @@
+"""Prometheus metrics of one engine process, served on the metrics port (``GET /metrics``).
+
+:class:`Metrics` owns its own registry (so several engines can live in one test process). It is
+fed by the frontend's :class:`RequestMetrics` middleware (requests, latency), by serving (tokens,
+time to first token) and by the refit code (:meth:`Metrics.observe_refit`); queue depth, weight
+version and engine state are read from the engine at scrape time. :func:`build_app` is called by
+:mod:`megafleet_engine.server`.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterator
+from typing import TYPE_CHECKING
+
+import fastapi
+import prometheus_client
+from fastapi import responses
+from prometheus_client import core, registry
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+if TYPE_CHECKING:
+    from megafleet_engine import engine as engine_module
+
+__all__ = ["Metrics", "RequestMetrics", "build_app"]
+
+STATES = ("loading", "ready", "suspended", "stale", "failed")
+LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0)
+"""Request latency and time to first token, in seconds: from a cached token to a long generation."""
+REFIT_BUCKETS = (0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 600.0)
+"""Refit duration, in seconds: from a tiny CPU model to a large model over the network."""
+
+
+class Metrics:
+    """The metric families of one engine process."""
+
+    def __init__(self, engine: engine_module.Engine) -> None:
+        self.registry = registry.CollectorRegistry()
+        self.requests = prometheus_client.Counter(
+            "megafleet_requests",
+            "HTTP requests to the OpenAI frontend by endpoint and status code.",
+            ["endpoint", "status"],
+            registry=self.registry,
+        )
+        self.request_latency = prometheus_client.Histogram(
+            "megafleet_request_duration_seconds",
+            "Time from a frontend request's arrival to its last byte, by endpoint.",
+            ["endpoint"],
+            buckets=LATENCY_BUCKETS,
+            registry=self.registry,
+        )
+        self.time_to_first_token = prometheus_client.Histogram(
+            "megafleet_time_to_first_token_seconds",
+            "Time from submitting a generation request to its first token.",
+            buckets=LATENCY_BUCKETS,
+            registry=self.registry,
+        )
+        self.prompt_tokens = prometheus_client.Counter(
+            "megafleet_prompt_tokens", "Prompt tokens of accepted requests.", registry=self.registry
+        )
+        self.generated_tokens = prometheus_client.Counter(
+            "megafleet_generated_tokens", "Tokens generated.", registry=self.registry
+        )
+        self.refit_duration = prometheus_client.Histogram(
+            "megafleet_refit_duration_seconds",
+            "Duration of refits (suspend to resume) that this engine took part in.",
+            ["outcome"],
+            buckets=REFIT_BUCKETS,
+            registry=self.registry,
+        )
+        self.registry.register(_EngineCollector(engine))
+
+    def observe_refit(self, duration_seconds: float, *, succeeded: bool) -> None:
+        """Record one refit; called by the refit code when a refit ends either way."""
+        self.refit_duration.labels(outcome="succeeded" if succeeded else "failed").observe(duration_seconds)
+
+    def exposition(self) -> bytes:
+        """The text format Prometheus scrapes."""
+        return prometheus_client.generate_latest(self.registry)
+
+
+class _EngineCollector(registry.Collector):
+    """Gauges read from the engine when Prometheus scrapes, so they are never stale."""
+
+    def __init__(self, engine: engine_module.Engine) -> None:
+        self._engine = engine
+
+    def collect(self) -> Iterator[core.Metric]:
+        engine = self._engine
+        yield core.GaugeMetricFamily(
+            "megafleet_queue_depth", "Sequences accepted and not finished.", value=engine.queue_depth
+        )
+        version = core.GaugeMetricFamily(
+            "megafleet_weight_version", "Weight version served; absent until the first weights are loaded."
+        )
+        if engine.weight_version is not None:
+            version.add_metric([], engine.weight_version)
+        yield version
+        state = core.GaugeMetricFamily("megafleet_engine_state", "1 for the engine's current state.", labels=["state"])
+        for name in STATES:
+            state.add_metric([name], 1.0 if engine.state == name else 0.0)
+        yield state
+
+
+class RequestMetrics:
+    """ASGI middleware counting frontend requests by endpoint and status and timing them to the last
+    byte (streams included). Endpoints outside ``known`` count as ``other`` to bound label values."""
+
+    def __init__(self, app: ASGIApp, *, metrics: Metrics, known: frozenset[str]) -> None:
+        self._app = app
+        self._metrics = metrics
+        self._known = known
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self._app(scope, receive, send)
+            return
+        path = scope["path"] if scope["path"] in self._known else "other"
+        started = time.monotonic()
+        status = 500  # unless a response starts
+
+        async def record(message: Message) -> None:
+            nonlocal status
+            if message["type"] == "http.response.start":
+                status = message["status"]
+            await send(message)
+
+        try:
+            await self._app(scope, receive, record)
+        finally:
+            self._metrics.requests.labels(endpoint=path, status=str(status)).inc()
+            self._metrics.request_latency.labels(endpoint=path).observe(time.monotonic() - started)
+
+
+def build_app(metrics: Metrics) -> fastapi.FastAPI:
+    """The metrics server's app: ``GET /metrics`` only."""
+    app = fastapi.FastAPI(title="megafleet engine metrics", docs_url=None, redoc_url=None, openapi_url=None)
+    exposition: Callable[[], bytes] = metrics.exposition
+
+    @app.get("/metrics")
+    def scrape() -> responses.Response:
+        return responses.Response(exposition(), media_type=prometheus_client.CONTENT_TYPE_LATEST)
+
+    return app

@@ -1,0 +1,339 @@
+"""Request and response bodies of the OpenAI-compatible API (pydantic models only).
+
+Read by the router (FastAPI validates requests against these) and written by
+:mod:`megafleet_engine.openai.serving`. Requests convert themselves to the backend's
+:class:`~megafleet_engine.backends.base.SamplingParams` (:meth:`SamplingRequest.to_sampling_params`).
+Imports only pydantic and the backend's plain dataclasses (no torch).
+
+RL extensions beyond OpenAI: ``top_k``, ``ignore_eos``, ``stop_token_ids``, ``return_token_ids``
+(requests); ``token_ids`` and ``prompt_token_ids`` per choice and ``weight_version`` on every
+response and stream chunk.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any, Literal
+
+import pydantic
+from pydantic import Field
+
+from megafleet_engine.backends import base
+
+log = logging.getLogger(__name__)
+
+MAX_N = 128
+"""Most choices one request may ask for: each is a sequence in the batch."""
+MAX_LOGPROBS = 20
+"""Most alternatives per token (OpenAI's limit for chat ``top_logprobs``)."""
+MAX_STOP = 16
+"""Most stop strings per request."""
+GREEDY_BELOW = 1e-5
+"""Temperatures below this sample greedily: dividing logits by less overflows float32 (NaN samples)."""
+SEED_MODULUS = 2**64
+"""Seeds are taken modulo this: torch generators take unsigned 64-bit seeds."""
+
+
+class OpenAIBaseModel(pydantic.BaseModel):
+    """Accepts fields it does not know (clients send many) but logs them, so nothing is ignored silently."""
+
+    model_config = pydantic.ConfigDict(extra="allow", allow_inf_nan=False)
+
+    @pydantic.model_validator(mode="after")
+    def _log_ignored(self) -> OpenAIBaseModel:
+        if self.model_extra:
+            log.info("ignoring unsupported %s fields: %s", type(self).__name__, ", ".join(sorted(self.model_extra)))
+        return self
+
+
+class StreamOptions(OpenAIBaseModel):
+    include_usage: bool = False
+
+
+class SamplingRequest(OpenAIBaseModel):
+    """Fields completions and chat completions share."""
+
+    model: str
+    n: int = Field(default=1, ge=1, le=MAX_N)
+    max_tokens: int | None = Field(default=None, ge=1)
+    temperature: float = Field(default=1.0, ge=0.0)
+    top_p: float = Field(default=1.0, gt=0.0, le=1.0)
+    top_k: int = Field(default=0, ge=-1, description="0 or -1: no top-k cut (extension)")
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = Field(default=None, description="extension")
+    ignore_eos: bool = Field(default=False, description="extension: keep going past the EOS token")
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    return_token_ids: bool = Field(default=False, description="extension: token ids per choice")
+    user: str | None = None
+
+    @pydantic.field_validator("stop")
+    @classmethod
+    def _stop_strings(cls, stop: str | list[str] | None) -> str | list[str] | None:
+        strings = [stop] if isinstance(stop, str) else (stop or [])
+        if any(not text for text in strings):
+            raise ValueError("stop strings must not be empty")
+        if len(strings) > MAX_STOP:
+            raise ValueError(f"at most {MAX_STOP} stop strings")
+        return stop
+
+    @pydantic.field_validator("presence_penalty", "frequency_penalty")
+    @classmethod
+    def _no_penalties(cls, value: float) -> float:
+        if value != 0.0:
+            raise ValueError("penalties are not supported; leave it 0")
+        return value
+
+    @property
+    def stop_strings(self) -> tuple[str, ...]:
+        return (self.stop,) if isinstance(self.stop, str) else tuple(self.stop or ())
+
+    @property
+    def include_usage(self) -> bool:
+        return self.stream_options is not None and self.stream_options.include_usage
+
+    def requested_max_tokens(self) -> int | None:
+        """The completion length the client asked for, if any."""
+        return self.max_tokens
+
+    def requested_logprobs(self) -> int | None:
+        """``None``: no log-probabilities; N: the sampled token's plus N alternatives."""
+        return None
+
+    def to_sampling_params(self, *, max_tokens: int, choice: int) -> base.SamplingParams:
+        """Backend sampling parameters for choice ``choice`` of this request.
+
+        Args:
+            max_tokens: the completion length, resolved by serving against the prompt length.
+            choice: the choice index; a seeded request gives choice ``i`` seed ``seed + i`` so its
+                ``n`` samples differ yet are reproducible.
+        """
+        return base.SamplingParams(
+            max_tokens=max_tokens,
+            temperature=0.0 if self.temperature < GREEDY_BELOW else self.temperature,
+            top_p=self.top_p,
+            top_k=max(self.top_k, 0),
+            seed=None if self.seed is None else (self.seed + choice) % SEED_MODULUS,
+            stop_token_ids=tuple(self.stop_token_ids or ()),
+            ignore_eos=self.ignore_eos,
+            logprobs=self.requested_logprobs(),
+        )
+
+
+# -- completions -----------------------------------------------------------------------------------
+
+Prompt = str | list[int] | list[str | list[int]]
+
+
+class CompletionRequest(SamplingRequest):
+    """``POST /v1/completions``: a prompt as text or token ids, or a list of them."""
+
+    prompt: Prompt
+    logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
+    echo: bool = False
+    suffix: str | None = None
+
+    @pydantic.field_validator("prompt")
+    @classmethod
+    def _non_empty(cls, prompt: Prompt) -> Prompt:
+        if isinstance(prompt, list) and not prompt:
+            raise ValueError("prompt must not be empty")
+        if isinstance(prompt, list) and any(isinstance(item, list) and not item for item in prompt):
+            raise ValueError("token-id prompts must not be empty")
+        if isinstance(prompt, list) and any(isinstance(item, int) and item < 0 for item in prompt):
+            raise ValueError("token ids must not be negative")
+        return prompt
+
+    @pydantic.field_validator("echo")
+    @classmethod
+    def _no_echo(cls, echo: bool) -> bool:
+        if echo:
+            raise ValueError("echo is not supported")
+        return echo
+
+    @pydantic.field_validator("suffix")
+    @classmethod
+    def _no_suffix(cls, suffix: str | None) -> str | None:
+        if suffix:
+            raise ValueError("suffix is not supported")
+        return suffix
+
+    def requested_logprobs(self) -> int | None:
+        return self.logprobs
+
+
+class CompletionLogprobs(OpenAIBaseModel):
+    tokens: list[str] = Field(default_factory=list)
+    token_logprobs: list[float | None] = Field(default_factory=list)
+    top_logprobs: list[dict[str, float]] = Field(default_factory=list)
+    text_offset: list[int] = Field(default_factory=list)
+
+
+class CompletionChoice(OpenAIBaseModel):
+    index: int
+    text: str
+    logprobs: CompletionLogprobs | None = None
+    finish_reason: str | None = None
+    token_ids: list[int] | None = None
+    prompt_token_ids: list[int] | None = None
+
+
+class Usage(OpenAIBaseModel):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+
+
+class CompletionResponse(OpenAIBaseModel):
+    id: str
+    object: Literal["text_completion"] = "text_completion"
+    created: int
+    model: str
+    choices: list[CompletionChoice]
+    usage: Usage | None = None
+    weight_version: int | None
+
+
+# -- chat completions ------------------------------------------------------------------------------
+
+
+class TextPart(OpenAIBaseModel):
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(OpenAIBaseModel):
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[TextPart] | None = None
+    name: str | None = None
+
+    @property
+    def text(self) -> str:
+        if isinstance(self.content, list):
+            return "".join(part.text for part in self.content)
+        return self.content or ""
+
+
+class ChatCompletionRequest(SamplingRequest):
+    """``POST /v1/chat/completions``: messages rendered with the tokenizer's chat template."""
+
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_completion_tokens: int | None = Field(default=None, ge=1)
+    logprobs: bool = False
+    top_logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
+
+    @pydantic.model_validator(mode="after")
+    def _top_needs_logprobs(self) -> ChatCompletionRequest:
+        if self.top_logprobs and not self.logprobs:
+            raise ValueError("top_logprobs needs logprobs set to true")
+        return self
+
+    def requested_max_tokens(self) -> int | None:
+        return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+
+    def requested_logprobs(self) -> int | None:
+        return (self.top_logprobs or 0) if self.logprobs else None
+
+    def conversation(self) -> list[dict[str, str]]:
+        """The messages as the chat template expects them."""
+        return [{"role": message.role, "content": message.text} for message in self.messages]
+
+
+class TopLogprob(OpenAIBaseModel):
+    token: str
+    logprob: float
+    bytes: list[int] | None = None
+
+
+class TokenLogprob(OpenAIBaseModel):
+    token: str
+    logprob: float
+    bytes: list[int] | None = None
+    top_logprobs: list[TopLogprob] = Field(default_factory=list)
+
+
+class ChatLogprobs(OpenAIBaseModel):
+    content: list[TokenLogprob] | None = None
+
+
+class AssistantMessage(OpenAIBaseModel):
+    role: Literal["assistant"] = "assistant"
+    content: str
+
+
+class ChatChoice(OpenAIBaseModel):
+    index: int
+    message: AssistantMessage
+    logprobs: ChatLogprobs | None = None
+    finish_reason: str | None = None
+    token_ids: list[int] | None = None
+    prompt_token_ids: list[int] | None = None
+
+
+class ChatCompletionResponse(OpenAIBaseModel):
+    id: str
+    object: Literal["chat.completion"] = "chat.completion"
+    created: int
+    model: str
+    choices: list[ChatChoice]
+    usage: Usage | None = None
+    weight_version: int | None
+
+
+class DeltaMessage(OpenAIBaseModel):
+    role: Literal["assistant"] | None = None
+    content: str | None = None
+
+
+class ChatStreamChoice(OpenAIBaseModel):
+    index: int
+    delta: DeltaMessage
+    logprobs: ChatLogprobs | None = None
+    finish_reason: str | None = None
+    token_ids: list[int] | None = None
+    prompt_token_ids: list[int] | None = None
+
+
+class ChatCompletionChunk(OpenAIBaseModel):
+    id: str
+    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
+    created: int
+    model: str
+    choices: list[ChatStreamChoice]
+    usage: Usage | None = None
+    weight_version: int | None
+
+
+class CompletionChunk(OpenAIBaseModel):
+    id: str
+    object: Literal["text_completion"] = "text_completion"
+    created: int
+    model: str
+    choices: list[CompletionChoice]
+    usage: Usage | None = None
+    weight_version: int | None
+
+
+# -- models -----------------------------------------------------------------------------
+
+
+class ModelCard(OpenAIBaseModel):
+    id: str
+    object: Literal["model"] = "model"
+    created: int
+    owned_by: str = "megafleet"
+    max_model_len: int
+
+
+class ModelList(OpenAIBaseModel):
+    object: Literal["list"] = "list"
+    data: list[ModelCard]
+    weight_version: int | None
+
+
+def dump(model: pydantic.BaseModel) -> dict[str, Any]:
+    """A response body as JSON-ready data; ``None`` fields are left out (clients read them as null)."""
+    return model.model_dump(mode="json", exclude_none=True)

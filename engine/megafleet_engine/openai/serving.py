@@ -1,0 +1,475 @@
+"""The logic behind ``/v1/models``, ``/v1/completions`` and ``/v1/chat/completions``.
+
+Called by the thin router (:mod:`megafleet_engine.openai.router`), which picks the streaming or the
+non-streaming method from ``request.stream``. Serving raises typed errors
+(:mod:`megafleet_engine.openai.errors`) and never builds error responses itself; errors that occur
+after a stream has started become an SSE error chunk followed by ``data: [DONE]``.
+
+Every response is stamped with the weight version that produced it: the version is read after
+the engine accepted the request's first choice, and the engine drains (or aborts) every request
+before a refit changes it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import time
+import uuid
+from collections.abc import AsyncIterator, Callable, Sequence
+
+import jinja2
+
+from megafleet_engine import engine as engine_module
+from megafleet_engine import metrics as metrics_module
+from megafleet_engine.backends import base
+from megafleet_engine.openai import errors, generation, protocol
+
+__all__ = ["ChatServing", "CompletionServing", "ModelServing", "ServingContext", "Stream"]
+
+log = logging.getLogger(__name__)
+
+DEFAULT_COMPLETION_TOKENS = 16
+"""``max_tokens`` of a completion that does not say (OpenAI's default); chat defaults to the rest
+of the context."""
+MISSING_LOGPROB = -9999.0
+"""What chat log-probabilities show when the backend gave none (OpenAI's own placeholder)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class ServingContext:
+    """Everything the serving classes share: the engine, its tokenizer and the metrics."""
+
+    engine: engine_module.Engine
+    tokenizer: generation.Tokenizer
+    metrics: metrics_module.Metrics
+
+    @property
+    def info(self) -> base.ModelInfo:
+        return self.engine.backend.info
+
+
+@dataclasses.dataclass(frozen=True)
+class Stream:
+    """A started streaming response: the weight version it serves and its SSE events."""
+
+    weight_version: int | None
+    events: AsyncIterator[str]
+    close: Callable[[], object]  # idempotent; the router runs it after the response as a safety net
+
+
+class ModelServing:
+    """``GET /v1/models``: the one model this engine serves."""
+
+    def __init__(self, context: ServingContext) -> None:
+        self._context = context
+        self._created = int(time.time())
+
+    def list_models(self) -> protocol.ModelList:
+        info = self._context.info
+        card = protocol.ModelCard(id=info.name, created=self._created, max_model_len=info.max_sequence_length)
+        return protocol.ModelList(data=[card], weight_version=self._context.engine.weight_version)
+
+    def get_model(self, name: str) -> protocol.ModelCard:
+        check_model(self._context.info, name)
+        return self.list_models().data[0]
+
+
+def check_model(info: base.ModelInfo, name: str) -> None:
+    if name != info.name:
+        raise errors.ModelNotFound(
+            f"the model `{name}` does not exist; this engine serves `{info.name}`", param="model"
+        )
+
+
+# -- the shared request pipeline --------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class _Prepared:
+    """A validated request: its choices and the distinct prompts they continue."""
+
+    request_id: str
+    specs: list[generation.SequenceSpec]
+    prompts: list[tuple[int, ...]]
+
+
+class _Pipeline:
+    """Prepare, start and drive the choices of one request; shared by completions and chat."""
+
+    def __init__(self, context: ServingContext) -> None:
+        self.context = context
+
+    def prepare(
+        self, request: protocol.SamplingRequest, prompts: Sequence[Sequence[int]], *, prefix: str, param: str
+    ) -> _Prepared:
+        info = self.context.info
+        check_model(info, request.model)
+        specs: list[generation.SequenceSpec] = []
+        for prompt_index, prompt in enumerate(prompts):
+            _check_token_ids(prompt, info.vocab_size, param=param)
+            max_tokens = _max_tokens(len(prompt), request, info.max_sequence_length, param=param)
+            for sample in range(request.n):
+                index = prompt_index * request.n + sample
+                params = request.to_sampling_params(max_tokens=max_tokens, choice=index)
+                specs.append(generation.SequenceSpec(index, tuple(prompt), params, request.stop_strings))
+        return _Prepared(f"{prefix}-{uuid.uuid4().hex}", specs, [tuple(prompt) for prompt in prompts])
+
+    async def start(self, prepared: _Prepared) -> tuple[generation.Run, tuple[int, base.TokenStep]]:
+        """Submit every choice and wait for the first token: errors here are plain HTTP errors."""
+        started = time.monotonic()
+        run = generation.Run(self.context.engine, prepared.specs, request_id=prepared.request_id)
+        run.start()
+        try:
+            first = await self.next(run)
+        except BaseException:
+            await run.close()
+            raise
+        if first is None:
+            await run.close()
+            raise errors.InternalError("the engine produced no tokens")
+        self.context.metrics.time_to_first_token.observe(time.monotonic() - started)
+        self.context.metrics.prompt_tokens.inc(sum(len(prompt) for prompt in prepared.prompts))
+        return run, first
+
+    async def next(self, run: generation.Run) -> tuple[int, base.TokenStep] | None:
+        try:
+            return await run.next()
+        except engine_module.EngineError as error:
+            raise engine_error(error) from error
+
+    async def deltas(
+        self, run: generation.Run, first: tuple[int, base.TokenStep], states: dict[int, generation.ChoiceState]
+    ) -> AsyncIterator[generation.Delta]:
+        """Feed every token to its choice; stop a choice whose stop string matched."""
+        event: tuple[int, base.TokenStep] | None = first
+        while event is not None:
+            index, step = event
+            state = states[index]
+            delta = state.feed(step, self.context.tokenizer)
+            self.context.metrics.generated_tokens.inc()
+            if state.finished:
+                run.stop(index)
+            yield delta
+            event = await self.next(run)
+
+    async def sse(
+        self, run: generation.Run, chunks: AsyncIterator[dict[str, object]], weight_version: int | None
+    ) -> AsyncIterator[str]:
+        """Server-sent events from ``chunks``; a failure mid-stream becomes an error event."""
+        try:
+            async for chunk in chunks:
+                yield _event(chunk)
+        except errors.HTTPError as error:
+            yield _event({**errors.envelope(error), "weight_version": weight_version})
+        except Exception as error:
+            log.exception("stream failed")
+            internal = errors.InternalError(f"internal error ({type(error).__name__})")
+            yield _event({**errors.envelope(internal), "weight_version": weight_version})
+        finally:
+            await run.close()
+        yield "data: [DONE]\n\n"
+
+    def usage(self, prepared: _Prepared, states: dict[int, generation.ChoiceState]) -> protocol.Usage:
+        prompt_tokens = sum(len(prompt) for prompt in prepared.prompts)
+        completion_tokens = sum(len(state.steps) for state in states.values())
+        return protocol.Usage(
+            prompt_tokens=prompt_tokens,
+            completion_tokens=completion_tokens,
+            total_tokens=prompt_tokens + completion_tokens,
+        )
+
+    def token_text(self, token_id: int) -> str:
+        return self.context.tokenizer.decode([token_id])
+
+
+def engine_error(error: engine_module.EngineError) -> errors.HTTPError:
+    """The HTTP error for an engine error."""
+    if isinstance(error, engine_module.NotServing):
+        return errors.ServiceUnavailable(f"the engine is {error.state} and does not accept requests", code=error.state)
+    if isinstance(error, engine_module.Aborted):
+        return errors.ServiceUnavailable(f"the request was aborted ({error}); retry it", code="aborted")
+    return errors.InternalError(str(error))
+
+
+def _check_token_ids(prompt: Sequence[int], vocab_size: int, *, param: str) -> None:
+    if not prompt:
+        raise errors.InvalidRequest("the prompt is empty", param=param)
+    bad = [token for token in prompt if not 0 <= token < vocab_size]
+    if bad:
+        raise errors.InvalidRequest(f"token id {bad[0]} is outside the vocabulary (0 to {vocab_size - 1})", param=param)
+
+
+def _max_tokens(prompt_length: int, request: protocol.SamplingRequest, limit: int, *, param: str) -> int:
+    room = limit - prompt_length
+    if room < 1:
+        raise errors.ContextLengthExceeded(
+            f"the prompt is {prompt_length} tokens; the maximum sequence length is {limit}", param=param
+        )
+    requested = request.requested_max_tokens()
+    if requested is None:
+        default = DEFAULT_COMPLETION_TOKENS if isinstance(request, protocol.CompletionRequest) else room
+        return min(default, room)
+    if prompt_length + requested > limit:
+        chat_limit = isinstance(request, protocol.ChatCompletionRequest) and request.max_completion_tokens is not None
+        name = "max_completion_tokens" if chat_limit else "max_tokens"
+        raise errors.ContextLengthExceeded(
+            f"the prompt ({prompt_length} tokens) plus {name} ({requested}) exceeds the maximum sequence length "
+            f"{limit}",
+            param=name,
+        )
+    return requested
+
+
+def _token_prompts(prompt: protocol.Prompt, tokenizer: generation.Tokenizer) -> list[list[int]]:
+    """A completion's prompts as token ids: text, token ids, or a list of either."""
+    if isinstance(prompt, str):
+        return [tokenizer.encode(prompt)]
+    single: list[int] = []
+    prompts: list[list[int]] = []
+    for item in prompt:
+        if isinstance(item, int):
+            single.append(item)
+        elif isinstance(item, str):
+            prompts.append(tokenizer.encode(item))
+        else:
+            prompts.append(list(item))
+    return [single] if single else prompts
+
+
+def _event(data: dict[str, object]) -> str:
+    return f"data: {json.dumps(data, separators=(',', ':'))}\n\n"
+
+
+def _states(prepared: _Prepared) -> dict[int, generation.ChoiceState]:
+    return {spec.index: generation.ChoiceState(spec) for spec in prepared.specs}
+
+
+# -- completions ------------------------------------------------------------------------------------
+
+
+class CompletionServing:
+    """``POST /v1/completions``."""
+
+    def __init__(self, context: ServingContext) -> None:
+        self._pipeline = _Pipeline(context)
+        self._context = context
+
+    async def create(self, request: protocol.CompletionRequest) -> protocol.CompletionResponse:
+        prepared = self._prepare(request)
+        run, first = await self._pipeline.start(prepared)
+        weight_version = self._context.engine.weight_version
+        states = _states(prepared)
+        try:
+            async for _ in self._pipeline.deltas(run, first, states):
+                pass
+        finally:
+            await run.close()
+        choices = [self._choice(request, state, state.steps, state.text, 0) for state in states.values()]
+        return protocol.CompletionResponse(
+            id=prepared.request_id,
+            created=int(time.time()),
+            model=request.model,
+            choices=choices,
+            usage=self._pipeline.usage(prepared, states),
+            weight_version=weight_version,
+        )
+
+    async def stream(self, request: protocol.CompletionRequest) -> Stream:
+        prepared = self._prepare(request)
+        run, first = await self._pipeline.start(prepared)
+        weight_version = self._context.engine.weight_version
+        chunks = self._chunks(request, prepared, run, first, weight_version)
+        return Stream(weight_version, self._pipeline.sse(run, chunks, weight_version), run.close)
+
+    def _prepare(self, request: protocol.CompletionRequest) -> _Prepared:
+        prompts = _token_prompts(request.prompt, self._context.tokenizer)
+        return self._pipeline.prepare(request, prompts, prefix="cmpl", param="prompt")
+
+    async def _chunks(
+        self,
+        request: protocol.CompletionRequest,
+        prepared: _Prepared,
+        run: generation.Run,
+        first: tuple[int, base.TokenStep],
+        weight_version: int | None,
+    ) -> AsyncIterator[dict[str, object]]:
+        states = _states(prepared)
+        started: set[int] = set()
+        created = int(time.time())
+        async for delta in self._pipeline.deltas(run, first, states):
+            state = states[delta.index]
+            wants_steps = request.logprobs is not None or request.return_token_ids
+            if not (delta.text or delta.finish_reason or wants_steps):
+                continue
+            choice = self._choice(request, state, delta.steps, delta.text, len(state.text) - len(delta.text))
+            choice.finish_reason = delta.finish_reason
+            if delta.index in started:
+                choice.prompt_token_ids = None
+            started.add(delta.index)
+            chunk = protocol.CompletionChunk(
+                id=prepared.request_id,
+                created=created,
+                model=request.model,
+                choices=[choice],
+                weight_version=weight_version,
+            )
+            yield protocol.dump(chunk)
+        if request.include_usage:
+            usage = protocol.CompletionChunk(
+                id=prepared.request_id,
+                created=created,
+                model=request.model,
+                choices=[],
+                usage=self._pipeline.usage(prepared, states),
+                weight_version=weight_version,
+            )
+            yield protocol.dump(usage)
+
+    def _choice(
+        self,
+        request: protocol.CompletionRequest,
+        state: generation.ChoiceState,
+        steps: Sequence[base.TokenStep],
+        text: str,
+        offset: int,
+    ) -> protocol.CompletionChoice:
+        return protocol.CompletionChoice(
+            index=state.spec.index,
+            text=text,
+            logprobs=self._logprobs(steps, offset) if request.logprobs is not None else None,
+            finish_reason=state.finish_reason,
+            token_ids=[step.token_id for step in steps] if request.return_token_ids else None,
+            prompt_token_ids=list(state.spec.prompt_token_ids) if request.return_token_ids else None,
+        )
+
+    def _logprobs(self, steps: Sequence[base.TokenStep], offset: int) -> protocol.CompletionLogprobs:
+        result = protocol.CompletionLogprobs()
+        for step in steps:
+            token = self._pipeline.token_text(step.token_id)
+            result.tokens.append(token)
+            result.token_logprobs.append(step.logprob)
+            # keyed by text (OpenAI's shape): tokens that decode alike keep the first, most likely one
+            top = {token: step.logprob} if step.logprob is not None else {}
+            for token_id, logprob in step.top_logprobs:
+                top.setdefault(self._pipeline.token_text(token_id), logprob)
+            result.top_logprobs.append(top)
+            result.text_offset.append(offset)
+            offset += len(token)
+        return result
+
+
+# -- chat completions -------------------------------------------------------------------------------
+
+
+class ChatServing:
+    """``POST /v1/chat/completions``: the messages through the tokenizer's chat template."""
+
+    def __init__(self, context: ServingContext) -> None:
+        self._pipeline = _Pipeline(context)
+        self._context = context
+
+    async def create(self, request: protocol.ChatCompletionRequest) -> protocol.ChatCompletionResponse:
+        prepared = self._prepare(request)
+        run, first = await self._pipeline.start(prepared)
+        weight_version = self._context.engine.weight_version
+        states = _states(prepared)
+        try:
+            async for _ in self._pipeline.deltas(run, first, states):
+                pass
+        finally:
+            await run.close()
+        choices = [
+            protocol.ChatChoice(
+                index=state.spec.index,
+                message=protocol.AssistantMessage(content=state.text),
+                logprobs=self._logprobs(state.steps) if request.logprobs else None,
+                finish_reason=state.finish_reason,
+                token_ids=state.token_ids if request.return_token_ids else None,
+                prompt_token_ids=list(state.spec.prompt_token_ids) if request.return_token_ids else None,
+            )
+            for state in states.values()
+        ]
+        return protocol.ChatCompletionResponse(
+            id=prepared.request_id,
+            created=int(time.time()),
+            model=request.model,
+            choices=choices,
+            usage=self._pipeline.usage(prepared, states),
+            weight_version=weight_version,
+        )
+
+    async def stream(self, request: protocol.ChatCompletionRequest) -> Stream:
+        prepared = self._prepare(request)
+        run, first = await self._pipeline.start(prepared)
+        weight_version = self._context.engine.weight_version
+        chunks = self._chunks(request, prepared, run, first, weight_version)
+        return Stream(weight_version, self._pipeline.sse(run, chunks, weight_version), run.close)
+
+    def _prepare(self, request: protocol.ChatCompletionRequest) -> _Prepared:
+        try:
+            prompt = self._context.tokenizer.apply_chat_template(
+                request.conversation(), add_generation_prompt=True, tokenize=True, return_dict=False
+            )
+        except (jinja2.TemplateError, ValueError) as error:
+            raise errors.InvalidRequest(f"the chat template rejected the messages: {error}", param="messages") from None
+        if not isinstance(prompt, list) or not all(isinstance(token, int) for token in prompt):
+            raise errors.InternalError("the chat template did not produce token ids")
+        return self._pipeline.prepare(request, [prompt], prefix="chatcmpl", param="messages")
+
+    async def _chunks(
+        self,
+        request: protocol.ChatCompletionRequest,
+        prepared: _Prepared,
+        run: generation.Run,
+        first: tuple[int, base.TokenStep],
+        weight_version: int | None,
+    ) -> AsyncIterator[dict[str, object]]:
+        created = int(time.time())
+
+        def chunk(choices: list[protocol.ChatStreamChoice], usage: protocol.Usage | None = None) -> dict[str, object]:
+            return protocol.dump(
+                protocol.ChatCompletionChunk(
+                    id=prepared.request_id,
+                    created=created,
+                    model=request.model,
+                    choices=choices,
+                    usage=usage,
+                    weight_version=weight_version,
+                )
+            )
+
+        for spec in prepared.specs:  # OpenAI opens every choice with the role
+            prompt_ids = list(spec.prompt_token_ids) if request.return_token_ids else None
+            opening = protocol.DeltaMessage(role="assistant", content="")
+            yield chunk([protocol.ChatStreamChoice(index=spec.index, delta=opening, prompt_token_ids=prompt_ids)])
+        states = _states(prepared)
+        wants_steps = request.logprobs or request.return_token_ids
+        async for delta in self._pipeline.deltas(run, first, states):
+            if not (delta.text or delta.finish_reason or wants_steps):
+                continue
+            choice = protocol.ChatStreamChoice(
+                index=delta.index,
+                delta=protocol.DeltaMessage(content=delta.text),
+                logprobs=self._logprobs(delta.steps) if request.logprobs else None,
+                finish_reason=delta.finish_reason,
+                token_ids=[step.token_id for step in delta.steps] if request.return_token_ids else None,
+            )
+            yield chunk([choice])
+        if request.include_usage:
+            yield chunk([], self._pipeline.usage(prepared, states))
+
+    def _logprobs(self, steps: Sequence[base.TokenStep]) -> protocol.ChatLogprobs:
+        content = []
+        for step in steps:
+            token = self._pipeline.token_text(step.token_id)
+            top = [
+                protocol.TopLogprob(token=text, logprob=logprob, bytes=list(text.encode()))
+                for text, logprob in ((self._pipeline.token_text(token_id), lp) for token_id, lp in step.top_logprobs)
+            ]
+            logprob = step.logprob if step.logprob is not None else MISSING_LOGPROB
+            content.append(
+                protocol.TokenLogprob(token=token, logprob=logprob, bytes=list(token.encode()), top_logprobs=top)
+            )
+        return protocol.ChatLogprobs(content=content)

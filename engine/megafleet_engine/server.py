@@ -1,0 +1,247 @@
+"""The HTTP servers of one rank process: OpenAI frontend, agent API and metrics, in one event loop.
+
+Called by :mod:`megafleet_engine.cli` for each rank process and by tests. :class:`EngineServers`
+binds its sockets first (so the address the frontend really serves is known before any app is
+built, and port 0 works) and then runs one uvicorn server per socket until :meth:`EngineServers.stop`.
+Which servers a process runs is the caller's choice: frontend ranks serve the frontend, local rank
+0 of a pod serves the agent and metrics.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import ipaddress
+import logging
+import socket
+from collections.abc import Iterator, Mapping
+from pathlib import Path
+from typing import Any
+
+import fastapi
+import uvicorn
+
+from megafleet_engine import agent as agent_module
+from megafleet_engine import engine as engine_module
+from megafleet_engine import metrics as metrics_module
+from megafleet_engine.openai import errors, generation, router, serving
+
+__all__ = ["EngineServers", "Listener", "bind", "build_agent_app", "build_frontend_app", "read_secret", "tokenizer_of"]
+
+log = logging.getLogger(__name__)
+
+FRONTEND_PATHS = frozenset({"/v1/models", "/v1/completions", "/v1/chat/completions", "/health"})
+"""Endpoint label values of the request metrics; anything else counts as ``other``."""
+GRACEFUL_SHUTDOWN_SECONDS = 10
+"""How long a stopping server waits for responses in flight before closing their connections."""
+
+
+def build_frontend_app(context: serving.ServingContext, *, api_key: str | None = None) -> fastapi.FastAPI:
+    """The OpenAI-compatible app; ``GET /health`` (no key) says whether the engine takes requests."""
+    app = fastapi.FastAPI(title="megafleet engine", docs_url=None, redoc_url=None, openapi_url=None)
+    app.state.frontend = router.Frontend(
+        models=serving.ModelServing(context),
+        completions=serving.CompletionServing(context),
+        chat=serving.ChatServing(context),
+        context=context,
+        api_key=api_key,
+    )
+
+    def stamp() -> tuple[Mapping[str, Any], Mapping[str, str]]:
+        version = context.engine.weight_version
+        return {"weight_version": version}, {router.WEIGHT_VERSION_HEADER: router.weight_version_header(version)}
+
+    errors.install(app, stamp=stamp)
+    app.include_router(router.router)
+
+    @app.get("/health")
+    async def health() -> dict[str, str]:
+        state = context.engine.state
+        if state != "ready":
+            raise errors.ServiceUnavailable(f"the engine is {state}", code=state)
+        return {"status": "ready"}
+
+    app.add_middleware(metrics_module.RequestMetrics, metrics=context.metrics, known=FRONTEND_PATHS)
+    return app
+
+
+def build_agent_app(agent: agent_module.Agent) -> fastapi.FastAPI:
+    """The agent app (operator only)."""
+    app = fastapi.FastAPI(title="megafleet engine agent", docs_url=None, redoc_url=None, openapi_url=None)
+    app.state.agent = agent
+    errors.install(app)
+    app.include_router(agent_module.health_router)
+    app.include_router(agent_module.router)
+    app.include_router(agent_module.refit_router)
+    return app
+
+
+def read_secret(path: Path, *, what: str) -> str:
+    """A token from a mounted Secret file; missing or empty is a startup error naming the file."""
+    try:
+        secret = path.read_text().strip()
+    except OSError as error:
+        raise RuntimeError(f"cannot read the {what} file {path}: {error.strerror}") from None
+    if not secret:
+        raise RuntimeError(f"the {what} file {path} is empty")
+    return secret
+
+
+def tokenizer_of(backend: object) -> generation.Tokenizer:
+    """The backend's tokenizer (the frontend turns text into token ids and back)."""
+    tokenizer = getattr(backend, "tokenizer", None)
+    if tokenizer is None:
+        raise RuntimeError(f"the {type(backend).__name__} backend has no tokenizer; the frontend needs one")
+    return tokenizer  # type: ignore[no-any-return]
+
+
+def bind(host: str, port: int) -> socket.socket:
+    """A listening TCP socket on ``host:port`` (port 0: any free port)."""
+    family = socket.AF_INET6 if ipaddress.ip_address(host).version == 6 else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((host, port))
+        sock.listen(2048)
+    except OSError as error:
+        sock.close()
+        raise RuntimeError(f"cannot listen on {host}:{port}: {error.strerror}") from None
+    sock.set_inheritable(False)
+    return sock
+
+
+def address_of(sock: socket.socket) -> str:
+    """``host:port`` (``[host]:port`` for IPv6) the socket is bound to."""
+    host, port = sock.getsockname()[:2]
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
+
+@dataclasses.dataclass(frozen=True)
+class Listener:
+    """One server to run: its name (for logs), app and bound socket."""
+
+    name: str
+    app: fastapi.FastAPI
+    sock: socket.socket
+    address: str  # host:port the socket is bound to
+
+
+class _Server(uvicorn.Server):
+    """A uvicorn server that leaves signals alone: the process stops every server together."""
+
+    @contextlib.contextmanager
+    def capture_signals(self) -> Iterator[None]:
+        yield
+
+
+class EngineServers:
+    """The servers of one rank process, on sockets bound before the apps are built.
+
+    Args:
+        engine: the rank's engine.
+        tokenizer: its tokenizer.
+        metrics: its metrics.
+        host: address to bind (the pod IP).
+        frontend_port: the frontend's port, or ``None`` on a rank that is not a frontend rank.
+        agent_port: the agent's port, or ``None`` on a process that does not serve the agent.
+        metrics_port: the metrics port, or ``None`` likewise.
+        agent_token_file: the agent's token file (required with ``agent_port``).
+        api_key: the frontend's API key, if any.
+        rank: global rank of this process; world_size: ranks in the shard.
+    """
+
+    def __init__(
+        self,
+        engine: engine_module.Engine,
+        tokenizer: generation.Tokenizer,
+        metrics: metrics_module.Metrics,
+        *,
+        host: str,
+        frontend_port: int | None,
+        agent_port: int | None,
+        metrics_port: int | None,
+        agent_token_file: Path | None = None,
+        api_key: str | None = None,
+        rank: int = 0,
+        world_size: int = 1,
+    ) -> None:
+        if agent_port is not None:
+            if agent_token_file is None:
+                raise RuntimeError("the agent needs a token file (MEGAFLEET_AGENT_TOKEN_FILE)")
+            read_secret(agent_token_file, what="agent token")
+        self.listeners: list[Listener] = []
+        try:
+            self.served_address: str | None = None
+            if frontend_port is not None:
+                app = build_frontend_app(serving.ServingContext(engine, tokenizer, metrics), api_key=api_key)
+                self._listen("frontend", app, host, frontend_port)
+                self.served_address = self.listeners[-1].address
+            if agent_port is not None and agent_token_file is not None:
+                agent = agent_module.Agent(
+                    engine,
+                    agent_token_file,
+                    rank=rank,
+                    world_size=world_size,
+                    served_address=self.served_address,
+                    metrics=metrics,
+                )
+                self._listen("agent", build_agent_app(agent), host, agent_port)
+            if metrics_port is not None:
+                self._listen("metrics", metrics_module.build_app(metrics), host, metrics_port)
+        except BaseException:
+            self.close_sockets()
+            raise
+        self._servers = [_Server(_config(listener.app)) for listener in self.listeners]
+
+    def _listen(self, name: str, app: fastapi.FastAPI, host: str, port: int) -> None:
+        sock = bind(host, port)
+        self.listeners.append(Listener(name, app, sock, address_of(sock)))
+
+    def address(self, name: str) -> str | None:
+        """Where the server called ``name`` (frontend, agent, metrics) listens, if it runs."""
+        return next((listener.address for listener in self.listeners if listener.name == name), None)
+
+    @property
+    def started(self) -> bool:
+        return all(server.started for server in self._servers)
+
+    async def serve(self) -> None:
+        """Run every server until :meth:`stop` (or until one of them ends, which stops the rest)."""
+        for listener in self.listeners:
+            log.info("serving the %s on http://%s", listener.name, listener.address)
+        tasks = [
+            asyncio.create_task(server.serve(sockets=[listener.sock]), name=f"megafleet-{listener.name}")
+            for server, listener in zip(self._servers, self.listeners, strict=True)
+        ]
+        try:
+            await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            self.stop()
+            results = await asyncio.gather(*tasks, return_exceptions=True)
+            self.close_sockets()
+        for listener, result in zip(self.listeners, results, strict=True):
+            if isinstance(result, BaseException):
+                raise RuntimeError(f"the {listener.name} server failed: {result!r}") from result
+        for listener in self.listeners:
+            log.info("stopped the %s on http://%s", listener.name, listener.address)
+
+    def stop(self) -> None:
+        """Ask every server to finish its responses in flight and stop (safe from any thread)."""
+        for server in self._servers:
+            server.should_exit = True
+
+    def close_sockets(self) -> None:
+        for listener in self.listeners:
+            listener.sock.close()
+
+
+def _config(app: fastapi.FastAPI) -> uvicorn.Config:
+    return uvicorn.Config(
+        app,
+        lifespan="off",
+        log_config=None,  # the process configures logging once
+        log_level="warning",  # start/stop lines come from this module, once per server
+        access_log=False,
+        timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_SECONDS,
+    )

@@ -1,0 +1,60 @@
+"""The operator's client for the pod-local agents (``GET /v1/state``, suspend, resume, refit).
+
+Called by :mod:`megafleet.reconcile` to observe shards and verify served addresses, and by the
+refit orchestration. Every call carries the fleet's bearer token; a pod whose agent does not
+answer within the timeout is reported as unreachable, never as an exception.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+from typing import Any
+
+import httpx
+
+from megafleet.api import v1alpha1
+
+TIMEOUT_SECONDS = 2.0
+
+
+@dataclasses.dataclass(frozen=True)
+class AgentState:
+    """What one agent reports; ``error`` is set instead when it could not be asked."""
+
+    state: str | None = None
+    weight_version: int | None = None
+    served_address: str | None = None
+    last_error: str | None = None
+    error: str | None = None
+
+
+class Agents:
+    """One HTTP client for all agents of all fleets."""
+
+    def __init__(self, *, port: int = v1alpha1.AGENT_PORT, timeout_seconds: float = TIMEOUT_SECONDS) -> None:
+        self.port = port
+        self._http = httpx.AsyncClient(timeout=timeout_seconds)
+
+    async def close(self) -> None:
+        await self._http.aclose()
+
+    async def state(self, pod_ip: str, token: str) -> AgentState:
+        try:
+            response = await self._http.get(
+                f"http://{pod_ip}:{self.port}/v1/state", headers={"Authorization": f"Bearer {token}"}
+            )
+        except httpx.HTTPError as error:
+            return AgentState(error=f"agent at {pod_ip}:{self.port} unreachable: {type(error).__name__}")
+        if response.status_code != 200:
+            return AgentState(error=f"agent at {pod_ip}:{self.port} answered HTTP {response.status_code}")
+        body: dict[str, Any] = response.json()
+        return AgentState(
+            state=body.get("state"),
+            weight_version=body.get("weightVersion"),
+            served_address=body.get("servedAddress"),
+            last_error=body.get("lastError"),
+        )
+
+    async def states(self, pod_ips: list[str], token: str) -> list[AgentState]:
+        return list(await asyncio.gather(*(self.state(ip, token) for ip in pod_ips)))

@@ -1,0 +1,187 @@
+"""The ``megafleet-engine`` command as a pod runs it: settings from the environment, one CPU rank
+serving the frontend, agent and metrics on the ports it bound, a clean stop on SIGTERM, clear
+start-up errors, and two ranks of one shard joining a gloo process group."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import queue
+import re
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+import test_engine_harness as harness
+
+START_TIMEOUT_SECONDS = 120
+SERVING = re.compile(r"serving the (\w+) on http://(\S+)")
+ALL_SERVERS = {"frontend", "agent", "metrics"}
+
+
+@pytest.fixture
+def token_file(tmp_path: Path) -> Path:
+    return harness.token_file(tmp_path)
+
+
+def _env(token_file: Path, **extra: str) -> dict[str, str]:
+    env = {key: value for key, value in os.environ.items() if not key.startswith("MEGAFLEET_")}
+    env.update(
+        MEGAFLEET_MODEL_SOURCE="tiny://llama",
+        MEGAFLEET_SERVED_MODEL_NAME="tiny-cli",
+        MEGAFLEET_DTYPE="float32",
+        MEGAFLEET_MAX_SEQUENCE_LENGTH="128",
+        MEGAFLEET_HOST="127.0.0.1",
+        MEGAFLEET_FRONTEND_PORT="0",
+        MEGAFLEET_AGENT_PORT="0",
+        MEGAFLEET_METRICS_PORT="0",
+        MEGAFLEET_AGENT_TOKEN_FILE=str(token_file),
+    )
+    env.update(extra)
+    return env
+
+
+class EngineProcess:
+    """One ``megafleet-engine`` process and its log (stderr, read by a thread)."""
+
+    def __init__(self, env: dict[str, str]) -> None:
+        self.process = subprocess.Popen(
+            [sys.executable, "-m", "megafleet_engine.cli"],
+            env=env,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        self.log: list[str] = []
+        self._lines: queue.Queue[str | None] = queue.Queue()
+        self._reader = threading.Thread(target=self._read, daemon=True)
+        self._reader.start()
+
+    def _read(self) -> None:
+        assert self.process.stderr is not None
+        for line in self.process.stderr:
+            self.log.append(line)
+            self._lines.put(line)
+        self._lines.put(None)
+
+    def addresses(self, servers: set[str]) -> dict[str, str]:
+        """Wait until the process logged where each of ``servers`` listens."""
+        addresses: dict[str, str] = {}
+        deadline = time.monotonic() + START_TIMEOUT_SECONDS
+        while set(addresses) != servers:
+            line = self._lines.get(timeout=max(deadline - time.monotonic(), 0.1))
+            assert line is not None, "the engine exited during start-up:\n" + "".join(self.log)
+            if match := SERVING.search(line):
+                addresses[match.group(1)] = match.group(2)
+        return addresses
+
+    def close(self) -> None:
+        if self.process.poll() is None:
+            self.process.kill()
+        self.process.wait(timeout=30)
+        self._reader.join(timeout=30)
+        assert self.process.stderr is not None
+        self.process.stderr.close()
+
+
+@contextlib.contextmanager
+def engine_processes(*envs: dict[str, str]) -> Iterator[list[EngineProcess]]:
+    """Start one process per environment, all at once; kill whatever still runs on exit."""
+    processes: list[EngineProcess] = []
+    try:
+        for env in envs:
+            processes.append(EngineProcess(env))
+        yield processes
+    finally:
+        for process in processes:
+            process.close()
+
+
+def test_engine_command_serves_and_stops_on_sigterm(token_file: Path) -> None:
+    with engine_processes(_env(token_file, MEGAFLEET_API_KEY="sk-fleet")) as (engine,):
+        addresses = engine.addresses(ALL_SERVERS)
+        with httpx.Client(headers={"Authorization": f"Bearer {harness.AGENT_TOKEN}"}, timeout=30) as agent:
+            state = agent.get(f"http://{addresses['agent']}/v1/state").json()
+        assert state["state"] == "ready" and state["weightVersion"] == 0
+        assert state["servedAddress"] == addresses["frontend"]
+        frontend = f"http://{addresses['frontend']}/v1"
+        assert httpx.get(f"{frontend}/models", timeout=30).status_code == 401, "the API key must be enforced"
+        with openai.OpenAI(base_url=frontend, api_key="sk-fleet", max_retries=0) as client:
+            assert client.completions.create(model="tiny-cli", prompt="hi", max_tokens=3).usage is not None
+        assert httpx.get(f"http://{addresses['metrics']}/metrics", timeout=30).status_code == 200
+        engine.process.send_signal(signal.SIGTERM)
+        assert engine.process.wait(timeout=60) == 0
+    assert any("loading tiny://llama" in line for line in engine.log)
+    assert any("rank 0: stopped" in line for line in engine.log)
+
+
+def test_engine_command_with_deferred_weights_starts_loading(token_file: Path) -> None:
+    with engine_processes(_env(token_file, MEGAFLEET_WEIGHTS_INITIAL="refit")) as (engine,):
+        addresses = engine.addresses(ALL_SERVERS)
+        with httpx.Client(headers={"Authorization": f"Bearer {harness.AGENT_TOKEN}"}, timeout=30) as agent:
+            state = agent.get(f"http://{addresses['agent']}/v1/state").json()
+            ready = agent.get(f"http://{addresses['agent']}/readyz")
+        refused = httpx.post(
+            f"http://{addresses['frontend']}/v1/completions", json={"model": "tiny-cli", "prompt": "x"}, timeout=30
+        )
+    assert (state["state"], state["weightVersion"]) == ("loading", None)
+    assert ready.status_code == 503
+    assert refused.status_code == 503 and refused.json()["error"]["code"] == "loading"
+
+
+def test_engine_command_rejects_invalid_settings(token_file: Path) -> None:
+    result = subprocess.run(
+        [sys.executable, "-m", "megafleet_engine.cli"],
+        env=_env(token_file, MEGAFLEET_BACKEND="vllm"),
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    assert result.returncode == 2
+    assert "MEGAFLEET_BACKEND must be one of transformers, megatron" in result.stderr
+
+
+def test_engine_command_refuses_to_start_without_its_agent_token(tmp_path: Path) -> None:
+    result = subprocess.run(
+        [sys.executable, "-m", "megafleet_engine.cli"],
+        env=_env(tmp_path / "missing-token"),
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    assert result.returncode == 1
+    assert "agent token" in result.stderr and "missing-token" in result.stderr
+
+
+def test_two_ranks_join_one_process_group_and_only_the_frontend_rank_serves_clients(token_file: Path) -> None:
+    """Two one-rank pods of a TP=2 shard on CPU: both must join the gloo group before serving;
+    rank 0 (tp_rank 0) hosts the frontend, rank 1 only its agent and metrics."""
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        master_port = str(probe.getsockname()[1])
+    shard = {"MEGAFLEET_WORLD_SIZE": "2", "MEGAFLEET_TENSOR_PARALLEL": "2", "MEGAFLEET_MASTER_PORT": master_port}
+    envs = [_env(token_file, MEGAFLEET_RANK=str(rank), **shard) for rank in (0, 1)]
+    with engine_processes(*envs) as (rank0, rank1):  # started together: rendezvous waits for both
+        addresses0 = rank0.addresses(ALL_SERVERS)
+        addresses1 = rank1.addresses({"agent", "metrics"})
+        with httpx.Client(headers={"Authorization": f"Bearer {harness.AGENT_TOKEN}"}, timeout=30) as agent:
+            state0 = agent.get(f"http://{addresses0['agent']}/v1/state").json()
+            state1 = agent.get(f"http://{addresses1['agent']}/v1/state").json()
+        for engine in (rank0, rank1):
+            engine.process.send_signal(signal.SIGTERM)
+        assert rank0.process.wait(timeout=60) == 0 and rank1.process.wait(timeout=60) == 0
+    assert (state0["rank"], state0["worldSize"], state0["servedAddress"]) == (0, 2, addresses0["frontend"])
+    assert (state1["rank"], state1["worldSize"], state1["servedAddress"]) == (1, 2, None)
+    assert not any("serving the frontend" in line for line in rank1.log), "rank 1 is not a frontend rank"
+    for engine in (rank0, rank1):
+        assert any("joining the shard's process group (gloo, 2 ranks)" in line for line in engine.log)

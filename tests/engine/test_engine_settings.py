@@ -1,0 +1,136 @@
+"""Engine settings from ``MEGAFLEET_*`` variables: defaults, every variable read, and clear errors."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from megafleet_engine import settings
+
+
+def test_defaults_need_only_the_model_source() -> None:
+    read = settings.from_env({"MEGAFLEET_MODEL_SOURCE": "tiny://llama"})
+    assert read == settings.Settings(model_source="tiny://llama")
+    assert (read.frontend_port, read.agent_port, read.metrics_port) == (8000, 8471, 9400)
+    assert (read.host, read.weights_initial, read.backend, read.world_size) == (
+        "127.0.0.1",
+        "checkpoint",
+        "transformers",
+        1,
+    )
+    assert read.model_name == "tiny://llama"
+    assert read.is_frontend_rank(0)
+
+
+def test_every_variable_is_read() -> None:
+    env = {
+        "MEGAFLEET_MODEL_SOURCE": "/models/llama",
+        "MEGAFLEET_SERVED_MODEL_NAME": "policy",
+        "MEGAFLEET_BACKEND": "megatron",
+        "MEGAFLEET_DTYPE": "float16",
+        "MEGAFLEET_MAX_SEQUENCE_LENGTH": "8192",
+        "MEGAFLEET_MAX_BATCH_SIZE": "32",
+        "MEGAFLEET_WEIGHTS_INITIAL": "refit",
+        "MEGAFLEET_HOST": "127.0.0.9",
+        "MEGAFLEET_FRONTEND_PORT": "8100",
+        "MEGAFLEET_AGENT_PORT": "8472",
+        "MEGAFLEET_METRICS_PORT": "9401",
+        "MEGAFLEET_AGENT_TOKEN_FILE": "/var/run/agent/token",
+        "MEGAFLEET_API_KEY_FILE": "/var/run/api/key",
+        "MEGAFLEET_RANK": "4",
+        "MEGAFLEET_WORLD_SIZE": "8",
+        "MEGAFLEET_TENSOR_PARALLEL": "4",
+        "MEGAFLEET_PIPELINE_PARALLEL": "2",
+        "MEGAFLEET_MASTER_ADDR": "10.0.0.1",
+        "MEGAFLEET_MASTER_PORT": "29501",
+        "MEGAFLEET_LOCAL_GPUS": "4",
+        "MEGAFLEET_KV_CACHE_MODE": "offload",
+    }
+    read = settings.from_env(env)
+    assert read == settings.Settings(
+        model_source="/models/llama",
+        served_model_name="policy",
+        backend="megatron",
+        dtype="float16",
+        max_sequence_length=8192,
+        max_batch_size=32,
+        weights_initial="refit",
+        host="127.0.0.9",
+        frontend_port=8100,
+        agent_port=8472,
+        metrics_port=9401,
+        agent_token_file=Path("/var/run/agent/token"),
+        api_key_file=Path("/var/run/api/key"),
+        rank=4,
+        world_size=8,
+        tensor_parallel=4,
+        pipeline_parallel=2,
+        master_addr="10.0.0.1",
+        master_port=29501,
+        local_gpus=4,
+        kv_cache_mode="offload",
+    )
+    assert read.model_name == "policy"
+    # TP 4, PP 2, world 8: frontend ranks are tp_rank 0 of the first pipeline stage only
+    assert [rank for rank in range(8) if read.is_frontend_rank(rank)] == [0]
+
+
+def test_frontend_ranks_follow_megatron_order() -> None:
+    read = settings.Settings(model_source="x", world_size=8, tensor_parallel=2, pipeline_parallel=2)
+    assert [rank for rank in range(8) if read.is_frontend_rank(rank)] == [0, 2]
+
+
+INVALID = [
+    ("MEGAFLEET_MAX_SEQUENCE_LENGTH", "lots", "must be an integer"),
+    ("MEGAFLEET_MAX_BATCH_SIZE", "0", "at least 1"),
+    ("MEGAFLEET_BACKEND", "vllm", "one of transformers, megatron"),
+    ("MEGAFLEET_DTYPE", "int8", "one of"),
+    ("MEGAFLEET_WEIGHTS_INITIAL", "lazy", "checkpoint, refit"),
+    ("MEGAFLEET_KV_CACHE_MODE", "drop", "persist, offload, recompute"),
+    ("MEGAFLEET_FRONTEND_PORT", "70000", "TCP port"),
+    ("MEGAFLEET_AGENT_PORT", "8000", "must differ"),
+    ("MEGAFLEET_WORLD_SIZE", "3", "not a multiple"),
+    ("MEGAFLEET_RANK", "2", "exceeds"),
+    ("MEGAFLEET_HOST", "engine.local", "IP address"),
+    ("MEGAFLEET_LOCAL_GPUS", "-1", "at least 0"),
+]
+
+
+@pytest.mark.parametrize(("name", "value", "message"), INVALID, ids=[f"{name}={value}" for name, value, _ in INVALID])
+def test_invalid_values_name_the_variable(name: str, value: str, message: str) -> None:
+    env = {"MEGAFLEET_MODEL_SOURCE": "tiny://llama", "MEGAFLEET_TENSOR_PARALLEL": "2", "MEGAFLEET_WORLD_SIZE": "2"}
+    env[name] = value
+    with pytest.raises(settings.SettingsError, match=message) as raised:
+        settings.from_env(env)
+    assert name.removeprefix("MEGAFLEET_") in str(raised.value)
+
+
+def test_api_key_from_the_environment_is_read_and_never_shown() -> None:
+    read = settings.from_env({"MEGAFLEET_MODEL_SOURCE": "tiny://llama", "MEGAFLEET_API_KEY": "sk-secret"})
+    assert read.api_key == "sk-secret"
+    assert "sk-secret" not in repr(read)
+
+
+@pytest.mark.parametrize(
+    ("extra", "message"),
+    [
+        ({"MEGAFLEET_API_KEY": "  "}, "MEGAFLEET_API_KEY is set but empty"),
+        ({"MEGAFLEET_API_KEY": "k", "MEGAFLEET_API_KEY_FILE": "/k"}, "not both"),
+    ],
+    ids=["empty-key", "key-and-file"],
+)
+def test_api_key_mistakes_never_mean_no_key(extra: dict[str, str], message: str) -> None:
+    with pytest.raises(settings.SettingsError, match=message):
+        settings.from_env({"MEGAFLEET_MODEL_SOURCE": "tiny://llama", **extra})
+
+
+def test_model_source_is_required() -> None:
+    with pytest.raises(settings.SettingsError, match="MEGAFLEET_MODEL_SOURCE is required"):
+        settings.from_env({})
+
+
+def test_settings_are_frozen() -> None:
+    read = settings.from_env({"MEGAFLEET_MODEL_SOURCE": "tiny://llama"})
+    with pytest.raises(AttributeError):
+        read.host = "0.0.0.0"  # type: ignore[misc]
