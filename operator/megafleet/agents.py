@@ -56,5 +56,18 @@ class Agents:
             last_error=body.get("lastError"),
         )
 
+    async def suspend(self, pod_ip: str, token: str, *, mode: str, timeout_seconds: float) -> str | None:
+        """Ask an agent to suspend (``drain`` or ``abort``); returns an error text, or None on success."""
+        try:
+            response = await self._http.post(
+                f"http://{pod_ip}:{self.port}/v1/suspend",
+                json={"mode": mode, "timeoutSeconds": max(1, int(timeout_seconds))},
+                headers={"Authorization": f"Bearer {token}"},
+                timeout=timeout_seconds + TIMEOUT_SECONDS,
+            )
+        except httpx.HTTPError as error:
+            return f"agent at {pod_ip}:{self.port} unreachable: {type(error).__name__}"
+        return None if response.status_code == 200 else f"suspend answered HTTP {response.status_code}"
+
     async def states(self, pod_ips: list[str], token: str) -> list[AgentState]:
         return list(await asyncio.gather(*(self.state(ip, token) for ip in pod_ips)))

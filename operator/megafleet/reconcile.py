@@ -30,6 +30,8 @@ Notify = Callable[[str, str, str], None]  # (type Normal|Warning, reason, messag
 
 MAX_SHARD_RESTARTS = 5
 """Re-placements of one shard before it is left ``Failed`` (bounded restarts)."""
+DRAIN_TIMEOUT_SECONDS = 30.0
+"""How long a frontend may finish in-flight requests before its shard's pods are deleted."""
 
 
 def _now() -> str:
@@ -42,21 +44,31 @@ def _ignore(kind: str, reason: str, message: str) -> None:
 
 @dataclasses.dataclass
 class _Shards:
-    """Pods of the fleet grouped by shard index."""
+    """Pods of the fleet grouped by shard index, and the shards whose pods are still terminating
+    (a shard is re-placed only once its old pods are gone: pod names are stable)."""
 
     pods: dict[int, list[Object]]
+    terminating: set[int]
 
     @classmethod
     def of(cls, pods: list[Object]) -> _Shards:
         grouped: dict[int, list[Object]] = {}
+        terminating: set[int] = set()
         for pod in pods:
-            if pod["metadata"].get("deletionTimestamp"):
-                continue
             shard = int(pod["metadata"]["labels"][names.LABEL_SHARD])
+            if pod["metadata"].get("deletionTimestamp"):
+                terminating.add(shard)
+                continue
             grouped.setdefault(shard, []).append(pod)
         for members in grouped.values():
             members.sort(key=lambda pod: int(pod["metadata"]["labels"].get(names.LABEL_POD_INDEX, "0")))
-        return cls(grouped)
+        return cls(grouped, terminating)
+
+    async def remove(self, api: kube.Api, namespace: str, shard: int) -> None:
+        """Delete every pod of ``shard`` (whole or nothing); it is placed again once they are gone."""
+        for pod in self.pods.pop(shard, []):
+            await api.delete("Pod", pod["metadata"]["name"], namespace)
+        self.terminating.add(shard)
 
 
 async def reconcile(api: kube.Api, agent_client: agents.Agents, body: Object, *, notify: Notify = _ignore) -> None:
@@ -86,9 +98,11 @@ async def reconcile(api: kube.Api, agent_client: agents.Agents, body: Object, *,
     await _write_status(api, body, status)  # published before any pod is created
     pods = await api.list("Pod", namespace=fleet.namespace, labels={names.LABEL_FLEET: fleet.name})
     shards = _Shards.of(pods)
-    await _scale_down(api, fleet, shards, notify)
+    await _scale_down(api, agent_client, fleet, shards, token, notify)
     restarts = await _remove_broken_shards(api, fleet, shards, status, notify)
-    unplaced = await _place_missing(api, fleet, shards, notify)
+    await _roll_one_shard(api, agent_client, fleet, shards, token, notify)
+    exhausted = {shard for shard, (count, _) in restarts.items() if count > MAX_SHARD_RESTARTS}
+    unplaced = await _place_missing(api, fleet, shards, exhausted, notify)
     reports = await _ask_agents(agent_client, shards, token)
     status = _observed(status, fleet, shards, unplaced, restarts, reports)
     status = _verify_addresses(status, fleet, shards, reports, notify)
@@ -180,11 +194,40 @@ def _with_endpoints(status: Object, fleet: desired.Fleet, endpoints: list[Any]) 
 # -- shards ------------------------------------------------------------------------------------
 
 
-async def _scale_down(api: kube.Api, fleet: desired.Fleet, shards: _Shards, notify: Notify) -> None:
+async def _drain(agent_client: agents.Agents, pods: list[Object], token: str, timeout_seconds: float) -> None:
+    """Close a shard's frontend and let in-flight requests finish (bounded) before its pods go."""
+    frontend_ip = pods[0].get("status", {}).get("podIP") if pods else None
+    if frontend_ip:
+        await agent_client.suspend(frontend_ip, token, mode="drain", timeout_seconds=timeout_seconds)
+
+
+async def _scale_down(
+    api: kube.Api, agent_client: agents.Agents, fleet: desired.Fleet, shards: _Shards, token: str, notify: Notify
+) -> None:
     for shard in sorted(index for index in shards.pods if index >= fleet.spec.replicas):
-        for pod in shards.pods.pop(shard):
-            await api.delete("Pod", pod["metadata"]["name"], fleet.namespace)
-        notify("Normal", "ShardRemoved", f"shard {shard} removed by scaling to {fleet.spec.replicas}")
+        await _drain(agent_client, shards.pods[shard], token, DRAIN_TIMEOUT_SECONDS)
+        await shards.remove(api, fleet.namespace, shard)
+        notify("Normal", "ShardRemoved", f"shard {shard} drained and removed by scaling to {fleet.spec.replicas}")
+
+
+async def _roll_one_shard(
+    api: kube.Api, agent_client: agents.Agents, fleet: desired.Fleet, shards: _Shards, token: str, notify: Notify
+) -> None:
+    """Template changes roll one shard at a time, and only while every other shard runs."""
+    if shards.terminating or any(shard not in shards.pods for shard in range(fleet.spec.replicas)):
+        return
+    if not all(_pod_running(pod) for pods in shards.pods.values() for pod in pods):
+        return
+    current = desired.template_hash(fleet)
+    for shard in sorted(shards.pods):
+        if any(
+            pod["metadata"].get("annotations", {}).get(names.ANNOTATION_TEMPLATE_HASH) != current
+            for pod in shards.pods[shard]
+        ):
+            await _drain(agent_client, shards.pods[shard], token, DRAIN_TIMEOUT_SECONDS)
+            await shards.remove(api, fleet.namespace, shard)
+            notify("Normal", "ShardRolling", f"shard {shard} is replaced to apply the changed pod template")
+            return
 
 
 def _broken(pods: list[Object], layout: planner.PodLayout) -> str | None:
@@ -205,7 +248,8 @@ async def _remove_broken_shards(
         index: (int(item.get("restarts", 0)), item.get("lastError")) for index, item in previous.items()
     }
     for shard, item in sorted(previous.items()):
-        if item.get("pods") and shard not in shards.pods and shard < fleet.spec.replicas:
+        gone = shard not in shards.pods and shard not in shards.terminating
+        if item.get("pods") and gone and shard < fleet.spec.replicas:
             count = restarts.get(shard, (0, None))[0] + 1
             restarts[shard] = (count, f"pods gone: {', '.join(item['pods'])}")
             notify("Warning", "ShardRestarting", f"shard {shard} is re-placed (restart {count}): its pods are gone")
@@ -215,8 +259,7 @@ async def _remove_broken_shards(
             continue
         count = restarts.get(shard, (0, None))[0] + 1
         restarts[shard] = (count, reason)
-        for pod in shards.pods.pop(shard):
-            await api.delete("Pod", pod["metadata"]["name"], fleet.namespace)
+        await shards.remove(api, fleet.namespace, shard)
         notify("Warning", "ShardRestarting", f"shard {shard} is re-placed (restart {count}): {reason}")
     return restarts
 
@@ -275,8 +318,11 @@ def _gpus(pod: Object, resource: str) -> int:
     return total
 
 
-async def _place_missing(api: kube.Api, fleet: desired.Fleet, shards: _Shards, notify: Notify) -> dict[int, str]:
-    missing = [shard for shard in range(fleet.spec.replicas) if shard not in shards.pods]
+async def _place_missing(
+    api: kube.Api, fleet: desired.Fleet, shards: _Shards, exhausted: set[int], notify: Notify
+) -> dict[int, str]:
+    skip = shards.terminating | exhausted
+    missing = [shard for shard in range(fleet.spec.replicas) if shard not in shards.pods and shard not in skip]
     if not missing:
         return {}
     spec = fleet.spec
@@ -350,6 +396,7 @@ def _shard_status(
     unplaced: str | None,
     restarts: tuple[int, str | None],
     reports: list[agents.AgentState | None],
+    terminating: bool,
 ) -> Object:
     count, last_error = restarts
     entry: Object = {"index": shard, "restarts": count}
@@ -367,6 +414,9 @@ def _shard_status(
             entry["weightVersion"] = version
     elif count > MAX_SHARD_RESTARTS:
         entry["phase"] = "Failed"
+        last_error = f"gave up after {count - 1} restarts; last: {last_error}"
+    elif terminating:
+        entry["phase"] = "Draining"
     else:
         entry["phase"] = "Pending"
     error = unplaced or last_error
@@ -392,6 +442,7 @@ def _observed(
             unplaced.get(shard),
             restarts.get(shard, (0, None)),
             reports.get(shard, []),
+            shard in shards.terminating,
         )
         for shard in range(replicas)
     ]

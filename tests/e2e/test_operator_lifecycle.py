@@ -1,0 +1,134 @@
+"""Operator lifecycle against the real control plane with real engine processes: rolling template
+changes, bounded restarts, and an operator killed mid-reconcile."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from megafleet_dev import kube, runner
+
+ROOT = Path(__file__).resolve().parents[2]
+WAIT = 120
+
+
+def fleets(namespace: str) -> str:
+    return f"/apis/megafleet.dev/v1alpha1/namespaces/{namespace}/megatrongenerations"
+
+
+def tiny(replicas: int = 2) -> dict[str, Any]:
+    manifest: dict[str, Any] = yaml.safe_load((ROOT / "examples" / "tiny-cpu.yaml").read_text())
+    manifest["spec"]["replicas"] = replicas
+    return manifest
+
+
+def ready(obj: kube.Object | None) -> bool:
+    return (kube.condition(obj, "Ready") or {}).get("status") == "True"
+
+
+def test_a_template_change_rolls_one_shard_at_a_time(operator: Path, kube_admin: kube.Kube, namespace: str) -> None:
+    kube_admin.create(fleets(namespace), tiny())
+    path = f"{fleets(namespace)}/tiny"
+    before = kube_admin.wait(path, ready, timeout=WAIT)
+    assert before is not None
+    old_hash = {
+        p["metadata"]["name"]: p["metadata"]["annotations"]["megafleet.dev/template-hash"]
+        for p in kube_admin.list(f"/api/v1/namespaces/{namespace}/pods")["items"]
+    }
+
+    patched = kube_admin.patch(path, {"spec": {"engine": {"maxBatchSize": 4}}})
+
+    def rolled(obj: kube.Object | None) -> bool:
+        pods = kube_admin.list(f"/api/v1/namespaces/{namespace}/pods")["items"]
+        hashes = {p["metadata"]["annotations"]["megafleet.dev/template-hash"] for p in pods}
+        return ready(obj) and len(pods) == 2 and not hashes & set(old_hash.values())
+
+    after = kube_admin.wait(path, rolled, timeout=WAIT, what="both shards rolled and Ready")
+    assert after is not None
+    assert after["status"]["endpoints"] == before["status"]["endpoints"]
+    assert [shard["restarts"] for shard in after["status"]["shards"]] == [0, 0]  # a roll is not a restart
+    events = kube_admin.history(f"/api/v1/namespaces/{namespace}/pods", since=patched["metadata"]["resourceVersion"])
+    order = [(e["type"], e["object"]["metadata"]["name"]) for e in events if e["type"] in ("ADDED", "DELETED")]
+    # Shard 0 is replaced (deleted, re-added) before shard 1's pod is touched.
+    assert order == [
+        ("DELETED", "tiny-s0-p0"),
+        ("ADDED", "tiny-s0-p0"),
+        ("DELETED", "tiny-s1-p0"),
+        ("ADDED", "tiny-s1-p0"),
+    ]
+
+
+def test_a_shard_that_keeps_crashing_ends_failed(operator: Path, kube_admin: kube.Kube, namespace: str) -> None:
+    manifest = tiny(replicas=1)
+    manifest["spec"]["model"]["source"] = "tiny://llama?bogus=1"  # the engine refuses it and exits
+
+    kube_admin.create(fleets(namespace), manifest)
+
+    def failed(obj: kube.Object | None) -> bool:
+        shards = (obj or {}).get("status", {}).get("shards", [])
+        return bool(shards) and shards[0]["phase"] == "Failed"
+
+    status = kube_admin.wait(f"{fleets(namespace)}/tiny", failed, timeout=240, what="shard 0 Failed")
+    assert status is not None
+    shard = status["status"]["shards"][0]
+    assert shard["restarts"] == 6 and "gave up after 5 restarts" in shard["lastError"]
+    assert kube_admin.list(f"/api/v1/namespaces/{namespace}/pods")["items"] == []  # no more re-placing
+    assert not ready(status)
+
+
+@pytest.fixture
+def restartable_operator(crds: None, pod_runner: runner.Runner, kubeconfig: Path, tmp_path: Path) -> Iterator[Any]:
+    """An operator of its own, watching ``r-*`` namespaces, that the test can kill and restart."""
+    processes: list[subprocess.Popen[bytes]] = []
+
+    def start() -> subprocess.Popen[bytes]:
+        with (tmp_path / f"operator-{len(processes)}.log").open("wb") as sink:
+            process = subprocess.Popen(
+                [sys.executable, "-m", "megafleet.cli", "operator", "--namespace", "r-*"],
+                env=dict(os.environ, KUBECONFIG=str(kubeconfig)),
+                stdout=sink,
+                stderr=subprocess.STDOUT,
+            )
+        processes.append(process)
+        return process
+
+    yield start
+    for process in processes:
+        if process.poll() is None:
+            process.terminate()
+            process.wait(timeout=20)
+
+
+def test_operator_killed_mid_reconcile_converges_without_duplicates_or_orphans(
+    restartable_operator: Any, kube_admin: kube.Kube
+) -> None:
+    namespace = kube_admin.create_namespace("r")
+    try:
+        first = restartable_operator()
+        created = kube_admin.create(fleets(namespace), tiny(replicas=3))
+        kube_admin.wait_items(f"/api/v1/namespaces/{namespace}/pods", bool, timeout=WAIT, what="the first pod")
+        first.send_signal(signal.SIGKILL)  # mid-reconcile: some shards are placed, others are not
+        first.wait()
+        restartable_operator()
+
+        status = kube_admin.wait(f"{fleets(namespace)}/tiny", ready, timeout=WAIT, what="Ready after restart")
+
+        assert status is not None and status["status"]["readyReplicas"] == 3
+        owned = {"pods": 3, "services": 6, "configmaps": 1, "secrets": 1}
+        for kind, expected in owned.items():
+            items = kube_admin.list(f"/api/v1/namespaces/{namespace}/{kind}", label_selector="megafleet.dev/fleet=tiny")
+            assert len(items["items"]) == expected, kind
+            for item in items["items"]:
+                assert item["metadata"]["ownerReferences"][0]["uid"] == created["metadata"]["uid"]
+        all_pods = kube_admin.list(f"/api/v1/namespaces/{namespace}/pods")["items"]
+        assert sorted(p["metadata"]["name"] for p in all_pods) == ["tiny-s0-p0", "tiny-s1-p0", "tiny-s2-p0"]
+    finally:
+        kube_admin.delete(f"/api/v1/namespaces/{namespace}", missing_ok=True)
