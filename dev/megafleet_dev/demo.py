@@ -19,6 +19,7 @@ from megafleet_dev import cluster, kube
 EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "tiny-cpu.yaml"
 NAMESPACE = "default"
 READY_TIMEOUT_SECONDS = 300.0
+PEERING = "megafleet"
 
 
 def _fleet_path() -> str:
@@ -28,8 +29,7 @@ def _fleet_path() -> str:
 def start(local: cluster.LocalCluster) -> None:
     """Install the CRDs, start the operator and the runner, apply the tiny fleet, wait until Ready."""
     with local.kube() as client:
-        for info in v1alpha1.KINDS:
-            definition = crd.definition(info)
+        for definition in [*(crd.definition(info) for info in v1alpha1.KINDS), crd.peering_definition()]:
             url = f"/apis/apiextensions.k8s.io/v1/customresourcedefinitions/{definition['metadata']['name']}"
             client.create(url.rsplit("/", 1)[0], definition)
             client.wait(
@@ -38,8 +38,16 @@ def start(local: cluster.LocalCluster) -> None:
                 timeout=60,
                 what="CRDs established",
             )
+        client.create(
+            f"/apis/{crd.PEERING_GROUP}/v1/clusterkopfpeerings",
+            {
+                "apiVersion": f"{crd.PEERING_GROUP}/v1",
+                "kind": "ClusterKopfPeering",
+                "metadata": {"name": PEERING},
+            },
+        )
         env = dict(os.environ, KUBECONFIG=str(local.kubeconfig))
-        local.spawn("operator", [sys.executable, "-m", "megafleet.cli", "operator"], env=env)
+        local.spawn("operator", [sys.executable, "-m", "megafleet.cli", "operator", "--peering", PEERING], env=env)
         local.spawn(
             "pod-runner",
             [sys.executable, "-m", "megafleet.cli", "dev", "--state-dir", str(local.state_dir), "runner"],

@@ -25,6 +25,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     crds.add_argument("--check", action="store_true", help="only report files that are out of date (exit 1)")
     operator = commands.add_parser("operator", help="run the operator (reconciles MegatronGeneration objects)")
     operator.add_argument("--namespace", action="append", default=[], help="watch only these namespaces (repeat)")
+    operator.add_argument(
+        "--peering",
+        default=None,
+        metavar="NAME",
+        help="elect one active replica through this ClusterKopfPeering (default: standalone)",
+    )
+    operator.add_argument("--priority", type=int, default=None, help="peering priority (default: random)")
     operator.add_argument("--verbose", action="store_true", help="debug logging")
     dev = commands.add_parser("dev", help="local control plane with simulated GPU nodes (development and tests)")
     dev_cli = _dev_cli()
@@ -37,7 +44,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.command == "operator":
         from megafleet import operator_main
 
-        operator_main.run(namespaces=args.namespace, verbose=args.verbose)
+        operator_main.run(namespaces=args.namespace, peering=args.peering, priority=args.priority, verbose=args.verbose)
         return 0
     if args.command == "crds":
         return _crds(args.root, check=args.check)

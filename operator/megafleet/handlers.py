@@ -22,6 +22,8 @@ log = logging.getLogger(__name__)
 RESOURCE = (v1alpha1.GROUP, v1alpha1.VERSION, "megatrongenerations")
 OBSERVE_INTERVAL_SECONDS = 5.0
 """How often every fleet is observed even when nothing announces a change."""
+PEERING_LIFETIME_SECONDS = 20
+"""How long a silent replica still counts as alive; a standby takes over after that."""
 RETRY_SECONDS = 5.0
 """Delay before a failed reconcile is retried (Kopf's default of 60 s is too slow for fleets)."""
 
@@ -45,6 +47,9 @@ def configure(settings: kopf.OperatorSettings, **_: Any) -> None:
         prefix=names.PREFIX, key="last-handled-configuration"
     )
     settings.posting.level = logging.INFO
+    # One peering object for the whole cluster, even when this replica watches a few namespaces.
+    settings.peering.clusterwide = True
+    settings.peering.lifetime = PEERING_LIFETIME_SECONDS
     settings.watching.server_timeout = 60
 
 

@@ -132,3 +132,68 @@ def test_operator_killed_mid_reconcile_converges_without_duplicates_or_orphans(
         assert sorted(p["metadata"]["name"] for p in all_pods) == ["tiny-s0-p0", "tiny-s1-p0", "tiny-s2-p0"]
     finally:
         kube_admin.delete(f"/api/v1/namespaces/{namespace}", missing_ok=True)
+
+
+def test_two_replicas_with_peering_never_both_act_and_the_standby_takes_over(
+    crds: None, pod_runner: runner.Runner, kubeconfig: Path, kube_admin: kube.Kube, tmp_path: Path
+) -> None:
+    peering = f"peering-{tmp_path.name[-12:].lower().replace('_', '-')}"
+    kube_admin.create(
+        "/apis/kopf.dev/v1/clusterkopfpeerings",
+        {"apiVersion": "kopf.dev/v1", "kind": "ClusterKopfPeering", "metadata": {"name": peering}},
+    )
+    logs = {priority: tmp_path / f"operator-{priority}.log" for priority in (10, 20)}
+    processes = {}
+    for priority, log in logs.items():
+        with log.open("wb") as sink:
+            processes[priority] = subprocess.Popen(
+                [
+                    sys.executable,
+                    "-m",
+                    "megafleet.cli",
+                    "operator",
+                    "--namespace",
+                    "p-*",
+                    "--peering",
+                    peering,
+                    "--priority",
+                    str(priority),
+                ],
+                env=dict(os.environ, KUBECONFIG=str(kubeconfig)),
+                stdout=sink,
+                stderr=subprocess.STDOUT,
+            )
+    namespace = kube_admin.create_namespace("p")
+    try:
+        kube_admin.wait(
+            f"/apis/kopf.dev/v1/clusterkopfpeerings/{peering}",
+            lambda obj: len((obj or {}).get("status") or {}) == 2,
+            timeout=WAIT,
+            what="both replicas",
+        )
+        kube_admin.create(fleets(namespace), tiny(replicas=1))
+        kube_admin.wait(f"{fleets(namespace)}/tiny", ready, timeout=WAIT)
+
+        standby_log = logs[10].read_text()
+        assert "Pausing operations in favour of" in standby_log
+        assert "on_fleet_change" not in standby_log and "observe" not in standby_log  # it never reconciled
+        assert "Handler 'on_fleet_change' succeeded" in logs[20].read_text()
+
+        processes[20].send_signal(signal.SIGKILL)  # the active replica dies without saying goodbye
+        processes[20].wait()
+        kube_admin.patch(f"{fleets(namespace)}/tiny/scale", {"spec": {"replicas": 2}})
+
+        grown = kube_admin.wait(
+            f"{fleets(namespace)}/tiny",
+            lambda o: ready(o) and o is not None and o["status"]["readyReplicas"] == 2,
+            timeout=WAIT,
+            what="the standby scaled the fleet",
+        )
+        assert grown is not None
+        assert "Resuming operations after the pause" in logs[10].read_text()
+    finally:
+        for process in processes.values():
+            if process.poll() is None:
+                process.terminate()
+                process.wait(timeout=20)
+        kube_admin.delete(f"/api/v1/namespaces/{namespace}", missing_ok=True)

@@ -18,6 +18,9 @@ def generated_files(root: Path) -> dict[Path, str]:
         text = crd.render(info)
         files[root / "crds" / crd.file_name(info)] = text
         files[root / "charts" / "megafleet" / "crds" / crd.file_name(info)] = text
+    peering = crd.render_peering()
+    files[root / "crds" / "kopf.dev_clusterkopfpeerings.yaml"] = peering
+    files[root / "charts" / "megafleet" / "crds" / "kopf.dev_clusterkopfpeerings.yaml"] = peering
     files[root / "docs" / "api.md"] = reference.render()
     return files
 
