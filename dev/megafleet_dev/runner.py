@@ -1,8 +1,8 @@
 """The local pod runner: makes engine pods on KWOK nodes real processes bound to their pod IPs.
 
 Development and test tooling only (never in an image). KWOK marks pods Running without running
-anything; this runner watches pods labelled ``megafleet.dev/component=engine`` and, once a pod is
-Running with a (loopback) pod IP, starts its container command as a local process with the pod's
+anything; this runner watches pods labelled ``megafleet.dev/component=engine`` that ask for no GPU
+and, once such a pod is Running with a (loopback) pod IP, starts its container command as a local process with the pod's
 environment: ``fieldRef`` values are resolved, Secret volumes and ``secretKeyRef`` values are read
 from the API and written to a private folder, and the shard's master address (a headless-Service
 DNS name) is mapped to pod 0's IP. A deleted pod's process is stopped. Started by
@@ -86,7 +86,7 @@ class Runner:
         for pod in pods:
             uid = pod["metadata"]["uid"]
             running = pod.get("status", {}).get("phase") == "Running" and pod["status"].get("podIP")
-            if pod["metadata"].get("deletionTimestamp") or not running:
+            if pod["metadata"].get("deletionTimestamp") or not running or _wants_gpus(pod):
                 continue
             live[uid] = pod
         for uid in list(self.processes):
@@ -182,6 +182,15 @@ class Runner:
             except subprocess.TimeoutExpired:
                 os.killpg(process.popen.pid, signal.SIGKILL)
                 process.popen.wait()
+
+
+def _wants_gpus(pod: dict[str, Any]) -> bool:
+    """GPU pods on simulated nodes stay simulated: there is no GPU here to run their engines on."""
+    for container in pod["spec"].get("containers", []):
+        limits = (container.get("resources") or {}).get("limits") or {}
+        if any(key.endswith("/gpu") and str(value) not in ("0", "") for key, value in limits.items()):
+            return True
+    return False
 
 
 def _field(pod: dict[str, Any], path: str) -> str:

@@ -32,6 +32,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         help="elect one active replica through this ClusterKopfPeering (default: standalone)",
     )
     operator.add_argument("--priority", type=int, default=None, help="peering priority (default: random)")
+    operator.add_argument("--metrics-port", type=int, default=None, help="serve Prometheus metrics on this port")
     operator.add_argument("--verbose", action="store_true", help="debug logging")
     dev = commands.add_parser("dev", help="local control plane with simulated GPU nodes (development and tests)")
     dev_cli = _dev_cli()
@@ -44,7 +45,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.command == "operator":
         from megafleet import operator_main
 
-        operator_main.run(namespaces=args.namespace, peering=args.peering, priority=args.priority, verbose=args.verbose)
+        operator_main.run(
+            namespaces=args.namespace,
+            peering=args.peering,
+            priority=args.priority,
+            metrics_port=args.metrics_port,
+            verbose=args.verbose,
+        )
         return 0
     if args.command == "crds":
         return _crds(args.root, check=args.check)

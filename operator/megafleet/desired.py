@@ -185,7 +185,7 @@ def _pod(fleet: Fleet, shard: int, index: int, layout: planner.PodLayout, placem
             "terminationGracePeriodSeconds": 30,
             "enableServiceLinks": False,
             "automountServiceAccountToken": False,
-            "affinity": _affinity(fleet, placement),
+            "affinity": _affinity(fleet, placement, index),
             "nodeSelector": dict(spec.placement.node_selector),
             "tolerations": [
                 t.model_dump(mode="json", by_alias=True, exclude_none=True) for t in spec.placement.tolerations
@@ -226,10 +226,10 @@ def _pod(fleet: Fleet, shard: int, index: int, layout: planner.PodLayout, placem
     }
 
 
-def _affinity(fleet: Fleet, placement: planner.ShardPlacement) -> Object:
-    expressions = [
-        {"key": "kubernetes.io/hostname", "operator": "In", "values": sorted({p.node for p in placement.pods})}
-    ]
+def _affinity(fleet: Fleet, placement: planner.ShardPlacement, index: int) -> Object:
+    """Pin pod ``index`` to the node the planner chose for it (and the shard's clique), so a
+    placement is exactly what the planner decided and its GPUs count before the pod is bound."""
+    expressions = [{"key": "kubernetes.io/hostname", "operator": "In", "values": [placement.pods[index].node]}]
     if placement.clique is not None:
         expressions.append({"key": fleet.spec.placement.clique_label, "operator": "In", "values": [placement.clique]})
     return {

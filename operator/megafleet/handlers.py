@@ -14,7 +14,7 @@ from typing import Any, cast
 
 import kopf
 
-from megafleet import agents, kube, names, reconcile
+from megafleet import agents, kube, metrics, names, reconcile
 from megafleet.api import v1alpha1
 
 log = logging.getLogger(__name__)
@@ -72,7 +72,13 @@ async def _reconcile(namespace: str, name: str) -> None:
         def notify(kind: str, reason: str, message: str) -> None:
             kopf.event(kopf.Body(cast(kopf.RawBody, fresh)), type=kind, reason=reason, message=message)
 
-        await reconcile.reconcile(api, agent_client, fresh, notify=notify)
+        with metrics.RECONCILE_SECONDS.time():
+            try:
+                await reconcile.reconcile(api, agent_client, fresh, notify=notify)
+            except Exception:
+                metrics.RECONCILES.labels(outcome="error").inc()
+                raise
+        metrics.RECONCILES.labels(outcome="ok").inc()
 
 
 @kopf.on.create(*RESOURCE, backoff=RETRY_SECONDS)

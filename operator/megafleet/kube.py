@@ -18,7 +18,7 @@ from lightkube.generic_resource import create_namespaced_resource
 from lightkube.resources.core_v1 import ConfigMap, Node, Pod, Secret, Service
 from lightkube.types import PatchType
 
-from megafleet import names
+from megafleet import metrics, names
 from megafleet.api import v1alpha1
 
 Object = dict[str, Any]
@@ -45,6 +45,10 @@ class Api:
     def __init__(self, client: lightkube.AsyncClient | None = None) -> None:
         self._client = client or lightkube.AsyncClient(field_manager=names.FIELD_MANAGER)
         self.writes: collections.Counter[str] = collections.Counter()
+
+    def _count(self, verb: str, kind: str) -> None:
+        self.writes[f"{verb} {kind}"] += 1
+        metrics.API_WRITES.labels(verb=verb, kind=kind).inc()
 
     async def close(self) -> None:
         await self._client.close()
@@ -75,7 +79,7 @@ class Api:
 
     async def create(self, obj: Object) -> Object:
         """Create ``obj``; an object that already exists is returned as it is (idempotent)."""
-        self.writes[f"create {obj['kind']}"] += 1
+        self._count("create", obj["kind"])
         try:
             created = await self._client.create(codecs.from_dict(obj))
         except ApiError as error:
@@ -87,7 +91,7 @@ class Api:
         return _plain(created)
 
     async def delete(self, kind: str, name: str, namespace: str | None = None) -> None:
-        self.writes[f"delete {kind}"] += 1
+        self._count("delete", kind)
         try:
             await self._client.delete(KINDS[kind], name, namespace=namespace)
         except ApiError as error:
@@ -95,13 +99,13 @@ class Api:
                 raise
 
     async def patch(self, kind: str, name: str, namespace: str | None, patch: Object) -> Object:
-        self.writes[f"patch {kind}"] += 1
+        self._count("patch", kind)
         patched = await self._client.patch(KINDS[kind], name, patch, namespace=namespace, patch_type=PatchType.MERGE)
         return _plain(patched)
 
     async def patch_status(self, kind: str, name: str, namespace: str, status: Object) -> None:
         """Merge-patch the status subresource (lists such as conditions are replaced whole)."""
-        self.writes[f"status {kind}"] += 1
+        self._count("status", kind)
         await self._client.patch(
             KINDS[kind].Status, name, {"status": status}, namespace=namespace, patch_type=PatchType.MERGE
         )

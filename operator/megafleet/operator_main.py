@@ -13,9 +13,16 @@ from collections.abc import Sequence
 
 import kopf
 
+from megafleet import metrics
+
 
 def run(
-    *, namespaces: Sequence[str] = (), peering: str | None = None, priority: int | None = None, verbose: bool = False
+    *,
+    namespaces: Sequence[str] = (),
+    peering: str | None = None,
+    priority: int | None = None,
+    metrics_port: int | None = None,
+    verbose: bool = False,
 ) -> None:
     """Run until interrupted. With ``peering`` (a ClusterKopfPeering name) replicas elect one active
     operator: the highest priority acts, the others pause until its heartbeat expires. Without a
@@ -23,6 +30,8 @@ def run(
     logging.basicConfig(level=logging.DEBUG if verbose else logging.INFO, format="%(asctime)s %(name)s %(message)s")
     from megafleet import handlers  # noqa: F401  (registers the handlers)
 
+    if metrics_port is not None:
+        metrics.serve(metrics_port)
     if peering is not None and priority is None:
         priority = random.SystemRandom().randint(1, 2**31 - 1)
     asyncio.run(

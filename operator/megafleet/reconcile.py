@@ -9,6 +9,7 @@ API writes. Endpoints are reserved, and written to status and the ConfigMap, bef
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import dataclasses
 import datetime
@@ -32,6 +33,10 @@ MAX_SHARD_RESTARTS = 5
 """Re-placements of one shard before it is left ``Failed`` (bounded restarts)."""
 DRAIN_TIMEOUT_SECONDS = 30.0
 """How long a frontend may finish in-flight requests before its shard's pods are deleted."""
+
+
+_PLACEMENT_LOCK = asyncio.Lock()
+"""Serialises inventory-plan-create across the fleets this operator reconciles concurrently."""
 
 
 def _now() -> str:
@@ -268,7 +273,7 @@ async def _inventory(api: kube.Api, fleet: desired.Fleet) -> list[planner.NodeIn
     resource = fleet.spec.resources.gpu_resource
     used: dict[str, int] = {}
     for pod in await api.list("Pod", fields={"status.phase": operators.not_in(["Succeeded", "Failed"])}):
-        node = pod.get("spec", {}).get("nodeName")
+        node = pod.get("spec", {}).get("nodeName") or _pinned_node(pod)
         if node:
             used[node] = used.get(node, 0) + _gpus(pod, resource)
     nodes = []
@@ -287,6 +292,19 @@ async def _inventory(api: kube.Api, fleet: desired.Fleet) -> list[planner.NodeIn
             )
         )
     return nodes
+
+
+def _pinned_node(pod: Object) -> str | None:
+    """The node a not-yet-bound pod is pinned to by a one-node hostname affinity (ours are), so
+    GPUs promised to pods the scheduler has not bound yet are not handed out twice."""
+    affinity = pod.get("spec", {}).get("affinity") or {}
+    required = (affinity.get("nodeAffinity") or {}).get("requiredDuringSchedulingIgnoredDuringExecution") or {}
+    for term in required.get("nodeSelectorTerms", []):
+        for expression in term.get("matchExpressions", []):
+            values = expression.get("values", [])
+            if expression.get("key") == "kubernetes.io/hostname" and expression.get("operator") == "In":
+                return str(values[0]) if len(values) == 1 else None
+    return None
 
 
 def tolerates(tolerations: list[v1alpha1.Toleration], taints: list[Object]) -> bool:
@@ -339,10 +357,11 @@ async def _place_missing(
         node_selector=dict(spec.placement.node_selector),
         existing={shard: _existing_placement(pods, spec.placement.clique_label) for shard, pods in shards.pods.items()},
     )
-    plan = planner.plan_placement(request, await _inventory(api, fleet))
-    for shard, placement in sorted(plan.placed.items()):
-        created = [await api.create(pod) for pod in desired.shard_pods(fleet, shard, placement)]
-        shards.pods[shard] = created
+    async with _PLACEMENT_LOCK:  # fleets place one at a time, each seeing what the others took
+        plan = planner.plan_placement(request, await _inventory(api, fleet))
+        for shard, placement in sorted(plan.placed.items()):
+            created = [await api.create(pod) for pod in desired.shard_pods(fleet, shard, placement)]
+            shards.pods[shard] = created
         where = f"clique {placement.clique}" if placement.clique else "nodes"
         notify("Normal", "ShardPlaced", f"shard {shard} placed on {where}: {', '.join(p.node for p in placement.pods)}")
     for _shard, reason in sorted(plan.unplaced.items()):
@@ -351,16 +370,12 @@ async def _place_missing(
 
 
 def _existing_placement(pods: list[Object], clique_label: str) -> planner.ShardPlacement:
+    """Where a running shard sits: each pod's node (bound, else pinned) and the shard's clique."""
     affinity = pods[0]["spec"].get("affinity", {}).get("nodeAffinity", {})
     terms = affinity.get("requiredDuringSchedulingIgnoredDuringExecution", {}).get("nodeSelectorTerms", [{}])
     clique = next((e["values"][0] for e in terms[0].get("matchExpressions", []) if e.get("key") == clique_label), None)
-    node_values: list[str] = next(
-        (e["values"] for e in terms[0].get("matchExpressions", []) if e.get("key") == "kubernetes.io/hostname"), []
-    )
-    return planner.ShardPlacement(
-        clique=clique,
-        pods=tuple(planner.PodPlacement(node=node, gpus=0) for node in node_values),
-    )
+    nodes = [pod["spec"].get("nodeName") or _pinned_node(pod) or "" for pod in pods]
+    return planner.ShardPlacement(clique=clique, pods=tuple(planner.PodPlacement(node=n, gpus=0) for n in nodes))
 
 
 # -- status ------------------------------------------------------------------------------------

@@ -234,3 +234,63 @@ def test_kubectl_scale_adds_and_removes_shards(operator: Path, kube_admin: kube.
         what="pods of removed shards",
     )
     assert kube_admin.get(f"/api/v1/namespaces/{namespace}/services/tiny-s2") is None
+
+
+def test_fleets_created_together_never_share_gpus(operator: Path, kube_admin: kube.Kube, namespace: str) -> None:
+    spec = {
+        "model": {"source": "/m"},
+        "parallelism": {"tensor": 8},
+        "resources": {"gpusPerNode": 8},
+        "placement": {"nodeSelector": {nodes.POOL_LABEL: "h200"}},
+    }
+    for index in range(4):  # the h200 pool has exactly four 8-GPU nodes
+        kube_admin.create(fleets(namespace), fleet(f"f{index}", spec))
+
+    def all_running(items: list[kube.Object]) -> bool:
+        return len(items) == 4 and all(p["status"].get("phase") == "Running" for p in items)
+
+    pods = kube_admin.wait_items(f"/api/v1/namespaces/{namespace}/pods", all_running, timeout=WAIT, what="4 pods")
+
+    assert len({pod["spec"]["nodeName"] for pod in pods}) == 4
+
+
+def test_a_frontend_serving_elsewhere_fails_address_verification(
+    operator: Path, kube_admin: kube.Kube, namespace: str
+) -> None:
+    manifest = example("tiny-cpu.yaml")
+    manifest["spec"]["replicas"] = 1
+    # The engine is told to bind another port than the one its Service targets.
+    manifest["spec"]["engine"]["env"] = [{"name": "MEGAFLEET_FRONTEND_PORT", "value": "8001"}]
+    kube_admin.create(fleets(namespace), manifest)
+
+    def mismatch(obj: kube.Object | None) -> bool:
+        return (kube.condition(obj, "EndpointsVerified") or {}).get("reason") == "Mismatch"
+
+    status = kube_admin.wait(f"{fleets(namespace)}/tiny", mismatch, timeout=WAIT, what="a mismatch")
+
+    assert status is not None
+    message = (kube.condition(status, "EndpointsVerified") or {})["message"]
+    pod = kube_admin.get(f"/api/v1/namespaces/{namespace}/pods/tiny-s0-p0")
+    assert pod is not None
+    ip = pod["status"]["podIP"]
+    assert f"reserved: shard 0: {ip}:8000" in message and f"served: shard 0: {ip}:8001" in message
+    events = kube_admin.wait_items(
+        f"/api/v1/namespaces/{namespace}/events", bool, field_selector="reason=EndpointsMismatch", timeout=WAIT
+    )
+    assert events[0]["type"] == "Warning"
+
+
+def test_deleting_a_fleet_removes_everything_it_created(operator: Path, kube_admin: kube.Kube, namespace: str) -> None:
+    manifest = example("tiny-cpu.yaml")
+    kube_admin.create(fleets(namespace), manifest)
+    kube_admin.wait(f"{fleets(namespace)}/tiny", condition_is("Placed", "True"), timeout=WAIT)
+
+    kube_admin.delete(f"{fleets(namespace)}/tiny")
+
+    for kind in ("pods", "services", "configmaps", "secrets"):
+        kube_admin.wait_items(
+            f"/api/v1/namespaces/{namespace}/{kind}",
+            lambda items: not [i for i in items if i["metadata"].get("labels", {}).get("megafleet.dev/fleet")],
+            timeout=WAIT,
+            what=f"{kind} of the deleted fleet",
+        )

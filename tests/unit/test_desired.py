@@ -28,7 +28,7 @@ def test_a_tp16_shard_becomes_four_pods_pinned_to_its_clique_and_nodes() -> None
         terms = pod["spec"]["affinity"]["nodeAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"]
         expressions = {e["key"]: e["values"] for e in terms["nodeSelectorTerms"][0]["matchExpressions"]}
         assert expressions == {
-            "kubernetes.io/hostname": ["gb-0", "gb-1", "gb-2", "gb-3"],
+            "kubernetes.io/hostname": [f"gb-{index}"],
             "nvidia.com/gpu.clique": ["uuid.1"],
         }
         limits = pod["spec"]["containers"][0]["resources"]["limits"]
