@@ -362,8 +362,9 @@ async def _place_missing(
         for shard, placement in sorted(plan.placed.items()):
             created = [await api.create(pod) for pod in desired.shard_pods(fleet, shard, placement)]
             shards.pods[shard] = created
-        where = f"clique {placement.clique}" if placement.clique else "nodes"
-        notify("Normal", "ShardPlaced", f"shard {shard} placed on {where}: {', '.join(p.node for p in placement.pods)}")
+            where = f"clique {placement.clique}" if placement.clique else "nodes"
+            nodes = ", ".join(p.node for p in placement.pods)
+            notify("Normal", "ShardPlaced", f"shard {shard} placed on {where}: {nodes}")
     for _shard, reason in sorted(plan.unplaced.items()):
         notify("Warning", "Unschedulable", reason)
     return dict(plan.unplaced)
