@@ -69,5 +69,30 @@ class Agents:
             return f"agent at {pod_ip}:{self.port} unreachable: {type(error).__name__}"
         return None if response.status_code == 200 else f"suspend answered HTTP {response.status_code}"
 
+    async def refit_start(self, pod_ip: str, token: str, operation: str, body: dict[str, Any]) -> str | None:
+        """POST /v1/refit/<operation> (prepare or checkpoint); returns an error text, or None."""
+        try:
+            response = await self._http.post(
+                f"http://{pod_ip}:{self.port}/v1/refit/{operation}",
+                json=body,
+                headers={"Authorization": f"Bearer {token}"},
+            )
+        except httpx.HTTPError as error:
+            return f"agent at {pod_ip}:{self.port} unreachable: {type(error).__name__}"
+        return None if response.status_code in (200, 202) else f"HTTP {response.status_code}: {response.text[:300]}"
+
+    async def refit_status(self, pod_ip: str, token: str) -> dict[str, Any] | None:
+        """GET /v1/refit/status, or None when the agent cannot be asked."""
+        try:
+            response = await self._http.get(
+                f"http://{pod_ip}:{self.port}/v1/refit/status", headers={"Authorization": f"Bearer {token}"}
+            )
+        except httpx.HTTPError:
+            return None
+        if response.status_code != 200:
+            return None
+        body: dict[str, Any] = response.json()
+        return body
+
     async def states(self, pod_ips: list[str], token: str) -> list[AgentState]:
         return list(await asyncio.gather(*(self.state(ip, token) for ip in pod_ips)))

@@ -14,7 +14,7 @@ from typing import Any, cast
 
 import kopf
 
-from megafleet import agents, kube, metrics, names, reconcile
+from megafleet import agents, kube, metrics, names, reconcile, refits
 from megafleet.api import v1alpha1
 
 log = logging.getLogger(__name__)
@@ -96,3 +96,33 @@ async def observe(namespace: str | None, name: str, **_: Any) -> None:
 @kopf.on.event("v1", "pods", labels={names.LABEL_FLEET: kopf.PRESENT})
 async def on_pod_event(namespace: str | None, labels: Mapping[str, str], **_: Any) -> None:
     await _reconcile(namespace or "default", labels[names.LABEL_FLEET])
+
+
+REFITS = (v1alpha1.GROUP, v1alpha1.VERSION, "refits")
+REFIT_POLL_SECONDS = 1.0
+"""How often a running refit's agents are asked for progress."""
+
+
+def _unfinished(status: Mapping[str, Any], **_: Any) -> bool:
+    return status.get("phase") not in ("Succeeded", "Failed")
+
+
+async def _advance_refit(namespace: str, name: str) -> None:
+    api, agent_client = _clients()
+    refit = await api.get("Refit", name, namespace)
+    if refit is None:
+        return
+    fleet = refit["spec"]["fleetRef"]["name"]
+    async with _locks.setdefault((namespace, fleet), asyncio.Lock()):  # never beside the fleet's reconcile
+        await refits.advance(api, agent_client, refit)
+
+
+@kopf.on.create(*REFITS, backoff=RETRY_SECONDS)
+@kopf.on.resume(*REFITS, backoff=RETRY_SECONDS, when=_unfinished)
+async def on_refit(namespace: str | None, name: str, **_: Any) -> None:
+    await _advance_refit(namespace or "default", name)
+
+
+@kopf.timer(*REFITS, interval=REFIT_POLL_SECONDS, sharp=False, backoff=RETRY_SECONDS, when=_unfinished)
+async def poll_refit(namespace: str | None, name: str, **_: Any) -> None:
+    await _advance_refit(namespace or "default", name)

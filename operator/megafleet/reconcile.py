@@ -103,12 +103,17 @@ async def reconcile(api: kube.Api, agent_client: agents.Agents, body: Object, *,
     await _write_status(api, body, status)  # published before any pod is created
     pods = await api.list("Pod", namespace=fleet.namespace, labels={names.LABEL_FLEET: fleet.name})
     shards = _Shards.of(pods)
-    await _scale_down(api, agent_client, fleet, shards, token, notify)
+    refit_state = status.get("refit") or {}
+    refitting = refit_state.get("active") is not None  # scaling and rolling wait for the refit
+    if not refitting:
+        await _scale_down(api, agent_client, fleet, shards, token, notify)
     restarts = await _remove_broken_shards(api, fleet, shards, status, notify)
-    await _roll_one_shard(api, agent_client, fleet, shards, token, notify)
+    if not refitting:
+        await _roll_one_shard(api, agent_client, fleet, shards, token, notify)
     exhausted = {shard for shard, (count, _) in restarts.items() if count > MAX_SHARD_RESTARTS}
-    unplaced = await _place_missing(api, fleet, shards, exhausted, notify)
+    unplaced = {} if refitting else await _place_missing(api, fleet, shards, exhausted, notify)
     reports = await _ask_agents(agent_client, shards, token)
+    await _fence_stale(agent_client, shards, reports, refit_state, token, notify)
     status = _observed(status, fleet, shards, unplaced, restarts, reports)
     status = _verify_addresses(status, fleet, shards, reports, notify)
     await _write_status(api, body, status)
@@ -382,6 +387,33 @@ def _existing_placement(pods: list[Object], clique_label: str) -> planner.ShardP
 # -- status ------------------------------------------------------------------------------------
 
 
+async def _fence_stale(
+    agent_client: agents.Agents,
+    shards: _Shards,
+    reports: dict[int, list[agents.AgentState | None]],
+    refit_state: Object,
+    token: str,
+    notify: Notify,
+) -> None:
+    """A shard serving another version than the fleet's current one (restarted, or added by scaling
+    after a refit) stops serving until a refit brings it up to date: never a mix of versions."""
+    current = refit_state.get("currentVersion")
+    if current is None or refit_state.get("active") is not None:
+        return
+    for shard, answers in reports.items():
+        serving = [a for a in answers if a is not None and a.state == "ready" and a.weight_version != current]
+        for pod, answer in zip(shards.pods[shard], answers, strict=True):
+            if answer in serving:
+                await agent_client.suspend(pod["status"]["podIP"], token, mode="abort", timeout_seconds=10)
+        if serving:
+            notify(
+                "Warning",
+                "ShardStale",
+                f"shard {shard} serves version {serving[0].weight_version}, "
+                f"the fleet is at {current}: fenced until the next refit",
+            )
+
+
 def _pod_running(pod: Object) -> bool:
     status = pod.get("status", {})
     return status.get("phase") == "Running" and bool(status.get("podIP"))
@@ -390,8 +422,17 @@ def _pod_running(pod: Object) -> bool:
 _AGENT_PHASES = {"loading": "Loading", "stale": "Stale", "suspended": "Refitting", "failed": "Failed"}
 
 
-def _phase_from_agents(reports: list[agents.AgentState | None]) -> tuple[str, str | None, int | None]:
+def _phase_from_agents(
+    reports: list[agents.AgentState | None], current_version: int | None = None
+) -> tuple[str, str | None, int | None]:
     """(shard phase, error, weight version) from the agents of one shard's pods."""
+    phase, error, version = _raw_phase(reports)
+    if current_version is not None and phase in ("Ready", "Refitting") and version != current_version:
+        return "Stale", f"serves version {version}, the fleet is at {current_version}", version
+    return phase, error, version
+
+
+def _raw_phase(reports: list[agents.AgentState | None]) -> tuple[str, str | None, int | None]:
     if any(report is None for report in reports):
         return "Starting", None, None
     answered = [report for report in reports if report is not None]
@@ -413,6 +454,7 @@ def _shard_status(
     restarts: tuple[int, str | None],
     reports: list[agents.AgentState | None],
     terminating: bool,
+    current_version: int | None,
 ) -> Object:
     count, last_error = restarts
     entry: Object = {"index": shard, "restarts": count}
@@ -422,7 +464,7 @@ def _shard_status(
         clique = _existing_placement(pods, fleet.spec.placement.clique_label).clique
         if clique is not None:
             entry["clique"] = clique
-        phase, agent_error, version = _phase_from_agents(reports)
+        phase, agent_error, version = _phase_from_agents(reports, current_version)
         entry["phase"] = phase
         # A shard that serves again has recovered: only its restart count remembers the failure.
         last_error = None if phase == "Ready" else agent_error or last_error
@@ -459,6 +501,7 @@ def _observed(
             restarts.get(shard, (0, None)),
             reports.get(shard, []),
             shard in shards.terminating,
+            None if (status.get("refit") or {}).get("active") else (status.get("refit") or {}).get("currentVersion"),
         )
         for shard in range(replicas)
     ]

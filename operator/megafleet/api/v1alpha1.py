@@ -473,6 +473,12 @@ class FleetRefitStatus(ApiModel):
     """What the fleet knows about refits."""
 
     active: str | None = Field(default=None, description="active is the Refit in progress, if any.")
+    current_version: int | None = Field(
+        default=None,
+        ge=0,
+        description="currentVersion is the version of the last successful Refit; shards serving another "
+        "version are Stale and not routed until a refit brings them to it.",
+    )
     membership: Membership | None = Field(default=None, description="membership of the last or current refit.")
     last_duration_milliseconds: int | None = Field(
         default=None, ge=0, description="lastDurationMilliseconds of the last refit."

@@ -1,0 +1,266 @@
+"""Drive one Refit: membership from live shards, every agent told to receive, progress collected.
+
+Called by the Kopf handlers for Refit objects (:mod:`megafleet.handlers`) on create and by a 1 s
+timer while the refit runs. Level-based like the fleet reconcile: the Refit's status says where it
+stands (Pending -> Running -> Succeeded | Failed) and each call advances it. The fleet's
+``status.refit.active`` is the lock: one refit per fleet at a time, and the fleet's reconcile does
+not scale while it is set. On success the fleet's ``status.refit.currentVersion`` moves on; shards
+not at it afterwards are Stale (see :mod:`megafleet.reconcile`).
+
+The wire protocol (DESIGN.md section 6): the trainer ranks come first in the trainer+fleet world,
+then each member shard's ranks at its offset (:func:`megafleet.planner.rank_offsets`); the trainer
+reads ``status.membership`` to learn the world size before it opens its rendezvous store.
+"""
+
+from __future__ import annotations
+
+import base64
+import datetime
+import logging
+from typing import Any
+
+from megafleet import agents, conditions, desired, kube, names, planner
+from megafleet.api import checks, v1alpha1
+
+log = logging.getLogger(__name__)
+
+Object = dict[str, Any]
+
+
+def _now() -> str:
+    return datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+async def advance(api: kube.Api, agent_client: agents.Agents, refit: Object) -> None:
+    """Move one Refit forward by one step (idempotent)."""
+    metadata = refit["metadata"]
+    namespace, name = metadata["namespace"], metadata["name"]
+    spec = v1alpha1.RefitObjectSpec.model_validate(refit["spec"])
+    status = dict(refit.get("status") or {})
+    phase = status.get("phase", "Pending")
+    if phase in ("Succeeded", "Failed"):
+        return
+    fleet_body = await api.get("MegatronGeneration", spec.fleet_ref.name, namespace)
+    if fleet_body is None:
+        await _finish(api, refit, None, "Failed", f"fleet {spec.fleet_ref.name} does not exist")
+        return
+    fleet_spec, problems = checks.parse_spec(fleet_body.get("spec") or {})
+    if fleet_spec is None or problems:
+        await _finish(api, refit, fleet_body, "Failed", f"fleet {spec.fleet_ref.name} has an invalid spec")
+        return
+    fleet = desired.Fleet(spec.fleet_ref.name, namespace, fleet_body["metadata"]["uid"], 0, fleet_spec)
+    active = ((fleet_body.get("status") or {}).get("refit") or {}).get("active")
+    if active not in (None, name):
+        await _set_status(api, name, namespace, {"phase": "Pending", "message": f"waiting for refit {active}"})
+        return
+    token = await _token(api, fleet)
+    pods = await _member_pods(api, fleet)
+    if phase == "Pending":
+        await _start(api, agent_client, refit, spec, fleet, fleet_body, pods, token)
+        return
+    await _collect(api, agent_client, refit, spec, fleet_body, pods, token)
+
+
+async def _token(api: kube.Api, fleet: desired.Fleet) -> str:
+    secret = await api.get("Secret", names.agent_secret(fleet.name), fleet.namespace) or {}
+    return base64.b64decode((secret.get("data") or {}).get(names.AGENT_TOKEN_KEY, "")).decode()
+
+
+async def _member_pods(api: kube.Api, fleet: desired.Fleet) -> dict[int, list[Object]]:
+    """Pods of every complete shard whose pods all run, by shard, in pod order."""
+    found = await api.list("Pod", namespace=fleet.namespace, labels={names.LABEL_FLEET: fleet.name})
+    shards: dict[int, list[Object]] = {}
+    for pod in found:
+        if pod["metadata"].get("deletionTimestamp"):
+            continue
+        shards.setdefault(int(pod["metadata"]["labels"][names.LABEL_SHARD]), []).append(pod)
+    complete = {}
+    for shard, members in shards.items():
+        members.sort(key=lambda pod: int(pod["metadata"]["labels"][names.LABEL_POD_INDEX]))
+        running = all(pod.get("status", {}).get("phase") == "Running" and pod["status"].get("podIP") for pod in members)
+        if running and len(members) == fleet.layout.pods_per_shard and shard < fleet.spec.replicas:
+            complete[shard] = members
+    return complete
+
+
+async def _start(
+    api: kube.Api,
+    agent_client: agents.Agents,
+    refit: Object,
+    spec: v1alpha1.RefitObjectSpec,
+    fleet: desired.Fleet,
+    fleet_body: Object,
+    pods: dict[int, list[Object]],
+    token: str,
+) -> None:
+    name, namespace = refit["metadata"]["name"], refit["metadata"]["namespace"]
+    reachable = {}
+    for shard, members in sorted(pods.items()):
+        states = await agent_client.states([pod["status"]["podIP"] for pod in members], token)
+        if all(state.error is None and state.state != "failed" for state in states):
+            reachable[shard] = members
+    if not reachable:
+        await _set_status(api, name, namespace, {"phase": "Pending", "message": "no live shard to refit yet"})
+        return
+    layout = fleet.layout
+    shard_size = layout.pods_per_shard * layout.ranks_per_pod
+    trainer = spec.source.rendezvous.trainer_world_size if spec.source.rendezvous else 1
+    membership = planner.rank_offsets(trainer, sorted(reachable), shard_size)
+    published = {
+        "worldSize": membership.world_size,
+        "trainerWorldSize": membership.trainer_world_size,
+        "rankOffsets": [{"shard": shard, "offset": offset} for shard, offset in sorted(membership.offsets.items())],
+    }
+    fleet_status = dict(fleet_body.get("status") or {})
+    fleet_status["refit"] = {**(fleet_status.get("refit") or {}), "active": name, "membership": published}
+    await api.patch_status("MegatronGeneration", fleet.name, namespace, {"refit": fleet_status["refit"]})
+    await _set_status(
+        api,
+        name,
+        namespace,
+        {
+            "phase": "Running",
+            "membership": published,
+            "attempts": 1,
+            "startTime": _now(),
+            "message": f"{len(reachable)} shards receive version {spec.version}",
+        },
+    )
+    for shard, members in sorted(reachable.items()):
+        for index, pod in enumerate(members):
+            body = _request(spec, fleet, membership, membership.offsets[shard] + index * layout.ranks_per_pod)
+            path = "prepare" if spec.source.rendezvous is not None else "checkpoint"
+            error = await agent_client.refit_start(pod["status"]["podIP"], token, path, body)
+            if error is not None:
+                log.warning("refit %s/%s: pod %s refused: %s", namespace, name, pod["metadata"]["name"], error)
+
+
+def _request(
+    spec: v1alpha1.RefitObjectSpec, fleet: desired.Fleet, membership: planner.Membership, rank_offset: int
+) -> Object:
+    common: Object = {
+        "version": spec.version,
+        "timeoutSeconds": fleet.spec.refit.timeout_seconds,
+        "kvCacheMode": fleet.spec.engine.kv_cache_mode,
+    }
+    if spec.source.checkpoint is not None:
+        return {**common, "path": spec.source.checkpoint.path}
+    rendezvous = spec.source.rendezvous
+    assert rendezvous is not None  # the model validator guarantees exactly one source
+    return {
+        **common,
+        "transport": fleet.spec.refit.transport,
+        "bucketSizeMiB": fleet.spec.refit.bucket_size_mi_b,
+        "rendezvous": {
+            "address": rendezvous.address,
+            "port": rendezvous.port,
+            "worldSize": membership.world_size,
+            "rankOffset": rank_offset,
+            "trainerWorldSize": membership.trainer_world_size,
+        },
+    }
+
+
+async def _collect(
+    api: kube.Api,
+    agent_client: agents.Agents,
+    refit: Object,
+    spec: v1alpha1.RefitObjectSpec,
+    fleet_body: Object,
+    pods: dict[int, list[Object]],
+    token: str,
+) -> None:
+    status = refit.get("status") or {}
+    members = [entry["shard"] for entry in (status.get("membership") or {}).get("rankOffsets", [])]
+    reports: list[Object] = []
+    for shard in members:
+        if shard not in pods:
+            await _finish(api, refit, fleet_body, "Failed", f"shard {shard} left the fleet during the refit")
+            return
+        for pod in pods[shard]:
+            report = await agent_client.refit_status(pod["status"]["podIP"], token)
+            if report is None:
+                await _finish(api, refit, fleet_body, "Failed", f"the agent of {pod['metadata']['name']} is gone")
+                return
+            if report.get("version") != spec.version:
+                return  # not started there yet
+            if report.get("phase") == "failed":
+                await _finish(api, refit, fleet_body, "Failed", f"{pod['metadata']['name']}: {report.get('error')}")
+                return
+            reports.append(report)
+    if not all(report.get("phase") == "succeeded" for report in reports):
+        return
+    phases: dict[str, int] = {}
+    for report in reports:
+        for timing in report.get("phases", []):
+            phases[timing["name"]] = max(phases.get(timing["name"], 0), int(timing["milliseconds"]))
+    duration = max(int(report.get("durationMilliseconds") or 0) for report in reports)
+    await _finish(
+        api,
+        refit,
+        fleet_body,
+        "Succeeded",
+        f"{len(members)} shards serve version {spec.version}",
+        phases=[{"name": k, "milliseconds": v} for k, v in phases.items()],
+        duration=duration,
+        version=spec.version,
+    )
+
+
+async def _finish(
+    api: kube.Api,
+    refit: Object,
+    fleet_body: Object | None,
+    phase: str,
+    message: str,
+    *,
+    phases: list[Object] | None = None,
+    duration: int | None = None,
+    version: int | None = None,
+) -> None:
+    name, namespace = refit["metadata"]["name"], refit["metadata"]["namespace"]
+    now = _now()
+    found = conditions.set_condition(
+        list((refit.get("status") or {}).get("conditions", [])),
+        "Complete" if phase == "Succeeded" else "Failed",
+        True,
+        phase,
+        message,
+        generation=int(refit["metadata"].get("generation", 1)),
+        now=now,
+    )
+    update: Object = {"phase": phase, "message": message, "completionTime": now, "conditions": found}
+    if phases is not None:
+        update["phases"] = phases
+    if duration is not None:
+        update["durationMilliseconds"] = duration
+    await _set_status(api, name, namespace, update)
+    if fleet_body is None:
+        return
+    fleet_refit = dict(((fleet_body.get("status") or {}).get("refit")) or {})
+    if fleet_refit.get("active") not in (None, name):
+        return
+    fleet_refit["active"] = None
+    if version is not None:
+        fleet_refit.update({"currentVersion": version, "lastDurationMilliseconds": duration, "lastPhases": phases})
+    await api.patch_status("MegatronGeneration", fleet_body["metadata"]["name"], namespace, {"refit": fleet_refit})
+    await _prune(api, namespace, fleet_body)
+
+
+async def _prune(api: kube.Api, namespace: str, fleet_body: Object) -> None:
+    """Keep the newest ``refit.historyLimit`` finished Refits of the fleet."""
+    limit = int(((fleet_body.get("spec") or {}).get("refit") or {}).get("historyLimit", 10))
+    fleet = fleet_body["metadata"]["name"]
+    finished = [
+        item
+        for item in await api.list("Refit", namespace=namespace)
+        if item["spec"]["fleetRef"]["name"] == fleet
+        and (item.get("status") or {}).get("phase") in ("Succeeded", "Failed")
+    ]
+    finished.sort(key=lambda item: (int(item["spec"]["version"]), item["metadata"]["creationTimestamp"]))
+    for item in finished[:-limit] if len(finished) > limit else []:
+        await api.delete("Refit", item["metadata"]["name"], namespace)
+
+
+async def _set_status(api: kube.Api, name: str, namespace: str, status: Object) -> None:
+    await api.patch_status("Refit", name, namespace, status)
