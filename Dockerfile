@@ -1,25 +1,33 @@
 # syntax=docker/dockerfile:1
 # Two images from one file:
-#   docker build --target operator -t megafleet/operator .   (slim: no torch)
-#   docker build --target engine   -t megafleet/engine .     (CUDA base, torch, the engine)
+#   docker build --target operator -t megafleet/operator .   (slim: no torch; ENTRYPOINT megafleet)
+#   docker build --target engine   -t megafleet/engine .     (CUDA base, torch, megatron-core; ENTRYPOINT megafleet-engine)
+# Both run as the non-root user 65532:65532 (the uid/gid the chart and the engine pods set) with a
+# read-only root filesystem: HOME and caches point at /tmp, an emptyDir in every pod.
+# tests/unit/test_dockerfile.py checks stages, entrypoints against [project.scripts], and no torch here.
 
 FROM python:3.12-slim AS operator
-ENV PYTHONDONTWRITEBYTECODE=1 PYTHONUNBUFFERED=1 PIP_NO_CACHE_DIR=1
+ENV PYTHONDONTWRITEBYTECODE=1 PYTHONUNBUFFERED=1 PIP_NO_CACHE_DIR=1 PIP_DISABLE_PIP_VERSION_CHECK=1 HOME=/tmp
 WORKDIR /src
 COPY pyproject.toml README.md ./
 COPY operator ./operator
 COPY engine ./engine
 COPY dev ./dev
+# The base dependencies only (kopf, lightkube, pydantic, httpx, ...): no extras, so no torch. The dev
+# tooling is removed; the engine package is inert without its extra.
 RUN pip install . && rm -rf /src \
     && python -c "import shutil, megafleet_dev, pathlib; shutil.rmtree(pathlib.Path(megafleet_dev.__file__).parent)"
-RUN useradd --uid 65532 --no-create-home --shell /usr/sbin/nologin megafleet
+RUN groupadd --gid 65532 megafleet \
+    && useradd --uid 65532 --gid 65532 --no-create-home --home-dir /tmp --shell /usr/sbin/nologin megafleet
 USER 65532:65532
-WORKDIR /
+WORKDIR /tmp
 ENTRYPOINT ["megafleet"]
 CMD ["operator"]
 
 FROM nvidia/cuda:13.0.1-cudnn-runtime-ubuntu24.04 AS engine
-ENV PYTHONDONTWRITEBYTECODE=1 PYTHONUNBUFFERED=1 PIP_NO_CACHE_DIR=1 DEBIAN_FRONTEND=noninteractive
+ENV PYTHONDONTWRITEBYTECODE=1 PYTHONUNBUFFERED=1 PIP_NO_CACHE_DIR=1 PIP_DISABLE_PIP_VERSION_CHECK=1 \
+    DEBIAN_FRONTEND=noninteractive HOME=/tmp HF_HOME=/tmp/huggingface TRITON_CACHE_DIR=/tmp/triton
+# Ubuntu 24.04's python3 is 3.12, which megatron-core 0.19 needs.
 RUN apt-get update && apt-get install -y --no-install-recommends python3 python3-venv \
     && rm -rf /var/lib/apt/lists/* && python3 -m venv /opt/megafleet
 ENV PATH=/opt/megafleet/bin:$PATH
@@ -30,7 +38,9 @@ COPY engine ./engine
 COPY dev ./dev
 RUN pip install '.[engine,megatron]' && rm -rf /src \
     && python -c "import shutil, megafleet_dev, pathlib; shutil.rmtree(pathlib.Path(megafleet_dev.__file__).parent)"
-RUN useradd --uid 65532 --no-create-home --shell /usr/sbin/nologin megafleet
+RUN groupadd --gid 65532 megafleet \
+    && useradd --uid 65532 --gid 65532 --no-create-home --home-dir /tmp --shell /usr/sbin/nologin megafleet
 USER 65532:65532
-WORKDIR /
-ENTRYPOINT ["megafleet"]
+WORKDIR /tmp
+# The operator's pods run `megafleet-engine` with the fleet's settings in MEGAFLEET_* variables.
+ENTRYPOINT ["megafleet-engine"]

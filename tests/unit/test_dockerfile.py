@@ -1,0 +1,159 @@
+"""The Dockerfile, read without a Docker engine: each target's entrypoint is a console script the
+image installs, the operator image holds no torch, and both images run as a non-root user.
+
+A small parser: stages from ``FROM image AS name``, continuation lines joined, ENTRYPOINT/CMD in
+JSON (exec) form, ``pip install`` targets with their extras resolved through pyproject.toml.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import shlex
+import tomllib
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+NON_ROOT = "65532:65532"
+
+
+@dataclass
+class Stage:
+    name: str
+    base: str
+    instructions: list[tuple[str, str]] = field(default_factory=list)
+
+    def last(self, keyword: str) -> str | None:
+        found = [argument for name, argument in self.instructions if name == keyword]
+        return found[-1] if found else None
+
+    def exec_form(self, keyword: str) -> list[str] | None:
+        argument = self.last(keyword)
+        if argument is None:
+            return None
+        value = json.loads(argument)  # shell form would raise: exec form is required (signals reach PID 1)
+        assert isinstance(value, list) and all(isinstance(item, str) for item in value)
+        return value
+
+    def pip_targets(self) -> list[str]:
+        targets = []
+        for name, argument in self.instructions:
+            if name != "RUN":
+                continue
+            lexer = shlex.shlex(argument, posix=True, punctuation_chars=True)
+            lexer.whitespace_split = True
+            command: list[str] = []
+            for word in [*lexer, "&&"]:
+                if word not in ("&&", "||", ";", "|"):
+                    command.append(word)
+                    continue
+                if command[:2] in (["pip", "install"], ["pip3", "install"]):
+                    targets += [item for item in command[2:] if not item.startswith("-")]
+                command = []
+        return targets
+
+
+def parse(text: str) -> dict[str, Stage]:
+    joined = re.sub(r"\\\n", " ", text)
+    stages: dict[str, Stage] = {}
+    current: Stage | None = None
+    for raw in joined.splitlines():
+        line = raw.strip()
+        if not line or line.startswith("#"):
+            continue
+        keyword, _, argument = line.partition(" ")
+        keyword = keyword.upper()
+        if keyword == "FROM":
+            match = re.fullmatch(r"(?:--\S+\s+)*(\S+)\s+AS\s+(\S+)", argument.strip(), flags=re.IGNORECASE)
+            assert match, f"every stage is named: {line}"
+            current = stages[match.group(2)] = Stage(match.group(2), match.group(1))
+        else:
+            assert current is not None, f"instruction before FROM: {line}"
+            current.instructions.append((keyword, argument.strip()))
+    return stages
+
+
+@pytest.fixture(scope="module")
+def stages() -> dict[str, Stage]:
+    return parse((ROOT / "Dockerfile").read_text())
+
+
+@pytest.fixture(scope="module")
+def project() -> dict[str, Any]:
+    project: dict[str, Any] = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    return project
+
+
+def requirements(project: dict[str, Any], target: str) -> list[str]:
+    """The distributions ``pip install <target>`` brings for this project (``.`` or ``.[a,b]``)."""
+    match = re.fullmatch(r"\.(?:\[([\w,-]+)\])?", target)
+    assert match, f"images install the project itself, not {target}"
+    extras = match.group(1).split(",") if match.group(1) else []
+    found = list(project["dependencies"])
+    for extra in extras:
+        found += project["optional-dependencies"][extra]
+    return [re.split(r"[<>=!~;\[ ]", requirement, maxsplit=1)[0].lower() for requirement in found]
+
+
+def test_the_parser_reads_stages_and_exec_forms() -> None:
+    parsed = parse(
+        'FROM a:1 AS one\nRUN pip install \\\n  ".[x]" && true\nENTRYPOINT ["p", "q"]\nFROM b AS two\nCMD ["c"]\n'
+    )
+    assert list(parsed) == ["one", "two"]
+    assert parsed["one"].base == "a:1"
+    assert parsed["one"].pip_targets() == [".[x]"]
+    assert parsed["one"].exec_form("ENTRYPOINT") == ["p", "q"]
+    assert parsed["two"].exec_form("ENTRYPOINT") is None
+    with pytest.raises(json.JSONDecodeError):
+        parse("FROM a AS s\nENTRYPOINT megafleet operator\n")["s"].exec_form("ENTRYPOINT")
+
+
+def test_both_targets_exist(stages: dict[str, Stage]) -> None:
+    assert set(stages) == {"operator", "engine"}
+    assert stages["operator"].base.startswith("python:3.12-slim")
+    assert stages["engine"].base.startswith("nvidia/cuda:")
+
+
+@pytest.mark.parametrize(
+    ("stage", "script", "module"),
+    [("operator", "megafleet", "megafleet.cli:main"), ("engine", "megafleet-engine", "megafleet_engine.cli:main")],
+    ids=["operator", "engine"],
+)
+def test_the_entrypoint_is_a_console_script_the_image_installs(
+    stages: dict[str, Stage], project: dict[str, Any], stage: str, script: str, module: str
+) -> None:
+    entrypoint = stages[stage].exec_form("ENTRYPOINT")
+    assert entrypoint == [script]
+    assert project["scripts"][script] == module
+    assert stages[stage].pip_targets(), "the image installs the project (which installs its scripts)"
+
+
+def test_the_operator_image_runs_the_operator_by_default(stages: dict[str, Stage]) -> None:
+    assert stages["operator"].exec_form("CMD") == ["operator"]
+
+
+def test_the_operator_image_installs_no_torch(stages: dict[str, Stage], project: dict[str, Any]) -> None:
+    operator = stages["operator"]
+    installed = [name for target in operator.pip_targets() for name in requirements(project, target)]
+    assert "kopf" in installed
+    assert not {"torch", "transformers", "megatron-core"} & set(installed)
+    assert not any("torch" in argument for _, argument in operator.instructions)
+
+
+def test_the_engine_image_installs_torch_and_megatron(stages: dict[str, Stage], project: dict[str, Any]) -> None:
+    installed = {name for target in stages["engine"].pip_targets() for name in requirements(project, target)}
+    assert {"torch", "transformers", "megatron-core", "fastapi", "uvicorn"} <= installed
+
+
+@pytest.mark.parametrize("stage", ["operator", "engine"])
+def test_images_run_as_the_non_root_user_of_the_pods(stages: dict[str, Stage], stage: str) -> None:
+    assert stages[stage].last("USER") == NON_ROOT
+    creates_user = [a for k, a in stages[stage].instructions if k == "RUN" and "useradd" in a]
+    assert creates_user and "--uid 65532" in creates_user[0] and "--gid 65532" in creates_user[0]
+    # A read-only root filesystem: HOME (and caches) live on the /tmp emptyDir of every pod.
+    environment = " ".join(a for k, a in stages[stage].instructions if k == "ENV")
+    assert "HOME=/tmp" in environment
