@@ -6,6 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+import pytest
 import yaml
 
 from megafleet_dev import kube, nodes
@@ -294,3 +295,23 @@ def test_deleting_a_fleet_removes_everything_it_created(operator: Path, kube_adm
             timeout=WAIT,
             what=f"{kind} of the deleted fleet",
         )
+
+
+def test_frontends_require_the_api_key_from_the_fleets_secret(
+    operator: Path, kube_admin: kube.Kube, namespace: str
+) -> None:
+    import openai
+
+    secret = {"apiVersion": "v1", "kind": "Secret", "metadata": {"name": "keys"}, "stringData": {"api-key": "s3cret"}}
+    kube_admin.create(f"/api/v1/namespaces/{namespace}/secrets", secret)
+    manifest = example("tiny-cpu.yaml")
+    manifest["spec"]["replicas"] = 1
+    manifest["spec"]["frontend"] = {"apiKeySecret": {"name": "keys"}}
+    kube_admin.create(fleets(namespace), manifest)
+    kube_admin.wait(f"{fleets(namespace)}/tiny", condition_is("Ready", "True"), timeout=WAIT)
+    url = frontend_url(kube_admin, namespace, "tiny-s0-p0")
+
+    with openai.OpenAI(base_url=url, api_key="wrong") as client, pytest.raises(openai.AuthenticationError):
+        client.models.list()
+    with openai.OpenAI(base_url=url, api_key="s3cret") as client:
+        assert [model.id for model in client.models.list()] == ["tiny"]
