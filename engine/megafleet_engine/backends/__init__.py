@@ -37,7 +37,7 @@ def load_backend(
             load_weights=load_weights,
         )
     if backend == "megatron":
-        from megafleet_engine.backends import megatron_backend  # type: ignore[attr-defined]
+        from megafleet_engine.backends import megatron_backend
 
         result: base.Backend = megatron_backend.load(
             source,
