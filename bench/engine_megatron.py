@@ -1,6 +1,7 @@
 """Generation throughput of the megatron backend: megatron-core's engine called directly vs through
-our backend, our batching scheduler (:class:`megafleet_engine.engine.Engine`) and the OpenAI HTTP
-frontend. One GPU, random weights, greedy, every sequence generates exactly ``--new-tokens``.
+our backend, our scheduler (:class:`megafleet_engine.engine.Engine`, continuous batching: requests
+that arrive while a batch runs join it between steps) and the OpenAI HTTP frontend. One GPU, random
+weights, greedy, every sequence generates exactly ``--new-tokens``.
 
 Run on a GPU machine with megatron-core and a flash-attention kernel installed::
 
@@ -205,6 +206,7 @@ def measure_batch(
             return sum(len(tokens) for tokens in produced)
 
         batches_before = len(scheduler.batch_sizes)
+        admitted_before, admissions_before = scheduler.admitted, scheduler.admissions
         try:
             row[path] = timed(produce, repeats)
         except Exception as error:
@@ -212,6 +214,8 @@ def measure_batch(
             continue
         if path in ("engine", "http"):
             row[path]["scheduler_batch_sizes"] = scheduler.batch_sizes[batches_before:]
+            row[path]["scheduler_admitted"] = scheduler.admitted - admitted_before
+            row[path]["scheduler_admission_steps"] = scheduler.admissions - admissions_before
     for path in ("backend", "engine", "http"):
         if path in row and "direct" in row:
             row[path]["overhead_vs_direct"] = round(row["direct"]["tok_per_s"] / row[path]["tok_per_s"], 3)
@@ -270,6 +274,7 @@ def main() -> int:
             "cuda_graphs": not args.no_cuda_graphs,
             "sampling": "greedy, ignore_eos",
             "repeats": args.repeats,
+            "scheduler": "continuous batching (admission between decode steps)",
         },
         "errors": {},
     }

@@ -3,17 +3,26 @@ engine state machine (loading, ready, suspended, stale, failed) and the weight v
 
 Called by the OpenAI frontend (:meth:`Engine.submit`) and by the agent (state, suspend/resume,
 weight updates). One background thread owns the backend: it takes every waiting sequence (up to
-``max_batch_size``) as one batch, so requests that arrive together are decoded together, and it is
-the only thread that touches the model, so generation and weight writes never overlap.
+``max_batch_size``) as one batch, and it is the only thread that touches the model, so generation
+and weight writes never overlap.
+
+Continuous batching: when the backend supports it (``backend.supports_admission``), sequences that
+arrive while a batch runs join it between two decode steps (the backend calls the scheduler's
+``admit``; see :class:`~megafleet_engine.backends.base.Admission`), and sequences the scheduler
+closes early (client gone, suspend in abort mode) leave it. Admission stops while the engine is not
+``ready`` (a suspend is pending or done) and while a backend call (:meth:`Engine.run_exclusive`, a
+weight write) or shutdown waits in the queue, so the running batch drains and the call runs next.
+Otherwise the next batch starts as soon as the running one ends.
 """
 
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import dataclasses
+import itertools
 import logging
-import queue
 import threading
 import time
 from collections.abc import AsyncIterator, Callable
@@ -50,6 +59,7 @@ class _Pending:
     loop: asyncio.AbstractEventLoop
     steps: asyncio.Queue[base.TokenStep | BaseException]
     cancelled: threading.Event = dataclasses.field(default_factory=threading.Event)
+    key: str = ""  # the id the backend sees: the request's own, or an alias if that is taken
 
 
 @dataclasses.dataclass
@@ -67,24 +77,49 @@ class Engine:
 
     ``weight_version`` is ``None`` until weights are loaded (deferred init: state ``loading``
     until the first refit finishes). A response is always produced by one weight version: a
-    suspend closes the gate and waits for (drain) or aborts (abort) everything in flight before
-    weights may change.
+    suspend closes the gate, stops admission and waits for (drain) or aborts (abort) everything in
+    flight before weights may change. ``kv_cache_mode`` (default: the backend's ``kv_cache_mode``
+    attribute, else ``persist``) is passed to the backend's ``begin_weight_update`` at the end of a
+    suspend and to its ``finish_weight_update`` on resume, before any later request runs.
+
+    ``batches`` counts backend batches and ``batch_sizes`` the sequences each one served (those
+    admitted while it ran included); ``admitted`` counts sequences that joined a running batch and
+    ``admissions`` the steps at which at least one joined.
     """
 
-    def __init__(self, backend: base.Backend, *, max_batch_size: int = 64, weight_version: int | None = 0) -> None:
+    def __init__(
+        self,
+        backend: base.Backend,
+        *,
+        max_batch_size: int = 64,
+        weight_version: int | None = 0,
+        kv_cache_mode: base.KvCacheMode | None = None,
+    ) -> None:
         self.backend = backend
         self.max_batch_size = max_batch_size
         self.weight_version = weight_version
+        backend_mode: base.KvCacheMode = getattr(backend, "kv_cache_mode", "persist")
+        self.kv_cache_mode: base.KvCacheMode = kv_cache_mode if kv_cache_mode is not None else backend_mode
+        self.continuous = bool(getattr(backend, "supports_admission", False))
         self.state: State = "ready" if weight_version is not None else "loading"
         self.last_error: str | None = None
-        self._waiting: queue.Queue[_Pending | _Call | None] = queue.Queue()
+        self._queue: collections.deque[_Pending | _Call | None] = collections.deque()
         self._in_flight = 0
+        self._abort_all = False
         self._lock = threading.Lock()
-        self._idle = threading.Condition(self._lock)
-        self._thread = threading.Thread(target=self._run, name="megafleet-engine", daemon=True)
-        self._thread.start()
+        self._work = threading.Condition(self._lock)  # the queue got an item
+        self._idle = threading.Condition(self._lock)  # _in_flight went down
+        # The running batch (backend thread only): open sequences by the id the backend sees, and
+        # the ids closed early that the backend has not been told about yet.
+        self._open: dict[str, _Pending] = {}
+        self._leaving: set[str] = set()
+        self._aliases = itertools.count()
         self.batches = 0
         self.batch_sizes: list[int] = []
+        self.admitted = 0
+        self.admissions = 0
+        self._thread = threading.Thread(target=self._run, name="megafleet-engine", daemon=True)
+        self._thread.start()
 
     # -- requests ------------------------------------------------------------------------------
 
@@ -99,12 +134,13 @@ class Engine:
 
         Cancelling the consumer (client disconnect) stops the sequence at the next step.
         """
+        pending = _Pending(request, asyncio.get_running_loop(), asyncio.Queue())
         with self._lock:
             if self.state != "ready":
                 raise NotServing(self.state)
             self._in_flight += 1
-        pending = _Pending(request, asyncio.get_running_loop(), asyncio.Queue())
-        self._waiting.put(pending)
+            self._queue.append(pending)
+            self._work.notify()
         try:
             while True:
                 item = await pending.steps.get()
@@ -119,20 +155,42 @@ class Engine:
     # -- state ---------------------------------------------------------------------------------
 
     async def suspend(self, mode: SuspendMode, *, timeout_seconds: float = 60.0) -> None:
-        """Close the gate; drain (wait for) or abort every request in flight."""
+        """Close the gate and stop admission; drain (wait for) or abort every request in flight,
+        then let the backend free what the KV-cache mode frees during a refit."""
+        aborted: list[_Pending] = []
         with self._lock:
             if self.state == "ready":
                 self.state = "suspended"
             self._abort_all = mode == "abort"
+            if self._abort_all:  # accepted but not started: end them here, they never run
+                aborted = [item for item in self._queue if isinstance(item, _Pending)]
+                kept = [item for item in self._queue if not isinstance(item, _Pending)]
+                self._queue.clear()
+                self._queue.extend(kept)
+                self._in_flight -= len(aborted)
+                self._idle.notify_all()
+        for pending in aborted:
+            self._deliver(pending, Aborted("request aborted by a suspend for refit"))
         await asyncio.to_thread(self._wait_idle, timeout_seconds)
+        begin = getattr(self.backend, "begin_weight_update", None)
+        if begin is not None:
+            mode_now = self.kv_cache_mode
+            await self.run_exclusive(lambda: begin(mode_now))
 
     def resume(self, *, weight_version: int | None = None) -> None:
-        """Open the gate again, serving ``weight_version`` (unchanged when ``None``)."""
+        """Open the gate again, serving ``weight_version`` (unchanged when ``None``).
+
+        The backend's ``finish_weight_update`` is queued ahead of every request accepted from now
+        on, so caches are rebuilt (and stale KV dropped) before anything runs on the new weights.
+        """
         with self._lock:
             if weight_version is not None:
                 self.weight_version = weight_version
             if self.weight_version is None:
                 raise EngineError("cannot resume an engine that has never received weights")
+            if getattr(self.backend, "finish_weight_update", None) is not None:
+                self._queue.append(_Call(self._finish_weight_update))
+                self._work.notify()
             self.state = "ready"
             self._abort_all = False
 
@@ -144,21 +202,33 @@ class Engine:
                 self.last_error = error
 
     async def run_exclusive(self, fn: Callable[[], T]) -> T:
-        """Run ``fn`` on the backend thread between batches (weight writes, checkpoint loads)."""
+        """Run ``fn`` on the backend thread between batches (weight writes, checkpoint loads).
+
+        A running batch stops admitting while the call waits, and the call runs once it ends."""
         call = _Call(fn)
-        self._waiting.put(call)
+        with self._lock:
+            self._queue.append(call)
+            self._work.notify()
         await asyncio.to_thread(call.done.wait)
         if call.error is not None:
             raise call.error
         return call.result  # type: ignore[return-value]
 
     def close(self) -> None:
-        self._waiting.put(None)
+        with self._lock:
+            self._queue.append(None)
+            self._work.notify()
         self._thread.join(timeout=10)
 
     # -- backend thread ------------------------------------------------------------------------
 
-    _abort_all = False
+    def _finish_weight_update(self) -> None:
+        try:
+            self.backend.finish_weight_update(self.kv_cache_mode)
+        except Exception as error:
+            log.exception("rebuilding the backend's caches after a refit failed")
+            self.mark("failed", f"rebuilding caches after a refit failed: {error}")
+            raise
 
     def _wait_idle(self, timeout_seconds: float) -> None:
         deadline = time.monotonic() + timeout_seconds
@@ -171,23 +241,21 @@ class Engine:
 
     def _run(self) -> None:
         while True:
-            first = self._waiting.get()
+            with self._work:
+                while not self._queue:
+                    self._work.wait()
+                first = self._queue.popleft()
+                batch: list[_Pending] = []
+                if isinstance(first, _Pending):
+                    batch.append(first)
+                    while len(batch) < self.max_batch_size and self._queue and isinstance(self._queue[0], _Pending):
+                        batch.append(self._queue.popleft())  # type: ignore[arg-type]
             if first is None:
                 return
             if isinstance(first, _Call):
                 self._execute(first)
-                continue
-            batch = [first]
-            while len(batch) < self.max_batch_size:
-                try:
-                    item = self._waiting.get_nowait()
-                except queue.Empty:
-                    break
-                if not isinstance(item, _Pending):
-                    self._waiting.put(item)  # keep calls and shutdown for after this batch
-                    break
-                batch.append(item)
-            self._generate(batch)
+            else:
+                self._generate(batch)
 
     def _execute(self, call: _Call) -> None:
         try:
@@ -197,40 +265,96 @@ class Engine:
         finally:
             call.done.set()
 
+    def _open_sequence(self, pending: _Pending) -> base.SequenceRequest:
+        """Register ``pending`` in the running batch; the request as the backend sees it."""
+        key = pending.request.request_id
+        if key in self._open:  # two live requests share an id: give the backend a unique one
+            key = f"{key}#megafleet-{next(self._aliases)}"
+        pending.key = key
+        self._open[key] = pending
+        if key == pending.request.request_id:
+            return pending.request
+        return dataclasses.replace(pending.request, request_id=key)
+
+    def _admit(self, capacity: int) -> base.Admission:
+        """Between two steps of a running batch: close what was cancelled or aborted, and hand the
+        backend up to ``capacity`` waiting sequences unless admission is stopped."""
+        for pending in list(self._open.values()):
+            if pending.cancelled.is_set():
+                self._close(pending, Aborted("request cancelled"))
+            elif self._abort_all:
+                self._close(pending, Aborted("request aborted by a suspend for refit"))
+        leave, self._leaving = self._leaving, set()
+        room = min(capacity, self.max_batch_size - len(self._open))
+        joining: list[_Pending] = []
+        if room > 0:
+            with self._lock:
+                if self.state == "ready" and not self._abort_all:
+                    while len(joining) < room and self._queue and isinstance(self._queue[0], _Pending):
+                        joining.append(self._queue.popleft())  # type: ignore[arg-type]
+        if not joining:
+            return base.Admission(leave=leave)
+        self.admitted += len(joining)
+        self.admissions += 1
+        self.batch_sizes[-1] += len(joining)
+        return base.Admission(join=tuple(self._open_sequence(pending) for pending in joining), leave=leave)
+
     def _generate(self, batch: list[_Pending]) -> None:
         self.batches += 1
         self.batch_sizes.append(len(batch))
-        by_id = {pending.request.request_id: pending for pending in batch}
-        open_ids = set(by_id)
+        self._open = {}
+        self._leaving = set()
+        requests = [self._open_sequence(pending) for pending in batch]
+        if self.continuous:
+            produced = self.backend.generate(requests, admit=self._admit)
+        else:
+            produced = self.backend.generate(requests)
         try:
-            for steps in self.backend.generate([pending.request for pending in batch]):
-                for step in steps:
-                    pending = by_id[step.request_id]
-                    if step.request_id not in open_ids:
-                        continue
-                    if pending.cancelled.is_set():
-                        self._finish(pending, open_ids, Aborted("request cancelled"))
-                    elif self._abort_all:
-                        self._finish(pending, open_ids, Aborted("request aborted by a suspend for refit"))
-                    else:
-                        self._deliver(pending, step)
-                        if step.finish_reason is not None:
-                            self._finish(pending, open_ids, None)
-                if not open_ids:
+            for steps in produced:
+                self._take(steps)
+                if not self._open:
                     break
         except Exception as error:
-            log.exception("generation failed for a batch of %d", len(batch))
-            for request_id in list(open_ids):
-                self._finish(by_id[request_id], open_ids, EngineError(f"generation failed: {error}"))
-        for request_id in list(open_ids):  # the backend ended without a final step
-            self._finish(by_id[request_id], open_ids, EngineError("generation ended early"))
+            log.exception("generation failed for a batch of %d", self.batch_sizes[-1])
+            for pending in list(self._open.values()):
+                self._close(pending, EngineError(f"generation failed: {error}"), told=True)
+        finally:
+            close = getattr(produced, "close", None)
+            if close is not None:
+                close()  # a generator: let the backend wind the batch down now
+        for pending in list(self._open.values()):  # the backend ended without a final step
+            self._close(pending, EngineError("generation ended early"), told=True)
+        self._leaving = set()
+
+    def _take(self, steps: list[base.TokenStep]) -> None:
+        """Deliver one decode step's tokens to their open sequences."""
+        for step in steps:
+            pending = self._open.get(step.request_id)
+            if pending is None:
+                continue  # closed early; the backend learns it at the next admit
+            if pending.cancelled.is_set():
+                self._close(pending, Aborted("request cancelled"))
+            elif self._abort_all:
+                self._close(pending, Aborted("request aborted by a suspend for refit"))
+            elif step.finish_reason == "abort" and step.token_id == base.NO_TOKEN:
+                self._close(pending, EngineError("the backend could not run this sequence"), told=True)
+            else:
+                if pending.key != pending.request.request_id:
+                    step = dataclasses.replace(step, request_id=pending.request.request_id)
+                self._deliver(pending, step)
+                if step.finish_reason is not None:
+                    self._close(pending, None, told=True)
 
     def _deliver(self, pending: _Pending, item: base.TokenStep | BaseException) -> None:
         with contextlib.suppress(RuntimeError):  # the loop is closed: the client is gone
             pending.loop.call_soon_threadsafe(pending.steps.put_nowait, item)
 
-    def _finish(self, pending: _Pending, open_ids: set[str], error: BaseException | None) -> None:
-        open_ids.discard(pending.request.request_id)
+    def _close(self, pending: _Pending, error: BaseException | None, *, told: bool = False) -> None:
+        """End one open sequence of the running batch (``told``: the backend already ended it)."""
+        if self._open.pop(pending.key, None) is None:
+            return
+        if not told:
+            self._leaving.add(pending.key)
         if error is not None:
             self._deliver(pending, error)
         with self._idle:

@@ -1,16 +1,33 @@
-"""The megatron backend: source parsing and sampling maps (anywhere), generation and in-place weight
-writes on megatron-core's dynamic engine (one NVIDIA GPU with megatron-core and flash-attention).
+"""The megatron backend: source parsing and sampling maps (anywhere), generation, continuous
+batching, in-place weight writes, refits in each KV-cache mode and a TP=2 shard on megatron-core's
+dynamic engine (NVIDIA GPUs with megatron-core and flash-attention).
 
 The GPU tests skip cleanly here (no GPU, no megatron-core: it needs Python >= 3.12). On the GPU
 machine they build one tiny Llama (bf16, decode CUDA graphs on) whose attention and output
 weights are scaled up, so attention is peaked and wrong head layouts would show in the outputs.
+
+Run as a script under ``torchrun --nproc-per-node 2`` this file is the TP=2 worker of
+:class:`TestTensorParallel` (``python -m torch.distributed.run --standalone --nproc-per-node 2
+tests/gpu/test_gpu_megatron.py OUT.json``). With ``MEGAFLEET_GPU_REPORT=FILE`` set, the tests append
+what they measured to ``FILE`` (JSON lines).
 """
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
+import datetime
+import faulthandler
 import importlib.util
+import json
+import os
+import subprocess
+import sys
+import threading
+import traceback
 from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -22,6 +39,11 @@ from megafleet_engine.models import tiny
 SOURCE = "tiny://llama?hidden=256&heads=4&kv_heads=2&intermediate=512"  # head_dim 64, a common kernel shape
 MAX_SEQUENCE_LENGTH = 256
 NEW_TOKENS = 24
+TEXTS = ["hello", "the quick brown fox jumps over", "a", "RL needs token log-probabilities"]
+TIE = 0.1
+"""Log-probability gap of the best two tokens under which two bf16 computations of one greedy step
+(other reduction order: TP=2, another batch) may pick different tokens."""
+NCCL_SAFE = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
 
 
 def _gpu_skip_reason() -> str | None:
@@ -113,8 +135,10 @@ def scaled_reference_weights(seed: int = 0) -> dict[str, torch.Tensor]:
     return scaled
 
 
-@pytest.fixture(scope="module")
-def backend() -> Iterator[megatron_backend.MegatronBackend]:
+def build(
+    kv_cache_mode: base.KvCacheMode = "persist", parallel: megatron_backend.Parallel | None = None
+) -> megatron_backend.MegatronBackend:
+    """The tiny model on this process's GPU (graphs on, 1 GB of KV cache) with the scaled weights."""
     loaded = megatron_backend.load(
         SOURCE,
         name="tiny",
@@ -122,17 +146,25 @@ def backend() -> Iterator[megatron_backend.MegatronBackend]:
         dtype="bfloat16",
         device="cuda",
         load_weights=True,
-        options=megatron_backend.EngineOptions(max_batch_size=8, kv_buffer_gb=1.0, max_step_tokens=2048),
+        parallel=parallel,
+        options=megatron_backend.EngineOptions(
+            max_batch_size=8, kv_buffer_gb=1.0, max_step_tokens=2048, kv_cache_mode=kv_cache_mode
+        ),
     )
     loaded.write_weights(scaled_reference_weights())
+    return loaded
+
+
+@pytest.fixture(scope="module")
+def backend() -> Iterator[megatron_backend.MegatronBackend]:
+    loaded = build()
     yield loaded
     loaded.close()
 
 
 @pytest.fixture(scope="module")
 def prompts(backend: megatron_backend.MegatronBackend) -> list[list[int]]:
-    texts = ["hello", "the quick brown fox jumps over", "a", "RL needs token log-probabilities"]
-    return [backend.tokenizer.encode(text) for text in texts]
+    return [backend.tokenizer.encode(text) for text in TEXTS]
 
 
 def greedy_requests(prompts: list[list[int]], **extra: object) -> list[base.SequenceRequest]:
@@ -150,6 +182,64 @@ def run(backend: base.Backend, requests: list[base.SequenceRequest]) -> dict[str
 
 def tokens(steps: dict[str, list[base.TokenStep]]) -> dict[str, list[int]]:
     return {request_id: [step.token_id for step in produced] for request_id, produced in steps.items()}
+
+
+def agreed_prefix(reference: list[base.TokenStep], produced: list[int]) -> int:
+    """How many leading tokens of ``produced`` equal the reference's greedy tokens. They may differ
+    only where the reference's best two log-probabilities are within :data:`TIE` (the reference must
+    carry ``logprobs >= 2``); after a difference the sequences are different and not compared."""
+    assert len(produced) == len(reference), (len(produced), len(reference))
+    for position, step in enumerate(reference):
+        if produced[position] != step.token_id:
+            margin = step.top_logprobs[0][1] - step.top_logprobs[1][1]
+            assert margin < TIE, (
+                f"token {position}: {produced[position]} != {step.token_id}, reference margin {margin:.3f}"
+            )
+            return position
+    return len(reference)
+
+
+def report(name: str, **measured: Any) -> None:
+    """Append what a test measured to ``$MEGAFLEET_GPU_REPORT`` (when set)."""
+    path = os.environ.get("MEGAFLEET_GPU_REPORT")
+    if path:
+        with open(path, "a") as file:
+            file.write(json.dumps({"test": name, **measured}, default=str) + "\n")
+
+
+async def gather_tokens(scheduler: engine_module.Engine, request: base.SequenceRequest) -> list[int]:
+    return [step.token_id async for step in scheduler.submit(request)]
+
+
+def staggered(
+    backend: megatron_backend.MegatronBackend, requests: list[base.SequenceRequest]
+) -> tuple[list[list[int]], engine_module.Engine]:
+    """Through the scheduler: the first request alone, the others once its first token arrived."""
+    scheduler = engine_module.Engine(backend, max_batch_size=8)
+
+    async def scenario() -> list[list[int]]:
+        stream = scheduler.submit(requests[0])
+        first = [(await anext(stream)).token_id]
+        later = [asyncio.ensure_future(gather_tokens(scheduler, request)) for request in requests[1:]]
+        rest = [step.token_id async for step in stream]
+        return [first + rest] + [await task for task in later]
+
+    try:
+        return asyncio.run(scenario()), scheduler
+    finally:
+        scheduler.close()
+
+
+async def together(scheduler: engine_module.Engine, requests: list[base.SequenceRequest]) -> dict[str, list[int]]:
+    """Through the scheduler, all in one batch: hold the backend thread until every request waits."""
+    release = threading.Event()
+    blocker = asyncio.ensure_future(scheduler.run_exclusive(release.wait))
+    tasks = [asyncio.ensure_future(gather_tokens(scheduler, request)) for request in requests]
+    while scheduler.queue_depth < len(requests):
+        await asyncio.sleep(0.001)
+    release.set()
+    await blocker
+    return {request.request_id: await task for request, task in zip(requests, tasks, strict=True)}
 
 
 class TestOnGpu:
@@ -265,3 +355,256 @@ class TestOnGpu:
             assert asyncio.run(collect()) == expected
         finally:
             scheduler.close()
+
+    def test_sequences_join_a_running_batch(
+        self, backend: megatron_backend.MegatronBackend, prompts: list[list[int]]
+    ) -> None:
+        """Continuous batching: three requests submitted after the first one's first token join its
+        batch between two steps, and each produces its solo greedy tokens (up to a bf16 near-tie,
+        since the batch they run in differs)."""
+        solo = [run(backend, greedy_requests([prompt], logprobs=2))["0"] for prompt in prompts]
+
+        produced, scheduler = staggered(backend, greedy_requests(prompts))
+
+        assert (scheduler.batches, scheduler.admitted, scheduler.batch_sizes) == (1, 3, [4])
+        agreed = [agreed_prefix(reference, row) for reference, row in zip(solo, produced, strict=True)]
+        report("join_tp1", agreed=agreed, of=NEW_TOKENS)
+        assert sum(agreed) >= 0.75 * NEW_TOKENS * len(prompts), agreed
+
+    def test_a_cancelled_sequence_leaves_megatrons_batch(
+        self, backend: megatron_backend.MegatronBackend, prompts: list[list[int]]
+    ) -> None:
+        """A client that leaves after 2 tokens: its megatron request ends at once (megatron's own
+        early-finish path) while the other sequence of the batch runs to its end."""
+        finished: dict[int, int] = {}
+        original = backend._step
+
+        def recording() -> dict[str, Any]:
+            result = original()
+            for record in result["finished_request_records"]:
+                merged = record.merge()
+                finished[len(merged.prompt_tokens)] = len(merged.generated_tokens)
+            return result
+
+        params = base.SamplingParams(max_tokens=200, temperature=0.0, ignore_eos=True)
+        long = base.SequenceRequest("long", tuple(prompts[1]), params)
+        short = dataclasses.replace(greedy_requests(prompts[2:3])[0], request_id="short")
+        scheduler = engine_module.Engine(backend, max_batch_size=8)
+
+        async def scenario() -> list[int]:
+            stream = scheduler.submit(long)
+            await anext(stream)
+            await anext(stream)
+            other = asyncio.ensure_future(gather_tokens(scheduler, short))
+            await stream.aclose()
+            return await other
+
+        backend._step = recording  # type: ignore[method-assign]
+        try:
+            other = asyncio.run(scenario())
+        finally:
+            del backend._step
+            scheduler.close()
+        assert other == tokens(run(backend, greedy_requests(prompts[2:3])))["0"]
+        assert not backend.engine.has_unfinished_requests()
+        report("cancel_tp1", generated_by_the_cancelled=finished.get(len(prompts[1])))
+        assert finished[len(prompts[1])] < NEW_TOKENS, finished
+
+
+class TestTensorParallel:
+    """A TP=2 shard (two processes, NCCL) of the same model and weights: greedy tokens equal TP=1's
+    up to bf16 near-ties (a TP=2 all-reduce sums in another order), log-probabilities agree within
+    0.1, continuous batching works across the ranks, and a refit suspend/resume reaches both."""
+
+    pytestmark = [
+        *ON_GPU,
+        pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs"),
+    ]
+
+    def test_tp2_shard_matches_tp1(
+        self, backend: megatron_backend.MegatronBackend, prompts: list[list[int]], tmp_path: Path
+    ) -> None:
+        reference = run(backend, greedy_requests(prompts, logprobs=2))
+        out = tmp_path / "tp2.json"
+        engine_dir = Path(megatron_backend.__file__).resolve().parents[2]
+        env = {**os.environ, **NCCL_SAFE}
+        env["PYTHONPATH"] = os.pathsep.join([str(engine_dir), env.get("PYTHONPATH", "")])
+        command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2"]
+        log = tmp_path / "tp2.log"
+        with log.open("w") as output:
+            try:
+                code = subprocess.run(
+                    [*command, __file__, str(out)], env=env, stdout=output, stderr=subprocess.STDOUT, timeout=115
+                ).returncode
+            except subprocess.TimeoutExpired:
+                code = None
+        report_log = os.environ.get("MEGAFLEET_GPU_REPORT")
+        if report_log:  # keep the workers' output next to the report
+            Path(report_log).with_name("tp2-workers.log").write_text(log.read_text())
+        assert out.exists(), f"TP=2 workers: exit {code}, no result\n{log.read_text()[-8000:]}"
+        shard = json.loads(out.read_text())
+        report("tp2_workers", exit_code=code)
+        if report_log:
+            Path(report_log).with_name("tp2-result.json").write_text(out.read_text())
+        assert "error" not in shard, shard["error"]
+
+        direct = {
+            key: [base.TokenStep(key, token, logprob, tuple(map(tuple, top))) for token, logprob, top in rows]
+            for key, rows in shard["direct"].items()
+        }
+        agreed = [agreed_prefix(reference[key], [step.token_id for step in direct[key]]) for key in reference]
+        gaps = [
+            abs((step.logprob or 0.0) - (ref.logprob or 0.0))
+            for key, count in zip(reference, agreed, strict=True)
+            for step, ref in zip(direct[key][:count], reference[key][:count], strict=True)
+        ]
+        joined_agreed = [agreed_prefix(direct[str(index)], row) for index, row in enumerate(shard["joined"])]
+        report(
+            "tp2",
+            agreed_with_tp1=agreed,
+            of=NEW_TOKENS,
+            max_logprob_gap=max(gaps),
+            joined_agreed_with_tp2=joined_agreed,
+            joined_batches=shard["batches"],
+        )
+        assert sum(agreed) >= 0.75 * NEW_TOKENS * len(prompts), agreed
+        assert max(gaps) < 0.1, max(gaps)
+        assert (shard["batches"], shard["admitted"]) == (1, 3)
+        assert sum(joined_agreed) >= 0.75 * NEW_TOKENS * len(prompts), joined_agreed
+        assert shard["after_refit"] == {key: [step.token_id for step in steps] for key, steps in direct.items()}
+
+
+class TestRefitKvModes:
+    """A refit through the scheduler (suspend drain, weight write, resume) in each KV-cache mode:
+    afterwards the engine serves exactly what a fresh engine built with the new weights serves,
+    and the KV cache and CUDA graphs were kept (persist) or freed during the refit and rebuilt
+    (offload: megatron's OFFLOAD when built for it, else its RECOMPUTE freeing; recompute). Megatron's
+    prefix caching is off, so no KV block can outlive its request in any mode."""
+
+    pytestmark = ON_GPU
+
+    @pytest.fixture(scope="class")
+    def fresh(self, prompts: list[list[int]]) -> dict[str, list[int]]:
+        fresh = build()
+        try:
+            fresh.write_weights(scaled_reference_weights(seed=1))
+            scheduler = engine_module.Engine(fresh, max_batch_size=8)
+            try:
+                return asyncio.run(together(scheduler, greedy_requests(prompts)))
+            finally:
+                scheduler.close()
+        finally:
+            fresh.close()
+
+    @pytest.mark.parametrize(
+        ("mode", "built"),
+        [
+            ("persist", "persist"),
+            ("offload", "offload"),
+            ("recompute", "recompute"),
+            ("offload", "persist"),
+            ("recompute", "persist"),
+        ],
+        ids=["persist", "offload", "recompute", "offload-on-persist-build", "recompute-on-persist-build"],
+    )
+    def test_a_refit_serves_what_a_fresh_engine_serves(
+        self, mode: base.KvCacheMode, built: base.KvCacheMode, prompts: list[list[int]], fresh: dict[str, list[int]]
+    ) -> None:
+        backend = build(built)
+        context = backend.engine.context
+        assert not context.enable_prefix_caching
+        scheduler = engine_module.Engine(backend, max_batch_size=8, kv_cache_mode=mode)
+        requests = greedy_requests(prompts)
+        kv_bytes = context.memory_buffer.numel() * context.memory_buffer.element_size()
+        seen: dict[str, Any] = {}
+
+        def write() -> None:
+            torch.cuda.synchronize()
+            seen["allocated_during"] = torch.cuda.memory_allocated()
+            seen["suspended_during"] = backend.suspended
+            backend.write_weights(scaled_reference_weights(seed=1))
+
+        async def scenario() -> tuple[dict[str, list[int]], dict[str, list[int]]]:
+            before = await together(scheduler, requests)
+            seen["graphs"] = backend.engine.capture_stats
+            seen["pointer"] = context.memory_buffer.data_ptr()
+            torch.cuda.synchronize()
+            seen["allocated_before"] = torch.cuda.memory_allocated()
+            await scheduler.suspend("drain")
+            await scheduler.run_exclusive(write)
+            scheduler.resume(weight_version=1)
+            after = await together(scheduler, requests)
+            torch.cuda.synchronize()
+            seen["allocated_after"] = torch.cuda.memory_allocated()
+            return before, after
+
+        try:
+            before, after = asyncio.run(scenario())
+        finally:
+            scheduler.close()
+            backend.close()
+        freed = seen["allocated_before"] - seen["allocated_during"]
+        recaptured = backend.engine.capture_stats is not seen["graphs"]
+        report(
+            f"refit_{mode}_built_{built}",
+            kv_bytes=kv_bytes,
+            freed_during_refit=freed,
+            allocated_before=seen["allocated_before"],
+            allocated_after=seen["allocated_after"],
+            graphs_recaptured=recaptured,
+            same_kv_pointer=context.memory_buffer.data_ptr() == seen["pointer"],
+            equal_fresh=after == fresh,
+        )
+        assert seen["suspended_during"] and not backend.suspended
+        assert after == fresh
+        assert before != after
+        if mode == "persist":
+            assert not recaptured and context.memory_buffer.data_ptr() == seen["pointer"]
+            assert abs(freed) < 0.1 * kv_bytes
+        else:
+            assert recaptured
+            assert freed >= 0.9 * kv_bytes, (freed, kv_bytes)
+
+
+def _tp_worker(out: Path) -> None:
+    """One rank of the TP=2 shard of :class:`TestTensorParallel` (started by torchrun)."""
+    for key, value in NCCL_SAFE.items():
+        os.environ.setdefault(key, value)
+    rank, world, local = (int(os.environ[name]) for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK"))
+    faulthandler.dump_traceback_later(95, exit=True)  # a hang prints every thread's stack and ends
+    torch.cuda.set_device(local)
+    torch.distributed.init_process_group("nccl", timeout=datetime.timedelta(seconds=60))
+    parallel = megatron_backend.Parallel(tensor_parallel=world, rank=rank, world_size=world, local_rank=local)
+    shard = build(parallel=parallel)
+    sys.stderr.write(f"rank {rank}: built\n")
+    if rank != 0:
+        shard.serve_followers()
+    else:
+        result: dict[str, Any] = {}
+        try:
+            prompts = [shard.tokenizer.encode(text) for text in TEXTS]
+            direct = run(shard, greedy_requests(prompts, logprobs=2))
+            sys.stderr.write("rank 0: direct run done\n")
+            result["direct"] = {
+                key: [[step.token_id, step.logprob, list(step.top_logprobs)] for step in steps]
+                for key, steps in direct.items()
+            }
+            joined, scheduler = staggered(shard, greedy_requests(prompts))
+            result.update(joined=joined, batches=scheduler.batches, admitted=scheduler.admitted)
+            sys.stderr.write("rank 0: staggered run done\n")
+            shard.begin_weight_update("persist")
+            shard.finish_weight_update("persist")
+            result["after_refit"] = tokens(run(shard, greedy_requests(prompts)))
+        except Exception:
+            result["error"] = traceback.format_exc()
+        out.write_text(json.dumps(result))
+        shard.close()
+    sys.stderr.write(f"rank {rank}: finished\n")
+    sys.stderr.flush()
+    # No destroy_process_group(): on the H200 x2 machine (torch 2.11) it hung at teardown after all
+    # the work was done (2026-11-30), so the workers leave without it.
+    os._exit(0)
+
+
+if __name__ == "__main__":
+    _tp_worker(Path(sys.argv[1]))

@@ -1,21 +1,23 @@
 """The one small interface every inference backend implements, and the types it speaks.
 
-Called by the engine's request scheduler (:mod:`megafleet_engine.scheduler`), which batches
-concurrent requests, and by the refit receiver, which writes weights in place. Backends know
-nothing about HTTP, OpenAI request shapes or the agent: they turn token ids into token ids.
-Imports no torch at module level, so protocol and HTTP code can import these types cheaply.
+Called by the engine's request scheduler (:class:`megafleet_engine.engine.Engine`), which batches
+concurrent requests (continuously, where the backend supports it: see :class:`Admission`), and
+by the refit receiver, which writes weights in place. Backends know nothing about HTTP, OpenAI
+request shapes or the agent: they turn token ids into token ids. Imports no torch at module level,
+so protocol and HTTP code can import these types cheaply.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Collection, Iterator, Sequence
 from typing import TYPE_CHECKING, Literal, Protocol
 
 if TYPE_CHECKING:
     import torch
 
 FinishReason = Literal["stop", "length", "abort"]
+KvCacheMode = Literal["persist", "offload", "recompute"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -47,13 +49,40 @@ class SequenceRequest:
 
 @dataclasses.dataclass(frozen=True)
 class TokenStep:
-    """One generated token of one sequence."""
+    """One generated token of one sequence.
+
+    ``finish_reason == "abort"`` with ``token_id == NO_TOKEN`` carries no token: the backend ended
+    the sequence without generating (it could not run it, e.g. the prompt leaves no room); the
+    engine fails that request instead of delivering the step.
+    """
 
     request_id: str
     token_id: int
     logprob: float | None
     top_logprobs: tuple[tuple[int, float], ...] = ()
     finish_reason: FinishReason | None = None  # set on the sequence's last token
+
+
+NO_TOKEN = -1
+
+
+@dataclasses.dataclass(frozen=True)
+class Admission:
+    """What the scheduler hands a running batch between two decode steps.
+
+    ``join``: sequences to add to the batch now (continuous batching); never more than the
+    capacity the backend asked with. ``leave``: request ids of running sequences the scheduler has
+    closed (cancelled by the client, aborted by a suspend); the backend should stop generating them
+    (their later steps are dropped by the scheduler in any case).
+    """
+
+    join: tuple[SequenceRequest, ...] = ()
+    leave: Collection[str] = frozenset()
+
+
+Admit = Callable[[int], Admission]
+"""``admit(capacity)``: called by a backend between decode steps with how many more sequences it can
+take now (``0``: none, only ask what leaves); returns the :class:`Admission`."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -71,14 +100,25 @@ class Backend(Protocol):
 
     Lifecycle: construct (loads the model skeleton; with deferred init, no weights), then
     :meth:`load_checkpoint` or the first :meth:`write_weights` + :meth:`finish_weight_update`.
-    The scheduler guarantees :meth:`generate` and the weight methods never run concurrently.
+    The scheduler guarantees :meth:`generate` and the weight methods never run concurrently, and
+    calls them all from one thread. A refit is :meth:`begin_weight_update` (nothing in flight),
+    weight writes, :meth:`finish_weight_update`, with the same KV-cache mode.
     """
 
     info: ModelInfo
 
-    def generate(self, batch: Sequence[SequenceRequest]) -> Iterator[list[TokenStep]]:
+    supports_admission: bool
+    """Whether :meth:`generate` takes new sequences into a running batch through ``admit``. When
+    ``False`` the scheduler calls ``generate(batch)`` alone and starts the next batch as soon as
+    this one ends."""
+
+    def generate(self, batch: Sequence[SequenceRequest], admit: Admit | None = None) -> Iterator[list[TokenStep]]:
         """Continue every sequence of ``batch`` together; yield one list of steps per decode step
-        (one entry per still-running sequence) until all have finished."""
+        (one entry per sequence that produced a token) until all have finished.
+
+        With ``admit`` (only passed when :attr:`supports_admission`), call ``admit(capacity)``
+        before every step: add the sequences it returns to the running batch and stop those it
+        says leave; keep going while any sequence runs."""
         ...
 
     def parameters(self) -> dict[str, torch.Tensor]:
@@ -89,6 +129,14 @@ class Backend(Protocol):
         """Load weights from ``source`` into the live parameters (in place)."""
         ...
 
-    def finish_weight_update(self, kv_cache_mode: Literal["persist", "offload", "recompute"]) -> None:
-        """Called after new weights were written: drop or rebuild caches as the mode requires."""
+    def begin_weight_update(self, kv_cache_mode: KvCacheMode) -> None:
+        """Called before new weights are written, with nothing in flight: ``persist`` keeps the KV
+        cache and CUDA graphs, ``offload`` frees them (GPU memory goes back to the device),
+        ``recompute`` drops the KV cache (a backend may free it now and rebuild it after).
+        Idempotent."""
+        ...
+
+    def finish_weight_update(self, kv_cache_mode: KvCacheMode) -> None:
+        """Called after new weights were written: rebuild what :meth:`begin_weight_update` freed;
+        no KV entry computed with the old weights may serve a later request. Idempotent."""
         ...

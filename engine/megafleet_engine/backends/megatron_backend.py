@@ -18,22 +18,35 @@ Model sources (``MEGAFLEET_MODEL_SOURCE``):
 * a local folder holding a Hugging Face Llama checkpoint (``config.json``, ``*.safetensors``,
   tokenizer files): each rank reads only the slices of each tensor it holds.
 
-Generation: a batch is added to megatron's engine as one set of requests and stepped until every
-request finished; each step yields the tokens it produced. Sampling maps onto megatron's
-per-request parameters (greedy = ``top_k=1``; megatron refuses top-k together with top-p and has
-one sampling generator, so per-request seeds are ignored). EOS stops through megatron's
-``termination_id``; other stop ids are applied here (the sequence's later tokens are dropped).
-Log-probabilities are megatron's ``raw_logprobs``: ``log_softmax`` of the raw logits.
+Generation (continuous batching): a batch is added to megatron's engine as one set of requests and
+stepped; before every step the scheduler's ``admit`` hands over sequences that arrived meanwhile
+(``add_request`` between steps: megatron schedules them into the next step with the running ones)
+and names those it closed, which end through megatron's own early-finish path (the set its
+stop-word logic uses), as do sequences that sampled a stop id megatron does not know. Each step
+yields the tokens it produced. Sampling maps onto megatron's per-request parameters (greedy =
+``top_k=1``; megatron refuses top-k together with top-p and has one sampling generator, so
+per-request seeds are ignored). EOS stops through megatron's ``termination_id``. Log-probabilities
+are megatron's ``raw_logprobs``: ``log_softmax`` of the raw logits.
 
 Weights: :meth:`MegatronBackend.parameters` returns, by Hugging Face name, views that alias the live
 megatron parameters (fused QKV and gate/up included), and :meth:`MegatronBackend.write_weights`
 copies HF tensors (whole, or only this rank's slice) into them. Writes are in-place ``copy_`` into
-the same storage, so the captured CUDA graphs stay valid; :meth:`finish_weight_update` has nothing
-to rebuild because no request (and so no KV cache entry) outlives a :meth:`generate` call.
+the same storage, which captured CUDA graphs read at replay.
+
+Refits and the KV cache, through megatron's ``KVCacheManagementMode`` (the engine passes its
+``kv_cache_mode``, by default ``EngineOptions.kv_cache_mode``):
+:meth:`~MegatronBackend.begin_weight_update` suspends megatron's engine and
+:meth:`~MegatronBackend.finish_weight_update` resumes it. ``persist`` keeps the KV buffer and CUDA
+graphs; ``offload`` frees the KV buffer (into a pinned host copy when built with
+``kv_cache_mode="offload"``, else by deleting it) and the graphs, then rebuilds both; ``recompute``
+deletes the KV buffer and the graphs and allocates a fresh buffer and block allocator after. The
+scheduler drains or aborts every request before a refit and megatron's prefix caching is off, so in
+every mode no KV block computed with old weights serves a request after the refit.
 
 Tensor/pipeline parallel > 1: every rank of the model-parallel group builds the backend (same
-arguments); the first rank's :meth:`generate` broadcasts each batch, and the other ranks run
-:meth:`serve_followers`. Written per megatron-core's ``parallel_state``; so far only TP=PP=1 ran.
+arguments); the first rank's :meth:`~MegatronBackend.generate` broadcasts one small message per
+engine step (sequences joining and leaving) and the refit suspend/resume, and the other ranks run
+:meth:`~MegatronBackend.serve_followers`, which applies them and steps in lockstep.
 """
 
 from __future__ import annotations
@@ -218,6 +231,10 @@ class EngineOptions:
     """Capture decode CUDA graphs (per layer) at start; eager decode is host-bound."""
     seed: int = 0
     """Seed of megatron's RNG trackers (sampling)."""
+    kv_cache_mode: base.KvCacheMode = "persist"
+    """The default KV-cache mode of refits (the engine passes it unless told otherwise): see
+    :meth:`MegatronBackend.begin_weight_update`. ``offload`` also pins a host copy of the KV
+    buffer's size at start (megatron's ``KVCacheManagementMode.OFFLOAD``)."""
 
 
 # -- the tokenizer stub megatron's engine calls ----------------------------------------------------
@@ -271,6 +288,17 @@ class _Sequence:
     done: bool = False
 
 
+@dataclasses.dataclass(frozen=True)
+class _Tick:
+    """What the first rank of a model-parallel group tells the others before each engine step
+    (``control`` empty: sequences joining, megatron ids leaving), or a control message."""
+
+    join: tuple[base.SequenceRequest, ...] = ()
+    leave: tuple[int, ...] = ()
+    control: Literal["", "suspend", "resume", "reset"] = ""
+    mode: str = "persist"
+
+
 # -- the backend ---------------------------------------------------------------------------------
 
 
@@ -278,9 +306,11 @@ class MegatronBackend:
     """A :class:`~megafleet_engine.backends.base.Backend` over megatron-core's ``DynamicInferenceEngine``.
 
     Attributes besides the protocol's: ``engine`` (megatron's engine, usable directly), ``model``
-    (the ``GPTModel``), ``shape``, ``layout`` (this rank's part) and ``tokenizer`` (for the
-    frontend; ``None`` for a checkpoint without tokenizer files).
+    (the ``GPTModel``), ``shape``, ``layout`` (this rank's part), ``tokenizer`` (for the
+    frontend; ``None`` for a checkpoint without tokenizer files) and ``kv_cache_mode``.
     """
+
+    supports_admission = True
 
     def __init__(
         self,
@@ -293,6 +323,8 @@ class MegatronBackend:
         max_sequence_length: int,
         tokenizer: Any,
         group: Any = None,
+        max_requests: int = 64,
+        kv_cache_mode: base.KvCacheMode = "persist",
     ) -> None:
         self.engine = engine
         self.model = model
@@ -300,6 +332,15 @@ class MegatronBackend:
         self.layout = layout
         self.tokenizer = tokenizer
         self._group = group  # model-parallel process group when it spans several ranks
+        self._leader = group is None or (layout.tp_rank == 0 and layout.pp_rank == 0)
+        self._max_requests = max_requests
+        self.kv_cache_mode: base.KvCacheMode = kv_cache_mode
+        self._suspended = False
+        # The running batch (first rank): sequences by megatron id, megatron ids by request id,
+        # and the ids to stop at the next tick (a stop token megatron does not know was sampled).
+        self._sequences: dict[int, _Sequence] = {}
+        self._by_key: dict[str, int] = {}
+        self._stops: set[int] = set()
         eos = source.eos_token_ids[0] if source.eos_token_ids else None
         self.info = base.ModelInfo(
             name=name,
@@ -376,10 +417,6 @@ class MegatronBackend:
         else:
             self._read_checkpoint(Path(parsed.path))
 
-    def finish_weight_update(self, kv_cache_mode: Literal["persist", "offload", "recompute"]) -> None:
-        """Nothing to rebuild: weights were copied into the same storage (CUDA graphs read it at
-        replay) and no request, so no KV cache entry, outlives a :meth:`generate` call."""
-
     def zero_weights(self) -> None:
         """Deferred init: the parameters exist but hold zeros until the first refit writes them."""
         with torch.no_grad():
@@ -419,91 +456,252 @@ class MegatronBackend:
         if needed:
             raise ValueError(f"checkpoint {folder} lacks {len(needed)} parameters, e.g. {sorted(needed)[:3]}")
 
+    # -- refits: KV cache and CUDA graphs ------------------------------------------------------
+
+    def begin_weight_update(self, kv_cache_mode: base.KvCacheMode) -> None:
+        """Suspend megatron's engine for a refit (nothing may be in flight), through megatron's
+        ``KVCacheManagementMode``: ``persist`` keeps the KV buffer and CUDA graphs; ``offload``
+        frees both (the KV buffer goes to its pinned host copy when the backend was built with
+        ``EngineOptions.kv_cache_mode="offload"``, else it is deleted as in ``recompute``: nothing is
+        in flight, so its contents are not needed); ``recompute`` deletes the KV buffer (every
+        context tensor) and the CUDA graphs. Freed memory goes back to the device. Idempotent; on a
+        model-parallel group the first rank leads and the others follow."""
+        _check_mode(kv_cache_mode)
+        if self._group is not None and self._leader:
+            self._broadcast(_Tick(control="suspend", mode=kv_cache_mode))
+        self._suspend(kv_cache_mode)
+
+    def finish_weight_update(self, kv_cache_mode: base.KvCacheMode) -> None:
+        """Resume megatron's engine after a refit, mirroring :meth:`begin_weight_update`: the KV
+        buffer comes back (copied back from the host, or freshly allocated with a fresh block
+        allocator, so no block computed with the old weights survives) and the CUDA graphs are
+        recaptured; ``persist`` changes nothing (weights were copied into the same storage, which
+        the graphs read at replay). Without a :meth:`begin_weight_update` before, ``recompute``
+        still drops and rebuilds the KV cache; the other modes have nothing to do. Idempotent."""
+        _check_mode(kv_cache_mode)
+        if self._group is not None and self._leader:
+            self._broadcast(_Tick(control="resume", mode=kv_cache_mode))
+        self._resume(kv_cache_mode)
+
+    @property
+    def suspended(self) -> bool:
+        """Between :meth:`begin_weight_update` and :meth:`finish_weight_update`."""
+        return self._suspended
+
+    def _suspend(self, kv_cache_mode: str) -> None:
+        torch.cuda.set_device(self._device)
+        if self._suspended:
+            return
+        if self.engine.has_unfinished_requests():
+            raise RuntimeError("a weight update cannot begin while megatron's engine has requests in flight")
+        # megatron's offload needs the pinned host copy it allocates with the KV buffer
+        effective = "recompute" if kv_cache_mode == "offload" and self.kv_cache_mode != "offload" else kv_cache_mode
+        modes = _megatron("inference.config").KVCacheManagementMode
+        self.engine.context.kv_cache_management_mode = modes(effective)  # read by suspend() and resume()
+        self.engine.suspend()
+        if effective != "persist":
+            torch.cuda.empty_cache()
+        self._suspended = True
+
+    def _resume(self, kv_cache_mode: str) -> None:
+        torch.cuda.set_device(self._device)
+        if not self._suspended:
+            if kv_cache_mode != "recompute":
+                return
+            self._suspend(kv_cache_mode)
+        self.engine.resume()  # mirrors the suspend's mode, still set on the context
+        modes = _megatron("inference.config").KVCacheManagementMode
+        self.engine.context.kv_cache_management_mode = modes(self.kv_cache_mode)
+        self._suspended = False
+
     # -- generation ----------------------------------------------------------------------------
 
-    def generate(self, batch: Sequence[base.SequenceRequest]) -> Iterator[list[base.TokenStep]]:
-        if self._group is not None:
-            self._broadcast_batch(list(batch))
-        yield from self._generate(batch)
+    def generate(
+        self, batch: Sequence[base.SequenceRequest], admit: base.Admit | None = None
+    ) -> Iterator[list[base.TokenStep]]:
+        """Run ``batch`` on megatron's engine, one yielded list per engine step; with ``admit``,
+        take new sequences into the running batch between steps (continuous batching)."""
+        if not self._leader:
+            raise RuntimeError("on a model-parallel rank other than the first, run serve_followers()")
+        if self._suspended:
+            raise RuntimeError("the backend is suspended for a weight update (finish_weight_update first)")
+        return self._lead(list(batch), admit)
 
     def serve_followers(self) -> None:
-        """On model-parallel ranks other than the first: run every batch the first rank
-        broadcasts, in lockstep, until it broadcasts ``None`` (:meth:`close`)."""
+        """On model-parallel ranks other than the first: apply every message the first rank
+        broadcasts (sequences joining and leaving, suspend, resume) and step in lockstep with it,
+        until it broadcasts ``None`` (:meth:`close`)."""
+        if self._leader:
+            raise RuntimeError("serve_followers() runs on model-parallel ranks other than the first")
+        torch.cuda.set_device(self._device)
         while True:
-            batch = self._broadcast_batch(None)
-            if batch is None:
+            tick = self._broadcast(None)
+            if tick is None:
                 return
-            for _ in self._generate(batch):
-                pass
+            try:
+                if tick.control == "suspend":
+                    self._suspend(tick.mode)
+                elif tick.control == "resume":
+                    self._resume(tick.mode)
+                elif tick.control == "reset":
+                    self._reset()
+                else:
+                    self._apply(tick)
+                    if self.engine.has_unfinished_requests():
+                        self._step()
+            except Exception:  # the first rank fails alike and sends a reset: stay in lockstep for it
+                log.exception("model-parallel follower: applying %s failed", tick.control or "a step")
 
     def close(self) -> None:
         """Release the followers (first rank only) and this backend's event loop."""
-        if self._group is not None and self.layout.tp_rank == 0 and self.layout.pp_rank == 0:
-            self._broadcast_batch(None)
+        if self._group is not None and self._leader:
+            self._broadcast(None)
         self._loop.close()
 
-    def _broadcast_batch(self, batch: list[base.SequenceRequest] | None) -> list[base.SequenceRequest] | None:
-        box: list[Any] = [batch]
+    def _broadcast(self, tick: _Tick | None) -> _Tick | None:
+        box: list[Any] = [tick]
         source = torch.distributed.get_global_rank(self._group, 0)
         torch.distributed.broadcast_object_list(box, src=source, group=self._group)
-        result: list[base.SequenceRequest] | None = box[0]
+        result: _Tick | None = box[0]
         return result
+
+    def _tick(self, tick: _Tick) -> list[base.TokenStep]:
+        """First rank: send ``tick`` to the followers and apply it here."""
+        if self._group is not None:
+            self._broadcast(tick)
+        return self._apply(tick)
 
     def _step(self) -> dict[str, Any]:
         result: dict[str, Any] = self._loop.run_until_complete(self.engine.async_step())
         return result
 
-    def _generate(self, batch: Sequence[base.SequenceRequest]) -> Iterator[list[base.TokenStep]]:
-        sampling_params = _megatron("inference.sampling_params")
-
+    def _lead(self, batch: list[base.SequenceRequest], admit: base.Admit | None) -> Iterator[list[base.TokenStep]]:
+        """The first rank's batch loop: before every step, one tick (sequences joining: the batch,
+        then what ``admit`` hands over; sequences leaving: closed by the scheduler or ended here by
+        a stop token megatron does not know), which the followers apply too; then one step."""
         torch.cuda.set_device(self._device)  # generate() runs on the engine's own thread
-        eos = self.info.eos_token_id
-        termination = -1 if eos is None else eos
-        sequences: dict[int, _Sequence] = {}
-        for request in batch:
-            prompt = list(request.prompt_token_ids) or [self.engine.controller.tokenizer.eod]
-            budget = self.info.max_sequence_length - len(prompt)
-            if budget <= 0:
-                log.warning(
-                    "request %s: prompt of %d tokens leaves no room to generate", request.request_id, len(prompt)
-                )
-                continue
-            params = request.params
-            stops = frozenset(params.stop_token_ids) | (frozenset() if params.ignore_eos else self._other_eos)
-            request_id = next(self._ids)
-            sequences[request_id] = _Sequence(request, stops)
-            sampling = sampling_params.SamplingParams(
-                **to_megatron_sampling(params, budget=budget, termination_id=termination)
-            )
-            self.engine.add_request(request_id, prompt, sampling)
+        joining = batch
+        outcome = "failed"
         try:
-            while self.engine.has_unfinished_requests():
-                result = self._step()
-                steps: list[base.TokenStep] = []
-                for request_id in result["active_request_ids"]:
-                    if request_id in sequences:
-                        steps.extend(self._new_steps(sequences[request_id], self.engine.get_request(request_id), False))
-                for record in result["finished_request_records"]:
-                    merged = record.requests[-1] if len(record.requests) == 1 else record.merge()
-                    if merged.request_id in sequences:
-                        steps.extend(self._new_steps(sequences[merged.request_id], merged, True))
+            while True:
+                leaving, self._stops = self._stops, set()
+                if admit is not None:
+                    room = max(0, self._max_requests - len(self._sequences) - len(joining))
+                    admission = admit(room)
+                    joining = [*joining, *admission.join]
+                    leaving |= {self._by_key[key] for key in admission.leave if key in self._by_key}
+                rejected = self._tick(_Tick(join=tuple(joining), leave=tuple(sorted(leaving))))
+                joining = []
+                if rejected:
+                    yield rejected
+                if not self.engine.has_unfinished_requests():
+                    outcome = "done"
+                    return
+                steps = self._collect(self._step())
                 if steps:
                     yield steps
+        except GeneratorExit:
+            outcome = "closed"
+            raise
         finally:
-            while self.engine.has_unfinished_requests():  # the consumer left early: finish the batch
-                self._step()
+            if outcome == "closed":
+                self._wind_down()
+            elif outcome == "failed":
+                self._recover()
+            self._sequences.clear()
+            self._by_key.clear()
+            self._stops.clear()
 
-    def _new_steps(self, sequence: _Sequence, request: Any, finished: bool) -> list[base.TokenStep]:
-        tokens = list(request.generated_tokens)
-        if sequence.done:
-            return []
-        if finished and not tokens:
-            log.warning("megatron request for %s ended with status %s", sequence.request.request_id, request.status)
+    def _wind_down(self) -> None:
+        """The scheduler closed the batch early: stop every request megatron still runs."""
+        while self.engine.has_unfinished_requests():
+            self._tick(_Tick(leave=tuple(sorted(self.engine.requests))))
+            self._step()
+
+    def _recover(self) -> None:
+        """A step failed: drop every request so the next batch starts from a clean engine."""
+        log.warning("resetting megatron's engine after a failed step")
+        with contextlib.suppress(Exception):
+            if self._group is not None:
+                self._broadcast(_Tick(control="reset"))
+            self._reset()
+
+    def _reset(self) -> None:
+        self.engine.reset()
+        self.engine.stop_word_finished_request_ids.clear()
+
+    def _apply(self, tick: _Tick) -> list[base.TokenStep]:
+        """Add the joining sequences to megatron's engine and stop the leaving ones (every rank
+        does the same, in the same order). Returns an ``abort`` step for each joining sequence
+        that cannot run (first rank only)."""
+        sampling_params = _megatron("inference.sampling_params")
+        eos = self.info.eos_token_id
+        termination = -1 if eos is None else eos
+        rejected: list[base.TokenStep] = []
+        for request in tick.join:
+            request_id = next(self._ids)  # consumed on every rank alike, so the ids agree
+            prompt = list(request.prompt_token_ids) or [self.engine.controller.tokenizer.eod]
+            budget = self.info.max_sequence_length - len(prompt)
+            try:
+                if budget <= 0:
+                    raise ValueError(f"a prompt of {len(prompt)} tokens leaves no room to generate")
+                sampling = sampling_params.SamplingParams(
+                    **to_megatron_sampling(request.params, budget=budget, termination_id=termination)
+                )
+            except ValueError as error:
+                if self._leader:
+                    log.warning("request %s cannot run: %s", request.request_id, error)
+                    rejected.append(_no_token(request.request_id))
+                continue
+            future = self.engine.add_request(request_id, prompt, sampling)
+            if future.done():  # megatron refused it at once (e.g. more blocks than the KV cache has)
+                if self._leader:
+                    log.warning("megatron refused request %s", request.request_id)
+                    rejected.append(_no_token(request.request_id))
+                continue
+            if self._leader:
+                params = request.params
+                stops = frozenset(params.stop_token_ids) | (frozenset() if params.ignore_eos else self._other_eos)
+                self._sequences[request_id] = _Sequence(request, stops)
+                self._by_key[request.request_id] = request_id
+        for request_id in tick.leave:
+            sequence = self._sequences.get(request_id)
+            if sequence is not None:
+                sequence.done = True
+            if request_id in self.engine.requests:  # megatron's own early finish (as for stop words)
+                self.engine.stop_word_finished_request_ids.add(request_id)
+        return rejected
+
+    def _collect(self, result: dict[str, Any]) -> list[base.TokenStep]:
+        """The tokens one step produced for the running sequences."""
+        steps: list[base.TokenStep] = []
+        for request_id in result["active_request_ids"]:
+            sequence = self._sequences.get(request_id)
+            if sequence is not None and not sequence.done:
+                record = self.engine.requests[request_id].record
+                request = record.requests[-1] if len(record.requests) == 1 else record.merge()
+                steps.extend(self._new_steps(sequence, request_id, request, False))
+        for record in result["finished_request_records"]:
+            merged = record.requests[-1] if len(record.requests) == 1 else record.merge()
+            sequence = self._sequences.pop(merged.request_id, None)
+            if sequence is None:
+                continue
+            self._by_key.pop(sequence.request.request_id, None)
+            if not sequence.done:
+                steps.extend(self._new_steps(sequence, merged.request_id, merged, True))
+            if not sequence.done:  # ended without a token: megatron failed it
+                log.warning("megatron request for %s ended with status %s", sequence.request.request_id, merged.status)
+                steps.append(_no_token(sequence.request.request_id))
+                sequence.done = True
+        return steps
+
+    def _new_steps(self, sequence: _Sequence, request_id: int, request: Any, finished: bool) -> list[base.TokenStep]:
+        generated = request.generated_tokens
         params = sequence.request.params
         steps = []
-        for index in range(sequence.emitted, len(tokens)):
-            token = int(tokens[index])
-            last = finished and index == len(tokens) - 1
+        for index in range(sequence.emitted, len(generated)):
+            token = int(generated[index])
+            last = finished and index == len(generated) - 1
             finish: base.FinishReason | None = None
             if token in sequence.stops or (not params.ignore_eos and token == self.info.eos_token_id):
                 finish = "stop"
@@ -520,9 +718,20 @@ class MegatronBackend:
             )
             if finish is not None:
                 sequence.done = True
+                if not finished:  # megatron would go on (a stop id it does not know): end it
+                    self._stops.add(request_id)
                 break
-        sequence.emitted = len(tokens)
+        sequence.emitted = len(generated)
         return steps
+
+
+def _check_mode(kv_cache_mode: str) -> None:
+    if kv_cache_mode not in ("persist", "offload", "recompute"):
+        raise ValueError(f"unknown KV-cache mode {kv_cache_mode!r}: persist, offload or recompute")
+
+
+def _no_token(request_id: str) -> base.TokenStep:
+    return base.TokenStep(request_id=request_id, token_id=base.NO_TOKEN, logprob=None, finish_reason="abort")
 
 
 def _logprob(request: Any, index: int) -> float | None:
@@ -592,6 +801,8 @@ def load(
         max_sequence_length=max_sequence_length,
         tokenizer=tokenizer,
         group=group,
+        max_requests=options.max_batch_size,
+        kv_cache_mode=options.kv_cache_mode,
     )
     if not load_weights:
         backend.zero_weights()
@@ -706,7 +917,8 @@ def _build_model(
 
 
 def _build_engine(model: Any, tokenizer: _IdTokenizer, max_sequence_length: int, options: EngineOptions) -> Any:
-    config = _megatron("inference.config").InferenceConfig(
+    config_module = _megatron("inference.config")
+    config = config_module.InferenceConfig(
         block_size_tokens=options.block_size_tokens,
         buffer_size_gb=options.kv_buffer_gb,
         max_sequence_length=max_sequence_length,
@@ -715,6 +927,7 @@ def _build_engine(model: Any, tokenizer: _IdTokenizer, max_sequence_length: int,
         num_cuda_graphs=-1 if options.cuda_graphs else None,
         use_cuda_graphs_for_non_decode_steps=False,
         materialize_only_last_token_logits=True,
+        kv_cache_management_mode=config_module.KVCacheManagementMode(options.kv_cache_mode),
     )
     context = _megatron("inference.contexts.dynamic_context").DynamicInferenceContext(model.config, config)
     wrapper = _megatron("inference.model_inference_wrappers.gpt.gpt_inference_wrapper").GPTInferenceWrapper(

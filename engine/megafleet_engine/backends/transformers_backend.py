@@ -5,6 +5,11 @@ decoded together: prompts are left-padded, each step runs one forward pass over 
 sequence with a shared KV cache, and each sequence samples with its own parameters and seeded
 generator. Greedy decoding gives the model's own greedy output (``model.generate(do_sample=False)``).
 
+No continuous batching (``supports_admission = False``): the left-padded shared cache cannot take
+new rows mid-batch, so the scheduler starts the next batch when this one ends. Given an ``admit``
+anyway, :meth:`TransformersBackend.generate` asks it with capacity 0 between steps and stops the
+sequences that leave. No cache outlives a batch, so every KV-cache mode holds across refits as is.
+
 Log-probabilities are those of the distribution the token was drawn from before top-k/top-p
 truncation: ``log_softmax(logits / temperature)``, or of the raw logits when greedy.
 """
@@ -14,7 +19,6 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Iterator, Sequence
 from pathlib import Path
-from typing import Literal
 
 import torch
 import transformers
@@ -33,6 +37,8 @@ class _Running:
 
 class TransformersBackend:
     """A :class:`~megafleet_engine.backends.base.Backend` over a ``PreTrainedModel``."""
+
+    supports_admission = False
 
     def __init__(
         self,
@@ -77,13 +83,18 @@ class TransformersBackend:
             for name, tensor in live.items():
                 tensor.copy_(weights[name])
 
-    def finish_weight_update(self, kv_cache_mode: Literal["persist", "offload", "recompute"]) -> None:
+    def begin_weight_update(self, kv_cache_mode: base.KvCacheMode) -> None:
+        """No cache outlives a batch here, so every mode is already satisfied."""
+
+    def finish_weight_update(self, kv_cache_mode: base.KvCacheMode) -> None:
         """No cache outlives a batch here, so every mode is already satisfied."""
 
     # -- generation ----------------------------------------------------------------------------
 
     @torch.inference_mode()
-    def generate(self, batch: Sequence[base.SequenceRequest]) -> Iterator[list[base.TokenStep]]:
+    def generate(
+        self, batch: Sequence[base.SequenceRequest], admit: base.Admit | None = None
+    ) -> Iterator[list[base.TokenStep]]:
         running = [_Running(request, _generator(request.params, self.device)) for request in batch]
         input_ids, attention_mask = self._left_pad([request.prompt_token_ids for request in batch])
         position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)
@@ -104,6 +115,12 @@ class TransformersBackend:
                 yield steps
             if all(state.done for state in running):
                 return
+            if admit is not None:  # capacity 0: only learn which sequences the scheduler closed
+                leave = admit(0).leave
+                for state in running:
+                    state.done = state.done or state.request.request_id in leave
+                if all(state.done for state in running):
+                    return
             input_ids = next_tokens.unsqueeze(-1)
             attention_mask = torch.cat([attention_mask, torch.ones_like(input_ids)], dim=-1)
             position_ids = position_ids[:, -1:] + 1
