@@ -8,14 +8,31 @@ purpose: it is the kubelet's liveness probe, which cannot carry the Secret, and 
 beyond "the process answers".
 
 Routes: ``GET /healthz``, ``GET /readyz``, ``GET /v1/state``, ``POST /v1/suspend``,
-``POST /v1/resume``, and ``POST /v1/refit/...`` (501 until the refit receiver fills
-:data:`refit_router` in). Bodies use camelCase like the Kubernetes API the operator speaks.
+``POST /v1/resume``, and the refit routes (:data:`refit_router`, carried out by
+:mod:`megafleet_engine.refit`):
+
+* ``POST /v1/refit/prepare`` (202): receive weight version ``version`` from the trainer's world at
+  ``rendezvous`` (address, port, worldSize, rankOffset = the shard's offset, trainerWorldSize) with
+  ``transport``, ``bucketSizeMiB``, ``timeoutSeconds``, ``suspendMode``, ``kvCacheMode``. Returns at
+  once; the attempt suspends the engine, joins as rank ``rankOffset + rank``, receives, writes in
+  place and resumes with the new version, on its own thread.
+* ``POST /v1/refit/checkpoint`` (202): the same from a checkpoint ``path`` every shard reads itself.
+* ``GET /v1/refit/status``: the current or last attempt: ``phase`` (idle, suspending, joining,
+  receiving, applying, resuming, succeeded, failed), per-phase milliseconds, counters, ``error``.
+* ``POST /v1/refit/abort``: fail the running attempt now, as its watchdog would at the deadline.
+
+A failed attempt leaves the engine ``stale`` (no request is served: never a mix of two versions);
+once it wrote any weight, ``POST /v1/resume`` is refused and only a complete refit brings it back.
+Repeating a prepare or checkpoint call that runs or succeeded answers its status; another refit
+while one runs is a 409. Bodies use camelCase like the Kubernetes API the operator speaks.
 """
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import hmac
+import ipaddress
 import logging
 from pathlib import Path
 from typing import Annotated, Any, Literal
@@ -28,9 +45,25 @@ from pydantic.alias_generators import to_camel
 
 from megafleet_engine import engine as engine_module
 from megafleet_engine import metrics as metrics_module
+from megafleet_engine import settings as settings_module
 from megafleet_engine.openai import errors
+from megafleet_engine.refit import controller as refit_controller
+from megafleet_engine.refit import progress as refit_progress
 
-__all__ = ["Agent", "ResumeRequest", "StateResponse", "SuspendRequest", "health_router", "refit_router", "router"]
+__all__ = [
+    "Agent",
+    "CheckpointRefitRequest",
+    "PrepareRequest",
+    "RefitAbortRequest",
+    "RefitStatusResponse",
+    "RendezvousBody",
+    "ResumeRequest",
+    "StateResponse",
+    "SuspendRequest",
+    "health_router",
+    "refit_router",
+    "router",
+]
 
 log = logging.getLogger(__name__)
 
@@ -45,6 +78,11 @@ class Agent:
     world_size: int = 1
     served_address: str | None = None  # host:port the frontend bound; None when not a frontend rank
     metrics: metrics_module.Metrics | None = None  # the refit routes record refit durations here
+    refits: refit_controller.RefitController = dataclasses.field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        controller = refit_controller.RefitController(self.engine, rank=self.rank, metrics=self.metrics)
+        object.__setattr__(self, "refits", controller)
 
 
 class _Body(pydantic.BaseModel):
@@ -60,6 +98,67 @@ class SuspendRequest(_Body):
 
 class ResumeRequest(_Body):
     weight_version: int | None = Field(default=None, ge=0, description="the version now served; unchanged if unset.")
+
+
+class RendezvousBody(_Body):
+    address: str = Field(min_length=1, max_length=253, description="the trainer rank 0's address (its store).")
+    port: int = Field(ge=1, le=65535, description="the store's port; a fresh one per attempt.")
+    world_size: int = Field(ge=2, le=1 << 20, description="trainer ranks plus every live shard's ranks.")
+    rank_offset: int = Field(ge=1, le=1 << 20, description="global rank of this shard's rank 0.")
+    trainer_world_size: int = Field(default=1, ge=1, le=1 << 16, description="trainer ranks (they come first).")
+
+
+class _RefitBody(_Body):
+    version: int = Field(ge=0, le=2**53, description="the weight version served once the refit completes.")
+    timeout_seconds: int = Field(default=300, ge=1, le=86400, description="the watchdog's deadline, in seconds.")
+    suspend_mode: engine_module.SuspendMode = Field(
+        default="drain", description="drain waits for requests in flight; abort ends them."
+    )
+    kv_cache_mode: settings_module.KvCacheMode | None = Field(default=None, description="unset: the engine's own mode.")
+
+
+class PrepareRequest(_RefitBody):
+    rendezvous: RendezvousBody
+    transport: Literal["broadcast", "reshard"] = Field(default="broadcast", description="spec.refit.transport.")
+    bucket_size_mib: int = Field(
+        default=1024,
+        ge=1,
+        le=65536,
+        alias="bucketSizeMiB",
+        description="the largest bucket this rank accepts, in MiB (spec.refit.bucketSizeMiB).",
+    )
+
+
+class CheckpointRefitRequest(_RefitBody):
+    path: str = Field(min_length=1, max_length=2048, description="the checkpoint every shard loads itself.")
+
+
+class RefitAbortRequest(_Body):
+    reason: str = Field(default="requested by the operator", max_length=1024)
+
+
+class PhaseTiming(_Body):
+    name: str
+    milliseconds: int
+
+
+class RefitStatusResponse(_Body):
+    phase: refit_progress.Phase
+    version: int | None
+    source: refit_progress.Source | None
+    transport: str | None
+    rank: int | None
+    world_size: int | None
+    phases: list[PhaseTiming]
+    duration_milliseconds: int | None
+    bytes_received: int
+    buckets: int
+    tensors_written: int
+    error: str | None
+    timed_out: bool
+    dirty: bool
+    state: Literal["loading", "ready", "suspended", "stale", "failed"]
+    weight_version: int | None
 
 
 class StateResponse(_Body):
@@ -134,6 +233,13 @@ async def suspend(body: SuspendRequest, agent: AgentDep) -> responses.JSONRespon
 
 @router.post("/v1/resume")
 async def resume(body: ResumeRequest, agent: AgentDep) -> responses.JSONResponse:
+    if agent.refits.running:
+        raise errors.Conflict("a refit is in progress; it resumes the engine itself", code="refit_in_progress")
+    if agent.refits.dirty:
+        raise errors.Conflict(
+            "a failed refit wrote part of a weight version; only a complete refit can bring this engine back",
+            code="weights_incomplete",
+        )
     try:
         agent.engine.resume(weight_version=body.weight_version)
     except engine_module.EngineError as error:
@@ -141,9 +247,99 @@ async def resume(body: ResumeRequest, agent: AgentDep) -> responses.JSONResponse
     return _state(agent)
 
 
-@refit_router.post("/{operation:path}", status_code=501)
-async def refit(operation: str) -> None:
-    raise errors.NotImplementedYet(f"refit ({operation}) is not implemented in this engine yet")
+@refit_router.post("/prepare", status_code=202)
+async def refit_prepare(body: PrepareRequest, request: fastapi.Request, agent: AgentDep) -> responses.JSONResponse:
+    rendezvous = body.rendezvous
+    refit = refit_controller.RendezvousRequest(
+        version=body.version,
+        address=rendezvous.address,
+        port=rendezvous.port,
+        world_size=rendezvous.world_size,
+        rank_offset=rendezvous.rank_offset,
+        trainer_world_size=rendezvous.trainer_world_size,
+        transport=body.transport,
+        bucket_size_mib=body.bucket_size_mib,
+        timeout_seconds=body.timeout_seconds,
+        suspend_mode=body.suspend_mode,
+        kv_cache_mode=body.kv_cache_mode,
+        local_address=_pod_address(request),
+    )
+    return _start_refit(agent, refit)
+
+
+@refit_router.post("/checkpoint", status_code=202)
+async def refit_checkpoint(body: CheckpointRefitRequest, agent: AgentDep) -> responses.JSONResponse:
+    refit = refit_controller.CheckpointRequest(
+        version=body.version,
+        path=body.path,
+        timeout_seconds=body.timeout_seconds,
+        suspend_mode=body.suspend_mode,
+        kv_cache_mode=body.kv_cache_mode,
+    )
+    return _start_refit(agent, refit)
+
+
+@refit_router.get("/status")
+async def refit_status(agent: AgentDep) -> responses.JSONResponse:
+    return _refit_status(agent, agent.refits.snapshot())
+
+
+@refit_router.post("/abort")
+async def refit_abort(body: RefitAbortRequest, agent: AgentDep) -> responses.JSONResponse:
+    return _refit_status(agent, agent.refits.abort(body.reason))
+
+
+@refit_router.post("/{operation:path}", status_code=404)
+async def refit_unknown(operation: str) -> None:
+    raise errors.NotFound(f"no refit operation {operation!r}: use prepare, checkpoint, status or abort")
+
+
+def _start_refit(agent: Agent, refit: refit_controller.Request) -> responses.JSONResponse:
+    try:
+        snapshot = agent.refits.start(refit, asyncio.get_running_loop())
+    except refit_controller.Busy as error:
+        raise errors.Conflict(str(error), code="refit_in_progress") from None
+    except refit_controller.Refused as error:
+        raise errors.Conflict(str(error), code="refit_refused") from None
+    except ValueError as error:
+        raise errors.InvalidRequest(str(error), code="invalid_refit") from None
+    return _refit_status(agent, snapshot, status_code=202)
+
+
+def _pod_address(request: fastapi.Request) -> str | None:
+    """The address the agent's socket is bound to (the pod IP), where the refit transport binds too;
+    ``None`` when it is a wildcard (the route to the trainer decides then)."""
+    server = request.scope.get("server")
+    if not server:
+        return None
+    try:
+        address = ipaddress.ip_address(server[0])
+    except ValueError:
+        return None
+    return None if address.is_unspecified else str(address)
+
+
+def _refit_status(agent: Agent, snapshot: refit_progress.Snapshot, *, status_code: int = 200) -> responses.JSONResponse:
+    engine = agent.engine
+    body = RefitStatusResponse(
+        phase=snapshot.phase,
+        version=snapshot.version,
+        source=snapshot.source,
+        transport=snapshot.transport,
+        rank=snapshot.rank,
+        world_size=snapshot.world_size,
+        phases=[PhaseTiming(name=name, milliseconds=round(seconds * 1000)) for name, seconds in snapshot.phases],
+        duration_milliseconds=None if snapshot.duration_seconds is None else round(snapshot.duration_seconds * 1000),
+        bytes_received=snapshot.bytes_received,
+        buckets=snapshot.buckets,
+        tensors_written=snapshot.tensors_written,
+        error=snapshot.error,
+        timed_out=snapshot.timed_out,
+        dirty=agent.refits.dirty,
+        state=engine.state,
+        weight_version=engine.weight_version,
+    )
+    return responses.JSONResponse(body.model_dump(mode="json", by_alias=True), status_code=status_code)
 
 
 def _state(agent: Agent) -> responses.JSONResponse:

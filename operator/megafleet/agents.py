@@ -81,6 +81,17 @@ class Agents:
             return f"agent at {pod_ip}:{self.port} unreachable: {type(error).__name__}"
         return None if response.status_code in (200, 202) else f"HTTP {response.status_code}: {response.text[:300]}"
 
+    async def refit_abort(self, pod_ip: str, token: str, reason: str) -> None:
+        """POST /v1/refit/abort; an agent that cannot be reached has nothing left to abort."""
+        try:
+            await self._http.post(
+                f"http://{pod_ip}:{self.port}/v1/refit/abort",
+                json={"reason": reason[:1000]},
+                headers={"Authorization": f"Bearer {token}"},
+            )
+        except httpx.HTTPError:
+            return
+
     async def refit_status(self, pod_ip: str, token: str) -> dict[str, Any] | None:
         """GET /v1/refit/status, or None when the agent cannot be asked."""
         try:

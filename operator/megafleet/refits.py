@@ -114,6 +114,7 @@ async def _start(
     fleet_status = dict(fleet_body.get("status") or {})
     fleet_status["refit"] = {**(fleet_status.get("refit") or {}), "active": name, "membership": published}
     await api.patch_status("MegatronGeneration", fleet.name, namespace, {"refit": fleet_status["refit"]})
+    attempt = int((refit.get("status") or {}).get("attempts", 0)) + 1
     await _set_status(
         api,
         name,
@@ -121,22 +122,33 @@ async def _start(
         {
             "phase": "Running",
             "membership": published,
-            "attempts": 1,
+            "attempts": attempt,
             "startTime": _now(),
-            "message": f"{len(reachable)} shards receive version {spec.version}",
+            "message": f"attempt {attempt}: {len(reachable)} shards receive version {spec.version}",
         },
     )
     for shard, members in sorted(reachable.items()):
-        for index, pod in enumerate(members):
-            body = _request(spec, fleet, membership, membership.offsets[shard] + index * layout.ranks_per_pod)
+        for pod in members:
+            # The shard's offset: each rank adds its own rank in the shard (MEGAFLEET_RANK).
+            body = _request(spec, fleet, membership, membership.offsets[shard], attempt)
             path = "prepare" if spec.source.rendezvous is not None else "checkpoint"
             error = await agent_client.refit_start(pod["status"]["podIP"], token, path, body)
             if error is not None:
                 log.warning("refit %s/%s: pod %s refused: %s", namespace, name, pod["metadata"]["name"], error)
 
 
+def attempt_port(base_port: int, attempt: int) -> int:
+    """The rendezvous port of attempt ``attempt`` (1, 2): a fresh port per attempt, so a retry never
+    meets a stale store. The trainer SDK's ``megafleet.sdk.trainer.attempt_port`` is the same rule."""
+    return base_port + attempt - 1
+
+
 def _request(
-    spec: v1alpha1.RefitObjectSpec, fleet: desired.Fleet, membership: planner.Membership, rank_offset: int
+    spec: v1alpha1.RefitObjectSpec,
+    fleet: desired.Fleet,
+    membership: planner.Membership,
+    rank_offset: int,
+    attempt: int,
 ) -> Object:
     common: Object = {
         "version": spec.version,
@@ -161,6 +173,10 @@ def _request(
     }
 
 
+MAX_ATTEMPTS = 2
+"""A failed attempt is retried once with the shards still alive (DESIGN.md section 6)."""
+
+
 async def _collect(
     api: kube.Api,
     agent_client: agents.Agents,
@@ -173,21 +189,27 @@ async def _collect(
     status = refit.get("status") or {}
     members = [entry["shard"] for entry in (status.get("membership") or {}).get("rankOffsets", [])]
     reports: list[Object] = []
+    failure: str | None = None
     for shard in members:
         if shard not in pods:
-            await _finish(api, refit, fleet_body, "Failed", f"shard {shard} left the fleet during the refit")
-            return
+            failure = f"shard {shard} left the fleet during the refit"
+            break
         for pod in pods[shard]:
             report = await agent_client.refit_status(pod["status"]["podIP"], token)
             if report is None:
-                await _finish(api, refit, fleet_body, "Failed", f"the agent of {pod['metadata']['name']} is gone")
-                return
+                failure = f"the agent of {pod['metadata']['name']} is gone"
+                break
             if report.get("version") != spec.version:
                 return  # not started there yet
             if report.get("phase") == "failed":
-                await _finish(api, refit, fleet_body, "Failed", f"{pod['metadata']['name']}: {report.get('error')}")
-                return
+                failure = f"{pod['metadata']['name']}: {report.get('error')}"
+                break
             reports.append(report)
+        if failure is not None:
+            break
+    if failure is not None:
+        await _fail_attempt(api, agent_client, refit, fleet_body, pods, members, token, failure)
+        return
     if not all(report.get("phase") == "succeeded" for report in reports):
         return
     phases: dict[str, int] = {}
@@ -205,6 +227,29 @@ async def _collect(
         duration=duration,
         version=spec.version,
     )
+
+
+async def _fail_attempt(
+    api: kube.Api,
+    agent_client: agents.Agents,
+    refit: Object,
+    fleet_body: Object,
+    pods: dict[int, list[Object]],
+    members: list[int],
+    token: str,
+    failure: str,
+) -> None:
+    """Stop every other member at once (not at its deadline), then retry once or give up."""
+    for shard in members:
+        for pod in pods.get(shard, []):
+            await agent_client.refit_abort(pod["status"]["podIP"], token, f"another member failed: {failure}")
+    attempts = int((refit.get("status") or {}).get("attempts", 1))
+    if attempts >= MAX_ATTEMPTS:
+        await _finish(api, refit, fleet_body, "Failed", f"attempt {attempts} failed: {failure}")
+        return
+    name, namespace = refit["metadata"]["name"], refit["metadata"]["namespace"]
+    log.warning("refit %s/%s attempt %d failed (%s); retrying with the live shards", namespace, name, attempts, failure)
+    await _set_status(api, name, namespace, {"phase": "Pending", "message": f"attempt {attempts} failed: {failure}"})
 
 
 async def _finish(

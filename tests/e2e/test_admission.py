@@ -6,12 +6,11 @@ from __future__ import annotations
 import json
 import os
 import subprocess
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
-from megafleet_dev import kube, toolchain
+from megafleet_dev import toolchain
 
 ROOT = Path(__file__).resolve().parents[2]
 EXAMPLES = sorted((ROOT / "examples").glob("*.yaml"))
@@ -30,28 +29,13 @@ def kubectl(kubeconfig: Path, *args: str, stdin: str | None = None) -> subproces
     )
 
 
-@pytest.fixture(scope="module")
-def crds_installed(kubeconfig: Path, kube_admin: kube.Kube) -> Iterator[None]:
-    result = kubectl(kubeconfig, "apply", "--server-side", "-f", str(ROOT / "crds"))
-    assert result.returncode == 0, result.stderr
-    for path in (ROOT / "crds").glob("*.yaml"):
-        name = path.name.removeprefix("megafleet.dev_").removesuffix(".yaml") + ".megafleet.dev"
-        kube_admin.wait(
-            f"/apis/apiextensions.k8s.io/v1/customresourcedefinitions/{name}",
-            lambda crd: (kube.condition(crd, "Established") or {}).get("status") == "True",
-            timeout=60,
-            what=f"CRD {name} established",
-        )
-    yield
-
-
 def expectation(path: Path) -> tuple[str, str]:
     header = dict(line[2:].split(": ", 1) for line in path.read_text().splitlines() if line.startswith("# "))
     return header["field"], header["expect"]
 
 
 @pytest.mark.parametrize("path", EXAMPLES, ids=[p.stem for p in EXAMPLES])
-def test_every_example_is_accepted(crds_installed: None, kubeconfig: Path, namespace: str, path: Path) -> None:
+def test_every_example_is_accepted(crds: None, kubeconfig: Path, namespace: str, path: Path) -> None:
     result = kubectl(kubeconfig, "apply", "-n", namespace, "-f", str(path))
     assert result.returncode == 0, result.stderr
     assert "created" in result.stdout
@@ -59,7 +43,7 @@ def test_every_example_is_accepted(crds_installed: None, kubeconfig: Path, names
 
 @pytest.mark.parametrize("path", INVALID, ids=[p.stem for p in INVALID])
 def test_invalid_manifest_is_rejected_naming_the_field(
-    crds_installed: None, kubeconfig: Path, namespace: str, path: Path
+    crds: None, kubeconfig: Path, namespace: str, path: Path
 ) -> None:
     field, expected = expectation(path)
 
@@ -72,7 +56,7 @@ def test_invalid_manifest_is_rejected_naming_the_field(
     assert listed.stdout.strip() == ""  # nothing was stored
 
 
-def test_refit_spec_is_immutable(crds_installed: None, kubeconfig: Path, namespace: str) -> None:
+def test_refit_spec_is_immutable(crds: None, kubeconfig: Path, namespace: str) -> None:
     manifest = {
         "apiVersion": "megafleet.dev/v1alpha1",
         "kind": "Refit",
@@ -89,7 +73,7 @@ def test_refit_spec_is_immutable(crds_installed: None, kubeconfig: Path, namespa
 
 
 def test_kubectl_scale_changes_replicas_and_printer_columns_show_them(
-    crds_installed: None, kubeconfig: Path, namespace: str
+    crds: None, kubeconfig: Path, namespace: str
 ) -> None:
     assert kubectl(kubeconfig, "apply", "-n", namespace, "-f", str(ROOT / "examples" / "tiny-cpu.yaml")).returncode == 0
 

@@ -7,6 +7,7 @@ import os
 import signal
 import subprocess
 import sys
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -28,6 +29,15 @@ def tiny(replicas: int = 2) -> dict[str, Any]:
     manifest: dict[str, Any] = yaml.safe_load((ROOT / "examples" / "tiny-cpu.yaml").read_text())
     manifest["spec"]["replicas"] = replicas
     return manifest
+
+
+def wait_for_line(log: Path, text: str, timeout: float = 30) -> str:
+    """The log once it holds ``text`` (a log offers no watch: read it until a deadline)."""
+    deadline = time.monotonic() + timeout
+    while text not in (content := log.read_text()):
+        assert time.monotonic() < deadline, f"{text!r} not in {log}:\n{content[-2000:]}"
+        time.sleep(0.2)
+    return content
 
 
 def ready(obj: kube.Object | None) -> bool:
@@ -174,8 +184,7 @@ def test_two_replicas_with_peering_never_both_act_and_the_standby_takes_over(
         kube_admin.create(fleets(namespace), tiny(replicas=1))
         kube_admin.wait(f"{fleets(namespace)}/tiny", ready, timeout=WAIT)
 
-        standby_log = logs[10].read_text()
-        assert "Pausing operations in favour of" in standby_log
+        standby_log = wait_for_line(logs[10], "Pausing operations in favour of")
         assert "on_fleet_change" not in standby_log and "observe" not in standby_log  # it never reconciled
         assert "Handler 'on_fleet_change' succeeded" in logs[20].read_text()
 
@@ -190,7 +199,7 @@ def test_two_replicas_with_peering_never_both_act_and_the_standby_takes_over(
             what="the standby scaled the fleet",
         )
         assert grown is not None
-        assert "Resuming operations after the pause" in logs[10].read_text()
+        wait_for_line(logs[10], "Resuming operations after the pause")
     finally:
         for process in processes.values():
             if process.poll() is None:

@@ -127,14 +127,6 @@ def test_suspend_abort_ends_the_stream_with_an_error_event(served: harness.Serve
         assert client.completions.create(model=harness.MODEL, prompt="hi", max_tokens=2).choices
 
 
-def test_refit_routes_exist_but_are_not_implemented(served: harness.Served) -> None:
-    with served.agent() as agent:
-        response = agent.post("/v1/refit/begin", json={"version": 1})
-    assert response.status_code == 501
-    assert response.json()["error"]["code"] == "not_implemented"
-    assert "refit" in response.json()["error"]["message"]
-
-
 def test_agent_rejects_bad_bodies(served: harness.Served) -> None:
     with served.agent() as agent:
         bad_mode = agent.post("/v1/suspend", json={"mode": "pause"})

@@ -1,0 +1,24 @@
+"""The refit receiver: new weights from the trainer, written in place into a suspended engine.
+
+The agent's refit routes (:mod:`megafleet_engine.agent`) drive it through one
+:class:`~megafleet_engine.refit.controller.RefitController` per engine process; the trainer's side is
+:mod:`megafleet.sdk.trainer`, which speaks the same protocol with the same modules. DESIGN.md
+section 6 is the protocol this implements.
+
+Modules, each small and with one job:
+
+* :mod:`~megafleet_engine.refit.controller`: accepts a request and runs it as an attempt on its own
+  thread (suspend, join, receive and write, resume), with a watchdog; reports progress.
+* :mod:`~megafleet_engine.refit.receiver`: the receiver's half of the wire protocol (manifest check,
+  buckets, writes).
+* :mod:`~megafleet_engine.refit.communicator`: the rendezvous store and the hand-built gloo/NCCL
+  transfer group, every wait bounded by the attempt's deadline.
+* :mod:`~megafleet_engine.refit.wire`: messages and bucket layout, shared with the trainer SDK.
+* :mod:`~megafleet_engine.refit.sinks`: where weights land (whole HF tensors, or the pieces of a
+  megatron shard map), always with ``copy_``.
+* :mod:`~megafleet_engine.refit.watchdog`, :mod:`~megafleet_engine.refit.progress`,
+  :mod:`~megafleet_engine.refit.errors`: the deadline thread, the attempt's record, the errors.
+
+Importing this package (and the controller) does not import torch; the modules that need it load
+when the first refit starts.
+"""

@@ -1,0 +1,417 @@
+"""One engine's refits: accept a request, run it as an attempt on its own thread, report it.
+
+Called by the agent's refit routes (:mod:`megafleet_engine.agent`): one :class:`RefitController` per
+engine process, created with the agent. :meth:`RefitController.start` returns at once; the attempt
+runs on a thread of its own, so the HTTP server never waits on a collective, and a :class:`Watchdog`
+thread ends it at its deadline.
+
+An attempt, in order (phases as the status reports them):
+
+1. ``suspending``: close the engine's gate and drain or abort what is in flight (the request's
+   ``suspendMode``), then let the backend free what its KV-cache mode frees. Nothing is written
+   before this returns, so no response is ever produced by a mix of two versions.
+2. ``joining`` (rendezvous source): connect to the trainer's store, join the transfer group as
+   ``rankOffset + shard-local rank``, handshake, check the manifest and answer it.
+3. ``receiving``: every bucket is received on this thread and written on the engine's backend
+   thread (:meth:`Engine.run_exclusive`) with ``copy_`` into the live tensors; or ``applying`` (a
+   checkpoint source): the backend's ``load_checkpoint`` copies the checkpoint in place.
+4. ``resuming``: only once the whole version is written (every parameter, storage addresses
+   unchanged), the engine resumes stamping the new version; a deferred-init engine (``loading``)
+   becomes ``ready`` here for the first time.
+
+Any failure, the watchdog's deadline or ``POST /v1/refit/abort`` ends the attempt ``failed``: the
+engine is marked ``stale`` with the error (its gate stays closed: ``/v1`` answers 503), the process
+group is aborted, and the trainer is told when it can be. Once any weight was written, the engine is
+*dirty*: only a later complete refit brings it back (``POST /v1/resume`` is refused), because its
+parameters may hold two versions.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import dataclasses
+import logging
+import threading
+from collections.abc import Callable, Coroutine
+from typing import TYPE_CHECKING, Any, TypeVar
+
+from megafleet_engine.refit import errors, progress, watchdog
+
+if TYPE_CHECKING:
+    from megafleet_engine import engine as engine_module
+    from megafleet_engine import metrics as metrics_module
+    from megafleet_engine import settings as settings_module
+    from megafleet_engine.backends import base
+    from megafleet_engine.refit import communicator, wire
+
+__all__ = ["Busy", "CheckpointRequest", "RefitController", "Refused", "RendezvousRequest", "Request"]
+
+log = logging.getLogger(__name__)
+
+T = TypeVar("T")
+MIB = 2**20
+
+
+@dataclasses.dataclass(frozen=True)
+class RendezvousRequest:
+    """Receive ``version`` from the trainer's world (``POST /v1/refit/prepare``)."""
+
+    version: int
+    address: str
+    port: int
+    world_size: int
+    rank_offset: int  # global rank of the shard's rank 0
+    trainer_world_size: int = 1
+    transport: wire.Transport = "broadcast"
+    bucket_size_mib: int = 1024
+    timeout_seconds: float = 300.0
+    suspend_mode: engine_module.SuspendMode = "drain"
+    kv_cache_mode: settings_module.KvCacheMode | None = None
+    local_address: str | None = None  # where this rank's gloo transport binds; None: the route to the trainer
+
+    @property
+    def key(self) -> tuple[object, ...]:
+        """What makes two requests the same attempt (a repeated call is answered, not rerun)."""
+        return ("rendezvous", self.version, self.address, self.port, self.world_size, self.rank_offset)
+
+
+@dataclasses.dataclass(frozen=True)
+class CheckpointRequest:
+    """Load ``version`` from the checkpoint at ``path`` (``POST /v1/refit/checkpoint``)."""
+
+    version: int
+    path: str
+    timeout_seconds: float = 300.0
+    suspend_mode: engine_module.SuspendMode = "drain"
+    kv_cache_mode: settings_module.KvCacheMode | None = None
+
+    @property
+    def key(self) -> tuple[object, ...]:
+        return ("checkpoint", self.version, self.path)
+
+
+Request = RendezvousRequest | CheckpointRequest
+
+
+class Refused(errors.RefitError):
+    """The engine cannot take a refit now (another one runs, or the engine failed)."""
+
+
+class Busy(Refused):
+    """Another attempt is running; ``snapshot`` is its status."""
+
+    def __init__(self, snapshot: progress.Snapshot) -> None:
+        super().__init__(f"a refit to weight version {snapshot.version} is {snapshot.phase}")
+        self.snapshot = snapshot
+
+
+class RefitController:
+    """The refits of one engine process: at most one attempt runs at a time.
+
+    Args:
+        engine: the engine whose weights are replaced.
+        rank: this process's rank inside its shard (``MEGAFLEET_RANK`` + local rank); its rank in
+            the trainer+fleet world is the request's ``rank_offset`` plus this.
+        metrics: where refit durations are recorded, if anywhere.
+    """
+
+    def __init__(
+        self, engine: engine_module.Engine, *, rank: int = 0, metrics: metrics_module.Metrics | None = None
+    ) -> None:
+        self.engine = engine
+        self.rank = rank
+        self.metrics = metrics
+        self._lock = threading.Lock()
+        self._attempt: _Attempt | None = None
+        self._dirty = False
+
+    @property
+    def dirty(self) -> bool:
+        """Weights were written by an attempt that did not complete: the engine holds no one version."""
+        with self._lock:
+            return self._dirty
+
+    @property
+    def running(self) -> bool:
+        with self._lock:
+            return self._attempt is not None and not self._attempt.record.finished
+
+    def snapshot(self) -> progress.Snapshot:
+        with self._lock:
+            attempt = self._attempt
+        return attempt.record.snapshot() if attempt is not None else progress.Snapshot()
+
+    def wait_settled(self, timeout: float) -> bool:
+        """Wait until the last attempt's thread has ended, not just its outcome been decided (an
+        aborted attempt's thread can stay blocked in a gloo wait until its deadline; it writes
+        nothing more meanwhile). For orderly shutdown and tests; returns whether it ended."""
+        with self._lock:
+            attempt = self._attempt
+        return attempt is None or attempt.join(timeout)
+
+    def start(self, request: Request, loop: asyncio.AbstractEventLoop) -> progress.Snapshot:
+        """Start an attempt for ``request`` (on ``loop``, the agent's event loop, engine calls run).
+
+        The same request again (same version and rendezvous, or the same checkpoint) while it runs
+        or after it succeeded returns its status instead of starting it twice; a failed one is
+        retried. Raises :class:`Busy` while another attempt runs, :class:`Refused` when the engine
+        failed, and :class:`ValueError` for a request whose ranks do not fit this process.
+        """
+        if isinstance(request, RendezvousRequest):
+            rendezvous = _rendezvous(request)
+            rendezvous.group_rank(request.rank_offset + self.rank)  # ValueError: not a fleet rank
+        with self._lock:
+            current = self._attempt
+            if current is not None:
+                snapshot = current.record.snapshot()
+                if current.request.key == request.key and snapshot.phase != "failed":
+                    return snapshot
+                if snapshot.phase not in ("succeeded", "failed"):
+                    raise Busy(snapshot)
+            if self.engine.state == "failed":
+                raise Refused(f"the engine failed ({self.engine.last_error}); a refit cannot repair it")
+            attempt = _Attempt(self, request, loop)
+            self._attempt = attempt
+        attempt.start()
+        return attempt.record.snapshot()
+
+    def abort(self, reason: str) -> progress.Snapshot:
+        """End the running attempt now (as the watchdog would); no-op when none runs."""
+        with self._lock:
+            attempt = self._attempt
+        if attempt is not None:
+            attempt.abort(f"aborted: {reason}", timed_out=False)
+        return self.snapshot()
+
+    def _mark_dirty(self, dirty: bool) -> None:
+        with self._lock:
+            self._dirty = dirty
+
+
+class _Attempt:
+    """One refit attempt: its thread, watchdog, communicator and record."""
+
+    def __init__(self, owner: RefitController, request: Request, loop: asyncio.AbstractEventLoop) -> None:
+        from megafleet_engine.refit import communicator  # torch loads here, not at agent import
+
+        self.owner = owner
+        self.engine = owner.engine
+        self.request = request
+        self.loop = loop
+        self.deadline = communicator.Deadline(request.timeout_seconds)
+        if isinstance(request, RendezvousRequest):
+            self.record = progress.Progress(
+                version=request.version,
+                source="rendezvous",
+                transport=request.transport,
+                rank=request.rank_offset + owner.rank,
+                world_size=request.world_size,
+            )
+        else:
+            self.record = progress.Progress(version=request.version, source="checkpoint")
+        self._comm: communicator.Communicator | None = None
+        self._comm_lock = threading.Lock()
+        self._aborted = threading.Event()  # the communicator's abort flag, also before it exists
+        self._watchdog = watchdog.Watchdog(request.timeout_seconds, self._expire)
+        self._thread = threading.Thread(target=self._run, name=f"megafleet-refit-{request.version}", daemon=True)
+
+    def start(self) -> None:
+        log.info("refit to weight version %d (%s) started", self.request.version, self._describe())
+        self._watchdog.start()
+        self._thread.start()
+
+    def join(self, timeout: float) -> bool:
+        self._thread.join(timeout)
+        return not self._thread.is_alive()
+
+    def abort(self, reason: str, *, timed_out: bool) -> None:
+        """Fail the attempt now: mark the engine stale and tear its group down (any thread)."""
+        if not self.record.finish(error=reason, timed_out=timed_out):
+            return
+        self.engine.mark("stale", reason)
+        self._aborted.set()
+        with self._comm_lock:
+            comm = self._comm
+        if comm is not None:
+            comm.abort()
+        self._observe(succeeded=False)
+        log.error("refit to weight version %d failed: %s", self.request.version, reason)
+
+    # -- the attempt's thread ------------------------------------------------------------------
+
+    def _run(self) -> None:
+        try:
+            self._suspend()
+            if isinstance(self.request, RendezvousRequest):
+                self._receive(self.request)
+            else:
+                self._load(self.request)
+            self._commit()
+        except Exception as error:
+            self._fail(error)
+        finally:
+            self._watchdog.stop()
+            with self._comm_lock:
+                comm, self._comm = self._comm, None
+            if comm is not None:
+                comm.close()
+
+    def _suspend(self) -> None:
+        request = self.request
+        if request.kv_cache_mode is not None:
+            self.engine.kv_cache_mode = request.kv_cache_mode
+        with self.record.timed("suspend"):
+            remaining = self.deadline.left("suspending the engine").total_seconds()
+            try:
+                self._on_loop(self.engine.suspend(request.suspend_mode, timeout_seconds=remaining), "suspending")
+            except TimeoutError as error:
+                raise errors.RefitTimeout(f"suspending ({request.suspend_mode}) did not finish: {error}") from None
+
+    def _receive(self, request: RendezvousRequest) -> None:
+        from megafleet_engine.refit import communicator, receiver, sinks, wire
+
+        self.record.enter("joining")
+        backend = self.engine.backend
+        sink = sinks.sink_for(backend)
+        before = sinks.pointers(backend)
+        rendezvous = _rendezvous(request)
+        with self.record.timed("join"):
+            comm = communicator.Communicator.connect(
+                rendezvous,
+                global_rank=request.rank_offset + self.owner.rank,
+                backend="nccl" if sink.device.type == "cuda" else "gloo",
+                device=sink.device,
+                deadline=self.deadline,
+                local_address=request.local_address or communicator.local_address_towards(request.address),
+                aborted=self._aborted,
+            )
+        with self._comm_lock:
+            self._comm = comm
+        if self.record.finished:  # aborted while joining: the abort did not see this group
+            comm.abort()
+            raise errors.RefitAborted("the refit was aborted while joining")
+        try:
+            received = receiver.receive(
+                comm,
+                sink,
+                version=request.version,
+                transport=request.transport,
+                bucket_limit_bytes=request.bucket_size_mib * MIB,
+                apply=self._apply,
+                record=self.record,
+            )
+            _check_in_place(before, sinks.pointers(backend))
+        except Exception as error:
+            _tell(comm, wire.Done(ok=False, error=str(error)))
+            raise
+        _tell(comm, wire.Done(ok=True, bytes_received=received))
+
+    def _load(self, request: CheckpointRequest) -> None:
+        from megafleet_engine.refit import sinks
+
+        self.record.enter("applying")
+        backend = self.engine.backend
+        before = sinks.pointers(backend)
+        with self.record.timed("apply"):
+            self._apply(lambda: _load_checkpoint(backend, request.path))
+        _check_in_place(before, sinks.pointers(backend))
+
+    def _apply(self, write: Callable[[], int]) -> int:
+        """Run ``write`` on the backend thread, unless the attempt ended meanwhile."""
+        self.owner._mark_dirty(True)
+
+        def guarded() -> int:
+            if self.record.finished:
+                raise errors.RefitAborted("the refit ended; no further weights are written")
+            return write()
+
+        return self._on_loop(self.engine.run_exclusive(guarded), "writing weights")
+
+    def _commit(self) -> None:
+        if not self.record.begin_commit():
+            raise errors.RefitAborted("the refit ended before it could resume the engine")
+        with self.record.timed("resume"):
+            self.engine.resume(weight_version=self.request.version)
+        self.owner._mark_dirty(False)
+        self.record.finish(error=None)
+        self._observe(succeeded=True)
+        snapshot = self.record.snapshot()
+        log.info(
+            "refit to weight version %d succeeded in %.3f s (%s)",
+            self.request.version,
+            snapshot.duration_seconds or 0.0,
+            ", ".join(f"{name} {seconds:.3f} s" for name, seconds in snapshot.phases),
+        )
+
+    def _fail(self, error: Exception) -> None:
+        message = str(error) or type(error).__name__
+        if not isinstance(error, errors.RefitError):
+            log.exception("refit to weight version %d raised", self.request.version)
+            message = f"{type(error).__name__}: {message}"
+        self.abort(message, timed_out=isinstance(error, errors.RefitTimeout))
+
+    def _expire(self) -> None:
+        snapshot = self.record.snapshot()
+        self.abort(
+            f"the refit did not finish within timeoutSeconds={self.request.timeout_seconds:g} "
+            f"(it was {snapshot.phase}); aborted by the watchdog",
+            timed_out=True,
+        )
+
+    def _on_loop(self, coroutine: Coroutine[Any, Any, T], what: str) -> T:
+        """Run an engine coroutine on the agent's event loop and wait for it until the deadline."""
+        try:
+            future = asyncio.run_coroutine_threadsafe(coroutine, self.loop)
+        except RuntimeError:  # the loop is closed: the server is stopping
+            coroutine.close()
+            raise errors.RefitAborted(f"the agent is stopping; {what} did not run") from None
+        try:
+            return future.result(timeout=self.deadline.left(what).total_seconds())
+        except concurrent.futures.TimeoutError:
+            if future.done():  # the coroutine's own TimeoutError (a drain that did not finish)
+                raise
+            future.cancel()
+            raise errors.RefitTimeout(f"the refit's deadline passed while {what}") from None
+
+    def _describe(self) -> str:
+        request = self.request
+        if isinstance(request, CheckpointRequest):
+            return f"checkpoint {request.path}, timeout {request.timeout_seconds:g} s"
+        return (
+            f"{request.transport} from {request.address}:{request.port} as rank "
+            f"{request.rank_offset + self.owner.rank} of {request.world_size}, timeout {request.timeout_seconds:g} s"
+        )
+
+    def _observe(self, *, succeeded: bool) -> None:
+        if self.owner.metrics is not None:
+            self.owner.metrics.observe_refit(self.record.elapsed, succeeded=succeeded)
+
+
+def _rendezvous(request: RendezvousRequest) -> communicator.Rendezvous:
+    from megafleet_engine.refit import communicator
+
+    return communicator.Rendezvous(
+        request.address, request.port, request.world_size, trainer_world_size=request.trainer_world_size
+    )
+
+
+def _load_checkpoint(backend: base.Backend, path: str) -> int:
+    backend.load_checkpoint(path)
+    return len(backend.parameters())
+
+
+def _check_in_place(before: dict[str, int], after: dict[str, int]) -> None:
+    moved = sorted(name for name in before if after.get(name) != before[name])
+    if moved or set(after) != set(before):
+        raise errors.RefitError(f"parameters were rebound instead of written in place, e.g. {moved[:3]}")
+
+
+def _tell(comm: communicator.Communicator, done: wire.Done) -> None:
+    """Report the outcome to the trainer; best effort (it may be gone, or the store unreachable)."""
+    from megafleet_engine.refit import wire
+
+    try:
+        comm.set(wire.done_key(comm.group_rank), done.encode())
+    except RuntimeError as error:
+        log.debug("could not report the refit outcome to the trainer: %s", error)

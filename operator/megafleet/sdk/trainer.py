@@ -1,0 +1,304 @@
+"""The trainer's end of a refit: send one weight version to every live shard of a fleet.
+
+Called by the RL training loop on its rank 0, once per refit attempt. The trainer creates a ``Refit``
+object (``spec.source.rendezvous``: this pod's address, a base port, ``trainerWorldSize``); the
+operator publishes the attempt's membership (``status.membership.worldSize``, ``status.attempts``)
+and tells every engine's agent to join; the trainer then runs::
+
+    port = attempt_port(refit.spec.source.rendezvous.port, refit.status.attempts)
+    with WeightSender(port, refit.status.membership.worldSize, address=pod_ip, backend="nccl") as sender:
+        sender.init()  # store server + transfer group; returns once every fleet rank joined
+        report = sender.send(model.named_parameters(), bucket_size_mib=1024, version=refit.spec.version)
+
+``named_tensors`` are Hugging Face names and full (unsharded) tensors, e.g. a Megatron-Bridge export.
+:meth:`WeightSender.send` publishes the manifest, waits for every receiver's verdict (a mismatch
+raises :class:`~megafleet_engine.refit.errors.RefitRejected` before any byte moves), sends the
+buckets (``broadcast``: every bucket to everyone; ``reshard``: to each rank only the regions it asked
+for) and returns once every receiver reported its writes complete (else
+:class:`~megafleet_engine.refit.errors.ReceiverFailed`). The wire protocol is
+:mod:`megafleet_engine.refit.wire`; both ends share it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import socket
+import time
+from collections.abc import Iterable
+from types import TracebackType
+
+import torch
+import torch.distributed as dist
+
+from megafleet_engine.refit import communicator, errors, wire
+
+__all__ = ["SendReport", "WeightSender", "attempt_port"]
+
+MIB = 2**20
+
+
+def attempt_port(base_port: int, attempt: int) -> int:
+    """The rendezvous port of attempt ``attempt`` (1, 2, ...) of a Refit whose spec names
+    ``base_port``: a fresh port per attempt, so a retry never meets a stale store or group."""
+    if attempt < 1:
+        raise ValueError(f"attempts count from 1, got {attempt}")
+    return base_port + attempt - 1
+
+
+@dataclasses.dataclass(frozen=True)
+class SendReport:
+    """What one :meth:`WeightSender.send` did."""
+
+    version: int
+    transport: wire.Transport
+    tensors: int
+    buckets: int  # buckets sent (reshard: summed over receivers)
+    bytes_sent: int
+    receivers: int
+    seconds: float
+    phases: dict[str, float]  # "verdicts" (manifest to go), "transfer", "acknowledgements"
+
+
+class WeightSender:
+    """Trainer rank 0 of the trainer+fleet world of one refit attempt.
+
+    Args:
+        rendezvous_port: the port this attempt's store listens on (see :func:`attempt_port`).
+        world_size: trainer ranks plus every live shard's ranks (the Refit's membership).
+        rank: this trainer rank; protocol 1 sends from rank 0 only (other trainer ranks take no part).
+        backend: ``gloo`` (CPU tensors travel) or ``nccl`` (GPU), as the fleet's engines use.
+        address: this pod's address, where the store and the transport listen (the Refit's
+            ``spec.source.rendezvous.address``); default: the address this host's name resolves to.
+        trainer_world_size: trainer ranks (the fleet's ranks start after them).
+        timeout_seconds: bound of :meth:`init` and of :meth:`send`, each.
+        device: where buckets are staged; default ``cpu`` for gloo, the current CUDA device for NCCL.
+    """
+
+    def __init__(
+        self,
+        rendezvous_port: int,
+        world_size: int,
+        rank: int = 0,
+        backend: communicator.Backend = "gloo",
+        *,
+        address: str | None = None,
+        trainer_world_size: int = 1,
+        timeout_seconds: float = 300.0,
+        device: torch.device | str | None = None,
+    ) -> None:
+        if rank != 0:
+            raise ValueError(f"trainer rank {rank} sends nothing in protocol 1; only trainer rank 0 runs a sender")
+        self.address = address or socket.gethostbyname(socket.gethostname())
+        self.rendezvous = communicator.Rendezvous(self.address, rendezvous_port, world_size, trainer_world_size)
+        self.backend = backend
+        self.timeout_seconds = timeout_seconds
+        if device is None:
+            device = torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else torch.device("cpu")
+        self.device = torch.device(device)
+        self._comm: communicator.Communicator | None = None
+        self._sent = False
+
+    @property
+    def receivers(self) -> int:
+        """Fleet ranks that receive."""
+        return self.rendezvous.group_size - 1
+
+    def init(self) -> None:
+        """Start the store and build the transfer group; returns once every fleet rank joined and
+        answered the handshake (raises :class:`RefitTimeout` if they do not within the timeout)."""
+        if self._comm is not None:
+            raise RuntimeError("init() was already called")
+        comm = communicator.Communicator.connect(
+            self.rendezvous,
+            global_rank=0,
+            backend=self.backend,
+            device=self.device,
+            deadline=communicator.Deadline(self.timeout_seconds),
+            local_address=self.address,
+        )
+        self._comm = comm
+        comm.handshake()
+
+    def send(
+        self,
+        named_tensors: Iterable[tuple[str, torch.Tensor]],
+        bucket_size_mib: int = 1024,
+        *,
+        version: int,
+        transport: wire.Transport = "broadcast",
+    ) -> SendReport:
+        """Send ``named_tensors`` (HF names, full tensors) as weight version ``version``; once per
+        sender (an attempt), whatever the outcome: a retry is a new attempt on a fresh port."""
+        comm = self._comm
+        if comm is None:
+            raise RuntimeError("call init() before send()")
+        if self._sent:
+            raise RuntimeError("send() was already called; a new attempt needs a new WeightSender")
+        self._sent = True
+        comm.deadline = communicator.Deadline(self.timeout_seconds)
+        started = time.monotonic()
+        tensors = _collect(named_tensors)
+        infos = tuple(wire.TensorInfo.of(name, tensor) for name, tensor in tensors.items())
+        bucket_bytes = bucket_size_mib * MIB
+        broadcast_plan = None
+        if transport == "broadcast":
+            broadcast_plan = wire.plan_buckets(((wire.Region.whole(i.name), _nbytes(i)) for i in infos), bucket_bytes)
+        manifest = wire.Manifest(version, transport, bucket_bytes, infos, broadcast_plan)
+        comm.set(wire.MANIFEST_KEY, manifest.encode())
+        plans = self._agree(comm, manifest)
+        agreed = time.monotonic()
+        if broadcast_plan is not None:
+            buckets = self._broadcast(comm, broadcast_plan, tensors)
+            sent = broadcast_plan.total_bytes
+        else:
+            buckets = self._scatter(comm, plans, tensors)
+            sent = sum(plan.total_bytes for plan in plans.values())
+        transferred = time.monotonic()
+        self._acknowledgements(comm)
+        finished = time.monotonic()
+        return SendReport(
+            version=version,
+            transport=transport,
+            tensors=len(infos),
+            buckets=buckets,
+            bytes_sent=sent,
+            receivers=self.receivers,
+            seconds=finished - started,
+            phases={
+                "verdicts": agreed - started,
+                "transfer": transferred - agreed,
+                "acknowledgements": finished - transferred,
+            },
+        )
+
+    def close(self) -> None:
+        """Release the group and stop the store (receivers have read everything they need by the
+        time :meth:`send` returns)."""
+        comm, self._comm = self._comm, None
+        if comm is not None:
+            comm.close()
+
+    def __enter__(self) -> WeightSender:
+        return self
+
+    def __exit__(
+        self, kind: type[BaseException] | None, error: BaseException | None, traceback: TracebackType | None
+    ) -> None:
+        self.close()
+
+    # -- steps of send -------------------------------------------------------------------------
+
+    def _agree(self, comm: communicator.Communicator, manifest: wire.Manifest) -> dict[int, wire.BucketPlan]:
+        """Read every verdict; publish go (with each reshard plan) or cancel everyone and raise."""
+        offered = manifest.by_name()
+        rejected: dict[int, str] = {}
+        plans: dict[int, wire.BucketPlan] = {}
+        for group_rank in range(1, self.rendezvous.group_size):
+            global_rank = self.rendezvous.global_rank(group_rank)
+            raw = comm.get(wire.verdict_key(group_rank), what=f"the verdict of rank {global_rank}")
+            try:
+                verdict = wire.Verdict.decode(raw)
+                if verdict.ok and manifest.transport == "reshard":
+                    plans[group_rank] = _reshard_plan(verdict.regions, offered, manifest.bucket_bytes)
+            except ValueError as error:
+                rejected[global_rank] = f"unusable verdict: {error}"
+                continue
+            if not verdict.ok:
+                rejected[global_rank] = verdict.error
+        if rejected:
+            comm.set(wire.GO_KEY, wire.Go(False, f"{len(rejected)} receivers rejected the manifest").encode())
+            raise errors.RefitRejected(rejected)
+        for group_rank, plan in plans.items():
+            comm.set(wire.plan_key(group_rank), plan.encode())
+        comm.set(wire.GO_KEY, wire.Go(True).encode())
+        return plans
+
+    def _broadcast(
+        self, comm: communicator.Communicator, plan: wire.BucketPlan, tensors: dict[str, torch.Tensor]
+    ) -> int:
+        buffer = torch.empty(plan.largest, dtype=torch.uint8, device=self.device)
+        by_bucket = _by_bucket(plan)
+        for bucket, size in enumerate(plan.sizes):
+            chunk = buffer.narrow(0, 0, size)
+            for placement in by_bucket[bucket]:
+                wire.pack(chunk, placement, tensors[placement.region.name])
+            comm.broadcast(chunk, what=f"bucket {bucket + 1} of {len(plan.sizes)}")
+        return len(plan.sizes)
+
+    def _scatter(
+        self, comm: communicator.Communicator, plans: dict[int, wire.BucketPlan], tensors: dict[str, torch.Tensor]
+    ) -> int:
+        """Send each receiver its buckets, point to point; two staging buffers, so packing the next
+        bucket overlaps sending the previous one."""
+        largest = max((plan.largest for plan in plans.values()), default=0)
+        buffers = [torch.empty(largest, dtype=torch.uint8, device=self.device) for _ in range(2)]
+        in_flight: list[dist.Work | None] = [None, None]
+        count = 0
+        for group_rank, plan in sorted(plans.items()):
+            by_bucket = _by_bucket(plan)
+            for bucket, size in enumerate(plan.sizes):
+                slot = count % 2
+                what = f"bucket {bucket + 1} of {len(plan.sizes)} to rank {self.rendezvous.global_rank(group_rank)}"
+                previous = in_flight[slot]
+                if previous is not None:
+                    comm.wait(previous, what=what)
+                chunk = buffers[slot].narrow(0, 0, size)
+                for placement in by_bucket[bucket]:
+                    wire.pack(chunk, placement, tensors[placement.region.name])
+                in_flight[slot] = comm.send(chunk, dst=group_rank, tag=bucket, what=what)
+                count += 1
+        for work in in_flight:
+            if work is not None:
+                comm.wait(work, what="the last buckets")
+        return count
+
+    def _acknowledgements(self, comm: communicator.Communicator) -> None:
+        failed: dict[int, str] = {}
+        for group_rank in range(1, self.rendezvous.group_size):
+            global_rank = self.rendezvous.global_rank(group_rank)
+            raw = comm.get(wire.done_key(group_rank), what=f"the outcome of rank {global_rank}")
+            try:
+                done = wire.Done.decode(raw)
+            except ValueError as error:
+                failed[global_rank] = str(error)
+                continue
+            if not done.ok:
+                failed[global_rank] = done.error
+        if failed:
+            raise errors.ReceiverFailed(failed)
+
+
+def _collect(named_tensors: Iterable[tuple[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+    tensors: dict[str, torch.Tensor] = {}
+    for name, tensor in named_tensors:
+        if name in tensors:
+            raise ValueError(f"{name} is given twice")
+        tensors[name] = tensor.detach()
+    if not tensors:
+        raise ValueError("there are no tensors to send")
+    return tensors
+
+
+def _nbytes(info: wire.TensorInfo) -> int:
+    return wire.Region.whole(info.name).nbytes(info)
+
+
+def _reshard_plan(
+    regions: tuple[wire.Region, ...], offered: dict[str, wire.TensorInfo], bucket_bytes: int
+) -> wire.BucketPlan:
+    """The buckets of one reshard receiver; :class:`ValueError` for a region outside the manifest."""
+    sized = []
+    for region in regions:
+        info = offered.get(region.name)
+        if info is None:
+            raise ValueError(f"it asks for {region.name}, which the manifest does not offer")
+        region.check(info)
+        sized.append((region, region.nbytes(info)))
+    return wire.plan_buckets(sized, bucket_bytes)
+
+
+def _by_bucket(plan: wire.BucketPlan) -> list[list[wire.Placement]]:
+    grouped: list[list[wire.Placement]] = [[] for _ in plan.sizes]
+    for placement in plan.placements:
+        grouped[placement.bucket].append(placement)
+    return grouped
