@@ -561,8 +561,47 @@ def _observed(
         generation=fleet.generation,
         now=now,
     )
-    updated["conditions"] = found
+    updated["conditions"] = _weights_current(found, entries, status.get("refit") or {}, fleet.generation, now)
     return updated
+
+
+def _weights_current(
+    found: list[conditions.Condition], entries: list[Object], refit_state: Object, generation: int, now: str
+) -> list[conditions.Condition]:
+    """WeightsCurrent: every shard serves the fleet's current version (the last successful Refit's,
+    else the one every shard started with) and no refit is running."""
+    versions = {entry.get("weightVersion") for entry in entries}
+    target = refit_state.get("currentVersion")
+    if refit_state.get("active"):
+        return conditions.set_condition(
+            found,
+            conditions.WEIGHTS_CURRENT,
+            False,
+            "Refitting",
+            f"refit {refit_state['active']} is running",
+            generation=generation,
+            now=now,
+        )
+    current = (
+        bool(entries) and None not in versions and (versions == {target} if target is not None else len(versions) == 1)
+    )
+    stale = sorted(entry["index"] for entry in entries if target is not None and entry.get("weightVersion") != target)
+    message = (
+        f"every shard serves version {versions.pop()}"
+        if current
+        else f"shards {stale} are not at version {target}"
+        if stale
+        else "not every shard has weights yet"
+    )
+    return conditions.set_condition(
+        found,
+        conditions.WEIGHTS_CURRENT,
+        current,
+        "Current" if current else "Behind",
+        message,
+        generation=generation,
+        now=now,
+    )
 
 
 def _verify_addresses(

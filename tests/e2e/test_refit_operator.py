@@ -149,6 +149,8 @@ def test_a_refit_object_brings_every_frontend_to_the_trainers_weights(
         what="the fleet at version 1",
     )
     assert fleet is not None and fleet["status"]["refit"]["currentVersion"] == 1
+    current = kube.condition(fleet, "WeightsCurrent")
+    assert current is not None and current["status"] == "True" and "version 1" in current["message"]
     for shard in fleet["status"]["shards"]:
         tokens, version = served(kube_admin, namespace, shard["pods"][0])
         assert tokens == expected and version == "1"
