@@ -43,6 +43,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         + ")",
     )
     up.add_argument(
+        "--pod-network",
+        default="127.64.0.0/12",
+        help="loopback range the nodes' pod CIDRs come from (use another one for a second cluster)",
+    )
+    up.add_argument(
         "--control-plane-only",
         action="store_true",
         help="start only the control plane and nodes (no operator, pod runner or sample fleet)",
@@ -63,7 +68,7 @@ def run(args: argparse.Namespace) -> int:
             return 0
         if args.dev_command == "up":
             pools = tuple(args.pool) if args.pool else nodes.DEFAULT_POOLS
-            return _up(state_dir, pools, full=not args.control_plane_only)
+            return _up(state_dir, pools, full=not args.control_plane_only, pod_network=args.pod_network)
         if args.dev_command == "runner":
             return _runner(state_dir)
         if args.dev_command == "down":
@@ -74,13 +79,13 @@ def run(args: argparse.Namespace) -> int:
         return 1
 
 
-def _up(state_dir: Path, pools: tuple[nodes.NodePool, ...], *, full: bool) -> int:
+def _up(state_dir: Path, pools: tuple[nodes.NodePool, ...], *, full: bool, pod_network: str) -> int:
     if list(cluster.running_processes(state_dir)):
         print(f"the local cluster is already running from {state_dir}")
         return _status(state_dir)
     if state_dir.exists():
         shutil.rmtree(state_dir)
-    local = cluster.LocalCluster(state_dir, pools=pools)
+    local = cluster.LocalCluster(state_dir, pools=pools, pod_network=pod_network)
     state = local.start()
     if full:
         try:

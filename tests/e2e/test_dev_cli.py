@@ -26,7 +26,8 @@ def run_cli(*args: str, state_dir: Path, timeout: float = 400) -> subprocess.Com
 def test_up_serves_the_tiny_fleet_and_down_leaves_nothing_running(tmp_path: Path) -> None:
     state_dir = tmp_path / "dev"
 
-    up = run_cli("up", state_dir=state_dir)
+    # Its own pod network: a developer's `make up` cluster (127.64.0.0/12) may be running beside it.
+    up = run_cli("up", "--pod-network", "127.192.0.0/12", state_dir=state_dir)
     assert up.returncode == 0, up.stderr
     state = cluster.ClusterState.load(state_dir)
     assert state is not None
