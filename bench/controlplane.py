@@ -190,13 +190,8 @@ def main() -> int:
         local.start()
         try:
             with local.kube() as client:
-                for definition in [*(crd.definition(info) for info in v1alpha1.KINDS)]:
-                    client.create("/apis/apiextensions.k8s.io/v1/customresourcedefinitions", definition)
-                    client.wait(
-                        f"/apis/apiextensions.k8s.io/v1/customresourcedefinitions/{definition['metadata']['name']}",
-                        lambda obj: (kube.condition(obj, "Established") or {}).get("status") == "True",
-                        timeout=60,
-                    )
+                for info in v1alpha1.KINDS:
+                    client.install_crd(crd.definition(info))
                 port = cluster.free_port()
                 operator = local.spawn(
                     "operator",

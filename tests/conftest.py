@@ -60,16 +60,7 @@ def namespace(kube_admin: kube.Kube) -> Iterator[str]:
 def crds(kube_admin: kube.Kube) -> None:
     """The generated CRDs, installed and Established."""
     for path in sorted((ROOT / "crds").glob("*.yaml")):
-        crd = yaml.safe_load(path.read_text())
-        url = f"/apis/apiextensions.k8s.io/v1/customresourcedefinitions/{crd['metadata']['name']}"
-        if kube_admin.get(url) is None:
-            kube_admin.create("/apis/apiextensions.k8s.io/v1/customresourcedefinitions", crd)
-        kube_admin.wait(
-            url,
-            lambda obj: (kube.condition(obj, "Established") or {}).get("status") == "True",
-            timeout=60,
-            what=f"CRD {crd['metadata']['name']} established",
-        )
+        kube_admin.install_crd(yaml.safe_load(path.read_text()))
 
 
 @pytest.fixture(scope="session")

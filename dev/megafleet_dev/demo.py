@@ -30,14 +30,7 @@ def start(local: cluster.LocalCluster) -> None:
     """Install the CRDs, start the operator and the runner, apply the tiny fleet, wait until Ready."""
     with local.kube() as client:
         for definition in [*(crd.definition(info) for info in v1alpha1.KINDS), crd.peering_definition()]:
-            url = f"/apis/apiextensions.k8s.io/v1/customresourcedefinitions/{definition['metadata']['name']}"
-            client.create(url.rsplit("/", 1)[0], definition)
-            client.wait(
-                url,
-                lambda obj: (kube.condition(obj, "Established") or {}).get("status") == "True",
-                timeout=60,
-                what="CRDs established",
-            )
+            client.install_crd(definition)
         client.create(
             f"/apis/{crd.PEERING_GROUP}/v1/clusterkopfpeerings",
             {

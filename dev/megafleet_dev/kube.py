@@ -114,6 +114,19 @@ class Kube:
         )
         return name
 
+    def install_crd(self, definition: Object, *, timeout: float = 60) -> None:
+        """Create a CustomResourceDefinition unless it exists, and wait until it is Established."""
+        collection = "/apis/apiextensions.k8s.io/v1/customresourcedefinitions"
+        url = f"{collection}/{definition['metadata']['name']}"
+        if self.get(url) is None:
+            self.create(collection, definition)
+        self.wait(
+            url,
+            lambda obj: (condition(obj, "Established") or {}).get("status") == "True",
+            timeout=timeout,
+            what=f"CRD {definition['metadata']['name']} established",
+        )
+
     # -- watching ------------------------------------------------------------------------------
 
     def wait(self, path: str, predicate: Predicate, *, timeout: float, what: str | None = None) -> Object | None:

@@ -6,6 +6,7 @@ same state yields the same list and the reconcile writes nothing.
 
 from __future__ import annotations
 
+import datetime
 from typing import Any
 
 ENDPOINTS_RESERVED = "EndpointsReserved"
@@ -17,6 +18,11 @@ DEGRADED = "Degraded"
 INVALID_SPEC = "InvalidSpec"
 
 Condition = dict[str, Any]
+
+
+def now() -> str:
+    """A condition or status timestamp: UTC, whole seconds, RFC 3339."""
+    return datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
 
 
 def set_condition(

@@ -12,7 +12,6 @@ from __future__ import annotations
 import asyncio
 import base64
 import dataclasses
-import datetime
 import json
 import logging
 import secrets
@@ -37,10 +36,6 @@ DRAIN_TIMEOUT_SECONDS = 30.0
 
 _PLACEMENT_LOCK = asyncio.Lock()
 """Serialises inventory-plan-create across the fleets this operator reconciles concurrently."""
-
-
-def _now() -> str:
-    return datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
 
 
 def _ignore(kind: str, reason: str, message: str) -> None:
@@ -84,18 +79,12 @@ async def reconcile(api: kube.Api, agent_client: agents.Agents, body: Object, *,
     generation = int(metadata.get("generation", 1))
     if spec is None or problems:
         message = "; ".join(f"{problem.field}: {problem.message}" for problem in problems)
-        was_invalid = (conditions.find(status.get("conditions", []), conditions.INVALID_SPEC) or {}).get("status")
-        await _write_status(api, body, _invalid(status, message, generation))
-        if was_invalid != "True":
-            notify("Warning", "InvalidSpec", message)
+        await _report_invalid(api, body, status, message, generation, notify)
         return
     fleet = desired.Fleet(metadata["name"], metadata["namespace"], metadata["uid"], generation, spec)
     missing = await _missing_references(api, fleet)
     if missing:
-        was_invalid = (conditions.find(status.get("conditions", []), conditions.INVALID_SPEC) or {}).get("status")
-        await _write_status(api, body, _invalid(status, missing, generation))
-        if was_invalid != "True":
-            notify("Warning", "InvalidSpec", missing)
+        await _report_invalid(api, body, status, missing, generation, notify)
         return
     token = await _ensure_agent_secret(api, fleet)
     endpoints = await _reserve_endpoints(api, fleet, notify)
@@ -193,10 +182,16 @@ def _with_endpoints(status: Object, fleet: desired.Fleet, endpoints: list[Any]) 
         "ServicesCreated",
         f"{len(endpoints)} frontend endpoints reserved",
         generation=fleet.generation,
-        now=_now(),
+        now=conditions.now(),
     )
     updated["conditions"] = conditions.set_condition(
-        updated["conditions"], conditions.INVALID_SPEC, False, "Valid", "", generation=fleet.generation, now=_now()
+        updated["conditions"],
+        conditions.INVALID_SPEC,
+        False,
+        "Valid",
+        "",
+        generation=fleet.generation,
+        now=conditions.now(),
     )
     return updated
 
@@ -520,7 +515,7 @@ def _observed(
         updated["weightVersion"] = versions.pop()
     else:
         updated.pop("weightVersion", None)
-    now = _now()
+    now = conditions.now()
     found = list(updated.get("conditions", []))
     if unplaced:
         found = conditions.set_condition(
@@ -621,7 +616,7 @@ def _verify_addresses(
         pod_ip = shards.pods[shard][0]["status"]["podIP"]
         reserved.append(f"shard {shard}: {pod_ip}:{fleet.spec.frontend.port}")
         served.append(f"shard {shard}: {frontend.served_address}")
-    now = _now()
+    now = conditions.now()
     found = list(status.get("conditions", []))
     previous = (conditions.find(found, conditions.ENDPOINTS_VERIFIED) or {}).get("status")
     if not served:
@@ -658,9 +653,19 @@ def _verify_addresses(
     return {**status, "conditions": found}
 
 
+async def _report_invalid(
+    api: kube.Api, body: Object, status: Object, message: str, generation: int, notify: Notify
+) -> None:
+    """InvalidSpec=True with every problem; the Warning Event only when it turns invalid."""
+    was_invalid = (conditions.find(status.get("conditions", []), conditions.INVALID_SPEC) or {}).get("status")
+    await _write_status(api, body, _invalid(status, message, generation))
+    if was_invalid != "True":
+        notify("Warning", "InvalidSpec", message)
+
+
 def _invalid(status: Object, message: str, generation: int) -> Object:
     updated = dict(status)
-    now = _now()
+    now = conditions.now()
     found = conditions.set_condition(
         list(status.get("conditions", [])),
         conditions.INVALID_SPEC,

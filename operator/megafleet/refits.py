@@ -15,7 +15,6 @@ reads ``status.membership`` to learn the world size before it opens its rendezvo
 from __future__ import annotations
 
 import base64
-import datetime
 import logging
 from typing import Any
 
@@ -25,10 +24,6 @@ from megafleet.api import checks, v1alpha1
 log = logging.getLogger(__name__)
 
 Object = dict[str, Any]
-
-
-def _now() -> str:
-    return datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
 
 
 async def advance(api: kube.Api, agent_client: agents.Agents, refit: Object) -> None:
@@ -123,7 +118,7 @@ async def _start(
             "phase": "Running",
             "membership": published,
             "attempts": attempt,
-            "startTime": _now(),
+            "startTime": conditions.now(),
             "message": f"attempt {attempt}: {len(reachable)} shards receive version {spec.version}",
         },
     )
@@ -264,7 +259,7 @@ async def _finish(
     version: int | None = None,
 ) -> None:
     name, namespace = refit["metadata"]["name"], refit["metadata"]["namespace"]
-    now = _now()
+    now = conditions.now()
     found = conditions.set_condition(
         list((refit.get("status") or {}).get("conditions", [])),
         "Complete" if phase == "Succeeded" else "Failed",
