@@ -21,6 +21,10 @@ Routes: ``GET /healthz``, ``GET /readyz``, ``GET /v1/state``, ``POST /v1/suspend
   receiving, applying, resuming, succeeded, failed), per-phase milliseconds, counters, ``error``.
 * ``POST /v1/refit/abort``: fail the running attempt now, as its watchdog would at the deadline.
 
+On a pod with several local ranks, local rank 0's agent forwards the refit calls to the others
+(:mod:`megafleet_engine.siblings`) and answers with one status for the pod: failed when any rank
+failed, succeeded when all did.
+
 A failed attempt leaves the engine ``stale`` (no request is served: never a mix of two versions);
 once it wrote any weight, ``POST /v1/resume`` is refused and only a complete refit brings it back.
 Repeating a prepare or checkpoint call that runs or succeeded answers its status; another refit
@@ -46,6 +50,7 @@ from pydantic.alias_generators import to_camel
 from megafleet_engine import engine as engine_module
 from megafleet_engine import metrics as metrics_module
 from megafleet_engine import settings as settings_module
+from megafleet_engine import siblings as siblings_module
 from megafleet_engine.openai import errors
 from megafleet_engine.refit import controller as refit_controller
 from megafleet_engine.refit import progress as refit_progress
@@ -78,6 +83,7 @@ class Agent:
     world_size: int = 1
     served_address: str | None = None  # host:port the frontend bound; None when not a frontend rank
     metrics: metrics_module.Metrics | None = None  # the refit routes record refit durations here
+    siblings: siblings_module.Siblings | None = None  # the pod's other local ranks (local rank 0 only)
     refits: refit_controller.RefitController = dataclasses.field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
@@ -264,7 +270,7 @@ async def refit_prepare(body: PrepareRequest, request: fastapi.Request, agent: A
         kv_cache_mode=body.kv_cache_mode,
         local_address=_pod_address(request),
     )
-    return _start_refit(agent, refit)
+    return await _start_refit(agent, refit, "/v1/refit/prepare", body)
 
 
 @refit_router.post("/checkpoint", status_code=202)
@@ -276,17 +282,33 @@ async def refit_checkpoint(body: CheckpointRefitRequest, agent: AgentDep) -> res
         suspend_mode=body.suspend_mode,
         kv_cache_mode=body.kv_cache_mode,
     )
-    return _start_refit(agent, refit)
+    return await _start_refit(agent, refit, "/v1/refit/checkpoint", body)
 
 
 @refit_router.get("/status")
 async def refit_status(agent: AgentDep) -> responses.JSONResponse:
-    return _refit_status(agent, agent.refits.snapshot())
+    own = _refit_status_body(agent, agent.refits.snapshot())
+    if agent.siblings is None:
+        return responses.JSONResponse(own)
+    try:
+        others = await agent.siblings.get("/v1/refit/status")
+    except siblings_module.SiblingError as error:
+        own.update(phase="failed", error=str(error))  # a rank that cannot answer cannot take part either
+        return responses.JSONResponse(own)
+    return responses.JSONResponse(siblings_module.combine(own, others))
 
 
 @refit_router.post("/abort")
 async def refit_abort(body: RefitAbortRequest, agent: AgentDep) -> responses.JSONResponse:
-    return _refit_status(agent, agent.refits.abort(body.reason))
+    own = _refit_status_body(agent, agent.refits.abort(body.reason))
+    if agent.siblings is None:
+        return responses.JSONResponse(own)
+    try:
+        others = await agent.siblings.post("/v1/refit/abort", body.model_dump(mode="json", by_alias=True))
+    except siblings_module.SiblingError as error:  # an unreachable rank has nothing left to abort
+        log.warning("forwarding the refit abort: %s", error)
+        return responses.JSONResponse(own)
+    return responses.JSONResponse(siblings_module.combine(own, others))
 
 
 @refit_router.post("/{operation:path}", status_code=404)
@@ -294,7 +316,11 @@ async def refit_unknown(operation: str) -> None:
     raise errors.NotFound(f"no refit operation {operation!r}: use prepare, checkpoint, status or abort")
 
 
-def _start_refit(agent: Agent, refit: refit_controller.Request) -> responses.JSONResponse:
+async def _start_refit(
+    agent: Agent, refit: refit_controller.Request, path: str, body: _RefitBody
+) -> responses.JSONResponse:
+    """Start ``refit`` on this rank, then on the pod's other ranks (the same body: each joins as its
+    own rank); when one of them refuses, this rank's attempt is aborted too and the call fails."""
     try:
         snapshot = agent.refits.start(refit, asyncio.get_running_loop())
     except refit_controller.Busy as error:
@@ -303,7 +329,15 @@ def _start_refit(agent: Agent, refit: refit_controller.Request) -> responses.JSO
         raise errors.Conflict(str(error), code="refit_refused") from None
     except ValueError as error:
         raise errors.InvalidRequest(str(error), code="invalid_refit") from None
-    return _refit_status(agent, snapshot, status_code=202)
+    own = _refit_status_body(agent, snapshot)
+    if agent.siblings is None:
+        return responses.JSONResponse(own, status_code=202)
+    try:
+        others = await agent.siblings.post(path, body.model_dump(mode="json", by_alias=True))
+    except siblings_module.SiblingError as error:
+        agent.refits.abort(str(error))
+        raise errors.Conflict(str(error), code="refit_refused") from None
+    return responses.JSONResponse(siblings_module.combine(own, others), status_code=202)
 
 
 def _pod_address(request: fastapi.Request) -> str | None:
@@ -319,7 +353,7 @@ def _pod_address(request: fastapi.Request) -> str | None:
     return None if address.is_unspecified else str(address)
 
 
-def _refit_status(agent: Agent, snapshot: refit_progress.Snapshot, *, status_code: int = 200) -> responses.JSONResponse:
+def _refit_status_body(agent: Agent, snapshot: refit_progress.Snapshot) -> dict[str, Any]:
     engine = agent.engine
     body = RefitStatusResponse(
         phase=snapshot.phase,
@@ -339,7 +373,7 @@ def _refit_status(agent: Agent, snapshot: refit_progress.Snapshot, *, status_cod
         state=engine.state,
         weight_version=engine.weight_version,
     )
-    return responses.JSONResponse(body.model_dump(mode="json", by_alias=True), status_code=status_code)
+    return body.model_dump(mode="json", by_alias=True)
 
 
 def _state(agent: Agent) -> responses.JSONResponse:

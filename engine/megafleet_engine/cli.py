@@ -3,9 +3,14 @@
 Reads :mod:`megafleet_engine.settings` from ``MEGAFLEET_*`` variables and starts the pod's rank
 processes: one per local GPU (spawned, each with its own rank and device), or one on CPU, which
 runs in this process. Each rank process joins the shard's process group when the world has more
-than one rank (gloo on CPU, NCCL on GPU), loads the backend, and serves: the OpenAI frontend on
-frontend ranks (``tp_rank == 0 and pp_rank == 0``), the agent and metrics on local rank 0.
-SIGTERM or SIGINT stops the servers gracefully; a rank that fails stops its siblings.
+than one rank (gloo on CPU, NCCL on GPU), loads the backend (megatron: into its TP/PP place), and
+serves: the OpenAI frontend on frontend ranks (``tp_rank == 0 and pp_rank == 0``), the pod's agent
+and metrics on local rank 0. The other local ranks serve an agent of their own on the pod IP at
+``agent port + local rank``, which local rank 0's agent forwards refits to
+(:mod:`megafleet_engine.siblings`). On a model-parallel megatron shard the ranks other than the
+first run :meth:`~megafleet_engine.backends.megatron_backend.MegatronBackend.serve_followers` on a
+thread of their own and step in lockstep with the first. SIGTERM or SIGINT stops the servers
+gracefully (the first rank then releases its followers); a rank that fails stops its siblings.
 """
 
 from __future__ import annotations
@@ -18,13 +23,19 @@ import multiprocessing
 import multiprocessing.connection
 import signal
 import sys
+import threading
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 import megafleet_engine
 from megafleet_engine import engine as engine_module
 from megafleet_engine import metrics as metrics_module
 from megafleet_engine import server
 from megafleet_engine import settings as settings_module
+from megafleet_engine import siblings as siblings_module
+
+if TYPE_CHECKING:
+    from megafleet_engine.backends import base
 
 __all__ = ["main", "run_rank"]
 
@@ -32,6 +43,8 @@ log = logging.getLogger("megafleet_engine")
 
 PROCESS_GROUP_TIMEOUT = datetime.timedelta(minutes=10)
 """How long ranks wait for each other at rendezvous: pods of a shard may start minutes apart."""
+FOLLOWER_STOP_SECONDS = 30.0
+"""How long a following rank waits, once stopped, for its first rank to release it."""
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -56,15 +69,13 @@ def main(argv: Sequence[str] | None = None) -> int:
 def run_rank(settings: settings_module.Settings, local_rank: int) -> int:
     """Run one rank process until SIGTERM/SIGINT; returns the exit status."""
     rank = settings.rank + local_rank
-    serves_pod = local_rank == 0  # the agent and metrics are served once per pod
     try:  # secrets first: a missing Secret should fail in a second, not after loading the model
         api_key = settings.api_key
         if settings.api_key_file is not None:
             api_key = server.read_secret(settings.api_key_file, what="API key")
-        if serves_pod:
-            if settings.agent_token_file is None:
-                raise RuntimeError("MEGAFLEET_AGENT_TOKEN_FILE is required: the agent API is always authenticated")
-            server.read_secret(settings.agent_token_file, what="agent token")
+        if settings.agent_token_file is None:  # every rank serves an agent (local rank 0's is the pod's)
+            raise RuntimeError("MEGAFLEET_AGENT_TOKEN_FILE is required: the agent API is always authenticated")
+        server.read_secret(settings.agent_token_file, what="agent token")
     except RuntimeError as error:
         log.error("rank %d: %s", rank, error)
         return 1
@@ -82,22 +93,13 @@ def run_rank(settings: settings_module.Settings, local_rank: int) -> int:
         device,
         ", weights deferred until the first refit" if deferred else "",
     )
-    from megafleet_engine import backends  # torch and transformers load here, after the settings check
-
-    backend = backends.load_backend(
-        settings.backend,
-        settings.model_source,
-        name=settings.model_name,
-        max_sequence_length=settings.max_sequence_length,
-        dtype=settings.dtype,
-        device=device,
-        load_weights=not deferred,
-    )
+    backend = _load_backend(settings, rank, local_rank, device=device, deferred=deferred)
     engine = engine_module.Engine(
         backend, max_batch_size=settings.max_batch_size, weight_version=None if deferred else 0
     )
+    follower = _start_following(backend, rank)
     try:
-        servers = _servers(settings, engine, rank, api_key=api_key, serves_pod=serves_pod)
+        servers = _servers(settings, engine, rank, local_rank, api_key=api_key)
         log.info("rank %d: engine %s, weight version %s", rank, engine.state, engine.weight_version)
         asyncio.run(_serve_until_signal(servers))
     except RuntimeError as error:
@@ -105,32 +107,108 @@ def run_rank(settings: settings_module.Settings, local_rank: int) -> int:
         return 1
     finally:
         engine.close()
-        if settings.world_size > 1:
+        released = _release(backend, follower, rank)
+        if settings.world_size > 1 and released:
             _leave_process_group()
     log.info("rank %d: stopped", rank)
     return 0
+
+
+def _load_backend(
+    settings: settings_module.Settings, rank: int, local_rank: int, *, device: str, deferred: bool
+) -> base.Backend:
+    from megafleet_engine import backends  # torch and transformers load here, after the settings check
+    from megafleet_engine.backends import base, megatron_backend
+
+    parallel = base.Parallel(
+        tensor_parallel=settings.tensor_parallel,
+        pipeline_parallel=settings.pipeline_parallel,
+        rank=rank,
+        world_size=settings.world_size,
+        local_rank=local_rank,
+        master_addr=settings.master_addr,
+        master_port=settings.master_port,
+    )
+    options = megatron_backend.EngineOptions(
+        max_batch_size=settings.max_batch_size,
+        kv_buffer_gb=float(settings.kv_cache_gib),
+        cuda_graphs=settings.cuda_graphs,
+        kv_cache_mode=settings.kv_cache_mode,
+    )
+    return backends.load_backend(
+        settings.backend,
+        settings.model_source,
+        name=settings.model_name,
+        max_sequence_length=settings.max_sequence_length,
+        dtype=settings.dtype,
+        device=device,
+        load_weights=not deferred,
+        parallel=parallel,
+        options=options,
+    )
+
+
+def _start_following(backend: base.Backend, rank: int) -> threading.Thread | None:
+    """On a model-parallel rank other than the first: step in lockstep with it, on a thread."""
+    if not getattr(backend, "follows", False):
+        return None
+    serve = backend.serve_followers  # type: ignore[attr-defined]
+    thread = threading.Thread(target=serve, name=f"megafleet-follower-{rank}", daemon=True)
+    thread.start()
+    log.info("rank %d: following the shard's first rank", rank)
+    return thread
+
+
+def _release(backend: base.Backend, follower: threading.Thread | None, rank: int) -> bool:
+    """Let the backend go: the first rank releases its followers; a follower waits for that.
+    Returns whether the process group may be torn down (not while a follower is still blocked)."""
+    if follower is not None:
+        follower.join(FOLLOWER_STOP_SECONDS)
+        if follower.is_alive():
+            log.warning("rank %d: the first rank did not release this rank; exiting anyway", rank)
+            return False
+        return True
+    close = getattr(backend, "close", None)
+    if close is not None:
+        try:
+            close()
+        except Exception:  # a follower already gone; the process is stopping anyway
+            log.warning("rank %d: releasing the backend failed", rank, exc_info=True)
+            return False
+    return True
 
 
 def _servers(
     settings: settings_module.Settings,
     engine: engine_module.Engine,
     rank: int,
+    local_rank: int,
     *,
     api_key: str | None,
-    serves_pod: bool,
 ) -> server.EngineServers:
+    """Local rank 0 serves the pod's agent (forwarding refits to the other local ranks) and metrics;
+    the other local ranks serve an agent of their own at ``agent port + local rank``."""
+    siblings = None
+    if local_rank == 0 and settings.local_ranks > 1 and settings.agent_token_file is not None:
+        host = f"[{settings.host}]" if ":" in settings.host else settings.host
+        urls = tuple(
+            f"http://{host}:{siblings_module.sibling_port(settings.agent_port, k)}"
+            for k in range(1, settings.local_ranks)
+        )
+        siblings = siblings_module.Siblings(urls, settings.agent_token_file)
     return server.EngineServers(
         engine,
         server.tokenizer_of(engine.backend),
         metrics_module.Metrics(engine),
         host=settings.host,
         frontend_port=_frontend_port(settings, rank),
-        agent_port=settings.agent_port if serves_pod else None,
-        metrics_port=settings.metrics_port if serves_pod else None,
+        agent_port=siblings_module.sibling_port(settings.agent_port, local_rank) if settings.agent_port else 0,
+        metrics_port=settings.metrics_port if local_rank == 0 else None,
         agent_token_file=settings.agent_token_file,
         api_key=api_key,
         rank=rank,
         world_size=settings.world_size,
+        siblings=siblings,
     )
 
 

@@ -3,8 +3,8 @@
 Called by :mod:`megafleet_engine.cli` for each rank process and by tests. :class:`EngineServers`
 binds its sockets first (so the address the frontend really serves is known before any app is
 built, and port 0 works) and then runs one uvicorn server per socket until :meth:`EngineServers.stop`.
-Which servers a process runs is the caller's choice: frontend ranks serve the frontend, local rank
-0 of a pod serves the agent and metrics.
+Which servers a process runs is the caller's choice: frontend ranks serve the frontend, every rank
+an agent (local rank 0's is the pod's and forwards refits to the others), local rank 0 the metrics.
 """
 
 from __future__ import annotations
@@ -25,6 +25,7 @@ import uvicorn
 from megafleet_engine import agent as agent_module
 from megafleet_engine import engine as engine_module
 from megafleet_engine import metrics as metrics_module
+from megafleet_engine import siblings as siblings_module
 from megafleet_engine.openai import errors, generation, router, serving
 
 __all__ = ["EngineServers", "Listener", "bind", "build_agent_app", "build_frontend_app", "read_secret", "tokenizer_of"]
@@ -149,6 +150,7 @@ class EngineServers:
         agent_token_file: the agent's token file (required with ``agent_port``).
         api_key: the frontend's API key, if any.
         rank: global rank of this process; world_size: ranks in the shard.
+        siblings: the agents of the pod's other local ranks (on local rank 0 of a multi-rank pod).
     """
 
     def __init__(
@@ -165,6 +167,7 @@ class EngineServers:
         api_key: str | None = None,
         rank: int = 0,
         world_size: int = 1,
+        siblings: siblings_module.Siblings | None = None,
     ) -> None:
         if agent_port is not None:
             if agent_token_file is None:
@@ -185,6 +188,7 @@ class EngineServers:
                     world_size=world_size,
                     served_address=self.served_address,
                     metrics=metrics,
+                    siblings=siblings,
                 )
                 self._listen("agent", build_agent_app(agent), host, agent_port)
             if metrics_port is not None:

@@ -122,9 +122,22 @@ class Settings:
     """``MEGAFLEET_LOCAL_GPUS``: GPUs of this pod, one rank process each; 0 runs one process on
     CPU. Default 0."""
 
+    local_rank_count: int = 0
+    """``MEGAFLEET_LOCAL_RANKS``: rank processes this pod runs. Default 0: one per local GPU, or one
+    on CPU. On CPU it may be set above 1 to run a multi-rank pod (tests of the pod's rank
+    processes on machines without GPUs); with GPUs it must equal ``MEGAFLEET_LOCAL_GPUS``."""
+
     kv_cache_mode: KvCacheMode = "persist"
     """``MEGAFLEET_KV_CACHE_MODE``: ``persist``, ``offload`` or ``recompute``: what happens to KV
     caches across a refit (spec.engine.kvCacheMode). Default ``persist``, the API's default."""
+
+    cuda_graphs: bool = True
+    """``MEGAFLEET_CUDA_GRAPHS``: ``true`` or ``false``: capture decode CUDA graphs at start (megatron
+    backend; the operator sets it from spec.engine.cudaGraphs). Default ``true``."""
+
+    kv_cache_gib: int = 20
+    """``MEGAFLEET_KV_CACHE_GIB``: GPU memory for the paged KV cache of the megatron backend, in GiB.
+    Default 20 (an 8B model in bf16 leaves far more on an H200; raise it for long sequences)."""
 
     def __post_init__(self) -> None:
         _check(self)
@@ -136,8 +149,8 @@ class Settings:
 
     @property
     def local_ranks(self) -> int:
-        """Rank processes this pod runs: one per GPU, or one on CPU."""
-        return max(self.local_gpus, 1)
+        """Rank processes this pod runs: one per GPU, or one on CPU (unless ``MEGAFLEET_LOCAL_RANKS``)."""
+        return self.local_rank_count or max(self.local_gpus, 1)
 
     def is_frontend_rank(self, rank: int) -> bool:
         """Whether global ``rank`` hosts an OpenAI frontend: ``tp_rank == 0 and pp_rank == 0``.
@@ -178,7 +191,11 @@ def from_env(environ: Mapping[str, str] | None = None) -> Settings:
         master_addr=reader.text("MASTER_ADDR") or defaults.master_addr,
         master_port=reader.integer("MASTER_PORT", defaults.master_port),
         local_gpus=reader.integer("LOCAL_GPUS", defaults.local_gpus),
+        local_rank_count=reader.integer("LOCAL_RANKS", defaults.local_rank_count),
         kv_cache_mode=reader.choice("KV_CACHE_MODE", get_args(KvCacheMode), defaults.kv_cache_mode),  # type: ignore[arg-type]
+        cuda_graphs=reader.choice("CUDA_GRAPHS", ("true", "false"), "true" if defaults.cuda_graphs else "false")
+        == "true",
+        kv_cache_gib=reader.integer("KV_CACHE_GIB", defaults.kv_cache_gib),
     )
 
 
@@ -231,6 +248,8 @@ def _check(settings: Settings) -> None:
         ("PIPELINE_PARALLEL", settings.pipeline_parallel, 1),
         ("RANK", settings.rank, 0),
         ("LOCAL_GPUS", settings.local_gpus, 0),
+        ("LOCAL_RANKS", settings.local_rank_count, 0),
+        ("KV_CACHE_GIB", settings.kv_cache_gib, 1),
     ):
         if value < low:
             raise SettingsError(f"{PREFIX}{name} must be at least {low}, got {value}")
@@ -253,11 +272,30 @@ def _check(settings: Settings) -> None:
             f"{PREFIX}WORLD_SIZE {settings.world_size} is not a multiple of {PREFIX}TENSOR_PARALLEL x "
             f"{PREFIX}PIPELINE_PARALLEL = {settings.tensor_parallel * settings.pipeline_parallel}"
         )
+    if settings.local_gpus and settings.local_rank_count not in (0, settings.local_gpus):
+        raise SettingsError(
+            f"{PREFIX}LOCAL_RANKS {settings.local_rank_count} must equal {PREFIX}LOCAL_GPUS "
+            f"{settings.local_gpus}: a pod runs one rank per GPU"
+        )
     if settings.rank + settings.local_ranks > settings.world_size:
         raise SettingsError(
-            f"{PREFIX}RANK {settings.rank} plus {settings.local_ranks} local rank(s) exceeds "
+            f"{PREFIX}RANK {settings.rank} plus {settings.local_ranks} local rank(s) ({PREFIX}LOCAL_RANKS or "
+            f"{PREFIX}LOCAL_GPUS) exceeds "
             f"{PREFIX}WORLD_SIZE {settings.world_size}"
         )
+    if settings.local_ranks > 1:
+        if settings.agent_port == 0:
+            raise SettingsError(
+                f"{PREFIX}AGENT_PORT must be set on a pod of several ranks: each rank's agent listens next to it"
+            )
+        siblings = range(settings.agent_port, settings.agent_port + settings.local_ranks)
+        clash = [port for port in (settings.frontend_port, settings.metrics_port) if port in siblings]
+        if clash or siblings[-1] > 65535:
+            raise SettingsError(
+                f"the agents of this pod's {settings.local_ranks} ranks listen on {PREFIX}AGENT_PORT to "
+                f"{PREFIX}AGENT_PORT + {settings.local_ranks - 1} ({siblings[0]} to {siblings[-1]}); "
+                f"{PREFIX}FRONTEND_PORT and {PREFIX}METRICS_PORT must lie outside"
+            )
     if settings.api_key is not None and settings.api_key_file is not None:
         raise SettingsError(f"set {PREFIX}API_KEY or {PREFIX}API_KEY_FILE, not both")
     try:

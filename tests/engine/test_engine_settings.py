@@ -45,7 +45,10 @@ def test_every_variable_is_read() -> None:
         "MEGAFLEET_MASTER_ADDR": "10.0.0.1",
         "MEGAFLEET_MASTER_PORT": "29501",
         "MEGAFLEET_LOCAL_GPUS": "4",
+        "MEGAFLEET_LOCAL_RANKS": "4",
         "MEGAFLEET_KV_CACHE_MODE": "offload",
+        "MEGAFLEET_CUDA_GRAPHS": "false",
+        "MEGAFLEET_KV_CACHE_GIB": "40",
     }
     read = settings.from_env(env)
     assert read == settings.Settings(
@@ -69,7 +72,10 @@ def test_every_variable_is_read() -> None:
         master_addr="10.0.0.1",
         master_port=29501,
         local_gpus=4,
+        local_rank_count=4,
         kv_cache_mode="offload",
+        cuda_graphs=False,
+        kv_cache_gib=40,
     )
     assert read.model_name == "policy"
     # TP 4, PP 2, world 8: frontend ranks are tp_rank 0 of the first pipeline stage only
@@ -94,7 +100,25 @@ INVALID = [
     ("MEGAFLEET_RANK", "2", "exceeds"),
     ("MEGAFLEET_HOST", "engine.local", "IP address"),
     ("MEGAFLEET_LOCAL_GPUS", "-1", "at least 0"),
+    ("MEGAFLEET_CUDA_GRAPHS", "yes", "one of true, false"),
+    ("MEGAFLEET_KV_CACHE_GIB", "0", "at least 1"),
+    ("MEGAFLEET_LOCAL_RANKS", "3", "exceeds"),
 ]
+
+
+@pytest.mark.parametrize(
+    ("extra", "message"),
+    [
+        ({"MEGAFLEET_LOCAL_GPUS": "2", "MEGAFLEET_LOCAL_RANKS": "1"}, "must equal MEGAFLEET_LOCAL_GPUS"),
+        ({"MEGAFLEET_LOCAL_RANKS": "2", "MEGAFLEET_AGENT_PORT": "0"}, "AGENT_PORT must be set"),
+        ({"MEGAFLEET_LOCAL_GPUS": "2", "MEGAFLEET_FRONTEND_PORT": "8472"}, "8471 to 8472"),
+    ],
+)
+def test_a_pod_of_several_ranks_needs_room_for_each_ranks_agent(extra: dict[str, str], message: str) -> None:
+    env = {"MEGAFLEET_MODEL_SOURCE": "tiny://llama", "MEGAFLEET_TENSOR_PARALLEL": "2", "MEGAFLEET_WORLD_SIZE": "2"}
+    with pytest.raises(settings.SettingsError, match=message):
+        settings.from_env(env | extra)
+    assert settings.from_env(env | {"MEGAFLEET_LOCAL_RANKS": "2"}).local_ranks == 2
 
 
 @pytest.mark.parametrize(("name", "value", "message"), INVALID, ids=[f"{name}={value}" for name, value, _ in INVALID])

@@ -6,7 +6,12 @@ GPUs and megatron-core, and is imported only when asked for.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from megafleet_engine.backends import base
+
+if TYPE_CHECKING:
+    from megafleet_engine.backends import megatron_backend
 
 DTYPES = ("bfloat16", "float16", "float32")
 
@@ -20,9 +25,14 @@ def load_backend(
     dtype: str = "float32",
     device: str = "cpu",
     load_weights: bool = True,
+    parallel: base.Parallel | None = None,
+    options: megatron_backend.EngineOptions | None = None,
 ) -> base.Backend:
     """Build a backend for ``source``; with ``load_weights=False`` (deferred init) the parameters
-    exist but hold no trained values until the first refit writes them."""
+    exist but hold no trained values until the first refit writes them.
+
+    ``parallel`` places this process in its shard's model-parallel world and ``options`` tunes
+    megatron's engine (megatron only: every ``transformers`` rank holds the whole model, TP = 1)."""
     if dtype not in DTYPES:
         raise ValueError(f"dtype {dtype!r} is not one of {', '.join(DTYPES)}")
     if backend == "transformers":
@@ -46,6 +56,8 @@ def load_backend(
             dtype=dtype,
             device=device,
             load_weights=load_weights,
+            parallel=parallel,
+            options=options,
         )
         return result
     raise ValueError(f"unknown backend {backend!r}: use transformers or megatron")

@@ -21,6 +21,22 @@ KvCacheMode = Literal["persist", "offload", "recompute"]
 
 
 @dataclasses.dataclass(frozen=True)
+class Parallel:
+    """Where one rank process sits in its shard's model-parallel world (defaults: one process).
+
+    Ranks follow megatron's order (TP fastest, then PP). ``master_port`` 0 lets a single-process
+    backend pick a free local port for its own group."""
+
+    tensor_parallel: int = 1
+    pipeline_parallel: int = 1
+    rank: int = 0
+    world_size: int = 1
+    local_rank: int = 0
+    master_addr: str = "127.0.0.1"
+    master_port: int = 0
+
+
+@dataclasses.dataclass(frozen=True)
 class SamplingParams:
     """How to pick tokens for one sequence. ``temperature == 0`` or ``top_k == 1`` is greedy."""
 
@@ -139,4 +155,29 @@ class Backend(Protocol):
     def finish_weight_update(self, kv_cache_mode: KvCacheMode) -> None:
         """Called after new weights were written: rebuild what :meth:`begin_weight_update` freed;
         no KV entry computed with the old weights may serve a later request. Idempotent."""
+        ...
+
+
+class ModelParallelBackend(Backend, Protocol):
+    """A backend whose shard spans several rank processes (megatron with TP or PP > 1).
+
+    The first rank of the group (the frontend rank) generates; every other rank runs
+    :meth:`serve_followers` and steps in lockstep. Each rank writes its own weights during a refit,
+    so before the first rank resumes, :meth:`settle_weight_update` makes the group agree that every
+    rank holds the whole new version."""
+
+    @property
+    def follows(self) -> bool:
+        """Whether this rank follows the first one (runs :meth:`serve_followers`, never generates)."""
+        ...
+
+    def serve_followers(self) -> None:
+        """On a following rank: apply the first rank's messages until it closes the backend."""
+        ...
+
+    def settle_weight_update(self, version: int, *, ok: bool, timeout_seconds: float) -> bool:
+        """After this rank wrote (``ok``) or failed to write weight ``version``: on the first rank,
+        ask every rank and return whether all of them hold it (a collective, on the backend
+        thread); on a following rank, record the outcome for the first rank's question and return
+        ``ok`` at once (any thread)."""
         ...

@@ -46,7 +46,11 @@ every mode no KV block computed with old weights serves a request after the refi
 Tensor/pipeline parallel > 1: every rank of the model-parallel group builds the backend (same
 arguments); the first rank's :meth:`~MegatronBackend.generate` broadcasts one small message per
 engine step (sequences joining and leaving) and the refit suspend/resume, and the other ranks run
-:meth:`~MegatronBackend.serve_followers`, which applies them and steps in lockstep.
+:meth:`~MegatronBackend.serve_followers`, which applies them and steps in lockstep. In a refit every
+rank writes its own weights; the other ranks' ``begin/finish_weight_update`` do nothing (the first
+rank's suspend and resume drive them), and before the first rank resumes,
+:meth:`~MegatronBackend.settle_weight_update` asks every rank whether it holds the whole new version
+(an all-reduce): the shard resumes only if all do, so it never computes with two versions.
 """
 
 from __future__ import annotations
@@ -59,6 +63,8 @@ import itertools
 import json
 import logging
 import socket
+import threading
+import time
 import urllib.parse
 import warnings
 from collections.abc import Iterable, Iterator, Mapping, Sequence
@@ -202,17 +208,7 @@ def parse_source(source: str) -> ModelSource:
 # -- options -------------------------------------------------------------------------------------
 
 
-@dataclasses.dataclass(frozen=True)
-class Parallel:
-    """How this process joins the model-parallel group (defaults: one process, one GPU)."""
-
-    tensor_parallel: int = 1
-    pipeline_parallel: int = 1
-    rank: int = 0
-    world_size: int = 1
-    local_rank: int = 0
-    master_addr: str = "127.0.0.1"
-    master_port: int = 0  # 0: a free local port (single process only)
+Parallel = base.Parallel  # re-exported: how a rank joins the model-parallel group
 
 
 @dataclasses.dataclass(frozen=True)
@@ -295,8 +291,10 @@ class _Tick:
 
     join: tuple[base.SequenceRequest, ...] = ()
     leave: tuple[int, ...] = ()
-    control: Literal["", "suspend", "resume", "reset"] = ""
+    control: Literal["", "suspend", "resume", "reset", "settle"] = ""
     mode: str = "persist"
+    version: int = -1  # settle: the weight version every rank must hold
+    timeout_seconds: float = 0.0  # settle: how long a rank may still take to finish its writes
 
 
 # -- the backend ---------------------------------------------------------------------------------
@@ -336,6 +334,9 @@ class MegatronBackend:
         self._max_requests = max_requests
         self.kv_cache_mode: base.KvCacheMode = kv_cache_mode
         self._suspended = False
+        # Following ranks: the outcome of this rank's own writes, by weight version, for settle.
+        self._written: dict[int, bool] = {}
+        self._written_changed = threading.Condition()
         # The running batch (first rank): sequences by megatron id, megatron ids by request id,
         # and the ids to stop at the next tick (a stop token megatron does not know was sampled).
         self._sequences: dict[int, _Sequence] = {}
@@ -467,7 +468,11 @@ class MegatronBackend:
         context tensor) and the CUDA graphs. Freed memory goes back to the device. Idempotent; on a
         model-parallel group the first rank leads and the others follow."""
         _check_mode(kv_cache_mode)
-        if self._group is not None and self._leader:
+        if not self._leader:  # the first rank's suspend reaches serve_followers(); forget old outcomes
+            with self._written_changed:
+                self._written.clear()
+            return
+        if self._group is not None:
             self._broadcast(_Tick(control="suspend", mode=kv_cache_mode))
         self._suspend(kv_cache_mode)
 
@@ -479,9 +484,53 @@ class MegatronBackend:
         the graphs read at replay). Without a :meth:`begin_weight_update` before, ``recompute``
         still drops and rebuilds the KV cache; the other modes have nothing to do. Idempotent."""
         _check_mode(kv_cache_mode)
-        if self._group is not None and self._leader:
+        if not self._leader:  # the first rank's resume reaches serve_followers()
+            return
+        if self._group is not None:
             self._broadcast(_Tick(control="resume", mode=kv_cache_mode))
         self._resume(kv_cache_mode)
+
+    @property
+    def follows(self) -> bool:
+        """Whether this rank follows the first rank of its model-parallel group."""
+        return not self._leader
+
+    def settle_weight_update(self, version: int, *, ok: bool, timeout_seconds: float) -> bool:
+        """Agree, across the model-parallel group, that every rank holds weight ``version``.
+
+        First rank (on the backend thread, after its own writes, before its resume): tell the others
+        to answer, then all-reduce their answers; ``True`` only if every rank wrote the whole
+        version. A following rank (any thread) records ``ok`` for that question and returns it; it
+        answers when asked, waiting up to ``timeout_seconds`` (the first rank's remaining refit
+        time) for its own writes to end, and answers ``False`` if they do not."""
+        if self._group is None:
+            return ok
+        if not self._leader:
+            with self._written_changed:
+                self._written[version] = ok
+                self._written_changed.notify_all()
+            return ok
+        if not ok:
+            return False
+        torch.cuda.set_device(self._device)
+        self._broadcast(_Tick(control="settle", version=version, timeout_seconds=timeout_seconds))
+        return self._agree(True)
+
+    def _await_written(self, version: int, timeout_seconds: float) -> bool:
+        deadline = time.monotonic() + timeout_seconds
+        with self._written_changed:
+            while version not in self._written:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    log.error("weight version %d: this rank's writes did not end in time", version)
+                    return False
+                self._written_changed.wait(left)
+            return self._written[version]
+
+    def _agree(self, ok: bool) -> bool:
+        flag = torch.tensor([1 if ok else 0], dtype=torch.int32, device=torch.device("cuda", self._device))
+        torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MIN, group=self._group)
+        return bool(flag.item())
 
     @property
     def suspended(self) -> bool:
@@ -545,6 +594,8 @@ class MegatronBackend:
                     self._resume(tick.mode)
                 elif tick.control == "reset":
                     self._reset()
+                elif tick.control == "settle":
+                    self._agree(self._await_written(tick.version, tick.timeout_seconds))
                 else:
                     self._apply(tick)
                     if self.engine.has_unfinished_requests():

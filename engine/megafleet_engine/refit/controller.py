@@ -16,8 +16,9 @@ An attempt, in order (phases as the status reports them):
    thread (:meth:`Engine.run_exclusive`) with ``copy_`` into the live tensors; or ``applying`` (a
    checkpoint source): the backend's ``load_checkpoint`` copies the checkpoint in place.
 4. ``resuming``: only once the whole version is written (every parameter, storage addresses
-   unchanged), the engine resumes stamping the new version; a deferred-init engine (``loading``)
-   becomes ``ready`` here for the first time.
+   unchanged) and, on a shard of several rank processes, every rank says it wrote it too (the
+   backend's ``settle_weight_update``), the engine resumes stamping the new version; a
+   deferred-init engine (``loading``) becomes ``ready`` here for the first time.
 
 Any failure, the watchdog's deadline or ``POST /v1/refit/abort`` ends the attempt ``failed``: the
 engine is marked ``stale`` with the error (its gate stays closed: ``/v1`` answers 503), the process
@@ -231,6 +232,7 @@ class _Attempt:
             return
         self.engine.mark("stale", reason)
         self._aborted.set()
+        self._settle(ok=False)  # a following rank tells its first rank it does not hold the version
         with self._comm_lock:
             comm = self._comm
         if comm is not None:
@@ -328,7 +330,28 @@ class _Attempt:
 
         return self._on_loop(self.engine.run_exclusive(guarded), "writing weights")
 
+    def _settle(self, *, ok: bool) -> None:
+        """On a model-parallel shard: agree with the other ranks that all hold the new version
+        (the first rank asks, on the backend thread; a following rank only records ``ok``)."""
+        settle = getattr(self.engine.backend, "settle_weight_update", None)
+        if settle is None:
+            return
+        version = self.request.version
+        if not ok:
+            settle(version, ok=False, timeout_seconds=0.0)
+            return
+        left = self.deadline.left("waiting for the shard's other ranks").total_seconds()
+        agreed = self._on_loop(
+            self.engine.run_exclusive(lambda: settle(version, ok=True, timeout_seconds=left)),
+            "waiting for the shard's other ranks",
+        )
+        if not agreed:
+            raise errors.RefitError(
+                f"a rank of this shard does not hold weight version {version}; the shard stays stale"
+            )
+
     def _commit(self) -> None:
+        self._settle(ok=True)
         if not self.record.begin_commit():
             raise errors.RefitAborted("the refit ended before it could resume the engine")
         with self.record.timed("resume"):

@@ -1,0 +1,116 @@
+"""The other rank processes of a pod, as its agent (on local rank 0) reaches them.
+
+A pod with several local ranks (one per GPU) serves one agent to the operator, on local rank 0.
+Every rank receives its own weights during a refit, so that agent forwards each refit call to the
+pod's other ranks and answers with one status for the whole pod (:func:`combine`). Each of those
+ranks runs the same agent app on the pod IP at ``agent port + local rank`` (nothing outside the pod
+calls it: the chart's NetworkPolicy admits only the agent port), with the same bearer token.
+
+Called by :mod:`megafleet_engine.agent`'s refit routes; :mod:`megafleet_engine.cli` builds the
+:class:`Siblings` of local rank 0.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+__all__ = ["SiblingError", "Siblings", "combine", "sibling_port"]
+
+FORWARD_TIMEOUT_SECONDS = 30.0
+"""How long one forwarded call may take (a refit call returns at once; its work runs on a thread)."""
+_ORDER = ("idle", "suspending", "joining", "receiving", "applying", "resuming", "succeeded", "failed")
+
+
+def sibling_port(agent_port: int, local_rank: int) -> int:
+    """The port local rank ``local_rank``'s agent listens on (local rank 0: the pod's agent port)."""
+    return agent_port + local_rank
+
+
+class SiblingError(RuntimeError):
+    """A sibling rank's agent refused a forwarded call or could not be reached."""
+
+    def __init__(self, message: str, *, status_code: int) -> None:
+        super().__init__(message)
+        self.status_code = status_code
+
+
+@dataclasses.dataclass(frozen=True)
+class Siblings:
+    """The agents of the pod's local ranks 1..N-1: base URLs and the shared token file."""
+
+    urls: tuple[str, ...]
+    token_file: Path
+
+    async def post(self, path: str, body: Mapping[str, Any]) -> list[dict[str, Any]]:
+        """POST ``body`` to ``path`` on every sibling at once; their JSON answers, in rank order."""
+        return await self._all("POST", path, body)
+
+    async def get(self, path: str) -> list[dict[str, Any]]:
+        """GET ``path`` from every sibling at once; their JSON answers, in rank order."""
+        return await self._all("GET", path, None)
+
+    async def _all(self, method: str, path: str, body: Mapping[str, Any] | None) -> list[dict[str, Any]]:
+        token = self.token_file.read_text().strip()
+        headers = {"Authorization": f"Bearer {token}"}
+        async with httpx.AsyncClient(timeout=FORWARD_TIMEOUT_SECONDS, headers=headers) as client:
+            return list(await asyncio.gather(*(self._one(client, method, url + path, body) for url in self.urls)))
+
+    @staticmethod
+    async def _one(client: httpx.AsyncClient, method: str, url: str, body: Mapping[str, Any] | None) -> dict[str, Any]:
+        try:
+            response = await client.request(method, url, json=body)
+        except httpx.HTTPError as error:
+            raise SiblingError(f"the pod's rank at {url} did not answer: {error}", status_code=502) from None
+        try:
+            payload = response.json()
+        except ValueError:
+            payload = {}
+        if response.status_code >= 400:
+            message = payload.get("error", {}).get("message") if isinstance(payload, dict) else None
+            raise SiblingError(
+                f"the pod's rank at {url} answered {response.status_code}: {message or response.text[:200]}",
+                status_code=response.status_code,
+            )
+        if not isinstance(payload, dict):
+            raise SiblingError(f"the pod's rank at {url} answered no JSON object", status_code=502)
+        return payload
+
+
+def combine(own: Mapping[str, Any], others: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
+    """One refit status for the pod from every rank's (camelCase bodies of ``/v1/refit/status``).
+
+    The pod has failed when any rank failed (the first failure's error, naming its rank), and has
+    succeeded only when every rank has; otherwise it is in the least advanced phase of any rank.
+    Timings are the slowest rank's, counters are summed, ``dirty`` and ``timedOut`` are any rank's.
+    ``state`` and ``weightVersion`` stay local rank 0's: the pod serves what that rank serves."""
+    ranks = [own, *others]
+    combined = dict(own)
+    failed = [status for status in ranks if status.get("phase") == "failed"]
+    if failed:
+        combined["phase"] = "failed"
+        combined["error"] = "; ".join(f"rank {status.get('rank')}: {status.get('error')}" for status in failed)
+    elif all(status.get("phase") == "succeeded" for status in ranks):
+        combined["phase"] = "succeeded"
+    else:
+        running = [status for status in ranks if status.get("phase") != "succeeded"]
+        combined["phase"] = min((str(status.get("phase")) for status in running), key=_ORDER.index)
+    if len({status.get("version") for status in ranks}) > 1:  # a rank still reports an older attempt
+        combined["phase"] = "failed" if failed else min(combined["phase"], "suspending", key=_ORDER.index)
+    slowest: dict[str, int] = {}
+    for status in ranks:
+        for phase in status.get("phases", []):
+            slowest[phase["name"]] = max(slowest.get(phase["name"], 0), int(phase["milliseconds"]))
+    combined["phases"] = [{"name": name, "milliseconds": ms} for name, ms in slowest.items()]
+    durations = [status["durationMilliseconds"] for status in ranks if status.get("durationMilliseconds") is not None]
+    combined["durationMilliseconds"] = max(durations) if len(durations) == len(ranks) else None
+    for counter in ("bytesReceived", "buckets", "tensorsWritten"):
+        combined[counter] = sum(int(status.get(counter, 0)) for status in ranks)
+    for flag in ("dirty", "timedOut"):
+        combined[flag] = any(bool(status.get(flag)) for status in ranks)
+    return combined

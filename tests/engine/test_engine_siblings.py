@@ -1,0 +1,54 @@
+"""One refit status for a pod of several ranks (:func:`megafleet_engine.siblings.combine`)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from megafleet_engine import siblings
+
+
+def _status(phase: str, rank: int, **extra: Any) -> dict[str, Any]:
+    return {
+        "phase": phase,
+        "version": 3,
+        "rank": rank,
+        "error": None,
+        "phases": [{"name": "receive", "milliseconds": 10 * rank}],
+        "durationMilliseconds": 100 * rank if phase in ("succeeded", "failed") else None,
+        "bytesReceived": 1000,
+        "buckets": 2,
+        "tensorsWritten": 5,
+        "dirty": False,
+        "timedOut": False,
+        "state": "ready",
+        "weightVersion": 3,
+        **extra,
+    }
+
+
+def test_the_pod_succeeds_only_when_every_rank_has() -> None:
+    done = siblings.combine(_status("succeeded", 1), [_status("succeeded", 2), _status("succeeded", 3)])
+    assert done["phase"] == "succeeded" and done["durationMilliseconds"] == 300
+    assert (done["bytesReceived"], done["buckets"], done["tensorsWritten"]) == (3000, 6, 15)
+    assert done["phases"] == [{"name": "receive", "milliseconds": 30}], "the slowest rank's timing"
+
+    running = siblings.combine(_status("succeeded", 1), [_status("receiving", 2)])
+    assert running["phase"] == "receiving" and running["durationMilliseconds"] is None
+
+
+def test_any_failed_rank_fails_the_pod_with_its_error() -> None:
+    combined = siblings.combine(
+        _status("receiving", 1), [_status("failed", 2, error="boom", timedOut=True, dirty=True)]
+    )
+    assert combined["phase"] == "failed" and combined["error"] == "rank 2: boom"
+    assert combined["timedOut"] and combined["dirty"]
+    assert (combined["state"], combined["rank"]) == ("ready", 1), "what the pod serves is local rank 0's"
+
+
+def test_a_rank_still_on_an_older_attempt_holds_the_pod_back() -> None:
+    combined = siblings.combine(_status("succeeded", 1), [_status("succeeded", 2, version=2)])
+    assert combined["phase"] == "suspending"
+
+
+def test_sibling_ports_follow_the_agent_port() -> None:
+    assert [siblings.sibling_port(8471, rank) for rank in range(3)] == [8471, 8472, 8473]
