@@ -127,7 +127,7 @@ def _load_backend(
         world_size=settings.world_size,
         local_rank=local_rank,
         master_addr=settings.master_addr,
-        master_port=settings.master_port,
+        master_port=settings.master_port if settings.world_size > 1 else 0,  # 0: a free port of its own
     )
     options = megatron_backend.EngineOptions(
         max_batch_size=settings.max_batch_size,
