@@ -39,10 +39,19 @@ class Agents:
     async def close(self) -> None:
         await self._http.aclose()
 
+    async def _call(self, method: str, url: str, **kwargs: Any) -> httpx.Response:
+        """One call, sent again once if a kept-alive connection turned out closed (the agent's server
+        drops idle connections after a few seconds, about as often as the operator observes): every
+        agent call is idempotent, and a live agent must never look unreachable because of it."""
+        try:
+            return await self._http.request(method, url, **kwargs)
+        except (httpx.ReadError, httpx.RemoteProtocolError, httpx.WriteError):
+            return await self._http.request(method, url, **kwargs)
+
     async def state(self, pod_ip: str, token: str) -> AgentState:
         try:
-            response = await self._http.get(
-                f"http://{pod_ip}:{self.port}/v1/state", headers={"Authorization": f"Bearer {token}"}
+            response = await self._call(
+                "GET", f"http://{pod_ip}:{self.port}/v1/state", headers={"Authorization": f"Bearer {token}"}
             )
         except httpx.HTTPError as error:
             return AgentState(error=f"agent at {pod_ip}:{self.port} unreachable: {type(error).__name__}")
@@ -72,7 +81,8 @@ class Agents:
     async def refit_start(self, pod_ip: str, token: str, operation: str, body: dict[str, Any]) -> str | None:
         """POST /v1/refit/<operation> (prepare or checkpoint); returns an error text, or None."""
         try:
-            response = await self._http.post(
+            response = await self._call(
+                "POST",
                 f"http://{pod_ip}:{self.port}/v1/refit/{operation}",
                 json=body,
                 headers={"Authorization": f"Bearer {token}"},
@@ -84,7 +94,8 @@ class Agents:
     async def refit_abort(self, pod_ip: str, token: str, reason: str) -> None:
         """POST /v1/refit/abort; an agent that cannot be reached has nothing left to abort."""
         try:
-            await self._http.post(
+            await self._call(
+                "POST",
                 f"http://{pod_ip}:{self.port}/v1/refit/abort",
                 json={"reason": reason[:1000]},
                 headers={"Authorization": f"Bearer {token}"},
@@ -95,8 +106,8 @@ class Agents:
     async def refit_status(self, pod_ip: str, token: str) -> dict[str, Any] | None:
         """GET /v1/refit/status, or None when the agent cannot be asked."""
         try:
-            response = await self._http.get(
-                f"http://{pod_ip}:{self.port}/v1/refit/status", headers={"Authorization": f"Bearer {token}"}
+            response = await self._call(
+                "GET", f"http://{pod_ip}:{self.port}/v1/refit/status", headers={"Authorization": f"Bearer {token}"}
             )
         except httpx.HTTPError:
             return None

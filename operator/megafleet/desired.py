@@ -153,13 +153,30 @@ def _dump(value: object) -> object:
     return value
 
 
-def shard_pods(fleet: Fleet, shard: int, placement: planner.ShardPlacement) -> list[Object]:
-    """Every pod of one placed shard, pinned to the placement's nodes (and clique)."""
+def shard_pods(
+    fleet: Fleet, shard: int, placement: planner.ShardPlacement, *, defer_weights: bool = False
+) -> list[Object]:
+    """Every pod of one placed shard, pinned to the placement's nodes (and clique).
+
+    ``defer_weights``: start the engines without weights (``MEGAFLEET_WEIGHTS_INITIAL=refit``) whatever
+    ``spec.weights.initial`` says; the reconcile asks for it once a refit has moved the fleet past the
+    checkpoint, so a restarted or added shard never serves the checkpoint's stale weights."""
     layout = fleet.layout
-    return [_pod(fleet, shard, index, layout, placement) for index in range(layout.pods_per_shard)]
+    return [
+        _pod(fleet, shard, index, layout, placement, defer_weights=defer_weights)
+        for index in range(layout.pods_per_shard)
+    ]
 
 
-def _pod(fleet: Fleet, shard: int, index: int, layout: planner.PodLayout, placement: planner.ShardPlacement) -> Object:
+def _pod(
+    fleet: Fleet,
+    shard: int,
+    index: int,
+    layout: planner.PodLayout,
+    placement: planner.ShardPlacement,
+    *,
+    defer_weights: bool,
+) -> Object:
     spec = fleet.spec
     name = names.pod(fleet.name, shard, index)
     metadata = _meta(fleet, name, "engine", shard)
@@ -172,8 +189,16 @@ def _pod(fleet: Fleet, shard: int, index: int, layout: planner.PodLayout, placem
         {"name": "agent", "containerPort": v1alpha1.AGENT_PORT, "protocol": "TCP"},
         {"name": "metrics", "containerPort": v1alpha1.METRICS_PORT, "protocol": "TCP"},
     ]
+    container: Object = {}
     if index == 0:
         ports.insert(0, {"name": "http", "containerPort": spec.frontend.port, "protocol": "TCP"})
+        # The frontend's /health answers 503 unless the engine serves (loading, suspended for a
+        # refit, Stale): such a pod leaves its Service's endpoints and gets no traffic.
+        container["readinessProbe"] = {
+            "httpGet": {"path": "/health", "port": "http"},
+            "periodSeconds": 2,
+            "failureThreshold": 1,
+        }
     return {
         "apiVersion": "v1",
         "kind": "Pod",
@@ -204,8 +229,9 @@ def _pod(fleet: Fleet, shard: int, index: int, layout: planner.PodLayout, placem
                     "imagePullPolicy": spec.engine.image_pull_policy,
                     "command": ["megafleet-engine"],
                     "args": list(spec.engine.args),
-                    "env": _env(fleet, shard, index, layout),
+                    "env": _env(fleet, shard, index, layout, defer_weights=defer_weights),
                     "ports": ports,
+                    **container,
                     "resources": {"requests": resources, "limits": resources},
                     "securityContext": {
                         "allowPrivilegeEscalation": False,
@@ -239,7 +265,7 @@ def _affinity(fleet: Fleet, placement: planner.ShardPlacement, index: int) -> Ob
     }
 
 
-def _env(fleet: Fleet, shard: int, index: int, layout: planner.PodLayout) -> list[Object]:
+def _env(fleet: Fleet, shard: int, index: int, layout: planner.PodLayout, *, defer_weights: bool) -> list[Object]:
     spec = fleet.spec
     master = f"{names.pod(fleet.name, shard, 0)}.{names.ranks_service(fleet.name, shard)}.{fleet.namespace}.svc"
     values = {
@@ -251,7 +277,7 @@ def _env(fleet: Fleet, shard: int, index: int, layout: planner.PodLayout) -> lis
         "MEGAFLEET_DTYPE": spec.model.dtype,
         "MEGAFLEET_MAX_SEQUENCE_LENGTH": str(spec.model.max_sequence_length),
         "MEGAFLEET_MAX_BATCH_SIZE": str(spec.engine.max_batch_size),
-        "MEGAFLEET_WEIGHTS_INITIAL": spec.weights.initial,
+        "MEGAFLEET_WEIGHTS_INITIAL": "refit" if defer_weights else spec.weights.initial,
         "MEGAFLEET_KV_CACHE_MODE": spec.engine.kv_cache_mode,
         "MEGAFLEET_CUDA_GRAPHS": "true" if checks.cuda_graphs_enabled(spec) else "false",
         "MEGAFLEET_TENSOR_PARALLEL": str(spec.parallelism.tensor),

@@ -107,22 +107,22 @@ def _unfinished(status: Mapping[str, Any], **_: Any) -> bool:
     return status.get("phase") not in ("Succeeded", "Failed")
 
 
-async def _advance_refit(namespace: str, name: str) -> None:
+async def _advance_refit(namespace: str, name: str, fleet: str) -> None:
     api, agent_client = _clients()
-    refit = await api.get("Refit", name, namespace)
-    if refit is None:
-        return
-    fleet = refit["spec"]["fleetRef"]["name"]
     async with _locks.setdefault((namespace, fleet), asyncio.Lock()):  # never beside the fleet's reconcile
-        await refits.advance(api, agent_client, refit)
+        # Read under the lock: a trigger that waited for it must see what the one before it wrote
+        # (two triggers starting the same attempt would each tell the agents to join).
+        refit = await api.get("Refit", name, namespace)
+        if refit is not None:
+            await refits.advance(api, agent_client, refit)
 
 
 @kopf.on.create(*REFITS, backoff=RETRY_SECONDS)
 @kopf.on.resume(*REFITS, backoff=RETRY_SECONDS, when=_unfinished)
-async def on_refit(namespace: str | None, name: str, **_: Any) -> None:
-    await _advance_refit(namespace or "default", name)
+async def on_refit(namespace: str | None, name: str, spec: Mapping[str, Any], **_: Any) -> None:
+    await _advance_refit(namespace or "default", name, spec["fleetRef"]["name"])
 
 
 @kopf.timer(*REFITS, interval=REFIT_POLL_SECONDS, sharp=False, backoff=RETRY_SECONDS, when=_unfinished)
-async def poll_refit(namespace: str | None, name: str, **_: Any) -> None:
-    await _advance_refit(namespace or "default", name)
+async def poll_refit(namespace: str | None, name: str, spec: Mapping[str, Any], **_: Any) -> None:
+    await _advance_refit(namespace or "default", name, spec["fleetRef"]["name"])

@@ -100,9 +100,12 @@ async def reconcile(api: kube.Api, agent_client: agents.Agents, body: Object, *,
     if not refitting:
         await _roll_one_shard(api, agent_client, fleet, shards, token, notify)
     exhausted = {shard for shard, (count, _) in restarts.items() if count > MAX_SHARD_RESTARTS}
-    unplaced = {} if refitting else await _place_missing(api, fleet, shards, exhausted, notify)
+    # Once a refit moved the fleet past the checkpoint, new pods start without weights (Stale).
+    defer = refit_state.get("currentVersion") is not None
+    unplaced = {} if refitting else await _place_missing(api, fleet, shards, exhausted, notify, defer_weights=defer)
     reports = await _ask_agents(agent_client, shards, token)
     await _fence_stale(agent_client, shards, reports, refit_state, token, notify)
+    await _catch_up(agent_client, fleet, shards, reports, refit_state, token, notify)
     status = _observed(status, fleet, shards, unplaced, restarts, reports)
     status = _verify_addresses(status, fleet, shards, reports, notify)
     await _write_status(api, body, status)
@@ -337,7 +340,13 @@ def _gpus(pod: Object, resource: str) -> int:
 
 
 async def _place_missing(
-    api: kube.Api, fleet: desired.Fleet, shards: _Shards, exhausted: set[int], notify: Notify
+    api: kube.Api,
+    fleet: desired.Fleet,
+    shards: _Shards,
+    exhausted: set[int],
+    notify: Notify,
+    *,
+    defer_weights: bool = False,
 ) -> dict[int, str]:
     skip = shards.terminating | exhausted
     missing = [shard for shard in range(fleet.spec.replicas) if shard not in shards.pods and shard not in skip]
@@ -360,7 +369,10 @@ async def _place_missing(
     async with _PLACEMENT_LOCK:  # fleets place one at a time, each seeing what the others took
         plan = planner.plan_placement(request, await _inventory(api, fleet))
         for shard, placement in sorted(plan.placed.items()):
-            created = [await api.create(pod) for pod in desired.shard_pods(fleet, shard, placement)]
+            created = [
+                await api.create(pod)
+                for pod in desired.shard_pods(fleet, shard, placement, defer_weights=defer_weights)
+            ]
             shards.pods[shard] = created
             where = f"clique {placement.clique}" if placement.clique else "nodes"
             nodes = ", ".join(p.node for p in placement.pods)
@@ -409,6 +421,47 @@ async def _fence_stale(
             )
 
 
+async def _catch_up(
+    agent_client: agents.Agents,
+    fleet: desired.Fleet,
+    shards: _Shards,
+    reports: dict[int, list[agents.AgentState | None]],
+    refit_state: Object,
+    token: str,
+    notify: Notify,
+) -> None:
+    """A shard behind the fleet's current version (restarted or added after a refit, or left Stale by
+    a failed attempt) loads it from the checkpoint the last successful Refit came from, when it came
+    from one; otherwise it stays Stale, not routed, until the next refit includes it."""
+    current, path = refit_state.get("currentVersion"), refit_state.get("currentCheckpoint")
+    if current is None or path is None or refit_state.get("active") is not None:
+        return
+    body = {
+        "version": current,
+        "path": path,
+        "timeoutSeconds": fleet.spec.refit.timeout_seconds,
+        "kvCacheMode": fleet.spec.engine.kv_cache_mode,
+    }
+    for shard, answers in sorted(reports.items()):
+        if any(a is None or a.error is not None or a.state == "failed" for a in answers):
+            continue  # not every pod of the shard can take it yet
+        if all(a is not None and a.weight_version == current and a.state != "stale" for a in answers):
+            continue
+        ips = [pod["status"]["podIP"] for pod in shards.pods[shard]]
+        progress = [await agent_client.refit_status(ip, token) for ip in ips]
+        if all(p is not None and p.get("version") == current and p.get("phase") not in _SETTLED for p in progress):
+            continue  # already catching up
+        refused = [error for ip in ips if (error := await agent_client.refit_start(ip, token, "checkpoint", body))]
+        if refused:
+            notify("Warning", "CatchUpRefused", f"shard {shard} cannot load version {current}: {refused[0]}")
+        else:
+            notify("Normal", "ShardCatchingUp", f"shard {shard} loads version {current} from {path}")
+
+
+_SETTLED = ("idle", "succeeded", "failed")
+"""Refit phases an agent reports when no attempt runs."""
+
+
 def _pod_running(pod: Object) -> bool:
     status = pod.get("status", {})
     return status.get("phase") == "Running" and bool(status.get("podIP"))
@@ -424,6 +477,8 @@ def _phase_from_agents(
     phase, error, version = _raw_phase(reports)
     if current_version is not None and phase in ("Ready", "Refitting") and version != current_version:
         return "Stale", f"serves version {version}, the fleet is at {current_version}", version
+    if current_version is not None and phase == "Loading":  # started after a refit, without weights
+        return "Stale", f"has no weights yet, the fleet is at version {current_version}", version
     return phase, error, version
 
 

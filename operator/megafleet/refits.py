@@ -122,6 +122,7 @@ async def _start(
             "message": f"attempt {attempt}: {len(reachable)} shards receive version {spec.version}",
         },
     )
+    refused: list[str] = []
     for shard, members in sorted(reachable.items()):
         for pod in members:
             # The shard's offset: each rank adds its own rank in the shard (MEGAFLEET_RANK).
@@ -129,7 +130,10 @@ async def _start(
             path = "prepare" if spec.source.rendezvous is not None else "checkpoint"
             error = await agent_client.refit_start(pod["status"]["podIP"], token, path, body)
             if error is not None:
-                log.warning("refit %s/%s: pod %s refused: %s", namespace, name, pod["metadata"]["name"], error)
+                refused.append(f"{pod['metadata']['name']} refused: {error}")
+    if refused:  # a member that never started would leave the others waiting for it until their deadline
+        started = {**refit, "status": {**(refit.get("status") or {}), "attempts": attempt}}
+        await _fail_attempt(api, agent_client, started, fleet_body, reachable, sorted(reachable), token, refused[0])
 
 
 def attempt_port(base_port: int, attempt: int) -> int:
@@ -160,7 +164,7 @@ def _request(
         "bucketSizeMiB": fleet.spec.refit.bucket_size_mi_b,
         "rendezvous": {
             "address": rendezvous.address,
-            "port": rendezvous.port,
+            "port": attempt_port(rendezvous.port, attempt),  # where the trainer opens this attempt's store
             "worldSize": membership.world_size,
             "rankOffset": rank_offset,
             "trainerWorldSize": membership.trainer_world_size,
@@ -221,6 +225,7 @@ async def _collect(
         phases=[{"name": k, "milliseconds": v} for k, v in phases.items()],
         duration=duration,
         version=spec.version,
+        checkpoint=spec.source.checkpoint.path if spec.source.checkpoint is not None else None,
     )
 
 
@@ -257,6 +262,7 @@ async def _finish(
     phases: list[Object] | None = None,
     duration: int | None = None,
     version: int | None = None,
+    checkpoint: str | None = None,
 ) -> None:
     name, namespace = refit["metadata"]["name"], refit["metadata"]["namespace"]
     now = conditions.now()
@@ -283,6 +289,8 @@ async def _finish(
     fleet_refit["active"] = None
     if version is not None:
         fleet_refit.update({"currentVersion": version, "lastDurationMilliseconds": duration, "lastPhases": phases})
+        # What a shard that falls behind this version catches up from (None: the next refit).
+        fleet_refit["currentCheckpoint"] = checkpoint
     await api.patch_status("MegatronGeneration", fleet_body["metadata"]["name"], namespace, {"refit": fleet_refit})
     await _prune(api, namespace, fleet_body)
 

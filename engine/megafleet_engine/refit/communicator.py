@@ -55,6 +55,8 @@ NCCL_POLL_SECONDS = 0.002
 STORE_PROBE_FIRST_SECONDS = 0.02
 STORE_PROBE_MAX_SECONDS = 0.5
 """Backoff between probes for the trainer's store, which the trainer may open after the agents join."""
+STORE_WAIT_SLICE_SECONDS = 1.0
+"""The longest single wait for a store key: how soon an abort ends a wait for a peer that never answers."""
 DEADLINE_SLACK_SECONDS = 0.25
 """A torch wait that fails this close to the deadline ran out of time (its own timer may end a moment
 early), and is reported as the deadline passing."""
@@ -214,14 +216,25 @@ class Communicator:
         self._live_store().set(STORE_PREFIX + key, value)
 
     def get(self, key: str, *, what: str) -> bytes:
-        """The value of ``key``, waiting for it until the deadline (``what`` names it in errors)."""
+        """The value of ``key``, waiting for it until the deadline or an abort (``what`` names it in
+        errors). A store wait cannot be interrupted, so it waits in slices of
+        :data:`STORE_WAIT_SLICE_SECONDS` and checks the abort flag between them: an aborted attempt
+        (the operator's abort on a receiver, :meth:`WeightSender.abort` on the trainer) stops waiting
+        for a peer that is gone."""
         store = self._live_store()
-        try:
-            store.wait([STORE_PREFIX + key], self.deadline.left(what))
-            value: bytes = store.get(STORE_PREFIX + key)
-            return value
-        except RuntimeError as error:
-            raise _translate(error, self.deadline, what, aborted=self._aborted.is_set()) from None
+        full_key = STORE_PREFIX + key
+        while True:
+            self._check_open(what)
+            timeout = min(self.deadline.left(what), datetime.timedelta(seconds=STORE_WAIT_SLICE_SECONDS))
+            try:
+                store.wait([full_key], timeout)
+                value: bytes = store.get(full_key)
+                return value
+            except dist.DistStoreError as error:  # this slice timed out (a network error is a DistNetworkError)
+                if self._aborted.is_set() or self.deadline.remaining <= DEADLINE_SLACK_SECONDS:
+                    raise _translate(error, self.deadline, what, aborted=self._aborted.is_set()) from None
+            except RuntimeError as error:
+                raise _translate(error, self.deadline, what, aborted=self._aborted.is_set()) from None
 
     # -- data ----------------------------------------------------------------------------------
 

@@ -257,7 +257,8 @@ class RefitSpec(ApiModel):
     transport: RefitTransport = Field(
         default="broadcast",
         description="transport is broadcast (every inference rank receives full tensors and keeps its "
-        "shard) or reshard (each rank receives only the slices its layout needs).",
+        "shard) or reshard (each rank receives, point to point, only the slices its layout needs; a "
+        "transformers rank holds whole tensors, so it receives all of them).",
     )
     bucket_size_mi_b: int = Field(
         default=1024,
@@ -355,11 +356,6 @@ class MegatronGenerationSpec(ApiModel):
                     "self.resources.gpusPerNode > 0 || !has(self.engine.cudaGraphs) || !self.engine.cudaGraphs",
                     "CUDA graphs need GPUs: unset engine.cudaGraphs on a CPU fleet",
                     field_path=".engine.cudaGraphs",
-                ),
-                _cel(
-                    "self.refit.transport != 'reshard' || self.engine.backend == 'megatron'",
-                    "refit.transport reshard needs engine.backend megatron",
-                    field_path=".refit.transport",
                 ),
             ]
         }
@@ -478,6 +474,13 @@ class FleetRefitStatus(ApiModel):
         ge=0,
         description="currentVersion is the version of the last successful Refit; shards serving another "
         "version are Stale and not routed until a refit brings them to it.",
+    )
+    current_checkpoint: str | None = Field(
+        default=None,
+        max_length=2048,
+        description="currentCheckpoint is the checkpoint source of the last successful Refit, if it had one: "
+        "a shard behind currentVersion (restarted, added, left Stale) loads it at once; without it such a "
+        "shard waits for the next refit.",
     )
     membership: Membership | None = Field(default=None, description="membership of the last or current refit.")
     last_duration_milliseconds: int | None = Field(

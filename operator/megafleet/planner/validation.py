@@ -174,15 +174,6 @@ def _check_cpu(settings: FleetSettings) -> Iterator[Problem]:
         )
 
 
-def _check_refit(settings: FleetSettings) -> Iterator[Problem]:
-    if settings.refit_transport == "reshard" and settings.backend != "megatron":
-        yield Problem(
-            "spec.refit.transport",
-            f"transport reshard writes Megatron-sharded weights and needs backend megatron, not "
-            f"{settings.backend}; use transport broadcast",
-        )
-
-
 def _check_weights(settings: FleetSettings) -> Iterator[Problem]:
     if settings.weights_initial == "checkpoint" and not (settings.checkpoint or "").strip():
         yield Problem(
@@ -200,7 +191,6 @@ _RULES: tuple[_Rule, ...] = (
     _check_experts,
     _check_backend,
     _check_cpu,
-    _check_refit,
     _check_weights,
 )
 

@@ -10,6 +10,12 @@ and tells every engine's agent to join; the trainer then runs::
         sender.init()  # store server + transfer group; returns once every fleet rank joined
         report = sender.send(model.named_parameters(), bucket_size_mib=1024, version=refit.spec.version)
 
+If an attempt fails (a member shard died, a watchdog fired), the operator aborts the other members,
+drops the dead shards and publishes the next attempt: ``status.attempts`` moves on with a new
+``status.membership`` (the Refit goes Pending, then Running again). The trainer then gives the old
+attempt up (:meth:`WeightSender.abort`, which ends a send still waiting for a dead peer) and runs
+the next one the same way, on ``attempt_port(port, attempts)`` with the new world size.
+
 ``named_tensors`` are Hugging Face names and full (unsharded) tensors, e.g. a Megatron-Bridge export.
 :meth:`WeightSender.send` publishes the manifest, waits for every receiver's verdict (a mismatch
 raises :class:`~megafleet_engine.refit.errors.RefitRejected` before any byte moves), sends the
@@ -23,6 +29,7 @@ from __future__ import annotations
 
 import dataclasses
 import socket
+import threading
 import time
 from collections.abc import Iterable
 from types import TracebackType
@@ -96,6 +103,7 @@ class WeightSender:
             device = torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else torch.device("cpu")
         self.device = torch.device(device)
         self._comm: communicator.Communicator | None = None
+        self._aborted = threading.Event()
         self._sent = False
 
     @property
@@ -115,6 +123,7 @@ class WeightSender:
             device=self.device,
             deadline=communicator.Deadline(self.timeout_seconds),
             local_address=self.address,
+            aborted=self._aborted,
         )
         self._comm = comm
         comm.handshake()
@@ -170,6 +179,18 @@ class WeightSender:
                 "acknowledgements": finished - transferred,
             },
         )
+
+    def abort(self) -> None:
+        """Give this attempt up from another thread (safe at any time, idempotent): the operator
+        published a newer attempt (``status.attempts`` moved on) because a member shard died. A
+        :meth:`init` or :meth:`send` blocked on a peer that is gone raises
+        :class:`~megafleet_engine.refit.errors.RefitAborted` (a wait for a store key within about a
+        second; a gloo collective when its peer's connection closes or at the deadline); then
+        :meth:`close` it and start the next attempt on its own port with a new sender."""
+        self._aborted.set()
+        comm = self._comm
+        if comm is not None:
+            comm.abort()
 
     def close(self) -> None:
         """Release the group and stop the store (receivers have read everything they need by the
