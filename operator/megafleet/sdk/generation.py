@@ -1,0 +1,235 @@
+"""Generate through a fleet's frontends: completions and chat, one prompt or a batch spread over all.
+
+Used by :class:`megafleet.sdk.fleet.Fleet` and :mod:`megafleet.sdk.nemo`, or on its own with frontends
+from anywhere (the ``<fleet>-endpoints`` ConfigMap, a test)::
+
+    router = routing.Router([routing.Frontend(0, "http://10.96.0.12:8000/v1", 0), ...])
+    async with Generator(router, model="tiny") as generator:
+        answers = await generator.complete_batch([[1, 40, 41], "Hello"], Sampling(max_tokens=16, temperature=0))
+        answers[0].token_ids, answers[0].logprobs, answers[0].weight_version
+
+Every request goes to the frontend with the fewest outstanding requests (:class:`~megafleet.sdk.routing.Router`);
+a batch is one request per prompt, all in flight at once, so it spreads over every frontend and the
+engines' continuous batching takes it from there. The engine's RL extensions are always asked for:
+``return_token_ids`` (the completion's token ids) and the weight version (``weight_version`` in the
+body, ``X-Megafleet-Weight-Version`` header), so every :class:`Answer` says which weights made it.
+A frontend that answers 503 (suspended for a refit, loading, fenced as stale), 5xx or cannot be reached
+is skipped and the request goes to the next one; a 4xx is the request's own fault and is raised at once.
+Plain httpx underneath: the OpenAI wire format without the ``openai`` package.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+from collections.abc import Callable, Mapping, Sequence
+from types import TracebackType
+from typing import Any
+
+import httpx
+
+from megafleet.sdk import errors, routing
+
+__all__ = ["DEFAULT_SAMPLING", "WEIGHT_VERSION_HEADER", "Answer", "Generator", "Sampling"]
+
+WEIGHT_VERSION_HEADER = "X-Megafleet-Weight-Version"
+"""Response header the engine stamps with the weight version (``none`` before any weights)."""
+DEFAULT_TIMEOUT = httpx.Timeout(600.0, connect=10.0)
+"""One request may generate for long (10 min); connecting must be quick, so a dead frontend is skipped."""
+DEFAULT_LIMITS = httpx.Limits(max_connections=1024, max_keepalive_connections=256)
+"""Enough connections for a large batch in flight at once over many frontends."""
+
+Prompt = str | Sequence[int]
+Message = Mapping[str, str]
+
+
+@dataclasses.dataclass(frozen=True)
+class Sampling:
+    """Sampling parameters of a request (OpenAI's, plus the engine's ``top_k``, ``stop_token_ids``,
+    ``ignore_eos``). ``temperature=0`` is greedy. ``logprobs``: return each generated token's log-probability."""
+
+    max_tokens: int | None = None
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    seed: int | None = None
+    stop: tuple[str, ...] = ()
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+    logprobs: bool = True
+
+    def body(self) -> dict[str, Any]:
+        """The request fields both endpoints share."""
+        body: dict[str, Any] = {
+            "temperature": self.temperature,
+            "top_p": self.top_p,
+            "top_k": self.top_k,
+            "return_token_ids": True,
+        }
+        if self.max_tokens is not None:
+            body["max_tokens"] = self.max_tokens
+        if self.seed is not None:
+            body["seed"] = self.seed
+        if self.stop:
+            body["stop"] = list(self.stop)
+        if self.stop_token_ids:
+            body["stop_token_ids"] = list(self.stop_token_ids)
+        if self.ignore_eos:
+            body["ignore_eos"] = True
+        return body
+
+
+DEFAULT_SAMPLING = Sampling()
+"""The engine's defaults: sample at temperature 1 up to the model's length limit, with logprobs."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Answer:
+    """One generated choice and where it came from."""
+
+    text: str
+    token_ids: list[int]  # generated tokens only
+    logprobs: list[float] | None  # one per generated token, when asked for
+    prompt_token_ids: list[int] | None
+    finish_reason: str | None  # "stop" or "length"
+    weight_version: int | None  # the weights that generated it, as the engine stamped it
+    url: str  # the frontend that answered
+    shard: int
+
+
+_Parser = Callable[[httpx.Response, routing.Frontend], Answer]
+
+
+class Generator:
+    """Async OpenAI-compatible client over the frontends of a :class:`~megafleet.sdk.routing.Router`.
+
+    Args:
+        router: chooses the frontend of every request; its owner keeps it up to date.
+        model: the served model name (the fleet's ``spec.model.servedName``, else its name).
+        api_key: sent as ``Authorization: Bearer`` when the fleet's frontends require a key.
+        http: an ``httpx.AsyncClient`` to use (closed by its owner); default: one made here.
+    """
+
+    def __init__(
+        self,
+        router: routing.Router,
+        *,
+        model: str,
+        api_key: str | None = None,
+        http: httpx.AsyncClient | None = None,
+    ) -> None:
+        self.router = router
+        self.model = model
+        headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+        self._owns_http = http is None
+        self._http = http or httpx.AsyncClient(timeout=DEFAULT_TIMEOUT, limits=DEFAULT_LIMITS)
+        self._headers = headers
+
+    async def aclose(self) -> None:
+        if self._owns_http:
+            await self._http.aclose()
+
+    async def __aenter__(self) -> Generator:
+        return self
+
+    async def __aexit__(
+        self, kind: type[BaseException] | None, error: BaseException | None, traceback: TracebackType | None
+    ) -> None:
+        await self.aclose()
+
+    # -- requests --------------------------------------------------------------------------------
+
+    async def complete(self, prompt: Prompt, sampling: Sampling = DEFAULT_SAMPLING) -> Answer:
+        """``POST /v1/completions`` for one prompt (text or token ids)."""
+        body = {**sampling.body(), "model": self.model, "prompt": prompt if isinstance(prompt, str) else list(prompt)}
+        if sampling.logprobs:
+            body["logprobs"] = 0
+        return await self._send("/completions", body, _completion_answer)
+
+    async def chat(self, messages: Sequence[Message], sampling: Sampling = DEFAULT_SAMPLING) -> Answer:
+        """``POST /v1/chat/completions`` for one conversation."""
+        body = {**sampling.body(), "model": self.model, "messages": [dict(message) for message in messages]}
+        if sampling.logprobs:
+            body["logprobs"] = True
+        return await self._send("/chat/completions", body, _chat_answer)
+
+    async def complete_batch(self, prompts: Sequence[Prompt], sampling: Sampling = DEFAULT_SAMPLING) -> list[Answer]:
+        """Every prompt at once, spread over the frontends; answers in prompt order."""
+        return list(await asyncio.gather(*(self.complete(prompt, sampling) for prompt in prompts)))
+
+    async def chat_batch(
+        self, conversations: Sequence[Sequence[Message]], sampling: Sampling = DEFAULT_SAMPLING
+    ) -> list[Answer]:
+        """Every conversation at once, spread over the frontends; answers in order."""
+        return list(await asyncio.gather(*(self.chat(messages, sampling) for messages in conversations)))
+
+    async def _send(self, path: str, body: dict[str, Any], parse: _Parser) -> Answer:
+        failures: dict[str, str] = {}
+        while True:
+            try:
+                frontend = self.router.acquire(exclude=failures)
+            except errors.NoFrontend:
+                if failures:
+                    raise errors.GenerationFailed(failures) from None
+                raise
+            try:
+                response = await self._http.post(f"{frontend.url}{path}", json=body, headers=self._headers)
+            except httpx.TransportError as error:
+                failures[frontend.url] = f"{type(error).__name__}: {error}"
+                continue
+            finally:
+                self.router.release(frontend)
+            if response.status_code == 200:
+                return parse(response, frontend)
+            failures[frontend.url] = f"HTTP {response.status_code}: {_error_message(response)}"
+            if response.status_code < 500:
+                raise errors.GenerationFailed(failures)  # the request itself is wrong: same answer anywhere
+
+
+def _weight_version(response: httpx.Response, body: Mapping[str, Any]) -> int | None:
+    version = body.get("weight_version")
+    if version is not None:
+        return int(version)
+    header = response.headers.get(WEIGHT_VERSION_HEADER)
+    return int(header) if header and header != "none" else None
+
+
+def _completion_answer(response: httpx.Response, frontend: routing.Frontend) -> Answer:
+    body = response.json()
+    choice = body["choices"][0]
+    logprobs = (choice.get("logprobs") or {}).get("token_logprobs")
+    return Answer(
+        text=choice.get("text", ""),
+        token_ids=[int(token) for token in choice.get("token_ids") or []],
+        logprobs=None if logprobs is None else [float(value) for value in logprobs],
+        prompt_token_ids=choice.get("prompt_token_ids"),
+        finish_reason=choice.get("finish_reason"),
+        weight_version=_weight_version(response, body),
+        url=frontend.url,
+        shard=frontend.shard,
+    )
+
+
+def _chat_answer(response: httpx.Response, frontend: routing.Frontend) -> Answer:
+    body = response.json()
+    choice = body["choices"][0]
+    content = (choice.get("logprobs") or {}).get("content")
+    return Answer(
+        text=(choice.get("message") or {}).get("content") or "",
+        token_ids=[int(token) for token in choice.get("token_ids") or []],
+        logprobs=None if content is None else [float(entry["logprob"]) for entry in content],
+        prompt_token_ids=choice.get("prompt_token_ids"),
+        finish_reason=choice.get("finish_reason"),
+        weight_version=_weight_version(response, body),
+        url=frontend.url,
+        shard=frontend.shard,
+    )
+
+
+def _error_message(response: httpx.Response) -> str:
+    """The OpenAI error envelope's message, else the start of the body."""
+    try:
+        error = response.json().get("error") or {}
+        return f"{error.get('code') or error.get('type')}: {error.get('message')}"
+    except ValueError:
+        return response.text[:200]

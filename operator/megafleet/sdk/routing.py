@@ -1,0 +1,138 @@
+"""Which frontends of a fleet may take requests, and which one takes the next: pure code, no I/O.
+
+Used by :mod:`megafleet.sdk.fleet` (frontends from the fleet's status) and
+:mod:`megafleet.sdk.generation` (one :class:`Router` per client). A frontend takes traffic only when
+its shard is ``Ready`` and, once a Refit has succeeded, serves the fleet's current weight version:
+``Stale`` shards (restarted, or added by scaling after a refit) and shards still starting, loading
+or refitting get nothing (DESIGN.md section 6). Among the routable frontends the :class:`Router`
+picks the one with the fewest outstanding requests, rotating among ties, so a batch submitted at
+once spreads evenly and a slow frontend gets less.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+from collections.abc import Iterable, Iterator, Mapping
+from typing import Literal
+
+from megafleet.api import v1alpha1
+from megafleet.sdk import errors
+
+__all__ = ["Addressing", "Frontend", "Router", "endpoint_urls", "pod_urls", "routable", "select"]
+
+Addressing = Literal["service", "dns", "pod"]
+"""How a frontend is reached: ``service`` (the reserved ClusterIP URL of ``status.endpoints``; the
+default inside a cluster), ``dns`` (the Service's DNS name) or ``pod`` (pod 0's IP and the frontend
+port; no kube-proxy hop, and the only choice on the local control plane, whose ClusterIPs are data)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Frontend:
+    """One shard's OpenAI-compatible frontend."""
+
+    shard: int
+    url: str  # the OpenAI base URL, ending in /v1
+    weight_version: int | None  # what the fleet's status says the shard serves
+
+
+def routable(status: v1alpha1.MegatronGenerationStatus) -> dict[int, int | None]:
+    """Shard index -> weight version of every shard that may take requests: phase ``Ready`` and, once
+    a Refit succeeded, at the fleet's ``status.refit.currentVersion``."""
+    current = status.refit.current_version if status.refit is not None else None
+    return {
+        shard.index: shard.weight_version
+        for shard in status.shards
+        if shard.phase == "Ready" and (current is None or shard.weight_version == current)
+    }
+
+
+def endpoint_urls(status: v1alpha1.MegatronGenerationStatus, addressing: Addressing) -> dict[int, str]:
+    """Shard index -> base URL from the reserved endpoints (``service`` or ``dns`` addressing)."""
+    if addressing == "pod":
+        raise ValueError("pod addressing needs the pods' IPs: see pod_urls")
+    return {
+        endpoint.shard: endpoint.url if addressing == "service" else endpoint.dns_url for endpoint in status.endpoints
+    }
+
+
+def pod_urls(status: v1alpha1.MegatronGenerationStatus, pod_ips: Mapping[str, str], port: int) -> dict[int, str]:
+    """Shard index -> base URL on pod 0 (the frontend rank's pod) for shards whose pod 0 has an IP."""
+    urls = {}
+    for shard in status.shards:
+        ip = pod_ips.get(shard.pods[0]) if shard.pods else None
+        if ip:
+            host = f"[{ip}]" if ":" in ip else ip
+            urls[shard.index] = f"http://{host}:{port}/v1"
+    return urls
+
+
+def select(urls: Mapping[int, str], versions: Mapping[int, int | None]) -> list[Frontend]:
+    """The frontends of the shards in both ``urls`` and ``versions`` (see :func:`routable`), by shard."""
+    return [Frontend(shard, urls[shard], versions[shard]) for shard in sorted(urls) if shard in versions]
+
+
+class Router:
+    """Least-outstanding-requests choice among frontends; not thread-safe (one event loop uses it).
+
+    :meth:`acquire` picks a frontend and counts the request against it until :meth:`release`
+    (:meth:`lease` does both around a ``with`` block).
+    :meth:`update` replaces the frontends; requests in flight on a dropped frontend finish there.
+    ``sent`` counts requests leased per URL since the router was made.
+    """
+
+    def __init__(self, frontends: Iterable[Frontend] = ()) -> None:
+        self._frontends: list[Frontend] = []
+        self._outstanding: dict[str, int] = {}
+        self._turn = 0
+        self.sent: dict[str, int] = {}
+        self.update(frontends)
+
+    @property
+    def frontends(self) -> list[Frontend]:
+        return list(self._frontends)
+
+    def outstanding(self, url: str) -> int:
+        return self._outstanding.get(url, 0)
+
+    def update(self, frontends: Iterable[Frontend]) -> None:
+        self._frontends = sorted(frontends, key=lambda frontend: frontend.shard)
+
+    def acquire(self, *, exclude: Iterable[str] = ()) -> Frontend:
+        """The frontend with the fewest outstanding requests (ties: the next in turn), counted as busy
+        with one more request until :meth:`release`.
+
+        Raises:
+            NoFrontend: no frontend is left once ``exclude`` (URLs already tried) is removed.
+        """
+        skipped = set(exclude)
+        candidates = [frontend for frontend in self._frontends if frontend.url not in skipped]
+        if not candidates:
+            raise errors.NoFrontend(
+                "no Ready frontend at the fleet's current weight version"
+                + (f" besides {', '.join(sorted(skipped))}" if skipped else "")
+            )
+        start = self._turn % len(candidates)
+        rotated = candidates[start:] + candidates[:start]
+        chosen = min(rotated, key=lambda frontend: self._outstanding.get(frontend.url, 0))
+        self._turn += 1
+        self._outstanding[chosen.url] = self._outstanding.get(chosen.url, 0) + 1
+        self.sent[chosen.url] = self.sent.get(chosen.url, 0) + 1
+        return chosen
+
+    def release(self, frontend: Frontend) -> None:
+        """The request :meth:`acquire` counted against ``frontend`` is over."""
+        left = self._outstanding.get(frontend.url, 0) - 1
+        if left > 0:
+            self._outstanding[frontend.url] = left
+        else:
+            self._outstanding.pop(frontend.url, None)
+
+    @contextlib.contextmanager
+    def lease(self, *, exclude: Iterable[str] = ()) -> Iterator[Frontend]:
+        """:meth:`acquire` for the ``with`` block, then :meth:`release`."""
+        frontend = self.acquire(exclude=exclude)
+        try:
+            yield frontend
+        finally:
+            self.release(frontend)
