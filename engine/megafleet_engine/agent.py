@@ -84,6 +84,7 @@ class Agent:
     served_address: str | None = None  # host:port the frontend bound; None when not a frontend rank
     metrics: metrics_module.Metrics | None = None  # the refit routes record refit durations here
     siblings: siblings_module.Siblings | None = None  # the pod's other local ranks (local rank 0 only)
+    transfer_address: str | None = None  # where refit transports bind; None: the address this agent serves on
     refits: refit_controller.RefitController = dataclasses.field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
@@ -268,7 +269,7 @@ async def refit_prepare(body: PrepareRequest, request: fastapi.Request, agent: A
         timeout_seconds=body.timeout_seconds,
         suspend_mode=body.suspend_mode,
         kv_cache_mode=body.kv_cache_mode,
-        local_address=_pod_address(request),
+        local_address=agent.transfer_address or _pod_address(request),
     )
     return await _start_refit(agent, refit, "/v1/refit/prepare", body)
 

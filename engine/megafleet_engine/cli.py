@@ -189,10 +189,12 @@ def _servers(
     api_key: str | None,
 ) -> server.EngineServers:
     """Local rank 0 serves the pod's agent (forwarding refits to the other local ranks) and metrics;
-    the other local ranks serve an agent of their own at ``agent port + local rank``."""
+    the other local ranks serve an agent of their own at ``agent port + local rank`` on the pod's
+    loopback (:func:`~megafleet_engine.siblings.sibling_host`)."""
     siblings = None
+    sibling_host = siblings_module.sibling_host(settings.host)
     if local_rank == 0 and settings.local_ranks > 1 and settings.agent_token_file is not None:
-        host = f"[{settings.host}]" if ":" in settings.host else settings.host
+        host = f"[{sibling_host}]" if ":" in sibling_host else sibling_host
         urls = tuple(
             f"http://{host}:{siblings_module.sibling_port(settings.agent_port, k)}"
             for k in range(1, settings.local_ranks)
@@ -211,6 +213,7 @@ def _servers(
         rank=rank,
         world_size=settings.world_size,
         siblings=siblings,
+        agent_host=sibling_host if local_rank > 0 else None,
     )
 
 

@@ -151,6 +151,8 @@ class EngineServers:
         api_key: the frontend's API key, if any.
         rank: global rank of this process; world_size: ranks in the shard.
         siblings: the agents of the pod's other local ranks (on local rank 0 of a multi-rank pod).
+        agent_host: where the agent binds, if not ``host`` (the other local ranks: the pod's
+            loopback); its refit transports still bind ``host``.
     """
 
     def __init__(
@@ -168,6 +170,7 @@ class EngineServers:
         rank: int = 0,
         world_size: int = 1,
         siblings: siblings_module.Siblings | None = None,
+        agent_host: str | None = None,
     ) -> None:
         if agent_port is not None:
             if agent_token_file is None:
@@ -189,8 +192,9 @@ class EngineServers:
                     served_address=self.served_address,
                     metrics=metrics,
                     siblings=siblings,
+                    transfer_address=host if agent_host not in (None, host) else None,
                 )
-                self._listen("agent", build_agent_app(agent), host, agent_port)
+                self._listen("agent", build_agent_app(agent), agent_host or host, agent_port)
             if metrics_port is not None:
                 self._listen("metrics", metrics_module.build_app(metrics), host, metrics_port)
         except BaseException:

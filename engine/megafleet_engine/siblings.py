@@ -3,8 +3,9 @@
 A pod with several local ranks (one per GPU) serves one agent to the operator, on local rank 0.
 Every rank receives its own weights during a refit, so that agent forwards each refit call to the
 pod's other ranks and answers with one status for the whole pod (:func:`combine`). Each of those
-ranks runs the same agent app on the pod IP at ``agent port + local rank`` (nothing outside the pod
-calls it: the chart's NetworkPolicy admits only the agent port), with the same bearer token.
+ranks runs the same agent app, with the same bearer token, at ``agent port + local rank`` on the
+pod's loopback address (:func:`sibling_host`), so nothing outside the pod can reach it; its refit
+transport still binds the pod IP, where the trainer reaches it.
 
 Called by :mod:`megafleet_engine.agent`'s refit routes; :mod:`megafleet_engine.cli` builds the
 :class:`Siblings` of local rank 0.
@@ -14,17 +15,25 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import ipaddress
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 import httpx
 
-__all__ = ["SiblingError", "Siblings", "combine", "sibling_port"]
+__all__ = ["SiblingError", "Siblings", "combine", "sibling_host", "sibling_port"]
 
 FORWARD_TIMEOUT_SECONDS = 30.0
 """How long one forwarded call may take (a refit call returns at once; its work runs on a thread)."""
 _ORDER = ("idle", "suspending", "joining", "receiving", "applying", "resuming", "succeeded", "failed")
+
+
+def sibling_host(pod_ip: str) -> str:
+    """Where the other local ranks' agents listen: the pod's loopback, private to the pod. Where the
+    "pod IP" is itself a loopback address (the local pod runner, tests: several pods share one
+    loopback), that address, so two pods' ranks never collide."""
+    return pod_ip if ipaddress.ip_address(pod_ip).is_loopback else "127.0.0.1"
 
 
 def sibling_port(agent_port: int, local_rank: int) -> int:

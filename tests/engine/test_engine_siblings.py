@@ -52,3 +52,8 @@ def test_a_rank_still_on_an_older_attempt_holds_the_pod_back() -> None:
 
 def test_sibling_ports_follow_the_agent_port() -> None:
     assert [siblings.sibling_port(8471, rank) for rank in range(3)] == [8471, 8472, 8473]
+
+
+def test_sibling_agents_stay_on_the_pods_loopback() -> None:
+    assert siblings.sibling_host("10.4.2.17") == "127.0.0.1", "a real pod: private to the pod"
+    assert siblings.sibling_host("127.0.12.1") == "127.0.12.1", "the local runner: pods share one loopback"
