@@ -10,6 +10,10 @@ Run on a GPU machine with megatron-core and a flash-attention kernel installed::
 Each figure is output tokens per second, end to end (prefill included): batch x new tokens over the
 wall time from submitting the batch to its last token, median of ``--repeats`` runs after one
 warm-up run per path. ``overhead`` = direct tok/s / path tok/s (1.0 = no overhead).
+
+Two HTTP paths: ``http`` runs the client in this process (its JSON and socket work shares the GIL
+with the engine's thread and the server), ``http_client_process`` in a separate process, as an RL
+job's client runs against a pod: the server and the engine share this process, as in a pod.
 """
 
 from __future__ import annotations
@@ -20,6 +24,8 @@ import dataclasses
 import datetime
 import importlib.metadata
 import json
+import multiprocessing
+import multiprocessing.connection
 import platform
 import statistics
 import subprocess
@@ -125,8 +131,6 @@ class HttpBench:
     def __init__(self, scheduler: engine_module.Engine, backend: megatron_backend.MegatronBackend) -> None:
         import threading
 
-        import httpx
-
         from megafleet_engine import metrics, server
 
         self.loop = asyncio.new_event_loop()
@@ -148,35 +152,63 @@ class HttpBench:
             if time.monotonic() > deadline:
                 raise RuntimeError("the HTTP frontend did not start in 30 s")
             time.sleep(0.05)
-        self.httpx = httpx
+
+        context = multiprocessing.get_context("spawn")
+        self.pipe, child = context.Pipe()
+        self.client = context.Process(target=_client_process, args=(child, self.url, self.model), daemon=True)
+        self.client.start()
 
     def run(self, prompts: list[list[int]], new_tokens: int) -> list[list[int]]:
-        async def one(client: Any, prompt: list[int]) -> list[int]:
-            body = {
-                "model": self.model,
-                "prompt": prompt,
-                "max_tokens": new_tokens,
-                "temperature": 0.0,
-                "ignore_eos": True,
-            }
-            response = await client.post("/v1/completions", json=body)
-            response.raise_for_status()
-            choice = response.json()["choices"][0]
-            token_ids = choice.get("token_ids")
-            if token_ids is None:  # the frontend does not return ids: count from usage
-                token_ids = [-1] * response.json()["usage"]["completion_tokens"]
-            return list(token_ids)
+        return asyncio.run(_completions(self.url, self.model, prompts, new_tokens))
 
-        async def run() -> list[list[int]]:
-            limits = self.httpx.Limits(max_connections=len(prompts) + 8)
-            async with self.httpx.AsyncClient(base_url=self.url, timeout=600, limits=limits) as client:
-                return list(await asyncio.gather(*(one(client, prompt) for prompt in prompts)))
-
-        return asyncio.run(run())
+    def run_in_client_process(self, prompts: list[list[int]], new_tokens: int) -> list[list[int]]:
+        self.pipe.send((prompts, new_tokens))
+        answer: list[list[int]] | str = self.pipe.recv()
+        if isinstance(answer, str):
+            raise RuntimeError(f"the client process failed: {answer}")
+        return answer
 
     def close(self) -> None:
+        self.pipe.send(None)
+        self.client.join(timeout=30)
         self.servers.stop()
         self.thread.join(timeout=30)
+
+
+async def _completions(url: str, model: str, prompts: list[list[int]], new_tokens: int) -> list[list[int]]:
+    """Every prompt as one ``/v1/completions`` request, all at once; the completion token ids."""
+    import httpx
+
+    async def one(client: httpx.AsyncClient, prompt: list[int]) -> list[int]:
+        body = {
+            "model": model,
+            "prompt": prompt,
+            "max_tokens": new_tokens,
+            "temperature": 0.0,
+            "ignore_eos": True,
+            "return_token_ids": True,
+        }
+        response = await client.post("/v1/completions", json=body)
+        response.raise_for_status()
+        choice = response.json()["choices"][0]
+        token_ids = choice.get("token_ids")
+        if token_ids is None:  # the frontend does not return ids: count from usage
+            token_ids = [-1] * response.json()["usage"]["completion_tokens"]
+        return list(token_ids)
+
+    limits = httpx.Limits(max_connections=len(prompts) + 8)
+    async with httpx.AsyncClient(base_url=url, timeout=600, limits=limits) as client:
+        return list(await asyncio.gather(*(one(client, prompt) for prompt in prompts)))
+
+
+def _client_process(pipe: multiprocessing.connection.Connection, url: str, model: str) -> None:
+    """The HTTP client in a process of its own: one batch per message until ``None``."""
+    while (work := pipe.recv()) is not None:
+        prompts, new_tokens = work
+        try:
+            pipe.send(asyncio.run(_completions(url, model, prompts, new_tokens)))
+        except Exception as error:
+            pipe.send(f"{type(error).__name__}: {error}")
 
 
 def measure_batch(
@@ -196,6 +228,7 @@ def measure_batch(
     }
     if http is not None:
         paths["http"] = lambda: http.run(prompts, new_tokens)
+        paths["http_client_process"] = lambda: http.run_in_client_process(prompts, new_tokens)
     row: dict[str, Any] = {}
     outputs: dict[str, list[list[int]]] = {}
     for path, fn in paths.items():
@@ -212,11 +245,11 @@ def measure_batch(
         except Exception as error:
             errors[f"{path}_b{len(prompts)}"] = f"{type(error).__name__}: {error}\n{traceback.format_exc(limit=6)}"
             continue
-        if path in ("engine", "http"):
+        if path in ("engine", "http", "http_client_process"):
             row[path]["scheduler_batch_sizes"] = scheduler.batch_sizes[batches_before:]
             row[path]["scheduler_admitted"] = scheduler.admitted - admitted_before
             row[path]["scheduler_admission_steps"] = scheduler.admissions - admissions_before
-    for path in ("backend", "engine", "http"):
+    for path in ("backend", "engine", "http", "http_client_process"):
         if path in row and "direct" in row:
             row[path]["overhead_vs_direct"] = round(row["direct"]["tok_per_s"] / row[path]["tok_per_s"], 3)
             ids = outputs.get(path)
