@@ -6,14 +6,10 @@ from __future__ import annotations
 
 import contextlib
 import os
-import queue
-import re
 import signal
 import socket
 import subprocess
 import sys
-import threading
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -22,8 +18,8 @@ import openai
 import pytest
 import test_engine_harness as harness
 
-START_TIMEOUT_SECONDS = 120
-SERVING = re.compile(r"serving the (\w+) on http://(\S+)")
+import enginehelpers
+
 ALL_SERVERS = {"frontend", "agent", "metrics"}
 
 
@@ -49,65 +45,22 @@ def _env(token_file: Path, **extra: str) -> dict[str, str]:
     return env
 
 
-class EngineProcess:
-    """One ``megafleet-engine`` process and its log (stderr, read by a thread)."""
-
-    def __init__(self, env: dict[str, str]) -> None:
-        self.process = subprocess.Popen(
-            [sys.executable, "-m", "megafleet_engine.cli"],
-            env=env,
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.PIPE,
-            text=True,
-        )
-        self.log: list[str] = []
-        self._lines: queue.Queue[str | None] = queue.Queue()
-        self._reader = threading.Thread(target=self._read, daemon=True)
-        self._reader.start()
-
-    def _read(self) -> None:
-        assert self.process.stderr is not None
-        for line in self.process.stderr:
-            self.log.append(line)
-            self._lines.put(line)
-        self._lines.put(None)
-
-    def addresses(self, servers: set[str]) -> dict[str, str]:
-        """Wait until the process logged where each of ``servers`` listens."""
-        addresses: dict[str, str] = {}
-        deadline = time.monotonic() + START_TIMEOUT_SECONDS
-        while set(addresses) != servers:
-            line = self._lines.get(timeout=max(deadline - time.monotonic(), 0.1))
-            assert line is not None, "the engine exited during start-up:\n" + "".join(self.log)
-            if match := SERVING.search(line):
-                addresses[match.group(1)] = match.group(2)
-        return addresses
-
-    def close(self) -> None:
-        if self.process.poll() is None:
-            self.process.kill()
-        self.process.wait(timeout=30)
-        self._reader.join(timeout=30)
-        assert self.process.stderr is not None
-        self.process.stderr.close()
-
-
 @contextlib.contextmanager
-def engine_processes(*envs: dict[str, str]) -> Iterator[list[EngineProcess]]:
-    """Start one process per environment, all at once; kill whatever still runs on exit."""
-    processes: list[EngineProcess] = []
+def engine_processes(*envs: dict[str, str]) -> Iterator[list[enginehelpers.EngineCommand]]:
+    """Start one process per environment, all at once; stop whatever still runs on exit."""
+    processes: list[enginehelpers.EngineCommand] = []
     try:
         for env in envs:
-            processes.append(EngineProcess(env))
+            processes.append(enginehelpers.EngineCommand(env))
         yield processes
     finally:
         for process in processes:
-            process.close()
+            process.stop()
 
 
 def test_engine_command_serves_and_stops_on_sigterm(token_file: Path) -> None:
     with engine_processes(_env(token_file, MEGAFLEET_API_KEY="sk-fleet")) as (engine,):
-        addresses = engine.addresses(ALL_SERVERS)
+        addresses = engine.wait_serving(*ALL_SERVERS)
         with httpx.Client(headers={"Authorization": f"Bearer {harness.AGENT_TOKEN}"}, timeout=30) as agent:
             state = agent.get(f"http://{addresses['agent']}/v1/state").json()
         assert state["state"] == "ready" and state["weightVersion"] == 0
@@ -125,7 +78,7 @@ def test_engine_command_serves_and_stops_on_sigterm(token_file: Path) -> None:
 
 def test_engine_command_with_deferred_weights_starts_loading(token_file: Path) -> None:
     with engine_processes(_env(token_file, MEGAFLEET_WEIGHTS_INITIAL="refit")) as (engine,):
-        addresses = engine.addresses(ALL_SERVERS)
+        addresses = engine.wait_serving(*ALL_SERVERS)
         with httpx.Client(headers={"Authorization": f"Bearer {harness.AGENT_TOKEN}"}, timeout=30) as agent:
             state = agent.get(f"http://{addresses['agent']}/v1/state").json()
             ready = agent.get(f"http://{addresses['agent']}/readyz")
@@ -172,8 +125,8 @@ def test_two_ranks_join_one_process_group_and_only_the_frontend_rank_serves_clie
     shard = {"MEGAFLEET_WORLD_SIZE": "2", "MEGAFLEET_TENSOR_PARALLEL": "2", "MEGAFLEET_MASTER_PORT": master_port}
     envs = [_env(token_file, MEGAFLEET_RANK=str(rank), **shard) for rank in (0, 1)]
     with engine_processes(*envs) as (rank0, rank1):  # started together: rendezvous waits for both
-        addresses0 = rank0.addresses(ALL_SERVERS)
-        addresses1 = rank1.addresses({"agent", "metrics"})
+        addresses0 = rank0.wait_serving(*ALL_SERVERS)
+        addresses1 = rank1.wait_serving("agent", "metrics")
         with httpx.Client(headers={"Authorization": f"Bearer {harness.AGENT_TOKEN}"}, timeout=30) as agent:
             state0 = agent.get(f"http://{addresses0['agent']}/v1/state").json()
             state1 = agent.get(f"http://{addresses1['agent']}/v1/state").json()

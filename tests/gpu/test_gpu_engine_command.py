@@ -9,13 +9,7 @@ Needs two NVIDIA GPUs, megatron-core and a flash-attention kernel; skips cleanly
 
 from __future__ import annotations
 
-import os
-import queue
-import re
 import socket
-import subprocess
-import sys
-import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -27,12 +21,12 @@ import test_gpu_megatron as gpu
 import torch
 from safetensors.torch import save_file
 
+import enginehelpers
 from megafleet_engine.models import tiny
 
 TOKEN = "gpu-agent-token"
 START_SECONDS = 420
 REFIT_SECONDS = 120
-SERVING = re.compile(r"serving the (\w+) on http://(\S+)")
 
 pytestmark = [
     pytest.mark.skipif(gpu.GPU_SKIP is not None, reason=gpu.GPU_SKIP or ""),
@@ -55,68 +49,44 @@ def _free_port(host: str, span: int = 1) -> int:
     raise AssertionError("no free ports")
 
 
-class Pod:
+class Pod(enginehelpers.EngineCommand):
     """One ``megafleet-engine`` process tree on ``host`` with ``gpus`` GPUs and TP = ``gpus``."""
 
     def __init__(self, host: str, gpus: tuple[int, ...], token: Path) -> None:
         self.host = host
         self.ranks = len(gpus)
         self.agent_port = _free_port(host, span=self.ranks)
-        env = {key: value for key, value in os.environ.items() if not key.startswith("MEGAFLEET_")}
-        env.update(gpu.NCCL_SAFE)
-        env.update(
-            CUDA_VISIBLE_DEVICES=",".join(str(index) for index in gpus),
-            MEGAFLEET_BACKEND="megatron",
-            MEGAFLEET_MODEL_SOURCE=gpu.SOURCE,
-            MEGAFLEET_SERVED_MODEL_NAME="tiny",
-            MEGAFLEET_DTYPE="bfloat16",
-            MEGAFLEET_MAX_SEQUENCE_LENGTH=str(gpu.MAX_SEQUENCE_LENGTH),
-            MEGAFLEET_MAX_BATCH_SIZE="8",
-            MEGAFLEET_KV_CACHE_GIB="1",
-            MEGAFLEET_HOST=host,
-            MEGAFLEET_FRONTEND_PORT=str(_free_port(host)),
-            MEGAFLEET_AGENT_PORT=str(self.agent_port),
-            MEGAFLEET_METRICS_PORT=str(_free_port(host)),
-            MEGAFLEET_AGENT_TOKEN_FILE=str(token),
-            MEGAFLEET_WORLD_SIZE=str(self.ranks),
-            MEGAFLEET_TENSOR_PARALLEL=str(self.ranks),
-            MEGAFLEET_LOCAL_GPUS=str(self.ranks),
-            MEGAFLEET_MASTER_ADDR=host,
-            MEGAFLEET_MASTER_PORT=str(_free_port(host)),
+        super().__init__(
+            {
+                **gpu.NCCL_SAFE,
+                "CUDA_VISIBLE_DEVICES": ",".join(str(index) for index in gpus),
+                "MEGAFLEET_BACKEND": "megatron",
+                "MEGAFLEET_MODEL_SOURCE": gpu.SOURCE,
+                "MEGAFLEET_SERVED_MODEL_NAME": "tiny",
+                "MEGAFLEET_DTYPE": "bfloat16",
+                "MEGAFLEET_MAX_SEQUENCE_LENGTH": str(gpu.MAX_SEQUENCE_LENGTH),
+                "MEGAFLEET_MAX_BATCH_SIZE": "8",
+                "MEGAFLEET_KV_CACHE_GIB": "1",
+                "MEGAFLEET_HOST": host,
+                "MEGAFLEET_FRONTEND_PORT": str(_free_port(host)),
+                "MEGAFLEET_AGENT_PORT": str(self.agent_port),
+                "MEGAFLEET_METRICS_PORT": str(_free_port(host)),
+                "MEGAFLEET_AGENT_TOKEN_FILE": str(token),
+                "MEGAFLEET_WORLD_SIZE": str(self.ranks),
+                "MEGAFLEET_TENSOR_PARALLEL": str(self.ranks),
+                "MEGAFLEET_LOCAL_GPUS": str(self.ranks),
+                "MEGAFLEET_MASTER_ADDR": host,
+                "MEGAFLEET_MASTER_PORT": str(_free_port(host)),
+            },
+            echo=host,
         )
-        self.process = subprocess.Popen(
-            [sys.executable, "-m", "megafleet_engine.cli"],
-            env=env,
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.PIPE,
-            text=True,
-        )
-        self.log: list[str] = []
-        self._lines: queue.Queue[str | None] = queue.Queue()
-        self._reader = threading.Thread(target=self._read, daemon=True)
-        self._reader.start()
-        self.served: list[tuple[str, str]] = []
 
-    def _read(self) -> None:
-        assert self.process.stderr is not None
-        for line in self.process.stderr:
-            self.log.append(line)
-            sys.stderr.write(f"[{self.host}] {line}")
-            self._lines.put(line)
-        self._lines.put(None)
-
-    def wait_serving(self) -> None:
-        expected = sorted(["frontend", "metrics"] + ["agent"] * self.ranks)
-        deadline = time.monotonic() + START_SECONDS
-        while sorted(name for name, _ in self.served) != expected:
-            line = self._lines.get(timeout=max(deadline - time.monotonic(), 0.1))
-            assert line is not None, "the engine exited during start-up:\n" + "".join(self.log[-40:])
-            if match := SERVING.search(line):
-                self.served.append((match.group(1), match.group(2)))
+    def wait_ready(self) -> None:
+        self.wait_serving("frontend", "metrics", *["agent"] * self.ranks, timeout=START_SECONDS)
 
     @property
     def frontend_url(self) -> str:
-        return "http://" + next(address for name, address in self.served if name == "frontend")
+        return "http://" + self.wait_serving("frontend")["frontend"]
 
     def agent(self, local_rank: int = 0) -> httpx.Client:
         return httpx.Client(
@@ -153,19 +123,6 @@ class Pod:
                 versions.add(raw.headers["X-Megafleet-Weight-Version"])
         return outputs, versions
 
-    def close(self) -> int:
-        if self.process.poll() is None:
-            self.process.terminate()
-        try:
-            code = self.process.wait(timeout=90)
-        except subprocess.TimeoutExpired:
-            self.process.kill()
-            code = self.process.wait(timeout=30)
-        self._reader.join(timeout=30)
-        assert self.process.stderr is not None
-        self.process.stderr.close()
-        return code
-
 
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
@@ -186,11 +143,11 @@ def pods(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Pod, Pod]]:
     single = Pod("127.0.0.2", (1,), token)
     codes: list[int] = []
     try:
-        shard.wait_serving()
-        single.wait_serving()
+        shard.wait_ready()
+        single.wait_ready()
         yield shard, single
     finally:
-        codes = [shard.close(), single.close()]
+        codes = [shard.stop(timeout=90), single.stop(timeout=90)]
     assert codes == [0, 0], "both pods stop cleanly on SIGTERM (the first rank releases its follower)"
 
 

@@ -5,20 +5,16 @@ pod answers one status: succeeded only when both did, failed when either failed.
 
 from __future__ import annotations
 
-import os
-import queue
 import re
 import socket
-import subprocess
-import sys
-import threading
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
 import pytest
 import test_refit_harness as harness
+
+import enginehelpers
 
 POD_IP = "127.0.12.1"
 PROMPT = [60, 61, 62]
@@ -38,82 +34,47 @@ def _free_pair(host: str) -> int:
     raise AssertionError("no two adjacent free ports")
 
 
-class Pod:
+class Pod(enginehelpers.EngineCommand):
     """``python -m megafleet_engine.cli`` with two local ranks on CPU (a TP=2 shard in one pod)."""
 
     def __init__(self, token: Path) -> None:
         self.agent_port = _free_pair(POD_IP)
-        env = {key: value for key, value in os.environ.items() if not key.startswith("MEGAFLEET_")}
-        env.update(
-            MEGAFLEET_MODEL_SOURCE=harness.SOURCE,
-            MEGAFLEET_SERVED_MODEL_NAME=harness.MODEL,
-            MEGAFLEET_DTYPE="float32",
-            MEGAFLEET_MAX_SEQUENCE_LENGTH="128",
-            MEGAFLEET_HOST=POD_IP,
-            MEGAFLEET_FRONTEND_PORT="0",
-            MEGAFLEET_AGENT_PORT=str(self.agent_port),
-            MEGAFLEET_METRICS_PORT="0",
-            MEGAFLEET_AGENT_TOKEN_FILE=str(token),
-            MEGAFLEET_WORLD_SIZE="2",
-            MEGAFLEET_TENSOR_PARALLEL="2",
-            MEGAFLEET_LOCAL_RANKS="2",
-            MEGAFLEET_MASTER_ADDR=POD_IP,
-            MEGAFLEET_MASTER_PORT=str(harness.free_port(POD_IP)),
+        super().__init__(
+            {
+                "MEGAFLEET_MODEL_SOURCE": harness.SOURCE,
+                "MEGAFLEET_SERVED_MODEL_NAME": harness.MODEL,
+                "MEGAFLEET_DTYPE": "float32",
+                "MEGAFLEET_MAX_SEQUENCE_LENGTH": "128",
+                "MEGAFLEET_HOST": POD_IP,
+                "MEGAFLEET_FRONTEND_PORT": "0",
+                "MEGAFLEET_AGENT_PORT": str(self.agent_port),
+                "MEGAFLEET_METRICS_PORT": "0",
+                "MEGAFLEET_AGENT_TOKEN_FILE": str(token),
+                "MEGAFLEET_WORLD_SIZE": "2",
+                "MEGAFLEET_TENSOR_PARALLEL": "2",
+                "MEGAFLEET_LOCAL_RANKS": "2",
+                "MEGAFLEET_MASTER_ADDR": POD_IP,
+                "MEGAFLEET_MASTER_PORT": str(harness.free_port(POD_IP)),
+            }
         )
-        self.process = subprocess.Popen(
-            [sys.executable, "-m", "megafleet_engine.cli"],
-            env=env,
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.PIPE,
-            text=True,
-        )
-        self.log: list[str] = []
-        self._lines: queue.Queue[str | None] = queue.Queue()
-        self._reader = threading.Thread(target=self._read, daemon=True)
-        self._reader.start()
-        self.served: list[tuple[str, str]] = []
-
-    def _read(self) -> None:
-        assert self.process.stderr is not None
-        for line in self.process.stderr:
-            self.log.append(line)
-            self._lines.put(line)
-        self._lines.put(None)
-
-    def wait_serving(self) -> None:
-        """Until both ranks' agents, the frontend and the metrics listen (one log line each)."""
-        deadline = time.monotonic() + harness.START_TIMEOUT_SECONDS
-        while sorted(name for name, _ in self.served) != ["agent", "agent", "frontend", "metrics"]:
-            line = self._lines.get(timeout=max(deadline - time.monotonic(), 0.1))
-            assert line is not None, "the pod exited during start-up:\n" + "".join(self.log)
-            if match := SERVING.search(line):
-                self.served.append((match.group(1), match.group(2)))
 
     @property
     def frontend_url(self) -> str:
-        return "http://" + next(address for name, address in self.served if name == "frontend")
+        return "http://" + self.wait_serving("frontend")["frontend"]
 
     def agent(self, local_rank: int = 0) -> harness.AgentClient:
         return harness.AgentClient(f"http://{POD_IP}:{self.agent_port + local_rank}")
-
-    def close(self) -> None:
-        if self.process.poll() is None:
-            self.process.terminate()
-        status = self.process.wait(timeout=60)
-        self._reader.join(timeout=30)
-        assert self.process.stderr is not None
-        self.process.stderr.close()
-        assert status == 0, "".join(self.log[-20:])
 
 
 @pytest.fixture(scope="module")
 def pod(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Pod]:
     started = Pod(harness.token_file(tmp_path_factory.mktemp("agent")))
     try:
-        started.wait_serving()
+        started.wait_serving("frontend", "agent", "agent", "metrics")  # both ranks' agents
         yield started
     finally:
-        started.close()
+        code = started.stop(timeout=60)
+    assert code == 0, "".join(started.log[-20:])
 
 
 def test_the_pod_agent_refits_every_local_rank_and_reports_one_status(pod: Pod) -> None:
