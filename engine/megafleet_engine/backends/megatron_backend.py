@@ -964,7 +964,23 @@ def _build_model(
     for parameter in model.parameters():  # RMSNorm weights start in float32
         parameter.data = parameter.data.to(dtype)
     model.eval()
+    _one_kv_split_on_hopper(model)
     return model
+
+
+def _one_kv_split_on_hopper(model: Any) -> None:
+    """FlashAttention-4 has no split-KV kernel for SM 9.x (Hopper: H100, H200); megatron asks for
+    ``num_splits=0`` (automatic), which picks split-KV for a small decode batch over a long KV cache
+    and fails (``AssertionError: SplitKV not supported on SM 9.0``; seen on H200 at CUDA-graph capture
+    with 1024-token sequences, 2026-11-30). Megatron passes ``num_splits=1`` when an attention
+    module's ``batch_invariant_mode`` is set, and reads nothing else from that attribute on the FA4
+    path, so it is set on each attention module (not the config, which would switch other kernels)."""
+    attention = _megatron("transformer.attention")
+    if torch.cuda.get_device_capability()[0] != 9 or not getattr(attention, "HAVE_FA4", False):
+        return
+    for module in model.modules():
+        if isinstance(module, attention.Attention):
+            module.batch_invariant_mode = True
 
 
 def _build_engine(model: Any, tokenizer: _IdTokenizer, max_sequence_length: int, options: EngineOptions) -> Any:
