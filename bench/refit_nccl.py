@@ -10,9 +10,13 @@ the operator and an RL trainer do. Measured in the same run:
 1. NCCL broadcast bandwidth trainer GPU -> engine GPU (``torch.distributed`` between this process and
    a helper process on the engine's GPU: this script run with ``--peer``), before and after the
    refits;
-2. full refits (several per bucket size): end to end (prepare call -> the agent reports the new
-   version served), transport only (the sender's ``transfer`` phase, the receiver's ``receive``),
-   every phase of both ends, bytes, GB/s and the ratio to (1);
+2. full refits (several per bucket size, over one trainer session each, as an RL loop keeps its
+   sender open): the first refit of a series builds the transfer group (store, group, handshake),
+   the following ones keep it (the engine's status says ``reused``). Reported apart: the headline is
+   the reused-group refits (the steady state of a training run), the first refit next to it. For
+   each: end to end (prepare call -> the agent reports the new version served), transport only (the
+   sender's ``transfer`` phase, the receiver's ``receive``), every phase of both ends, bytes, GB/s
+   and the ratio to (1);
 3. the refit's fixed cost: the wire protocol cannot send an empty version (the SDK refuses an empty
    tensor set and every receiver requires all of its parameters), so this reports the fixed phases
    of the real refits and full refits of a second, ~6 MB engine started alongside.
@@ -548,6 +552,12 @@ class Target:
     tensors: dict[str, torch.Tensor]
     version: int = 0
     tokens: dict[int, list[int]] = dataclasses.field(default_factory=dict)  # version -> greedy tokens
+    sender: sdk.WeightSender | None = None  # kept open across the refits of a series
+
+    def close_sender(self) -> None:
+        sender, self.sender = self.sender, None
+        if sender is not None:
+            sender.close()
 
 
 def refit(
@@ -558,13 +568,19 @@ def refit(
     device: torch.device,
     poll_seconds: float,
     timeout_seconds: int,
+    fresh: bool,
 ) -> dict[str, Any]:
-    """One refit to the next version, timed the way the operator and the trainer see it."""
+    """One refit to the next version, timed the way the operator and the trainer see it: over the
+    target's open sender (the group kept), or, ``fresh``, a new sender on a new port (a new session
+    and group, as the first refit of a training run)."""
     version = target.version + 1
     fill(target.tensors, SEEDS[version % 2])
     synchronize(device)
     agent = target.engine.agent()
-    port = free_ports(1)[0]
+    if fresh:
+        target.close_sender()
+    sender = target.sender
+    port = free_ports(1)[0] if sender is None else sender.rendezvous.port
     body = {
         "version": version,
         "transport": "broadcast",
@@ -572,28 +588,27 @@ def refit(
         "timeoutSeconds": timeout_seconds,
         "rendezvous": {"address": ADDRESS, "port": port, "worldSize": 2, "rankOffset": 1, "trainerWorldSize": 1},
     }
-    sender = sdk.WeightSender(
-        port, 2, backend=backend, address=ADDRESS, device=device, timeout_seconds=float(timeout_seconds)
-    )
     started = time.perf_counter()
     code, answer = agent.call("POST", "/v1/refit/prepare", body)
     if code != 202:
         raise BenchError(f"prepare answered {code}: {answer}")
     prepared = time.perf_counter()
     try:
-        sender.init()
+        if sender is None:
+            sender = sdk.WeightSender(
+                port, 2, backend=backend, address=ADDRESS, device=device, timeout_seconds=float(timeout_seconds)
+            )
+            target.sender = sender
+            sender.init()  # the store and the session (the group is built by the first send)
         joined = time.perf_counter()
         report = sender.send(target.tensors.items(), bucket_size_mib=bucket_mib, version=version)
         sent = time.perf_counter()
         status = wait_published(agent, version, poll_seconds, timeout_seconds)
         published = time.perf_counter()
-    except refit_errors.RefitError as error:
+    except (refit_errors.RefitError, BenchError) as error:
+        target.close_sender()  # a failed send leaves the sender unusable; the next refit starts a session
         _, status = agent.call("GET", "/v1/refit/status")
         raise BenchError(f"refit to version {version} failed: {error}; engine status: {status}") from error
-    finally:
-        closing = time.perf_counter()
-        sender.close()
-        closed = time.perf_counter()
     target.version = version
     _, state = agent.call("GET", "/v1/state")
     payload = nbytes(target.tensors)
@@ -609,6 +624,8 @@ def refit(
         "bytes_sent": report.bytes_sent,
         "bytes_received": status["bytesReceived"],
         "tensors_written": status["tensorsWritten"],
+        "group": "reused" if report.reused else "fresh",
+        "engine_reused": status.get("reused"),
         "end_to_end_s": round(end_to_end, 4),
         "trainer": {
             "prepare_http_s": round(prepared - started, 4),
@@ -616,7 +633,6 @@ def refit(
             "send_s": round(report.seconds, 4),
             "send_phases_s": {name: round(seconds, 4) for name, seconds in report.phases.items()},
             "publish_wait_s": round(published - sent, 4),
-            "close_s": round(closed - closing, 4),
         },
         "engine": {
             "duration_s": status["durationMilliseconds"] / 1e3,
@@ -686,6 +702,7 @@ def checked_refit(target: Target, results: list[dict[str, Any]], **options: Any)
         "completion_weight_version": completion["weight_version"] == version
         and completion["header_weight_version"] == str(version),
         "every_byte_received": run["bytes_received"] == run["bytes_sent"],
+        "engine_and_trainer_agree_on_the_group": run["engine_reused"] == (run["group"] == "reused"),
         "tokens_equal_same_weights": all(target.tokens[v] == completion["token_ids"] for v in same_set),
         "tokens_differ_other_weights": all(target.tokens[v] != completion["token_ids"] for v in other_set),
         "tokens_differ_engine_own_weights": target.tokens.get(0) != completion["token_ids"],
@@ -694,7 +711,7 @@ def checked_refit(target: Target, results: list[dict[str, Any]], **options: Any)
     results.append(run)
     failed = [name for name, ok in run["checks"].items() if not ok]
     say(
-        f"  version {version}: end to end {run['end_to_end_s'] * 1e3:.1f} ms "
+        f"  version {version} ({run['group']} group): end to end {run['end_to_end_s'] * 1e3:.1f} ms "
         f"({run['gb_per_s']['end_to_end']} GB/s), transfer {run['trainer']['send_phases_s']['transfer'] * 1e3:.1f} ms "
         f"({run['gb_per_s']['transfer_sender']} GB/s), engine phases "
         + ", ".join(f"{name} {seconds * 1e3:.0f}" for name, seconds in run["engine"]["phases_s"].items())
@@ -745,18 +762,25 @@ DEFINITIONS = {
     "nccl_broadcast.gb_per_s": "bytes of one broadcast / its time: torch.distributed.broadcast from this "
     "process (trainer GPU) to a helper process on the engine GPU, back to back after warm-up, closed by a "
     "one-element all-reduce; algorithm bandwidth (= bus bandwidth for two ranks), GB = 1e9 bytes",
+    "group": "fresh: the refit built the transfer group (a new sender: store, session, NCCL communicator, "
+    "handshake), as the first refit of a training run; reused: it kept the group of the previous refit of the "
+    "series (the same open WeightSender, the engine's parked communicator; its status says reused), as every "
+    "later refit of a training run. Each series (bucket size) starts with one fresh refit; the headline and "
+    "each series' median are over the reused refits, first_refit over the fresh ones",
     "end_to_end_s": "trainer clock, from just before POST /v1/refit/prepare to the first /v1/refit/status poll "
-    "that shows phase succeeded, weightVersion N and state ready (suspend, join incl. the NCCL communicator "
-    "built for this attempt, verdicts, transfer, in-place writes, resume, version published); polls every "
-    "--poll-ms once send() returned (send returns when the engine reported its writes complete)",
-    "trainer.init_s": "WeightSender.init(): the attempt's TCPStore, the NCCL group and the handshake (waits for "
-    "the engine to suspend and join)",
-    "trainer.send_phases_s": "SendReport.phases: verdicts (manifest published to every verdict + go), transfer "
-    "(pack each bucket into the staging buffer and broadcast it, all buckets), acknowledgements (waiting for "
-    "the engine's done)",
-    "engine.phases_s": "the agent's /v1/refit/status phases (ms resolution): suspend, join (connect to the "
-    "store, build the group, handshake, manifest check, verdict, go), receive (sum of the waits on each "
-    "bucket's broadcast), apply (sum of the in-place writes of each bucket on the backend thread), resume",
+    "that shows phase succeeded, weightVersion N and state ready (suspend, join, verdicts, transfer, in-place "
+    "writes, resume, version published); polls every --poll-ms once send() returned (send returns when the "
+    "engine reported its writes complete)",
+    "trainer.init_s": "WeightSender.init() of a fresh refit: the TCPStore and the session id (0 when reused)",
+    "trainer.send_phases_s": "SendReport.phases: join (every receiver's hello, the group decision; fresh: the "
+    "NCCL group and the handshake), verdicts (manifest published to every verdict + go), transfer (bucket k+1 "
+    "packed into the second staging buffer on a side stream while bucket k is broadcast; until the last "
+    "broadcast completed), acknowledgements (waiting for the engine's done)",
+    "engine.phases_s": "the agent's /v1/refit/status phases (ms resolution): suspend, join (reused: session "
+    "check on the parked store client, hello, the trainer's decision; fresh: connect to the store, build the "
+    "group, handshake; then manifest check, verdict, go), receive and apply (pipelined: bucket k is written on "
+    "a side stream while bucket k+1 is received; receive = time waiting for bucket data, apply = time "
+    "waiting for writes, so receive + apply is the wall time of the transfer)",
     "engine.fixed_s": "suspend + join + resume: the phases whose cost does not depend on the bytes",
     "engine.duration_s": "the agent's own durationMilliseconds (prepare accepted to outcome)",
     "gb_per_s": "payload bytes (every tensor's bytes, what the engine installs) / end_to_end_s, / the sender's "
@@ -784,8 +808,10 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--trainer-gpu", type=int, default=0)
     parser.add_argument("--engine-gpu", type=int, default=1)
     parser.add_argument("--bucket-sizes-mib", type=sizes, help="first one is the headline")
-    parser.add_argument("--repeats", type=int, default=3, help="refits per bucket size")
-    parser.add_argument("--tiny-repeats", type=int, default=3)
+    parser.add_argument(
+        "--repeats", type=int, default=6, help="refits per bucket size over one sender (the first builds the group)"
+    )
+    parser.add_argument("--tiny-repeats", type=int, default=4)
     parser.add_argument("--nccl-sizes-mib", type=sizes)
     parser.add_argument("--ratio-size-mib", type=int, help="baseline size for the ratios (default: the first)")
     parser.add_argument("--nccl-warmup", type=int, default=3)
@@ -958,7 +984,10 @@ def bench(
     if tiny_target is not None:
         say(f"refits of engine 'tiny' ({nbytes(tiny_target.tensors) / 1e6:.1f} MB, {args.tiny_repeats} times)")
         zero["tiny_refits"] = refits.series(tiny_target, args.bucket_sizes_mib[0], args.tiny_repeats, None)
-    headline_runs = result["refits"][f"bucket_{args.bucket_sizes_mib[0]}_mib"]["runs"]
+    headline_group = result["refits"][f"bucket_{args.bucket_sizes_mib[0]}_mib"]["median"].get("group")
+    headline_runs = [
+        r for r in result["refits"][f"bucket_{args.bucket_sizes_mib[0]}_mib"]["runs"] if r["group"] == headline_group
+    ]
     if not headline_runs:
         raise BenchError(f"no refit with {args.bucket_sizes_mib[0]} MiB buckets succeeded: {refits.failures}")
     zero["fixed_phases_of_full_refits"] = {
@@ -1065,17 +1094,24 @@ class Refits:
         self.failures: list[str] = []
 
     def series(self, target: Target, bucket_mib: int, repeats: int, reference: float | None) -> dict[str, Any]:
+        """``repeats`` refits over one sender: the first builds the group, the others keep it.
+        ``median`` is over the reused-group refits (over the fresh ones when there are none, with
+        ``group`` saying so); ``first_refit`` over the fresh ones."""
         runs: list[dict[str, Any]] = []
         entry: dict[str, Any] = {"runs": runs}
-        for _ in range(repeats):
+        for index in range(repeats):
             try:
-                checked_refit(target, runs, bucket_mib=bucket_mib, **self.options)
+                checked_refit(target, runs, bucket_mib=bucket_mib, fresh=index == 0, **self.options)
             except (BenchError, refit_errors.RefitError) as error:
                 self.failures.append(f"{target.engine.name}, {bucket_mib} MiB: {type(error).__name__}: {error}")
                 self.run.result["errors"][f"refit_{len(self.failures)}"] = self.failures[-1]
                 say(f"  REFIT FAILED: {self.failures[-1]}")
             self.run.save()
-        entry["median"] = summary(runs, reference)
+        target.close_sender()
+        reused = [run for run in runs if run["group"] == "reused"]
+        fresh = [run for run in runs if run["group"] == "fresh"]
+        entry["median"] = {"group": "reused" if reused else "fresh", **summary(reused or fresh, reference)}
+        entry["first_refit"] = {"group": "fresh", **summary(fresh, reference)} if fresh else {}
         return entry
 
 
@@ -1098,8 +1134,11 @@ def conclude(result: dict[str, Any], bucket_mib: int, reference: float, failures
         "failed_checks": failed,
     }
     headline = refits[f"bucket_{bucket_mib}_mib"]["median"]
+    first = refits[f"bucket_{bucket_mib}_mib"]["first_refit"]
     tiny = zero.get("tiny_refits", {}).get("median")
+    tiny = tiny if tiny and "end_to_end_s" in tiny else None
     result["headline"] = {
+        "group": headline["group"],
         "bucket_mib": bucket_mib,
         "payload_gb": round(headline["payload_bytes"] / 1e9, 3),
         "nccl_broadcast_gb_per_s": reference,
@@ -1109,6 +1148,17 @@ def conclude(result: dict[str, Any], bucket_mib: int, reference: float, failures
         "gb_per_s": headline["gb_per_s"],
         "ratio_to_nccl_broadcast": headline.get("ratio_to_nccl_broadcast"),
         "tiny_refit_end_to_end_ms": round(tiny["end_to_end_s"] * 1e3, 1) if tiny else None,
+        "first_refit": {
+            "end_to_end_ms": round(first["end_to_end_s"] * 1e3, 1),
+            "transfer_sender_ms": round(first["transfer_sender_s"] * 1e3, 1),
+            "engine_phases_ms": {
+                name: None if seconds is None else round(seconds * 1e3, 1)
+                for name, seconds in first["engine_phases_s"].items()
+            },
+            "ratio_to_nccl_broadcast": first.get("ratio_to_nccl_broadcast"),
+        }
+        if first
+        else None,
     }
 
 
@@ -1116,19 +1166,28 @@ def print_summary(result: dict[str, Any]) -> None:
     say("summary (medians)")
     for name, entry in result["refits"].items():
         median_row = entry["median"]
-        if not median_row:
+        if "end_to_end_s" not in median_row:
             say(f"  {name}: no refit succeeded")
             continue
         ratio = median_row.get("ratio_to_nccl_broadcast", {})
+        first = entry.get("first_refit") or {}
+        if first:
+            say(
+                f"  {name}, first refit (fresh group): end to end {first['end_to_end_s'] * 1e3:.1f} ms "
+                f"({first.get('ratio_to_nccl_broadcast', {}).get('end_to_end')} of NCCL), engine phases "
+                + ", ".join(f"{k} {v * 1e3:.0f}" for k, v in first["engine_phases_s"].items() if v is not None)
+                + " ms"
+            )
         say(
-            f"  {name}: end to end {median_row['end_to_end_s'] * 1e3:.1f} ms "
+            f"  {name}, {median_row['group']} group (median of {median_row['runs']}): "
+            f"end to end {median_row['end_to_end_s'] * 1e3:.1f} ms "
             f"({median_row['gb_per_s']['end_to_end']} GB/s, {ratio.get('end_to_end')} of NCCL), "
             f"transfer {median_row['transfer_sender_s'] * 1e3:.1f} ms ({median_row['gb_per_s']['transfer_sender']} "
             f"GB/s, {ratio.get('transfer_sender')}), engine fixed {median_row['engine_fixed_s'] * 1e3:.0f} ms, "
             f"trainer init {median_row['trainer_init_s'] * 1e3:.0f} ms"
         )
     tiny = result["zero_byte"].get("tiny_refits")
-    if tiny and tiny["median"]:
+    if tiny and "end_to_end_s" in tiny["median"]:
         row = tiny["median"]
         say(f"  tiny engine: end to end {row['end_to_end_s'] * 1e3:.1f} ms ({row['payload_bytes']} bytes)")
     verification = result["verification"]

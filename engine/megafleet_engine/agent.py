@@ -18,8 +18,10 @@ Routes: ``GET /healthz``, ``GET /readyz``, ``GET /v1/state``, ``POST /v1/suspend
   place and resumes with the new version, on its own thread.
 * ``POST /v1/refit/checkpoint`` (202): the same from a checkpoint ``path`` every shard reads itself.
 * ``GET /v1/refit/status``: the current or last attempt: ``phase`` (idle, suspending, joining,
-  receiving, applying, resuming, succeeded, failed), per-phase milliseconds, counters, ``error``.
-* ``POST /v1/refit/abort``: fail the running attempt now, as its watchdog would at the deadline.
+  receiving, applying, resuming, succeeded, failed), per-phase milliseconds, counters, ``error``,
+  ``reused`` (the join kept the transfer group parked by the previous refit).
+* ``POST /v1/refit/abort``: fail the running attempt now, as its watchdog would at the deadline,
+  and close a parked transfer group.
 
 On a pod with several local ranks, local rank 0's agent forwards the refit calls to the others
 (:mod:`megafleet_engine.siblings`) and answers with one status for the pod: failed when any rank
@@ -163,6 +165,9 @@ class RefitStatusResponse(_Body):
     tensors_written: int
     error: str | None
     timed_out: bool
+    reused: bool = Field(
+        default=False, description="the join kept the transfer group of the previous refit (no group was built)."
+    )
     dirty: bool
     state: Literal["loading", "ready", "suspended", "stale", "failed"]
     weight_version: int | None
@@ -370,6 +375,7 @@ def _refit_status_body(agent: Agent, snapshot: refit_progress.Snapshot) -> dict[
         tensors_written=snapshot.tensors_written,
         error=snapshot.error,
         timed_out=snapshot.timed_out,
+        reused=snapshot.reused,
         dirty=agent.refits.dirty,
         state=engine.state,
         weight_version=engine.weight_version,

@@ -1,7 +1,8 @@
 """``bench/refit_nccl.py --cpu`` end to end: the GPU refit benchmark's code path (engine processes
 through the CLI, the broadcast baseline's helper, prepare + WeightSender + status polling, the
-checks, the result file) on CPU with gloo and the tiny model, one refit per engine, so a broken
-script is found here rather than on the GPU machine."""
+checks, the result file) on CPU with gloo and the tiny model, two refits per engine over one sender
+(the first builds the transfer group, the second keeps it: the headline), so a broken script is
+found here rather than on the GPU machine."""
 
 from __future__ import annotations
 
@@ -25,9 +26,9 @@ def test_refit_bench_cpu_smoke_run_passes_and_writes_its_result(tmp_path: Path) 
         "--log-dir",
         str(tmp_path / "logs"),
         "--repeats",
-        "1",
+        "2",
         "--tiny-repeats",
-        "1",
+        "2",
         "--bucket-sizes-mib",
         "1",
         "--max-seconds",
@@ -37,10 +38,22 @@ def test_refit_bench_cpu_smoke_run_passes_and_writes_its_result(tmp_path: Path) 
     assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-4000:]
     result = json.loads(out.read_text())
     assert result["errors"] == {}
-    assert result["verification"] == {"refits": 2, "failed_refits": 0, "passed": True, "failed_checks": {}}
-    (main_run,) = result["refits"]["bucket_1_mib"]["runs"]
-    assert main_run["version"] == 1 and main_run["bytes_received"] == main_run["payload_bytes"] > 0
-    assert set(main_run["engine"]["phases_s"]) == {"suspend", "join", "receive", "apply", "resume"}
+    assert result["verification"] == {"refits": 4, "failed_refits": 0, "passed": True, "failed_checks": {}}
+    first, second = result["refits"]["bucket_1_mib"]["runs"]
+    assert [first["version"], second["version"]] == [1, 2]
+    assert (first["group"], first["engine_reused"], second["group"], second["engine_reused"]) == (
+        "fresh",
+        False,
+        "reused",
+        True,
+    )
+    for run in (first, second):
+        assert run["bytes_received"] == run["payload_bytes"] > 0
+        assert set(run["engine"]["phases_s"]) == {"suspend", "join", "receive", "apply", "resume"}
     assert result["nccl_broadcast"]["before"][0]["gb_per_s"] > 0
-    assert result["headline"]["ratio_to_nccl_broadcast"]["end_to_end"] > 0
-    assert result["zero_byte"]["tiny_refits"]["runs"][0]["checks"]["completion_weight_version"]
+    headline = result["headline"]
+    assert headline["group"] == "reused" and headline["ratio_to_nccl_broadcast"]["end_to_end"] > 0
+    assert headline["first_refit"]["end_to_end_ms"] > 0
+    assert result["refits"]["bucket_1_mib"]["median"]["runs"] == 1
+    assert [run["group"] for run in result["zero_byte"]["tiny_refits"]["runs"]] == ["fresh", "reused"]
+    assert result["zero_byte"]["tiny_refits"]["runs"][1]["checks"]["completion_weight_version"]

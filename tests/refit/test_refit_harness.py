@@ -272,6 +272,7 @@ def serve_in_process(token: Path, *, deferred: bool = False) -> Iterator[InProce
             _wait_healthy(served.agent.url, lambda: thread.is_alive())
             yield served
             assert served.refits.wait_settled(SETTLE_TIMEOUT_SECONDS), "a refit attempt's thread outlived its test"
+            served.refits.close()  # a transfer group parked by the last refit
         finally:
             servers.stop()
             thread.join(timeout=30)

@@ -1,7 +1,9 @@
 """The same refit code over NCCL on two GPUs (skipped without two): the trainer's SDK on ``cuda:0`` in
 this process, a receiver on ``cuda:1`` in a subprocess (this file run as a script). Broadcast into
-whole HF tensors and reshard into a TP=2 megatron shard both land exactly, in place; and a receiver
-blocked inside an NCCL broadcast whose trainer never sends is released by its watchdog's abort.
+whole HF tensors and reshard into a TP=2 megatron shard both land exactly, in place, twice over one
+sender (the second version keeps the NCCL group: no communicator is built, and the receiver zeroes
+its tensors in between, so the second version is proven written too); and a receiver blocked inside
+an NCCL broadcast whose trainer never sends is released by its watchdog's abort.
 
 Self-contained (torch and the refit modules only), so it runs on a bare GPU image with
 ``pytest --noconftest``. Weights are drawn from a fixed seed on both sides, so the receiver checks
@@ -72,17 +74,19 @@ def _report(process: subprocess.Popen[str]) -> dict[str, Any]:
 @pytest.mark.parametrize("transport", ["broadcast", "reshard"])
 def test_nccl_refit_lands_exactly_and_in_place(transport: wire.Transport) -> None:
     port = _port()
-    child = _spawn(mode="receive", port=port, transport=transport)
+    child = _spawn(mode="receive", port=port, transport=transport, rounds=2)
     try:
         tensors = weights(TRAINER_DEVICE)
         with sdk.WeightSender(
             port, 2, backend="nccl", address=ADDRESS, device=TRAINER_DEVICE, timeout_seconds=120
         ) as s:
             s.init()
-            report = s.send(tensors.items(), bucket_size_mib=BUCKET_MIB, version=1, transport=transport)
+            first = s.send(tensors.items(), bucket_size_mib=BUCKET_MIB, version=1, transport=transport)
+            report = s.send(tensors.items(), bucket_size_mib=BUCKET_MIB, version=2, transport=transport)
     finally:
         result = _report(child)
-    assert result["exact"] and result["inPlace"], result
+    assert result["exact"] == [True, True] and result["inPlace"], result
+    assert result["reused"] == [False, True] and (first.reused, report.reused) == (False, True)
     assert result["received"] == report.bytes_sent
     full = sum(tensor.numel() * tensor.element_size() for tensor in tensors.values())
     if transport == "reshard":
@@ -109,7 +113,7 @@ def test_nccl_watchdog_releases_a_receiver_blocked_in_a_broadcast() -> None:
         local_address=ADDRESS,
     )
     try:
-        comm.handshake()
+        comm.open_round(1)  # the receiver's hello, the group decision, the group and its handshake
         infos = (wire.TensorInfo("w", (1024, 1024), "bfloat16"),)
         plan = wire.plan_buckets([(wire.Region.whole("w"), 2 * 1024 * 1024)], 2**30)
         comm.set(wire.MANIFEST_KEY, wire.Manifest(1, "broadcast", 2**30, infos, plan).encode())
@@ -157,21 +161,32 @@ def _receiver(arguments: dict[str, Any]) -> dict[str, Any]:
         local_address=ADDRESS,
     )
     guard = watchdog.Watchdog(timeout, comm.abort)
-    record = progress.Progress(version=1, source="rendezvous")
     started = time.monotonic()
     guard.start()
+    exact: list[bool] = []
+    reused: list[bool] = []
     try:
-        received = receiver.receive(
-            comm,
-            sink,
-            version=1,
-            transport=transport,
-            bucket_limit_bytes=2**30,
-            apply=lambda write: write(),
-            record=record,
-        )
-        torch.cuda.synchronize(device)
-        comm.set(wire.done_key(1), wire.Done(ok=True, bytes_received=received).encode())
+        for version in range(1, int(arguments.get("rounds", 1)) + 1):
+            record = progress.Progress(version=version, source="rendezvous")
+            received = receiver.receive(
+                comm,
+                sink,
+                version=version,
+                transport=transport,
+                bucket_limit_bytes=2**30,
+                apply=lambda write: write(),
+                record=record,
+            )
+            torch.cuda.synchronize(device)
+            comm.set(wire.done_key(1), wire.Done(ok=True, bytes_received=received).encode())
+            exact.append(all(torch.equal(live[name], tensor) for name, tensor in expected.items()))
+            reused.append(record.snapshot().reused)
+            for tensor in live.values():
+                tensor.zero_()  # the next version must write every byte again
+            if isinstance(sink, sinks.NamedSink):
+                sink = sinks.NamedSink(live)  # a fresh record of what was written
+            else:
+                sink = sinks.ShardSink(live, specs, weight_maps.hf_shapes(SHAPE))
     except errors.RefitError as error:
         return {"error": f"{type(error).__name__}: {error}", "seconds": time.monotonic() - started}
     finally:
@@ -179,7 +194,8 @@ def _receiver(arguments: dict[str, Any]) -> dict[str, Any]:
         comm.close()
     return {
         "received": received,
-        "exact": all(torch.equal(live[name], tensor) for name, tensor in expected.items()),
+        "exact": exact,
+        "reused": reused,
         "inPlace": all(live[name].data_ptr() == pointer for name, pointer in pointers.items()),
         "phases": {name: round(seconds, 4) for name, seconds in record.snapshot().phases},
     }

@@ -8,11 +8,13 @@ section 6 is the protocol this implements.
 Modules, each small and with one job:
 
 * :mod:`~megafleet_engine.refit.controller`: accepts a request and runs it as an attempt on its own
-  thread (suspend, join, receive and write, resume), with a watchdog; reports progress.
+  thread (suspend, join, receive and write, resume), with a watchdog; reports progress; parks the
+  communicator of a successful refit for the next one.
 * :mod:`~megafleet_engine.refit.receiver`: the receiver's half of the wire protocol (manifest check,
   buckets, writes).
-* :mod:`~megafleet_engine.refit.communicator`: the rendezvous store and the hand-built gloo/NCCL
-  transfer group, every wait bounded by the attempt's deadline.
+* :mod:`~megafleet_engine.refit.communicator`: the trainer's session in its rendezvous store and the
+  hand-built gloo/NCCL transfer group, kept from refit to refit while nothing changes, every wait
+  bounded by the attempt's deadline.
 * :mod:`~megafleet_engine.refit.wire`: messages and bucket layout, shared with the trainer SDK.
 * :mod:`~megafleet_engine.refit.sinks`: where weights land (whole HF tensors, or the pieces of a
   megatron shard map), always with ``copy_``.

@@ -1,11 +1,12 @@
-"""The refit world's communicator: rendezvous through the trainer's ``TCPStore`` and a process group
-built by hand over the ranks that move data.
+"""The refit world's communicator: the trainer's session in its ``TCPStore``, and a transfer group
+built by hand over the ranks that move data, kept from one refit to the next while nothing changes.
 
-Used by both ends of a refit: the receiver (:mod:`megafleet_engine.refit.receiver`, one communicator
-per attempt) and the trainer SDK (:mod:`megafleet.sdk.trainer`). Gloo on CPU, NCCL on GPU, the same
-code. The group is constructed directly (``ProcessGroupGloo``/``ProcessGroupNCCL`` over a
-``PrefixStore``), never through ``torch.distributed.init_process_group``: an engine rank already uses
-the default group for its own shard (TP/PP), and tests hold a trainer and receivers in one process.
+Used by both ends of a refit: the receiver (:mod:`megafleet_engine.refit.controller` and
+:mod:`~megafleet_engine.refit.receiver`) and the trainer SDK (:mod:`megafleet.sdk.trainer`). Gloo on
+CPU, NCCL on GPU, the same code. Groups are constructed directly (``ProcessGroupGloo``/
+``ProcessGroupNCCL`` over a ``PrefixStore``), never through ``torch.distributed.init_process_group``:
+an engine rank already uses the default group for its own shard (TP/PP), and tests hold a trainer
+and receivers in one process.
 
 **Ranks.** The trainer+fleet world numbers trainer ranks ``0..T-1`` first, then every live shard's
 ranks at its rank offset (:func:`megafleet.planner.layout.rank_offsets`). Protocol 1 moves data from
@@ -14,21 +15,46 @@ trainer rank 0 only (it holds Hugging Face tensors, gathered by the trainer as N
 rank 0 is the trainer, fleet global rank ``g`` is group rank ``g - T + 1``. Trainer ranks ``1..T-1``
 keep their numbers (offsets stay those of the membership) and take no part.
 
-**Deadlines.** Every blocking call is bounded by the attempt's :class:`Deadline`: connecting to the
-store, waiting for a key, building the group, each collective (gloo: the op's own timeout; NCCL:
-completion is polled). :meth:`Communicator.abort`, called by the watchdog from another thread, tears
-the group down: that is what makes a blocked NCCL collective return. Gloo's ``abort`` does not
-interrupt an op in progress (measured with torch 2.15: a pending broadcast stays blocked until its
-peer goes away), which is why gloo ops carry per-op timeouts that never reach past the deadline, and
-why a gloo receive never uses ``Work.wait(timeout)`` on a collective (that leaves the op pending and
-the group's destructor blocked until the peer exits).
+**Session, rounds and group reuse** (as NeMo RL's ``init_collective`` once, then
+``update_weights_from_collective`` per step). :meth:`Communicator.connect` on rank 0 starts the store
+and writes a random *session* id; any other rank connects and reads it. Each refit is a *round*
+named by its weight version (a session sends a version once), and every key of a round lives under
+``round/<version>/``, so a store kept open never mixes two refits. A round opens with
+:meth:`Communicator.open_round`: every receiver writes ``hello/<rank>`` (the session it read and the
+group it still holds, if any), the trainer reads them all and writes its decision ``group``: keep
+the group when every receiver holds the trainer's current one of this session, else build a new one
+named after the version (its own ``group/<name>/`` store prefix), which every rank joins and checks
+with the handshake. A receiver keeps its communicator *parked* between refits only after a refit
+succeeded (:class:`~megafleet_engine.refit.controller.RefitController`); any failure, abort or
+another rendezvous closes it, and the trainer's sender is unusable after a failed send, so a retry
+(a new attempt on its own port) always builds a fresh session and group.
+
+**Deadlines.** Every blocking call is bounded by the current round's :class:`Deadline`
+(:meth:`rearm` gives a parked communicator the next attempt's deadline and abort flag): connecting to
+the store, waiting for a key, building the group, each collective (gloo: the op's own timeout; NCCL:
+ops are stream-ordered and the host waits only where it must, polling completion finely).
+:meth:`Communicator.abort`, called by the watchdog from another thread, tears the group down: that
+is what makes a blocked NCCL collective return. Gloo's ``abort`` does not interrupt an op in progress
+(measured with torch 2.15: a pending broadcast stays blocked until its peer goes away), which is why
+gloo ops carry per-op timeouts that never reach past the deadline, and why a gloo receive never uses
+``Work.wait(timeout)`` on a collective (that leaves the op pending and the group's destructor
+blocked until the peer exits).
+
+**Asynchronous ops.** :meth:`start_broadcast`/:meth:`start_recv` return a :class:`Pending` op and
+:meth:`finish` completes it: gloo waits on the host (the op runs on gloo's own threads meanwhile, so
+the caller can pack or write another bucket), NCCL only makes a CUDA stream wait for it (no host
+wait at all). This is what lets both ends pipeline buckets (:mod:`~megafleet_engine.refit.receiver`,
+:meth:`megafleet.sdk.trainer.WeightSender.send`).
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import datetime
+import json
 import logging
+import secrets
 import socket
 import threading
 import time
@@ -41,25 +67,67 @@ from torch._C import _distributed_c10d as c10d  # Store classes: torch.distribut
 
 from megafleet_engine.refit import errors, wire
 
-__all__ = ["Backend", "Communicator", "Deadline", "Rendezvous", "local_address_towards"]
+__all__ = [
+    "Backend",
+    "Communicator",
+    "Deadline",
+    "Pending",
+    "Rendezvous",
+    "local_address_towards",
+    "new_event",
+    "on_stream",
+    "side_stream",
+]
 
 log = logging.getLogger(__name__)
 
 Backend = Literal["gloo", "nccl"]
 STORE_PREFIX = "megafleet/refit/"
+SESSION_KEY = "session"
+"""The trainer's session id (outside any round): a receiver holding a group of another session never reuses it."""
+GROUP_KEY = "group"
+"""The trainer's decision of a round: ``{"group": name, "keep": bool}``."""
 NCCL_TIMEOUT_MARGIN_SECONDS = 600.0
 """NCCL's own per-op timeout is set this far past the deadline, so the refit watchdog (which aborts
 the group at the deadline) always acts first: NCCL's timeout handling may end the whole process."""
-NCCL_POLL_SECONDS = 0.002
-"""How often a wait on an NCCL op checks for completion, abort and the deadline."""
-STORE_PROBE_FIRST_SECONDS = 0.02
-STORE_PROBE_MAX_SECONDS = 0.5
-"""Backoff between probes for the trainer's store, which the trainer may open after the agents join."""
+POLL_SECONDS = 0.0002
+"""How often a host wait on an NCCL op or a CUDA event checks for completion, abort and the deadline
+(only where the host must wait: the handshake, the end of a transfer; never per bucket)."""
+STORE_PROBE_FIRST_SECONDS = 0.002
+STORE_PROBE_MAX_SECONDS = 0.05
+"""Backoff between probes for the trainer's store, which the trainer may open after the agents join
+(a TCP connect to one address: cheap enough to repeat every 50 ms, and the store is found within
+that once it listens)."""
 STORE_WAIT_SLICE_SECONDS = 1.0
 """The longest single wait for a store key: how soon an abort ends a wait for a peer that never answers."""
 DEADLINE_SLACK_SECONDS = 0.25
 """A torch wait that fails this close to the deadline ran out of time (its own timer may end a moment
 early), and is reported as the deadline passing."""
+
+
+def hello_key(group_rank: int) -> str:
+    return f"hello/{group_rank}"
+
+
+def side_stream(device: torch.device) -> torch.cuda.Stream | None:
+    """A CUDA stream of ``device`` for work that overlaps a transfer (packing, writing), or ``None`` on CPU."""
+    if device.type != "cuda":
+        return None
+    make: Any = torch.cuda.Stream  # untyped constructor in torch's stubs
+    stream: torch.cuda.Stream = make(device)
+    return stream
+
+
+def new_event() -> torch.cuda.Event:
+    """A CUDA event (no timing) to order streams and to wait for on the host."""
+    make: Any = torch.cuda.Event  # untyped constructor in torch's stubs
+    event: torch.cuda.Event = make()
+    return event
+
+
+def on_stream(stream: torch.cuda.Stream | None) -> contextlib.AbstractContextManager[Any]:
+    """``torch.cuda.stream(stream)``, or nothing on CPU."""
+    return torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext()
 
 
 class Deadline:
@@ -138,23 +206,72 @@ class _Group(Protocol):
     def shutdown(self) -> None: ...
 
 
-class Communicator:
-    """One attempt's store client (or server, on the trainer) and transfer group.
+@dataclasses.dataclass(frozen=True)
+class Pending:
+    """An op in flight (:meth:`Communicator.start_broadcast`, :meth:`Communicator.start_recv`)."""
 
-    Build with :meth:`connect`; every method but :meth:`abort` is called from one thread (the
-    attempt's); :meth:`abort` may be called from any thread. Close with :meth:`close` either way.
+    work: dist.Work
+    what: str
+    self_bounded: bool  # a gloo broadcast: it ends itself at the deadline
+
+
+@dataclasses.dataclass(frozen=True)
+class _Hello:
+    """A receiver's opening of a round: the session it read and the group it still holds."""
+
+    session: str
+    group: str | None
+
+    def encode(self) -> str:
+        return json.dumps({"session": self.session, "group": self.group})
+
+    @classmethod
+    def decode(cls, raw: bytes) -> _Hello:
+        try:
+            value = json.loads(raw)
+            group = value["group"]
+            return cls(str(value["session"]), None if group is None else str(group))
+        except (KeyError, TypeError, json.JSONDecodeError) as error:
+            raise errors.ProtocolError(f"malformed hello: {error!r}") from None
+
+
+@dataclasses.dataclass(frozen=True)
+class _Decision:
+    """The trainer's decision for a round: the group every rank uses, and whether it is kept."""
+
+    group: str
+    keep: bool
+
+    def encode(self) -> str:
+        return json.dumps({"group": self.group, "keep": self.keep})
+
+    @classmethod
+    def decode(cls, raw: bytes) -> _Decision:
+        try:
+            value = json.loads(raw)
+            return cls(str(value["group"]), bool(value["keep"]))
+        except (KeyError, TypeError, json.JSONDecodeError) as error:
+            raise errors.ProtocolError(f"malformed group decision: {error!r}") from None
+
+
+class Communicator:
+    """One rank's store client (or server, on the trainer), session and transfer group.
+
+    Build with :meth:`connect`, then :meth:`open_round` for each refit; every method but
+    :meth:`abort` is called from one thread at a time (a round's); :meth:`abort` may be called from
+    any thread. Close with :meth:`close` either way.
     """
 
     def __init__(
         self,
         store: c10d.Store,
-        group: _Group,
         *,
         rendezvous: Rendezvous,
         group_rank: int,
         backend: Backend,
         device: torch.device,
         deadline: Deadline,
+        local_address: str,
         aborted: threading.Event | None = None,
     ) -> None:
         self.rendezvous = rendezvous
@@ -162,8 +279,19 @@ class Communicator:
         self.backend = backend
         self.device = device
         self.deadline = deadline
+        self.local_address = local_address
+        self.session = ""
+        """The trainer's session id (rank 0 draws it, the others read it from the store)."""
+        self.group_name: str | None = None
+        """The transfer group held now (``None``: none yet, or dropped)."""
+        self.namespace = ""
+        """Key prefix of the current round (``round/<version>/``); every :meth:`get`/:meth:`set` uses it."""
+        self.reused = False
+        """Whether the current round kept the group of an earlier round (no group was built)."""
+        self.rounds = 0
+        """Rounds opened on this communicator."""
         self._store: c10d.Store | None = store
-        self._group: _Group | None = group
+        self._group: _Group | None = None
         self._aborted = aborted or threading.Event()
         self._group_aborted = False
         self._lock = threading.Lock()
@@ -180,9 +308,10 @@ class Communicator:
         local_address: str,
         aborted: threading.Event | None = None,
     ) -> Communicator:
-        """Join the attempt's world as ``global_rank`` (0: the trainer, which hosts the store).
+        """Join the trainer's session as ``global_rank`` (0: the trainer, which hosts the store and
+        draws the session id; others wait for the store and read it). No group is built here:
+        :meth:`open_round` builds one or keeps the last.
 
-        Blocks until every rank of the transfer group has joined (gloo) or the deadline passes.
         ``local_address`` is the address the gloo transport binds (this pod's IP). ``aborted``, set
         from another thread, ends the wait for the trainer's store at once and is the
         communicator's abort flag afterwards (the caller may abort before this returns).
@@ -194,35 +323,129 @@ class Communicator:
         if group_rank != 0:
             _wait_for_store(rendezvous, deadline, aborted)
         store = _store(rendezvous, is_master=group_rank == 0, deadline=deadline)
-        prefixed = c10d.PrefixStore(STORE_PREFIX + "group", store)
-        try:
-            group = _group(prefixed, group_rank, rendezvous.group_size, backend, local_address, deadline)
-        except RuntimeError as error:
-            raise _translate(error, deadline, "every rank joined the refit group") from None
-        return cls(
+        comm = cls(
             store,
-            group,
             rendezvous=rendezvous,
             group_rank=group_rank,
             backend=backend,
             device=device,
             deadline=deadline,
+            local_address=local_address,
             aborted=aborted,
         )
+        if group_rank == 0:
+            comm.session = secrets.token_hex(16)
+            comm.set(SESSION_KEY, comm.session, scoped=False)
+        else:
+            comm.session = comm.get(SESSION_KEY, what="the trainer's session id", scoped=False).decode()
+        return comm
+
+    # -- rounds --------------------------------------------------------------------------------
+
+    def open_round(self, version: int) -> bool:
+        """Open the round of weight version ``version``: agree with every rank on the transfer group
+        (keep the current one, or build a new one and handshake over it); returns whether the
+        group was kept (also :attr:`reused`). The trainer waits for every receiver's hello; a
+        receiver waits for the trainer's decision."""
+        if self.backend == "nccl":
+            torch.cuda.set_device(self.device)  # this round may run on another thread than the last
+        self.namespace = f"round/{version}/"
+        self.rounds += 1
+        if self.group_rank == 0:
+            self._decide(version)
+        else:
+            self._follow()
+        return self.reused
+
+    def _decide(self, version: int) -> None:
+        hellos: dict[int, _Hello] = {}
+        for group_rank in range(1, self.rendezvous.group_size):
+            what = f"the hello of rank {self.rendezvous.global_rank(group_rank)}"
+            hellos[group_rank] = _Hello.decode(self.get(hello_key(group_rank), what=what))
+        keep = (
+            self.group_name is not None
+            and self._group is not None
+            and not self._group_aborted
+            and all(hello.session == self.session and hello.group == self.group_name for hello in hellos.values())
+        )
+        name = self.group_name if keep and self.group_name is not None else f"v{version}"
+        self.set(GROUP_KEY, _Decision(name, keep).encode())
+        self.reused = keep
+        if not keep:
+            self._regroup(name)
+            self.handshake()
+
+    def _follow(self) -> None:
+        self.set(hello_key(self.group_rank), _Hello(self.session, self.group_name).encode())
+        decision = _Decision.decode(self.get(GROUP_KEY, what="the trainer's group decision"))
+        self.reused = decision.keep
+        if decision.keep:
+            if decision.group != self.group_name or self._group is None:
+                raise errors.ProtocolError(
+                    f"the trainer keeps group {decision.group!r}, but this rank holds {self.group_name!r}"
+                )
+            return
+        self._regroup(decision.group)
+        self.handshake()
+
+    def _regroup(self, name: str) -> None:
+        """Drop the group held (if any) and build group ``name`` over its own store prefix; blocks
+        until every rank joined (gloo) or the deadline."""
+        self._drop_group()
+        prefixed = c10d.PrefixStore(f"{STORE_PREFIX}group/{name}/", self._live_store())
+        try:
+            group = _group(
+                prefixed, self.group_rank, self.rendezvous.group_size, self.backend, self.local_address, self.deadline
+            )
+        except RuntimeError as error:
+            raise _translate(error, self.deadline, "every rank joined the refit group") from None
+        with self._lock:
+            self._group, self.group_name, self._group_aborted = group, name, False
+        if self._aborted.is_set():  # aborted while building: the abort did not see this group
+            self._abort_group()
+
+    def _drop_group(self) -> None:
+        """Tear the group down locally (abort: it never waits for peers, which may have dropped it too)."""
+        self._abort_group()
+        with self._lock:
+            self._group, self.group_name, self._group_aborted = None, None, False
+
+    def rearm(self, deadline: Deadline, aborted: threading.Event) -> None:
+        """Give a parked communicator the next attempt's deadline and abort flag (receiver side)."""
+        with self._lock:
+            if self._group_aborted or self._store is None or self._aborted.is_set():
+                raise errors.RefitAborted("the parked refit group was torn down")
+            self.deadline = deadline
+            self._aborted = aborted
+
+    def check_session(self, timeout_seconds: float) -> None:
+        """Raise :class:`RefitError` unless the trainer's store still answers with this
+        communicator's session id (within ``timeout_seconds``, at most the deadline): a trainer
+        that restarted or reopened its sender on the same port has another session, or none."""
+        store = self._live_store()
+        bound = min(datetime.timedelta(seconds=timeout_seconds), self.deadline.left("checking the trainer's session"))
+        try:
+            store.set_timeout(bound)
+            value = store.get(STORE_PREFIX + SESSION_KEY).decode()
+        except RuntimeError as error:
+            raise _translate(error, self.deadline, "checking the trainer's session") from None
+        if value != self.session:
+            raise errors.RefitError("the trainer's session changed")
 
     # -- control messages ----------------------------------------------------------------------
 
-    def set(self, key: str, value: str) -> None:
-        self._live_store().set(STORE_PREFIX + key, value)
+    def set(self, key: str, value: str, *, scoped: bool = True) -> None:
+        """Set ``key`` of the current round (``scoped=False``: outside any round)."""
+        self._live_store().set(self._key(key, scoped), value)
 
-    def get(self, key: str, *, what: str) -> bytes:
-        """The value of ``key``, waiting for it until the deadline or an abort (``what`` names it in
-        errors). A store wait cannot be interrupted, so it waits in slices of
+    def get(self, key: str, *, what: str, scoped: bool = True) -> bytes:
+        """The value of ``key`` of the current round, waiting for it until the deadline or an abort
+        (``what`` names it in errors). A store wait cannot be interrupted, so it waits in slices of
         :data:`STORE_WAIT_SLICE_SECONDS` and checks the abort flag between them: an aborted attempt
         (the operator's abort on a receiver, :meth:`WeightSender.abort` on the trainer) stops waiting
         for a peer that is gone."""
         store = self._live_store()
-        full_key = STORE_PREFIX + key
+        full_key = self._key(key, scoped)
         while True:
             self._check_open(what)
             timeout = min(self.deadline.left(what), datetime.timedelta(seconds=STORE_WAIT_SLICE_SECONDS))
@@ -236,11 +459,23 @@ class Communicator:
             except RuntimeError as error:
                 raise _translate(error, self.deadline, what, aborted=self._aborted.is_set()) from None
 
+    def delete(self, keys: list[str], *, namespace: str) -> None:
+        """Delete ``keys`` of the round ``namespace`` (best effort: a finished round's messages)."""
+        store = self._live_store()
+        for key in keys:
+            try:
+                store.delete_key(STORE_PREFIX + namespace + key)
+            except RuntimeError as error:
+                log.debug("deleting refit key %s: %s", key, error)
+
+    def _key(self, key: str, scoped: bool) -> str:
+        return STORE_PREFIX + (self.namespace if scoped else "") + key
+
     # -- data ----------------------------------------------------------------------------------
 
     def handshake(self) -> None:
         """Group rank 0 broadcasts ``[MAGIC, MAJOR, group size]``; the others check it. The first
-        collective: for NCCL it also creates the communicator."""
+        collective of a group: for NCCL it also creates the communicator."""
         hello = torch.tensor([wire.HANDSHAKE_MAGIC, wire.PROTOCOL_MAJOR, self.rendezvous.group_size], dtype=torch.int64)
         buffer = (hello if self.group_rank == 0 else torch.zeros_like(hello)).to(self.device)
         self.broadcast(buffer, what="the handshake")
@@ -251,48 +486,81 @@ class Communicator:
                 f"protocol {wire.PROTOCOL_MAJOR}, group size {self.rendezvous.group_size}]"
             )
 
-    def broadcast(self, tensor: torch.Tensor, *, what: str) -> None:
-        """Broadcast ``tensor`` from group rank 0 (in place on the others)."""
+    def start_broadcast(self, tensor: torch.Tensor, *, what: str) -> Pending:
+        """Start broadcasting ``tensor`` from group rank 0 (in place on the others); :meth:`finish` it.
+        NCCL orders it after the work already queued on the calling thread's current stream."""
         options = dist.BroadcastOptions()
         options.rootRank = 0
         options.rootTensor = 0
         if self.backend == "gloo":
             options.timeout = self.deadline.left(what)  # gloo ends the op itself at the deadline
-        self._finish(lambda: self._live_group().broadcast([tensor], options), what=what, self_bounded=True)
+        return self._start(lambda group: group.broadcast([tensor], options), what=what, self_bounded=True)
+
+    def start_recv(self, tensor: torch.Tensor, *, src: int, tag: int, what: str) -> Pending:
+        """Start receiving ``tensor`` from group rank ``src`` (the whole tensor, in place)."""
+        return self._start(lambda group: group.recv([tensor], src, tag), what=what, self_bounded=False)
+
+    def finish(self, pending: Pending, *, stream: torch.cuda.Stream | None = None) -> None:
+        """Complete ``pending`` as far as its user needs: gloo waits on the host until it is done;
+        NCCL makes ``stream`` (default: the current stream) wait for it, without a host wait."""
+        self._check_open(pending.what)
+        try:
+            if self.backend == "gloo":
+                if pending.self_bounded:
+                    pending.work.wait()
+                else:  # a point-to-point op: wait(timeout) leaves nothing pending behind
+                    pending.work.wait(self.deadline.left(pending.what))
+                return
+            with on_stream(stream):
+                pending.work.wait()
+        except RuntimeError as error:
+            if isinstance(error, errors.RefitError):
+                raise
+            raise _translate(error, self.deadline, pending.what, aborted=self._aborted.is_set()) from None
+
+    def complete(self, pending: Pending) -> None:
+        """Wait on the host until ``pending`` is done (NCCL: polled, so an abort or the deadline ends the wait)."""
+        if self.backend == "nccl":
+            self._poll(pending.work.is_completed, what=pending.what)
+        self.finish(pending)
+
+    def wait_event(self, event: torch.cuda.Event, *, what: str) -> None:
+        """Wait on the host until the CUDA ``event`` completed, bounded like every other wait."""
+        self._poll(event.query, what=what)
+
+    def broadcast(self, tensor: torch.Tensor, *, what: str) -> None:
+        """Broadcast ``tensor`` from group rank 0 (in place on the others) and wait until it is done."""
+        self.complete(self.start_broadcast(tensor, what=what))
 
     def send(self, tensor: torch.Tensor, *, dst: int, tag: int, what: str) -> dist.Work:
         """Start sending ``tensor`` to group rank ``dst``; finish it with :meth:`wait`."""
-        self._check_open(what)
-        try:
-            return self._live_group().send([tensor], dst, tag)
-        except RuntimeError as error:
-            raise _translate(error, self.deadline, what, aborted=self._aborted.is_set()) from None
+        return self._start(lambda group: group.send([tensor], dst, tag), what=what, self_bounded=False).work
 
     def recv(self, tensor: torch.Tensor, *, src: int, tag: int, what: str) -> None:
-        """Receive ``tensor`` from group rank ``src`` (the whole tensor, in place)."""
-        self._finish(lambda: self._live_group().recv([tensor], src, tag), what=what, self_bounded=False)
+        """Receive ``tensor`` from group rank ``src`` (the whole tensor, in place) and wait until it is done."""
+        self.complete(self.start_recv(tensor, src=src, tag=tag, what=what))
 
     def wait(self, work: dist.Work, *, what: str) -> None:
-        """Wait for ``work`` (from :meth:`send`) until the deadline."""
-        self._finish(lambda: work, what=what, self_bounded=False)
+        """Wait on the host for ``work`` (from :meth:`send`) until the deadline."""
+        self.complete(Pending(work, what, self_bounded=False))
 
-    def _finish(self, start: Callable[[], dist.Work], *, what: str, self_bounded: bool) -> None:
+    def _start(self, start: Callable[[_Group], dist.Work], *, what: str, self_bounded: bool) -> Pending:
         self._check_open(what)
         try:
-            work = start()
-            if self.backend == "gloo":
-                if self_bounded:
-                    work.wait()
-                else:  # a point-to-point op: wait(timeout) leaves nothing pending behind
-                    work.wait(self.deadline.left(what))
-                return
-            while not work.is_completed():
-                if self._aborted.wait(NCCL_POLL_SECONDS):
+            return Pending(start(self._live_group()), what, self_bounded)
+        except RuntimeError as error:
+            if isinstance(error, errors.RefitError):
+                raise
+            raise _translate(error, self.deadline, what, aborted=self._aborted.is_set()) from None
+
+    def _poll(self, done: Callable[[], bool], *, what: str) -> None:
+        try:
+            while not done():
+                if self._aborted.wait(POLL_SECONDS):
                     raise errors.RefitAborted(f"the refit was aborted during {what}")
                 if self.deadline.passed:
                     self.abort()
                     raise errors.RefitTimeout(f"the refit's {self.deadline.seconds:g} s deadline passed during {what}")
-            work.wait()
         except RuntimeError as error:
             if isinstance(error, errors.RefitError):
                 raise
@@ -304,19 +572,34 @@ class Communicator:
     def aborted(self) -> bool:
         return self._aborted.is_set()
 
+    @property
+    def healthy(self) -> bool:
+        """Open and holding a group that was not aborted: fit to be parked for the next round (the
+        abort flag belongs to the attempt, which checks it)."""
+        with self._lock:
+            return self._store is not None and self._group is not None and not self._group_aborted
+
     def abort(self) -> None:
         """Tear the group down so blocked NCCL collectives return (safe from any thread, idempotent)."""
         self._aborted.set()
+        self._abort_group()
+
+    def _abort_group(self) -> None:
         with self._lock:
-            if self._group_aborted:
+            if self._group_aborted or self._group is None:
                 return
             self._group_aborted = True
             group = self._group
-        if group is not None:
-            try:
-                group.abort()
-            except RuntimeError as error:  # already torn down by its peer
-                log.debug("aborting the refit group: %s", error)
+        try:
+            group.abort()
+        except RuntimeError as error:  # already torn down by its peer
+            log.debug("aborting the refit group: %s", error)
+
+    def discard(self) -> None:
+        """Close a communicator that is no longer wanted (a parked one): its group is aborted, which
+        never waits for peers that may be gone, and its abort flag (an attempt's) is left alone."""
+        self._abort_group()
+        self.close()
 
     def close(self) -> None:
         """Release the group and the store (the trainer's store stops listening)."""
@@ -325,7 +608,8 @@ class Communicator:
         with self._lock:
             group, self._group = self._group, None
             self._store = None
-        if group is not None and self.backend == "nccl" and not self._group_aborted:
+            group_aborted = self._group_aborted
+        if group is not None and self.backend == "nccl" and not group_aborted:
             try:
                 group.shutdown()
             except RuntimeError as error:
@@ -338,7 +622,7 @@ class Communicator:
 
     def _live_group(self) -> _Group:
         group = self._group
-        if group is None:
+        if group is None or self._group_aborted:
             raise errors.RefitAborted("the refit group is closed")
         return group
 

@@ -10,19 +10,27 @@ An attempt, in order (phases as the status reports them):
 1. ``suspending``: close the engine's gate and drain or abort what is in flight (the request's
    ``suspendMode``), then let the backend free what its KV-cache mode frees. Nothing is written
    before this returns, so no response is ever produced by a mix of two versions.
-2. ``joining`` (rendezvous source): connect to the trainer's store, join the transfer group as
-   ``rankOffset + shard-local rank``, handshake, check the manifest and answer it.
-3. ``receiving``: every bucket is received on this thread and written on the engine's backend
-   thread (:meth:`Engine.run_exclusive`) with ``copy_`` into the live tensors; or ``applying`` (a
+2. ``joining`` (rendezvous source): reuse the communicator *parked* by the last successful refit
+   when this request names the same rendezvous (address, port, world size, trainer world size,
+   this rank) and the trainer's store still answers with the same session; else connect to the
+   trainer's store afresh. Then open the round (:meth:`Communicator.open_round`): keep the parked
+   transfer group if the trainer keeps it too (no group is built: the status says ``reused``), or
+   join a new one as ``rankOffset + shard-local rank`` and handshake; check the manifest and answer it.
+3. ``receiving``: buckets are received on this thread and written on the engine's backend thread
+   (:meth:`Engine.run_exclusive`) with ``copy_`` into the live tensors, pipelined: bucket k is
+   written while bucket k+1 travels (:mod:`~megafleet_engine.refit.receiver`); or ``applying`` (a
    checkpoint source): the backend's ``load_checkpoint`` copies the checkpoint in place.
 4. ``resuming``: only once the whole version is written (every parameter, storage addresses
    unchanged) and, on a shard of several rank processes, every rank says it wrote it too (the
    backend's ``settle_weight_update``), the engine resumes stamping the new version; a
-   deferred-init engine (``loading``) becomes ``ready`` here for the first time.
+   deferred-init engine (``loading``) becomes ``ready`` here for the first time. The communicator
+   is parked for the next refit before the success is reported.
 
 Any failure, the watchdog's deadline or ``POST /v1/refit/abort`` ends the attempt ``failed``: the
 engine is marked ``stale`` with the error (its gate stays closed: ``/v1`` answers 503), the process
-group is aborted, and the trainer is told when it can be. Once any weight was written, the engine is
+group is aborted (never parked), and the trainer is told when it can be. A parked group is closed by
+any attempt that does not reuse it (another rendezvous, another session, a checkpoint refit), by
+``POST /v1/refit/abort`` and by :meth:`RefitController.close`. Once any weight was written, the engine is
 *dirty*: only a later complete refit brings it back (``POST /v1/resume`` is refused), because its
 parameters may hold two versions.
 """
@@ -52,6 +60,8 @@ log = logging.getLogger(__name__)
 
 T = TypeVar("T")
 MIB = 2**20
+SESSION_CHECK_SECONDS = 5.0
+"""Bound of asking a parked communicator's store for the trainer's session (it answers at once or is gone)."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -126,6 +136,7 @@ class RefitController:
         self._lock = threading.Lock()
         self._attempt: _Attempt | None = None
         self._dirty = False
+        self._parked: _Parked | None = None
 
     @property
     def dirty(self) -> bool:
@@ -172,31 +183,74 @@ class RefitController:
                     raise Busy(snapshot)
             if self.engine.state == "failed":
                 raise Refused(f"the engine failed ({self.engine.last_error}); a refit cannot repair it")
-            attempt = _Attempt(self, request, loop)
+            attempt = _Attempt(self, request, loop, parked=self._parked)
+            self._parked = None  # the attempt reuses it or closes it, on its own thread
             self._attempt = attempt
         attempt.start()
         return attempt.record.snapshot()
 
     def abort(self, reason: str) -> progress.Snapshot:
-        """End the running attempt now (as the watchdog would); no-op when none runs."""
+        """End the running attempt now (as the watchdog would), and close a parked transfer group."""
         with self._lock:
             attempt = self._attempt
         if attempt is not None:
             attempt.abort(f"aborted: {reason}", timed_out=False)
+        self._discard_parked()
         return self.snapshot()
+
+    @property
+    def parked(self) -> bool:
+        """Whether a transfer group is parked for the next refit."""
+        with self._lock:
+            return self._parked is not None
+
+    def close(self) -> None:
+        """Engine shutdown: close the parked transfer group, if any (a running attempt is left to
+        its watchdog)."""
+        self._discard_parked()
+
+    def _park(self, parked: _Parked) -> None:
+        with self._lock:
+            old, self._parked = self._parked, parked
+        if old is not None:
+            old.comm.discard()
+
+    def _discard_parked(self) -> None:
+        with self._lock:
+            parked, self._parked = self._parked, None
+        if parked is not None:
+            parked.comm.discard()
 
     def _mark_dirty(self, dirty: bool) -> None:
         with self._lock:
             self._dirty = dirty
 
 
+@dataclasses.dataclass(frozen=True)
+class _Parked:
+    """A communicator kept after a successful refit, and the rendezvous it serves (rendezvous,
+    this rank's global rank, the address its transport binds)."""
+
+    key: tuple[object, ...]
+    comm: communicator.Communicator
+
+
 class _Attempt:
     """One refit attempt: its thread, watchdog, communicator and record."""
 
-    def __init__(self, owner: RefitController, request: Request, loop: asyncio.AbstractEventLoop) -> None:
+    def __init__(
+        self,
+        owner: RefitController,
+        request: Request,
+        loop: asyncio.AbstractEventLoop,
+        *,
+        parked: _Parked | None = None,
+    ) -> None:
         from megafleet_engine.refit import communicator  # torch loads here, not at agent import
 
         self.owner = owner
+        self.parked = parked  # taken (reused or closed) by the attempt's thread
+        self._key: tuple[object, ...] | None = None  # the rendezvous key this attempt's communicator serves
         self.engine = owner.engine
         self.request = request
         self.loop = loop
@@ -244,6 +298,9 @@ class _Attempt:
 
     def _run(self) -> None:
         try:
+            if not isinstance(self.request, RendezvousRequest) and self.parked is not None:
+                self.parked.comm.discard()  # another kind of refit: the next rendezvous joins afresh
+                self.parked = None
             self._suspend()
             if isinstance(self.request, RendezvousRequest):
                 self._receive(self.request)
@@ -254,9 +311,12 @@ class _Attempt:
             self._fail(error)
         finally:
             self._watchdog.stop()
+            if self.parked is not None:  # failed before it got to the join
+                self.parked.comm.discard()
+                self.parked = None
             with self._comm_lock:
                 comm, self._comm = self._comm, None
-            if comm is not None:
+            if comm is not None:  # not parked: this attempt failed
                 comm.close()
 
     def _suspend(self) -> None:
@@ -278,16 +338,21 @@ class _Attempt:
         sink = sinks.sink_for(backend)
         before = sinks.pointers(backend)
         rendezvous = _rendezvous(request)
+        global_rank = request.rank_offset + self.owner.rank
         with self.record.timed("join"):
-            comm = communicator.Communicator.connect(
-                rendezvous,
-                global_rank=request.rank_offset + self.owner.rank,
-                backend="nccl" if sink.device.type == "cuda" else "gloo",
-                device=sink.device,
-                deadline=self.deadline,
-                local_address=request.local_address or communicator.local_address_towards(request.address),
-                aborted=self._aborted,
-            )
+            local_address = request.local_address or communicator.local_address_towards(request.address)
+            self._key = (rendezvous, global_rank, local_address)
+            comm = self._take_parked(self._key)
+            if comm is None:
+                comm = communicator.Communicator.connect(
+                    rendezvous,
+                    global_rank=global_rank,
+                    backend="nccl" if sink.device.type == "cuda" else "gloo",
+                    device=sink.device,
+                    deadline=self.deadline,
+                    local_address=local_address,
+                    aborted=self._aborted,
+                )
         with self._comm_lock:
             self._comm = comm
         if self.record.finished:  # aborted while joining: the abort did not see this group
@@ -308,6 +373,33 @@ class _Attempt:
             _tell(comm, wire.Done(ok=False, error=str(error)))
             raise
         _tell(comm, wire.Done(ok=True, bytes_received=received))
+
+    def _take_parked(self, key: tuple[object, ...]) -> communicator.Communicator | None:
+        """The parked communicator, rearmed for this attempt, if it serves ``key`` and the trainer's
+        store still answers with its session; else ``None`` (and the parked one is closed)."""
+        parked, self.parked = self.parked, None
+        if parked is None:
+            return None
+        if parked.key == key:
+            try:
+                parked.comm.rearm(self.deadline, self._aborted)
+                parked.comm.check_session(SESSION_CHECK_SECONDS)
+                return parked.comm
+            except errors.RefitError as error:
+                log.info("not reusing the parked refit group: %s", error)
+        parked.comm.discard()
+        return None
+
+    def _park(self) -> None:
+        """Keep this attempt's communicator for the next refit (called once its version is served)."""
+        with self._comm_lock:
+            comm, self._comm = self._comm, None
+        if comm is None:
+            return
+        if self._key is not None and comm.healthy and not comm.aborted:
+            self.owner._park(_Parked(self._key, comm))
+        else:
+            comm.close()
 
     def _load(self, request: CheckpointRequest) -> None:
         from megafleet_engine.refit import sinks
@@ -357,6 +449,7 @@ class _Attempt:
         with self.record.timed("resume"):
             self.engine.resume(weight_version=self.request.version)
         self.owner._mark_dirty(False)
+        self._park()  # before the success shows: the next refit's prepare finds the group parked
         self.record.finish(error=None)
         self._observe(succeeded=True)
         snapshot = self.record.snapshot()

@@ -24,8 +24,10 @@ handshake, manifest check), ``receiving`` buckets (and writing each), ``applying
 ``resuming``; then ``succeeded`` or ``failed``. ``idle``: no attempt yet."""
 Source = Literal["rendezvous", "checkpoint"]
 TIMED_PHASES = ("suspend", "join", "receive", "apply", "resume")
-"""Names of the timings, in order (the Refit status's ``phases``); receive and apply alternate per
-bucket and each sums its share."""
+"""Names of the timings, in order (the Refit status's ``phases``). Buckets are pipelined (bucket k is
+written while bucket k+1 travels): ``receive`` sums the time the attempt waited for bucket data and
+``apply`` the time it waited for writes, so together they are the wall time of the transfer, not the
+sum of both costs."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -45,6 +47,7 @@ class Snapshot:
     tensors_written: int = 0
     error: str | None = None
     timed_out: bool = False  # the watchdog (or a bounded wait) ended it at the deadline
+    reused: bool = False  # the join kept the transfer group of the previous refit (none was built)
 
 
 class Progress:
@@ -107,6 +110,10 @@ class Progress:
                 buckets=state.buckets + buckets,
                 tensors_written=state.tensors_written + tensors_written,
             )
+
+    def set_reused(self, reused: bool) -> None:
+        with self._lock:
+            self._state = dataclasses.replace(self._state, reused=reused)
 
     def begin_commit(self) -> bool:
         """Claim success before resuming; ``False`` when the attempt already failed (aborted)."""

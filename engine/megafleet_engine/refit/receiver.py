@@ -7,7 +7,12 @@ with a verdict, so a mismatch is refused before any byte moves), then takes the 
 ``broadcast`` receives every bucket of the manifest's plan (every rank gets whole tensors and keeps
 what it holds), ``reshard`` receives only the buckets of the plan the trainer made for this rank
 from the regions it asked for (point-to-point sends of exactly the ``Piece`` ranges of its shard
-map). Each bucket is written through ``apply``, which runs the copies on the engine's backend thread.
+map). Each bucket is written through ``apply``, which runs the copies on the engine's backend thread,
+while the next bucket travels into a second buffer (see :func:`_transfer`: gloo overlaps through
+gloo's own threads, NCCL through CUDA streams and events, with one host wait at the end).
+
+Every key the receiver reads or writes lives under the round of its version
+(:meth:`Communicator.open_round`), so a trainer store that serves refit after refit never mixes them.
 
 Reshard as point-to-point from trainer rank 0 (not a scatter or an M-to-N exchange) is a deliberate
 first step: it needs only the HF tensors the trainer already exports, moves exactly the bytes each
@@ -46,11 +51,12 @@ def receive(
 ) -> int:
     """Receive and write one complete weight version; returns the bytes received.
 
+    Opens the round of ``version`` on ``comm`` first (keeping its group or joining a new one).
     Raises :class:`~megafleet_engine.refit.errors.ManifestMismatch` (after telling the trainer) when
     the manifest does not fit this rank, and another :class:`RefitError` for any other failure.
     """
     with record.timed("join"):
-        comm.handshake()
+        record.set_reused(comm.open_round(version))
         manifest = _read_manifest(comm)
         verdict = check_manifest(
             manifest, sink, version=version, transport=transport, bucket_limit_bytes=bucket_limit_bytes
@@ -66,26 +72,81 @@ def receive(
         else:
             plan = _read_plan(comm, manifest, verdict.regions, bucket_limit_bytes)
     record.enter("receiving")
-    tensors = manifest.by_name()
-    by_bucket: list[list[wire.Placement]] = [[] for _ in plan.sizes]
-    for placement in plan.placements:
-        by_bucket[placement.bucket].append(placement)
-    buffer = torch.empty(plan.largest, dtype=torch.uint8, device=sink.device)
-    for bucket, size in enumerate(plan.sizes):
-        chunk = buffer.narrow(0, 0, size)
-        what = f"bucket {bucket + 1} of {len(plan.sizes)}"
-        with record.timed("receive"):
-            if transport == "broadcast":
-                comm.broadcast(chunk, what=what)
-            else:
-                comm.recv(chunk, src=0, tag=bucket, what=what)
-        with record.timed("apply"):
-            written = apply(functools.partial(_write, sink, chunk, by_bucket[bucket], tensors))
-        record.count(bytes_received=size, buckets=1, tensors_written=written)
+    _transfer(comm, sink, plan, transport, manifest.by_name(), apply, record)
     missing = sink.missing()
     if missing:
         raise errors.RefitError(f"the transfer left {len(missing)} parameters unwritten, e.g. {missing[:3]}")
     return plan.total_bytes
+
+
+def _transfer(
+    comm: communicator.Communicator,
+    sink: sinks.Sink,
+    plan: wire.BucketPlan,
+    transport: wire.Transport,
+    tensors: dict[str, wire.TensorInfo],
+    apply: Apply,
+    record: progress.Progress,
+) -> None:
+    """Receive the buckets of ``plan`` into two alternating buffers and write each through ``apply``
+    while the next one travels.
+
+    Gloo: the next bucket's op runs on gloo's threads while this thread waits for the backend
+    thread's writes. NCCL: nothing waits on the host per bucket; the writes run on a side stream
+    that waits for each bucket's op, a buffer is received into again only after the side stream
+    wrote it out (an event on the receiving thread's stream, which NCCL's stream follows), and the
+    host waits once, for the last write. Writes stay ``copy_`` into the live tensors.
+    """
+    count = len(plan.sizes)
+    if count == 0:
+        return
+    by_bucket: list[list[wire.Placement]] = [[] for _ in plan.sizes]
+    for placement in plan.placements:
+        by_bucket[placement.bucket].append(placement)
+    device = sink.device
+    stream = communicator.side_stream(device)
+    slots = min(2, count)
+    buffers = [torch.empty(plan.largest, dtype=torch.uint8, device=device) for _ in range(slots)]
+    if stream is not None:
+        for buffer in buffers:
+            buffer.record_stream(stream)  # the allocator keeps them until the side stream is done with them
+    written: list[torch.cuda.Event | None] = [None] * slots  # NCCL: the writes out of each buffer are done
+    received: torch.cuda.Event | None = None
+
+    def chunk(bucket: int) -> torch.Tensor:
+        return buffers[bucket % slots].narrow(0, 0, plan.sizes[bucket])
+
+    def start(bucket: int) -> communicator.Pending:
+        event = written[bucket % slots]
+        if event is not None:
+            torch.cuda.current_stream(device).wait_event(event)
+        what = f"bucket {bucket + 1} of {count}"
+        if transport == "broadcast":
+            return comm.start_broadcast(chunk(bucket), what=what)
+        return comm.start_recv(chunk(bucket), src=0, tag=bucket, what=what)
+
+    pending = start(0)
+    for bucket in range(count):
+        with record.timed("receive"):
+            comm.finish(pending, stream=stream)  # gloo: the bucket is here; NCCL: the side stream waits for it
+        if stream is not None:
+            received = communicator.new_event()
+            received.record(stream)
+        if bucket + 1 < count:
+            pending = start(bucket + 1)  # travels while this bucket is written
+        done = communicator.new_event() if stream is not None else None
+        with record.timed("apply"):
+            count_written = apply(
+                functools.partial(_write, sink, chunk(bucket), by_bucket[bucket], tensors, stream, done)
+            )
+        written[bucket % slots] = done
+        record.count(bytes_received=plan.sizes[bucket], buckets=1, tensors_written=count_written)
+    last = written[(count - 1) % slots]
+    if received is not None and last is not None:
+        with record.timed("receive"):
+            comm.wait_event(received, what="the last bucket")
+        with record.timed("apply"):
+            comm.wait_event(last, what="writing the last bucket")
 
 
 def check_manifest(
@@ -155,12 +216,22 @@ def _read_plan(
 
 
 def _write(
-    sink: sinks.Sink, bucket: torch.Tensor, placements: Sequence[wire.Placement], tensors: dict[str, wire.TensorInfo]
+    sink: sinks.Sink,
+    bucket: torch.Tensor,
+    placements: Sequence[wire.Placement],
+    tensors: dict[str, wire.TensorInfo],
+    stream: torch.cuda.Stream | None,
+    done: torch.cuda.Event | None,
 ) -> int:
+    """Write one received bucket into the sink (on the backend thread), on ``stream`` when given,
+    and record ``done`` there after the last copy."""
     written = 0
-    for placement in placements:
-        info = tensors[placement.region.name]
-        written += sink.write(placement.region, wire.unpack(bucket, placement, info))
+    with communicator.on_stream(stream):
+        for placement in placements:
+            info = tensors[placement.region.name]
+            written += sink.write(placement.region, wire.unpack(bucket, placement, info))
+        if done is not None:
+            done.record()
     return written
 
 

@@ -10,12 +10,17 @@ data moves through the process group in **buckets**: flat ``uint8`` tensors into
 multiple of :data:`ALIGNMENT` bytes so that any dtype can be viewed in place. A tensor larger than the
 bucket size travels alone in a bucket of its own size; tensors are never split across buckets.
 
-One attempt, in order (store keys in quotes; ``r`` is a receiver's rank in the transfer group)::
+One round (a weight version), in order (store keys in quotes, all under ``round/<version>/`` but
+the session; ``r`` is a receiver's rank in the transfer group; the session and the group are those of
+:mod:`megafleet_engine.refit.communicator`)::
 
     trainer                                   receiver r
     -------                                   ----------
-    store master at address:port              store client, process group rank r
-    handshake broadcast [MAGIC, MAJOR, size]  check it
+    store master at address:port, "session"   store client, reads "session" (or keeps its parked one)
+                                              "hello/r" = session, group it holds
+    read every hello; "group" = decision      read the decision
+    new group: build it, handshake            new group: join it, check the handshake
+      broadcast [MAGIC, MAJOR, size]          (kept group: nothing to build)
     "manifest" = Manifest                     read it, check it against its own parameters
                                               "verdict/r" = Verdict (reshard: the regions it needs)
     read every verdict; any rejection:
@@ -23,8 +28,10 @@ One attempt, in order (store keys in quotes; ``r`` is a receiver's rank in the t
     reshard: "plan/r" = BucketPlan per receiver
     "go" = Go(true)                           read "go"; reshard: read "plan/r"
     buckets: broadcast from rank 0            receive each bucket, write its tensors in place
-             (reshard: send to r only)
+             (reshard: send to r only)        (bucket k written while bucket k+1 arrives)
     read every "done/r"                       "done/r" = Done(ok, error)
+
+The next round on the same session deletes the last one's keys first.
 """
 
 from __future__ import annotations

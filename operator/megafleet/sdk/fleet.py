@@ -8,12 +8,12 @@ status through the operator's own typed models (:mod:`megafleet.api.v1alpha1`)::
     async with Fleet("tiny", "rl-team-a") as fleet:
         await fleet.wait_ready(timeout=600)            # the Ready condition, through a watch
         answers = await fleet.complete_batch(prompts, Sampling(max_tokens=64, temperature=0))
+        send = weights.sender(lambda: model.named_parameters(), keep_open=True)  # the trainer's WeightSender
         result = await fleet.refit(
-            1,
-            rendezvous=v1alpha1.RendezvousSource(address=pod_ip, port=29600),
-            send=weights.sender(lambda: model.named_parameters()),  # the trainer's WeightSender
+            1, rendezvous=v1alpha1.RendezvousSource(address=pod_ip, port=29600), send=send
         )
         answers = await fleet.complete_batch(prompts)  # every answer now says weight_version 1
+        ...  # later refits with the same send keep its store and transfer group; send.close() at the end
 
 Routing (:mod:`megafleet.sdk.routing`): only shards that are ``Ready`` at the fleet's current weight
 version take requests; ``Stale`` shards and shards still starting, loading or refitting get none.
@@ -24,7 +24,10 @@ A refit (DESIGN.md section 6): :meth:`Fleet.refit` creates the Refit, watches it
 attempt the operator starts (``Running`` with ``status.attempts`` and ``status.membership``) calls
 ``send`` on a thread with that attempt's port (:func:`megafleet.sdk.trainer.attempt_port`) and world
 size; a failed attempt is retried by the operator once with the live shards on the next port. A
-checkpoint refit needs no ``send``. Never imports kopf, torch or ray.
+checkpoint refit needs no ``send``. Attempt 1 of every Refit naming the same base port gets the same
+port, so a ``send`` that keeps its sender open (:class:`megafleet.sdk.weights.Sender`, ``keep_open``)
+reuses its store and transfer group from Refit to Refit while the membership size stays the same.
+Never imports kopf, torch or ray.
 """
 
 from __future__ import annotations

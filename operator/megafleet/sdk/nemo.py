@@ -25,7 +25,11 @@ membership (the live shards), so the trainer side is driven here. ``init_collect
 the trainer's rendezvous (address, base port, trainer world size); ``update_weights_from_collective``
 creates a Refit and, for each attempt the operator runs, sends the weights with
 :class:`~megafleet.sdk.trainer.WeightSender` from this process (do not also call the policy's own
-``init_collective``/``broadcast_weights_for_collective``). Calls block and return plain values
+``init_collective``/``broadcast_weights_for_collective``). As in NeMo RL the collective is set up
+once and reused: the sender stays open between refits (:class:`megafleet.sdk.weights.Sender` with
+``keep_open``), so every refit whose first attempt has the same port and membership size keeps the
+store and the transfer group; a retry, a new membership size or a new ``init_collective`` opens a new
+one, and ``shutdown`` closes it. Calls block and return plain values
 (``True``, ``[]``) instead of Ray futures; nothing here imports ray.
 
 The async client runs on an event loop on a daemon thread, so these synchronous methods also work
@@ -124,6 +128,7 @@ class MegafleetGeneration:
         self._prepared = False
         self._closed = False
         self._rendezvous: v1alpha1.RendezvousSource | None = None
+        self._sender: weight_senders.Sender | None = None  # kept open across refits
         self._refit_info: set[str] | None = None
         self.weight_version: int | None = None
         """The weight version the fleet serves, as far as this adapter knows."""
@@ -163,6 +168,7 @@ class MegafleetGeneration:
         if self._closed:
             return True
         self._closed = True
+        self._close_sender()
         closing = self._fleet.aclose() if self._fleet is not None else self._generator.aclose()
         try:
             self._loop.run(closing)
@@ -243,6 +249,7 @@ class MegafleetGeneration:
         """Record the trainer's rendezvous for the following refits: ``ip`` and the base ``port`` of
         its store (each attempt uses the next port) and ``train_world_size``. ``world_size`` is only
         what the caller expects: the operator sets the membership from the live shards."""
+        self._close_sender()  # another rendezvous: the next refit opens a new session
         self._rendezvous = v1alpha1.RendezvousSource(address=ip, port=port, trainer_world_size=train_world_size)
         log.info("refits rendezvous at %s:%d (the caller expects a world of %d)", ip, port, world_size)
         return []
@@ -274,7 +281,10 @@ class MegafleetGeneration:
             raise ValueError("no weights: pass weights= here or to MegafleetGeneration(...)")
         self._check_names(named)
         target = self._next_version() if version is None else version
-        send = weight_senders.sender(named, backend=self._backend)
+        if self._sender is None:
+            self._sender = weight_senders.sender(named, backend=self._backend, keep_open=True)
+        send = self._sender
+        send.weights = named
         rendezvous, timeout = self._rendezvous, _bound(refit_timeout_s)
         self._refit(target, lambda live: live.refit(target, rendezvous=rendezvous, send=send, timeout=timeout))
         return True
@@ -302,6 +312,11 @@ class MegafleetGeneration:
         result: fleet.RefitResult = self._loop.run(start(self._fleet))
         self.weight_version = version
         log.info("refit %s: version %d on shards %s", result.name, version, list(result.members))
+
+    def _close_sender(self) -> None:
+        sender, self._sender = self._sender, None
+        if sender is not None:
+            sender.close()
 
     def _next_version(self) -> int:
         return 0 if self.weight_version is None else self.weight_version + 1

@@ -1,4 +1,4 @@
-"""The trainer's end of a refit: send one weight version to every live shard of a fleet.
+"""The trainer's end of a refit: send weight versions to every live shard of a fleet.
 
 Called by the RL training loop on its rank 0, once per refit attempt. The trainer creates a ``Refit``
 object (``spec.source.rendezvous``: this pod's address, a base port, ``trainerWorldSize``); the
@@ -6,23 +6,34 @@ operator publishes the attempt's membership (``status.membership.worldSize``, ``
 and tells every engine's agent to join; the trainer then runs::
 
     port = attempt_port(refit.spec.source.rendezvous.port, refit.status.attempts)
-    with WeightSender(port, refit.status.membership.worldSize, address=pod_ip, backend="nccl") as sender:
-        sender.init()  # store server + transfer group; returns once every fleet rank joined
-        report = sender.send(model.named_parameters(), bucket_size_mib=1024, version=refit.spec.version)
+    sender = WeightSender(port, refit.status.membership.worldSize, address=pod_ip, backend="nccl")
+    sender.init()  # the store server and this session's id; returns at once
+    report = sender.send(model.named_parameters(), bucket_size_mib=1024, version=refit.spec.version)
+
+**One sender, many versions** (NeMo RL's ``init_collective`` once, ``update_weights_from_collective``
+per step): keep the sender open and call :meth:`WeightSender.send` again for the next Refit while its
+attempt has the same port and world size (attempt 1 of every Refit naming the same base port does).
+The first send builds the transfer group (every fleet rank joins and handshakes); later ones keep it
+when every receiver still holds it (``SendReport.reused``), and build a new one otherwise (an engine
+restarted, or closed its group), all inside :meth:`send`. A sender sends each version once, and a
+failed :meth:`send` leaves it unusable: close it; the retry is a new attempt on its own port.
 
 If an attempt fails (a member shard died, a watchdog fired), the operator aborts the other members,
 drops the dead shards and publishes the next attempt: ``status.attempts`` moves on with a new
 ``status.membership`` (the Refit goes Pending, then Running again). The trainer then gives the old
-attempt up (:meth:`WeightSender.abort`, which ends a send still waiting for a dead peer) and runs
-the next one the same way, on ``attempt_port(port, attempts)`` with the new world size.
+attempt up (:meth:`WeightSender.abort`, which ends a send still waiting for a dead peer, then
+:meth:`WeightSender.close`) and runs the next one the same way, with a new sender on
+``attempt_port(port, attempts)`` with the new world size.
 
 ``named_tensors`` are Hugging Face names and full (unsharded) tensors, e.g. a Megatron-Bridge export.
-:meth:`WeightSender.send` publishes the manifest, waits for every receiver's verdict (a mismatch
-raises :class:`~megafleet_engine.refit.errors.RefitRejected` before any byte moves), sends the
-buckets (``broadcast``: every bucket to everyone; ``reshard``: to each rank only the regions it asked
+:meth:`WeightSender.send` opens the version's round (group kept or built), publishes the manifest,
+waits for every receiver's verdict (a mismatch raises
+:class:`~megafleet_engine.refit.errors.RefitRejected` before any byte moves), sends the buckets
+(``broadcast``: every bucket to everyone, bucket k+1 packed into a second staging buffer, on a CUDA
+side stream for NCCL, while bucket k travels; ``reshard``: to each rank only the regions it asked
 for) and returns once every receiver reported its writes complete (else
 :class:`~megafleet_engine.refit.errors.ReceiverFailed`). The wire protocol is
-:mod:`megafleet_engine.refit.wire`; both ends share it.
+:mod:`megafleet_engine.refit.wire` and :mod:`megafleet_engine.refit.communicator`; both ends share them.
 """
 
 from __future__ import annotations
@@ -63,11 +74,13 @@ class SendReport:
     bytes_sent: int
     receivers: int
     seconds: float
-    phases: dict[str, float]  # "verdicts" (manifest to go), "transfer", "acknowledgements"
+    phases: dict[str, float]  # "join" (round opened), "verdicts" (manifest to go), "transfer", "acknowledgements"
+    reused: bool = False  # the transfer group of the previous send was kept (no group built)
 
 
 class WeightSender:
-    """Trainer rank 0 of the trainer+fleet world of one refit attempt.
+    """Trainer rank 0 of the trainer+fleet world of a refit attempt, and of the following Refits'
+    first attempts while the port and world size stay the same.
 
     Args:
         rendezvous_port: the port this attempt's store listens on (see :func:`attempt_port`).
@@ -77,7 +90,7 @@ class WeightSender:
         address: this pod's address, where the store and the transport listen (the Refit's
             ``spec.source.rendezvous.address``); default: the address this host's name resolves to.
         trainer_world_size: trainer ranks (the fleet's ranks start after them).
-        timeout_seconds: bound of :meth:`init` and of :meth:`send`, each.
+        timeout_seconds: bound of :meth:`init` and of each :meth:`send`.
         device: where buckets are staged; default ``cpu`` for gloo, the current CUDA device for NCCL.
     """
 
@@ -104,7 +117,14 @@ class WeightSender:
         self.device = torch.device(device)
         self._comm: communicator.Communicator | None = None
         self._aborted = threading.Event()
-        self._sent = False
+        self._versions: set[int] = set()
+        self._failed = False
+        self._last_round: tuple[str, list[str]] | None = None  # namespace and keys of the last send
+
+    @property
+    def usable(self) -> bool:
+        """Open, not aborted, and no send failed: it can send the next version."""
+        return self._comm is not None and not self._failed and not self._aborted.is_set()
 
     @property
     def receivers(self) -> int:
@@ -112,11 +132,11 @@ class WeightSender:
         return self.rendezvous.group_size - 1
 
     def init(self) -> None:
-        """Start the store and build the transfer group; returns once every fleet rank joined and
-        answered the handshake (raises :class:`RefitTimeout` if they do not within the timeout)."""
+        """Start the store (listening on ``address:port``) and publish a new session id; returns at
+        once. The transfer group is built by the first :meth:`send`, once every fleet rank joined."""
         if self._comm is not None:
             raise RuntimeError("init() was already called")
-        comm = communicator.Communicator.connect(
+        self._comm = communicator.Communicator.connect(
             self.rendezvous,
             global_rank=0,
             backend=self.backend,
@@ -125,8 +145,6 @@ class WeightSender:
             local_address=self.address,
             aborted=self._aborted,
         )
-        self._comm = comm
-        comm.handshake()
 
     def send(
         self,
@@ -136,17 +154,41 @@ class WeightSender:
         version: int,
         transport: wire.Transport = "broadcast",
     ) -> SendReport:
-        """Send ``named_tensors`` (HF names, full tensors) as weight version ``version``; once per
-        sender (an attempt), whatever the outcome: a retry is a new attempt on a fresh port."""
+        """Send ``named_tensors`` (HF names, full tensors) as weight version ``version``.
+
+        Call again for the next version (same port and world size: the next Refit's first attempt);
+        each version once per sender. A failure leaves the sender unusable (:attr:`usable`): close
+        it; a retry is a new attempt on a fresh port with a new sender."""
         comm = self._comm
         if comm is None:
             raise RuntimeError("call init() before send()")
-        if self._sent:
-            raise RuntimeError("send() was already called; a new attempt needs a new WeightSender")
-        self._sent = True
-        comm.deadline = communicator.Deadline(self.timeout_seconds)
-        started = time.monotonic()
+        if self._failed:
+            raise RuntimeError("an earlier send() failed; this sender is unusable: close it and open a new one")
+        if version in self._versions:
+            raise ValueError(f"weight version {version} was already sent by this sender; each version goes once")
         tensors = _collect(named_tensors)
+        self._versions.add(version)
+        comm.deadline = communicator.Deadline(self.timeout_seconds)
+        try:
+            return self._send(comm, tensors, bucket_size_mib, version, transport)
+        except BaseException:
+            self._failed = True
+            comm.abort()  # never reused: the receivers' side failed too, or will see the group torn down
+            raise
+
+    def _send(
+        self,
+        comm: communicator.Communicator,
+        tensors: dict[str, torch.Tensor],
+        bucket_size_mib: int,
+        version: int,
+        transport: wire.Transport,
+    ) -> SendReport:
+        started = time.monotonic()
+        self._forget_last_round(comm)
+        reused = comm.open_round(version)
+        self._last_round = (comm.namespace, self._round_keys(transport))
+        joined = time.monotonic()
         infos = tuple(wire.TensorInfo.of(name, tensor) for name, tensor in tensors.items())
         bucket_bytes = bucket_size_mib * MIB
         broadcast_plan = None
@@ -174,11 +216,30 @@ class WeightSender:
             receivers=self.receivers,
             seconds=finished - started,
             phases={
-                "verdicts": agreed - started,
+                "join": joined - started,
+                "verdicts": agreed - joined,
                 "transfer": transferred - agreed,
                 "acknowledgements": finished - transferred,
             },
+            reused=reused,
         )
+
+    def _round_keys(self, transport: wire.Transport) -> list[str]:
+        receivers = range(1, self.rendezvous.group_size)
+        keys = [communicator.GROUP_KEY, wire.MANIFEST_KEY, wire.GO_KEY]
+        keys += [communicator.hello_key(r) for r in receivers] + [wire.verdict_key(r) for r in receivers]
+        keys += [wire.done_key(r) for r in receivers]
+        if transport == "reshard":
+            keys += [wire.plan_key(r) for r in receivers]
+        return keys
+
+    def _forget_last_round(self, comm: communicator.Communicator) -> None:
+        """Delete the last round's keys (every receiver is done with them: it sent its outcome), so a
+        store that serves refit after refit does not grow."""
+        if self._last_round is not None:
+            namespace, keys = self._last_round
+            comm.delete(keys, namespace=namespace)
+            self._last_round = None
 
     def abort(self) -> None:
         """Give this attempt up from another thread (safe at any time, idempotent): the operator
@@ -186,7 +247,8 @@ class WeightSender:
         :meth:`init` or :meth:`send` blocked on a peer that is gone raises
         :class:`~megafleet_engine.refit.errors.RefitAborted` (a wait for a store key within about a
         second; a gloo collective when its peer's connection closes or at the deadline); then
-        :meth:`close` it and start the next attempt on its own port with a new sender."""
+        :meth:`close` it and start the next attempt on its own port with a new sender. An aborted
+        sender is never used again."""
         self._aborted.set()
         comm = self._comm
         if comm is not None:
@@ -194,7 +256,7 @@ class WeightSender:
 
     def close(self) -> None:
         """Release the group and stop the store (receivers have read everything they need by the
-        time :meth:`send` returns)."""
+        time :meth:`send` returns; a receiver that parked the group closes it at its next refit)."""
         comm, self._comm = self._comm, None
         if comm is not None:
             comm.close()
@@ -237,14 +299,40 @@ class WeightSender:
     def _broadcast(
         self, comm: communicator.Communicator, plan: wire.BucketPlan, tensors: dict[str, torch.Tensor]
     ) -> int:
-        buffer = torch.empty(plan.largest, dtype=torch.uint8, device=self.device)
+        """Broadcast the buckets of ``plan``, packing bucket k+1 into a second staging buffer while
+        bucket k travels. Gloo: packing runs here while gloo's threads send. NCCL: packing runs on
+        a side stream (after the caller's stream, which produced the tensors), each broadcast waits
+        for its bucket's packing, a buffer is packed again only once its broadcast ended (stream
+        waits), and the host waits once, for the last broadcast."""
+        count = len(plan.sizes)
+        slots = min(2, count)
+        stream = communicator.side_stream(self.device)
+        buffers = [torch.empty(plan.largest, dtype=torch.uint8, device=self.device) for _ in range(slots)]
+        current = torch.cuda.current_stream(self.device) if stream is not None else None
+        if stream is not None and current is not None:
+            stream.wait_stream(current)
+            for buffer in buffers:
+                buffer.record_stream(stream)
         by_bucket = _by_bucket(plan)
+        in_flight: list[communicator.Pending | None] = [None] * slots
+        issued: list[communicator.Pending] = []
         for bucket, size in enumerate(plan.sizes):
-            chunk = buffer.narrow(0, 0, size)
-            for placement in by_bucket[bucket]:
-                wire.pack(chunk, placement, tensors[placement.region.name])
-            comm.broadcast(chunk, what=f"bucket {bucket + 1} of {len(plan.sizes)}")
-        return len(plan.sizes)
+            slot = bucket % slots
+            previous = in_flight[slot]
+            if previous is not None:
+                comm.finish(previous, stream=stream)  # the buffer's last broadcast has read it
+            chunk = buffers[slot].narrow(0, 0, size)
+            with communicator.on_stream(stream):
+                for placement in by_bucket[bucket]:
+                    wire.pack(chunk, placement, tensors[placement.region.name])
+            if current is not None and stream is not None:
+                current.wait_stream(stream)  # NCCL's stream follows the current one: after the packing
+            pending = comm.start_broadcast(chunk, what=f"bucket {bucket + 1} of {count}")
+            in_flight[slot] = pending
+            issued.append(pending)
+        for pending in issued[-slots:]:
+            comm.complete(pending)
+        return count
 
     def _scatter(
         self, comm: communicator.Communicator, plans: dict[int, wire.BucketPlan], tensors: dict[str, torch.Tensor]

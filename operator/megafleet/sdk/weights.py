@@ -1,11 +1,21 @@
 """The trainer's side of a rendezvous refit attempt, for :meth:`megafleet.sdk.fleet.Fleet.refit`.
 
 :func:`sender` turns "where my weights are" into the ``send`` callable a refit runs per attempt: it
-opens a :class:`~megafleet.sdk.trainer.WeightSender` on the attempt's port and world size, sends the
-tensors as the attempt's version with the fleet's transport and bucket size, and closes it::
+sends the tensors as the attempt's version with the fleet's transport and bucket size through a
+:class:`~megafleet.sdk.trainer.WeightSender` on the attempt's port and world size::
 
-    await fleet.refit(3, rendezvous=v1alpha1.RendezvousSource(address=pod_ip, port=29600),
-                      send=weights.sender(model.named_parameters, backend="nccl"))
+    send = weights.sender(model.named_parameters, backend="nccl", keep_open=True)
+    for step in range(steps):
+        ...  # train
+        await fleet.refit(step + 1, rendezvous=v1alpha1.RendezvousSource(address=pod_ip, port=29600), send=send)
+    send.close()
+
+With ``keep_open`` (NeMo RL's pattern: ``init_collective`` once, then ``update_weights_from_collective``
+per step) the sender stays open after a successful attempt, and the next attempt with the same
+address, port, world size and trainer world size sends through it, so the engines keep their
+transfer group too (no store, no group, no handshake per refit). Anything else closes it and opens a
+new one: another port (a retry's attempt 2, or another base port), another membership size, a failed
+or superseded attempt. Without ``keep_open`` every attempt opens and closes its own sender.
 
 Needs torch (the ``engine`` extra), like :mod:`megafleet.sdk.trainer`.
 """
@@ -20,10 +30,124 @@ import torch
 from megafleet.sdk import fleet, trainer
 from megafleet_engine.refit import communicator
 
-__all__ = ["NamedTensors", "sender"]
+__all__ = ["NamedTensors", "Sender", "sender"]
 
 NamedTensors = Callable[[], Iterable[tuple[str, torch.Tensor]]]
 """Hugging Face names and full tensors, produced again for every attempt (e.g. ``model.named_parameters``)."""
+
+SenderKey = tuple[str, int, int, int]
+"""What a kept sender serves: address, port, world size, trainer world size."""
+
+
+class Sender:
+    """A ``send`` for :meth:`~megafleet.sdk.fleet.Fleet.refit` built on :class:`~megafleet.sdk.trainer.WeightSender`
+    (made by :func:`sender`); callable once per attempt, from the fleet client's threads.
+
+    Args:
+        weights: called once per attempt for the tensors to send.
+        backend: ``gloo`` (CPU tensors) or ``nccl`` (GPU), as the fleet's engines use.
+        timeout_seconds: bound of each send (joining included).
+        device: where buckets are staged (see :class:`~megafleet.sdk.trainer.WeightSender`).
+        reports: when given, each attempt's :class:`~megafleet.sdk.trainer.SendReport` is appended.
+        keep_open: keep the sender (its store and transfer group) open for the next attempt on the
+            same port and world size; :meth:`close` it when done.
+    """
+
+    def __init__(
+        self,
+        weights: NamedTensors,
+        *,
+        backend: communicator.Backend = "gloo",
+        timeout_seconds: float = 300.0,
+        device: torch.device | str | None = None,
+        reports: list[trainer.SendReport] | None = None,
+        keep_open: bool = False,
+    ) -> None:
+        self.weights = weights
+        self.backend = backend
+        self.timeout_seconds = timeout_seconds
+        self.device = device
+        self.reports = reports
+        self.keep_open = keep_open
+        self._lock = threading.Lock()
+        self._kept: tuple[SenderKey, trainer.WeightSender] | None = None
+
+    def __call__(self, attempt: fleet.Attempt) -> None:
+        weight_sender = self._take(attempt)
+        finished = threading.Event()
+        lock = threading.Lock()
+
+        def abort_when_superseded() -> None:
+            # Give the attempt up as soon as the operator moves on (a member died): it ends a wait for
+            # a peer that is gone instead of running to the deadline. The fleet client sets the event
+            # when the Refit ends, so this thread always ends too; a send that already finished (and
+            # may be kept for the next Refit) is left alone.
+            attempt.superseded.wait()
+            with lock:
+                if not finished.is_set():
+                    weight_sender.abort()
+
+        threading.Thread(target=abort_when_superseded, name="refit-abort", daemon=True).start()
+        try:
+            report = weight_sender.send(
+                ((name, tensor.detach()) for name, tensor in self.weights()),
+                bucket_size_mib=attempt.bucket_size_mib,
+                version=attempt.version,
+                transport=attempt.transport,
+            )
+        except BaseException:
+            finished.set()
+            weight_sender.close()
+            raise
+        with lock:
+            finished.set()
+            kept = self.keep_open and weight_sender.usable and not attempt.superseded.is_set()
+        if kept:
+            self._keep(_key(attempt), weight_sender)
+        else:
+            weight_sender.close()
+        if self.reports is not None:
+            self.reports.append(report)
+
+    def close(self) -> None:
+        """Close the kept sender, if any (its store stops listening; engines close their group at
+        their next refit). Idempotent."""
+        with self._lock:
+            kept, self._kept = self._kept, None
+        if kept is not None:
+            kept[1].close()
+
+    def _take(self, attempt: fleet.Attempt) -> trainer.WeightSender:
+        """The kept sender when it serves this attempt's rendezvous, else a new one (the kept one is
+        closed first: it may hold the port)."""
+        with self._lock:
+            kept, self._kept = self._kept, None
+        if kept is not None:
+            key, weight_sender = kept
+            if key == _key(attempt) and weight_sender.usable:
+                return weight_sender
+            weight_sender.close()
+        weight_sender = trainer.WeightSender(
+            attempt.port,
+            attempt.world_size,
+            backend=self.backend,
+            address=attempt.address,
+            trainer_world_size=attempt.trainer_world_size,
+            timeout_seconds=self.timeout_seconds,
+            device=self.device,
+        )
+        try:
+            weight_sender.init()
+        except BaseException:
+            weight_sender.close()
+            raise
+        return weight_sender
+
+    def _keep(self, key: SenderKey, weight_sender: trainer.WeightSender) -> None:
+        with self._lock:
+            old, self._kept = self._kept, (key, weight_sender)
+        if old is not None and old[1] is not weight_sender:
+            old[1].close()
 
 
 def sender(
@@ -33,46 +157,13 @@ def sender(
     timeout_seconds: float = 300.0,
     device: torch.device | str | None = None,
     reports: list[trainer.SendReport] | None = None,
-) -> fleet.SendFn:
-    """A ``send`` for :meth:`~megafleet.sdk.fleet.Fleet.refit` built on :class:`~megafleet.sdk.trainer.WeightSender`.
-
-    Args:
-        weights: called once per attempt for the tensors to send.
-        backend: ``gloo`` (CPU tensors) or ``nccl`` (GPU), as the fleet's engines use.
-        timeout_seconds: bound of joining, and of sending, each.
-        device: where buckets are staged (see :class:`~megafleet.sdk.trainer.WeightSender`).
-        reports: when given, each attempt's :class:`~megafleet.sdk.trainer.SendReport` is appended.
-    """
-
-    def send(attempt: fleet.Attempt) -> None:
-        with trainer.WeightSender(
-            attempt.port,
-            attempt.world_size,
-            backend=backend,
-            address=attempt.address,
-            trainer_world_size=attempt.trainer_world_size,
-            timeout_seconds=timeout_seconds,
-            device=device,
-        ) as weight_sender:
-            # Give the attempt up as soon as the operator moves on (a member died): it ends a wait for
-            # a peer that is gone instead of running to the deadline. The fleet client sets the event
-            # when the Refit ends, so this thread always ends too.
-            threading.Thread(
-                target=_abort_when_set, args=(attempt.superseded, weight_sender), name="refit-abort", daemon=True
-            ).start()
-            weight_sender.init()
-            report = weight_sender.send(
-                ((name, tensor.detach()) for name, tensor in weights()),
-                bucket_size_mib=attempt.bucket_size_mib,
-                version=attempt.version,
-                transport=attempt.transport,
-            )
-        if reports is not None:
-            reports.append(report)
-
-    return send
+    keep_open: bool = False,
+) -> Sender:
+    """A ``send`` for :meth:`~megafleet.sdk.fleet.Fleet.refit`; see :class:`Sender` for the arguments."""
+    return Sender(
+        weights, backend=backend, timeout_seconds=timeout_seconds, device=device, reports=reports, keep_open=keep_open
+    )
 
 
-def _abort_when_set(superseded: threading.Event, weight_sender: trainer.WeightSender) -> None:
-    superseded.wait()
-    weight_sender.abort()  # idempotent, and harmless once the sender finished or closed
+def _key(attempt: fleet.Attempt) -> SenderKey:
+    return (attempt.address, attempt.port, attempt.world_size, attempt.trainer_world_size)
