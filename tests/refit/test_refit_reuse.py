@@ -197,7 +197,9 @@ def test_the_sdk_sender_keeps_its_weight_sender_only_for_the_same_rendezvous(
             assert all(s["phase"] == "succeeded" for s in statuses), statuses
             assert serves(engines, trainer, version)
         assert [report.reused for report in reports] == [False, True, False, True]
-        with socket.socket() as probe:
-            probe.bind((harness.TRAINER_ADDRESS, base))  # the first store was closed when the sender moved on
+        # the first store was closed when the sender moved on: nothing listens there any more (a bind
+        # probe would fail on the closed connections' TIME_WAIT, which is not a listener)
+        with pytest.raises(ConnectionRefusedError):
+            socket.create_connection((harness.TRAINER_ADDRESS, base), timeout=5).close()
     finally:
         send.close()
