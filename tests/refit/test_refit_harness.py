@@ -16,12 +16,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
-import os
-import queue
-import re
 import socket
-import subprocess
-import sys
 import threading
 import time
 from collections.abc import Iterator, Mapping
@@ -32,6 +27,7 @@ import httpx
 import openai
 import torch
 
+import enginehelpers
 from megafleet.sdk import trainer as sdk
 from megafleet_engine import backends, engine, metrics, server
 from megafleet_engine.backends import transformers_backend, weight_maps
@@ -47,7 +43,6 @@ TRAINER_ADDRESS = "127.0.9.1"
 START_TIMEOUT_SECONDS = 120
 REFIT_POLL_SECONDS = 0.05
 SETTLE_TIMEOUT_SECONDS = 30  # an aborted attempt's thread ends by its deadline
-SERVING = re.compile(r"serving the (\w+) on http://(\S+)")
 HERE = Path(__file__).resolve().parent
 
 
@@ -293,51 +288,9 @@ def _wait_healthy(agent_url: str, alive: Any) -> None:
     raise AssertionError(f"the agent did not answer within {START_TIMEOUT_SECONDS} s")
 
 
-class EngineProcess:
-    """``python -m megafleet_engine.cli`` bound to ``host`` (its pod IP), as a pod runs it."""
-
-    def __init__(self, host: str, token: Path, *, deferred: bool = False) -> None:
-        env = {key: value for key, value in os.environ.items() if not key.startswith("MEGAFLEET_")}
-        env.update(
-            MEGAFLEET_MODEL_SOURCE=SOURCE,
-            MEGAFLEET_SERVED_MODEL_NAME=MODEL,
-            MEGAFLEET_DTYPE="float32",
-            MEGAFLEET_MAX_SEQUENCE_LENGTH="128",
-            MEGAFLEET_HOST=host,
-            MEGAFLEET_FRONTEND_PORT="0",
-            MEGAFLEET_AGENT_PORT="0",
-            MEGAFLEET_METRICS_PORT="0",
-            MEGAFLEET_AGENT_TOKEN_FILE=str(token),
-            MEGAFLEET_WEIGHTS_INITIAL="refit" if deferred else "checkpoint",
-        )
-        self.host = host
-        self.process = subprocess.Popen(
-            [sys.executable, "-m", "megafleet_engine.cli"],
-            env=env,
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.PIPE,
-            text=True,
-        )
-        self.log: list[str] = []
-        self._lines: queue.Queue[str | None] = queue.Queue()
-        self._reader = threading.Thread(target=self._read, daemon=True)
-        self._reader.start()
-        self.addresses: dict[str, str] = {}
-
-    def _read(self) -> None:
-        assert self.process.stderr is not None
-        for line in self.process.stderr:
-            self.log.append(line)
-            self._lines.put(line)
-        self._lines.put(None)
-
-    def wait_serving(self) -> None:
-        deadline = time.monotonic() + START_TIMEOUT_SECONDS
-        while set(self.addresses) != {"frontend", "agent", "metrics"}:
-            line = self._lines.get(timeout=max(deadline - time.monotonic(), 0.1))
-            assert line is not None, "the engine exited during start-up:\n" + "".join(self.log)
-            if match := SERVING.search(line):
-                self.addresses[match.group(1)] = match.group(2)
+class EngineProcess(enginehelpers.EngineProcess):
+    """``python -m megafleet_engine.cli`` bound to ``host`` (its pod IP), as a pod runs it, with the
+    calls the operator makes on its agent."""
 
     @property
     def frontend_url(self) -> str:
@@ -346,18 +299,6 @@ class EngineProcess:
     @property
     def agent(self) -> AgentClient:
         return AgentClient(f"http://{self.addresses['agent']}")
-
-    def close(self) -> None:
-        if self.process.poll() is None:
-            self.process.terminate()
-            try:
-                self.process.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                self.process.kill()
-        self.process.wait(timeout=30)
-        self._reader.join(timeout=30)
-        assert self.process.stderr is not None
-        self.process.stderr.close()
 
 
 # -- the tiny model's shape ---------------------------------------------------------------------------

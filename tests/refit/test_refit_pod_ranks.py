@@ -5,7 +5,6 @@ pod answers one status: succeeded only when both did, failed when either failed.
 
 from __future__ import annotations
 
-import re
 import socket
 from collections.abc import Iterator
 from pathlib import Path
@@ -18,7 +17,6 @@ import enginehelpers
 
 POD_IP = "127.0.12.1"
 PROMPT = [60, 61, 62]
-SERVING = re.compile(r"serving the (\w+) on http://(\S+)")
 
 
 def _free_pair(host: str) -> int:
