@@ -1,8 +1,8 @@
-"""The ``megafleet-engine`` command with the megatron backend on GPUs, as a pod runs it: a TP=2
-shard in one pod (one rank process per GPU, the first serving the frontend and the pod's agent, the
-second following it and serving its own agent) next to a TP=1 engine, both refitted from one
-checkpoint through their agents; afterwards the TP=2 pod's greedy completions (official ``openai``
-client) agree with the TP=1 engine's and carry the new version.
+"""The ``megafleet-engine`` command with the megatron backend on GPUs, as a pod runs it: a two-GPU
+pod, as a TP=2 shard and then as a PP=2 shard (one rank process per GPU, the first serving the
+frontend and the pod's agent, the second following it and serving its own agent), next to a TP=1
+engine, all refitted from one checkpoint through their agents; afterwards the pod's greedy
+completions (official ``openai`` client) agree with the TP=1 engine's and carry the new version.
 
 Needs two NVIDIA GPUs, megatron-core and a flash-attention kernel; skips cleanly otherwise.
 """
@@ -50,9 +50,10 @@ def _free_port(host: str, span: int = 1) -> int:
 
 
 class Pod(enginehelpers.EngineCommand):
-    """One ``megafleet-engine`` process tree on ``host`` with ``gpus`` GPUs and TP = ``gpus``."""
+    """One ``megafleet-engine`` process tree on ``host`` with ``gpus`` GPUs, as TP = ``gpus`` or, with
+    ``pipeline``, PP = ``gpus``."""
 
-    def __init__(self, host: str, gpus: tuple[int, ...], token: Path) -> None:
+    def __init__(self, host: str, gpus: tuple[int, ...], token: Path, *, pipeline: bool = False) -> None:
         self.host = host
         self.ranks = len(gpus)
         self.agent_port = _free_port(host, span=self.ranks)
@@ -73,7 +74,8 @@ class Pod(enginehelpers.EngineCommand):
                 "MEGAFLEET_METRICS_PORT": str(_free_port(host)),
                 "MEGAFLEET_AGENT_TOKEN_FILE": str(token),
                 "MEGAFLEET_WORLD_SIZE": str(self.ranks),
-                "MEGAFLEET_TENSOR_PARALLEL": str(self.ranks),
+                "MEGAFLEET_TENSOR_PARALLEL": "1" if pipeline else str(self.ranks),
+                "MEGAFLEET_PIPELINE_PARALLEL": str(self.ranks) if pipeline else "1",
                 "MEGAFLEET_LOCAL_GPUS": str(self.ranks),
                 "MEGAFLEET_MASTER_ADDR": host,
                 "MEGAFLEET_MASTER_PORT": str(_free_port(host)),
@@ -136,23 +138,39 @@ def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(scope="module")
-def pods(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Pod, Pod]]:
-    token = tmp_path_factory.mktemp("agent") / "token"
-    token.write_text(TOKEN)
-    shard = Pod("127.0.0.1", (0, 1), token)
-    single = Pod("127.0.0.2", (1,), token)
-    codes: list[int] = []
+def token(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    path = tmp_path_factory.mktemp("agent") / "token"
+    path.write_text(TOKEN)
+    return path
+
+
+@pytest.fixture(scope="module")
+def single(token: Path) -> Iterator[Pod]:
+    """The TP=1 engine on GPU 1 every shard is compared with."""
+    pod = Pod("127.0.0.2", (1,), token)
     try:
-        shard.wait_ready()
-        single.wait_ready()
-        yield shard, single
+        pod.wait_ready()
+        yield pod
     finally:
-        codes = [shard.stop(timeout=90), single.stop(timeout=90)]
-    assert codes == [0, 0], "both pods stop cleanly on SIGTERM (the first rank releases its follower)"
+        code = pod.stop(timeout=90)
+    assert code == 0, "the engine stops cleanly on SIGTERM"
 
 
-def test_a_tp2_pod_serves_refits_through_its_agent_and_agrees_with_tp1(pods: tuple[Pod, Pod], checkpoint: Path) -> None:
-    shard, single = pods
+@pytest.fixture(scope="module", params=["tensor", "pipeline"])
+def shard(request: pytest.FixtureRequest, token: Path, single: Pod) -> Iterator[Pod]:
+    """A two-GPU pod: TP=2, then PP=2 (one rank process per GPU)."""
+    pod = Pod("127.0.0.1", (0, 1), token, pipeline=request.param == "pipeline")
+    try:
+        pod.wait_ready()
+        yield pod
+    finally:
+        code = pod.stop(timeout=90)
+    assert code == 0, "the pod stops cleanly on SIGTERM (the first rank releases its follower)"
+
+
+def test_a_two_gpu_pod_serves_refits_through_its_agent_and_agrees_with_tp1(
+    shard: Pod, single: Pod, checkpoint: Path
+) -> None:
     before, versions = shard.greedy(gpu.TEXTS)
     assert versions == {"0"}
 
@@ -165,13 +183,13 @@ def test_a_tp2_pod_serves_refits_through_its_agent_and_agrees_with_tp1(pods: tup
 
     tp2, tp2_versions = shard.greedy(gpu.TEXTS)
     tp1, tp1_versions = single.greedy(gpu.TEXTS)
-    gpu.report("engine_command_tp2", tp2=tp2, tp1=tp1)
+    gpu.report("engine_command_two_gpus", tp2=tp2, tp1=tp1, log_tail=shard.log[-5:])
     assert tp2_versions == tp1_versions == {"1"}
     assert tp2 != before, "the checkpoint's weights are served"
     agreed = []
     for produced, reference in zip(tp2, tp1, strict=True):
         prefix = next((i for i, (a, b) in enumerate(zip(produced, reference, strict=True)) if a != b), len(reference))
         agreed.append(prefix)
-    # bf16 TP=2 and TP=1 reduce in another order: near-ties may flip a token (see TestTensorParallel)
+    # bf16 TP=2 (or PP=2) and TP=1 reduce in another order: near-ties may flip a token (TestTensorParallel)
     assert sum(agreed) >= 0.75 * gpu.NEW_TOKENS * len(gpu.TEXTS), (agreed, tp2, tp1)
     assert all(prefix >= 1 for prefix in agreed), agreed
