@@ -109,8 +109,8 @@ def combine(own: Mapping[str, Any], others: Sequence[Mapping[str, Any]]) -> dict
     else:
         running = [status for status in ranks if status.get("phase") != "succeeded"]
         combined["phase"] = min((str(status.get("phase")) for status in running), key=_ORDER.index)
-    if len({status.get("version") for status in ranks}) > 1:  # a rank still reports an older attempt
-        combined["phase"] = "failed" if failed else min(combined["phase"], "suspending", key=_ORDER.index)
+    if not failed and len({status.get("version") for status in ranks}) > 1:  # a rank is on an older attempt
+        combined["phase"] = min(combined["phase"], "suspending", key=_ORDER.index)
     slowest: dict[str, int] = {}
     for status in ranks:
         for phase in status.get("phases", []):

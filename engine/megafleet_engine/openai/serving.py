@@ -116,6 +116,19 @@ class _Pipeline:
                 specs.append(generation.SequenceSpec(index, tuple(prompt), params, request.stop_strings))
         return _Prepared(f"{prefix}-{uuid.uuid4().hex}", specs, [tuple(prompt) for prompt in prompts])
 
+    async def complete(self, prepared: _Prepared) -> tuple[dict[int, generation.ChoiceState], int | None]:
+        """Run every choice to its end (a non-streaming response): their states and the weight
+        version served, read once the first token came (the engine cannot change it mid-request)."""
+        run, first = await self.start(prepared)
+        weight_version = self.context.engine.weight_version
+        states = _states(prepared)
+        try:
+            async for _ in self.deltas(run, first, states):
+                pass
+        finally:
+            await run.close()
+        return states, weight_version
+
     async def start(self, prepared: _Prepared) -> tuple[generation.Run, tuple[int, base.TokenStep]]:
         """Submit every choice and wait for the first token: errors here are plain HTTP errors."""
         started = time.monotonic()
@@ -258,14 +271,7 @@ class CompletionServing:
 
     async def create(self, request: protocol.CompletionRequest) -> protocol.CompletionResponse:
         prepared = self._prepare(request)
-        run, first = await self._pipeline.start(prepared)
-        weight_version = self._context.engine.weight_version
-        states = _states(prepared)
-        try:
-            async for _ in self._pipeline.deltas(run, first, states):
-                pass
-        finally:
-            await run.close()
+        states, weight_version = await self._pipeline.complete(prepared)
         choices = [self._choice(request, state, state.steps, state.text, 0) for state in states.values()]
         return protocol.CompletionResponse(
             id=prepared.request_id,
@@ -372,14 +378,7 @@ class ChatServing:
 
     async def create(self, request: protocol.ChatCompletionRequest) -> protocol.ChatCompletionResponse:
         prepared = self._prepare(request)
-        run, first = await self._pipeline.start(prepared)
-        weight_version = self._context.engine.weight_version
-        states = _states(prepared)
-        try:
-            async for _ in self._pipeline.deltas(run, first, states):
-                pass
-        finally:
-            await run.close()
+        states, weight_version = await self._pipeline.complete(prepared)
         choices = [
             protocol.ChatChoice(
                 index=state.spec.index,
