@@ -150,11 +150,12 @@ class AgentClient:
         timeout_seconds: int = 60,
         transport: str = "broadcast",
         suspend_mode: str = "drain",
+        bucket_size_mib: int = 1,
     ) -> httpx.Response:
         body = {
             "version": version,
             "transport": transport,
-            "bucketSizeMiB": 1,
+            "bucketSizeMiB": bucket_size_mib,
             "timeoutSeconds": timeout_seconds,
             "suspendMode": suspend_mode,
             "rendezvous": {

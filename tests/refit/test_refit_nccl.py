@@ -87,6 +87,8 @@ def test_nccl_refit_lands_exactly_and_in_place(transport: wire.Transport) -> Non
         result = _report(child)
     assert result["exact"] == [True, True] and result["inPlace"], result
     assert result["reused"] == [False, True] and (first.reused, report.reused) == (False, True)
+    # the second version has the same manifest: the receiver still held it, none was sent
+    assert (first.manifest_sent, report.manifest_sent) == (True, False) and result["held"] == [False, True]
     assert result["received"] == report.bytes_sent
     full = sum(tensor.numel() * tensor.element_size() for tensor in tensors.values())
     if transport == "reshard":
@@ -166,6 +168,8 @@ def _receiver(arguments: dict[str, Any]) -> dict[str, Any]:
     guard.start()
     exact: list[bool] = []
     reused: list[bool] = []
+    held: list[bool] = []
+    accepted: receiver.Accepted | None = None
     try:
         for version in range(1, int(arguments.get("rounds", 1)) + 1):
             record = progress.Progress(version=version, source="rendezvous")
@@ -177,9 +181,12 @@ def _receiver(arguments: dict[str, Any]) -> dict[str, Any]:
                 bucket_limit_bytes=2**30,
                 apply=lambda write: write(),
                 record=record,
+                accepted=accepted,
             )
+            held.append(accepted is not None and comm.held_manifest == accepted.id)
+            accepted = received.accepted
             torch.cuda.synchronize(device)
-            comm.set(wire.done_key(1), wire.Done(ok=True, bytes_received=received).encode())
+            comm.set(wire.done_key(1), wire.Done(ok=True, bytes_received=received.nbytes).encode())
             exact.append(all(torch.equal(live[name], tensor) for name, tensor in expected.items()))
             reused.append(record.snapshot().reused)
             for tensor in live.values():
@@ -194,7 +201,8 @@ def _receiver(arguments: dict[str, Any]) -> dict[str, Any]:
         guard.stop()
         comm.close()
     return {
-        "received": received,
+        "received": received.nbytes,
+        "held": held,
         "exact": exact,
         "reused": reused,
         "inPlace": all(live[name].data_ptr() == pointer for name, pointer in pointers.items()),

@@ -75,13 +75,13 @@ def test_refits_over_one_sender_keep_the_group_and_a_new_session_on_the_same_por
     sender.init()
     try:
         report, statuses = refit(engines, sender, trainers[0], 1)
-        assert not report.reused and [s["reused"] for s in statuses] == [False, False]
+        assert not report.reused and report.manifest_sent and [s["reused"] for s in statuses] == [False, False]
         assert all(s["phase"] == "succeeded" for s in statuses), statuses
         assert serves(engines, trainers[0], 1)
 
         for version, trainer in ((2, trainers[1]), (3, trainers[2])):
             report, statuses = refit(engines, sender, trainer, version)
-            assert report.reused and report.receivers == 2, report
+            assert report.reused and not report.manifest_sent and report.receivers == 2, report
             assert [(s["phase"], s["reused"], s["rank"]) for s in statuses] == [
                 ("succeeded", True, 1),
                 ("succeeded", True, 2),
@@ -100,7 +100,8 @@ def test_refits_over_one_sender_keep_the_group_and_a_new_session_on_the_same_por
     reopened.init()
     try:
         report, statuses = refit(engines, reopened, trainers[3], 4)
-        assert not report.reused and [(s["phase"], s["reused"]) for s in statuses] == [("succeeded", False)] * 2
+        assert not report.reused and report.manifest_sent  # a new session: nothing is taken over
+        assert [(s["phase"], s["reused"]) for s in statuses] == [("succeeded", False)] * 2
         assert serves(engines, trainers[3], 4)
     finally:
         reopened.close()

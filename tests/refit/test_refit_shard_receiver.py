@@ -49,12 +49,12 @@ def main(args: dict[str, Any]) -> None:
             apply=lambda write: write(),
             record=progress.Progress(version=1, source="rendezvous"),
         )
-        comm.set(wire.done_key(comm.group_rank), wire.Done(ok=True, bytes_received=received).encode())
+        comm.set(wire.done_key(comm.group_rank), wire.Done(ok=True, bytes_received=received.nbytes).encode())
     finally:
         comm.close()
     torch.save(live, str(args["out"]))
     in_place = all(tensor.data_ptr() == pointers[name] for name, tensor in live.items())
-    sys.stdout.write(json.dumps({"received": received, "needed": needed, "inPlace": in_place}) + "\n")
+    sys.stdout.write(json.dumps({"received": received.nbytes, "needed": needed, "inPlace": in_place}) + "\n")
 
 
 if __name__ == "__main__":

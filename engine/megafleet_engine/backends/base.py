@@ -175,6 +175,11 @@ class ModelParallelBackend(Backend, Protocol):
         """On a following rank: apply the first rank's messages until it closes the backend."""
         ...
 
+    @property
+    def spans_ranks(self) -> bool:
+        """Whether the shard has rank processes other than this one (else nothing needs settling)."""
+        ...
+
     def settle_weight_update(self, version: int, *, ok: bool, timeout_seconds: float) -> bool:
         """After this rank wrote (``ok``) or failed to write weight ``version``: on the first rank,
         ask every rank and return whether all of them hold it (a collective, on the backend

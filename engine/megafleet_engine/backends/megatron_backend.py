@@ -495,6 +495,12 @@ class MegatronBackend:
         """Whether this rank follows the first rank of its model-parallel group."""
         return not self._leader
 
+    @property
+    def spans_ranks(self) -> bool:
+        """Whether this shard has rank processes other than this one (``settle_weight_update`` has
+        others to ask; with one rank it would only return its argument)."""
+        return self._group is not None
+
     def settle_weight_update(self, version: int, *, ok: bool, timeout_seconds: float) -> bool:
         """Agree, across the model-parallel group, that every rank holds weight ``version``.
 

@@ -24,7 +24,9 @@ named by its weight version (a session sends a version once), and every key of a
 group it still holds, if any), the trainer reads them all and writes its decision ``group``: keep
 the group when every receiver holds the trainer's current one of this session, else build a new one
 named after the version (its own ``group/<name>/`` store prefix), which every rank joins and checks
-with the handshake. A receiver keeps its communicator *parked* between refits only after a refit
+with the handshake. The hello and the decision also carry the manifest shortcut (the id of the
+manifest a receiver holds; the trainer's confirmation that every receiver holds the one it sends:
+see :mod:`~megafleet_engine.refit.wire`). A receiver keeps its communicator *parked* between refits only after a refit
 succeeded (:class:`~megafleet_engine.refit.controller.RefitController`); any failure, abort or
 another rendezvous closes it, and the trainer's sender is unusable after a failed send, so a retry
 (a new attempt on its own port) always builds a fresh session and group.
@@ -217,41 +219,48 @@ class Pending:
 
 @dataclasses.dataclass(frozen=True)
 class _Hello:
-    """A receiver's opening of a round: the session it read and the group it still holds."""
+    """A receiver's opening of a round: the session it read, the group it still holds and the
+    manifest it accepted last (its id, see :meth:`Communicator.open_round`)."""
 
     session: str
     group: str | None
+    manifest: str | None = None
 
     def encode(self) -> str:
-        return json.dumps({"session": self.session, "group": self.group})
+        return json.dumps({"session": self.session, "group": self.group, "manifest": self.manifest})
 
     @classmethod
     def decode(cls, raw: bytes) -> _Hello:
         try:
             value = json.loads(raw)
-            group = value["group"]
-            return cls(str(value["session"]), None if group is None else str(group))
-        except (KeyError, TypeError, json.JSONDecodeError) as error:
+            return cls(str(value["session"]), _optional_str(value["group"]), _optional_str(value.get("manifest")))
+        except (KeyError, TypeError, AttributeError, json.JSONDecodeError) as error:
             raise errors.ProtocolError(f"malformed hello: {error!r}") from None
 
 
 @dataclasses.dataclass(frozen=True)
 class _Decision:
-    """The trainer's decision for a round: the group every rank uses, and whether it is kept."""
+    """The trainer's decision for a round: the group every rank uses, whether it is kept, and the
+    manifest every receiver already holds (``None``: the manifest exchange follows)."""
 
     group: str
     keep: bool
+    manifest: str | None = None
 
     def encode(self) -> str:
-        return json.dumps({"group": self.group, "keep": self.keep})
+        return json.dumps({"group": self.group, "keep": self.keep, "manifest": self.manifest})
 
     @classmethod
     def decode(cls, raw: bytes) -> _Decision:
         try:
             value = json.loads(raw)
-            return cls(str(value["group"]), bool(value["keep"]))
-        except (KeyError, TypeError, json.JSONDecodeError) as error:
+            return cls(str(value["group"]), bool(value["keep"]), _optional_str(value.get("manifest")))
+        except (KeyError, TypeError, AttributeError, json.JSONDecodeError) as error:
             raise errors.ProtocolError(f"malformed group decision: {error!r}") from None
+
+
+def _optional_str(value: object) -> str | None:
+    return None if value is None else str(value)
 
 
 class Communicator:
@@ -288,6 +297,9 @@ class Communicator:
         """Key prefix of the current round (``round/<version>/``); every :meth:`get`/:meth:`set` uses it."""
         self.reused = False
         """Whether the current round kept the group of an earlier round (no group was built)."""
+        self.held_manifest: str | None = None
+        """The manifest id the trainer confirmed every receiver holds in the current round (no
+        manifest exchange then), or ``None``."""
         self.rounds = 0
         """Rounds opened on this communicator."""
         self._store: c10d.Store | None = store
@@ -342,22 +354,28 @@ class Communicator:
 
     # -- rounds --------------------------------------------------------------------------------
 
-    def open_round(self, version: int) -> bool:
+    def open_round(self, version: int, *, manifest: str | None = None) -> bool:
         """Open the round of weight version ``version``: agree with every rank on the transfer group
         (keep the current one, or build a new one and handshake over it); returns whether the
         group was kept (also :attr:`reused`). The trainer waits for every receiver's hello; a
-        receiver waits for the trainer's decision."""
+        receiver waits for the trainer's decision.
+
+        ``manifest`` carries the manifest exchange's shortcut: on a receiver, the id of the last
+        manifest it accepted (and can take again as it is); on the trainer, the id of the manifest
+        it is about to offer. When every receiver holds the trainer's id, the decision says so and
+        :attr:`held_manifest` is that id on every rank: the manifest, verdicts and go are skipped."""
         if self.backend == "nccl":
             torch.cuda.set_device(self.device)  # this round may run on another thread than the last
         self.namespace = f"round/{version}/"
         self.rounds += 1
+        self.held_manifest = None
         if self.group_rank == 0:
-            self._decide(version)
+            self._decide(version, manifest)
         else:
-            self._follow()
+            self._follow(manifest)
         return self.reused
 
-    def _decide(self, version: int) -> None:
+    def _decide(self, version: int, manifest: str | None) -> None:
         hellos: dict[int, _Hello] = {}
         for group_rank in range(1, self.rendezvous.group_size):
             what = f"the hello of rank {self.rendezvous.global_rank(group_rank)}"
@@ -369,15 +387,22 @@ class Communicator:
             and all(hello.session == self.session and hello.group == self.group_name for hello in hellos.values())
         )
         name = self.group_name if keep and self.group_name is not None else f"v{version}"
-        self.set(GROUP_KEY, _Decision(name, keep).encode())
+        held = manifest is not None and all(hello.manifest == manifest for hello in hellos.values())
+        self.held_manifest = manifest if held else None
+        self.set(GROUP_KEY, _Decision(name, keep, self.held_manifest).encode())
         self.reused = keep
         if not keep:
             self._regroup(name)
             self.handshake()
 
-    def _follow(self) -> None:
-        self.set(hello_key(self.group_rank), _Hello(self.session, self.group_name).encode())
+    def _follow(self, manifest: str | None) -> None:
+        self.set(hello_key(self.group_rank), _Hello(self.session, self.group_name, manifest).encode())
         decision = _Decision.decode(self.get(GROUP_KEY, what="the trainer's group decision"))
+        if decision.manifest is not None and decision.manifest != manifest:
+            raise errors.ProtocolError(
+                f"the trainer says this rank holds manifest {decision.manifest!r}, but it holds {manifest!r}"
+            )
+        self.held_manifest = decision.manifest
         self.reused = decision.keep
         if decision.keep:
             if decision.group != self.group_name or self._group is None:
@@ -434,9 +459,11 @@ class Communicator:
 
     # -- control messages ----------------------------------------------------------------------
 
-    def set(self, key: str, value: str, *, scoped: bool = True) -> None:
-        """Set ``key`` of the current round (``scoped=False``: outside any round)."""
-        self._live_store().set(self._key(key, scoped), value)
+    def set(self, key: str, value: str, *, scoped: bool = True, namespace: str | None = None) -> None:
+        """Set ``key`` of the current round (``scoped=False``: outside any round; ``namespace``: of
+        that round, which may be over)."""
+        full_key = STORE_PREFIX + namespace + key if namespace is not None else self._key(key, scoped)
+        self._live_store().set(full_key, value)
 
     def get(self, key: str, *, what: str, scoped: bool = True) -> bytes:
         """The value of ``key`` of the current round, waiting for it until the deadline or an abort

@@ -8,14 +8,19 @@ thread ends it at its deadline.
 An attempt, in order (phases as the status reports them):
 
 1. ``suspending``: close the engine's gate and drain or abort what is in flight (the request's
-   ``suspendMode``), then let the backend free what its KV-cache mode frees. Nothing is written
-   before this returns, so no response is ever produced by a mix of two versions.
+   ``suspendMode``), then let the backend free what its KV-cache mode frees. Nothing is received
+   or written before this ends, so no response is ever produced by a mix of two versions. With a
+   rendezvous source the suspend runs on the agent's loop *while* the attempt joins (step 2), so a
+   drain and the round's opening overlap; a new transfer group is built only after the suspend
+   (its buffers come after whatever the suspend frees).
 2. ``joining`` (rendezvous source): reuse the communicator *parked* by the last successful refit
    when this request names the same rendezvous (address, port, world size, trainer world size,
    this rank) and the trainer's store still answers with the same session; else connect to the
    trainer's store afresh. Then open the round (:meth:`Communicator.open_round`): keep the parked
    transfer group if the trainer keeps it too (no group is built: the status says ``reused``), or
-   join a new one as ``rankOffset + shard-local rank`` and handshake; check the manifest and answer it.
+   join a new one as ``rankOffset + shard-local rank`` and handshake; take the manifest the parked
+   communicator accepted last when the trainer confirms it sends that one again, else check the
+   trainer's manifest and answer it.
 3. ``receiving``: buckets are received on this thread and written on the engine's backend thread
    (:meth:`Engine.run_exclusive`) with ``copy_`` into the live tensors, pipelined: bucket k is
    written while bucket k+1 travels (:mod:`~megafleet_engine.refit.receiver`); or ``applying`` (a
@@ -24,7 +29,8 @@ An attempt, in order (phases as the status reports them):
    unchanged) and, on a shard of several rank processes, every rank says it wrote it too (the
    backend's ``settle_weight_update``), the engine resumes stamping the new version; a
    deferred-init engine (``loading``) becomes ``ready`` here for the first time. The communicator
-   is parked for the next refit before the success is reported.
+   is parked for the next refit before the success is reported, and only then is the trainer told
+   (``done``): its ``send()`` returns once every receiver serves the new version.
 
 Any failure, the watchdog's deadline or ``POST /v1/refit/abort`` ends the attempt ``failed``: the
 engine is marked ``stale`` with the error (its gate stays closed: ``/v1`` answers 503), the process
@@ -52,7 +58,7 @@ if TYPE_CHECKING:
     from megafleet_engine import metrics as metrics_module
     from megafleet_engine import settings as settings_module
     from megafleet_engine.backends import base
-    from megafleet_engine.refit import communicator, wire
+    from megafleet_engine.refit import communicator, receiver, wire
 
 __all__ = ["Busy", "CheckpointRequest", "RefitController", "Refused", "RendezvousRequest", "Request"]
 
@@ -228,11 +234,12 @@ class RefitController:
 
 @dataclasses.dataclass(frozen=True)
 class _Parked:
-    """A communicator kept after a successful refit, and the rendezvous it serves (rendezvous,
-    this rank's global rank, the address its transport binds)."""
+    """A communicator kept after a successful refit, the rendezvous it serves (rendezvous, this
+    rank's global rank, the address its transport binds) and the manifest it took."""
 
     key: tuple[object, ...]
     comm: communicator.Communicator
+    accepted: receiver.Accepted | None = None
 
 
 class _Attempt:
@@ -267,6 +274,8 @@ class _Attempt:
             self.record = progress.Progress(version=request.version, source="checkpoint")
         self._comm: communicator.Communicator | None = None
         self._comm_lock = threading.Lock()
+        self._received: receiver.Received | None = None  # what the transfer took in (rendezvous)
+        self._told = False  # the trainer got this attempt's outcome
         self._aborted = threading.Event()  # the communicator's abort flag, also before it exists
         self._watchdog = watchdog.Watchdog(request.timeout_seconds, self._expire)
         self._thread = threading.Thread(target=self._run, name=f"megafleet-refit-{request.version}", daemon=True)
@@ -297,19 +306,24 @@ class _Attempt:
     # -- the attempt's thread ------------------------------------------------------------------
 
     def _run(self) -> None:
+        suspended: concurrent.futures.Future[None] | None = None
         try:
-            if not isinstance(self.request, RendezvousRequest) and self.parked is not None:
-                self.parked.comm.discard()  # another kind of refit: the next rendezvous joins afresh
-                self.parked = None
-            self._suspend()
             if isinstance(self.request, RendezvousRequest):
-                self._receive(self.request)
+                suspended = self._start_suspend()
+                self._receive(self.request, suspended)
             else:
+                if self.parked is not None:  # another kind of refit: the next rendezvous joins afresh
+                    self.parked.comm.discard()
+                    self.parked = None
+                self._wait_suspended(self._start_suspend())
                 self._load(self.request)
             self._commit()
         except Exception as error:
+            self._tell(_done(ok=False, error=str(error) or type(error).__name__))
             self._fail(error)
         finally:
+            if suspended is not None and not suspended.done():
+                suspended.cancel()  # the join failed first; the engine stays closed (stale)
             self._watchdog.stop()
             if self.parked is not None:  # failed before it got to the join
                 self.parked.comm.discard()
@@ -319,19 +333,36 @@ class _Attempt:
             if comm is not None:  # not parked: this attempt failed
                 comm.close()
 
-    def _suspend(self) -> None:
+    def _start_suspend(self) -> concurrent.futures.Future[None]:
+        """Start suspending the engine on the agent's loop (the suspend runs while the attempt
+        joins the trainer's world; nothing is received or written before it ends)."""
         request = self.request
         if request.kv_cache_mode is not None:
             self.engine.kv_cache_mode = request.kv_cache_mode
-        with self.record.timed("suspend"):
-            remaining = self.deadline.left("suspending the engine").total_seconds()
-            try:
-                self._on_loop(self.engine.suspend(request.suspend_mode, timeout_seconds=remaining), "suspending")
-            except TimeoutError as error:
-                raise errors.RefitTimeout(f"suspending ({request.suspend_mode}) did not finish: {error}") from None
+        remaining = self.deadline.left("suspending the engine").total_seconds()
 
-    def _receive(self, request: RendezvousRequest) -> None:
-        from megafleet_engine.refit import communicator, receiver, sinks, wire
+        async def suspend() -> None:
+            with self.record.timed("suspend"):
+                await self.engine.suspend(request.suspend_mode, timeout_seconds=remaining)
+
+        coroutine = suspend()
+        try:
+            return asyncio.run_coroutine_threadsafe(coroutine, self.loop)
+        except RuntimeError:  # the loop is closed: the server is stopping
+            coroutine.close()
+            raise errors.RefitAborted("the agent is stopping; suspending did not run") from None
+
+    def _wait_suspended(self, suspended: concurrent.futures.Future[None]) -> None:
+        """Wait until the suspend started by :meth:`_start_suspend` ended, until the deadline."""
+        try:
+            suspended.result(timeout=self.deadline.left("suspending the engine").total_seconds())
+        except TimeoutError as error:  # the drain's own timeout, or this wait's (the same class)
+            if not suspended.done():
+                raise errors.RefitTimeout("the refit's deadline passed while suspending") from None
+            raise errors.RefitTimeout(f"suspending ({self.request.suspend_mode}) did not finish: {error}") from None
+
+    def _receive(self, request: RendezvousRequest, suspended: concurrent.futures.Future[None]) -> None:
+        from megafleet_engine.refit import communicator, receiver, sinks
 
         self.record.enter("joining")
         backend = self.engine.backend
@@ -342,8 +373,10 @@ class _Attempt:
         with self.record.timed("join"):
             local_address = request.local_address or communicator.local_address_towards(request.address)
             self._key = (rendezvous, global_rank, local_address)
-            comm = self._take_parked(self._key)
+            comm, accepted = self._take_parked(self._key)
             if comm is None:
+                # a new group is built: its buffers come after whatever the suspend frees
+                self._wait_suspended(suspended)
                 comm = communicator.Communicator.connect(
                     rendezvous,
                     global_rank=global_rank,
@@ -358,48 +391,48 @@ class _Attempt:
         if self.record.finished:  # aborted while joining: the abort did not see this group
             comm.abort()
             raise errors.RefitAborted("the refit was aborted while joining")
-        try:
-            received = receiver.receive(
-                comm,
-                sink,
-                version=request.version,
-                transport=request.transport,
-                bucket_limit_bytes=request.bucket_size_mib * MIB,
-                apply=self._apply,
-                record=self.record,
-            )
-            _check_in_place(before, sinks.pointers(backend))
-        except Exception as error:
-            _tell(comm, wire.Done(ok=False, error=str(error)))
-            raise
-        _tell(comm, wire.Done(ok=True, bytes_received=received))
+        self._received = receiver.receive(
+            comm,
+            sink,
+            version=request.version,
+            transport=request.transport,
+            bucket_limit_bytes=request.bucket_size_mib * MIB,
+            apply=self._apply,
+            record=self.record,
+            accepted=accepted,
+            before_transfer=lambda: self._wait_suspended(suspended),
+        )
+        _check_in_place(before, sinks.pointers(backend))
 
-    def _take_parked(self, key: tuple[object, ...]) -> communicator.Communicator | None:
-        """The parked communicator, rearmed for this attempt, if it serves ``key`` and the trainer's
-        store still answers with its session; else ``None`` (and the parked one is closed)."""
+    def _take_parked(
+        self, key: tuple[object, ...]
+    ) -> tuple[communicator.Communicator | None, receiver.Accepted | None]:
+        """The parked communicator, rearmed for this attempt, and the manifest it took, if it serves
+        ``key`` and the trainer's store still answers with its session; else ``None`` (and the
+        parked one is closed)."""
         parked, self.parked = self.parked, None
         if parked is None:
-            return None
+            return None, None
         if parked.key == key:
             try:
                 parked.comm.rearm(self.deadline, self._aborted)
                 parked.comm.check_session(SESSION_CHECK_SECONDS)
-                return parked.comm
+                return parked.comm, parked.accepted
             except errors.RefitError as error:
                 log.info("not reusing the parked refit group: %s", error)
         parked.comm.discard()
-        return None
+        return None, None
 
-    def _park(self) -> None:
-        """Keep this attempt's communicator for the next refit (called once its version is served)."""
+    def _park(self) -> tuple[communicator.Communicator | None, bool]:
+        """Keep this attempt's communicator for the next refit (called once its version is served);
+        returns it and whether it was parked (if not, the caller closes it after its last word)."""
         with self._comm_lock:
             comm, self._comm = self._comm, None
-        if comm is None:
-            return
-        if self._key is not None and comm.healthy and not comm.aborted:
-            self.owner._park(_Parked(self._key, comm))
-        else:
-            comm.close()
+        if comm is None or self._key is None or not comm.healthy or comm.aborted:
+            return comm, False
+        accepted = self._received.accepted if self._received is not None else None
+        self.owner._park(_Parked(self._key, comm, accepted))
+        return comm, True
 
     def _load(self, request: CheckpointRequest) -> None:
         from megafleet_engine.refit import sinks
@@ -426,7 +459,7 @@ class _Attempt:
         """On a model-parallel shard: agree with the other ranks that all hold the new version
         (the first rank asks, on the backend thread; a following rank only records ``ok``)."""
         settle = getattr(self.engine.backend, "settle_weight_update", None)
-        if settle is None:
+        if settle is None or not getattr(self.engine.backend, "spans_ranks", True):
             return
         version = self.request.version
         if not ok:
@@ -449,8 +482,14 @@ class _Attempt:
         with self.record.timed("resume"):
             self.engine.resume(weight_version=self.request.version)
         self.owner._mark_dirty(False)
-        self._park()  # before the success shows: the next refit's prepare finds the group parked
+        namespace = self._namespace()
+        comm, parked = self._park()  # before the success shows: the next refit's prepare finds the group parked
         self.record.finish(error=None)
+        self._told = True
+        if comm is not None and self._received is not None:  # the trainer learns it once this version serves
+            _tell(comm, _done(ok=True, bytes_received=self._received.nbytes), namespace)
+        if comm is not None and not parked:
+            comm.close()
         self._observe(succeeded=True)
         snapshot = self.record.snapshot()
         log.info(
@@ -459,6 +498,20 @@ class _Attempt:
             snapshot.duration_seconds or 0.0,
             ", ".join(f"{name} {seconds:.3f} s" for name, seconds in snapshot.phases),
         )
+
+    def _namespace(self) -> str | None:
+        with self._comm_lock:
+            return self._comm.namespace if self._comm is not None else None
+
+    def _tell(self, done: wire.Done) -> None:
+        """Report a failure to the trainer (once; best effort) while the communicator is this attempt's."""
+        if self._told:
+            return
+        self._told = True
+        with self._comm_lock:
+            comm = self._comm
+        if comm is not None:
+            _tell(comm, done, comm.namespace)
 
     def _fail(self, error: Exception) -> None:
         message = str(error) or type(error).__name__
@@ -523,11 +576,21 @@ def _check_in_place(before: dict[str, int], after: dict[str, int]) -> None:
         raise errors.RefitError(f"parameters were rebound instead of written in place, e.g. {moved[:3]}")
 
 
-def _tell(comm: communicator.Communicator, done: wire.Done) -> None:
-    """Report the outcome to the trainer; best effort (it may be gone, or the store unreachable)."""
+def _done(*, ok: bool, error: str = "", bytes_received: int = 0) -> wire.Done:
+    """The receiver's last word of a round (``wire`` imports torch, so it loads on first use)."""
     from megafleet_engine.refit import wire
 
+    return wire.Done(ok=ok, error=error, bytes_received=bytes_received)
+
+
+def _tell(comm: communicator.Communicator, done: wire.Done, namespace: str | None) -> None:
+    """Report the outcome to the trainer in the round ``namespace`` (``None``: no round was opened,
+    nothing to tell); best effort (it may be gone, or the store unreachable)."""
+    from megafleet_engine.refit import wire
+
+    if not namespace:
+        return
     try:
-        comm.set(wire.done_key(comm.group_rank), done.encode())
+        comm.set(wire.done_key(comm.group_rank), done.encode(), namespace=namespace)
     except RuntimeError as error:
         log.debug("could not report the refit outcome to the trainer: %s", error)

@@ -22,6 +22,7 @@ shard's bytes itself; letting every trainer rank send its own slices is the foll
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from collections.abc import Callable, Sequence
 from typing import TypeVar
@@ -30,13 +31,37 @@ import torch
 
 from megafleet_engine.refit import communicator, errors, progress, sinks, wire
 
-__all__ = ["Apply", "check_manifest", "receive"]
+__all__ = ["Accepted", "Apply", "Received", "check_manifest", "receive"]
 
 T = TypeVar("T")
 
 Apply = Callable[[Callable[[], int]], int]
 """``apply(write)``: run ``write`` (copies into live tensors, returning how many it wrote) where
 weights may be written (the backend thread), and return its result."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Accepted:
+    """A manifest this rank accepted, with the plan it received by: the next round of the same
+    session takes it again as it is when the trainer offers the same id (no manifest, verdict or go
+    then), as long as this rank's transport and bucket limit are still those it was checked for."""
+
+    id: str
+    manifest: wire.Manifest
+    plan: wire.BucketPlan
+    transport: wire.Transport
+    bucket_limit_bytes: int
+
+    def holds(self, transport: wire.Transport, bucket_limit_bytes: int) -> bool:
+        return transport == self.transport and bucket_limit_bytes == self.bucket_limit_bytes
+
+
+@dataclasses.dataclass(frozen=True)
+class Received:
+    """What :func:`receive` took in: the bytes, and the manifest to offer the trainer next round."""
+
+    nbytes: int
+    accepted: Accepted | None
 
 
 def receive(
@@ -48,35 +73,60 @@ def receive(
     bucket_limit_bytes: int,
     apply: Apply,
     record: progress.Progress,
-) -> int:
-    """Receive and write one complete weight version; returns the bytes received.
+    accepted: Accepted | None = None,
+    before_transfer: Callable[[], None] | None = None,
+) -> Received:
+    """Receive and write one complete weight version.
 
-    Opens the round of ``version`` on ``comm`` first (keeping its group or joining a new one).
-    Raises :class:`~megafleet_engine.refit.errors.ManifestMismatch` (after telling the trainer) when
-    the manifest does not fit this rank, and another :class:`RefitError` for any other failure.
+    Opens the round of ``version`` on ``comm`` first (keeping its group or joining a new one),
+    offering ``accepted`` (the last round's :attr:`Received.accepted`): when the trainer confirms it
+    sends the same manifest, nothing more is exchanged before the buckets. ``before_transfer`` runs
+    once the round is agreed, before the first byte is received or written (the caller waits for
+    its engine's suspend there). Raises :class:`~megafleet_engine.refit.errors.ManifestMismatch`
+    (after telling the trainer) when the manifest does not fit this rank, and another
+    :class:`RefitError` for any other failure.
     """
+    offer = accepted if accepted is not None and accepted.holds(transport, bucket_limit_bytes) else None
     with record.timed("join"):
-        record.set_reused(comm.open_round(version))
-        manifest = _read_manifest(comm)
-        verdict = check_manifest(
-            manifest, sink, version=version, transport=transport, bucket_limit_bytes=bucket_limit_bytes
-        )
-        comm.set(wire.verdict_key(comm.group_rank), verdict.encode())
-        if not verdict.ok:
-            raise errors.ManifestMismatch(verdict.error)
-        go = _decode(wire.Go.decode, comm.get(wire.GO_KEY, what="the trainer's go"), "go")
-        if not go.go:
-            raise errors.RefitError(f"the trainer cancelled the transfer: {go.reason}")
-        if manifest.buckets is not None:
-            plan = manifest.buckets
+        record.set_reused(comm.open_round(version, manifest=offer.id if offer is not None else None))
+        if offer is not None and comm.held_manifest == offer.id:
+            manifest, plan = offer.manifest, offer.plan
         else:
-            plan = _read_plan(comm, manifest, verdict.regions, bucket_limit_bytes)
+            manifest, plan, offer = _agree(comm, sink, version, transport, bucket_limit_bytes)
+    if before_transfer is not None:
+        before_transfer()
     record.enter("receiving")
     _transfer(comm, sink, plan, transport, manifest.by_name(), apply, record)
     missing = sink.missing()
     if missing:
         raise errors.RefitError(f"the transfer left {len(missing)} parameters unwritten, e.g. {missing[:3]}")
-    return plan.total_bytes
+    return Received(plan.total_bytes, offer)
+
+
+def _agree(
+    comm: communicator.Communicator,
+    sink: sinks.Sink,
+    version: int,
+    transport: wire.Transport,
+    bucket_limit_bytes: int,
+) -> tuple[wire.Manifest, wire.BucketPlan, Accepted | None]:
+    """Read the manifest, answer it, and read the trainer's go (and, reshard, this rank's plan)."""
+    manifest = _read_manifest(comm)
+    verdict = check_manifest(
+        manifest, sink, version=version, transport=transport, bucket_limit_bytes=bucket_limit_bytes
+    )
+    comm.set(wire.verdict_key(comm.group_rank), verdict.encode())
+    if not verdict.ok:
+        raise errors.ManifestMismatch(verdict.error)
+    go = _decode(wire.Go.decode, comm.get(wire.GO_KEY, what="the trainer's go"), "go")
+    if not go.go:
+        raise errors.RefitError(f"the trainer cancelled the transfer: {go.reason}")
+    if manifest.buckets is not None:
+        plan = manifest.buckets
+    else:
+        plan = _read_plan(comm, manifest, verdict.regions, bucket_limit_bytes)
+    accepted = Accepted(go.manifest, manifest, plan, transport, bucket_limit_bytes) if go.manifest else None
+    return manifest, plan, accepted
 
 
 def _transfer(

@@ -17,21 +17,28 @@ the session; ``r`` is a receiver's rank in the transfer group; the session and t
     trainer                                   receiver r
     -------                                   ----------
     store master at address:port, "session"   store client, reads "session" (or keeps its parked one)
-                                              "hello/r" = session, group it holds
+                                              "hello/r" = session, group it holds, manifest id it holds
     read every hello; "group" = decision      read the decision
+      (+ the manifest id, if every
+       receiver holds the one to send)
     new group: build it, handshake            new group: join it, check the handshake
       broadcast [MAGIC, MAJOR, size]          (kept group: nothing to build)
+    unless the decision named the manifest:
     "manifest" = Manifest                     read it, check it against its own parameters
                                               "verdict/r" = Verdict (reshard: the regions it needs)
     read every verdict; any rejection:
       "go" = Go(false, reasons), raise
     reshard: "plan/r" = BucketPlan per receiver
-    "go" = Go(true)                           read "go"; reshard: read "plan/r"
+    "go" = Go(true, manifest id)              read "go"; reshard: read "plan/r"
     buckets: broadcast from rank 0            receive each bucket, write its tensors in place
              (reshard: send to r only)        (bucket k written while bucket k+1 arrives)
-    read every "done/r"                       "done/r" = Done(ok, error)
+    read every "done/r"                       resume serving the version, then "done/r" = Done(ok, error)
 
-The next round on the same session deletes the last one's keys first.
+A manifest id names a manifest and the plans it went by; a receiver keeps the one of its last
+complete round (with the manifest and its plan) and offers it in its next hello, and the trainer
+confirms it instead of sending the manifest again when it sends the same tensors (names, shapes,
+dtypes), bucket size and transport: a steady RL loop exchanges only hello, decision and done. The
+next round on the same session deletes the last one's keys while its buckets travel.
 """
 
 from __future__ import annotations
@@ -398,20 +405,24 @@ class Verdict:
 
 @dataclasses.dataclass(frozen=True)
 class Go:
-    """The trainer's decision after the verdicts: send (``go``) or cancel (``reason``)."""
+    """The trainer's decision after the verdicts: send (``go``) or cancel (``reason``). ``manifest``
+    names this manifest and plan (an id the trainer draws; empty: none): a receiver that completes
+    the round offers it back in its next hello, and the trainer, when it sends the same manifest
+    again, confirms it in its decision instead of sending the manifest."""
 
     go: bool
     reason: str = ""
+    manifest: str = ""
 
     def encode(self) -> str:
-        return json.dumps({"go": self.go, "reason": self.reason})
+        return json.dumps({"go": self.go, "reason": self.reason, "manifest": self.manifest})
 
     @classmethod
     def decode(cls, raw: bytes | str) -> Go:
         try:
             value = json.loads(raw)
-            return cls(bool(value["go"]), str(value["reason"]))
-        except (KeyError, TypeError, json.JSONDecodeError) as error:
+            return cls(bool(value["go"]), str(value["reason"]), str(value.get("manifest") or ""))
+        except (KeyError, TypeError, AttributeError, json.JSONDecodeError) as error:
             raise ValueError(f"malformed go message: {error!r}") from None
 
 

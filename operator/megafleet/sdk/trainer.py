@@ -28,10 +28,12 @@ attempt up (:meth:`WeightSender.abort`, which ends a send still waiting for a de
 ``named_tensors`` are Hugging Face names and full (unsharded) tensors, e.g. a Megatron-Bridge export.
 :meth:`WeightSender.send` opens the version's round (group kept or built), publishes the manifest,
 waits for every receiver's verdict (a mismatch raises
-:class:`~megafleet_engine.refit.errors.RefitRejected` before any byte moves), sends the buckets
-(``broadcast``: every bucket to everyone, bucket k+1 packed into a second staging buffer, on a CUDA
-side stream for NCCL, while bucket k travels; ``reshard``: to each rank only the regions it asked
-for) and returns once every receiver reported its writes complete (else
+:class:`~megafleet_engine.refit.errors.RefitRejected` before any byte moves; when every receiver
+still holds the last send's manifest and this one is the same, the round's decision confirms it
+instead and ``SendReport.manifest_sent`` is false), sends the buckets (``broadcast``: every bucket
+to everyone, bucket k+1 packed into a second staging buffer, on a CUDA side stream for NCCL, while
+bucket k travels; ``reshard``: to each rank only the regions it asked for) and returns once every
+receiver reported that its engine serves the new version (else
 :class:`~megafleet_engine.refit.errors.ReceiverFailed`). The wire protocol is
 :mod:`megafleet_engine.refit.wire` and :mod:`megafleet_engine.refit.communicator`; both ends share them.
 """
@@ -39,10 +41,11 @@ for) and returns once every receiver reported its writes complete (else
 from __future__ import annotations
 
 import dataclasses
+import secrets
 import socket
 import threading
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from types import TracebackType
 
 import torch
@@ -53,6 +56,8 @@ from megafleet_engine.refit import communicator, errors, wire
 __all__ = ["SendReport", "WeightSender", "attempt_port"]
 
 MIB = 2**20
+_OfferKey = tuple[tuple[wire.TensorInfo, ...], int, wire.Transport]
+"""What makes two sends' manifests the same: every tensor's name, shape and dtype, bucket size, transport."""
 
 
 def attempt_port(base_port: int, attempt: int) -> int:
@@ -76,6 +81,7 @@ class SendReport:
     seconds: float
     phases: dict[str, float]  # "join" (round opened), "verdicts" (manifest to go), "transfer", "acknowledgements"
     reused: bool = False  # the transfer group of the previous send was kept (no group built)
+    manifest_sent: bool = True  # False: every receiver held this manifest from the last send (none was sent)
 
 
 class WeightSender:
@@ -120,6 +126,7 @@ class WeightSender:
         self._versions: set[int] = set()
         self._failed = False
         self._last_round: tuple[str, list[str]] | None = None  # namespace and keys of the last send
+        self._offer: _Offer | None = None  # the last send's manifest, which every receiver holds
 
     @property
     def usable(self) -> bool:
@@ -185,28 +192,32 @@ class WeightSender:
         transport: wire.Transport,
     ) -> SendReport:
         started = time.monotonic()
-        self._forget_last_round(comm)
-        reused = comm.open_round(version)
-        self._last_round = (comm.namespace, self._round_keys(transport))
-        joined = time.monotonic()
         infos = tuple(wire.TensorInfo.of(name, tensor) for name, tensor in tensors.items())
-        bucket_bytes = bucket_size_mib * MIB
-        broadcast_plan = None
-        if transport == "broadcast":
-            broadcast_plan = wire.plan_buckets(((wire.Region.whole(i.name), _nbytes(i)) for i in infos), bucket_bytes)
-        manifest = wire.Manifest(version, transport, bucket_bytes, infos, broadcast_plan)
-        comm.set(wire.MANIFEST_KEY, manifest.encode())
-        plans = self._agree(comm, manifest)
+        key = (infos, bucket_size_mib * MIB, transport)
+        offer = self._offer if self._offer is not None and self._offer.key == key else None
+        reused = comm.open_round(version, manifest=offer.id if offer is not None else None)
+        exchanged = offer is None or comm.held_manifest != offer.id
+        last_round, self._last_round = self._last_round, (comm.namespace, self._round_keys(transport, exchanged))
+        joined = time.monotonic()
+        if offer is None or exchanged:
+            offer = self._exchange(comm, key, version)
         agreed = time.monotonic()
+
+        def meanwhile() -> None:  # while the buckets travel: the last round's messages are not needed
+            if last_round is not None:
+                comm.delete(last_round[1], namespace=last_round[0])
+
+        broadcast_plan = offer.manifest.buckets
         if broadcast_plan is not None:
-            buckets = self._broadcast(comm, broadcast_plan, tensors)
+            buckets = self._broadcast(comm, broadcast_plan, tensors, meanwhile)
             sent = broadcast_plan.total_bytes
         else:
-            buckets = self._scatter(comm, plans, tensors)
-            sent = sum(plan.total_bytes for plan in plans.values())
+            buckets = self._scatter(comm, offer.plans, tensors, meanwhile)
+            sent = sum(plan.total_bytes for plan in offer.plans.values())
         transferred = time.monotonic()
         self._acknowledgements(comm)
         finished = time.monotonic()
+        self._offer = offer
         return SendReport(
             version=version,
             transport=transport,
@@ -217,29 +228,36 @@ class WeightSender:
             seconds=finished - started,
             phases={
                 "join": joined - started,
-                "verdicts": agreed - joined,
+                "verdicts": agreed - joined,  # zero when every receiver held the manifest
                 "transfer": transferred - agreed,
                 "acknowledgements": finished - transferred,
             },
             reused=reused,
+            manifest_sent=exchanged,
         )
 
-    def _round_keys(self, transport: wire.Transport) -> list[str]:
-        receivers = range(1, self.rendezvous.group_size)
-        keys = [communicator.GROUP_KEY, wire.MANIFEST_KEY, wire.GO_KEY]
-        keys += [communicator.hello_key(r) for r in receivers] + [wire.verdict_key(r) for r in receivers]
-        keys += [wire.done_key(r) for r in receivers]
-        if transport == "reshard":
-            keys += [wire.plan_key(r) for r in receivers]
-        return keys
+    def _exchange(self, comm: communicator.Communicator, key: _OfferKey, version: int) -> _Offer:
+        """Publish the manifest, read every verdict and publish go: the manifest under a new id."""
+        infos, bucket_bytes, transport = key
+        broadcast_plan = None
+        if transport == "broadcast":
+            broadcast_plan = wire.plan_buckets(((wire.Region.whole(i.name), _nbytes(i)) for i in infos), bucket_bytes)
+        manifest = wire.Manifest(version, transport, bucket_bytes, infos, broadcast_plan)
+        comm.set(wire.MANIFEST_KEY, manifest.encode())
+        manifest_id = secrets.token_hex(8)
+        return _Offer(key, manifest_id, manifest, self._agree(comm, manifest, manifest_id))
 
-    def _forget_last_round(self, comm: communicator.Communicator) -> None:
-        """Delete the last round's keys (every receiver is done with them: it sent its outcome), so a
-        store that serves refit after refit does not grow."""
-        if self._last_round is not None:
-            namespace, keys = self._last_round
-            comm.delete(keys, namespace=namespace)
-            self._last_round = None
+    def _round_keys(self, transport: wire.Transport, exchanged: bool) -> list[str]:
+        """The keys a round writes (deleted during the next round's transfer: every receiver is
+        done with them by then, and a store that serves refit after refit does not grow)."""
+        receivers = range(1, self.rendezvous.group_size)
+        keys = [communicator.GROUP_KEY] + [communicator.hello_key(r) for r in receivers]
+        keys += [wire.done_key(r) for r in receivers]
+        if exchanged:
+            keys += [wire.MANIFEST_KEY, wire.GO_KEY] + [wire.verdict_key(r) for r in receivers]
+            if transport == "reshard":
+                keys += [wire.plan_key(r) for r in receivers]
+        return keys
 
     def abort(self) -> None:
         """Give this attempt up from another thread (safe at any time, idempotent): the operator
@@ -271,8 +289,11 @@ class WeightSender:
 
     # -- steps of send -------------------------------------------------------------------------
 
-    def _agree(self, comm: communicator.Communicator, manifest: wire.Manifest) -> dict[int, wire.BucketPlan]:
-        """Read every verdict; publish go (with each reshard plan) or cancel everyone and raise."""
+    def _agree(
+        self, comm: communicator.Communicator, manifest: wire.Manifest, manifest_id: str
+    ) -> dict[int, wire.BucketPlan]:
+        """Read every verdict; publish go (with each reshard plan, and the id that names this
+        manifest in later rounds) or cancel everyone and raise."""
         offered = manifest.by_name()
         rejected: dict[int, str] = {}
         plans: dict[int, wire.BucketPlan] = {}
@@ -293,17 +314,22 @@ class WeightSender:
             raise errors.RefitRejected(rejected)
         for group_rank, plan in plans.items():
             comm.set(wire.plan_key(group_rank), plan.encode())
-        comm.set(wire.GO_KEY, wire.Go(True).encode())
+        comm.set(wire.GO_KEY, wire.Go(True, manifest=manifest_id).encode())
         return plans
 
     def _broadcast(
-        self, comm: communicator.Communicator, plan: wire.BucketPlan, tensors: dict[str, torch.Tensor]
+        self,
+        comm: communicator.Communicator,
+        plan: wire.BucketPlan,
+        tensors: dict[str, torch.Tensor],
+        meanwhile: Callable[[], None],
     ) -> int:
         """Broadcast the buckets of ``plan``, packing bucket k+1 into a second staging buffer while
         bucket k travels. Gloo: packing runs here while gloo's threads send. NCCL: packing runs on
         a side stream (after the caller's stream, which produced the tensors), each broadcast waits
         for its bucket's packing, a buffer is packed again only once its broadcast ended (stream
-        waits), and the host waits once, for the last broadcast."""
+        waits), and the host waits once, for the last broadcast; ``meanwhile`` runs just before
+        that wait."""
         count = len(plan.sizes)
         slots = min(2, count)
         stream = communicator.side_stream(self.device)
@@ -330,15 +356,20 @@ class WeightSender:
             pending = comm.start_broadcast(chunk, what=f"bucket {bucket + 1} of {count}")
             in_flight[slot] = pending
             issued.append(pending)
+        meanwhile()
         for pending in issued[-slots:]:
             comm.complete(pending)
         return count
 
     def _scatter(
-        self, comm: communicator.Communicator, plans: dict[int, wire.BucketPlan], tensors: dict[str, torch.Tensor]
+        self,
+        comm: communicator.Communicator,
+        plans: dict[int, wire.BucketPlan],
+        tensors: dict[str, torch.Tensor],
+        meanwhile: Callable[[], None],
     ) -> int:
         """Send each receiver its buckets, point to point; two staging buffers, so packing the next
-        bucket overlaps sending the previous one."""
+        bucket overlaps sending the previous one; ``meanwhile`` runs before the wait for the last."""
         largest = max((plan.largest for plan in plans.values()), default=0)
         buffers = [torch.empty(largest, dtype=torch.uint8, device=self.device) for _ in range(2)]
         in_flight: list[dist.Work | None] = [None, None]
@@ -356,6 +387,7 @@ class WeightSender:
                     wire.pack(chunk, placement, tensors[placement.region.name])
                 in_flight[slot] = comm.send(chunk, dst=group_rank, tag=bucket, what=what)
                 count += 1
+        meanwhile()
         for work in in_flight:
             if work is not None:
                 comm.wait(work, what="the last buckets")
@@ -375,6 +407,18 @@ class WeightSender:
                 failed[global_rank] = done.error
         if failed:
             raise errors.ReceiverFailed(failed)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Offer:
+    """A manifest every receiver accepted (and then received completely), with the plans it went by:
+    sent again as it is (``key``: the tensors' names, shapes and dtypes, the bucket size, the
+    transport), it is only confirmed by ``id`` in the next round's decision."""
+
+    key: _OfferKey
+    id: str
+    manifest: wire.Manifest
+    plans: dict[int, wire.BucketPlan]  # reshard: each receiver's (broadcast: the manifest's plan)
 
 
 def _collect(named_tensors: Iterable[tuple[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
