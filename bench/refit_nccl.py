@@ -40,6 +40,7 @@ import argparse
 import dataclasses
 import datetime
 import faulthandler
+import http.client
 import importlib.metadata
 import json
 import os
@@ -52,8 +53,7 @@ import sys
 import tempfile
 import threading
 import time
-import urllib.error
-import urllib.request
+import urllib.parse
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, Literal
@@ -289,6 +289,7 @@ class EngineProcess:
             [sys.executable, "-m", "megafleet_engine.cli"], env=env, stdout=self._log, stderr=subprocess.STDOUT
         )
         self._shown = 0
+        self._agent: Http | None = None
 
     def new_log_lines(self) -> list[str]:
         """Lines the engine logged since the last call (noting the addresses its servers bound)."""
@@ -311,7 +312,10 @@ class EngineProcess:
         return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-count:])
 
     def agent(self) -> Http:
-        return Http(self.agent_url, AGENT_TOKEN)
+        """The agent's client: one kept-alive connection for the engine's life."""
+        if self._agent is None or self._agent.base_url != self.agent_url:
+            self._agent = Http(self.agent_url, AGENT_TOKEN)
+        return self._agent
 
     def state(self) -> str:
         """The engine's state as its agent reports it (``loading`` before the agent is up)."""
@@ -367,39 +371,50 @@ def wait_ready(engines: Sequence[EngineProcess], timeout: float) -> None:
         time.sleep(READY_POLL_SECONDS)  # polling start-up with a deadline
 
 
-NO_PROXY = urllib.request.build_opener(urllib.request.ProxyHandler({}))
-"""Loopback calls never go through an ``http_proxy`` from the environment."""
-
-
 class Http:
-    """JSON over HTTP with the standard library (a fresh loopback connection per call)."""
+    """JSON over HTTP with the standard library, over one kept-alive loopback connection (as the
+    operator's HTTP client keeps its connections to the agents), opened again when the server
+    closed it. No proxy is ever involved (``http.client`` reads no proxy settings)."""
 
     def __init__(self, base_url: str, token: str | None = None) -> None:
+        parsed = urllib.parse.urlsplit(base_url)
         self.base_url = base_url
+        self._host, self._port = parsed.hostname or "127.0.0.1", parsed.port or 80
         self.headers = {"Content-Type": "application/json"}
         if token:
             self.headers["Authorization"] = f"Bearer {token}"
         self.last_headers: dict[str, str] = {}
+        self._connection: http.client.HTTPConnection | None = None
 
     def call(self, method: str, path: str, body: Any = None, *, quiet: bool = False) -> tuple[int, Any]:
-        """``(status, parsed body)``; ``quiet``: a refused connection is ``(0, None)``, not an error."""
+        """``(status, parsed body)``; ``quiet``: a refused connection is ``(0, None)``, not an error.
+        A kept connection the server closed meanwhile is opened again once (every call here is
+        idempotent: a repeated prepare is answered with the attempt it started)."""
         data = None if body is None else json.dumps(body).encode()
-        request = urllib.request.Request(self.base_url + path, data=data, headers=self.headers, method=method)
-        try:
-            with NO_PROXY.open(request, timeout=5 if quiet else 120) as response:
-                self.last_headers = dict(response.headers.items())
-                return response.status, json.loads(response.read() or b"null")
-        except urllib.error.HTTPError as error:
-            self.last_headers = dict(error.headers.items())
-            payload = error.read()
+        for attempt in (1, 2):
+            connection = self._connection
+            if connection is None:
+                connection = http.client.HTTPConnection(self._host, self._port, timeout=5 if quiet else 120)
+                self._connection = connection
             try:
-                return error.code, json.loads(payload or b"null")
+                connection.request(method, path, body=data, headers=self.headers)
+                response = connection.getresponse()
+                payload = response.read()
+            except (http.client.HTTPException, OSError) as error:
+                connection.close()
+                self._connection = None
+                stale = isinstance(error, (http.client.RemoteDisconnected, BrokenPipeError, ConnectionResetError))
+                if attempt == 1 and stale:
+                    continue
+                if quiet:
+                    return 0, None
+                raise
+            self.last_headers = dict(response.getheaders())
+            try:
+                return response.status, json.loads(payload or b"null")
             except json.JSONDecodeError:
-                return error.code, payload.decode(errors="replace")
-        except (urllib.error.URLError, ConnectionError, TimeoutError):
-            if quiet:
-                return 0, None
-            raise
+                return response.status, payload.decode(errors="replace")
+        raise AssertionError("unreachable")
 
 
 # -- the broadcast baseline ------------------------------------------------------------------------
@@ -603,7 +618,8 @@ def refit(
         joined = time.perf_counter()
         report = sender.send(target.tensors.items(), bucket_size_mib=bucket_mib, version=version)
         sent = time.perf_counter()
-        status = wait_published(agent, version, poll_seconds, timeout_seconds)
+        _, first_status = agent.call("GET", "/v1/refit/status")  # the engine acknowledged only once it served N
+        status = wait_published(agent, version, poll_seconds, timeout_seconds, first=first_status)
         published = time.perf_counter()
     except (refit_errors.RefitError, BenchError) as error:
         target.close_sender()  # a failed send leaves the sender unusable; the next refit starts a session
@@ -612,7 +628,7 @@ def refit(
     target.version = version
     _, state = agent.call("GET", "/v1/state")
     payload = nbytes(target.tensors)
-    end_to_end = published - started
+    end_to_end = sent - started
     phases = {phase["name"]: phase["milliseconds"] / 1e3 for phase in status["phases"]}
     return {
         "engine_name": target.engine.name,
@@ -626,13 +642,15 @@ def refit(
         "tensors_written": status["tensorsWritten"],
         "group": "reused" if report.reused else "fresh",
         "engine_reused": status.get("reused"),
+        "manifest_sent": report.manifest_sent,
+        "published_when_send_returned": published_now(first_status, version),
         "end_to_end_s": round(end_to_end, 4),
         "trainer": {
             "prepare_http_s": round(prepared - started, 4),
             "init_s": round(joined - prepared, 4),
             "send_s": round(report.seconds, 4),
             "send_phases_s": {name: round(seconds, 4) for name, seconds in report.phases.items()},
-            "publish_wait_s": round(published - sent, 4),
+            "status_read_s": round(published - sent, 4),
         },
         "engine": {
             "duration_s": status["durationMilliseconds"] / 1e3,
@@ -648,18 +666,34 @@ def refit(
     }
 
 
-def wait_published(agent: Http, version: int, poll_seconds: float, timeout: float) -> dict[str, Any]:
-    """Poll ``/v1/refit/status`` until the attempt succeeded and the engine serves ``version``."""
+def published_now(status: Any, version: int) -> bool:
+    """Whether a ``/v1/refit/status`` body shows the attempt succeeded and the engine serving ``version``."""
+    return (
+        isinstance(status, dict)
+        and status.get("phase") == "succeeded"
+        and status.get("weightVersion") == version
+        and status.get("state") == "ready"
+    )
+
+
+def wait_published(
+    agent: Http, version: int, poll_seconds: float, timeout: float, *, first: Any = None
+) -> dict[str, Any]:
+    """Poll ``/v1/refit/status`` until the attempt succeeded and the engine serves ``version``
+    (``first``: a status already read, looked at before polling)."""
     deadline = time.monotonic() + timeout
+    status = first
     while True:
-        code, status = agent.call("GET", "/v1/refit/status")
-        if code != 200:
-            raise BenchError(f"refit status answered {code}: {status}")
+        if status is None:
+            code, status = agent.call("GET", "/v1/refit/status")
+            if code != 200:
+                raise BenchError(f"refit status answered {code}: {status}")
         if status["phase"] == "failed":
             raise BenchError(f"refit to version {version} failed: {status['error']}")
-        if status["phase"] == "succeeded" and status["weightVersion"] == version and status["state"] == "ready":
+        if published_now(status, version):
             result: dict[str, Any] = status
             return result
+        status = None
         if time.monotonic() > deadline:
             raise BenchError(f"version {version} not published within {timeout:.0f} s: {status}")
         time.sleep(poll_seconds)  # polling the agent's status with a deadline, as the operator does
@@ -697,6 +731,7 @@ def checked_refit(target: Target, results: list[dict[str, Any]], **options: Any)
     other_set = [v for v in target.tokens if v and v % 2 != version % 2]
     run["checks"] = {
         "status_succeeded_with_version": True,  # wait_published returned
+        "published_when_send_returned": run["published_when_send_returned"],
         "state_serves_version": run["state_after"]["weight_version"] == version
         and run["state_after"]["state"] == "ready",
         "completion_weight_version": completion["weight_version"] == version
@@ -767,18 +802,25 @@ DEFINITIONS = {
     "series (the same open WeightSender, the engine's parked communicator; its status says reused), as every "
     "later refit of a training run. Each series (bucket size) starts with one fresh refit; the headline and "
     "each series' median are over the reused refits, first_refit over the fresh ones",
-    "end_to_end_s": "trainer clock, from just before POST /v1/refit/prepare to the first /v1/refit/status poll "
-    "that shows phase succeeded, weightVersion N and state ready (suspend, join, verdicts, transfer, in-place "
-    "writes, resume, version published); polls every --poll-ms once send() returned (send returns when the "
-    "engine reported its writes complete)",
+    "end_to_end_s": "trainer clock, from just before POST /v1/refit/prepare (over the agent client's kept-alive "
+    "connection, as the operator's client keeps one) to WeightSender.send() returning: send returns once every "
+    "receiver acknowledged, and a receiver acknowledges only after its engine resumed serving version N "
+    "(suspend, join, transfer, in-place writes, resume, version published). The /v1/refit/status read right "
+    "after must already show phase succeeded, weightVersion N and state ready (check "
+    "published_when_send_returned; trainer.status_read_s is that read, not counted)",
+    "manifest_sent": "whether the round exchanged the manifest (manifest, verdicts, go); false when the engine "
+    "still held the previous refit's manifest and the trainer's decision confirmed it (same tensors, shapes, "
+    "dtypes, bucket size and transport)",
     "trainer.init_s": "WeightSender.init() of a fresh refit: the TCPStore and the session id (0 when reused)",
     "trainer.send_phases_s": "SendReport.phases: join (every receiver's hello, the group decision; fresh: the "
-    "NCCL group and the handshake), verdicts (manifest published to every verdict + go), transfer (bucket k+1 "
-    "packed into the second staging buffer on a side stream while bucket k is broadcast; until the last "
-    "broadcast completed), acknowledgements (waiting for the engine's done)",
-    "engine.phases_s": "the agent's /v1/refit/status phases (ms resolution): suspend, join (reused: session "
-    "check on the parked store client, hello, the trainer's decision; fresh: connect to the store, build the "
-    "group, handshake; then manifest check, verdict, go), receive and apply (pipelined: bucket k is written on "
+    "NCCL group and the handshake), verdicts (manifest published to every verdict + go; ~0 when the manifest was "
+    "held), transfer (bucket k+1 packed into the second staging buffer on a side stream while bucket k is "
+    "broadcast; until the last broadcast completed), acknowledgements (waiting for the engine's done: its last "
+    "writes, the in-place check, resume)",
+    "engine.phases_s": "the agent's /v1/refit/status phases (ms resolution): suspend (runs alongside the join; "
+    "nothing is received before it ended), join (reused: session check on the parked store client, hello, the "
+    "trainer's decision; fresh: connect to the store, build the group, handshake; then, unless the manifest was "
+    "held, manifest check, verdict, go), receive and apply (pipelined: bucket k is written on "
     "a side stream while bucket k+1 is received; receive = time waiting for bucket data, apply = time "
     "waiting for writes, so receive + apply is the wall time of the transfer)",
     "engine.fixed_s": "suspend + join + resume: the phases whose cost does not depend on the bytes",
