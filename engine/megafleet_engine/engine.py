@@ -171,7 +171,10 @@ class Engine:
                 self._idle.notify_all()
         for pending in aborted:
             self._deliver(pending, Aborted("request aborted by a suspend for refit"))
-        await asyncio.to_thread(self._wait_idle, timeout_seconds)
+        with self._idle:
+            busy = self._in_flight > 0
+        if busy:  # else nothing to wait for (no thread hop)
+            await asyncio.to_thread(self._wait_idle, timeout_seconds)
         begin = getattr(self.backend, "begin_weight_update", None)
         if begin is not None:
             mode_now = self.kv_cache_mode

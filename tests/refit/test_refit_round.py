@@ -19,7 +19,7 @@ import torch
 from torch._C import _distributed_c10d as c10d
 
 from megafleet.sdk import trainer as sdk
-from megafleet_engine.refit import communicator, errors
+from megafleet_engine.refit import communicator, errors, sinks, wire
 
 PROMPT = [50, 51, 52, 53]
 TOKENS = 5
@@ -153,4 +153,38 @@ def test_the_round_opens_while_the_engine_suspends_and_nothing_moves_before_the_
         )
     finally:
         gate.set()
+        sender.close()
+
+
+def test_a_write_that_rebinds_a_parameter_fails_the_refit_before_the_version_serves(
+    served: harness.InProcessEngine, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A broken writer that replaces a parameter's storage (CUDA graphs would keep reading the old
+    one) is caught by the in-place check: the refit fails, the engine stays stale, nothing serves."""
+    trainer = harness.Trainer("tiny://llama?seed=81")
+    agent = served.agent
+    port = harness.free_port()
+    sender = sdk.WeightSender(port, 2, address=harness.TRAINER_ADDRESS, timeout_seconds=30)
+    sender.init()
+    try:
+        assert agent.prepare(1, port=port, world_size=2, rank_offset=1).status_code == 202
+        sender.send(trainer.weights().items(), bucket_size_mib=1, version=1)  # verified once, pointers kept
+
+        name, parameter = next(iter(served.backend.model.named_parameters()))
+        write = sinks.NamedSink.write
+
+        def rebinding_write(self: sinks.NamedSink, region: wire.Region, tensor: torch.Tensor) -> int:
+            if region.name == name:
+                parameter.data = tensor.clone()  # a new storage, not a copy into the old one
+                self._written.add(region.name)
+                return 1
+            return write(self, region, tensor)
+
+        monkeypatch.setattr(sinks.NamedSink, "write", rebinding_write)
+        assert agent.prepare(2, port=port, world_size=2, rank_offset=1).status_code == 202
+        with pytest.raises(errors.ReceiverFailed, match="rebound"):
+            sender.send(trainer.weights().items(), bucket_size_mib=1, version=2)
+        status = agent.wait_finished()
+        assert status["phase"] == "failed" and "rebound" in status["error"] and status["state"] == "stale", status
+    finally:
         sender.close()

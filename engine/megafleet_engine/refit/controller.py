@@ -58,7 +58,7 @@ if TYPE_CHECKING:
     from megafleet_engine import metrics as metrics_module
     from megafleet_engine import settings as settings_module
     from megafleet_engine.backends import base
-    from megafleet_engine.refit import communicator, receiver, wire
+    from megafleet_engine.refit import communicator, receiver, sinks, wire
 
 __all__ = ["Busy", "CheckpointRequest", "RefitController", "Refused", "RendezvousRequest", "Request"]
 
@@ -143,6 +143,8 @@ class RefitController:
         self._attempt: _Attempt | None = None
         self._dirty = False
         self._parked: _Parked | None = None
+        self._sink: sinks.Sink | None = None  # the engine's sink, nothing written (built once)
+        self._pointers: dict[str, int] | None = None  # live storage addresses, as last verified
 
     @property
     def dirty(self) -> bool:
@@ -230,6 +232,38 @@ class RefitController:
     def _mark_dirty(self, dirty: bool) -> None:
         with self._lock:
             self._dirty = dirty
+
+    def _fresh_sink(self) -> sinks.Sink:
+        """A sink over the engine's live parameters with nothing written; the parameters are
+        looked up once per engine (a walk of the model is milliseconds on a large one)."""
+        from megafleet_engine.refit import sinks
+
+        with self._lock:
+            template = self._sink
+        if template is None:
+            template = sinks.sink_for(self.engine.backend)
+            with self._lock:
+                self._sink = template
+        return template.fresh()
+
+    def _live_pointers(self) -> dict[str, int]:
+        """The parameters' storage addresses before a refit writes: those the last refit verified
+        (nothing rebinds parameters between refits), read afresh the first time."""
+        from megafleet_engine.refit import sinks
+
+        with self._lock:
+            known = self._pointers
+        return known if known is not None else sinks.pointers(self.engine.backend)
+
+    def _verify_in_place(self, before: dict[str, int]) -> None:
+        """Raise unless every parameter still has the storage it had ``before`` (a write rebound
+        none: CUDA graphs captured on those addresses stay valid), and remember them."""
+        from megafleet_engine.refit import sinks
+
+        after = sinks.pointers(self.engine.backend)
+        _check_in_place(before, after)
+        with self._lock:
+            self._pointers = after
 
 
 @dataclasses.dataclass(frozen=True)
@@ -362,12 +396,11 @@ class _Attempt:
             raise errors.RefitTimeout(f"suspending ({self.request.suspend_mode}) did not finish: {error}") from None
 
     def _receive(self, request: RendezvousRequest, suspended: concurrent.futures.Future[None]) -> None:
-        from megafleet_engine.refit import communicator, receiver, sinks
+        from megafleet_engine.refit import communicator, receiver
 
         self.record.enter("joining")
-        backend = self.engine.backend
-        sink = sinks.sink_for(backend)
-        before = sinks.pointers(backend)
+        sink = self.owner._fresh_sink()
+        before = self.owner._live_pointers()
         rendezvous = _rendezvous(request)
         global_rank = request.rank_offset + self.owner.rank
         with self.record.timed("join"):
@@ -401,8 +434,8 @@ class _Attempt:
             record=self.record,
             accepted=accepted,
             before_transfer=lambda: self._wait_suspended(suspended),
+            after_writes=lambda: self.owner._verify_in_place(before),
         )
-        _check_in_place(before, sinks.pointers(backend))
 
     def _take_parked(
         self, key: tuple[object, ...]
@@ -435,14 +468,12 @@ class _Attempt:
         return comm, True
 
     def _load(self, request: CheckpointRequest) -> None:
-        from megafleet_engine.refit import sinks
-
         self.record.enter("applying")
         backend = self.engine.backend
-        before = sinks.pointers(backend)
+        before = self.owner._live_pointers()
         with self.record.timed("apply"):
             self._apply(lambda: _load_checkpoint(backend, request.path))
-        _check_in_place(before, sinks.pointers(backend))
+        self.owner._verify_in_place(before)
 
     def _apply(self, write: Callable[[], int]) -> int:
         """Run ``write`` on the backend thread, unless the attempt ended meanwhile."""

@@ -75,16 +75,19 @@ def receive(
     record: progress.Progress,
     accepted: Accepted | None = None,
     before_transfer: Callable[[], None] | None = None,
+    after_writes: Callable[[], None] | None = None,
 ) -> Received:
     """Receive and write one complete weight version.
 
-    Opens the round of ``version`` on ``comm`` first (keeping its group or joining a new one),
-    offering ``accepted`` (the last round's :attr:`Received.accepted`): when the trainer confirms it
-    sends the same manifest, nothing more is exchanged before the buckets. ``before_transfer`` runs
-    once the round is agreed, before the first byte is received or written (the caller waits for
-    its engine's suspend there). Raises :class:`~megafleet_engine.refit.errors.ManifestMismatch`
-    (after telling the trainer) when the manifest does not fit this rank, and another
-    :class:`RefitError` for any other failure.
+        Opens the round of ``version`` on ``comm`` first (keeping its group or joining a new one),
+        offering ``accepted`` (the last round's :attr:`Received.accepted`): when the trainer confirms it
+        sends the same manifest, nothing more is exchanged before the buckets. ``before_transfer`` runs
+        once the round is agreed, before the first byte is received or written (the caller waits for
+        its engine's suspend there); ``after_writes`` runs once every write was issued and the sink is
+    complete, before the wait for the device to finish them (the caller checks that nothing was
+    rebound there, off the critical path). Raises :class:`~megafleet_engine.refit.errors.ManifestMismatch`
+        (after telling the trainer) when the manifest does not fit this rank, and another
+        :class:`RefitError` for any other failure.
     """
     offer = accepted if accepted is not None and accepted.holds(transport, bucket_limit_bytes) else None
     with record.timed("join"):
@@ -96,10 +99,15 @@ def receive(
     if before_transfer is not None:
         before_transfer()
     record.enter("receiving")
-    _transfer(comm, sink, plan, transport, manifest.by_name(), apply, record)
-    missing = sink.missing()
-    if missing:
-        raise errors.RefitError(f"the transfer left {len(missing)} parameters unwritten, e.g. {missing[:3]}")
+
+    def issued() -> None:
+        missing = sink.missing()
+        if missing:
+            raise errors.RefitError(f"the transfer left {len(missing)} parameters unwritten, e.g. {missing[:3]}")
+        if after_writes is not None:
+            after_writes()
+
+    _transfer(comm, sink, plan, transport, manifest.by_name(), apply, record, issued)
     return Received(plan.total_bytes, offer)
 
 
@@ -137,9 +145,11 @@ def _transfer(
     tensors: dict[str, wire.TensorInfo],
     apply: Apply,
     record: progress.Progress,
+    issued: Callable[[], None],
 ) -> None:
     """Receive the buckets of ``plan`` into two alternating buffers and write each through ``apply``
-    while the next one travels.
+    while the next one travels; ``issued`` runs once every write was issued, before the host waits
+    for the device (NCCL) to finish them.
 
     Gloo: the next bucket's op runs on gloo's threads while this thread waits for the backend
     thread's writes. NCCL: nothing waits on the host per bucket; the writes run on a side stream
@@ -149,6 +159,7 @@ def _transfer(
     """
     count = len(plan.sizes)
     if count == 0:
+        issued()
         return
     by_bucket: list[list[wire.Placement]] = [[] for _ in plan.sizes]
     for placement in plan.placements:
@@ -191,6 +202,7 @@ def _transfer(
             )
         written[bucket % slots] = done
         record.count(bytes_received=plan.sizes[bucket], buckets=1, tensors_written=count_written)
+    issued()
     last = written[(count - 1) % slots]
     if received is not None and last is not None:
         with record.timed("receive"):

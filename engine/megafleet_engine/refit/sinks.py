@@ -17,6 +17,7 @@ Two sinks cover the backends:
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 from collections.abc import Mapping
 from typing import Any, Protocol
@@ -54,6 +55,10 @@ class Sink(Protocol):
         """Live targets not written since the sink was made (empty: the version is complete)."""
         ...
 
+    def fresh(self) -> Sink:
+        """The same sink with nothing written yet (for the next version; nothing is looked up again)."""
+        ...
+
 
 class NamedSink:
     """Parameters by Hugging Face name, each held whole."""
@@ -87,6 +92,11 @@ class NamedSink:
 
     def missing(self) -> list[str]:
         return sorted(set(self._live) - self._written)
+
+    def fresh(self) -> NamedSink:
+        clone = copy.copy(self)
+        clone._written = set()
+        return clone
 
 
 @dataclasses.dataclass(frozen=True)
@@ -155,6 +165,11 @@ class ShardSink:
         return sorted(
             {t.megatron_name for targets in self._targets.values() for t in targets if t not in self._written}
         )
+
+    def fresh(self) -> ShardSink:
+        clone = copy.copy(self)
+        clone._written = set()
+        return clone
 
 
 def sink_for(backend: Any) -> Sink:
