@@ -15,12 +15,13 @@ import dataclasses
 import json
 import logging
 import secrets
+import time
 from collections.abc import Callable
 from typing import Any
 
 from lightkube import operators
 
-from megafleet import agents, conditions, desired, kube, names, planner
+from megafleet import agents, backoff, conditions, desired, kube, names, planner
 from megafleet.api import checks, v1alpha1
 
 log = logging.getLogger(__name__)
@@ -36,6 +37,9 @@ DRAIN_TIMEOUT_SECONDS = 30.0
 
 _PLACEMENT_LOCK = asyncio.Lock()
 """Serialises inventory-plan-create across the fleets this operator reconciles concurrently."""
+_CATCH_UP_BACKOFF = backoff.Backoff()
+"""Delays between checkpoint catch-ups of a shard that keep failing, keyed by (namespace, fleet,
+shard, version, checkpoint)."""
 
 
 def _ignore(kind: str, reason: str, message: str) -> None:
@@ -429,11 +433,18 @@ async def _catch_up(
     refit_state: Object,
     token: str,
     notify: Notify,
+    *,
+    delays: backoff.Backoff = _CATCH_UP_BACKOFF,
+    clock: Callable[[], float] = time.monotonic,
 ) -> None:
     """A shard behind the fleet's current version (restarted or added after a refit, or left Stale by
     a failed attempt) loads it from the checkpoint the last successful Refit came from, when it came
-    from one; otherwise it stays Stale, not routed, until the next refit includes it."""
+    from one; otherwise it stays Stale, not routed, until the next refit includes it. A catch-up
+    that failed is tried again after growing delays (``delays``: 10 s, 20 s, ... 5 min), each
+    failure reported once as a ``CatchUpFailed`` Warning."""
     current, path = refit_state.get("currentVersion"), refit_state.get("currentCheckpoint")
+    fleet_key = (fleet.namespace, fleet.name)
+    delays.forget(lambda key: not isinstance(key, tuple) or key[:2] != fleet_key or key[3:] == (current, path))
     if current is None or path is None or refit_state.get("active") is not None:
         return
     body = {
@@ -451,6 +462,17 @@ async def _catch_up(
         progress = [await agent_client.refit_status(ip, token) for ip in ips]
         if all(p is not None and p.get("version") == current and p.get("phase") not in _SETTLED for p in progress):
             continue  # already catching up
+        failed = [p for p in progress if p is not None and p.get("version") == current and p.get("phase") == "failed"]
+        left, failures = delays.wait((*fleet_key, shard, current, path), failed=bool(failed), now=clock())
+        if failures is not None:
+            notify(
+                "Warning",
+                "CatchUpFailed",
+                f"shard {shard} could not load version {current} from {path} ({failures} in a row: "
+                f"{failed[0].get('error')}); next try in {left:.0f} s",
+            )
+        if left > 0:
+            continue
         refused = [error for ip in ips if (error := await agent_client.refit_start(ip, token, "checkpoint", body))]
         if refused:
             notify("Warning", "CatchUpRefused", f"shard {shard} cannot load version {current}: {refused[0]}")
