@@ -55,22 +55,41 @@ class Delta:
 class ChoiceState:
     """Per-choice state: tokens so far, text emitted so far, whether (and why) it finished.
 
-    Text is re-decoded from all tokens each step (robust to multi-byte characters split across
-    tokens); the emitted text only grows, and while not finished it keeps back an unfinished
-    character and the last ``len(longest stop) - 1`` characters, which a stop string could start in.
-    A stop string ends the choice with ``finish_reason == "stop"``; its text ends before the stop
-    string, while ``token_ids`` keep every token generated (the trainer needs them all).
+    Detokenizes incrementally in constant work per token: each step decodes only a window of the
+    last tokens, twice (the tokens already turned into text, and the same plus the new ones), and
+    takes the difference, as vLLM's detokenizer does; decoding both from the same first token
+    cancels whatever a tokenizer does at the start of a text (a SentencePiece word loses its
+    leading space there). The window moves on once its text ends with a whole character, so a
+    multi-byte character split across tokens appears once complete. Emitted text only grows, and
+    while not finished it keeps back the last ``len(longest stop) - 1`` characters, which a stop
+    string could start in. A stop string ends the choice with ``finish_reason == "stop"``; its text
+    ends before the stop string, while ``token_ids`` keep every token generated (the trainer needs
+    them all). Re-decoding every token at every step, as this did before, cost time quadratic in
+    the length of a completion, on the event loop (``bench/detokenize.py``).
     """
 
     spec: SequenceSpec
     steps: list[base.TokenStep] = dataclasses.field(default_factory=list)
-    text: str = ""
     finish_reason: str | None = None
+    text_length: int = 0
+    """Characters emitted so far (``len(text)``, without joining the pieces)."""
     _pending: list[base.TokenStep] = dataclasses.field(default_factory=list)
+    _ids: list[int] = dataclasses.field(default_factory=list)
+    _pieces: list[str] = dataclasses.field(default_factory=list)  # the emitted text, delta by delta
+    _held: str = ""  # decoded, not emitted: a stop string may start in it
+    _start: int = 0  # the window: ids[_start:_read] are decoded already (their text is emitted or held)
+    _read: int = 0
 
     @property
     def token_ids(self) -> list[int]:
-        return [step.token_id for step in self.steps]
+        return list(self._ids)
+
+    @property
+    def text(self) -> str:
+        """All the text emitted so far."""
+        if len(self._pieces) > 1:
+            self._pieces = ["".join(self._pieces)]
+        return self._pieces[0] if self._pieces else ""
 
     @property
     def finished(self) -> bool:
@@ -80,28 +99,46 @@ class ChoiceState:
         """Add one generated token; returns the text it completes (possibly empty)."""
         self.steps.append(step)
         self._pending.append(step)
-        decoded = tokenizer.decode(self.token_ids, skip_special_tokens=True)
-        stop_at = self._find_stop(decoded)
+        self._ids.append(step.token_id)
+        ended = step.finish_reason is not None
+        settled, unsettled = self._detokenize(tokenizer, flush=ended)
+        self._held += settled
+        # the unfinished character at the end (a replacement character for now) is not text yet
+        candidate = self._held + unsettled.rstrip("\ufffd")
+        stop_at = self._find_stop(candidate)
         if stop_at is not None:
-            return self._finish(decoded[:stop_at], "stop")
+            return self._finish(candidate[:stop_at], "stop")
         if step.finish_reason is not None:
-            return self._finish(decoded, step.finish_reason)
-        visible = decoded.rstrip("\ufffd")  # an unfinished multi-byte character
+            return self._finish(candidate, step.finish_reason)
         hold = max((len(stop) for stop in self.spec.stop), default=1) - 1
-        return self._emit(visible[: max(len(self.text), len(visible) - hold)], None)
+        return self._emit(min(len(self._held), max(0, len(candidate) - hold)), None)
 
-    def _find_stop(self, decoded: str) -> int | None:
-        positions = [decoded.find(stop, len(self.text)) for stop in self.spec.stop]
+    def _detokenize(self, tokenizer: Tokenizer, *, flush: bool) -> tuple[str, str]:
+        """The text the new token adds: settled (final), and unsettled (the window's text while it
+        ends inside a character: decoded again at the next token, or taken as it is at the end)."""
+        before = tokenizer.decode(self._ids[self._start : self._read], skip_special_tokens=True)
+        window = tokenizer.decode(self._ids[self._start :], skip_special_tokens=True)
+        added = window[len(before) :]
+        if flush or (added and not added.endswith("\ufffd")):
+            self._start, self._read = self._read, len(self._ids)
+            return added, ""
+        return "", added
+
+    def _find_stop(self, candidate: str) -> int | None:
+        positions = [candidate.find(stop) for stop in self.spec.stop]
         found = [position for position in positions if position >= 0]
         return min(found) if found else None
 
     def _finish(self, final_text: str, reason: str) -> Delta:
         self.finish_reason = reason
-        return self._emit(final_text, reason)
+        self._held = final_text
+        return self._emit(len(final_text), reason)
 
-    def _emit(self, new_text: str, reason: str | None) -> Delta:
-        delta = new_text[len(self.text) :] if new_text.startswith(self.text) else ""
-        self.text += delta
+    def _emit(self, count: int, reason: str | None) -> Delta:
+        delta, self._held = self._held[:count], self._held[count:]
+        if delta:
+            self._pieces.append(delta)
+            self.text_length += len(delta)
         steps, self._pending = tuple(self._pending), []
         return Delta(self.spec.index, delta, steps, reason)
 

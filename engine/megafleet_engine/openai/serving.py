@@ -309,7 +309,7 @@ class CompletionServing:
             wants_steps = request.logprobs is not None or request.return_token_ids
             if not (delta.text or delta.finish_reason or wants_steps):
                 continue
-            choice = self._choice(request, state, delta.steps, delta.text, len(state.text) - len(delta.text))
+            choice = self._choice(request, state, delta.steps, delta.text, state.text_length - len(delta.text))
             choice.finish_reason = delta.finish_reason
             if delta.index in started:
                 choice.prompt_token_ids = None
