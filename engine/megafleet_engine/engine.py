@@ -25,7 +25,7 @@ import itertools
 import logging
 import threading
 import time
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator, Callable
 from typing import Literal, TypeVar
 
 from megafleet_engine.backends import base
@@ -330,31 +330,27 @@ class Engine:
         self._leaving = set()
 
     def _take(self, steps: list[base.TokenStep]) -> None:
-        """Deliver one decode step's tokens to their open sequences: one hand-over to each event
-        loop per step, not one per token (each wakes the loop and takes the GIL from this thread)."""
-        tokens: list[tuple[_Pending, base.TokenStep]] = []
-        try:
-            for step in steps:
-                pending = self._open.get(step.request_id)
-                if pending is None:
-                    continue  # closed early; the backend learns it at the next admit
-                if pending.cancelled.is_set():
-                    self._close(pending, Aborted("request cancelled"))
-                elif self._abort_all:
-                    self._close(pending, Aborted("request aborted by a suspend for refit"))
-                elif step.finish_reason == "abort" and step.token_id == base.NO_TOKEN:
-                    self._close(pending, EngineError("the backend could not run this sequence"), told=True)
-                else:
-                    if pending.key != pending.request.request_id:
-                        step = dataclasses.replace(step, request_id=pending.request.request_id)
-                    tokens.append((pending, step))
-                    if step.finish_reason is not None:
-                        self._close(pending, None, told=True)
-        finally:
-            _hand_over(tokens)
+        """Deliver one decode step's tokens to their open sequences."""
+        for step in steps:
+            pending = self._open.get(step.request_id)
+            if pending is None:
+                continue  # closed early; the backend learns it at the next admit
+            if pending.cancelled.is_set():
+                self._close(pending, Aborted("request cancelled"))
+            elif self._abort_all:
+                self._close(pending, Aborted("request aborted by a suspend for refit"))
+            elif step.finish_reason == "abort" and step.token_id == base.NO_TOKEN:
+                self._close(pending, EngineError("the backend could not run this sequence"), told=True)
+            else:
+                if pending.key != pending.request.request_id:
+                    step = dataclasses.replace(step, request_id=pending.request.request_id)
+                self._deliver(pending, step)
+                if step.finish_reason is not None:
+                    self._close(pending, None, told=True)
 
     def _deliver(self, pending: _Pending, item: base.TokenStep | BaseException) -> None:
-        _hand_over([(pending, item)])
+        with contextlib.suppress(RuntimeError):  # the loop is closed: the client is gone
+            pending.loop.call_soon_threadsafe(pending.steps.put_nowait, item)
 
     def _close(self, pending: _Pending, error: BaseException | None, *, told: bool = False) -> None:
         """End one open sequence of the running batch (``told``: the backend already ended it)."""
@@ -367,20 +363,3 @@ class Engine:
         with self._idle:
             self._in_flight -= 1
             self._idle.notify_all()
-
-
-def _hand_over(items: Sequence[tuple[_Pending, base.TokenStep | BaseException]]) -> None:
-    """Put each item on its sequence's queue, on that queue's event loop: one thread-safe call
-    per loop. A sequence's items keep their order (one step holds at most one item per sequence,
-    and steps are handed over in order)."""
-    by_loop: dict[asyncio.AbstractEventLoop, list[tuple[_Pending, base.TokenStep | BaseException]]] = {}
-    for pending, item in items:
-        by_loop.setdefault(pending.loop, []).append((pending, item))
-    for loop, batch in by_loop.items():
-        with contextlib.suppress(RuntimeError):  # the loop is closed: the clients are gone
-            loop.call_soon_threadsafe(_put_all, batch)
-
-
-def _put_all(batch: list[tuple[_Pending, base.TokenStep | BaseException]]) -> None:
-    for pending, item in batch:
-        pending.steps.put_nowait(item)

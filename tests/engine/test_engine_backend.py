@@ -604,34 +604,3 @@ def test_a_sequence_the_backend_cannot_run_fails_alone() -> None:
         assert asyncio.run(scenario()) == [101, 102]
     finally:
         core.close()
-
-
-def test_a_steps_tokens_reach_the_event_loop_in_one_hand_over() -> None:
-    """Three sequences in one batch: each step wakes the event loop once, not once per token (each
-    wake-up is a write to the loop's pipe and a GIL hand-off the backend thread pays for)."""
-    double = SteppedBackend()
-    core = engine.Engine(double, max_batch_size=8)
-    calls: list[int] = []
-
-    async def scenario() -> list[list[int]]:
-        loop = asyncio.get_running_loop()
-        original = loop.call_soon_threadsafe
-
-        def counting(callback: Any, *args: Any, **kwargs: Any) -> Any:
-            if threading.current_thread() is not threading.main_thread():
-                calls.append(len(args[0]) if args and isinstance(args[0], list) else -1)
-            return original(callback, *args, **kwargs)
-
-        loop.call_soon_threadsafe = counting  # type: ignore[method-assign]
-        running = [collect(core, plain(name, 3)) for name in "abc"]
-        await until(lambda: core.queue_depth == 3)
-        await step_when_ready(double, 3)
-        return [await result for result in running]
-
-    try:
-        results = asyncio.run(scenario())
-    finally:
-        core.close()
-    assert results == [[101, 102, 103]] * 3
-    # asyncio.to_thread's own completions also come through the loop (-1): only the engine's count
-    assert [count for count in calls if count != -1] == [3, 3, 3], calls
