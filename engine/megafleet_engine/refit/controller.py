@@ -518,6 +518,8 @@ class _Attempt:
         self.record.finish(error=None)
         self._told = True
         if comm is not None and self._received is not None:  # the trainer learns it once this version serves
+            # In this round's namespace, on the (now parked) store client: its calls are serialised
+            # by torch, and a next attempt that took it already waits in slices of at most 1 s.
             _tell(comm, _done(ok=True, bytes_received=self._received.nbytes), namespace)
         if comm is not None and not parked:
             comm.close()
