@@ -1,9 +1,10 @@
 """Receive one weight version from the trainer into a sink: the receiver's half of the wire protocol.
 
-Called by a refit attempt (:mod:`megafleet_engine.refit.controller`) on its own thread, after the
-engine is suspended and the communicator has joined the trainer's world, and by tests that receive
-straight into a sink. :func:`receive` checks the trainer's manifest against the sink (answering
-with a verdict, so a mismatch is refused before any byte moves), then takes the buckets one by one:
+Called by a refit attempt (:mod:`megafleet_engine.refit.controller`) on its own thread, while its
+engine suspends (no byte is received before the suspend ended), and by tests that receive straight
+into a sink. :func:`receive` checks the trainer's manifest against the sink (answering with a
+verdict, so a mismatch is refused before any byte moves) unless it holds that manifest from the
+last round already, then takes the buckets one by one:
 ``broadcast`` receives every bucket of the manifest's plan (every rank gets whole tensors and keeps
 what it holds), ``reshard`` receives only the buckets of the plan the trainer made for this rank
 from the regions it asked for (point-to-point sends of exactly the ``Piece`` ranges of its shard
@@ -79,15 +80,16 @@ def receive(
 ) -> Received:
     """Receive and write one complete weight version.
 
-        Opens the round of ``version`` on ``comm`` first (keeping its group or joining a new one),
-        offering ``accepted`` (the last round's :attr:`Received.accepted`): when the trainer confirms it
-        sends the same manifest, nothing more is exchanged before the buckets. ``before_transfer`` runs
-        once the round is agreed, before the first byte is received or written (the caller waits for
-        its engine's suspend there); ``after_writes`` runs once every write was issued and the sink is
-    complete, before the wait for the device to finish them (the caller checks that nothing was
-    rebound there, off the critical path). Raises :class:`~megafleet_engine.refit.errors.ManifestMismatch`
-        (after telling the trainer) when the manifest does not fit this rank, and another
-        :class:`RefitError` for any other failure.
+    Opens the round of ``version`` on ``comm`` first (keeping its group or joining a new one),
+    offering ``accepted`` (the last round's :attr:`Received.accepted`): when the trainer confirms it
+    sends the same manifest, nothing more is exchanged before the buckets. ``before_transfer`` runs
+    once the round is agreed, before the first byte is received or written (the caller waits for
+    its engine's suspend there); ``after_writes`` runs once every write was issued and the sink is
+    complete, before the wait for the device to finish them (the caller checks there, off the
+    critical path, that nothing was rebound). Raises
+    :class:`~megafleet_engine.refit.errors.ManifestMismatch` (after answering the trainer with the
+    refusing verdict) when the manifest does not fit this rank, and another :class:`RefitError` for
+    any other failure.
     """
     offer = accepted if accepted is not None and accepted.holds(transport, bucket_limit_bytes) else None
     with record.timed("join"):
