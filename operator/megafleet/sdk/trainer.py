@@ -25,7 +25,9 @@ attempt up (:meth:`WeightSender.abort`, which ends a send still waiting for a de
 :meth:`WeightSender.close`) and runs the next one the same way, with a new sender on
 ``attempt_port(port, attempts)`` with the new world size.
 
-``named_tensors`` are Hugging Face names and full (unsharded) tensors, e.g. a Megatron-Bridge export.
+``named_tensors`` are Hugging Face names and full (unsharded) tensors, e.g. a Megatron-Bridge export;
+with ``shapes=`` (names, shapes, dtypes in order) they may come from a generator, one at a time, so
+a trainer that gathers each HF tensor from its shards never holds the whole model.
 :meth:`WeightSender.send` opens the version's round (group kept or built), publishes the manifest,
 waits for every receiver's verdict (a mismatch raises
 :class:`~megafleet_engine.refit.errors.RefitRejected` before any byte moves; when every receiver
@@ -45,7 +47,7 @@ import secrets
 import socket
 import threading
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from types import TracebackType
 
 import torch
@@ -160,8 +162,17 @@ class WeightSender:
         *,
         version: int,
         transport: wire.Transport = "broadcast",
+        shapes: Mapping[str, tuple[Sequence[int], torch.dtype]] | None = None,
     ) -> SendReport:
         """Send ``named_tensors`` (HF names, full tensors) as weight version ``version``.
+
+        ``shapes`` (broadcast only): every tensor's name, shape and dtype, in the order
+        ``named_tensors`` yields them. With it, ``named_tensors`` may be a generator that produces
+        the tensors one at a time (e.g. gathered from the trainer's TP/PP shards): each is read only
+        when its bucket is packed, and may be freed or reused once the generator is asked for the
+        next, so the trainer never holds more than its current tensor and two staging buckets. A
+        tensor out of order, of another shape or dtype, or one too many fails the send before the
+        last bucket goes (the receivers then fail too and stay on their version).
 
         Call again for the next version (same port and world size: the next Refit's first attempt);
         each version once per sender. A failure leaves the sender unusable (:attr:`usable`): close
@@ -173,11 +184,17 @@ class WeightSender:
             raise RuntimeError("an earlier send() failed; this sender is unusable: close it and open a new one")
         if version in self._versions:
             raise ValueError(f"weight version {version} was already sent by this sender; each version goes once")
-        tensors = _collect(named_tensors)
+        source: _Held | _Streamed
+        if shapes is None:
+            source = _Held(_collect(named_tensors))
+        else:
+            if transport != "broadcast":
+                raise ValueError("tensors produced one at a time (shapes=...) go with the broadcast transport only")
+            source = _Streamed(iter(named_tensors), _infos(shapes))
         self._versions.add(version)
         comm.deadline = communicator.Deadline(self.timeout_seconds)
         try:
-            return self._send(comm, tensors, bucket_size_mib, version, transport)
+            return self._send(comm, source, bucket_size_mib, version, transport)
         except BaseException:
             self._failed = True
             comm.abort()  # never reused: the receivers' side failed too, or will see the group torn down
@@ -186,13 +203,13 @@ class WeightSender:
     def _send(
         self,
         comm: communicator.Communicator,
-        tensors: dict[str, torch.Tensor],
+        source: _Held | _Streamed,
         bucket_size_mib: int,
         version: int,
         transport: wire.Transport,
     ) -> SendReport:
         started = time.monotonic()
-        infos = tuple(wire.TensorInfo.of(name, tensor) for name, tensor in tensors.items())
+        infos = source.infos
         key = (infos, bucket_size_mib * MIB, transport)
         offer = self._offer if self._offer is not None and self._offer.key == key else None
         reused = comm.open_round(version, manifest=offer.id if offer is not None else None)
@@ -209,10 +226,11 @@ class WeightSender:
 
         broadcast_plan = offer.manifest.buckets
         if broadcast_plan is not None:
-            buckets = self._broadcast(comm, broadcast_plan, tensors, meanwhile)
+            buckets = self._broadcast(comm, broadcast_plan, source, meanwhile)
             sent = broadcast_plan.total_bytes
         else:
-            buckets = self._scatter(comm, offer.plans, tensors, meanwhile)
+            assert isinstance(source, _Held)  # send() allows a stream with broadcast only
+            buckets = self._scatter(comm, offer.plans, source.tensors, meanwhile)
             sent = sum(plan.total_bytes for plan in offer.plans.values())
         transferred = time.monotonic()
         self._acknowledgements(comm)
@@ -321,12 +339,13 @@ class WeightSender:
         self,
         comm: communicator.Communicator,
         plan: wire.BucketPlan,
-        tensors: dict[str, torch.Tensor],
+        source: _Held | _Streamed,
         meanwhile: Callable[[], None],
     ) -> int:
         """Broadcast the buckets of ``plan``, packing bucket k+1 into a second staging buffer while
         bucket k travels. Gloo: packing runs here while gloo's threads send. NCCL: packing runs on
-        a side stream (after the caller's stream, which produced the tensors), each broadcast waits
+        a side stream (after the caller's stream, which produced the tensors: waited for again
+        before each bucket, since a stream of tensors is produced as it goes), each broadcast waits
         for its bucket's packing, a buffer is packed again only once its broadcast ended (stream
         waits), and the host waits once, for the last broadcast; ``meanwhile`` runs just before
         that wait."""
@@ -348,9 +367,15 @@ class WeightSender:
             if previous is not None:
                 comm.finish(previous, stream=stream)  # the buffer's last broadcast has read it
             chunk = buffers[slot].narrow(0, 0, size)
-            with communicator.on_stream(stream):
-                for placement in by_bucket[bucket]:
-                    wire.pack(chunk, placement, tensors[placement.region.name])
+            for placement in by_bucket[bucket]:
+                tensor = source.take(placement.region.name)
+                if stream is not None and current is not None:
+                    stream.wait_stream(current)  # the tensor may have just been produced there
+                    tensor.record_stream(stream)  # its memory is not reused before the packing ran
+                with communicator.on_stream(stream):
+                    wire.pack(chunk, placement, tensor)
+            if bucket == count - 1:
+                source.finish()  # before the last bucket goes: a stream with more tensors fails here
             if current is not None and stream is not None:
                 current.wait_stream(stream)  # NCCL's stream follows the current one: after the packing
             pending = comm.start_broadcast(chunk, what=f"bucket {bucket + 1} of {count}")
@@ -419,6 +444,61 @@ class _Offer:
     id: str
     manifest: wire.Manifest
     plans: dict[int, wire.BucketPlan]  # reshard: each receiver's (broadcast: the manifest's plan)
+
+
+class _Held:
+    """Every tensor at hand, by name (what :meth:`WeightSender.send` gets without ``shapes``)."""
+
+    def __init__(self, tensors: dict[str, torch.Tensor]) -> None:
+        self.tensors = tensors
+        self.infos = tuple(wire.TensorInfo.of(name, tensor) for name, tensor in tensors.items())
+
+    def take(self, name: str) -> torch.Tensor:
+        return self.tensors[name]
+
+    def finish(self) -> None:
+        pass
+
+
+class _Streamed:
+    """Tensors produced one at a time, in the order of ``infos`` (``send(..., shapes=...)``)."""
+
+    def __init__(self, tensors: Iterator[tuple[str, torch.Tensor]], infos: tuple[wire.TensorInfo, ...]) -> None:
+        self._tensors = tensors
+        self.infos = infos
+        self._by_name = {info.name: info for info in infos}
+        self._taken = 0
+
+    def take(self, name: str) -> torch.Tensor:
+        expected = self._by_name[name]
+        try:
+            given, tensor = next(self._tensors)
+        except StopIteration:
+            raise ValueError(f"the tensors ended after {self._taken}; {name} was next") from None
+        self._taken += 1
+        if given != name:
+            raise ValueError(f"tensor {self._taken} is {given}, but the shapes put {name} there")
+        info = wire.TensorInfo.of(given, tensor)
+        if info != expected:
+            raise ValueError(
+                f"{name} is {list(info.shape)} {info.dtype}, but its shape says {list(expected.shape)} {expected.dtype}"
+            )
+        return tensor.detach()
+
+    def finish(self) -> None:
+        extra = next(self._tensors, None)
+        if extra is not None:
+            raise ValueError(f"the tensors go on past the {len(self.infos)} the shapes name, with {extra[0]}")
+
+
+def _infos(shapes: Mapping[str, tuple[Sequence[int], torch.dtype]]) -> tuple[wire.TensorInfo, ...]:
+    infos = tuple(
+        wire.TensorInfo(name, tuple(int(size) for size in shape), wire.dtype_name(dtype))
+        for name, (shape, dtype) in shapes.items()
+    )
+    if not infos:
+        raise ValueError("there are no tensors to send")
+    return infos
 
 
 def _collect(named_tensors: Iterable[tuple[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
