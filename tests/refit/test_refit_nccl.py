@@ -17,6 +17,7 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -98,6 +99,32 @@ def test_nccl_refit_lands_exactly_and_in_place(transport: wire.Transport) -> Non
         f"({report.bytes_sent / report.phases['transfer'] / 1e9:.1f} GB/s), send() {report.seconds:.3f} s, "
         f"receiver phases {result['phases']}\n"
     )
+
+
+def test_nccl_refit_from_tensors_produced_one_at_a_time_lands_exactly() -> None:
+    """``send(..., shapes=...)`` over NCCL: each tensor is a fresh copy made on the current stream
+    and dropped once the next is asked for, so the allocator may hand its memory to the next copy
+    while the side stream has not packed it yet; the packing must still read the right bytes."""
+    port = _port()
+    child = _spawn(mode="receive", port=port, transport="broadcast", rounds=2)
+    try:
+        tensors = weights(TRAINER_DEVICE)
+        shapes = {name: (tuple(tensor.shape), tensor.dtype) for name, tensor in tensors.items()}
+
+        def produced() -> Iterator[tuple[str, torch.Tensor]]:
+            for name, tensor in tensors.items():
+                yield name, tensor.clone()
+
+        with sdk.WeightSender(
+            port, 2, backend="nccl", address=ADDRESS, device=TRAINER_DEVICE, timeout_seconds=120
+        ) as s:
+            s.init()
+            first = s.send(produced(), bucket_size_mib=BUCKET_MIB, version=1, shapes=shapes)
+            second = s.send(produced(), bucket_size_mib=BUCKET_MIB, version=2, shapes=shapes)
+    finally:
+        result = _report(child)
+    assert result["exact"] == [True, True] and result["inPlace"], result
+    assert (first.manifest_sent, second.manifest_sent) == (True, False)
 
 
 def test_nccl_watchdog_releases_a_receiver_blocked_in_a_broadcast() -> None:
