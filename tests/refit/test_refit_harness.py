@@ -103,6 +103,15 @@ class Trainer:
         return Sending(sender, run)
 
 
+def open_sender(world_size: int = 2, *, timeout_seconds: float = 30.0) -> tuple[int, sdk.WeightSender]:
+    """The trainer's side of a refit on a fresh port of :data:`TRAINER_ADDRESS`, initialised (its
+    store listens); the caller closes it."""
+    port = free_port()
+    sender = sdk.WeightSender(port, world_size, address=TRAINER_ADDRESS, timeout_seconds=timeout_seconds)
+    sender.init()
+    return port, sender
+
+
 class Sending:
     """A sender running on a thread; :meth:`result` joins it and returns or raises what it did."""
 

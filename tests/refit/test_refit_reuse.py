@@ -110,9 +110,7 @@ def test_refits_over_one_sender_keep_the_group_and_a_new_session_on_the_same_por
 def test_a_failed_refit_an_abort_and_a_timeout_never_leave_a_parked_group(served: harness.InProcessEngine) -> None:
     trainer = harness.Trainer("tiny://llama?seed=31")
     agent = served.agent
-    port = harness.free_port()
-    sender = sdk.WeightSender(port, 2, address=harness.TRAINER_ADDRESS, timeout_seconds=30)
-    sender.init()
+    port, sender = harness.open_sender()
 
     def attempt(version: int, weights: dict[str, torch.Tensor] | None = None) -> None:
         assert agent.prepare(version, port=port, world_size=2, rank_offset=1).status_code == 202

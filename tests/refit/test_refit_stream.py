@@ -16,8 +16,6 @@ import pytest
 import test_refit_harness as harness
 import torch
 
-from megafleet.sdk import trainer as sdk
-
 PROMPT = [70, 71, 72]
 TOKENS = 5
 
@@ -58,9 +56,7 @@ def test_tensors_produced_one_at_a_time_refit_the_engine_without_the_trainer_hol
 ) -> None:
     trainers = [harness.Trainer(f"tiny://llama?seed={seed}") for seed in (91, 92)]
     agent = served.agent
-    port = harness.free_port()
-    sender = sdk.WeightSender(port, 2, address=harness.TRAINER_ADDRESS, timeout_seconds=30)
-    sender.init()
+    port, sender = harness.open_sender()
     try:
         for version, trainer in ((1, trainers[0]), (2, trainers[1])):
             weights = trainer.weights()
@@ -93,9 +89,7 @@ def test_tensors_that_do_not_match_the_shapes_fail_the_send_and_the_engine_serve
     else:
         produced = Producer(weights)(names[:-1])
     agent = served.agent
-    port = harness.free_port()
-    sender = sdk.WeightSender(port, 2, address=harness.TRAINER_ADDRESS, timeout_seconds=30)
-    sender.init()
+    port, sender = harness.open_sender()
     try:
         assert agent.prepare(1, port=port, world_size=2, rank_offset=1).status_code == 202
         with pytest.raises(

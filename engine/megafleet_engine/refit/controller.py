@@ -353,7 +353,7 @@ class _Attempt:
                 self._load(self.request)
             self._commit()
         except Exception as error:
-            self._tell(_done(ok=False, error=str(error) or type(error).__name__))
+            self._report_failure(str(error) or type(error).__name__)
             self._fail(error)
         finally:
             if suspended is not None and not suspended.done():
@@ -520,7 +520,7 @@ class _Attempt:
         if comm is not None and self._received is not None:  # the trainer learns it once this version serves
             # In this round's namespace, on the (now parked) store client: its calls are serialised
             # by torch, and a next attempt that took it already waits in slices of at most 1 s.
-            _tell(comm, _done(ok=True, bytes_received=self._received.nbytes), namespace)
+            _tell(comm, namespace, ok=True, bytes_received=self._received.nbytes)
         if comm is not None and not parked:
             comm.close()
         self._observe(succeeded=True)
@@ -536,15 +536,15 @@ class _Attempt:
         with self._comm_lock:
             return self._comm.namespace if self._comm is not None else None
 
-    def _tell(self, done: wire.Done) -> None:
-        """Report a failure to the trainer (once; best effort) while the communicator is this attempt's."""
+    def _report_failure(self, error: str) -> None:
+        """Tell the trainer this attempt failed (once; best effort) while the communicator is this attempt's."""
         if self._told:
             return
         self._told = True
         with self._comm_lock:
             comm = self._comm
         if comm is not None:
-            _tell(comm, done, comm.namespace)
+            _tell(comm, comm.namespace, ok=False, error=error)
 
     def _fail(self, error: Exception) -> None:
         message = str(error) or type(error).__name__
@@ -609,20 +609,16 @@ def _check_in_place(before: dict[str, int], after: dict[str, int]) -> None:
         raise errors.RefitError(f"parameters were rebound instead of written in place, e.g. {moved[:3]}")
 
 
-def _done(*, ok: bool, error: str = "", bytes_received: int = 0) -> wire.Done:
-    """The receiver's last word of a round (``wire`` imports torch, so it loads on first use)."""
-    from megafleet_engine.refit import wire
-
-    return wire.Done(ok=ok, error=error, bytes_received=bytes_received)
-
-
-def _tell(comm: communicator.Communicator, done: wire.Done, namespace: str | None) -> None:
-    """Report the outcome to the trainer in the round ``namespace`` (``None``: no round was opened,
-    nothing to tell); best effort (it may be gone, or the store unreachable)."""
+def _tell(
+    comm: communicator.Communicator, namespace: str | None, *, ok: bool, error: str = "", bytes_received: int = 0
+) -> None:
+    """Report the outcome (``done``) to the trainer in the round ``namespace`` (``None`` or empty: no
+    round was opened, nothing to tell); best effort (it may be gone, or the store unreachable)."""
     from megafleet_engine.refit import wire
 
     if not namespace:
         return
+    done = wire.Done(ok=ok, error=error, bytes_received=bytes_received)
     try:
         comm.set(wire.done_key(comm.group_rank), done.encode(), namespace=namespace)
     except RuntimeError as error:

@@ -344,8 +344,8 @@ class WeightSender:
     ) -> int:
         """Broadcast the buckets of ``plan``, packing bucket k+1 into a second staging buffer while
         bucket k travels. Gloo: packing runs here while gloo's threads send. NCCL: packing runs on
-        a side stream (after the caller's stream, which produced the tensors: waited for again
-        before each bucket, since a stream of tensors is produced as it goes), each broadcast waits
+        a side stream (after the caller's stream, which produced the tensors; tensors produced one at
+        a time are waited for, and kept from reuse, each on its own), each broadcast waits
         for its bucket's packing, a buffer is packed again only once its broadcast ended (stream
         waits), and the host waits once, for the last broadcast; ``meanwhile`` runs just before
         that wait."""
@@ -369,7 +369,7 @@ class WeightSender:
             chunk = buffers[slot].narrow(0, 0, size)
             for placement in by_bucket[bucket]:
                 tensor = source.take(placement.region.name)
-                if stream is not None and current is not None:
+                if stream is not None and current is not None and isinstance(source, _Streamed):
                     stream.wait_stream(current)  # the tensor may have just been produced there
                     tensor.record_stream(stream)  # its memory is not reused before the packing ran
                 with communicator.on_stream(stream):

@@ -150,19 +150,8 @@ class Sender:
             old[1].close()
 
 
-def sender(
-    weights: NamedTensors,
-    *,
-    backend: communicator.Backend = "gloo",
-    timeout_seconds: float = 300.0,
-    device: torch.device | str | None = None,
-    reports: list[trainer.SendReport] | None = None,
-    keep_open: bool = False,
-) -> Sender:
-    """A ``send`` for :meth:`~megafleet.sdk.fleet.Fleet.refit`; see :class:`Sender` for the arguments."""
-    return Sender(
-        weights, backend=backend, timeout_seconds=timeout_seconds, device=device, reports=reports, keep_open=keep_open
-    )
+sender = Sender
+"""A ``send`` for :meth:`~megafleet.sdk.fleet.Fleet.refit` (the :class:`Sender` class itself)."""
 
 
 def _key(attempt: fleet.Attempt) -> SenderKey:
