@@ -22,7 +22,7 @@ from typing import Any
 import fastapi
 import uvicorn
 
-from megafleet_engine import agent as agent_module
+from megafleet_engine import agent_server
 from megafleet_engine import engine as engine_module
 from megafleet_engine import metrics as metrics_module
 from megafleet_engine import siblings as siblings_module
@@ -67,14 +67,14 @@ def build_frontend_app(context: serving.ServingContext, *, api_key: str | None =
     return app
 
 
-def build_agent_app(agent: agent_module.Agent) -> fastapi.FastAPI:
+def build_agent_app(agent: agent_server.AgentServer) -> fastapi.FastAPI:
     """The agent app (operator only)."""
     app = fastapi.FastAPI(title="megafleet engine agent", docs_url=None, redoc_url=None, openapi_url=None)
     app.state.agent = agent
     errors.install(app)
-    app.include_router(agent_module.health_router)
-    app.include_router(agent_module.router)
-    app.include_router(agent_module.refit_router)
+    app.include_router(agent_server.health_router)
+    app.include_router(agent_server.router)
+    app.include_router(agent_server.refit_router)
     return app
 
 
@@ -190,7 +190,7 @@ class EngineServers:
                 self._listen("frontend", app, host, frontend_port)
                 self.served_address = self.listeners[-1].address
             if agent_port is not None and agent_token_file is not None:
-                agent = agent_module.Agent(
+                agent = agent_server.AgentServer(
                     engine,
                     agent_token_file,
                     rank=rank,

@@ -7,7 +7,7 @@ ranks runs the same agent app, with the same bearer token, at ``agent port + loc
 pod's loopback address (:func:`sibling_host`), so nothing outside the pod can reach it; its refit
 transport still binds the pod IP, where the trainer reaches it.
 
-Called by :mod:`megafleet_engine.agent`'s refit routes; :mod:`megafleet_engine.cli` builds the
+Called by :mod:`megafleet_engine.agent_server`'s refit routes; :mod:`megafleet_engine.cli` builds the
 :class:`Siblings` of local rank 0.
 """
 

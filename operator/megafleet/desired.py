@@ -19,7 +19,7 @@ Object = dict[str, Any]
 
 
 @dataclasses.dataclass(frozen=True)
-class Fleet:
+class ParsedFleet:
     """The identity of a MegatronGeneration plus its parsed spec."""
 
     name: str
@@ -38,7 +38,7 @@ class Fleet:
         return planner.pod_layout(checks.parallelism(self.spec.parallelism), self.spec.resources.gpus_per_node)
 
 
-def _meta(fleet: Fleet, name: str, component: str, shard: int | None = None) -> Object:
+def _meta(fleet: ParsedFleet, name: str, component: str, shard: int | None = None) -> Object:
     labels = {names.LABEL_FLEET: fleet.name, names.LABEL_COMPONENT: component, names.LABEL_MANAGED_BY: "megafleet"}
     if shard is not None:
         labels[names.LABEL_SHARD] = str(shard)
@@ -59,7 +59,7 @@ def _meta(fleet: Fleet, name: str, component: str, shard: int | None = None) -> 
     }
 
 
-def frontend_service(fleet: Fleet, shard: int) -> Object:
+def frontend_service(fleet: ParsedFleet, shard: int) -> Object:
     """ClusterIP Service of a shard's frontend: created first, its address is the reserved endpoint."""
     port = fleet.spec.frontend.port
     return {
@@ -74,7 +74,7 @@ def frontend_service(fleet: Fleet, shard: int) -> Object:
     }
 
 
-def ranks_service(fleet: Fleet, shard: int) -> Object:
+def ranks_service(fleet: ParsedFleet, shard: int) -> Object:
     """Headless Service giving every pod of a shard a DNS name; pod 0's is the master address."""
     return {
         "apiVersion": "v1",
@@ -89,7 +89,7 @@ def ranks_service(fleet: Fleet, shard: int) -> Object:
     }
 
 
-def agent_secret(fleet: Fleet, token: str) -> Object:
+def agent_secret(fleet: ParsedFleet, token: str) -> Object:
     """The per-fleet bearer token agents require from the operator."""
     return {
         "apiVersion": "v1",
@@ -100,7 +100,7 @@ def agent_secret(fleet: Fleet, token: str) -> Object:
     }
 
 
-def endpoint(fleet: Fleet, shard: int, cluster_ip: str) -> v1alpha1.Endpoint:
+def endpoint(fleet: ParsedFleet, shard: int, cluster_ip: str) -> v1alpha1.Endpoint:
     service = names.frontend_service(fleet.name, shard)
     port = fleet.spec.frontend.port
     return v1alpha1.Endpoint(
@@ -111,7 +111,7 @@ def endpoint(fleet: Fleet, shard: int, cluster_ip: str) -> v1alpha1.Endpoint:
     )
 
 
-def endpoints_configmap(fleet: Fleet, endpoints: list[v1alpha1.Endpoint]) -> Object:
+def endpoints_configmap(fleet: ParsedFleet, endpoints: list[v1alpha1.Endpoint]) -> Object:
     """What an RL job mounts or reads: every frontend URL, one per shard."""
     listed = [endpoint.model_dump(mode="json", by_alias=True) for endpoint in endpoints]
     return {
@@ -126,7 +126,7 @@ def endpoints_configmap(fleet: Fleet, endpoints: list[v1alpha1.Endpoint]) -> Obj
     }
 
 
-def template_hash(fleet: Fleet) -> str:
+def template_hash(fleet: ParsedFleet) -> str:
     """A hash of every spec field that shapes a pod; pods with another hash are rolled."""
     spec = fleet.spec
     shaping = {
@@ -154,7 +154,7 @@ def _dump(value: object) -> object:
 
 
 def shard_pods(
-    fleet: Fleet, shard: int, placement: planner.ShardPlacement, *, defer_weights: bool = False
+    fleet: ParsedFleet, shard: int, placement: planner.ShardPlacement, *, defer_weights: bool = False
 ) -> list[Object]:
     """Every pod of one placed shard, pinned to the placement's nodes (and clique).
 
@@ -169,7 +169,7 @@ def shard_pods(
 
 
 def _pod(
-    fleet: Fleet,
+    fleet: ParsedFleet,
     shard: int,
     index: int,
     layout: planner.PodLayout,
@@ -252,7 +252,7 @@ def _pod(
     }
 
 
-def _affinity(fleet: Fleet, placement: planner.ShardPlacement, index: int) -> Object:
+def _affinity(fleet: ParsedFleet, placement: planner.ShardPlacement, index: int) -> Object:
     """Pin pod ``index`` to the node the planner chose for it (and the shard's clique), so a
     placement is exactly what the planner decided and its GPUs count before the pod is bound."""
     expressions = [{"key": "kubernetes.io/hostname", "operator": "In", "values": [placement.pods[index].node]}]
@@ -265,7 +265,7 @@ def _affinity(fleet: Fleet, placement: planner.ShardPlacement, index: int) -> Ob
     }
 
 
-def _env(fleet: Fleet, shard: int, index: int, layout: planner.PodLayout, *, defer_weights: bool) -> list[Object]:
+def _env(fleet: ParsedFleet, shard: int, index: int, layout: planner.PodLayout, *, defer_weights: bool) -> list[Object]:
     spec = fleet.spec
     master = f"{names.pod(fleet.name, shard, 0)}.{names.ranks_service(fleet.name, shard)}.{fleet.namespace}.svc"
     values = {

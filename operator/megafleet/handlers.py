@@ -14,7 +14,7 @@ from typing import Any, cast
 
 import kopf
 
-from megafleet import agents, kube, metrics, names, reconcile, refits
+from megafleet import agent_client, kube, metrics, names, reconcile, refit_driver
 from megafleet.api import v1alpha1
 
 log = logging.getLogger(__name__)
@@ -29,13 +29,13 @@ RETRY_SECONDS = 5.0
 
 _locks: dict[tuple[str, str], asyncio.Lock] = {}
 _api: kube.Api | None = None
-_agents: agents.Agents | None = None
+_agents: agent_client.AgentClient | None = None
 
 
-def _clients() -> tuple[kube.Api, agents.Agents]:
+def _clients() -> tuple[kube.Api, agent_client.AgentClient]:
     global _api, _agents
     if _api is None or _agents is None:
-        _api, _agents = kube.Api(), agents.Agents()
+        _api, _agents = kube.Api(), agent_client.AgentClient()
     return _api, _agents
 
 
@@ -62,7 +62,7 @@ async def close(**_: Any) -> None:
 
 
 async def _reconcile(namespace: str, name: str) -> None:
-    api, agent_client = _clients()
+    api, agents = _clients()
     lock = _locks.setdefault((namespace, name), asyncio.Lock())
     async with lock:
         fresh = await api.get("MegatronGeneration", name, namespace)  # the latest state, not the event's
@@ -74,7 +74,7 @@ async def _reconcile(namespace: str, name: str) -> None:
 
         with metrics.RECONCILE_SECONDS.time():
             try:
-                await reconcile.reconcile(api, agent_client, fresh, notify=notify)
+                await reconcile.reconcile(api, agents, fresh, notify=notify)
             except Exception:
                 metrics.RECONCILES.labels(outcome="error").inc()
                 raise
@@ -108,13 +108,13 @@ def _unfinished(status: Mapping[str, Any], **_: Any) -> bool:
 
 
 async def _advance_refit(namespace: str, name: str, fleet: str) -> None:
-    api, agent_client = _clients()
+    api, agents = _clients()
     async with _locks.setdefault((namespace, fleet), asyncio.Lock()):  # never beside the fleet's reconcile
         # Read under the lock: a trigger that waited for it must see what the one before it wrote
         # (two triggers starting the same attempt would each tell the agents to join).
         refit = await api.get("Refit", name, namespace)
         if refit is not None:
-            await refits.advance(api, agent_client, refit)
+            await refit_driver.advance(api, agents, refit)
 
 
 @kopf.on.create(*REFITS, backoff=RETRY_SECONDS)

@@ -21,7 +21,7 @@ from typing import Any
 
 from lightkube import operators
 
-from megafleet import agents, backoff, conditions, desired, kube, names, planner
+from megafleet import agent_client, backoff, conditions, desired, kube, names, planner
 from megafleet.api import checks, v1alpha1
 
 log = logging.getLogger(__name__)
@@ -75,7 +75,7 @@ class _Shards:
         self.terminating.add(shard)
 
 
-async def reconcile(api: kube.Api, agent_client: agents.Agents, body: Object, *, notify: Notify = _ignore) -> None:
+async def reconcile(api: kube.Api, agents: agent_client.AgentClient, body: Object, *, notify: Notify = _ignore) -> None:
     """Bring the objects and status of one fleet in line with its spec."""
     metadata = body["metadata"]
     status: Object = dict(body.get("status") or {})
@@ -85,7 +85,7 @@ async def reconcile(api: kube.Api, agent_client: agents.Agents, body: Object, *,
         message = "; ".join(f"{problem.field}: {problem.message}" for problem in problems)
         await _report_invalid(api, body, status, message, generation, notify)
         return
-    fleet = desired.Fleet(metadata["name"], metadata["namespace"], metadata["uid"], generation, spec)
+    fleet = desired.ParsedFleet(metadata["name"], metadata["namespace"], metadata["uid"], generation, spec)
     missing = await _missing_references(api, fleet)
     if missing:
         await _report_invalid(api, body, status, missing, generation, notify)
@@ -99,23 +99,23 @@ async def reconcile(api: kube.Api, agent_client: agents.Agents, body: Object, *,
     refit_state = status.get("refit") or {}
     refitting = refit_state.get("active") is not None  # scaling and rolling wait for the refit
     if not refitting:
-        await _scale_down(api, agent_client, fleet, shards, token, notify)
+        await _scale_down(api, agents, fleet, shards, token, notify)
     restarts = await _remove_broken_shards(api, fleet, shards, status, notify)
     if not refitting:
-        await _roll_one_shard(api, agent_client, fleet, shards, token, notify)
+        await _roll_one_shard(api, agents, fleet, shards, token, notify)
     exhausted = {shard for shard, (count, _) in restarts.items() if count > MAX_SHARD_RESTARTS}
     # Once a refit moved the fleet past the checkpoint, new pods start without weights (Stale).
     defer = refit_state.get("currentVersion") is not None
     unplaced = {} if refitting else await _place_missing(api, fleet, shards, exhausted, notify, defer_weights=defer)
-    reports = await _ask_agents(agent_client, shards, token)
-    await _fence_stale(agent_client, shards, reports, refit_state, token, notify)
-    await _catch_up(agent_client, fleet, shards, reports, refit_state, token, notify)
+    reports = await _ask_agents(agents, shards, token)
+    await _fence_stale(agents, shards, reports, refit_state, token, notify)
+    await _catch_up(agents, fleet, shards, reports, refit_state, token, notify)
     status = _observed(status, fleet, shards, unplaced, restarts, reports)
     status = _verify_addresses(status, fleet, shards, reports, notify)
     await _write_status(api, body, status)
 
 
-async def _missing_references(api: kube.Api, fleet: desired.Fleet) -> str | None:
+async def _missing_references(api: kube.Api, fleet: desired.ParsedFleet) -> str | None:
     """What the schema cannot check: objects the spec names must exist."""
     ref = fleet.spec.frontend.api_key_secret
     if ref is None:
@@ -131,7 +131,7 @@ async def _missing_references(api: kube.Api, fleet: desired.Fleet) -> str | None
 # -- endpoints ---------------------------------------------------------------------------------
 
 
-async def _ensure_agent_secret(api: kube.Api, fleet: desired.Fleet) -> str:
+async def _ensure_agent_secret(api: kube.Api, fleet: desired.ParsedFleet) -> str:
     """The fleet's agent token, created once and never rotated by a reconcile."""
     secret = await api.get("Secret", names.agent_secret(fleet.name), fleet.namespace)
     if secret is None:
@@ -140,18 +140,18 @@ async def _ensure_agent_secret(api: kube.Api, fleet: desired.Fleet) -> str:
 
 
 async def _ask_agents(
-    agent_client: agents.Agents, shards: _Shards, token: str
-) -> dict[int, list[agents.AgentState | None]]:
+    agents: agent_client.AgentClient, shards: _Shards, token: str
+) -> dict[int, list[agent_client.AgentState | None]]:
     """Agent reports by shard, in pod order; ``None`` for a pod that is not Running yet."""
-    reports: dict[int, list[agents.AgentState | None]] = {}
+    reports: dict[int, list[agent_client.AgentState | None]] = {}
     for shard, pods in shards.pods.items():
         ips = [pod.get("status", {}).get("podIP") if _pod_running(pod) else None for pod in pods]
-        answers = iter(await agent_client.states([ip for ip in ips if ip], token))
+        answers = iter(await agents.states([ip for ip in ips if ip], token))
         reports[shard] = [next(answers) if ip else None for ip in ips]
     return reports
 
 
-async def _reserve_endpoints(api: kube.Api, fleet: desired.Fleet, notify: Notify) -> list[Any]:
+async def _reserve_endpoints(api: kube.Api, fleet: desired.ParsedFleet, notify: Notify) -> list[Any]:
     services = {
         service["metadata"]["name"]: service
         for service in await api.list("Service", namespace=fleet.namespace, labels={names.LABEL_FLEET: fleet.name})
@@ -178,7 +178,7 @@ async def _reserve_endpoints(api: kube.Api, fleet: desired.Fleet, notify: Notify
     return endpoints
 
 
-def _with_endpoints(status: Object, fleet: desired.Fleet, endpoints: list[Any]) -> Object:
+def _with_endpoints(status: Object, fleet: desired.ParsedFleet, endpoints: list[Any]) -> Object:
     updated = dict(status)
     updated["endpoints"] = [endpoint.model_dump(mode="json", by_alias=True) for endpoint in endpoints]
     updated["selector"] = fleet.selector
@@ -206,24 +206,34 @@ def _with_endpoints(status: Object, fleet: desired.Fleet, endpoints: list[Any]) 
 # -- shards ------------------------------------------------------------------------------------
 
 
-async def _drain(agent_client: agents.Agents, pods: list[Object], token: str, timeout_seconds: float) -> None:
+async def _drain(agents: agent_client.AgentClient, pods: list[Object], token: str, timeout_seconds: float) -> None:
     """Close a shard's frontend and let in-flight requests finish (bounded) before its pods go."""
     frontend_ip = pods[0].get("status", {}).get("podIP") if pods else None
     if frontend_ip:
-        await agent_client.suspend(frontend_ip, token, mode="drain", timeout_seconds=timeout_seconds)
+        await agents.suspend(frontend_ip, token, mode="drain", timeout_seconds=timeout_seconds)
 
 
 async def _scale_down(
-    api: kube.Api, agent_client: agents.Agents, fleet: desired.Fleet, shards: _Shards, token: str, notify: Notify
+    api: kube.Api,
+    agents: agent_client.AgentClient,
+    fleet: desired.ParsedFleet,
+    shards: _Shards,
+    token: str,
+    notify: Notify,
 ) -> None:
     for shard in sorted(index for index in shards.pods if index >= fleet.spec.replicas):
-        await _drain(agent_client, shards.pods[shard], token, DRAIN_TIMEOUT_SECONDS)
+        await _drain(agents, shards.pods[shard], token, DRAIN_TIMEOUT_SECONDS)
         await shards.remove(api, fleet.namespace, shard)
         notify("Normal", "ShardRemoved", f"shard {shard} drained and removed by scaling to {fleet.spec.replicas}")
 
 
 async def _roll_one_shard(
-    api: kube.Api, agent_client: agents.Agents, fleet: desired.Fleet, shards: _Shards, token: str, notify: Notify
+    api: kube.Api,
+    agents: agent_client.AgentClient,
+    fleet: desired.ParsedFleet,
+    shards: _Shards,
+    token: str,
+    notify: Notify,
 ) -> None:
     """Template changes roll one shard at a time, and only while every other shard runs."""
     if shards.terminating or any(shard not in shards.pods for shard in range(fleet.spec.replicas)):
@@ -236,7 +246,7 @@ async def _roll_one_shard(
             pod["metadata"].get("annotations", {}).get(names.ANNOTATION_TEMPLATE_HASH) != current
             for pod in shards.pods[shard]
         ):
-            await _drain(agent_client, shards.pods[shard], token, DRAIN_TIMEOUT_SECONDS)
+            await _drain(agents, shards.pods[shard], token, DRAIN_TIMEOUT_SECONDS)
             await shards.remove(api, fleet.namespace, shard)
             notify("Normal", "ShardRolling", f"shard {shard} is replaced to apply the changed pod template")
             return
@@ -252,7 +262,7 @@ def _broken(pods: list[Object], layout: planner.PodLayout) -> str | None:
 
 
 async def _remove_broken_shards(
-    api: kube.Api, fleet: desired.Fleet, shards: _Shards, status: Object, notify: Notify
+    api: kube.Api, fleet: desired.ParsedFleet, shards: _Shards, status: Object, notify: Notify
 ) -> dict[int, tuple[int, str | None]]:
     """Delete what is left of incomplete shards (whole or nothing); count the restarts."""
     previous = {item["index"]: item for item in status.get("shards", [])}
@@ -276,7 +286,7 @@ async def _remove_broken_shards(
     return restarts
 
 
-async def _inventory(api: kube.Api, fleet: desired.Fleet) -> list[planner.NodeInfo]:
+async def _inventory(api: kube.Api, fleet: desired.ParsedFleet) -> list[planner.NodeInfo]:
     resource = fleet.spec.resources.gpu_resource
     used: dict[str, int] = {}
     for pod in await api.list("Pod", fields={"status.phase": operators.not_in(["Succeeded", "Failed"])}):
@@ -345,7 +355,7 @@ def _gpus(pod: Object, resource: str) -> int:
 
 async def _place_missing(
     api: kube.Api,
-    fleet: desired.Fleet,
+    fleet: desired.ParsedFleet,
     shards: _Shards,
     exhausted: set[int],
     notify: Notify,
@@ -399,9 +409,9 @@ def _existing_placement(pods: list[Object], clique_label: str) -> planner.ShardP
 
 
 async def _fence_stale(
-    agent_client: agents.Agents,
+    agents: agent_client.AgentClient,
     shards: _Shards,
-    reports: dict[int, list[agents.AgentState | None]],
+    reports: dict[int, list[agent_client.AgentState | None]],
     refit_state: Object,
     token: str,
     notify: Notify,
@@ -415,7 +425,7 @@ async def _fence_stale(
         serving = [a for a in answers if a is not None and a.state == "ready" and a.weight_version != current]
         for pod, answer in zip(shards.pods[shard], answers, strict=True):
             if answer in serving:
-                await agent_client.suspend(pod["status"]["podIP"], token, mode="abort", timeout_seconds=10)
+                await agents.suspend(pod["status"]["podIP"], token, mode="abort", timeout_seconds=10)
         if serving:
             notify(
                 "Warning",
@@ -426,10 +436,10 @@ async def _fence_stale(
 
 
 async def _catch_up(
-    agent_client: agents.Agents,
-    fleet: desired.Fleet,
+    agents: agent_client.AgentClient,
+    fleet: desired.ParsedFleet,
     shards: _Shards,
-    reports: dict[int, list[agents.AgentState | None]],
+    reports: dict[int, list[agent_client.AgentState | None]],
     refit_state: Object,
     token: str,
     notify: Notify,
@@ -459,7 +469,7 @@ async def _catch_up(
         if all(a is not None and a.weight_version == current and a.state != "stale" for a in answers):
             continue
         ips = [pod["status"]["podIP"] for pod in shards.pods[shard]]
-        progress = [await agent_client.refit_status(ip, token) for ip in ips]
+        progress = [await agents.refit_status(ip, token) for ip in ips]
         if all(p is not None and p.get("version") == current and p.get("phase") not in _SETTLED for p in progress):
             continue  # already catching up
         failed = [p for p in progress if p is not None and p.get("version") == current and p.get("phase") == "failed"]
@@ -473,7 +483,7 @@ async def _catch_up(
             )
         if left > 0:
             continue
-        refused = [error for ip in ips if (error := await agent_client.refit_start(ip, token, "checkpoint", body))]
+        refused = [error for ip in ips if (error := await agents.refit_start(ip, token, "checkpoint", body))]
         if refused:
             notify("Warning", "CatchUpRefused", f"shard {shard} cannot load version {current}: {refused[0]}")
         else:
@@ -493,7 +503,7 @@ _AGENT_PHASES = {"loading": "Loading", "stale": "Stale", "suspended": "Refitting
 
 
 def _phase_from_agents(
-    reports: list[agents.AgentState | None], current_version: int | None = None
+    reports: list[agent_client.AgentState | None], current_version: int | None = None
 ) -> tuple[str, str | None, int | None]:
     """(shard phase, error, weight version) from the agents of one shard's pods."""
     phase, error, version = _raw_phase(reports)
@@ -504,7 +514,7 @@ def _phase_from_agents(
     return phase, error, version
 
 
-def _raw_phase(reports: list[agents.AgentState | None]) -> tuple[str, str | None, int | None]:
+def _raw_phase(reports: list[agent_client.AgentState | None]) -> tuple[str, str | None, int | None]:
     if any(report is None for report in reports):
         return "Starting", None, None
     answered = [report for report in reports if report is not None]
@@ -519,12 +529,12 @@ def _raw_phase(reports: list[agents.AgentState | None]) -> tuple[str, str | None
 
 
 def _shard_status(
-    fleet: desired.Fleet,
+    fleet: desired.ParsedFleet,
     shard: int,
     pods: list[Object] | None,
     unplaced: str | None,
     restarts: tuple[int, str | None],
-    reports: list[agents.AgentState | None],
+    reports: list[agent_client.AgentState | None],
     terminating: bool,
     current_version: int | None,
 ) -> Object:
@@ -557,11 +567,11 @@ def _shard_status(
 
 def _observed(
     status: Object,
-    fleet: desired.Fleet,
+    fleet: desired.ParsedFleet,
     shards: _Shards,
     unplaced: dict[int, str],
     restarts: dict[int, tuple[int, str | None]],
-    reports: dict[int, list[agents.AgentState | None]],
+    reports: dict[int, list[agent_client.AgentState | None]],
 ) -> Object:
     replicas = fleet.spec.replicas
     entries = [
@@ -678,9 +688,9 @@ def _weights_current(
 
 def _verify_addresses(
     status: Object,
-    fleet: desired.Fleet,
+    fleet: desired.ParsedFleet,
     shards: _Shards,
-    reports: dict[int, list[agents.AgentState | None]],
+    reports: dict[int, list[agent_client.AgentState | None]],
     notify: Notify,
 ) -> Object:
     """EndpointsVerified: each frontend serves where its reserved Service sends traffic (pod 0's IP

@@ -12,7 +12,7 @@ import pytest
 import yaml
 from lightkube.config.kubeconfig import KubeConfig
 
-from megafleet import agents, names, reconcile
+from megafleet import agent_client, names, reconcile
 from megafleet import kube as operator_kube
 from megafleet_dev import kube, runner
 
@@ -38,20 +38,20 @@ def test_second_reconcile_of_a_settled_fleet_writes_nothing(
     async def scenario() -> tuple[dict[str, int], dict[str, int]]:
         client = lightkube.AsyncClient(config=KubeConfig.from_file(kubeconfig), field_manager=names.FIELD_MANAGER)
         api = operator_kube.Api(client)
-        agent_client = agents.Agents()
+        agents = agent_client.AgentClient()
         try:
-            await reconcile.reconcile(api, agent_client, kube_admin.get(path) or {})
+            await reconcile.reconcile(api, agents, kube_admin.get(path) or {})
             first = dict(api.writes)
             # Reconcile as the operator's timer would until both engines answer Ready.
             while (kube_admin.get(path) or {}).get("status", {}).get("readyReplicas") != 2:
                 await asyncio.sleep(0.5)  # stands in for the operator's observation interval
-                await reconcile.reconcile(api, agent_client, kube_admin.get(path) or {})
+                await reconcile.reconcile(api, agents, kube_admin.get(path) or {})
             api.writes.clear()
-            await reconcile.reconcile(api, agent_client, kube_admin.get(path) or {})
+            await reconcile.reconcile(api, agents, kube_admin.get(path) or {})
             return first, dict(api.writes)
         finally:
             await api.close()
-            await agent_client.close()
+            await agents.close()
 
     first, idle = asyncio.run(asyncio.wait_for(scenario(), timeout=120))
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 import asyncio
 from typing import Any
 
-from megafleet import agents, backoff, desired, reconcile
+from megafleet import agent_client, backoff, desired, reconcile
 from megafleet.api import v1alpha1
 
 
@@ -26,7 +26,7 @@ def test_delays_double_up_to_the_cap_and_a_failure_counts_once() -> None:
     assert delays.failures("other") == 0
 
 
-class Agents:
+class StandInAgents:
     """The agents' client as :func:`reconcile._catch_up` calls it: each pod's refit status, and the
     checkpoint refits it starts (a started one runs, then fails when ``failing``)."""
 
@@ -48,12 +48,12 @@ class Agents:
 
 def test_a_failing_catch_up_is_retried_after_growing_delays_and_reported_once_per_failure() -> None:
     spec = v1alpha1.MegatronGenerationSpec.model_validate({"model": {"source": "/models/m"}})
-    fleet = desired.Fleet("gen", "rl", "uid-1", 1, spec)
+    fleet = desired.ParsedFleet("gen", "rl", "uid-1", 1, spec)
     pod = {"metadata": {"name": "gen-s0-p0", "labels": {}}, "status": {"podIP": "10.0.0.5", "phase": "Running"}}
     shards = reconcile._Shards({0: [pod]}, set())
-    reports = {0: [agents.AgentState(state="stale", weight_version=None)]}
+    reports = {0: [agent_client.AgentState(state="stale", weight_version=None)]}
     refit_state = {"currentVersion": 3, "currentCheckpoint": "/ckpt/v3"}
-    client = Agents()
+    client = StandInAgents()
     events: list[tuple[str, str]] = []
     delays = backoff.Backoff(first_seconds=10, most_seconds=300)
     now = [0.0]

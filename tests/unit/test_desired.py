@@ -6,9 +6,9 @@ from megafleet import desired, names, planner
 from megafleet.api import v1alpha1
 
 
-def fleet(**spec: object) -> desired.Fleet:
+def fleet(**spec: object) -> desired.ParsedFleet:
     raw = {"model": {"source": "/models/m"}, "parallelism": {"tensor": 16}, "resources": {"gpusPerNode": 4}, **spec}
-    return desired.Fleet("big", "rl", "uid-1", 3, v1alpha1.MegatronGenerationSpec.model_validate(raw))
+    return desired.ParsedFleet("big", "rl", "uid-1", 3, v1alpha1.MegatronGenerationSpec.model_validate(raw))
 
 
 PLACEMENT = planner.ShardPlacement(

@@ -1,6 +1,6 @@
 """The engine's HTTP errors and their one mapping to the OpenAI error envelope.
 
-Serving code (:mod:`megafleet_engine.openai.serving`, :mod:`megafleet_engine.agent`) *raises* these;
+Serving code (:mod:`megafleet_engine.openai.serving`, :mod:`megafleet_engine.agent_server`) *raises* these;
 :func:`install` registers the exception handlers that turn them, FastAPI's validation errors, unknown
 routes and anything unexpected into ``{"error": {"message", "type", "param", "code"}}`` with the
 right status. Streams that fail after their first byte use :func:`envelope` for the SSE error chunk.

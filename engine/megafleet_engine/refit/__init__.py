@@ -1,6 +1,6 @@
 """The refit receiver: new weights from the trainer, written in place into a suspended engine.
 
-The agent's refit routes (:mod:`megafleet_engine.agent`) drive it through one
+The agent's refit routes (:mod:`megafleet_engine.agent_server`) drive it through one
 :class:`~megafleet_engine.refit.controller.RefitController` per engine process; the trainer's side is
 :mod:`megafleet.sdk.trainer`, which speaks the same protocol with the same modules. DESIGN.md
 section 6 is the protocol this implements.

@@ -1,6 +1,6 @@
 """One engine's refits: accept a request, run it as an attempt on its own thread, report it.
 
-Called by the agent's refit routes (:mod:`megafleet_engine.agent`): one :class:`RefitController` per
+Called by the agent's refit routes (:mod:`megafleet_engine.agent_server`): one :class:`RefitController` per
 engine process, created with the agent. :meth:`RefitController.start` returns at once; the attempt
 runs on a thread of its own, so the HTTP server never waits on a collective, and a :class:`Watchdog`
 thread ends it at its deadline.

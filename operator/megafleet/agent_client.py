@@ -29,7 +29,7 @@ class AgentState:
     error: str | None = None
 
 
-class Agents:
+class AgentClient:
     """One HTTP client for all agents of all fleets."""
 
     def __init__(self, *, port: int = v1alpha1.AGENT_PORT, timeout_seconds: float = TIMEOUT_SECONDS) -> None:

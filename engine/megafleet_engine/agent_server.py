@@ -1,7 +1,7 @@
 """The pod-local agent API: what the operator calls on each engine pod (never clients).
 
 Mounted on the agent port by :func:`megafleet_engine.server.build_agent_app`, which stores an
-:class:`Agent` in ``app.state.agent``. Every route except ``GET /healthz`` needs
+:class:`AgentServer` in ``app.state.agent``. Every route except ``GET /healthz`` needs
 ``Authorization: Bearer <agent token>``; the token is read from its file (a mounted Secret) on every
 call, so a rotated Secret takes effect without a restart. ``/healthz`` is unauthenticated on
 purpose: it is the kubelet's liveness probe, which cannot carry the Secret, and it says nothing
@@ -58,7 +58,7 @@ from megafleet_engine.refit import controller as refit_controller
 from megafleet_engine.refit import progress as refit_progress
 
 __all__ = [
-    "Agent",
+    "AgentServer",
     "CheckpointRefitRequest",
     "PrepareRequest",
     "RefitAbortRequest",
@@ -76,7 +76,7 @@ log = logging.getLogger(__name__)
 
 
 @dataclasses.dataclass(frozen=True)
-class Agent:
+class AgentServer:
     """What the agent routes need: the engine, this rank's identity and the token file."""
 
     engine: engine_module.Engine
@@ -183,9 +183,9 @@ class StateResponse(_Body):
     queue_depth: int
 
 
-def _agent(request: fastapi.Request) -> Agent:
+def _agent(request: fastapi.Request) -> AgentServer:
     agent = request.app.state.agent
-    assert isinstance(agent, Agent)
+    assert isinstance(agent, AgentServer)
     return agent
 
 
@@ -208,7 +208,7 @@ def read_token(path: Path) -> str:
     return token
 
 
-AgentDep = Annotated[Agent, fastapi.Depends(_agent)]
+AgentDep = Annotated[AgentServer, fastapi.Depends(_agent)]
 _ERRORS: dict[int | str, dict[str, Any]] = {status: {"model": errors.ErrorBody} for status in (401, 409, 500, 504)}
 
 health_router = fastapi.APIRouter()
@@ -323,7 +323,7 @@ async def refit_unknown(operation: str) -> None:
 
 
 async def _start_refit(
-    agent: Agent, refit: refit_controller.Request, path: str, body: _RefitBody
+    agent: AgentServer, refit: refit_controller.Request, path: str, body: _RefitBody
 ) -> responses.JSONResponse:
     """Start ``refit`` on this rank, then on the pod's other ranks (the same body: each joins as its
     own rank); when one of them refuses, this rank's attempt is aborted too and the call fails."""
@@ -359,7 +359,7 @@ def _pod_address(request: fastapi.Request) -> str | None:
     return None if address.is_unspecified else str(address)
 
 
-def _refit_status_body(agent: Agent, snapshot: refit_progress.Snapshot) -> dict[str, Any]:
+def _refit_status_body(agent: AgentServer, snapshot: refit_progress.Snapshot) -> dict[str, Any]:
     engine = agent.engine
     body = RefitStatusResponse(
         phase=snapshot.phase,
@@ -383,7 +383,7 @@ def _refit_status_body(agent: Agent, snapshot: refit_progress.Snapshot) -> dict[
     return body.model_dump(mode="json", by_alias=True)
 
 
-def _state(agent: Agent) -> responses.JSONResponse:
+def _state(agent: AgentServer) -> responses.JSONResponse:
     engine = agent.engine
     body = StateResponse(
         state=engine.state,

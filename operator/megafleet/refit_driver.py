@@ -18,7 +18,7 @@ import base64
 import logging
 from typing import Any
 
-from megafleet import agents, conditions, desired, kube, names, planner
+from megafleet import agent_client, conditions, desired, kube, names, planner
 from megafleet.api import checks, v1alpha1
 
 log = logging.getLogger(__name__)
@@ -26,7 +26,7 @@ log = logging.getLogger(__name__)
 Object = dict[str, Any]
 
 
-async def advance(api: kube.Api, agent_client: agents.Agents, refit: Object) -> None:
+async def advance(api: kube.Api, agents: agent_client.AgentClient, refit: Object) -> None:
     """Move one Refit forward by one step (idempotent)."""
     metadata = refit["metadata"]
     namespace, name = metadata["namespace"], metadata["name"]
@@ -43,7 +43,7 @@ async def advance(api: kube.Api, agent_client: agents.Agents, refit: Object) -> 
     if fleet_spec is None or problems:
         await _finish(api, refit, fleet_body, "Failed", f"fleet {spec.fleet_ref.name} has an invalid spec")
         return
-    fleet = desired.Fleet(spec.fleet_ref.name, namespace, fleet_body["metadata"]["uid"], 0, fleet_spec)
+    fleet = desired.ParsedFleet(spec.fleet_ref.name, namespace, fleet_body["metadata"]["uid"], 0, fleet_spec)
     active = ((fleet_body.get("status") or {}).get("refit") or {}).get("active")
     if active not in (None, name):
         await _set_status(api, name, namespace, {"phase": "Pending", "message": f"waiting for refit {active}"})
@@ -51,17 +51,17 @@ async def advance(api: kube.Api, agent_client: agents.Agents, refit: Object) -> 
     token = await _token(api, fleet)
     pods = await _member_pods(api, fleet)
     if phase == "Pending":
-        await _start(api, agent_client, refit, spec, fleet, fleet_body, pods, token)
+        await _start(api, agents, refit, spec, fleet, fleet_body, pods, token)
         return
-    await _collect(api, agent_client, refit, spec, fleet_body, pods, token)
+    await _collect(api, agents, refit, spec, fleet_body, pods, token)
 
 
-async def _token(api: kube.Api, fleet: desired.Fleet) -> str:
+async def _token(api: kube.Api, fleet: desired.ParsedFleet) -> str:
     secret = await api.get("Secret", names.agent_secret(fleet.name), fleet.namespace) or {}
     return base64.b64decode((secret.get("data") or {}).get(names.AGENT_TOKEN_KEY, "")).decode()
 
 
-async def _member_pods(api: kube.Api, fleet: desired.Fleet) -> dict[int, list[Object]]:
+async def _member_pods(api: kube.Api, fleet: desired.ParsedFleet) -> dict[int, list[Object]]:
     """Pods of every complete shard whose pods all run, by shard, in pod order."""
     found = await api.list("Pod", namespace=fleet.namespace, labels={names.LABEL_FLEET: fleet.name})
     shards: dict[int, list[Object]] = {}
@@ -80,10 +80,10 @@ async def _member_pods(api: kube.Api, fleet: desired.Fleet) -> dict[int, list[Ob
 
 async def _start(
     api: kube.Api,
-    agent_client: agents.Agents,
+    agents: agent_client.AgentClient,
     refit: Object,
     spec: v1alpha1.RefitObjectSpec,
-    fleet: desired.Fleet,
+    fleet: desired.ParsedFleet,
     fleet_body: Object,
     pods: dict[int, list[Object]],
     token: str,
@@ -91,7 +91,7 @@ async def _start(
     name, namespace = refit["metadata"]["name"], refit["metadata"]["namespace"]
     reachable = {}
     for shard, members in sorted(pods.items()):
-        states = await agent_client.states([pod["status"]["podIP"] for pod in members], token)
+        states = await agents.states([pod["status"]["podIP"] for pod in members], token)
         if all(state.error is None and state.state != "failed" for state in states):
             reachable[shard] = members
     if not reachable:
@@ -128,12 +128,12 @@ async def _start(
             # The shard's offset: each rank adds its own rank in the shard (MEGAFLEET_RANK).
             body = _request(spec, fleet, membership, membership.offsets[shard], attempt)
             path = "prepare" if spec.source.rendezvous is not None else "checkpoint"
-            error = await agent_client.refit_start(pod["status"]["podIP"], token, path, body)
+            error = await agents.refit_start(pod["status"]["podIP"], token, path, body)
             if error is not None:
                 refused.append(f"{pod['metadata']['name']} refused: {error}")
     if refused:  # a member that never started would leave the others waiting for it until their deadline
         started = {**refit, "status": {**(refit.get("status") or {}), "attempts": attempt}}
-        await _fail_attempt(api, agent_client, started, fleet_body, reachable, sorted(reachable), token, refused[0])
+        await _fail_attempt(api, agents, started, fleet_body, reachable, sorted(reachable), token, refused[0])
 
 
 def attempt_port(base_port: int, attempt: int) -> int:
@@ -144,7 +144,7 @@ def attempt_port(base_port: int, attempt: int) -> int:
 
 def _request(
     spec: v1alpha1.RefitObjectSpec,
-    fleet: desired.Fleet,
+    fleet: desired.ParsedFleet,
     membership: planner.Membership,
     rank_offset: int,
     attempt: int,
@@ -178,7 +178,7 @@ MAX_ATTEMPTS = 2
 
 async def _collect(
     api: kube.Api,
-    agent_client: agents.Agents,
+    agents: agent_client.AgentClient,
     refit: Object,
     spec: v1alpha1.RefitObjectSpec,
     fleet_body: Object,
@@ -194,7 +194,7 @@ async def _collect(
             failure = f"shard {shard} left the fleet during the refit"
             break
         for pod in pods[shard]:
-            report = await agent_client.refit_status(pod["status"]["podIP"], token)
+            report = await agents.refit_status(pod["status"]["podIP"], token)
             if report is None:
                 failure = f"the agent of {pod['metadata']['name']} is gone"
                 break
@@ -207,7 +207,7 @@ async def _collect(
         if failure is not None:
             break
     if failure is not None:
-        await _fail_attempt(api, agent_client, refit, fleet_body, pods, members, token, failure)
+        await _fail_attempt(api, agents, refit, fleet_body, pods, members, token, failure)
         return
     if not all(report.get("phase") == "succeeded" for report in reports):
         return
@@ -231,7 +231,7 @@ async def _collect(
 
 async def _fail_attempt(
     api: kube.Api,
-    agent_client: agents.Agents,
+    agents: agent_client.AgentClient,
     refit: Object,
     fleet_body: Object,
     pods: dict[int, list[Object]],
@@ -242,7 +242,7 @@ async def _fail_attempt(
     """Stop every other member at once (not at its deadline), then retry once or give up."""
     for shard in members:
         for pod in pods.get(shard, []):
-            await agent_client.refit_abort(pod["status"]["podIP"], token, f"another member failed: {failure}")
+            await agents.refit_abort(pod["status"]["podIP"], token, f"another member failed: {failure}")
     attempts = int((refit.get("status") or {}).get("attempts", 1))
     if attempts >= MAX_ATTEMPTS:
         await _finish(api, refit, fleet_body, "Failed", f"attempt {attempts} failed: {failure}")
