@@ -152,10 +152,9 @@ def _load_backend(
 
 def _start_following(backend: base.Backend, rank: int) -> threading.Thread | None:
     """On a model-parallel rank other than the first: step in lockstep with it, on a thread."""
-    if not getattr(backend, "follows", False):
+    if not backend.follows:
         return None
-    serve = backend.serve_followers  # type: ignore[attr-defined]
-    thread = threading.Thread(target=serve, name=f"megafleet-follower-{rank}", daemon=True)
+    thread = threading.Thread(target=backend.serve_followers, name=f"megafleet-follower-{rank}", daemon=True)
     thread.start()
     log.info("rank %d: following the shard's first rank", rank)
     return thread
@@ -170,13 +169,11 @@ def _release(backend: base.Backend, follower: threading.Thread | None, rank: int
             log.warning("rank %d: the first rank did not release this rank; exiting anyway", rank)
             return False
         return True
-    close = getattr(backend, "close", None)
-    if close is not None:
-        try:
-            close()
-        except Exception:  # a follower already gone; the process is stopping anyway
-            log.warning("rank %d: releasing the backend failed", rank, exc_info=True)
-            return False
+    try:
+        backend.close()
+    except Exception:  # a follower already gone; the process is stopping anyway
+        log.warning("rank %d: releasing the backend failed", rank, exc_info=True)
+        return False
     return True
 
 
