@@ -8,7 +8,7 @@ serves: the OpenAI frontend on frontend ranks (``tp_rank == 0 and pp_rank == 0``
 and metrics on local rank 0. The other local ranks serve an agent of their own on the pod IP at
 ``agent port + local rank``, which local rank 0's agent forwards refits to
 (:mod:`megafleet_engine.siblings`). On a model-parallel megatron shard the ranks other than the
-first run :meth:`~megafleet_engine.backends.megatron_backend.MegatronBackend.serve_followers` on a
+first run :meth:`~megafleet_engine.backends.megatron.MegatronBackend.serve_followers` on a
 thread of their own and step in lockstep with the first. SIGTERM or SIGINT stops the servers
 gracefully (the first rank then releases its followers); a rank that fails stops its siblings.
 """
@@ -120,7 +120,7 @@ def _load_backend(
     settings: settings_module.Settings, rank: int, local_rank: int, *, device: str, deferred: bool
 ) -> base.Backend:
     from megafleet_engine import backends  # torch and transformers load here, after the settings check
-    from megafleet_engine.backends import base, megatron_backend
+    from megafleet_engine.backends import base, megatron
 
     parallel = base.Parallel(
         tensor_parallel=settings.tensor_parallel,
@@ -131,7 +131,7 @@ def _load_backend(
         master_addr=settings.master_addr,
         master_port=settings.master_port if settings.world_size > 1 else 0,  # 0: a free port of its own
     )
-    options = megatron_backend.EngineOptions(
+    options = megatron.EngineOptions(
         max_batch_size=settings.max_batch_size,
         kv_buffer_gb=float(settings.kv_cache_gib),
         cuda_graphs=settings.cuda_graphs,
