@@ -108,8 +108,7 @@ def run_rank(settings: settings_module.Settings, local_rank: int) -> int:
     finally:
         engine.close()
         released = _release(backend, follower, rank)
-        # NCCL groups are left to the process's exit: destroy_process_group() hung at teardown on
-        # the H200 machines (2026-11-30, torch 2.11, both in the TP=2 workers and this command).
+        # NCCL groups are left to the process's exit: destroy_process_group() hangs (docs/incidents.md).
         if settings.world_size > 1 and released and settings.local_gpus == 0:
             _leave_process_group()
     log.info("rank %d: stopped", rank)

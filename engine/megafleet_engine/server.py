@@ -103,9 +103,8 @@ def bind(host: str, port: int) -> socket.socket:
 
     Made with ``IPPROTO_TCP`` explicitly: asyncio turns Nagle's algorithm off (``TCP_NODELAY``) only
     on connections whose socket says so, and an accepted connection inherits the listener's
-    protocol number. With the default (0), uvicorn's separate writes of a response's head and body
-    met the client's delayed acknowledgement on every kept-alive request: 40 ms each (found with
-    the refit benchmark's kept-alive agent client, 2026-11-30)."""
+    protocol number; with the default (0) every kept-alive response waited 40 ms
+    (``docs/incidents.md``)."""
     family = socket.AF_INET6 if ipaddress.ip_address(host).version == 6 else socket.AF_INET
     sock = socket.socket(family, socket.SOCK_STREAM, socket.IPPROTO_TCP)
     try:

@@ -75,14 +75,14 @@ class Runner:
         self,
         engine: Any,
         info: base.ModelInfo,
-        group: lockstep.Lockstep,
+        ranks: lockstep.Lockstep,
         *,
         max_requests: int,
         other_eos: frozenset[int],
     ) -> None:
         self.engine = engine
         self.info = info
-        self._lockstep = group
+        self._lockstep = ranks
         self._max_requests = max_requests
         self._other_eos = other_eos
         self._sequences: dict[int, _Sequence] = {}
