@@ -39,7 +39,7 @@ from typing import Any
 import torch
 
 from megafleet_engine import engine as engine_module
-from megafleet_engine.backends import base, megatron_backend, weight_maps
+from megafleet_engine.backends import base, megatron, weight_maps
 
 
 def versions() -> dict[str, Any]:
@@ -98,16 +98,14 @@ def requests(prompts: list[list[int]], new_tokens: int) -> list[base.SequenceReq
     return [base.SequenceRequest(f"r{index}", tuple(prompt), params) for index, prompt in enumerate(prompts)]
 
 
-def direct(backend: megatron_backend.MegatronBackend, prompts: list[list[int]], new_tokens: int) -> list[list[int]]:
-    sampling = megatron_backend._megatron("inference.sampling_params")
+def direct(backend: megatron.MegatronBackend, prompts: list[list[int]], new_tokens: int) -> list[list[int]]:
+    sampling = megatron.megatron_core("inference.sampling_params")
     params = sampling.SamplingParams(top_k=1, num_tokens_to_generate=new_tokens, termination_id=-1)
     records = backend.engine.generate(prompts, params)
     return [list(record.merge().generated_tokens) for record in records]
 
 
-def through_backend(
-    backend: megatron_backend.MegatronBackend, prompts: list[list[int]], new_tokens: int
-) -> list[list[int]]:
+def through_backend(backend: megatron.MegatronBackend, prompts: list[list[int]], new_tokens: int) -> list[list[int]]:
     produced: dict[str, list[int]] = {}
     for steps in backend.generate(requests(prompts, new_tokens)):
         for step in steps:
@@ -128,7 +126,7 @@ def through_engine(scheduler: engine_module.Engine, prompts: list[list[int]], ne
 class HttpBench:
     """The OpenAI frontend on a local port, in a background event loop thread, and a client."""
 
-    def __init__(self, scheduler: engine_module.Engine, backend: megatron_backend.MegatronBackend) -> None:
+    def __init__(self, scheduler: engine_module.Engine, backend: megatron.MegatronBackend) -> None:
         import threading
 
         from megafleet_engine import metrics, server
@@ -212,7 +210,7 @@ def _client_process(pipe: multiprocessing.connection.Connection, url: str, model
 
 
 def measure_batch(
-    backend: megatron_backend.MegatronBackend,
+    backend: megatron.MegatronBackend,
     scheduler: engine_module.Engine,
     http: HttpBench | None,
     prompts: list[list[int]],
@@ -258,7 +256,7 @@ def measure_batch(
     return row
 
 
-def measure_write(backend: megatron_backend.MegatronBackend, result: dict[str, Any]) -> None:
+def measure_write(backend: megatron.MegatronBackend, result: dict[str, Any]) -> None:
     """In-place refit of every parameter from HF-named GPU tensors, through the weight maps."""
     try:
         live = {name: parameter.data for name, parameter in backend.model.named_parameters()}
@@ -317,14 +315,14 @@ def main() -> int:
         args.out.write_text(json.dumps(result, indent=2) + "\n")
 
     start = time.perf_counter()
-    backend = megatron_backend.load(
+    backend = megatron.load(
         args.source,
         name="bench",
         max_sequence_length=args.max_sequence_length,
         dtype="bfloat16",
         device="cuda",
         load_weights=True,
-        options=megatron_backend.EngineOptions(max_batch_size=max(batches), cuda_graphs=not args.no_cuda_graphs),
+        options=megatron.EngineOptions(max_batch_size=max(batches), cuda_graphs=not args.no_cuda_graphs),
     )
     result["build_s"] = round(time.perf_counter() - start, 2)
     result["shape"] = dataclasses.asdict(backend.shape)

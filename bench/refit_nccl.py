@@ -64,7 +64,7 @@ from torch._C import _distributed_c10d as c10d  # TCPStore: torch.distributed re
 
 from megafleet.sdk import trainer as sdk
 from megafleet_engine import settings as engine_settings
-from megafleet_engine.backends import megatron_backend, weight_maps
+from megafleet_engine.backends import megatron, weight_maps
 from megafleet_engine.refit import errors as refit_errors
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -533,7 +533,7 @@ def peer_main(spec: dict[str, Any]) -> int:
 
 
 def shape_of(source: str) -> weight_maps.LlamaShape:
-    return megatron_backend.parse_source(source).shape
+    return megatron.parse_source(source).shape
 
 
 def trainer_tensors(shape: weight_maps.LlamaShape, dtype: torch.dtype, device: torch.device) -> dict[str, torch.Tensor]:

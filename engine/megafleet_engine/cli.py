@@ -8,7 +8,7 @@ serves: the OpenAI frontend on frontend ranks (``tp_rank == 0 and pp_rank == 0``
 and metrics on local rank 0. The other local ranks serve an agent of their own on the pod IP at
 ``agent port + local rank``, which local rank 0's agent forwards refits to
 (:mod:`megafleet_engine.siblings`). On a model-parallel megatron shard the ranks other than the
-first run :meth:`~megafleet_engine.backends.megatron_backend.MegatronBackend.serve_followers` on a
+first run :meth:`~megafleet_engine.backends.megatron.MegatronBackend.serve_followers` on a
 thread of their own and step in lockstep with the first. SIGTERM or SIGINT stops the servers
 gracefully (the first rank then releases its followers); a rank that fails stops its siblings.
 """
@@ -108,8 +108,7 @@ def run_rank(settings: settings_module.Settings, local_rank: int) -> int:
     finally:
         engine.close()
         released = _release(backend, follower, rank)
-        # NCCL groups are left to the process's exit: destroy_process_group() hung at teardown on
-        # the H200 machines (2026-11-30, torch 2.11, both in the TP=2 workers and this command).
+        # NCCL groups are left to the process's exit: destroy_process_group() hangs (docs/incidents.md).
         if settings.world_size > 1 and released and settings.local_gpus == 0:
             _leave_process_group()
     log.info("rank %d: stopped", rank)
@@ -120,7 +119,7 @@ def _load_backend(
     settings: settings_module.Settings, rank: int, local_rank: int, *, device: str, deferred: bool
 ) -> base.Backend:
     from megafleet_engine import backends  # torch and transformers load here, after the settings check
-    from megafleet_engine.backends import base, megatron_backend
+    from megafleet_engine.backends import base, megatron
 
     parallel = base.Parallel(
         tensor_parallel=settings.tensor_parallel,
@@ -131,7 +130,7 @@ def _load_backend(
         master_addr=settings.master_addr,
         master_port=settings.master_port if settings.world_size > 1 else 0,  # 0: a free port of its own
     )
-    options = megatron_backend.EngineOptions(
+    options = megatron.EngineOptions(
         max_batch_size=settings.max_batch_size,
         kv_buffer_gb=float(settings.kv_cache_gib),
         cuda_graphs=settings.cuda_graphs,
@@ -152,10 +151,9 @@ def _load_backend(
 
 def _start_following(backend: base.Backend, rank: int) -> threading.Thread | None:
     """On a model-parallel rank other than the first: step in lockstep with it, on a thread."""
-    if not getattr(backend, "follows", False):
+    if not backend.follows:
         return None
-    serve = backend.serve_followers  # type: ignore[attr-defined]
-    thread = threading.Thread(target=serve, name=f"megafleet-follower-{rank}", daemon=True)
+    thread = threading.Thread(target=backend.serve_followers, name=f"megafleet-follower-{rank}", daemon=True)
     thread.start()
     log.info("rank %d: following the shard's first rank", rank)
     return thread
@@ -170,13 +168,11 @@ def _release(backend: base.Backend, follower: threading.Thread | None, rank: int
             log.warning("rank %d: the first rank did not release this rank; exiting anyway", rank)
             return False
         return True
-    close = getattr(backend, "close", None)
-    if close is not None:
-        try:
-            close()
-        except Exception:  # a follower already gone; the process is stopping anyway
-            log.warning("rank %d: releasing the backend failed", rank, exc_info=True)
-            return False
+    try:
+        backend.close()
+    except Exception:  # a follower already gone; the process is stopping anyway
+        log.warning("rank %d: releasing the backend failed", rank, exc_info=True)
+        return False
     return True
 
 

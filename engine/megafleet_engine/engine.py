@@ -78,8 +78,8 @@ class Engine:
     ``weight_version`` is ``None`` until weights are loaded (deferred init: state ``loading``
     until the first refit finishes). A response is always produced by one weight version: a
     suspend closes the gate, stops admission and waits for (drain) or aborts (abort) everything in
-    flight before weights may change. ``kv_cache_mode`` (default: the backend's ``kv_cache_mode``
-    attribute, else ``persist``) is passed to the backend's ``begin_weight_update`` at the end of a
+    flight before weights may change. ``kv_cache_mode`` (default: the backend's ``kv_cache_mode``)
+    is passed to the backend's ``begin_weight_update`` at the end of a
     suspend and to its ``finish_weight_update`` on resume, before any later request runs.
 
     ``batches`` counts backend batches and ``batch_sizes`` the sequences each one served (those
@@ -98,9 +98,8 @@ class Engine:
         self.backend = backend
         self.max_batch_size = max_batch_size
         self.weight_version = weight_version
-        backend_mode: base.KvCacheMode = getattr(backend, "kv_cache_mode", "persist")
-        self.kv_cache_mode: base.KvCacheMode = kv_cache_mode if kv_cache_mode is not None else backend_mode
-        self.continuous = bool(getattr(backend, "supports_admission", False))
+        self.kv_cache_mode: base.KvCacheMode = kv_cache_mode if kv_cache_mode is not None else backend.kv_cache_mode
+        self.continuous = backend.supports_admission
         self.state: State = "ready" if weight_version is not None else "loading"
         self.last_error: str | None = None
         self._queue: collections.deque[_Pending | _Call | None] = collections.deque()
@@ -175,10 +174,8 @@ class Engine:
             busy = self._in_flight > 0
         if busy:  # else nothing to wait for (no thread hop)
             await asyncio.to_thread(self._wait_idle, timeout_seconds)
-        begin = getattr(self.backend, "begin_weight_update", None)
-        if begin is not None:
-            mode_now = self.kv_cache_mode
-            await self.run_exclusive(lambda: begin(mode_now))
+        mode_now = self.kv_cache_mode
+        await self.run_exclusive(lambda: self.backend.begin_weight_update(mode_now))
 
     def resume(self, *, weight_version: int | None = None) -> None:
         """Open the gate again, serving ``weight_version`` (unchanged when ``None``).
@@ -191,9 +188,8 @@ class Engine:
                 self.weight_version = weight_version
             if self.weight_version is None:
                 raise EngineError("cannot resume an engine that has never received weights")
-            if getattr(self.backend, "finish_weight_update", None) is not None:
-                self._queue.append(_Call(self._finish_weight_update))
-                self._work.notify()
+            self._queue.append(_Call(self._finish_weight_update))
+            self._work.notify()
             self.state = "ready"
             self._abort_all = False
 
@@ -322,9 +318,7 @@ class Engine:
             for pending in list(self._open.values()):
                 self._close(pending, EngineError(f"generation failed: {error}"), told=True)
         finally:
-            close = getattr(produced, "close", None)
-            if close is not None:
-                close()  # a generator: let the backend wind the batch down now
+            produced.close()  # let the backend wind the batch down now
         for pending in list(self._open.values()):  # the backend ended without a final step
             self._close(pending, EngineError("generation ended early"), told=True)
         self._leaving = set()

@@ -26,7 +26,8 @@ from megafleet_engine import agent_server
 from megafleet_engine import engine as engine_module
 from megafleet_engine import metrics as metrics_module
 from megafleet_engine import siblings as siblings_module
-from megafleet_engine.openai import errors, generation, router, serving
+from megafleet_engine.backends import base
+from megafleet_engine.openai import errors, router, serving
 
 __all__ = ["EngineServers", "Listener", "bind", "build_agent_app", "build_frontend_app", "read_secret", "tokenizer_of"]
 
@@ -89,12 +90,12 @@ def read_secret(path: Path, *, what: str) -> str:
     return secret
 
 
-def tokenizer_of(backend: object) -> generation.Tokenizer:
+def tokenizer_of(backend: base.Backend) -> base.Tokenizer:
     """The backend's tokenizer (the frontend turns text into token ids and back)."""
-    tokenizer = getattr(backend, "tokenizer", None)
+    tokenizer = backend.tokenizer
     if tokenizer is None:
         raise RuntimeError(f"the {type(backend).__name__} backend has no tokenizer; the frontend needs one")
-    return tokenizer  # type: ignore[no-any-return]
+    return tokenizer
 
 
 def bind(host: str, port: int) -> socket.socket:
@@ -102,9 +103,8 @@ def bind(host: str, port: int) -> socket.socket:
 
     Made with ``IPPROTO_TCP`` explicitly: asyncio turns Nagle's algorithm off (``TCP_NODELAY``) only
     on connections whose socket says so, and an accepted connection inherits the listener's
-    protocol number. With the default (0), uvicorn's separate writes of a response's head and body
-    met the client's delayed acknowledgement on every kept-alive request: 40 ms each (found with
-    the refit benchmark's kept-alive agent client, 2026-11-30)."""
+    protocol number; with the default (0) every kept-alive response waited 40 ms
+    (``docs/incidents.md``)."""
     family = socket.AF_INET6 if ipaddress.ip_address(host).version == 6 else socket.AF_INET
     sock = socket.socket(family, socket.SOCK_STREAM, socket.IPPROTO_TCP)
     try:
@@ -164,7 +164,7 @@ class EngineServers:
     def __init__(
         self,
         engine: engine_module.Engine,
-        tokenizer: generation.Tokenizer,
+        tokenizer: base.Tokenizer,
         metrics: metrics_module.Metrics,
         *,
         host: str,

@@ -354,6 +354,9 @@ class SteppedBackend:
 
     supports_admission = True
     kv_cache_mode: base.KvCacheMode = "offload"
+    tokenizer = None
+    follows = False
+    spans_ranks = False
 
     def __init__(self) -> None:
         self.info = base.ModelInfo(name="double", max_sequence_length=512, vocab_size=1000, eos_token_id=None)
@@ -409,6 +412,18 @@ class SteppedBackend:
 
     def finish_weight_update(self, kv_cache_mode: base.KvCacheMode) -> None:
         self.log.append(("finish", kv_cache_mode))
+
+    def shard_map(self) -> None:
+        return None
+
+    def settle_weight_update(self, version: int, *, ok: bool, timeout_seconds: float) -> bool:
+        return ok
+
+    def serve_followers(self) -> None:
+        raise AssertionError("a single-process double has no followers")
+
+    def close(self) -> None:
+        pass
 
 
 def plain(request_id: str, max_tokens: int) -> base.SequenceRequest:

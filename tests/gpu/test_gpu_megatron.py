@@ -33,7 +33,7 @@ import pytest
 import torch
 
 from megafleet_engine import engine as engine_module
-from megafleet_engine.backends import base, megatron_backend, weight_maps
+from megafleet_engine.backends import base, megatron, weight_maps
 from megafleet_engine.models import tiny
 
 SOURCE = "tiny://llama?hidden=256&heads=4&kv_heads=2&intermediate=512"  # head_dim 64, a common kernel shape
@@ -70,17 +70,17 @@ ON_GPU = [
 
 
 def test_random_source_takes_a_preset_and_overrides() -> None:
-    parsed = megatron_backend.parse_source("random://llama-8b?layers=2&seed=7")
+    parsed = megatron.parse_source("random://llama-8b?layers=2&seed=7")
     assert parsed.kind == "random"
     assert parsed.seed == 7
     assert (parsed.shape.layers, parsed.shape.hidden, parsed.shape.kv_heads, parsed.shape.vocab) == (2, 4096, 8, 128256)
     assert parsed.shape.rope_scaling_factor == 8.0
-    smaller = megatron_backend.parse_source("random://llama-8b?hidden=1024&heads=8&kv_heads=2")
+    smaller = megatron.parse_source("random://llama-8b?hidden=1024&heads=8&kv_heads=2")
     assert smaller.shape.head_dim == 128
 
 
 def test_tiny_source_has_the_transformers_backend_shape() -> None:
-    parsed = megatron_backend.parse_source("tiny://llama?layers=3")
+    parsed = megatron.parse_source("tiny://llama?layers=3")
     model, tokenizer = tiny.build_tiny("tiny://llama?layers=3")
     assert parsed.shape.layers == 3
     assert parsed.shape.vocab == model.config.vocab_size == len(tokenizer)
@@ -94,23 +94,23 @@ def test_tiny_source_has_the_transformers_backend_shape() -> None:
 )
 def test_bad_sources_are_refused(source: str) -> None:
     with pytest.raises(ValueError):
-        megatron_backend.parse_source(source)
+        megatron.parse_source(source)
 
 
 def test_sampling_maps_onto_megatron_parameters() -> None:
-    greedy = megatron_backend.to_megatron_sampling(
+    greedy = megatron.to_megatron_sampling(
         base.SamplingParams(max_tokens=100, temperature=0.0, logprobs=2), budget=40, termination_id=2
     )
     assert greedy["top_k"] == 1 and greedy["temperature"] == 1.0 and greedy["top_p"] == 0.0
     assert greedy["num_tokens_to_generate"] == 40
     assert greedy["return_log_probs"] and greedy["top_n_logprobs"] == 2 and greedy["termination_id"] == 2
-    nucleus = megatron_backend.to_megatron_sampling(
+    nucleus = megatron.to_megatron_sampling(
         base.SamplingParams(max_tokens=5, temperature=0.7, top_p=0.9, ignore_eos=True), budget=40, termination_id=2
     )
     assert (nucleus["temperature"], nucleus["top_k"], nucleus["top_p"]) == (0.7, 0, 0.9)
     assert nucleus["termination_id"] == -1 and not nucleus["return_log_probs"]
     with pytest.raises(ValueError, match="top_k and top_p"):
-        megatron_backend.to_megatron_sampling(
+        megatron.to_megatron_sampling(
             base.SamplingParams(max_tokens=5, top_k=5, top_p=0.5), budget=10, termination_id=2
         )
 
@@ -118,7 +118,7 @@ def test_sampling_maps_onto_megatron_parameters() -> None:
 @pytest.mark.parametrize(("dtype", "device"), [("float32", "cuda"), ("bfloat16", "cpu")])
 def test_load_refuses_what_megatron_cannot_run(dtype: str, device: str) -> None:
     with pytest.raises(ValueError, match="megatron backend"):
-        megatron_backend.load(SOURCE, name="t", max_sequence_length=64, dtype=dtype, device=device, load_weights=True)
+        megatron.load(SOURCE, name="t", max_sequence_length=64, dtype=dtype, device=device, load_weights=True)
 
 
 # -- on the GPU ------------------------------------------------------------------------------------
@@ -136,10 +136,10 @@ def scaled_reference_weights(seed: int = 0) -> dict[str, torch.Tensor]:
 
 
 def build(
-    kv_cache_mode: base.KvCacheMode = "persist", parallel: megatron_backend.Parallel | None = None
-) -> megatron_backend.MegatronBackend:
+    kv_cache_mode: base.KvCacheMode = "persist", parallel: base.Parallel | None = None
+) -> megatron.MegatronBackend:
     """The tiny model on this process's GPU (graphs on, 1 GB of KV cache) with the scaled weights."""
-    loaded = megatron_backend.load(
+    loaded = megatron.load(
         SOURCE,
         name="tiny",
         max_sequence_length=MAX_SEQUENCE_LENGTH,
@@ -147,7 +147,7 @@ def build(
         device="cuda",
         load_weights=True,
         parallel=parallel,
-        options=megatron_backend.EngineOptions(
+        options=megatron.EngineOptions(
             max_batch_size=8, kv_buffer_gb=1.0, max_step_tokens=2048, kv_cache_mode=kv_cache_mode
         ),
     )
@@ -156,14 +156,14 @@ def build(
 
 
 @pytest.fixture(scope="module")
-def backend() -> Iterator[megatron_backend.MegatronBackend]:
+def backend() -> Iterator[megatron.MegatronBackend]:
     loaded = build()
     yield loaded
     loaded.close()
 
 
 @pytest.fixture(scope="module")
-def prompts(backend: megatron_backend.MegatronBackend) -> list[list[int]]:
+def prompts(backend: megatron.MegatronBackend) -> list[list[int]]:
     return [backend.tokenizer.encode(text) for text in TEXTS]
 
 
@@ -212,7 +212,7 @@ async def gather_tokens(scheduler: engine_module.Engine, request: base.SequenceR
 
 
 def staggered(
-    backend: megatron_backend.MegatronBackend, requests: list[base.SequenceRequest]
+    backend: megatron.MegatronBackend, requests: list[base.SequenceRequest]
 ) -> tuple[list[list[int]], engine_module.Engine]:
     """Through the scheduler: the first request alone, the others once its first token arrived."""
     scheduler = engine_module.Engine(backend, max_batch_size=8)
@@ -247,9 +247,7 @@ class TestOnGpu:
 
     pytestmark = ON_GPU
 
-    def test_live_parameters_hold_exactly_the_mapped_hf_weights(
-        self, backend: megatron_backend.MegatronBackend
-    ) -> None:
+    def test_live_parameters_hold_exactly_the_mapped_hf_weights(self, backend: megatron.MegatronBackend) -> None:
         live = {name: parameter.data for name, parameter in backend.model.named_parameters()}
         back = weight_maps.megatron_to_hf([live], backend.shape)
         expected = scaled_reference_weights()
@@ -261,9 +259,9 @@ class TestOnGpu:
         assert all(view.is_cuda and view.dtype == torch.bfloat16 for view in views.values())
 
     def test_greedy_equals_megatron_engine_called_directly(
-        self, backend: megatron_backend.MegatronBackend, prompts: list[list[int]]
+        self, backend: megatron.MegatronBackend, prompts: list[list[int]]
     ) -> None:
-        sampling = megatron_backend._megatron("inference.sampling_params")
+        sampling = megatron.megatron_core("inference.sampling_params")
         direct = backend.engine.generate(
             prompts, sampling.SamplingParams(top_k=1, num_tokens_to_generate=NEW_TOKENS, termination_id=-1)
         )
@@ -277,7 +275,7 @@ class TestOnGpu:
             assert [step.finish_reason for step in steps] == [None] * (NEW_TOKENS - 1) + ["length"]
 
     def test_logprobs_match_the_hf_reference_model(
-        self, backend: megatron_backend.MegatronBackend, prompts: list[list[int]]
+        self, backend: megatron.MegatronBackend, prompts: list[list[int]]
     ) -> None:
         """Teacher-force megatron's greedy output through the HF model (fp32, the same bf16 weights)."""
         reference, _ = tiny.build_tiny(SOURCE)
@@ -299,7 +297,7 @@ class TestOnGpu:
         assert worst < 0.25, worst
 
     def test_in_place_weight_writes_change_outputs_and_restoring_restores_them(
-        self, backend: megatron_backend.MegatronBackend, prompts: list[list[int]]
+        self, backend: megatron.MegatronBackend, prompts: list[list[int]]
     ) -> None:
         requests = greedy_requests(prompts)
         before = tokens(run(backend, requests))
@@ -320,11 +318,11 @@ class TestOnGpu:
         assert sum(changed[key] != before[key] for key in before) >= 3
         assert restored == before
 
-    def test_sliced_writes_equal_whole_writes(self, backend: megatron_backend.MegatronBackend) -> None:
+    def test_sliced_writes_equal_whole_writes(self, backend: megatron.MegatronBackend) -> None:
         whole = scaled_reference_weights()
         before = {name: view.clone() for name, view in backend.parameters().items()}
         sliced = []
-        for spec in backend.shard_map.values():
+        for spec in backend.shard_map().specs.values():
             for piece in spec.pieces:
                 dim, start, stop = piece.hf_range
                 sliced.append((piece.hf_name, whole[piece.hf_name].narrow(dim, start, stop - start).clone()))
@@ -333,7 +331,7 @@ class TestOnGpu:
         assert all(torch.equal(after[name], before[name]) for name in before)
 
     def test_stop_tokens_end_a_sequence_at_their_first_occurrence(
-        self, backend: megatron_backend.MegatronBackend, prompts: list[list[int]]
+        self, backend: megatron.MegatronBackend, prompts: list[list[int]]
     ) -> None:
         free = tokens(run(backend, greedy_requests(prompts[:1])))["0"]
         stop = free[5]
@@ -342,7 +340,7 @@ class TestOnGpu:
         assert stopped[-1].finish_reason == "stop"
 
     def test_the_engine_scheduler_streams_the_backends_tokens(
-        self, backend: megatron_backend.MegatronBackend, prompts: list[list[int]]
+        self, backend: megatron.MegatronBackend, prompts: list[list[int]]
     ) -> None:
         request = greedy_requests(prompts[1:2])[0]
         expected = tokens(run(backend, [request]))[request.request_id]
@@ -356,9 +354,7 @@ class TestOnGpu:
         finally:
             scheduler.close()
 
-    def test_sequences_join_a_running_batch(
-        self, backend: megatron_backend.MegatronBackend, prompts: list[list[int]]
-    ) -> None:
+    def test_sequences_join_a_running_batch(self, backend: megatron.MegatronBackend, prompts: list[list[int]]) -> None:
         """Continuous batching: three requests submitted after the first one's first token join its
         batch between two steps, and each produces its solo greedy tokens (up to a bf16 near-tie,
         since the batch they run in differs)."""
@@ -372,12 +368,12 @@ class TestOnGpu:
         assert sum(agreed) >= 0.75 * NEW_TOKENS * len(prompts), agreed
 
     def test_a_cancelled_sequence_leaves_megatrons_batch(
-        self, backend: megatron_backend.MegatronBackend, prompts: list[list[int]]
+        self, backend: megatron.MegatronBackend, prompts: list[list[int]]
     ) -> None:
         """A client that leaves after 2 tokens: its megatron request ends at once (megatron's own
         early-finish path) while the other sequence of the batch runs to its end."""
         finished: dict[int, int] = {}
-        original = backend._step
+        original = backend._batch.step
 
         def recording() -> dict[str, Any]:
             result = original()
@@ -399,11 +395,11 @@ class TestOnGpu:
             await stream.aclose()
             return await other
 
-        backend._step = recording  # type: ignore[method-assign]
+        backend._batch.step = recording  # type: ignore[method-assign]
         try:
             other = asyncio.run(scenario())
         finally:
-            del backend._step
+            del backend._batch.step
             scheduler.close()
         assert other == tokens(run(backend, greedy_requests(prompts[2:3])))["0"]
         assert not backend.engine.has_unfinished_requests()
@@ -422,11 +418,11 @@ class TestTensorParallel:
     ]
 
     def test_tp2_shard_matches_tp1(
-        self, backend: megatron_backend.MegatronBackend, prompts: list[list[int]], tmp_path: Path
+        self, backend: megatron.MegatronBackend, prompts: list[list[int]], tmp_path: Path
     ) -> None:
         reference = run(backend, greedy_requests(prompts, logprobs=2))
         out = tmp_path / "tp2.json"
-        engine_dir = Path(megatron_backend.__file__).resolve().parents[2]
+        engine_dir = Path(base.__file__).resolve().parents[2]
         env = {**os.environ, **NCCL_SAFE}
         env["PYTHONPATH"] = os.pathsep.join([str(engine_dir), env.get("PYTHONPATH", "")])
         command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2"]
@@ -574,7 +570,7 @@ def _tp_worker(out: Path) -> None:
     faulthandler.dump_traceback_later(95, exit=True)  # a hang prints every thread's stack and ends
     torch.cuda.set_device(local)
     torch.distributed.init_process_group("nccl", timeout=datetime.timedelta(seconds=60))
-    parallel = megatron_backend.Parallel(tensor_parallel=world, rank=rank, world_size=world, local_rank=local)
+    parallel = base.Parallel(tensor_parallel=world, rank=rank, world_size=world, local_rank=local)
     shard = build(parallel=parallel)
     sys.stderr.write(f"rank {rank}: built\n")
     if rank != 0:

@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING
 from megafleet_engine.backends import base
 
 if TYPE_CHECKING:
-    from megafleet_engine.backends import megatron_backend
+    from megafleet_engine.backends import megatron
 
 DTYPES = ("bfloat16", "float16", "float32")
 
@@ -26,7 +26,7 @@ def load_backend(
     device: str = "cpu",
     load_weights: bool = True,
     parallel: base.Parallel | None = None,
-    options: megatron_backend.EngineOptions | None = None,
+    options: megatron.EngineOptions | None = None,
 ) -> base.Backend:
     """Build a backend for ``source``; with ``load_weights=False`` (deferred init) the parameters
     exist but hold no trained values until the first refit writes them.
@@ -47,9 +47,9 @@ def load_backend(
             load_weights=load_weights,
         )
     if backend == "megatron":
-        from megafleet_engine.backends import megatron_backend
+        from megafleet_engine.backends import megatron
 
-        result: base.Backend = megatron_backend.load(
+        result: base.Backend = megatron.load(
             source,
             name=name,
             max_sequence_length=max_sequence_length,

@@ -10,11 +10,13 @@ so protocol and HTTP code can import these types cheaply.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Collection, Iterator, Sequence
-from typing import TYPE_CHECKING, Literal, Protocol
+from collections.abc import Callable, Collection, Generator, Sequence
+from typing import TYPE_CHECKING, Any, Literal, Protocol
 
 if TYPE_CHECKING:
     import torch
+
+    from megafleet_engine.backends import weight_maps
 
 FinishReason = Literal["stop", "length", "abort"]
 KvCacheMode = Literal["persist", "offload", "recompute"]
@@ -111,14 +113,50 @@ class ModelInfo:
     eos_token_id: int | None
 
 
+class Tokenizer(Protocol):
+    """What the OpenAI frontend needs of a Hugging Face tokenizer (text to token ids and back)."""
+
+    def encode(self, text: str) -> list[int]: ...
+
+    def decode(self, token_ids: list[int], *, skip_special_tokens: bool = ...) -> str: ...
+
+    def apply_chat_template(self, conversation: list[dict[str, str]], **kwargs: Any) -> Any: ...
+
+
+@dataclasses.dataclass(frozen=True)
+class ShardMap:
+    """This rank's parameters in a sharded backend's own (megatron) layout: what a refit sink
+    writes into. Read when asked, so ``live`` shows a parameter rebound since."""
+
+    live: dict[str, torch.Tensor]
+    """The live tensors by megatron name."""
+    specs: dict[str, weight_maps.ParamSpec]
+    """By megatron name: the local shape and the Hugging Face slices that fill it."""
+    hf_shapes: dict[str, tuple[int, ...]]
+    """Every Hugging Face parameter of the model and its full shape."""
+
+
 class Backend(Protocol):
     """An inference backend: batched token generation and in-place weight updates.
 
+    Called by the scheduler (:class:`megafleet_engine.engine.Engine`), the command
+    (:mod:`megafleet_engine.cli`), the frontend (its :attr:`tokenizer`) and the refit receiver
+    (:mod:`megafleet_engine.refit.controller` and :mod:`~megafleet_engine.refit.sinks`); this is
+    all they use of a backend.
+
     Lifecycle: construct (loads the model skeleton; with deferred init, no weights), then
-    :meth:`load_checkpoint` or the first :meth:`write_weights` + :meth:`finish_weight_update`.
-    The scheduler guarantees :meth:`generate` and the weight methods never run concurrently, and
-    calls them all from one thread. A refit is :meth:`begin_weight_update` (nothing in flight),
-    weight writes, :meth:`finish_weight_update`, with the same KV-cache mode.
+    :meth:`load_checkpoint` or the first weight writes + :meth:`finish_weight_update`, and
+    :meth:`close` at the end. The scheduler guarantees :meth:`generate` and the weight methods never
+    run concurrently, and calls them all from one thread. A refit is :meth:`begin_weight_update`
+    (nothing in flight), weight writes, :meth:`settle_weight_update`, :meth:`finish_weight_update`,
+    with the same KV-cache mode.
+
+    A shard may span several rank processes (megatron with TP or PP > 1): the first rank of the
+    group (the frontend rank) generates; every other rank :attr:`follows`, runs
+    :meth:`serve_followers` and steps in lockstep. Each rank writes its own weights during a refit,
+    so before the first rank resumes, :meth:`settle_weight_update` makes the group agree that every
+    rank holds the whole new version. A single-process backend never follows and has nothing to
+    settle.
     """
 
     info: ModelInfo
@@ -128,9 +166,30 @@ class Backend(Protocol):
     ``False`` the scheduler calls ``generate(batch)`` alone and starts the next batch as soon as
     this one ends."""
 
-    def generate(self, batch: Sequence[SequenceRequest], admit: Admit | None = None) -> Iterator[list[TokenStep]]:
+    kv_cache_mode: KvCacheMode
+    """The KV-cache mode of refits unless the engine is told another."""
+
+    @property
+    def tokenizer(self) -> Tokenizer | None:
+        """The model's tokenizer for the frontend; ``None`` when the model came without one."""
+        ...
+
+    @property
+    def follows(self) -> bool:
+        """Whether this rank follows the first one (runs :meth:`serve_followers`, never generates)."""
+        ...
+
+    @property
+    def spans_ranks(self) -> bool:
+        """Whether the shard has rank processes other than this one (else nothing needs settling)."""
+        ...
+
+    def generate(
+        self, batch: Sequence[SequenceRequest], admit: Admit | None = None
+    ) -> Generator[list[TokenStep], None, None]:
         """Continue every sequence of ``batch`` together; yield one list of steps per decode step
-        (one entry per sequence that produced a token) until all have finished.
+        (one entry per sequence that produced a token) until all have finished. Closing the
+        generator early lets the backend wind the batch down.
 
         With ``admit`` (only passed when :attr:`supports_admission`), call ``admit(capacity)``
         before every step: add the sequences it returns to the running batch and stop those it
@@ -139,6 +198,11 @@ class Backend(Protocol):
 
     def parameters(self) -> dict[str, torch.Tensor]:
         """The live parameters by (HF-style) name; refits write into these tensors in place."""
+        ...
+
+    def shard_map(self) -> ShardMap | None:
+        """This rank's parameters in the backend's own sharded layout, or ``None`` when
+        :meth:`parameters` holds every tensor whole (refit sinks pick how they write by it)."""
         ...
 
     def load_checkpoint(self, source: str) -> None:
@@ -157,32 +221,17 @@ class Backend(Protocol):
         no KV entry computed with the old weights may serve a later request. Idempotent."""
         ...
 
-
-class ModelParallelBackend(Backend, Protocol):
-    """A backend whose shard spans several rank processes (megatron with TP or PP > 1).
-
-    The first rank of the group (the frontend rank) generates; every other rank runs
-    :meth:`serve_followers` and steps in lockstep. Each rank writes its own weights during a refit,
-    so before the first rank resumes, :meth:`settle_weight_update` makes the group agree that every
-    rank holds the whole new version."""
-
-    @property
-    def follows(self) -> bool:
-        """Whether this rank follows the first one (runs :meth:`serve_followers`, never generates)."""
+    def settle_weight_update(self, version: int, *, ok: bool, timeout_seconds: float) -> bool:
+        """After this rank wrote (``ok``) or failed to write weight ``version``: on the first rank,
+        ask every rank and return whether all of them hold it (a collective, on the backend
+        thread); on a following rank, record the outcome for the first rank's question and return
+        ``ok`` at once (any thread). Without other ranks: ``ok``."""
         ...
 
     def serve_followers(self) -> None:
         """On a following rank: apply the first rank's messages until it closes the backend."""
         ...
 
-    @property
-    def spans_ranks(self) -> bool:
-        """Whether the shard has rank processes other than this one (else nothing needs settling)."""
-        ...
-
-    def settle_weight_update(self, version: int, *, ok: bool, timeout_seconds: float) -> bool:
-        """After this rank wrote (``ok``) or failed to write weight ``version``: on the first rank,
-        ask every rank and return whether all of them hold it (a collective, on the backend
-        thread); on a following rank, record the outcome for the first rank's question and return
-        ``ok`` at once (any thread)."""
+    def close(self) -> None:
+        """Release what the backend holds (the first rank releases its followers)."""
         ...

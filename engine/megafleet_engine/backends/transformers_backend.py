@@ -9,6 +9,7 @@ No continuous batching (``supports_admission = False``): the left-padded shared 
 new rows mid-batch, so the scheduler starts the next batch when this one ends. Given an ``admit``
 anyway, :meth:`TransformersBackend.generate` asks it with capacity 0 between steps and stops the
 sequences that leave. No cache outlives a batch, so every KV-cache mode holds across refits as is.
+One process holds the whole model: it never follows another rank and has nothing to settle.
 
 Log-probabilities are those of the distribution the token was drawn from before top-k/top-p
 truncation: ``log_softmax(logits / temperature)``, or of the raw logits when greedy.
@@ -17,7 +18,7 @@ truncation: ``log_softmax(logits / temperature)``, or of the raw logits when gre
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Iterator, Sequence
+from collections.abc import Generator, Sequence
 from pathlib import Path
 
 import torch
@@ -39,6 +40,9 @@ class TransformersBackend:
     """A :class:`~megafleet_engine.backends.base.Backend` over a ``PreTrainedModel``."""
 
     supports_admission = False
+    kv_cache_mode: base.KvCacheMode = "persist"
+    follows = False
+    spans_ranks = False
 
     def __init__(
         self,
@@ -65,6 +69,10 @@ class TransformersBackend:
     def parameters(self) -> dict[str, torch.Tensor]:
         return {name: parameter.data for name, parameter in self.model.named_parameters()}
 
+    def shard_map(self) -> None:
+        """Every parameter is held whole, by its HF name (:meth:`parameters`)."""
+        return None
+
     def load_checkpoint(self, source: str) -> None:
         """Copy a checkpoint's tensors into the live parameters (never rebinding them)."""
         if tiny.is_tiny(source):
@@ -89,12 +97,23 @@ class TransformersBackend:
     def finish_weight_update(self, kv_cache_mode: base.KvCacheMode) -> None:
         """No cache outlives a batch here, so every mode is already satisfied."""
 
+    def settle_weight_update(self, version: int, *, ok: bool, timeout_seconds: float) -> bool:
+        """No other rank holds weights of this model: the outcome is this rank's own."""
+        return ok
+
+    def serve_followers(self) -> None:
+        """Never called: a single-process backend has no followers."""
+        raise RuntimeError("the transformers backend runs in one process: no rank follows it")
+
+    def close(self) -> None:
+        """Nothing outlives a batch, and no other rank waits for this one."""
+
     # -- generation ----------------------------------------------------------------------------
 
     @torch.inference_mode()
     def generate(
         self, batch: Sequence[base.SequenceRequest], admit: base.Admit | None = None
-    ) -> Iterator[list[base.TokenStep]]:
+    ) -> Generator[list[base.TokenStep], None, None]:
         running = [_Running(request, _generator(request.params, self.device)) for request in batch]
         input_ids, attention_mask = self._left_pad([request.prompt_token_ids for request in batch])
         position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)

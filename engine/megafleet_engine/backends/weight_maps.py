@@ -1,7 +1,7 @@
 """Hugging Face Llama parameters <-> megatron-core ``GPTModel`` parameters, with tensor and pipeline
 parallel slicing. Pure torch: megatron-core is never imported here.
 
-Called by the megatron backend (:mod:`megafleet_engine.backends.megatron_backend`) to load
+Called by the megatron backend (:mod:`megafleet_engine.backends.megatron`) to load
 checkpoints and to write refitted weights in place, and by the refit receiver, which uses the
 :func:`shard_map` to ask for only the slices of each HF tensor its rank holds.
 

@@ -13,22 +13,11 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 from collections.abc import Sequence
-from typing import Any, Protocol
 
 from megafleet_engine import engine as engine_module
 from megafleet_engine.backends import base
 
-__all__ = ["ChoiceState", "Delta", "Run", "SequenceSpec", "Tokenizer"]
-
-
-class Tokenizer(Protocol):
-    """What serving needs of a Hugging Face tokenizer."""
-
-    def encode(self, text: str) -> list[int]: ...
-
-    def decode(self, token_ids: list[int], *, skip_special_tokens: bool = ...) -> str: ...
-
-    def apply_chat_template(self, conversation: list[dict[str, str]], **kwargs: Any) -> Any: ...
+__all__ = ["ChoiceState", "Delta", "Run", "SequenceSpec"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -95,7 +84,7 @@ class ChoiceState:
     def finished(self) -> bool:
         return self.finish_reason is not None
 
-    def feed(self, step: base.TokenStep, tokenizer: Tokenizer) -> Delta:
+    def feed(self, step: base.TokenStep, tokenizer: base.Tokenizer) -> Delta:
         """Add one generated token; returns the text it completes (possibly empty)."""
         self.steps.append(step)
         self._pending.append(step)
@@ -113,7 +102,7 @@ class ChoiceState:
         hold = max((len(stop) for stop in self.spec.stop), default=1) - 1
         return self._emit(min(len(self._held), max(0, len(candidate) - hold)), None)
 
-    def _detokenize(self, tokenizer: Tokenizer, *, flush: bool) -> tuple[str, str]:
+    def _detokenize(self, tokenizer: base.Tokenizer, *, flush: bool) -> tuple[str, str]:
         """The text the new token adds: settled (final), and unsettled (the window's text while it
         ends inside a character: decoded again at the next token, or taken as it is at the end)."""
         before = tokenizer.decode(self._ids[self._start : self._read], skip_special_tokens=True)

@@ -42,7 +42,7 @@ class ServingContext:
     """Everything the serving classes share: the engine, its tokenizer and the metrics."""
 
     engine: engine_module.Engine
-    tokenizer: generation.Tokenizer
+    tokenizer: base.Tokenizer
     metrics: metrics_module.Metrics
 
     @property
@@ -235,7 +235,7 @@ def _max_tokens(prompt_length: int, request: protocol.SamplingRequest, limit: in
     return requested
 
 
-def _token_prompts(prompt: protocol.Prompt, tokenizer: generation.Tokenizer) -> list[list[int]]:
+def _token_prompts(prompt: protocol.Prompt, tokenizer: base.Tokenizer) -> list[list[int]]:
     """A completion's prompts as token ids: text, token ids, or a list of either."""
     if isinstance(prompt, str):
         return [tokenizer.encode(prompt)]

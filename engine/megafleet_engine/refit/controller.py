@@ -489,9 +489,9 @@ class _Attempt:
     def _settle(self, *, ok: bool) -> None:
         """On a model-parallel shard: agree with the other ranks that all hold the new version
         (the first rank asks, on the backend thread; a following rank only records ``ok``)."""
-        settle = getattr(self.engine.backend, "settle_weight_update", None)
-        if settle is None or not getattr(self.engine.backend, "spans_ranks", True):
+        if not self.engine.backend.spans_ranks:
             return
+        settle = self.engine.backend.settle_weight_update
         version = self.request.version
         if not ok:
             settle(version, ok=False, timeout_seconds=0.0)

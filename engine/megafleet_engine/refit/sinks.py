@@ -20,11 +20,11 @@ from __future__ import annotations
 import copy
 import dataclasses
 from collections.abc import Mapping
-from typing import Any, Protocol
+from typing import Protocol
 
 import torch
 
-from megafleet_engine.backends import weight_maps
+from megafleet_engine.backends import base, weight_maps
 from megafleet_engine.refit import wire
 
 __all__ = ["NamedSink", "ShardSink", "Sink", "pointers", "sink_for"]
@@ -172,21 +172,20 @@ class ShardSink:
         return clone
 
 
-def sink_for(backend: Any) -> Sink:
-    """The sink over ``backend``'s live parameters: a :class:`ShardSink` for a backend that
-    publishes a megatron ``shard_map`` (with ``model`` and ``shape``), else a :class:`NamedSink`
+def sink_for(backend: base.Backend) -> Sink:
+    """The sink over ``backend``'s live parameters: a :class:`ShardSink` for a backend with a
+    megatron :meth:`~megafleet_engine.backends.base.Backend.shard_map`, else a :class:`NamedSink`
     over ``backend.parameters()``."""
-    specs = getattr(backend, "shard_map", None)
-    if specs is not None:
-        live = {name: parameter.data for name, parameter in backend.model.named_parameters()}
-        return ShardSink(live, specs, weight_maps.hf_shapes(backend.shape))
+    shards = backend.shard_map()
+    if shards is not None:
+        return ShardSink(shards.live, shards.specs, shards.hf_shapes)
     return NamedSink(backend.parameters())
 
 
-def pointers(backend: Any) -> dict[str, int]:
+def pointers(backend: base.Backend) -> dict[str, int]:
     """The storage address of every live parameter of ``backend``, read afresh: equal before and
     after a refit when it wrote in place (a rebound parameter shows a new address)."""
-    model = getattr(backend, "model", None)
-    if getattr(backend, "shard_map", None) is not None and model is not None:
-        return {name: parameter.data_ptr() for name, parameter in model.named_parameters()}
+    shards = backend.shard_map()
+    if shards is not None:
+        return {name: tensor.data_ptr() for name, tensor in shards.live.items()}
     return {name: tensor.data_ptr() for name, tensor in backend.parameters().items()}

@@ -1,0 +1,212 @@
+"""Building megatron's side of the backend on this process's GPU: the model-parallel groups, the
+``GPTModel`` and megatron's dynamic inference engine.
+
+Called by :func:`megafleet_engine.backends.megatron.backend.load` (once per process), and through
+:func:`megatron_core` by every module of the package that needs megatron. megatron-core (>= 0.19,
+Python >= 3.12) and a flash-attention kernel (FA2 >= 2.7.3, FA3 or FA4) are needed at run time
+only: megatron is imported inside functions, so this module imports (and type-checks) anywhere.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import importlib
+import socket
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from megafleet_engine.backends import base, weight_maps
+from megafleet_engine.backends.weight_maps import Layout, LlamaShape
+
+__all__ = ["EngineOptions", "IdTokenizer", "build_engine", "build_model", "init_parallel", "megatron_core"]
+
+
+@dataclasses.dataclass(frozen=True)
+class EngineOptions:
+    """Settings of megatron's dynamic engine."""
+
+    max_batch_size: int = 64
+    """Most requests decoded together (megatron's ``max_requests``); decode CUDA graphs are
+    captured for batch sizes up to it."""
+    kv_buffer_gb: float = 20.0
+    """GPU memory reserved for the paged KV cache."""
+    max_step_tokens: int = 16384
+    """Most tokens in one forward pass (prefill chunks included; megatron's ``max_tokens``)."""
+    block_size_tokens: int = 256
+    cuda_graphs: bool = True
+    """Capture decode CUDA graphs (per layer) at start; eager decode is host-bound."""
+    seed: int = 0
+    """Seed of megatron's RNG trackers (sampling)."""
+    kv_cache_mode: base.KvCacheMode = "persist"
+    """The default KV-cache mode of refits (the engine passes it unless told otherwise): see
+    :meth:`.backend.MegatronBackend.begin_weight_update`. ``offload`` also pins a host copy of the
+    KV buffer's size at start (megatron's ``KVCacheManagementMode.OFFLOAD``)."""
+
+
+class IdTokenizer:
+    """What megatron's controller asks of a tokenizer. Text is never needed here: a token list
+    "detokenizes" to its ids, which lets top-n log-probabilities (keyed by text) map back to ids."""
+
+    def __init__(self, eod: int, bos: int | None) -> None:
+        self.eod = eod
+        self.bos = bos
+
+    def tokenize(self, text: str) -> list[int]:
+        return [int(part) for part in text.split()]
+
+    def detokenize(self, tokens: Sequence[int]) -> str:
+        return " ".join(str(int(token)) for token in tokens)
+
+
+def megatron_core(module: str) -> Any:
+    """``megatron.core.<module>``, imported on first use (megatron-core is installed on GPU
+    machines only, and mypy here has no stubs for it)."""
+    return importlib.import_module(f"megatron.core.{module}")
+
+
+def _free_port() -> int:
+    with contextlib.closing(socket.socket(socket.AF_INET, socket.SOCK_STREAM)) as sock:
+        sock.bind(("127.0.0.1", 0))
+        port: int = sock.getsockname()[1]
+        return port
+
+
+def init_parallel(parallel: base.Parallel, seed: int) -> tuple[Layout, Any]:
+    """Join the process group and megatron's model-parallel groups (once per process)."""
+    parallel_state = megatron_core("parallel_state")
+    tensor_parallel = megatron_core("tensor_parallel")
+
+    if parallel.world_size != parallel.tensor_parallel * parallel.pipeline_parallel:
+        raise ValueError(
+            f"world size {parallel.world_size} is not TP {parallel.tensor_parallel} x PP {parallel.pipeline_parallel}"
+        )
+    if torch.distributed.is_initialized() and torch.distributed.get_world_size() != parallel.world_size:
+        raise ValueError(
+            f"the process group has {torch.distributed.get_world_size()} ranks but Parallel says "
+            f"{parallel.world_size}: pass the engine's Parallel(...) to load()"
+        )
+    if not torch.distributed.is_initialized():
+        port = parallel.master_port or (_free_port() if parallel.world_size == 1 else 29500)
+        torch.distributed.init_process_group(
+            "nccl",
+            init_method=f"tcp://{parallel.master_addr}:{port}",
+            world_size=parallel.world_size,
+            rank=parallel.rank,
+        )
+    if not parallel_state.model_parallel_is_initialized():
+        parallel_state.initialize_model_parallel(
+            tensor_model_parallel_size=parallel.tensor_parallel,
+            pipeline_model_parallel_size=parallel.pipeline_parallel,
+        )
+    tensor_parallel.random.model_parallel_cuda_manual_seed(seed, inference_rng_tracker=True)
+    layout = Layout(
+        tp_rank=parallel_state.get_tensor_model_parallel_rank(),
+        tp_size=parallel.tensor_parallel,
+        pp_rank=parallel_state.get_pipeline_model_parallel_rank(),
+        pp_size=parallel.pipeline_parallel,
+    )
+    group = parallel_state.get_model_parallel_group() if parallel.world_size > 1 else None
+    return layout, group
+
+
+def build_model(
+    shape: LlamaShape, layout: Layout, dtype: torch.dtype, max_sequence_length: int, options: EngineOptions
+) -> Any:
+    """This rank's part of a Llama-shaped megatron ``GPTModel`` on the current GPU, in ``dtype``,
+    with uninitialised weights (the caller writes every parameter)."""
+    gpt = megatron_core("models.gpt")
+    specs = megatron_core("models.gpt.gpt_layer_specs")
+    config = megatron_core("transformer").TransformerConfig(
+        num_layers=shape.layers,
+        hidden_size=shape.hidden,
+        num_attention_heads=shape.heads,
+        num_query_groups=shape.kv_heads,
+        ffn_hidden_size=shape.intermediate,
+        kv_channels=shape.head_dim,
+        layernorm_epsilon=shape.norm_eps,
+        tensor_model_parallel_size=layout.tp_size,
+        pipeline_model_parallel_size=layout.pp_size,
+        pipeline_dtype=dtype,
+        params_dtype=dtype,
+        bf16=dtype == torch.bfloat16,
+        fp16=dtype == torch.float16,
+        normalization="RMSNorm",
+        gated_linear_unit=True,
+        activation_func=torch.nn.functional.silu,
+        add_bias_linear=False,
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+        transformer_impl="local",
+        bias_activation_fusion=False,
+        bias_dropout_fusion=False,
+        masked_softmax_fusion=False,
+        apply_rope_fusion=False,
+        persist_layer_norm=False,
+        gradient_accumulation_fusion=False,
+        perform_initialization=False,  # every parameter is written by load()
+        cuda_graph_impl="local" if options.cuda_graphs else "none",
+        inference_rng_tracker=True,
+    )
+    model = gpt.GPTModel(
+        config=config,
+        transformer_layer_spec=specs.get_gpt_layer_local_spec(normalization="RMSNorm"),
+        vocab_size=weight_maps.padded_vocab_size(shape.vocab, layout),
+        max_sequence_length=max_sequence_length,
+        pre_process=layout.first_stage,
+        post_process=layout.last_stage,
+        parallel_output=True,
+        share_embeddings_and_output_weights=shape.tied_embeddings,
+        position_embedding_type="rope",
+        rotary_base=int(shape.rope_theta),
+        rope_scaling=shape.rope_scaling_factor > 0,
+        rope_scaling_factor=shape.rope_scaling_factor or 8.0,
+    )
+    model.cuda()
+    for parameter in model.parameters():  # RMSNorm weights start in float32
+        parameter.data = parameter.data.to(dtype)
+    model.eval()
+    _one_kv_split_on_hopper(model)
+    return model
+
+
+def _one_kv_split_on_hopper(model: Any) -> None:
+    """FlashAttention-4 has no split-KV kernel for SM 9.x (Hopper: H100, H200), and megatron's
+    automatic ``num_splits=0`` picks one for a small decode batch over a long KV cache
+    (``docs/incidents.md``). Megatron passes ``num_splits=1`` when an attention module's
+    ``batch_invariant_mode`` is set, and reads nothing else from that attribute on the FA4 path, so
+    it is set on each attention module (not the config, which would switch other kernels)."""
+    attention = megatron_core("transformer.attention")
+    if torch.cuda.get_device_capability()[0] != 9 or not getattr(attention, "HAVE_FA4", False):
+        return
+    for module in model.modules():
+        if isinstance(module, attention.Attention):
+            module.batch_invariant_mode = True
+
+
+def build_engine(model: Any, tokenizer: IdTokenizer, max_sequence_length: int, options: EngineOptions) -> Any:
+    """Megatron's ``DynamicInferenceEngine`` over ``model``, with its paged KV cache (and, with
+    ``options.cuda_graphs``, decode CUDA graphs) sized by ``options``."""
+    config_module = megatron_core("inference.config")
+    config = config_module.InferenceConfig(
+        block_size_tokens=options.block_size_tokens,
+        buffer_size_gb=options.kv_buffer_gb,
+        max_sequence_length=max_sequence_length,
+        max_requests=options.max_batch_size,
+        max_tokens=max(options.max_step_tokens, max_sequence_length),
+        num_cuda_graphs=-1 if options.cuda_graphs else None,
+        use_cuda_graphs_for_non_decode_steps=False,
+        materialize_only_last_token_logits=True,
+        kv_cache_management_mode=config_module.KVCacheManagementMode(options.kv_cache_mode),
+    )
+    context = megatron_core("inference.contexts.dynamic_context").DynamicInferenceContext(model.config, config)
+    wrapper = megatron_core("inference.model_inference_wrappers.gpt.gpt_inference_wrapper").GPTInferenceWrapper(
+        model, context
+    )
+    controllers = megatron_core("inference.text_generation_controllers.text_generation_controller")
+    controller = controllers.TextGenerationController(inference_wrapped_model=wrapper, tokenizer=tokenizer)
+    return megatron_core("inference.engines.dynamic_engine").DynamicInferenceEngine(
+        controller=controller, context=context
+    )

@@ -1,0 +1,275 @@
+"""Generation on megatron's engine: the first rank's batch loop, the ticks every rank applies, and
+turning megatron's requests into token steps.
+
+Called by :class:`.backend.MegatronBackend` (``generate`` on the first rank; a follower's ticks
+and steps). A batch is added to megatron's engine as one set of requests and stepped; before every
+step the scheduler's ``admit`` hands over sequences that arrived meanwhile (``add_request`` between
+steps: megatron schedules them into the next step with the running ones) and names those it
+closed, which end through megatron's own early-finish path (the set its stop-word logic uses), as
+do sequences that sampled a stop id megatron does not know. Each step yields the tokens it
+produced. Sampling maps onto megatron's per-request parameters (greedy = ``top_k=1``; megatron
+refuses top-k together with top-p and has one sampling generator, so per-request seeds are
+ignored). EOS stops through megatron's ``termination_id``. Log-probabilities are megatron's
+``raw_logprobs``: ``log_softmax`` of the raw logits.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import itertools
+import logging
+from collections.abc import Generator
+from typing import Any
+
+import torch
+
+from megafleet_engine.backends import base
+from megafleet_engine.backends.megatron import build, lockstep
+
+__all__ = ["Runner", "to_megatron_sampling"]
+
+log = logging.getLogger(__name__)
+
+_FIRST_REQUEST_ID = 1 << 30  # megatron keeps ids in int32; its own counter (engine.generate) starts at 0
+
+
+def to_megatron_sampling(params: base.SamplingParams, *, budget: int, termination_id: int) -> dict[str, Any]:
+    """Keyword arguments of megatron's ``SamplingParams`` for one sequence (``budget``: tokens it
+    may generate). Raises ``ValueError`` for what megatron cannot do (top-k with top-p)."""
+    top_p = params.top_p if params.top_p < 1.0 else 0.0  # megatron: 0.0 = no nucleus cut
+    if params.greedy:
+        temperature, top_k, top_p = 1.0, 1, 0.0
+    else:
+        temperature, top_k = params.temperature, params.top_k
+    if top_k > 0 and top_p > 0.0:
+        raise ValueError("the megatron backend cannot combine top_k and top_p")
+    return {
+        "temperature": temperature,
+        "top_k": top_k,
+        "top_p": top_p,
+        "return_log_probs": params.logprobs is not None,
+        "skip_prompt_log_probs": True,
+        "top_n_logprobs": params.logprobs or 0,
+        "num_tokens_to_generate": min(params.max_tokens, budget),
+        "termination_id": -1 if params.ignore_eos else termination_id,
+    }
+
+
+@dataclasses.dataclass
+class _Sequence:
+    request: base.SequenceRequest
+    stops: frozenset[int]
+    emitted: int = 0
+    done: bool = False
+
+
+class Runner:
+    """Megatron's ``engine`` as one rank runs it: the running batch (first rank: sequences by
+    megatron id, megatron ids by request id, and the ids to stop at the next tick, where a stop
+    token megatron does not know was sampled), the ids every rank hands megatron alike, and the
+    event loop megatron's engine runs its coroutines on."""
+
+    def __init__(
+        self,
+        engine: Any,
+        info: base.ModelInfo,
+        ranks: lockstep.Lockstep,
+        *,
+        max_requests: int,
+        other_eos: frozenset[int],
+    ) -> None:
+        self.engine = engine
+        self.info = info
+        self._lockstep = ranks
+        self._max_requests = max_requests
+        self._other_eos = other_eos
+        self._sequences: dict[int, _Sequence] = {}
+        self._by_key: dict[str, int] = {}
+        self._stops: set[int] = set()
+        self._loop = asyncio.new_event_loop()  # megatron's engine runs its coroutines on this loop
+        engine._loop = self._loop
+        self._ids = itertools.count(_FIRST_REQUEST_ID)
+
+    def close(self) -> None:
+        """Close the event loop."""
+        self._loop.close()
+
+    def tick(self, tick: lockstep.Tick) -> list[base.TokenStep]:
+        """First rank: send ``tick`` to the followers and apply it here."""
+        if self._lockstep.spans_ranks:
+            self._lockstep.broadcast(tick)
+        return self.apply(tick)
+
+    def step(self) -> dict[str, Any]:
+        result: dict[str, Any] = self._loop.run_until_complete(self.engine.async_step())
+        return result
+
+    def lead(
+        self, batch: list[base.SequenceRequest], admit: base.Admit | None
+    ) -> Generator[list[base.TokenStep], None, None]:
+        """The first rank's batch loop: before every step, one tick (sequences joining: the batch,
+        then what ``admit`` hands over; sequences leaving: closed by the scheduler or ended here by
+        a stop token megatron does not know), which the followers apply too; then one step."""
+        torch.cuda.set_device(self._lockstep.device)  # generate() runs on the engine's own thread
+        joining = batch
+        outcome = "failed"
+        try:
+            while True:
+                leaving, self._stops = self._stops, set()
+                if admit is not None:
+                    room = max(0, self._max_requests - len(self._sequences) - len(joining))
+                    admission = admit(room)
+                    joining = [*joining, *admission.join]
+                    leaving |= {self._by_key[key] for key in admission.leave if key in self._by_key}
+                rejected = self.tick(lockstep.Tick(join=tuple(joining), leave=tuple(sorted(leaving))))
+                joining = []
+                if rejected:
+                    yield rejected
+                if not self.engine.has_unfinished_requests():
+                    outcome = "done"
+                    return
+                steps = self.collect(self.step())
+                if steps:
+                    yield steps
+        except GeneratorExit:
+            outcome = "closed"
+            raise
+        finally:
+            if outcome == "closed":
+                self.wind_down()
+            elif outcome == "failed":
+                self.recover()
+            self._sequences.clear()
+            self._by_key.clear()
+            self._stops.clear()
+
+    def wind_down(self) -> None:
+        """The scheduler closed the batch early: stop every request megatron still runs."""
+        while self.engine.has_unfinished_requests():
+            self.tick(lockstep.Tick(leave=tuple(sorted(self.engine.requests))))
+            self.step()
+
+    def recover(self) -> None:
+        """A step failed: drop every request so the next batch starts from a clean engine."""
+        log.warning("resetting megatron's engine after a failed step")
+        with contextlib.suppress(Exception):
+            if self._lockstep.spans_ranks:
+                self._lockstep.broadcast(lockstep.Tick(control="reset"))
+            self.reset()
+
+    def reset(self) -> None:
+        self.engine.reset()
+        self.engine.stop_word_finished_request_ids.clear()
+
+    def apply(self, tick: lockstep.Tick) -> list[base.TokenStep]:
+        """Add the joining sequences to megatron's engine and stop the leaving ones (every rank
+        does the same, in the same order). Returns an ``abort`` step for each joining sequence
+        that cannot run (first rank only)."""
+        sampling_params = build.megatron_core("inference.sampling_params")
+        eos = self.info.eos_token_id
+        termination = -1 if eos is None else eos
+        rejected: list[base.TokenStep] = []
+        for request in tick.join:
+            request_id = next(self._ids)  # consumed on every rank alike, so the ids agree
+            prompt = list(request.prompt_token_ids) or [self.engine.controller.tokenizer.eod]
+            budget = self.info.max_sequence_length - len(prompt)
+            try:
+                if budget <= 0:
+                    raise ValueError(f"a prompt of {len(prompt)} tokens leaves no room to generate")
+                sampling = sampling_params.SamplingParams(
+                    **to_megatron_sampling(request.params, budget=budget, termination_id=termination)
+                )
+            except ValueError as error:
+                if self._lockstep.leader:
+                    log.warning("request %s cannot run: %s", request.request_id, error)
+                    rejected.append(_no_token(request.request_id))
+                continue
+            future = self.engine.add_request(request_id, prompt, sampling)
+            if future.done():  # megatron refused it at once (e.g. more blocks than the KV cache has)
+                if self._lockstep.leader:
+                    log.warning("megatron refused request %s", request.request_id)
+                    rejected.append(_no_token(request.request_id))
+                continue
+            if self._lockstep.leader:
+                params = request.params
+                stops = frozenset(params.stop_token_ids) | (frozenset() if params.ignore_eos else self._other_eos)
+                self._sequences[request_id] = _Sequence(request, stops)
+                self._by_key[request.request_id] = request_id
+        for request_id in tick.leave:
+            sequence = self._sequences.get(request_id)
+            if sequence is not None:
+                sequence.done = True
+            if request_id in self.engine.requests:  # megatron's own early finish (as for stop words)
+                self.engine.stop_word_finished_request_ids.add(request_id)
+        return rejected
+
+    def collect(self, result: dict[str, Any]) -> list[base.TokenStep]:
+        """The tokens one step produced for the running sequences."""
+        steps: list[base.TokenStep] = []
+        for request_id in result["active_request_ids"]:
+            sequence = self._sequences.get(request_id)
+            if sequence is not None and not sequence.done:
+                record = self.engine.requests[request_id].record
+                request = record.requests[-1] if len(record.requests) == 1 else record.merge()
+                steps.extend(self._new_steps(sequence, request_id, request, False))
+        for record in result["finished_request_records"]:
+            merged = record.requests[-1] if len(record.requests) == 1 else record.merge()
+            sequence = self._sequences.pop(merged.request_id, None)
+            if sequence is None:
+                continue
+            self._by_key.pop(sequence.request.request_id, None)
+            if not sequence.done:
+                steps.extend(self._new_steps(sequence, merged.request_id, merged, True))
+            if not sequence.done:  # ended without a token: megatron failed it
+                log.warning("megatron request for %s ended with status %s", sequence.request.request_id, merged.status)
+                steps.append(_no_token(sequence.request.request_id))
+                sequence.done = True
+        return steps
+
+    def _new_steps(self, sequence: _Sequence, request_id: int, request: Any, finished: bool) -> list[base.TokenStep]:
+        generated = request.generated_tokens
+        params = sequence.request.params
+        steps = []
+        for index in range(sequence.emitted, len(generated)):
+            token = int(generated[index])
+            last = finished and index == len(generated) - 1
+            finish: base.FinishReason | None = None
+            if token in sequence.stops or (not params.ignore_eos and token == self.info.eos_token_id):
+                finish = "stop"
+            elif last or index + 1 >= params.max_tokens:
+                finish = "length"
+            steps.append(
+                base.TokenStep(
+                    request_id=sequence.request.request_id,
+                    token_id=token,
+                    logprob=_logprob(request, index) if params.logprobs is not None else None,
+                    top_logprobs=_top_logprobs(request, index) if params.logprobs else (),
+                    finish_reason=finish,
+                )
+            )
+            if finish is not None:
+                sequence.done = True
+                if not finished:  # megatron would go on (a stop id it does not know): end it
+                    self._stops.add(request_id)
+                break
+        sequence.emitted = len(generated)
+        return steps
+
+
+def _no_token(request_id: str) -> base.TokenStep:
+    return base.TokenStep(request_id=request_id, token_id=base.NO_TOKEN, logprob=None, finish_reason="abort")
+
+
+def _logprob(request: Any, index: int) -> float | None:
+    values = request.generated_log_probs
+    return float(values[index]) if values is not None and index < len(values) else None
+
+
+def _top_logprobs(request: Any, index: int) -> tuple[tuple[int, float], ...]:
+    entries = request.generated_top_n_logprobs
+    if not entries or index >= len(entries):
+        return ()
+    ranked = sorted(((int(key), float(value)) for key, value in entries[index].items()), key=lambda kv: -kv[1])
+    return tuple(ranked)

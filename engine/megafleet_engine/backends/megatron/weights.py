@@ -1,0 +1,166 @@
+"""This rank's weights in the megatron backend: Hugging Face-named views over the live megatron
+parameters, and every way weights get into them.
+
+Called by :class:`.backend.MegatronBackend` (``parameters``, ``shard_map``, ``write_weights``,
+``load_checkpoint``, ``zero_weights``, ``settle_weight_update``) and :func:`.backend.load`. The views
+alias the live megatron parameters (fused QKV and gate/up included), and every write is an in-place
+``copy_`` into the same storage, never a rebinding: captured CUDA graphs read it at replay. In a
+refit every rank writes its own weights; a following rank records the outcome by weight version
+(:class:`Settlement`) for the first rank's settle question.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import threading
+import time
+from collections.abc import Iterable, Mapping
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from megafleet_engine.backends import base, weight_maps
+from megafleet_engine.backends.megatron import sources
+from megafleet_engine.backends.weight_maps import Layout, LlamaShape
+
+__all__ = ["RANDOM_STD", "Settlement", "Weights"]
+
+log = logging.getLogger(__name__)
+
+RANDOM_STD = 0.02
+
+
+class Weights:
+    """The live parameters of ``model`` (this rank's part, ``layout``, of a model of ``shape``)
+    and the weight map between them and the HF tensors."""
+
+    def __init__(self, model: Any, shape: LlamaShape, layout: Layout) -> None:
+        self.model = model
+        self.shape = shape
+        self.layout = layout
+        self.live: dict[str, torch.Tensor] = {name: p.data for name, p in model.named_parameters()}
+        self.specs = weight_maps.shard_map(shape, layout)
+        missing, extra = set(self.specs) - set(self.live), set(self.live) - set(self.specs)
+        if missing or extra:
+            raise RuntimeError(
+                f"megatron's parameters differ from the weight map: missing {sorted(missing)[:4]}, "
+                f"unexpected {sorted(extra)[:4]}"
+            )
+        self.by_hf: dict[str, list[tuple[str, weight_maps.Piece]]] = {}
+        for spec in self.specs.values():
+            for piece in spec.pieces:
+                self.by_hf.setdefault(piece.hf_name, []).append((spec.name, piece))
+
+    def views(self) -> dict[str, torch.Tensor]:
+        """This rank's part of every HF parameter, as views of the live megatron tensors."""
+        views = {}
+        for hf_name, targets in self.by_hf.items():
+            megatron_name, piece = targets[0]
+            views[hf_name] = weight_maps.megatron_view(self.live[megatron_name], piece)
+        return views
+
+    def shard_map(self) -> base.ShardMap:
+        """The live megatron parameters (read afresh from the model), their specs and the HF shapes."""
+        live = {name: parameter.data for name, parameter in self.model.named_parameters()}
+        return base.ShardMap(live=live, specs=self.specs, hf_shapes=weight_maps.hf_shapes(self.shape))
+
+    def write(
+        self, weights: Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]], *, sliced: bool = False
+    ) -> None:
+        """Copy HF tensors (whole, or with ``sliced`` only this rank's range) into the live
+        parameters in place; names this rank does not hold are ignored."""
+        items = weights.items() if isinstance(weights, Mapping) else weights
+        with torch.no_grad():
+            for hf_name, tensor in items:
+                for megatron_name, piece in self.by_hf.get(hf_name, ()):
+                    source_piece = dataclasses.replace(piece, hf_start=0) if sliced else piece
+                    view = weight_maps.megatron_view(self.live[megatron_name], piece)
+                    view.copy_(weight_maps.hf_view(tensor, source_piece))
+
+    def load(self, source: str) -> None:
+        """Load weights from a ``tiny://``, ``random://`` or checkpoint-folder source, in place."""
+        parsed = sources.parse_source(source)
+        if parsed.shape != self.shape:
+            raise ValueError(f"{source} has shape {parsed.shape}, the loaded model {self.shape}")
+        if parsed.kind == "tiny":
+            from megafleet_engine.models import tiny
+
+            self.write(tiny.reference_weights(parsed.path))
+        elif parsed.kind == "random":
+            self.fill_random(parsed.seed)
+        else:
+            self.read_checkpoint(Path(parsed.path))
+
+    def zero(self) -> None:
+        """Deferred init: the parameters exist but hold zeros until the first refit writes them."""
+        with torch.no_grad():
+            for tensor in self.live.values():
+                tensor.zero_()
+
+    def fill_random(self, seed: int) -> None:
+        """Random weights drawn on the GPU from ``seed`` (normal, std :data:`RANDOM_STD`; norms 1)."""
+        device = next(iter(self.live.values())).device
+        generator = torch.Generator(device=device)
+        generator.manual_seed(seed * 1_000_003 + self.layout.pp_rank * 1_009 + self.layout.tp_rank)
+        with torch.no_grad():
+            for name in sorted(self.live):
+                tensor = self.live[name]
+                if name.endswith(("layernorm.weight", "layer_norm_weight")):
+                    tensor.fill_(1.0)
+                else:
+                    tensor.normal_(0.0, RANDOM_STD, generator=generator)
+
+    def read_checkpoint(self, folder: Path) -> None:
+        """Read only this rank's slices of each tensor of the ``*.safetensors`` files in ``folder``."""
+        from safetensors import safe_open
+
+        needed = set(self.by_hf)
+        files = sorted(folder.glob("*.safetensors"))
+        if not files:
+            raise ValueError(f"{folder} holds no *.safetensors files")
+        with torch.no_grad():
+            for path in files:
+                with safe_open(str(path), framework="pt", device="cpu") as handle:
+                    for hf_name in sorted(needed & set(handle.keys())):
+                        full = handle.get_slice(hf_name)
+                        for megatron_name, piece in self.by_hf[hf_name]:
+                            dim, start, stop = piece.hf_range
+                            part = full[start:stop] if dim == 0 else full[:, start:stop]
+                            view = weight_maps.megatron_view(self.live[megatron_name], piece)
+                            view.copy_(weight_maps.hf_view(part, dataclasses.replace(piece, hf_start=0)))
+                        needed.discard(hf_name)
+        if needed:
+            raise ValueError(f"checkpoint {folder} lacks {len(needed)} parameters, e.g. {sorted(needed)[:3]}")
+
+
+class Settlement:
+    """A following rank's record of its own writes: the outcome by weight version, recorded from
+    any thread, waited for when the first rank asks (settle)."""
+
+    def __init__(self) -> None:
+        self._written: dict[int, bool] = {}
+        self._written_changed = threading.Condition()
+
+    def forget(self) -> None:
+        """A new refit begins: old outcomes no longer answer anything."""
+        with self._written_changed:
+            self._written.clear()
+
+    def record(self, version: int, ok: bool) -> None:
+        with self._written_changed:
+            self._written[version] = ok
+            self._written_changed.notify_all()
+
+    def wait(self, version: int, timeout_seconds: float) -> bool:
+        """The outcome of ``version``, waiting up to ``timeout_seconds`` for it (``False`` if none)."""
+        deadline = time.monotonic() + timeout_seconds
+        with self._written_changed:
+            while version not in self._written:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    log.error("weight version %d: this rank's writes did not end in time", version)
+                    return False
+                self._written_changed.wait(left)
+            return self._written[version]
