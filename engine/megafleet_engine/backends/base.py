@@ -20,6 +20,10 @@ if TYPE_CHECKING:
 
 FinishReason = Literal["stop", "length", "abort"]
 KvCacheMode = Literal["persist", "offload", "recompute"]
+LogprobsMode = Literal["processed", "raw"]
+"""Which distribution a sequence's log-probabilities come from (:mod:`megafleet_engine.backends.sampling`):
+``processed``, the one its tokens are drawn from (temperature, top-k, top-p applied: NeMo RL's
+``processed_logprobs``); ``raw``, ``log_softmax`` of the model's logits (OpenAI's meaning)."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -40,7 +44,12 @@ class Parallel:
 
 @dataclasses.dataclass(frozen=True)
 class SamplingParams:
-    """How to pick tokens for one sequence. ``temperature == 0`` or ``top_k == 1`` is greedy."""
+    """How to pick tokens for one sequence. ``temperature == 0`` or ``top_k == 1`` is greedy.
+
+    Both backends filter the same way (:func:`megafleet_engine.backends.sampling.filter_logits`:
+    temperature, then top-k, then top-p, any combination) and report ``logprobs_mode``
+    log-probabilities for the chosen token and its alternatives; a greedy sequence reports raw ones
+    in either mode."""
 
     max_tokens: int
     temperature: float = 1.0
@@ -50,6 +59,7 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
     logprobs: int | None = None  # None: no logprobs; N >= 0: the chosen token's plus N alternatives
+    logprobs_mode: LogprobsMode = "processed"
 
     @property
     def greedy(self) -> bool:

@@ -11,8 +11,10 @@ anyway, :meth:`TransformersBackend.generate` asks it with capacity 0 between ste
 sequences that leave. No cache outlives a batch, so every KV-cache mode holds across refits as is.
 One process holds the whole model: it never follows another rank and has nothing to settle.
 
-Log-probabilities are those of the distribution the token was drawn from before top-k/top-p
-truncation: ``log_softmax(logits / temperature)``, or of the raw logits when greedy.
+Tokens are drawn, and log-probabilities reported, as :mod:`megafleet_engine.backends.sampling`
+says: by default those of the filtered distribution the token was drawn from (NeMo RL's processed
+log-probabilities), ``log_softmax`` of the raw logits when greedy or when the sequence asks for
+``raw``. Alternatives (``top_logprobs``) come from the same distribution as the chosen token.
 """
 
 from __future__ import annotations
@@ -24,7 +26,7 @@ from pathlib import Path
 import torch
 import transformers
 
-from megafleet_engine.backends import base
+from megafleet_engine.backends import base, sampling
 from megafleet_engine.models import tiny
 
 
@@ -206,22 +208,11 @@ def _generator(params: base.SamplingParams, device: torch.device) -> torch.Gener
 def _pick(
     logits: torch.Tensor, params: base.SamplingParams, generator: torch.Generator | None
 ) -> tuple[int, torch.Tensor]:
-    """The next token and the log-probabilities it was drawn from."""
-    if params.greedy:
-        return int(torch.argmax(logits)), torch.log_softmax(logits, dim=-1)
-    scaled = logits / params.temperature
-    logprobs = torch.log_softmax(scaled, dim=-1)
-    filtered = scaled.clone()
-    if params.top_k > 0:
-        cutoff = torch.topk(filtered, min(params.top_k, filtered.numel())).values[-1]
-        filtered[filtered < cutoff] = float("-inf")
-    if params.top_p < 1.0:
-        ordered, order = torch.sort(filtered, descending=True)
-        cumulative = torch.softmax(ordered, dim=-1).cumsum(-1)
-        drop = cumulative - torch.softmax(ordered, dim=-1) >= params.top_p
-        filtered[order[drop]] = float("-inf")
-    probabilities = torch.softmax(filtered, dim=-1)
-    return int(torch.multinomial(probabilities, 1, generator=generator)), logprobs
+    """The next token and the log-probabilities the sequence reports (its ``logprobs_mode``)."""
+    temperature, top_k, top_p = params.temperature, params.top_k, params.top_p
+    drawn = sampling.sample(logits.unsqueeze(0), temperature=temperature, top_k=top_k, top_p=top_p, generator=generator)
+    logprobs = sampling.logprobs(logits, temperature=temperature, top_k=top_k, top_p=top_p, mode=params.logprobs_mode)
+    return int(drawn[0]), logprobs
 
 
 def _top(logprobs: torch.Tensor, count: int | None) -> tuple[tuple[int, float], ...]:

@@ -5,8 +5,8 @@ Read by the router (FastAPI validates requests against these) and written by
 :class:`~megafleet_engine.backends.base.SamplingParams` (:meth:`SamplingRequest.to_sampling_params`).
 Imports only pydantic and the backend's plain dataclasses (no torch).
 
-RL extensions beyond OpenAI: ``top_k``, ``ignore_eos``, ``stop_token_ids``, ``return_token_ids``
-(requests); ``token_ids`` and ``prompt_token_ids`` per choice and ``weight_version`` on every
+RL extensions beyond OpenAI: ``top_k``, ``ignore_eos``, ``stop_token_ids``, ``return_token_ids``,
+``logprobs_mode`` (requests); ``token_ids`` and ``prompt_token_ids`` per choice and ``weight_version`` on every
 response and stream chunk.
 """
 
@@ -68,6 +68,16 @@ class SamplingRequest(OpenAIBaseModel):
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     return_token_ids: bool = Field(default=False, description="extension: token ids per choice")
+    logprobs_mode: Literal["processed_logprobs", "raw_logprobs"] = Field(
+        default="processed_logprobs",
+        description=(
+            "extension (vLLM's names): which distribution log-probabilities (chosen token and "
+            "alternatives) come from. processed_logprobs (default): the one tokens are drawn from, "
+            "log_softmax of the logits after temperature, top-k and top-p (NeMo RL's trainer "
+            "convention; a token the filter cut shows -9999.0); raw_logprobs: log_softmax of the "
+            "model's logits (OpenAI's meaning). Greedy requests report raw log-probabilities in both."
+        ),
+    )
     user: str | None = None
 
     @pydantic.field_validator("stop")
@@ -120,6 +130,7 @@ class SamplingRequest(OpenAIBaseModel):
             stop_token_ids=tuple(self.stop_token_ids or ()),
             ignore_eos=self.ignore_eos,
             logprobs=self.requested_logprobs(),
+            logprobs_mode="raw" if self.logprobs_mode == "raw_logprobs" else "processed",
         )
 
 

@@ -34,7 +34,10 @@ DEFAULT_COMPLETION_TOKENS = 16
 """``max_tokens`` of a completion that does not say (OpenAI's default); chat defaults to the rest
 of the context."""
 MISSING_LOGPROB = -9999.0
-"""What chat log-probabilities show when the backend gave none (OpenAI's own placeholder)."""
+"""What chat log-probabilities show when the backend gave none (OpenAI's own placeholder), and the
+floor of every log-probability shown: a token the sampling filter cut (an alternative in
+``top_logprobs`` of processed log-probabilities) has ``-inf``, which JSON cannot carry (vLLM shows
+it the same way)."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -355,11 +358,12 @@ class CompletionServing:
         for step in steps:
             token = self._pipeline.token_text(step.token_id)
             result.tokens.append(token)
-            result.token_logprobs.append(step.logprob)
+            chosen = None if step.logprob is None else _shown(step.logprob)
+            result.token_logprobs.append(chosen)
             # keyed by text (OpenAI's shape): tokens that decode alike keep the first, most likely one
-            top = {token: step.logprob} if step.logprob is not None else {}
+            top = {token: chosen} if chosen is not None else {}
             for token_id, logprob in step.top_logprobs:
-                top.setdefault(self._pipeline.token_text(token_id), logprob)
+                top.setdefault(self._pipeline.token_text(token_id), _shown(logprob))
             result.top_logprobs.append(top)
             result.text_offset.append(offset)
             offset += len(token)
@@ -464,11 +468,17 @@ class ChatServing:
         for step in steps:
             token = self._pipeline.token_text(step.token_id)
             top = [
-                protocol.TopLogprob(token=text, logprob=logprob, bytes=list(text.encode()))
+                protocol.TopLogprob(token=text, logprob=_shown(logprob), bytes=list(text.encode()))
                 for text, logprob in ((self._pipeline.token_text(token_id), lp) for token_id, lp in step.top_logprobs)
             ]
-            logprob = step.logprob if step.logprob is not None else MISSING_LOGPROB
+            logprob = _shown(step.logprob) if step.logprob is not None else MISSING_LOGPROB
             content.append(
                 protocol.TokenLogprob(token=token, logprob=logprob, bytes=list(token.encode()), top_logprobs=top)
             )
         return protocol.ChatLogprobs(content=content)
+
+
+def _shown(logprob: float) -> float:
+    """A log-probability as the API shows it: ``-inf`` (a token the sampling filter cut) becomes
+    :data:`MISSING_LOGPROB`."""
+    return max(logprob, MISSING_LOGPROB)
