@@ -214,3 +214,50 @@ def test_greedy_logprobs_are_raw_and_modes_differ_when_sampling() -> None:
     assert torch.equal(sampling.logprobs(logits, temperature=0.7, top_k=2, top_p=1.0, mode="raw"), raw)
     processed = sampling.logprobs(logits, temperature=0.7, top_k=2, top_p=1.0, mode="processed")
     assert processed[0, 2] == -INF and abs(float(processed[0, :2].exp().sum()) - 1.0) < 1e-6
+
+
+# -- the megatron backend's sampler, on a stand-in for megatron's context (no GPU needed) ------------
+
+
+class FakeContext:
+    """What the sampler reads of megatron's ``DynamicInferenceContext``: one paused request first,
+    then the active ones, with megatron's per-request metadata (``top_p`` 0.0 = no nucleus cut)."""
+
+    def __init__(self, request_ids: list[int], knobs: list[tuple[float, int, float]]) -> None:
+        self.paused_request_count = 1
+        self.total_request_count = 1 + len(request_ids)
+        self.request_ids = torch.tensor([999, *request_ids], dtype=torch.int32)
+        self.active_request_metadata = {
+            "temperature": torch.tensor([knob[0] for knob in knobs] + [1.0], dtype=torch.float32),
+            "top_k": torch.tensor([knob[1] for knob in knobs] + [0], dtype=torch.int32),
+            "top_p": torch.tensor([knob[2] for knob in knobs] + [0.0], dtype=torch.float32),
+        }
+
+
+def test_megatron_sampler_filters_like_nemo_and_honours_raw_requests() -> None:
+    from megafleet_engine.backends.megatron import sampling as megatron_sampling
+
+    knobs = [(0.7, 5, 0.9), (0.7, 5, 0.9), (1.0, 1, 0.0), (0.7, 0, 0.0), (0.7, 5, 0.9)]
+    context = FakeContext([10, 11, 12, 13, 14], knobs)
+    sampler = megatron_sampling.NemoSampling(torch.Generator().manual_seed(0), vocab_size=64)
+    sampler.raw_request_ids.add(11)
+    logits = torch.randn(5, 64, generator=torch.Generator().manual_seed(1)) * 4
+
+    produced = sampler.log_probs_kernel(logits, context)
+    drawn = sampler.sample_kernel(logits, 5, context, no_top_k=False, no_top_p=False)
+
+    nemo = nemo_processed_logprobs(logits, temperature=0.7, top_k=5, top_p=0.9)
+    raw = torch.log_softmax(logits, dim=-1)
+    expected = torch.stack([nemo[0], raw[1], raw[2], torch.log_softmax(logits[3] / 0.7, dim=-1), nemo[4]])
+    assert torch.allclose(produced, expected, atol=1e-5)
+    assert int(drawn[2]) == int(torch.argmax(logits[2])), "top_k 1 is greedy"
+    assert all(math.isfinite(float(nemo[row, drawn[row]])) for row in (0, 1, 4)), "drawn from the kept set"
+
+
+def test_megatron_sampling_takes_top_k_with_top_p() -> None:
+    from megafleet_engine.backends import megatron
+
+    mapped = megatron.to_megatron_sampling(
+        base.SamplingParams(max_tokens=5, temperature=0.7, top_k=5, top_p=0.9), budget=10, termination_id=2
+    )
+    assert (mapped["temperature"], mapped["top_k"], mapped["top_p"]) == (0.7, 5, 0.9)

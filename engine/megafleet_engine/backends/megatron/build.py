@@ -188,7 +188,9 @@ def _one_kv_split_on_hopper(model: Any) -> None:
 
 def build_engine(model: Any, tokenizer: IdTokenizer, max_sequence_length: int, options: EngineOptions) -> Any:
     """Megatron's ``DynamicInferenceEngine`` over ``model``, with its paged KV cache (and, with
-    ``options.cuda_graphs``, decode CUDA graphs) sized by ``options``."""
+    ``options.cuda_graphs``, decode CUDA graphs) sized by ``options``. Its log-probabilities are
+    megatron's ``processed_logprobs``: computed by the sampler, which the runner replaces with
+    :class:`.sampling.NemoSampling` (:func:`.sampling.install`)."""
     config_module = megatron_core("inference.config")
     config = config_module.InferenceConfig(
         block_size_tokens=options.block_size_tokens,
@@ -200,6 +202,8 @@ def build_engine(model: Any, tokenizer: IdTokenizer, max_sequence_length: int, o
         use_cuda_graphs_for_non_decode_steps=False,
         materialize_only_last_token_logits=True,
         kv_cache_management_mode=config_module.KVCacheManagementMode(options.kv_cache_mode),
+        sampling_backend="torch",  # replaced by NeMo's filter (.sampling.install), which also computes
+        logprobs_mode="processed_logprobs",  # the log-probabilities megatron returns
     )
     context = megatron_core("inference.contexts.dynamic_context").DynamicInferenceContext(model.config, config)
     wrapper = megatron_core("inference.model_inference_wrappers.gpt.gpt_inference_wrapper").GPTInferenceWrapper(

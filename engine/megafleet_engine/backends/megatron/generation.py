@@ -8,9 +8,12 @@ steps: megatron schedules them into the next step with the running ones) and nam
 closed, which end through megatron's own early-finish path (the set its stop-word logic uses), as
 do sequences that sampled a stop id megatron does not know. Each step yields the tokens it
 produced. Sampling maps onto megatron's per-request parameters (greedy = ``top_k=1``; megatron
-refuses top-k together with top-p and has one sampling generator, so per-request seeds are
-ignored). EOS stops through megatron's ``termination_id``. Log-probabilities are megatron's
-``raw_logprobs``: ``log_softmax`` of the raw logits.
+has one sampling generator, so per-request seeds are ignored), which :mod:`.sampling`'s sampler
+(installed on megatron's controller here) filters as NeMo RL's trainer does, top-k and top-p
+together allowed. EOS stops through megatron's ``termination_id``. Log-probabilities are processed
+ones (those of the distribution the token was drawn from; raw when greedy), or ``log_softmax`` of
+the raw logits for sequences that ask for ``raw``: the runner keeps their megatron ids in the
+sampler's :attr:`~.sampling.NemoSampling.raw_request_ids` on every rank while they run.
 """
 
 from __future__ import annotations
@@ -26,7 +29,7 @@ from typing import Any
 import torch
 
 from megafleet_engine.backends import base
-from megafleet_engine.backends.megatron import build, lockstep
+from megafleet_engine.backends.megatron import build, lockstep, sampling
 
 __all__ = ["Runner", "to_megatron_sampling"]
 
@@ -37,14 +40,13 @@ _FIRST_REQUEST_ID = 1 << 30  # megatron keeps ids in int32; its own counter (eng
 
 def to_megatron_sampling(params: base.SamplingParams, *, budget: int, termination_id: int) -> dict[str, Any]:
     """Keyword arguments of megatron's ``SamplingParams`` for one sequence (``budget``: tokens it
-    may generate). Raises ``ValueError`` for what megatron cannot do (top-k with top-p)."""
+    may generate). The log-probability mode is not among them (megatron has no such parameter):
+    :class:`Runner` hands it to the sampler."""
     top_p = params.top_p if params.top_p < 1.0 else 0.0  # megatron: 0.0 = no nucleus cut
     if params.greedy:
         temperature, top_k, top_p = 1.0, 1, 0.0
     else:
         temperature, top_k = params.temperature, params.top_k
-    if top_k > 0 and top_p > 0.0:
-        raise ValueError("the megatron backend cannot combine top_k and top_p")
     return {
         "temperature": temperature,
         "top_k": top_k,
@@ -91,6 +93,7 @@ class Runner:
         self._loop = asyncio.new_event_loop()  # megatron's engine runs its coroutines on this loop
         engine._loop = self._loop
         self._ids = itertools.count(_FIRST_REQUEST_ID)
+        self._raw = sampling.install(engine.controller).raw_request_ids  # on every rank alike
 
     def close(self) -> None:
         """Close the event loop."""
@@ -103,7 +106,11 @@ class Runner:
         return self.apply(tick)
 
     def step(self) -> dict[str, Any]:
+        """One step of megatron's engine (every rank); finished requests leave the raw set."""
         result: dict[str, Any] = self._loop.run_until_complete(self.engine.async_step())
+        if self._raw:
+            for record in result["finished_request_records"]:
+                self._raw.discard(record.requests[-1].request_id)
         return result
 
     def lead(
@@ -162,6 +169,7 @@ class Runner:
     def reset(self) -> None:
         self.engine.reset()
         self.engine.stop_word_finished_request_ids.clear()
+        self._raw.clear()
 
     def apply(self, tick: lockstep.Tick) -> list[base.TokenStep]:
         """Add the joining sequences to megatron's engine and stop the leaving ones (every rank
@@ -178,7 +186,7 @@ class Runner:
             try:
                 if budget <= 0:
                     raise ValueError(f"a prompt of {len(prompt)} tokens leaves no room to generate")
-                sampling = sampling_params.SamplingParams(
+                megatron_params = sampling_params.SamplingParams(
                     **to_megatron_sampling(request.params, budget=budget, termination_id=termination)
                 )
             except ValueError as error:
@@ -186,12 +194,14 @@ class Runner:
                     log.warning("request %s cannot run: %s", request.request_id, error)
                     rejected.append(_no_token(request.request_id))
                 continue
-            future = self.engine.add_request(request_id, prompt, sampling)
+            future = self.engine.add_request(request_id, prompt, megatron_params)
             if future.done():  # megatron refused it at once (e.g. more blocks than the KV cache has)
                 if self._lockstep.leader:
                     log.warning("megatron refused request %s", request.request_id)
                     rejected.append(_no_token(request.request_id))
                 continue
+            if request.params.logprobs_mode == "raw":
+                self._raw.add(request_id)
             if self._lockstep.leader:
                 params = request.params
                 stops = frozenset(params.stop_token_ids) | (frozenset() if params.ignore_eos else self._other_eos)
