@@ -6,6 +6,7 @@ batching of concurrent requests."""
 from __future__ import annotations
 
 import json
+import math
 import socket
 import threading
 from collections.abc import Iterator
@@ -339,3 +340,30 @@ def test_openai_client_error_types(served: harness.Served) -> None:
             assert error.code == "model_not_found"
         else:
             raise AssertionError("an unknown model must be refused")
+
+
+def test_logprobs_mode_selects_processed_or_raw_logprobs(served: harness.Served) -> None:
+    """Default ``processed_logprobs``: the distribution tokens were drawn from (top_k 3 cuts the
+    4th and 5th alternatives, shown as -9999.0, the floor JSON can carry); ``raw_logprobs``:
+    ``log_softmax`` of the logits. The mode never changes the tokens."""
+    answers = {}
+    with served.openai_client() as client:
+        for mode in (None, "raw_logprobs"):
+            answers[mode] = client.chat.completions.create(
+                model=harness.MODEL,
+                messages=CHAT,
+                max_tokens=6,
+                temperature=0.7,
+                seed=3,
+                logprobs=True,
+                top_logprobs=5,
+                extra_body={"top_k": 3, "ignore_eos": True, **({"logprobs_mode": mode} if mode else {})},
+            )
+    processed, raw = (answers[mode].choices[0].logprobs for mode in (None, "raw_logprobs"))
+    assert processed is not None and processed.content is not None and raw is not None and raw.content is not None
+    assert [entry.token for entry in processed.content] == [entry.token for entry in raw.content]
+    for cut, full in zip(processed.content, raw.content, strict=True):
+        assert [top.logprob for top in cut.top_logprobs][3:] == [-9999.0, -9999.0]
+        assert sum(math.exp(top.logprob) for top in cut.top_logprobs) == pytest.approx(1.0, abs=1e-4)
+        assert cut.logprob > full.logprob > -9999.0
+        assert all(top.logprob > -9999.0 for top in full.top_logprobs)
