@@ -12,6 +12,7 @@ Modules, along the backend's seams:
 * :mod:`.build`: the process and model-parallel groups, the ``GPTModel``, megatron's engine;
 * :mod:`.weights`: HF-named views over the live parameters and every write into them;
 * :mod:`.generation`: the sampling mapping, the first rank's batch loop, token steps;
+* :mod:`.sampling`: NeMo RL's filter as megatron's sampler (processed and per-request raw logprobs);
 * :mod:`.lockstep`: what the first rank of a model-parallel shard tells the others;
 * :mod:`.backend`: :class:`MegatronBackend`, wiring them, and :func:`load`.
 
