@@ -138,7 +138,7 @@ async def _start(
 
 def attempt_port(base_port: int, attempt: int) -> int:
     """The rendezvous port of attempt ``attempt`` (1, 2): a fresh port per attempt, so a retry never
-    meets a stale store. The trainer SDK's ``megafleet.sdk.trainer.attempt_port`` is the same rule."""
+    meets a stale store. The trainer SDK's ``megafleet_protocol.ports.attempt_port`` is the same rule."""
     return base_port + attempt - 1
 
 

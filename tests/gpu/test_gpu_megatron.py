@@ -35,6 +35,7 @@ import torch
 from megafleet_engine import engine as engine_module
 from megafleet_engine.backends import base, megatron_backend, weight_maps
 from megafleet_engine.models import tiny
+from megafleet_protocol import vocabulary
 
 SOURCE = "tiny://llama?hidden=256&heads=4&kv_heads=2&intermediate=512"  # head_dim 64, a common kernel shape
 MAX_SEQUENCE_LENGTH = 256
@@ -136,7 +137,7 @@ def scaled_reference_weights(seed: int = 0) -> dict[str, torch.Tensor]:
 
 
 def build(
-    kv_cache_mode: base.KvCacheMode = "persist", parallel: megatron_backend.Parallel | None = None
+    kv_cache_mode: vocabulary.KvCacheMode = "persist", parallel: megatron_backend.Parallel | None = None
 ) -> megatron_backend.MegatronBackend:
     """The tiny model on this process's GPU (graphs on, 1 GB of KV cache) with the scaled weights."""
     loaded = megatron_backend.load(
@@ -508,7 +509,7 @@ class TestRefitKvModes:
         ids=["persist", "offload", "recompute", "offload-on-persist-build", "recompute-on-persist-build"],
     )
     def test_a_refit_serves_what_a_fresh_engine_serves(
-        self, mode: base.KvCacheMode, built: base.KvCacheMode, prompts: list[list[int]], fresh: dict[str, list[int]]
+        self, mode: vocabulary.KvCacheMode, built: vocabulary.KvCacheMode, prompts: list[list[int]], fresh: dict[str, list[int]]
     ) -> None:
         backend = build(built)
         context = backend.engine.context

@@ -13,11 +13,12 @@ import dataclasses
 from collections.abc import Callable, Collection, Iterator, Sequence
 from typing import TYPE_CHECKING, Literal, Protocol
 
+from megafleet_protocol import vocabulary
+
 if TYPE_CHECKING:
     import torch
 
 FinishReason = Literal["stop", "length", "abort"]
-KvCacheMode = Literal["persist", "offload", "recompute"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -145,14 +146,14 @@ class Backend(Protocol):
         """Load weights from ``source`` into the live parameters (in place)."""
         ...
 
-    def begin_weight_update(self, kv_cache_mode: KvCacheMode) -> None:
+    def begin_weight_update(self, kv_cache_mode: vocabulary.KvCacheMode) -> None:
         """Called before new weights are written, with nothing in flight: ``persist`` keeps the KV
         cache and CUDA graphs, ``offload`` frees them (GPU memory goes back to the device),
         ``recompute`` drops the KV cache (a backend may free it now and rebuild it after).
         Idempotent."""
         ...
 
-    def finish_weight_update(self, kv_cache_mode: KvCacheMode) -> None:
+    def finish_weight_update(self, kv_cache_mode: vocabulary.KvCacheMode) -> None:
         """Called after new weights were written: rebuild what :meth:`begin_weight_update` freed;
         no KV entry computed with the old weights may serve a later request. Idempotent."""
         ...

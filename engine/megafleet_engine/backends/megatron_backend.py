@@ -75,6 +75,7 @@ import torch
 
 from megafleet_engine.backends import base, weight_maps
 from megafleet_engine.backends.weight_maps import Layout, LlamaShape
+from megafleet_protocol import vocabulary
 
 __all__ = [
     "PRESETS",
@@ -227,7 +228,7 @@ class EngineOptions:
     """Capture decode CUDA graphs (per layer) at start; eager decode is host-bound."""
     seed: int = 0
     """Seed of megatron's RNG trackers (sampling)."""
-    kv_cache_mode: base.KvCacheMode = "persist"
+    kv_cache_mode: vocabulary.KvCacheMode = "persist"
     """The default KV-cache mode of refits (the engine passes it unless told otherwise): see
     :meth:`MegatronBackend.begin_weight_update`. ``offload`` also pins a host copy of the KV
     buffer's size at start (megatron's ``KVCacheManagementMode.OFFLOAD``)."""
@@ -322,7 +323,7 @@ class MegatronBackend:
         tokenizer: Any,
         group: Any = None,
         max_requests: int = 64,
-        kv_cache_mode: base.KvCacheMode = "persist",
+        kv_cache_mode: vocabulary.KvCacheMode = "persist",
     ) -> None:
         self.engine = engine
         self.model = model
@@ -332,7 +333,7 @@ class MegatronBackend:
         self._group = group  # model-parallel process group when it spans several ranks
         self._leader = group is None or (layout.tp_rank == 0 and layout.pp_rank == 0)
         self._max_requests = max_requests
-        self.kv_cache_mode: base.KvCacheMode = kv_cache_mode
+        self.kv_cache_mode: vocabulary.KvCacheMode = kv_cache_mode
         self._suspended = False
         # Following ranks: the outcome of this rank's own writes, by weight version, for settle.
         self._written: dict[int, bool] = {}
@@ -459,7 +460,7 @@ class MegatronBackend:
 
     # -- refits: KV cache and CUDA graphs ------------------------------------------------------
 
-    def begin_weight_update(self, kv_cache_mode: base.KvCacheMode) -> None:
+    def begin_weight_update(self, kv_cache_mode: vocabulary.KvCacheMode) -> None:
         """Suspend megatron's engine for a refit (nothing may be in flight), through megatron's
         ``KVCacheManagementMode``: ``persist`` keeps the KV buffer and CUDA graphs; ``offload``
         frees both (the KV buffer goes to its pinned host copy when the backend was built with
@@ -476,7 +477,7 @@ class MegatronBackend:
             self._broadcast(_Tick(control="suspend", mode=kv_cache_mode))
         self._suspend(kv_cache_mode)
 
-    def finish_weight_update(self, kv_cache_mode: base.KvCacheMode) -> None:
+    def finish_weight_update(self, kv_cache_mode: vocabulary.KvCacheMode) -> None:
         """Resume megatron's engine after a refit, mirroring :meth:`begin_weight_update`: the KV
         buffer comes back (copied back from the host, or freshly allocated with a fresh block
         allocator, so no block computed with the old weights survives) and the CUDA graphs are

@@ -25,6 +25,7 @@ import transformers
 
 from megafleet_engine.backends import base
 from megafleet_engine.models import tiny
+from megafleet_protocol import vocabulary
 
 
 @dataclasses.dataclass
@@ -83,10 +84,10 @@ class TransformersBackend:
             for name, tensor in live.items():
                 tensor.copy_(weights[name])
 
-    def begin_weight_update(self, kv_cache_mode: base.KvCacheMode) -> None:
+    def begin_weight_update(self, kv_cache_mode: vocabulary.KvCacheMode) -> None:
         """No cache outlives a batch here, so every mode is already satisfied."""
 
-    def finish_weight_update(self, kv_cache_mode: base.KvCacheMode) -> None:
+    def finish_weight_update(self, kv_cache_mode: vocabulary.KvCacheMode) -> None:
         """No cache outlives a batch here, so every mode is already satisfied."""
 
     # -- generation ----------------------------------------------------------------------------

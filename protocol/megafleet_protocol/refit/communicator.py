@@ -1,8 +1,8 @@
 """The refit world's communicator: the trainer's session in its ``TCPStore``, and a transfer group
 built by hand over the ranks that move data, kept from one refit to the next while nothing changes.
 
-Used by both ends of a refit: the receiver (:mod:`megafleet_engine.refit.controller` and
-:mod:`~megafleet_engine.refit.receiver`) and the trainer SDK (:mod:`megafleet.sdk.trainer`). Gloo on
+Used by both ends of a refit: the receiver (:mod:`megafleet_engine.refit_runner.controller` and
+:mod:`~megafleet_protocol.refit.receiver`) and the trainer SDK (:mod:`megafleet_protocol.refit.sender`). Gloo on
 CPU, NCCL on GPU, the same code. Groups are constructed directly (``ProcessGroupGloo``/
 ``ProcessGroupNCCL`` over a ``PrefixStore``), never through ``torch.distributed.init_process_group``:
 an engine rank already uses the default group for its own shard (TP/PP), and tests hold a trainer
@@ -26,8 +26,8 @@ the group when every receiver holds the trainer's current one of this session, e
 named after the version (its own ``group/<name>/`` store prefix), which every rank joins and checks
 with the handshake. The hello and the decision also carry the manifest shortcut (the id of the
 manifest a receiver holds; the trainer's confirmation that every receiver holds the one it sends:
-see :mod:`~megafleet_engine.refit.wire`). A receiver keeps its communicator *parked* between refits only after a refit
-succeeded (:class:`~megafleet_engine.refit.controller.RefitController`); any failure, abort or
+see :mod:`~megafleet_protocol.refit.wire`). A receiver keeps its communicator *parked* between refits only after a refit
+succeeded (:class:`~megafleet_engine.refit_runner.controller.RefitController`); any failure, abort or
 another rendezvous closes it, and the trainer's sender is unusable after a failed send, so a retry
 (a new attempt on its own port) always builds a fresh session and group.
 
@@ -45,8 +45,8 @@ blocked until the peer exits).
 **Asynchronous ops.** :meth:`start_broadcast`/:meth:`start_recv` return a :class:`Pending` op and
 :meth:`finish` completes it: gloo waits on the host (the op runs on gloo's own threads meanwhile, so
 the caller can pack or write another bucket), NCCL only makes a CUDA stream wait for it (no host
-wait at all). This is what lets both ends pipeline buckets (:mod:`~megafleet_engine.refit.receiver`,
-:meth:`megafleet.sdk.trainer.WeightSender.send`).
+wait at all). This is what lets both ends pipeline buckets (:mod:`~megafleet_protocol.refit.receiver`,
+:meth:`megafleet_protocol.refit.sender.WeightSender.send`).
 """
 
 from __future__ import annotations
@@ -61,16 +61,16 @@ import socket
 import threading
 import time
 from collections.abc import Callable
-from typing import Any, Literal, Protocol, cast
+from typing import Any, Protocol, cast
 
 import torch
 import torch.distributed as dist
 from torch._C import _distributed_c10d as c10d  # Store classes: torch.distributed re-exports them untyped
 
-from megafleet_engine.refit import errors, wire
+from megafleet_protocol import vocabulary
+from megafleet_protocol.refit import errors, wire
 
 __all__ = [
-    "Backend",
     "Communicator",
     "Deadline",
     "Pending",
@@ -83,7 +83,6 @@ __all__ = [
 
 log = logging.getLogger(__name__)
 
-Backend = Literal["gloo", "nccl"]
 STORE_PREFIX = "megafleet/refit/"
 SESSION_KEY = "session"
 """The trainer's session id (outside any round): a receiver holding a group of another session never reuses it."""
@@ -277,7 +276,7 @@ class Communicator:
         *,
         rendezvous: Rendezvous,
         group_rank: int,
-        backend: Backend,
+        backend: vocabulary.CollectiveBackend,
         device: torch.device,
         deadline: Deadline,
         local_address: str,
@@ -314,7 +313,7 @@ class Communicator:
         rendezvous: Rendezvous,
         *,
         global_rank: int,
-        backend: Backend,
+        backend: vocabulary.CollectiveBackend,
         device: torch.device,
         deadline: Deadline,
         local_address: str,
@@ -727,7 +726,7 @@ def _listen(address: str, port: int) -> socket.socket:
     return listener
 
 
-def _group(store: c10d.Store, rank: int, size: int, backend: Backend, local_address: str, deadline: Deadline) -> _Group:
+def _group(store: c10d.Store, rank: int, size: int, backend: vocabulary.CollectiveBackend, local_address: str, deadline: Deadline) -> _Group:
     timeout = deadline.left("building the refit group")
     distributed: Any = dist  # the option classes' constructors and fields are not in torch's stubs
     if backend == "gloo":

@@ -1,8 +1,8 @@
 """The refit wire protocol: what the trainer and the receivers say to each other, and how weights are
 laid out in buckets.
 
-Used by both ends, so there is one definition: the receiver (:mod:`megafleet_engine.refit.receiver`)
-and the trainer SDK (:mod:`megafleet.sdk.trainer`). Pure data and torch views; no networking.
+Used by both ends, so there is one definition: the receiver (:mod:`megafleet_protocol.refit.receiver`)
+and the trainer SDK (:mod:`megafleet_protocol.refit.sender`). Pure data and torch views; no networking.
 
 Control messages are small JSON documents in the rendezvous store (the trainer's ``TCPStore``); bulk
 data moves through the process group in **buckets**: flat ``uint8`` tensors into which whole tensors
@@ -12,7 +12,7 @@ bucket size travels alone in a bucket of its own size; tensors are never split a
 
 One round (a weight version), in order (store keys in quotes, all under ``round/<version>/`` but
 the session; ``r`` is a receiver's rank in the transfer group; the session and the group are those of
-:mod:`megafleet_engine.refit.communicator`)::
+:mod:`megafleet_protocol.refit.communicator`)::
 
     trainer                                   receiver r
     -------                                   ----------
@@ -47,9 +47,11 @@ import dataclasses
 import json
 import math
 from collections.abc import Iterable, Mapping, Sequence
-from typing import Any, Literal, get_args
+from typing import Any, get_args
 
 import torch
+
+from megafleet_protocol import vocabulary
 
 __all__ = [
     "ALIGNMENT",
@@ -66,7 +68,6 @@ __all__ = [
     "Placement",
     "Region",
     "TensorInfo",
-    "Transport",
     "Verdict",
     "done_key",
     "dtype_name",
@@ -86,8 +87,7 @@ HANDSHAKE_MAGIC = 0x4D465246  # "MFRF"
 ALIGNMENT = 256
 """Byte alignment of every tensor in a bucket (enough for any dtype view and vectorised copies)."""
 
-Transport = Literal["broadcast", "reshard"]
-TRANSPORTS: tuple[str, ...] = get_args(Transport)
+TRANSPORTS: tuple[str, ...] = get_args(vocabulary.Transport)
 
 MANIFEST_KEY = "manifest"
 GO_KEY = "go"
@@ -331,7 +331,7 @@ class Manifest:
     transport, its bucket size and (broadcast) the bucket plan every receiver follows."""
 
     version: int
-    transport: Transport
+    transport: vocabulary.Transport
     bucket_bytes: int
     tensors: tuple[TensorInfo, ...]
     buckets: BucketPlan | None = None  # broadcast only; reshard plans are per receiver
