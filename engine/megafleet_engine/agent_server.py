@@ -48,7 +48,6 @@ from fastapi import responses
 
 from megafleet_engine import engine as engine_module
 from megafleet_engine import metrics as metrics_module
-from megafleet_engine import settings as settings_module
 from megafleet_engine import siblings as siblings_module
 from megafleet_engine.openai import errors
 from megafleet_engine.refit_runner import controller as refit_controller
@@ -161,7 +160,9 @@ async def resume(body: agent_api.ResumeRequest, agent: AgentDep) -> responses.JS
 
 
 @refit_router.post("/prepare", status_code=202)
-async def refit_prepare(body: agent_api.PrepareRequest, request: fastapi.Request, agent: AgentDep) -> responses.JSONResponse:
+async def refit_prepare(
+    body: agent_api.PrepareRequest, request: fastapi.Request, agent: AgentDep
+) -> responses.JSONResponse:
     rendezvous = body.rendezvous
     refit = refit_controller.RendezvousRequest(
         version=body.version,
@@ -269,7 +270,9 @@ def _refit_status_body(agent: AgentServer, snapshot: refit_progress.Snapshot) ->
         transport=snapshot.transport,
         rank=snapshot.rank,
         world_size=snapshot.world_size,
-        phases=[agent_api.PhaseTiming(name=name, milliseconds=round(seconds * 1000)) for name, seconds in snapshot.phases],
+        phases=[
+            agent_api.PhaseTiming(name=name, milliseconds=round(seconds * 1000)) for name, seconds in snapshot.phases
+        ],
         duration_milliseconds=None if snapshot.duration_seconds is None else round(snapshot.duration_seconds * 1000),
         bytes_received=snapshot.bytes_received,
         buckets=snapshot.buckets,

@@ -26,7 +26,7 @@ import logging
 import threading
 import time
 from collections.abc import AsyncIterator, Callable
-from typing import Literal, TypeVar
+from typing import TypeVar
 
 from megafleet_engine.backends import base
 from megafleet_protocol import vocabulary

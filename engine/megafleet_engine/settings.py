@@ -171,7 +171,9 @@ def from_env(environ: Mapping[str, str] | None = None) -> Settings:
         dtype=reader.choice(env.DTYPE, _choices(vocabulary.Dtype, defaults.dtype), defaults.dtype),  # type: ignore[arg-type]
         max_sequence_length=reader.integer(env.MAX_SEQUENCE_LENGTH, defaults.max_sequence_length),
         max_batch_size=reader.integer(env.MAX_BATCH_SIZE, defaults.max_batch_size),
-        weights_initial=reader.choice(env.WEIGHTS_INITIAL, _choices(vocabulary.WeightsInitial, defaults.weights_initial), defaults.weights_initial),  # type: ignore[arg-type]
+        weights_initial=reader.choice(
+            env.WEIGHTS_INITIAL, _choices(vocabulary.WeightsInitial, defaults.weights_initial), defaults.weights_initial
+        ),  # type: ignore[arg-type]
         host=reader.text(env.HOST) or defaults.host,
         frontend_port=reader.integer(env.FRONTEND_PORT, defaults.frontend_port),
         agent_port=reader.integer(env.AGENT_PORT, defaults.agent_port),
@@ -187,7 +189,9 @@ def from_env(environ: Mapping[str, str] | None = None) -> Settings:
         master_port=reader.integer(env.MASTER_PORT, defaults.master_port),
         local_gpus=reader.integer(env.LOCAL_GPUS, defaults.local_gpus),
         local_rank_count=reader.integer(env.LOCAL_RANKS, defaults.local_rank_count),
-        kv_cache_mode=reader.choice(env.KV_CACHE_MODE, _choices(vocabulary.KvCacheMode, defaults.kv_cache_mode), defaults.kv_cache_mode),  # type: ignore[arg-type]
+        kv_cache_mode=reader.choice(
+            env.KV_CACHE_MODE, _choices(vocabulary.KvCacheMode, defaults.kv_cache_mode), defaults.kv_cache_mode
+        ),  # type: ignore[arg-type]
         cuda_graphs=reader.choice(env.CUDA_GRAPHS, ("true", "false"), "true" if defaults.cuda_graphs else "false")
         == "true",
         kv_cache_gib=reader.integer(env.KV_CACHE_GIB, defaults.kv_cache_gib),

@@ -186,13 +186,13 @@ def _pod(
     resources: Object = {"cpu": spec.resources.cpu, "memory": spec.resources.memory}
     if layout.gpus_per_pod:
         resources[spec.resources.gpu_resource] = str(layout.gpus_per_pod)
-    ports = [
+    container_ports = [
         {"name": "agent", "containerPort": ports.AGENT_PORT, "protocol": "TCP"},
         {"name": "metrics", "containerPort": ports.METRICS_PORT, "protocol": "TCP"},
     ]
     container: Object = {}
     if index == 0:
-        ports.insert(0, {"name": "http", "containerPort": spec.frontend.port, "protocol": "TCP"})
+        container_ports.insert(0, {"name": "http", "containerPort": spec.frontend.port, "protocol": "TCP"})
         # The frontend's /health answers 503 unless the engine serves (loading, suspended for a
         # refit, Stale): such a pod leaves its Service's endpoints and gets no traffic.
         container["readinessProbe"] = {
@@ -231,7 +231,7 @@ def _pod(
                     "command": ["megafleet-engine"],
                     "args": list(spec.engine.args),
                     "env": _env(fleet, shard, index, layout, defer_weights=defer_weights),
-                    "ports": ports,
+                    "ports": container_ports,
                     **container,
                     "resources": {"requests": resources, "limits": resources},
                     "securityContext": {
@@ -293,10 +293,10 @@ def _env(fleet: ParsedFleet, shard: int, index: int, layout: planner.PodLayout, 
         env.MASTER_ADDR: master,
         env.MASTER_PORT: str(ports.MASTER_PORT),
     }
-    env: list[Object] = [{"name": env.HOST, "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}}]
-    env += [{"name": key, "value": value} for key, value in values.items()]
+    items: list[Object] = [{"name": env.HOST, "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}}]
+    items += [{"name": key, "value": value} for key, value in values.items()]
     if spec.frontend.api_key_secret is not None:
-        env.append(
+        items.append(
             {
                 "name": env.API_KEY,
                 "valueFrom": {

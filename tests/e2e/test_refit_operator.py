@@ -12,10 +12,10 @@ import openai
 import torch
 import yaml
 
-from megafleet_protocol.refit import sender as sdk
 from megafleet_dev import kube
 from megafleet_engine.models import tiny
 from megafleet_protocol import ports
+from megafleet_protocol.refit import sender as sdk
 
 ROOT = Path(__file__).resolve().parents[2]
 WAIT = 120

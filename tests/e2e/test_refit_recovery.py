@@ -20,11 +20,11 @@ import pytest
 import test_refit_operator as base
 import torch
 
-from megafleet_protocol.refit import sender as sdk
 from megafleet_dev import kube, runner
 from megafleet_engine.models import tiny
-from megafleet_protocol.refit import errors, wire
 from megafleet_protocol import ports, vocabulary
+from megafleet_protocol.refit import errors
+from megafleet_protocol.refit import sender as sdk
 
 WAIT = 120
 FLEET = "tiny"

@@ -509,7 +509,11 @@ class TestRefitKvModes:
         ids=["persist", "offload", "recompute", "offload-on-persist-build", "recompute-on-persist-build"],
     )
     def test_a_refit_serves_what_a_fresh_engine_serves(
-        self, mode: vocabulary.KvCacheMode, built: vocabulary.KvCacheMode, prompts: list[list[int]], fresh: dict[str, list[int]]
+        self,
+        mode: vocabulary.KvCacheMode,
+        built: vocabulary.KvCacheMode,
+        prompts: list[list[int]],
+        fresh: dict[str, list[int]],
     ) -> None:
         backend = build(built)
         context = backend.engine.context

@@ -28,13 +28,12 @@ import openai
 import torch
 
 import enginehelpers
-from megafleet_protocol.refit import sender as sdk
 from megafleet_engine import backends, engine, metrics, server
 from megafleet_engine.backends import transformers_backend, weight_maps
 from megafleet_engine.models import tiny
 from megafleet_engine.refit_runner import controller as refit_controller
-from megafleet_protocol.refit import wire
 from megafleet_protocol import vocabulary
+from megafleet_protocol.refit import sender as sdk
 
 MODEL = "tiny"
 SOURCE = "tiny://llama"

@@ -24,11 +24,11 @@ from typing import Any
 import pytest
 import torch
 
-from megafleet_protocol.refit import sender as sdk
 from megafleet_engine.backends import weight_maps
 from megafleet_engine.refit_runner import progress, sinks, watchdog
-from megafleet_protocol.refit import communicator, errors, receiver, wire
 from megafleet_protocol import vocabulary
+from megafleet_protocol.refit import communicator, errors, receiver, wire
+from megafleet_protocol.refit import sender as sdk
 
 pytestmark = [
     pytest.mark.gpu,

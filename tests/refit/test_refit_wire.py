@@ -12,11 +12,11 @@ import pytest
 import test_refit_harness as harness
 import torch
 
-from megafleet_protocol.refit import sender as sdk
 from megafleet_engine.backends import weight_maps
 from megafleet_engine.refit_runner import progress, sinks, watchdog
-from megafleet_protocol.refit import communicator, receiver, wire
 from megafleet_protocol import ports
+from megafleet_protocol.refit import communicator, receiver, wire
+from megafleet_protocol.refit import sender as sdk
 
 
 def _sized(*sizes: int) -> list[tuple[wire.Region, int]]:

@@ -52,16 +52,14 @@ from collections.abc import Callable, Coroutine
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from megafleet_engine.refit_runner import progress, watchdog
-from megafleet_protocol.refit import errors
 from megafleet_protocol import vocabulary
+from megafleet_protocol.refit import errors
 
 if TYPE_CHECKING:
     from megafleet_engine import engine as engine_module
     from megafleet_engine import metrics as metrics_module
-    from megafleet_engine import settings as settings_module
     from megafleet_engine.backends import base
-    from megafleet_engine.refit_runner import sinks
-    from megafleet_protocol.refit import communicator, receiver, wire
+    from megafleet_protocol.refit import communicator, receiver
 
 __all__ = ["Busy", "CheckpointRequest", "RefitController", "Refused", "RendezvousRequest", "Request"]
 

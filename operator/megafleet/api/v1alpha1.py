@@ -223,7 +223,8 @@ class FrontendSpec(ApiModel):
             "x-kubernetes-validations": [
                 _cel(
                     f"self.port != {ports.AGENT_PORT} && self.port != {ports.METRICS_PORT}",
-                    f"port must differ from the agent port {ports.AGENT_PORT} and the metrics port {ports.METRICS_PORT}",
+                    f"port must differ from the agent port {ports.AGENT_PORT} and the metrics port "
+                    f"{ports.METRICS_PORT}",
                     field_path=".port",
                 ),
             ]
@@ -239,7 +240,9 @@ class FrontendSpec(ApiModel):
     @classmethod
     def _port_free(cls, port: int) -> int:
         if port in (ports.AGENT_PORT, ports.METRICS_PORT):
-            raise ValueError(f"port must differ from the agent port {ports.AGENT_PORT} and the metrics port {ports.METRICS_PORT}")
+            raise ValueError(
+                f"port must differ from the agent port {ports.AGENT_PORT} and the metrics port {ports.METRICS_PORT}"
+            )
         return port
 
 

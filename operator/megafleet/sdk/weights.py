@@ -41,7 +41,8 @@ SenderKey = tuple[str, int, int, int]
 
 
 class Sender:
-    """A ``send`` for :meth:`~megafleet.sdk.fleet.Fleet.refit` built on :class:`~megafleet_protocol.refit.sender.WeightSender`
+    """A ``send`` for :meth:`~megafleet.sdk.fleet.Fleet.refit` built on
+    :class:`~megafleet_protocol.refit.sender.WeightSender`
     (made by :func:`sender`); callable once per attempt, from the fleet client's threads.
 
     Args:

@@ -726,7 +726,14 @@ def _listen(address: str, port: int) -> socket.socket:
     return listener
 
 
-def _group(store: c10d.Store, rank: int, size: int, backend: vocabulary.CollectiveBackend, local_address: str, deadline: Deadline) -> _Group:
+def _group(
+    store: c10d.Store,
+    rank: int,
+    size: int,
+    backend: vocabulary.CollectiveBackend,
+    local_address: str,
+    deadline: Deadline,
+) -> _Group:
     timeout = deadline.left("building the refit group")
     distributed: Any = dist  # the option classes' constructors and fields are not in torch's stubs
     if backend == "gloo":

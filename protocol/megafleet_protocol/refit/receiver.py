@@ -31,8 +31,8 @@ from typing import Protocol, TypeVar
 
 import torch
 
-from megafleet_protocol.refit import communicator, errors, wire
 from megafleet_protocol import vocabulary
+from megafleet_protocol.refit import communicator, errors, wire
 
 __all__ = ["Accepted", "Apply", "Received", "Record", "Sink", "check_manifest", "receive"]
 
