@@ -1,4 +1,4 @@
-"""Refit recovery end to end (DESIGN.md section 6), against the real control plane with real engine
+"""Refit recovery end to end (docs/refit-protocol.md), against the real control plane with real engine
 processes and gloo on CPU: a shard killed in the middle of a refit is dropped and the retry succeeds
 on the live shards; a restarted shard comes back Stale and unrouted until it caught up (at the next
 refit, or at once from the checkpoint the current version came from); a reshard refit through the

@@ -71,7 +71,9 @@ def sample_pods() -> list[desired.Object]:
 
 
 def constants() -> set[str]:
-    return {value for name, value in vars(env).items() if name.isupper() and isinstance(value, str) and name != "PREFIX"}
+    return {
+        value for name, value in vars(env).items() if name.isupper() and isinstance(value, str) and name != "PREFIX"
+    }
 
 
 def test_every_variable_the_operator_writes_is_one_the_engine_reads() -> None:

@@ -13,12 +13,8 @@ while the next bucket travels into a second buffer (see :func:`_transfer`: gloo 
 gloo's own threads, NCCL through CUDA streams and events, with one host wait at the end).
 
 Every key the receiver reads or writes lives under the round of its version
-(:meth:`Communicator.open_round`), so a trainer store that serves refit after refit never mixes them.
-
-Reshard as point-to-point from trainer rank 0 (not a scatter or an M-to-N exchange) is a deliberate
-first step: it needs only the HF tensors the trainer already exports, moves exactly the bytes each
-rank holds, and runs the same on gloo and NCCL. Its cost is that the trainer's rank 0 sends every
-shard's bytes itself; letting every trainer rank send its own slices is the follow-up.
+(:meth:`Communicator.open_round`), so a trainer store that serves refit after refit never mixes them (docs/refit-protocol.md tells
+the round, reshard and the pipelining).
 """
 
 from __future__ import annotations

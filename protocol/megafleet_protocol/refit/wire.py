@@ -2,43 +2,10 @@
 laid out in buckets.
 
 Used by both ends, so there is one definition: the receiver (:mod:`megafleet_protocol.refit.receiver`)
-and the trainer SDK (:mod:`megafleet_protocol.refit.sender`). Pure data and torch views; no networking.
-
-Control messages are small JSON documents in the rendezvous store (the trainer's ``TCPStore``); bulk
-data moves through the process group in **buckets**: flat ``uint8`` tensors into which whole tensors
-(broadcast) or contiguous ranges of tensors (reshard) are packed back to back, each starting at a
-multiple of :data:`ALIGNMENT` bytes so that any dtype can be viewed in place. A tensor larger than the
-bucket size travels alone in a bucket of its own size; tensors are never split across buckets.
-
-One round (a weight version), in order (store keys in quotes, all under ``round/<version>/`` but
-the session; ``r`` is a receiver's rank in the transfer group; the session and the group are those of
-:mod:`megafleet_protocol.refit.communicator`)::
-
-    trainer                                   receiver r
-    -------                                   ----------
-    store master at address:port, "session"   store client, reads "session" (or keeps its parked one)
-                                              "hello/r" = session, group it holds, manifest id it holds
-    read every hello; "group" = decision      read the decision
-      (+ the manifest id, if every
-       receiver holds the one to send)
-    new group: build it, handshake            new group: join it, check the handshake
-      broadcast [MAGIC, MAJOR, size]          (kept group: nothing to build)
-    unless the decision named the manifest:
-    "manifest" = Manifest                     read it, check it against its own parameters
-                                              "verdict/r" = Verdict (reshard: the regions it needs)
-    read every verdict; any rejection:
-      "go" = Go(false, reasons), raise
-    reshard: "plan/r" = BucketPlan per receiver
-    "go" = Go(true, manifest id)              read "go"; reshard: read "plan/r"
-    buckets: broadcast from rank 0            receive each bucket, write its tensors in place
-             (reshard: send to r only)        (bucket k written while bucket k+1 arrives)
-    read every "done/r"                       resume serving the version, then "done/r" = Done(ok, error)
-
-A manifest id names a manifest and the plans it went by; a receiver keeps the one of its last
-complete round (with the manifest and its plan) and offers it in its next hello, and the trainer
-confirms it instead of sending the manifest again when it sends the same tensors (names, shapes,
-dtypes), bucket size and transport: a steady RL loop exchanges only hello, decision and done. The
-next round on the same session deletes the last one's keys while its buckets travel.
+and the trainer (:mod:`megafleet_protocol.refit.sender`). Pure data and torch views; no networking.
+Control messages are small JSON documents in the trainer's rendezvous store; bulk data moves in
+flat ``uint8`` buckets, every tensor starting at a multiple of :data:`ALIGNMENT` bytes, never split
+across buckets. docs/refit-protocol.md draws one round's messages and the manifest shortcut.
 """
 
 from __future__ import annotations
