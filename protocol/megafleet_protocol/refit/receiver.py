@@ -13,8 +13,8 @@ while the next bucket travels into a second buffer (see :func:`_transfer`: gloo 
 gloo's own threads, NCCL through CUDA streams and events, with one host wait at the end).
 
 Every key the receiver reads or writes lives under the round of its version
-(:meth:`Communicator.open_round`), so a trainer store that serves refit after refit never mixes them (docs/refit-protocol.md tells
-the round, reshard and the pipelining).
+(:meth:`Communicator.open_round`), so a trainer store that serves refit after refit never mixes
+them (docs/refit-protocol.md tells the round, reshard and the pipelining).
 """
 
 from __future__ import annotations
