@@ -28,7 +28,7 @@ and differ from the other set's.
 
 Run on a machine with two GPUs (megatron-core installed; see bench/README.md)::
 
-    PYTHONPATH=engine:operator python3 bench/refit_nccl.py --out bench/results/
+    PYTHONPATH=engine:operator:protocol python3 bench/refit_nccl.py --out bench/results/
 
 ``--cpu`` runs the same code path on CPU (gloo, transformers backend, ``tiny://llama``) in well
 under a minute: a smoke test of the script itself, no figure of interest.
@@ -260,7 +260,9 @@ class EngineProcess:
         self.source = source
         env = {key: value for key, value in os.environ.items() if not key.startswith(protocol_env.PREFIX)}
         env.update(
-            PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT / "engine"), os.environ.get("PYTHONPATH")])),
+            PYTHONPATH=os.pathsep.join(
+                filter(None, [str(ROOT / "engine"), str(ROOT / "protocol"), os.environ.get("PYTHONPATH")])
+            ),
             PYTHONUNBUFFERED="1",
             MEGAFLEET_BACKEND=mode.engine_backend,
             MEGAFLEET_MODEL_SOURCE=source,
