@@ -429,7 +429,8 @@ class TestTensorParallel:
         out = tmp_path / "tp2.json"
         engine_dir = Path(megatron_backend.__file__).resolve().parents[2]
         env = {**os.environ, **NCCL_SAFE}
-        env["PYTHONPATH"] = os.pathsep.join([str(engine_dir), env.get("PYTHONPATH", "")])
+        protocol_dir = Path(vocabulary.__file__).resolve().parents[1]
+        env["PYTHONPATH"] = os.pathsep.join([str(engine_dir), str(protocol_dir), env.get("PYTHONPATH", "")])
         command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2"]
         log = tmp_path / "tp2.log"
         with log.open("w") as output:
