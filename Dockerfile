@@ -10,13 +10,15 @@ FROM python:3.12-slim AS operator
 ENV PYTHONDONTWRITEBYTECODE=1 PYTHONUNBUFFERED=1 PIP_NO_CACHE_DIR=1 PIP_DISABLE_PIP_VERSION_CHECK=1 HOME=/tmp
 WORKDIR /src
 COPY pyproject.toml README.md ./
+COPY protocol ./protocol
 COPY operator ./operator
 COPY engine ./engine
 COPY dev ./dev
 # The base dependencies only (kopf, lightkube, pydantic, httpx, ...): no extras, so no torch. The dev
-# tooling is removed; the engine package is inert without its extra.
+# tooling and the engine package are removed: the operator imports neither (import-linter contracts).
 RUN pip install . && rm -rf /src \
-    && python -c "import shutil, megafleet_dev, pathlib; shutil.rmtree(pathlib.Path(megafleet_dev.__file__).parent)"
+    && python -c "import importlib.util as u, pathlib as p, shutil; \
+[shutil.rmtree(p.Path(u.find_spec(m).origin).parent) for m in ('megafleet_dev', 'megafleet_engine')]"
 RUN groupadd --gid 65532 megafleet \
     && useradd --uid 65532 --gid 65532 --no-create-home --home-dir /tmp --shell /usr/sbin/nologin megafleet
 USER 65532:65532
@@ -33,6 +35,7 @@ RUN apt-get update && apt-get install -y --no-install-recommends python3 python3
 ENV PATH=/opt/megafleet/bin:$PATH
 WORKDIR /src
 COPY pyproject.toml README.md ./
+COPY protocol ./protocol
 COPY operator ./operator
 COPY engine ./engine
 COPY dev ./dev

@@ -5,7 +5,7 @@ weights, greedy, every sequence generates exactly ``--new-tokens``.
 
 Run on a GPU machine with megatron-core and a flash-attention kernel installed::
 
-    PYTHONPATH=engine python3 bench/engine_megatron.py --out bench/results/engine-megatron.json
+    PYTHONPATH=engine:protocol python3 bench/engine_megatron.py --out bench/results/engine-megatron.json
 
 Each figure is output tokens per second, end to end (prefill included): batch x new tokens over the
 wall time from submitting the batch to its last token, median of ``--repeats`` runs after one

@@ -4,7 +4,7 @@ One engine process (``python -m megafleet_engine.cli``, the ``megafleet-engine``
 configured by ``MEGAFLEET_*`` variables: megatron backend, ``random://llama-8b``, bf16, the engine's
 GPU only visible, agent on loopback with a token file) receives weight versions from this process,
 the trainer, which holds the full set of Hugging Face-named bf16 tensors of the same shape on its GPU
-and sends them with :class:`megafleet.sdk.trainer.WeightSender` after ``POST /v1/refit/prepare``, as
+and sends them with :class:`megafleet_protocol.refit.sender.WeightSender` after ``POST /v1/refit/prepare``, as
 the operator and an RL trainer do. Measured in the same run:
 
 1. NCCL broadcast bandwidth trainer GPU -> engine GPU (``torch.distributed`` between this process and
@@ -28,7 +28,7 @@ and differ from the other set's.
 
 Run on a machine with two GPUs (megatron-core installed; see bench/README.md)::
 
-    PYTHONPATH=engine:operator python3 bench/refit_nccl.py --out bench/results/
+    PYTHONPATH=engine:operator:protocol python3 bench/refit_nccl.py --out bench/results/
 
 ``--cpu`` runs the same code path on CPU (gloo, transformers backend, ``tiny://llama``) in well
 under a minute: a smoke test of the script itself, no figure of interest.
@@ -62,10 +62,12 @@ import torch
 import torch.distributed as dist
 from torch._C import _distributed_c10d as c10d  # TCPStore: torch.distributed re-exports it untyped
 
-from megafleet.sdk import trainer as sdk
 from megafleet_engine import settings as engine_settings
 from megafleet_engine.backends import megatron, weight_maps
-from megafleet_engine.refit import errors as refit_errors
+from megafleet_protocol import env as protocol_env
+from megafleet_protocol import vocabulary
+from megafleet_protocol.refit import errors as refit_errors
+from megafleet_protocol.refit import sender as sdk
 
 ROOT = Path(__file__).resolve().parents[1]
 MIB = 2**20
@@ -90,7 +92,6 @@ ENGINE_OPTION_FIELDS = {
 when this checkout's :class:`megafleet_engine.settings.Settings` has the field (the CLI's way to
 megatron's ``EngineOptions`` is recent), and reported as not read otherwise."""
 
-Backend = Literal["gloo", "nccl"]
 STARTED = time.monotonic()
 
 
@@ -111,8 +112,8 @@ class Mode:
 
     name: Literal["gpu", "cpu"]
     machine: str  # in the result file's name
-    backend: Backend  # the refit's and the baseline's
-    engine_backend: engine_settings.BackendName
+    backend: vocabulary.CollectiveBackend  # the refit's and the baseline's
+    engine_backend: vocabulary.BackendName
     dtype: Literal["bfloat16", "float32"]
     source: str
     tiny_source: str
@@ -234,7 +235,7 @@ def engine_option_env(requested: dict[str, str | None]) -> tuple[dict[str, str],
     for field, value in requested.items():
         if value is None:
             continue
-        variable = engine_settings.PREFIX + ENGINE_OPTION_FIELDS[field]
+        variable = protocol_env.PREFIX + ENGINE_OPTION_FIELDS[field]
         (passed if field in fields else ignored)[variable] = value
     return passed, ignored
 
@@ -257,9 +258,11 @@ class EngineProcess:
     ) -> None:
         self.name = name
         self.source = source
-        env = {key: value for key, value in os.environ.items() if not key.startswith(engine_settings.PREFIX)}
+        env = {key: value for key, value in os.environ.items() if not key.startswith(protocol_env.PREFIX)}
         env.update(
-            PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT / "engine"), os.environ.get("PYTHONPATH")])),
+            PYTHONPATH=os.pathsep.join(
+                filter(None, [str(ROOT / "engine"), str(ROOT / "protocol"), os.environ.get("PYTHONPATH")])
+            ),
             PYTHONUNBUFFERED="1",
             MEGAFLEET_BACKEND=mode.engine_backend,
             MEGAFLEET_MODEL_SOURCE=source,
@@ -279,7 +282,7 @@ class EngineProcess:
             env.setdefault("NCCL_DEBUG", "INFO")  # its "via P2P/..." lines name the transport used
             env.setdefault("NCCL_DEBUG_SUBSYS", "INIT")
         env.update(extra_env)
-        self.env = {key: value for key, value in env.items() if key.startswith(engine_settings.PREFIX)}
+        self.env = {key: value for key, value in env.items() if key.startswith(protocol_env.PREFIX)}
         self.addresses: dict[str, str] = {}  # server name -> host:port, from the log's "serving the ..." lines
         self.log_path = log_path
         self._log = log_path.open("w")
@@ -482,7 +485,7 @@ class Peer:
         )
         self.finished_rounds = False  # set once the trainer ran the peer's last round with it
 
-    def join(self, backend: Backend) -> None:
+    def join(self, backend: vocabulary.CollectiveBackend) -> None:
         dist.init_process_group(backend, store=self.store, rank=0, world_size=2, timeout=STORE_TIMEOUT)
 
     def release(self, round_name: str) -> None:
@@ -579,7 +582,7 @@ def refit(
     target: Target,
     *,
     bucket_mib: int,
-    backend: Backend,
+    backend: vocabulary.CollectiveBackend,
     device: torch.device,
     poll_seconds: float,
     timeout_seconds: int,

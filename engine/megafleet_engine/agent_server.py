@@ -9,7 +9,7 @@ beyond "the process answers".
 
 Routes: ``GET /healthz``, ``GET /readyz``, ``GET /v1/state``, ``POST /v1/suspend``,
 ``POST /v1/resume``, and the refit routes (:data:`refit_router`, carried out by
-:mod:`megafleet_engine.refit`):
+:mod:`megafleet_engine.refit_runner`). The bodies are :mod:`megafleet_protocol.agent_api`'s models:
 
 * ``POST /v1/refit/prepare`` (202): receive weight version ``version`` from the trainer's world at
   ``rendezvous`` (address, port, worldSize, rankOffset = the shard's offset, trainerWorldSize) with
@@ -41,32 +41,21 @@ import hmac
 import ipaddress
 import logging
 from pathlib import Path
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any
 
 import fastapi
-import pydantic
 from fastapi import responses
-from pydantic import Field
-from pydantic.alias_generators import to_camel
 
 from megafleet_engine import engine as engine_module
 from megafleet_engine import metrics as metrics_module
-from megafleet_engine import settings as settings_module
 from megafleet_engine import siblings as siblings_module
 from megafleet_engine.openai import errors
-from megafleet_engine.refit import controller as refit_controller
-from megafleet_engine.refit import progress as refit_progress
+from megafleet_engine.refit_runner import controller as refit_controller
+from megafleet_engine.refit_runner import progress as refit_progress
+from megafleet_protocol import agent_api
 
 __all__ = [
     "AgentServer",
-    "CheckpointRefitRequest",
-    "PrepareRequest",
-    "RefitAbortRequest",
-    "RefitStatusResponse",
-    "RendezvousBody",
-    "ResumeRequest",
-    "StateResponse",
-    "SuspendRequest",
     "health_router",
     "refit_router",
     "router",
@@ -92,95 +81,6 @@ class AgentServer:
     def __post_init__(self) -> None:
         controller = refit_controller.RefitController(self.engine, rank=self.rank, metrics=self.metrics)
         object.__setattr__(self, "refits", controller)
-
-
-class _Body(pydantic.BaseModel):
-    model_config = pydantic.ConfigDict(alias_generator=to_camel, populate_by_name=True, extra="forbid")
-
-
-class SuspendRequest(_Body):
-    mode: engine_module.SuspendMode = Field(
-        default="drain", description="drain waits for requests in flight; abort ends them."
-    )
-    timeout_seconds: int = Field(default=60, ge=1, le=86400, description="how long a drain may take, in seconds.")
-
-
-class ResumeRequest(_Body):
-    weight_version: int | None = Field(default=None, ge=0, description="the version now served; unchanged if unset.")
-
-
-class RendezvousBody(_Body):
-    address: str = Field(min_length=1, max_length=253, description="the trainer rank 0's address (its store).")
-    port: int = Field(ge=1, le=65535, description="the store's port; a fresh one per attempt.")
-    world_size: int = Field(ge=2, le=1 << 20, description="trainer ranks plus every live shard's ranks.")
-    rank_offset: int = Field(ge=1, le=1 << 20, description="global rank of this shard's rank 0.")
-    trainer_world_size: int = Field(default=1, ge=1, le=1 << 16, description="trainer ranks (they come first).")
-
-
-class _RefitBody(_Body):
-    version: int = Field(ge=0, le=2**53, description="the weight version served once the refit completes.")
-    timeout_seconds: int = Field(default=300, ge=1, le=86400, description="the watchdog's deadline, in seconds.")
-    suspend_mode: engine_module.SuspendMode = Field(
-        default="drain", description="drain waits for requests in flight; abort ends them."
-    )
-    kv_cache_mode: settings_module.KvCacheMode | None = Field(default=None, description="unset: the engine's own mode.")
-
-
-class PrepareRequest(_RefitBody):
-    rendezvous: RendezvousBody
-    transport: Literal["broadcast", "reshard"] = Field(default="broadcast", description="spec.refit.transport.")
-    bucket_size_mib: int = Field(
-        default=1024,
-        ge=1,
-        le=65536,
-        alias="bucketSizeMiB",
-        description="the largest bucket this rank accepts, in MiB (spec.refit.bucketSizeMiB).",
-    )
-
-
-class CheckpointRefitRequest(_RefitBody):
-    path: str = Field(min_length=1, max_length=2048, description="the checkpoint every shard loads itself.")
-
-
-class RefitAbortRequest(_Body):
-    reason: str = Field(default="requested by the operator", max_length=1024)
-
-
-class PhaseTiming(_Body):
-    name: str
-    milliseconds: int
-
-
-class RefitStatusResponse(_Body):
-    phase: refit_progress.Phase
-    version: int | None
-    source: refit_progress.Source | None
-    transport: str | None
-    rank: int | None
-    world_size: int | None
-    phases: list[PhaseTiming]
-    duration_milliseconds: int | None
-    bytes_received: int
-    buckets: int
-    tensors_written: int
-    error: str | None
-    timed_out: bool
-    reused: bool = Field(
-        default=False, description="the join kept the transfer group of the previous refit (no group was built)."
-    )
-    dirty: bool
-    state: Literal["loading", "ready", "suspended", "stale", "failed"]
-    weight_version: int | None
-
-
-class StateResponse(_Body):
-    state: Literal["loading", "ready", "suspended", "stale", "failed"]
-    weight_version: int | None
-    served_address: str | None
-    rank: int
-    world_size: int
-    last_error: str | None
-    queue_depth: int
 
 
 def _agent(request: fastapi.Request) -> AgentServer:
@@ -213,15 +113,15 @@ _ERRORS: dict[int | str, dict[str, Any]] = {status: {"model": errors.ErrorBody} 
 
 health_router = fastapi.APIRouter()
 router = fastapi.APIRouter(dependencies=[fastapi.Depends(_authorize)], responses=_ERRORS)
-refit_router = fastapi.APIRouter(prefix="/v1/refit", dependencies=[fastapi.Depends(_authorize)], responses=_ERRORS)
+refit_router = fastapi.APIRouter(prefix=agent_api.REFIT, dependencies=[fastapi.Depends(_authorize)], responses=_ERRORS)
 
 
-@health_router.get("/healthz")
+@health_router.get(agent_api.HEALTHZ)
 async def healthz() -> dict[str, str]:
     return {"status": "ok"}
 
 
-@router.get("/readyz")
+@router.get(agent_api.READYZ)
 async def readyz(agent: AgentDep) -> dict[str, str]:
     state = agent.engine.state
     if state != "ready":
@@ -229,13 +129,13 @@ async def readyz(agent: AgentDep) -> dict[str, str]:
     return {"status": "ready"}
 
 
-@router.get("/v1/state")
+@router.get(agent_api.STATE)
 async def get_state(agent: AgentDep) -> responses.JSONResponse:
     return _state(agent)
 
 
-@router.post("/v1/suspend")
-async def suspend(body: SuspendRequest, agent: AgentDep) -> responses.JSONResponse:
+@router.post(agent_api.SUSPEND)
+async def suspend(body: agent_api.SuspendRequest, agent: AgentDep) -> responses.JSONResponse:
     try:
         await agent.engine.suspend(body.mode, timeout_seconds=body.timeout_seconds)
     except TimeoutError as error:
@@ -243,8 +143,8 @@ async def suspend(body: SuspendRequest, agent: AgentDep) -> responses.JSONRespon
     return _state(agent)
 
 
-@router.post("/v1/resume")
-async def resume(body: ResumeRequest, agent: AgentDep) -> responses.JSONResponse:
+@router.post(agent_api.RESUME)
+async def resume(body: agent_api.ResumeRequest, agent: AgentDep) -> responses.JSONResponse:
     if agent.refits.running:
         raise errors.Conflict("a refit is in progress; it resumes the engine itself", code="refit_in_progress")
     if agent.refits.dirty:
@@ -260,7 +160,9 @@ async def resume(body: ResumeRequest, agent: AgentDep) -> responses.JSONResponse
 
 
 @refit_router.post("/prepare", status_code=202)
-async def refit_prepare(body: PrepareRequest, request: fastapi.Request, agent: AgentDep) -> responses.JSONResponse:
+async def refit_prepare(
+    body: agent_api.PrepareRequest, request: fastapi.Request, agent: AgentDep
+) -> responses.JSONResponse:
     rendezvous = body.rendezvous
     refit = refit_controller.RendezvousRequest(
         version=body.version,
@@ -276,11 +178,11 @@ async def refit_prepare(body: PrepareRequest, request: fastapi.Request, agent: A
         kv_cache_mode=body.kv_cache_mode,
         local_address=agent.transfer_address or _pod_address(request),
     )
-    return await _start_refit(agent, refit, "/v1/refit/prepare", body)
+    return await _start_refit(agent, refit, agent_api.REFIT_PREPARE, body)
 
 
 @refit_router.post("/checkpoint", status_code=202)
-async def refit_checkpoint(body: CheckpointRefitRequest, agent: AgentDep) -> responses.JSONResponse:
+async def refit_checkpoint(body: agent_api.CheckpointRefitRequest, agent: AgentDep) -> responses.JSONResponse:
     refit = refit_controller.CheckpointRequest(
         version=body.version,
         path=body.path,
@@ -288,7 +190,7 @@ async def refit_checkpoint(body: CheckpointRefitRequest, agent: AgentDep) -> res
         suspend_mode=body.suspend_mode,
         kv_cache_mode=body.kv_cache_mode,
     )
-    return await _start_refit(agent, refit, "/v1/refit/checkpoint", body)
+    return await _start_refit(agent, refit, agent_api.REFIT_CHECKPOINT, body)
 
 
 @refit_router.get("/status")
@@ -297,7 +199,7 @@ async def refit_status(agent: AgentDep) -> responses.JSONResponse:
     if agent.siblings is None:
         return responses.JSONResponse(own)
     try:
-        others = await agent.siblings.get("/v1/refit/status")
+        others = await agent.siblings.get(agent_api.REFIT_STATUS)
     except siblings_module.SiblingError as error:
         own.update(phase="failed", error=str(error))  # a rank that cannot answer cannot take part either
         return responses.JSONResponse(own)
@@ -305,12 +207,12 @@ async def refit_status(agent: AgentDep) -> responses.JSONResponse:
 
 
 @refit_router.post("/abort")
-async def refit_abort(body: RefitAbortRequest, agent: AgentDep) -> responses.JSONResponse:
+async def refit_abort(body: agent_api.RefitAbortRequest, agent: AgentDep) -> responses.JSONResponse:
     own = _refit_status_body(agent, agent.refits.abort(body.reason))
     if agent.siblings is None:
         return responses.JSONResponse(own)
     try:
-        others = await agent.siblings.post("/v1/refit/abort", body.model_dump(mode="json", by_alias=True))
+        others = await agent.siblings.post(agent_api.REFIT_ABORT, body.model_dump(mode="json", by_alias=True))
     except siblings_module.SiblingError as error:  # an unreachable rank has nothing left to abort
         log.warning("forwarding the refit abort: %s", error)
         return responses.JSONResponse(own)
@@ -323,7 +225,7 @@ async def refit_unknown(operation: str) -> None:
 
 
 async def _start_refit(
-    agent: AgentServer, refit: refit_controller.Request, path: str, body: _RefitBody
+    agent: AgentServer, refit: refit_controller.Request, path: str, body: agent_api.RefitRequest
 ) -> responses.JSONResponse:
     """Start ``refit`` on this rank, then on the pod's other ranks (the same body: each joins as its
     own rank); when one of them refuses, this rank's attempt is aborted too and the call fails."""
@@ -361,14 +263,16 @@ def _pod_address(request: fastapi.Request) -> str | None:
 
 def _refit_status_body(agent: AgentServer, snapshot: refit_progress.Snapshot) -> dict[str, Any]:
     engine = agent.engine
-    body = RefitStatusResponse(
+    body = agent_api.RefitStatusResponse(
         phase=snapshot.phase,
         version=snapshot.version,
         source=snapshot.source,
         transport=snapshot.transport,
         rank=snapshot.rank,
         world_size=snapshot.world_size,
-        phases=[PhaseTiming(name=name, milliseconds=round(seconds * 1000)) for name, seconds in snapshot.phases],
+        phases=[
+            agent_api.PhaseTiming(name=name, milliseconds=round(seconds * 1000)) for name, seconds in snapshot.phases
+        ],
         duration_milliseconds=None if snapshot.duration_seconds is None else round(snapshot.duration_seconds * 1000),
         bytes_received=snapshot.bytes_received,
         buckets=snapshot.buckets,
@@ -385,7 +289,7 @@ def _refit_status_body(agent: AgentServer, snapshot: refit_progress.Snapshot) ->
 
 def _state(agent: AgentServer) -> responses.JSONResponse:
     engine = agent.engine
-    body = StateResponse(
+    body = agent_api.StateResponse(
         state=engine.state,
         weight_version=engine.weight_version,
         served_address=agent.served_address,

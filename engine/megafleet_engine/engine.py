@@ -26,14 +26,13 @@ import logging
 import threading
 import time
 from collections.abc import AsyncIterator, Callable
-from typing import Literal, TypeVar
+from typing import TypeVar
 
 from megafleet_engine.backends import base
+from megafleet_protocol import vocabulary
 
 log = logging.getLogger(__name__)
 
-State = Literal["loading", "ready", "suspended", "stale", "failed"]
-SuspendMode = Literal["drain", "abort"]
 T = TypeVar("T")
 
 
@@ -44,7 +43,7 @@ class EngineError(RuntimeError):
 class NotServing(EngineError):
     """The engine does not accept requests now (loading, suspended, stale or failed)."""
 
-    def __init__(self, state: State) -> None:
+    def __init__(self, state: vocabulary.EngineState) -> None:
         super().__init__(f"the engine is {state} and does not accept requests")
         self.state = state
 
@@ -93,14 +92,14 @@ class Engine:
         *,
         max_batch_size: int = 64,
         weight_version: int | None = 0,
-        kv_cache_mode: base.KvCacheMode | None = None,
+        kv_cache_mode: vocabulary.KvCacheMode | None = None,
     ) -> None:
         self.backend = backend
         self.max_batch_size = max_batch_size
         self.weight_version = weight_version
-        self.kv_cache_mode: base.KvCacheMode = kv_cache_mode if kv_cache_mode is not None else backend.kv_cache_mode
+        self.kv_cache_mode: vocabulary.KvCacheMode = backend.kv_cache_mode if kv_cache_mode is None else kv_cache_mode
         self.continuous = backend.supports_admission
-        self.state: State = "ready" if weight_version is not None else "loading"
+        self.state: vocabulary.EngineState = "ready" if weight_version is not None else "loading"
         self.last_error: str | None = None
         self._queue: collections.deque[_Pending | _Call | None] = collections.deque()
         self._in_flight = 0
@@ -153,7 +152,7 @@ class Engine:
 
     # -- state ---------------------------------------------------------------------------------
 
-    async def suspend(self, mode: SuspendMode, *, timeout_seconds: float = 60.0) -> None:
+    async def suspend(self, mode: vocabulary.SuspendMode, *, timeout_seconds: float = 60.0) -> None:
         """Close the gate and stop admission; drain (wait for) or abort every request in flight,
         then let the backend free what the KV-cache mode frees during a refit."""
         aborted: list[_Pending] = []
@@ -193,7 +192,7 @@ class Engine:
             self.state = "ready"
             self._abort_all = False
 
-    def mark(self, state: State, error: str | None = None) -> None:
+    def mark(self, state: vocabulary.EngineState, error: str | None = None) -> None:
         """Set ``stale`` or ``failed`` (with the reason) from the agent."""
         with self._lock:
             self.state = state

@@ -1,7 +1,8 @@
 """The engine pod's one settings object, read from ``MEGAFLEET_*`` environment variables.
 
-The operator sets these variables on every engine pod (DESIGN.md section 5: ranks, world size,
-master address, agent token); a person running ``megafleet-engine`` by hand sets them too.
+The operator sets these variables on every engine pod (ranks, world size, master address, agent
+token; their names are :mod:`megafleet_protocol.env`); a person running ``megafleet-engine`` by hand
+sets them too.
 :func:`from_env` is called once by :mod:`megafleet_engine.cli`; everything else receives the
 resulting :class:`Settings` (or the parts it needs) as an argument and never reads the
 environment itself. Invalid values raise :class:`SettingsError` naming the variable.
@@ -14,16 +15,11 @@ import ipaddress
 import os
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Literal, get_args
+from typing import get_args
 
-__all__ = ["BackendName", "Dtype", "KvCacheMode", "Settings", "SettingsError", "WeightsInitial", "from_env"]
+from megafleet_protocol import env, ports, vocabulary
 
-BackendName = Literal["transformers", "megatron"]
-Dtype = Literal["bfloat16", "float16", "float32"]
-WeightsInitial = Literal["checkpoint", "refit"]
-KvCacheMode = Literal["persist", "offload", "recompute"]
-
-PREFIX = "MEGAFLEET_"
+__all__ = ["Settings", "SettingsError", "from_env"]
 
 
 class SettingsError(ValueError):
@@ -44,11 +40,11 @@ class Settings:
     model source, so a hand-started engine answers to what it was started with; the operator
     always sets it (spec.model.servedName, else the fleet's name)."""
 
-    backend: BackendName = "transformers"
+    backend: vocabulary.BackendName = "transformers"
     """``MEGAFLEET_BACKEND``: ``transformers`` or ``megatron``. Default ``transformers`` because it
     runs anywhere (CPU included) with no extra install; the operator always sets it."""
 
-    dtype: Dtype = "bfloat16"
+    dtype: vocabulary.Dtype = "bfloat16"
     """``MEGAFLEET_DTYPE``: parameter data type. Default ``bfloat16``, the API's default."""
 
     max_sequence_length: int = 4096
@@ -59,7 +55,7 @@ class Settings:
     """``MEGAFLEET_MAX_BATCH_SIZE``: most sequences decoded together, in sequences. Default 64, the
     API's default."""
 
-    weights_initial: WeightsInitial = "checkpoint"
+    weights_initial: vocabulary.WeightsInitial = "checkpoint"
     """``MEGAFLEET_WEIGHTS_INITIAL``: ``checkpoint`` (serve weight version 0 from the checkpoint at
     start) or ``refit`` (start without a weight version, state ``loading``, and answer 503 until the
     first refit delivers weights; NeMo RL's ``skip_weight_load``)."""
@@ -73,11 +69,11 @@ class Settings:
     8000. A pod with several frontend ranks gives the k-th one ``frontend_port + k``. 0 binds
     any free port (tests)."""
 
-    agent_port: int = 8471
+    agent_port: int = ports.AGENT_PORT
     """``MEGAFLEET_AGENT_PORT``: TCP port of the agent API the operator calls. Default 8471, the
     operator's fixed agent port. 0 binds any free port (tests)."""
 
-    metrics_port: int = 9400
+    metrics_port: int = ports.METRICS_PORT
     """``MEGAFLEET_METRICS_PORT``: TCP port of the Prometheus ``/metrics`` endpoint. Default 9400,
     the operator's fixed metrics port. 0 binds any free port (tests)."""
 
@@ -115,7 +111,7 @@ class Settings:
     """``MEGAFLEET_MASTER_ADDR``: host of rank 0's rendezvous (the shard's headless Service DNS
     name). Default loopback: a one-pod shard rendezvouses with itself."""
 
-    master_port: int = 29500
+    master_port: int = ports.MASTER_PORT
     """``MEGAFLEET_MASTER_PORT``: TCP port of rank 0's rendezvous. Default 29500, torch's default."""
 
     local_gpus: int = 0
@@ -127,7 +123,7 @@ class Settings:
     on CPU. On CPU it may be set above 1 to run a multi-rank pod (tests of the pod's rank
     processes on machines without GPUs); with GPUs it must equal ``MEGAFLEET_LOCAL_GPUS``."""
 
-    kv_cache_mode: KvCacheMode = "persist"
+    kv_cache_mode: vocabulary.KvCacheMode = "persist"
     """``MEGAFLEET_KV_CACHE_MODE``: ``persist``, ``offload`` or ``recompute``: what happens to KV
     caches across a refit (spec.engine.kvCacheMode). Default ``persist``, the API's default."""
 
@@ -163,40 +159,48 @@ class Settings:
 
 def from_env(environ: Mapping[str, str] | None = None) -> Settings:
     """Read :class:`Settings` from ``environ`` (default: the process environment)."""
-    env = os.environ if environ is None else environ
-    reader = _Reader(env)
-    source = reader.text("MODEL_SOURCE")
+    reader = _Reader(os.environ if environ is None else environ)
+    source = reader.text(env.MODEL_SOURCE)
     if not source:
-        raise SettingsError(f"{PREFIX}MODEL_SOURCE is required: the checkpoint location (or tiny://llama)")
+        raise SettingsError(f"{env.MODEL_SOURCE} is required: the checkpoint location (or tiny://llama)")
     defaults = Settings(model_source=source)
     return Settings(
         model_source=source,
-        served_model_name=reader.text("SERVED_MODEL_NAME"),
-        backend=reader.choice("BACKEND", get_args(BackendName), defaults.backend),  # type: ignore[arg-type]
-        dtype=reader.choice("DTYPE", get_args(Dtype), defaults.dtype),  # type: ignore[arg-type]
-        max_sequence_length=reader.integer("MAX_SEQUENCE_LENGTH", defaults.max_sequence_length),
-        max_batch_size=reader.integer("MAX_BATCH_SIZE", defaults.max_batch_size),
-        weights_initial=reader.choice("WEIGHTS_INITIAL", get_args(WeightsInitial), defaults.weights_initial),  # type: ignore[arg-type]
-        host=reader.text("HOST") or defaults.host,
-        frontend_port=reader.integer("FRONTEND_PORT", defaults.frontend_port),
-        agent_port=reader.integer("AGENT_PORT", defaults.agent_port),
-        metrics_port=reader.integer("METRICS_PORT", defaults.metrics_port),
-        agent_token_file=reader.path("AGENT_TOKEN_FILE"),
-        api_key_file=reader.path("API_KEY_FILE"),
-        api_key=reader.secret("API_KEY"),
-        rank=reader.integer("RANK", defaults.rank),
-        world_size=reader.integer("WORLD_SIZE", defaults.world_size),
-        tensor_parallel=reader.integer("TENSOR_PARALLEL", defaults.tensor_parallel),
-        pipeline_parallel=reader.integer("PIPELINE_PARALLEL", defaults.pipeline_parallel),
-        master_addr=reader.text("MASTER_ADDR") or defaults.master_addr,
-        master_port=reader.integer("MASTER_PORT", defaults.master_port),
-        local_gpus=reader.integer("LOCAL_GPUS", defaults.local_gpus),
-        local_rank_count=reader.integer("LOCAL_RANKS", defaults.local_rank_count),
-        kv_cache_mode=reader.choice("KV_CACHE_MODE", get_args(KvCacheMode), defaults.kv_cache_mode),  # type: ignore[arg-type]
-        cuda_graphs=reader.choice("CUDA_GRAPHS", ("true", "false"), "true" if defaults.cuda_graphs else "false")
+        served_model_name=reader.text(env.SERVED_MODEL_NAME),
+        backend=reader.choice(env.BACKEND, _choices(vocabulary.BackendName, defaults.backend), defaults.backend),  # type: ignore[arg-type]
+        dtype=reader.choice(env.DTYPE, _choices(vocabulary.Dtype, defaults.dtype), defaults.dtype),  # type: ignore[arg-type]
+        max_sequence_length=reader.integer(env.MAX_SEQUENCE_LENGTH, defaults.max_sequence_length),
+        max_batch_size=reader.integer(env.MAX_BATCH_SIZE, defaults.max_batch_size),
+        weights_initial=reader.choice(
+            env.WEIGHTS_INITIAL, _choices(vocabulary.WeightsInitial, defaults.weights_initial), defaults.weights_initial
+        ),  # type: ignore[arg-type]
+        host=reader.text(env.HOST) or defaults.host,
+        frontend_port=reader.integer(env.FRONTEND_PORT, defaults.frontend_port),
+        agent_port=reader.integer(env.AGENT_PORT, defaults.agent_port),
+        metrics_port=reader.integer(env.METRICS_PORT, defaults.metrics_port),
+        agent_token_file=reader.path(env.AGENT_TOKEN_FILE),
+        api_key_file=reader.path(env.API_KEY_FILE),
+        api_key=reader.secret(env.API_KEY),
+        rank=reader.integer(env.RANK, defaults.rank),
+        world_size=reader.integer(env.WORLD_SIZE, defaults.world_size),
+        tensor_parallel=reader.integer(env.TENSOR_PARALLEL, defaults.tensor_parallel),
+        pipeline_parallel=reader.integer(env.PIPELINE_PARALLEL, defaults.pipeline_parallel),
+        master_addr=reader.text(env.MASTER_ADDR) or defaults.master_addr,
+        master_port=reader.integer(env.MASTER_PORT, defaults.master_port),
+        local_gpus=reader.integer(env.LOCAL_GPUS, defaults.local_gpus),
+        local_rank_count=reader.integer(env.LOCAL_RANKS, defaults.local_rank_count),
+        kv_cache_mode=reader.choice(
+            env.KV_CACHE_MODE, _choices(vocabulary.KvCacheMode, defaults.kv_cache_mode), defaults.kv_cache_mode
+        ),  # type: ignore[arg-type]
+        cuda_graphs=reader.choice(env.CUDA_GRAPHS, ("true", "false"), "true" if defaults.cuda_graphs else "false")
         == "true",
-        kv_cache_gib=reader.integer("KV_CACHE_GIB", defaults.kv_cache_gib),
+        kv_cache_gib=reader.integer(env.KV_CACHE_GIB, defaults.kv_cache_gib),
     )
+
+
+def _choices(literal: object, default: str) -> tuple[str, ...]:
+    """The values of ``literal``, the default first (the order error messages list them in)."""
+    return (default, *(value for value in get_args(literal) if value != default))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -206,7 +210,7 @@ class _Reader:
     env: Mapping[str, str]
 
     def text(self, name: str) -> str:
-        return self.env.get(PREFIX + name, "").strip()
+        return self.env.get(name, "").strip()
 
     def integer(self, name: str, default: int) -> int:
         raw = self.text(name)
@@ -215,22 +219,22 @@ class _Reader:
         try:
             return int(raw)
         except ValueError:
-            raise SettingsError(f"{PREFIX}{name} must be an integer, got {raw!r}") from None
+            raise SettingsError(f"{name} must be an integer, got {raw!r}") from None
 
     def choice(self, name: str, allowed: tuple[str, ...], default: str) -> str:
         raw = self.text(name) or default
         if raw not in allowed:
-            raise SettingsError(f"{PREFIX}{name} must be one of {', '.join(allowed)}, got {raw!r}")
+            raise SettingsError(f"{name} must be one of {', '.join(allowed)}, got {raw!r}")
         return raw
 
     def secret(self, name: str) -> str | None:
         """A secret value: unset is ``None``; set but blank is an error (an empty Secret key must not
         turn authentication off)."""
-        if PREFIX + name not in self.env:
+        if name not in self.env:
             return None
         value = self.text(name)
         if not value:
-            raise SettingsError(f"{PREFIX}{name} is set but empty")
+            raise SettingsError(f"{name} is set but empty")
         return value
 
     def path(self, name: str) -> Path | None:
@@ -241,64 +245,64 @@ class _Reader:
 def _check(settings: Settings) -> None:
     """Reject values no engine can run with; each message names the variable and the rule."""
     for name, value, low in (
-        ("MAX_SEQUENCE_LENGTH", settings.max_sequence_length, 2),
-        ("MAX_BATCH_SIZE", settings.max_batch_size, 1),
-        ("WORLD_SIZE", settings.world_size, 1),
-        ("TENSOR_PARALLEL", settings.tensor_parallel, 1),
-        ("PIPELINE_PARALLEL", settings.pipeline_parallel, 1),
-        ("RANK", settings.rank, 0),
-        ("LOCAL_GPUS", settings.local_gpus, 0),
-        ("LOCAL_RANKS", settings.local_rank_count, 0),
-        ("KV_CACHE_GIB", settings.kv_cache_gib, 1),
+        (env.MAX_SEQUENCE_LENGTH, settings.max_sequence_length, 2),
+        (env.MAX_BATCH_SIZE, settings.max_batch_size, 1),
+        (env.WORLD_SIZE, settings.world_size, 1),
+        (env.TENSOR_PARALLEL, settings.tensor_parallel, 1),
+        (env.PIPELINE_PARALLEL, settings.pipeline_parallel, 1),
+        (env.RANK, settings.rank, 0),
+        (env.LOCAL_GPUS, settings.local_gpus, 0),
+        (env.LOCAL_RANKS, settings.local_rank_count, 0),
+        (env.KV_CACHE_GIB, settings.kv_cache_gib, 1),
     ):
         if value < low:
-            raise SettingsError(f"{PREFIX}{name} must be at least {low}, got {value}")
+            raise SettingsError(f"{name} must be at least {low}, got {value}")
     for name, port in (
-        ("FRONTEND_PORT", settings.frontend_port),
-        ("AGENT_PORT", settings.agent_port),
-        ("METRICS_PORT", settings.metrics_port),
-        ("MASTER_PORT", settings.master_port),
+        (env.FRONTEND_PORT, settings.frontend_port),
+        (env.AGENT_PORT, settings.agent_port),
+        (env.METRICS_PORT, settings.metrics_port),
+        (env.MASTER_PORT, settings.master_port),
     ):
         if not 0 <= port <= 65535:
-            raise SettingsError(f"{PREFIX}{name} must be a TCP port (0 to 65535), got {port}")
-    ports = [p for p in (settings.frontend_port, settings.agent_port, settings.metrics_port) if p != 0]
-    if len(set(ports)) != len(ports):
+            raise SettingsError(f"{name} must be a TCP port (0 to 65535), got {port}")
+    bound = [p for p in (settings.frontend_port, settings.agent_port, settings.metrics_port) if p != 0]
+    if len(set(bound)) != len(bound):
         raise SettingsError(
-            f"{PREFIX}FRONTEND_PORT, {PREFIX}AGENT_PORT and {PREFIX}METRICS_PORT must differ, got "
+            f"{env.FRONTEND_PORT}, {env.AGENT_PORT} and {env.METRICS_PORT} must differ, got "
             f"{settings.frontend_port}, {settings.agent_port} and {settings.metrics_port}"
         )
     if settings.world_size % (settings.tensor_parallel * settings.pipeline_parallel):
         raise SettingsError(
-            f"{PREFIX}WORLD_SIZE {settings.world_size} is not a multiple of {PREFIX}TENSOR_PARALLEL x "
-            f"{PREFIX}PIPELINE_PARALLEL = {settings.tensor_parallel * settings.pipeline_parallel}"
+            f"{env.WORLD_SIZE} {settings.world_size} is not a multiple of {env.TENSOR_PARALLEL} x "
+            f"{env.PIPELINE_PARALLEL} = {settings.tensor_parallel * settings.pipeline_parallel}"
         )
     if settings.local_gpus and settings.local_rank_count not in (0, settings.local_gpus):
         raise SettingsError(
-            f"{PREFIX}LOCAL_RANKS {settings.local_rank_count} must equal {PREFIX}LOCAL_GPUS "
+            f"{env.LOCAL_RANKS} {settings.local_rank_count} must equal {env.LOCAL_GPUS} "
             f"{settings.local_gpus}: a pod runs one rank per GPU"
         )
     if settings.rank + settings.local_ranks > settings.world_size:
         raise SettingsError(
-            f"{PREFIX}RANK {settings.rank} plus {settings.local_ranks} local rank(s) ({PREFIX}LOCAL_RANKS or "
-            f"{PREFIX}LOCAL_GPUS) exceeds "
-            f"{PREFIX}WORLD_SIZE {settings.world_size}"
+            f"{env.RANK} {settings.rank} plus {settings.local_ranks} local rank(s) ({env.LOCAL_RANKS} or "
+            f"{env.LOCAL_GPUS}) exceeds "
+            f"{env.WORLD_SIZE} {settings.world_size}"
         )
     if settings.local_ranks > 1:
         if settings.agent_port == 0:
             raise SettingsError(
-                f"{PREFIX}AGENT_PORT must be set on a pod of several ranks: each rank's agent listens next to it"
+                f"{env.AGENT_PORT} must be set on a pod of several ranks: each rank's agent listens next to it"
             )
         siblings = range(settings.agent_port, settings.agent_port + settings.local_ranks)
         clash = [port for port in (settings.frontend_port, settings.metrics_port) if port in siblings]
         if clash or siblings[-1] > 65535:
             raise SettingsError(
-                f"the agents of this pod's {settings.local_ranks} ranks listen on {PREFIX}AGENT_PORT to "
-                f"{PREFIX}AGENT_PORT + {settings.local_ranks - 1} ({siblings[0]} to {siblings[-1]}); "
-                f"{PREFIX}FRONTEND_PORT and {PREFIX}METRICS_PORT must lie outside"
+                f"the agents of this pod's {settings.local_ranks} ranks listen on {env.AGENT_PORT} to "
+                f"{env.AGENT_PORT} + {settings.local_ranks - 1} ({siblings[0]} to {siblings[-1]}); "
+                f"{env.FRONTEND_PORT} and {env.METRICS_PORT} must lie outside"
             )
     if settings.api_key is not None and settings.api_key_file is not None:
-        raise SettingsError(f"set {PREFIX}API_KEY or {PREFIX}API_KEY_FILE, not both")
+        raise SettingsError(f"set {env.API_KEY} or {env.API_KEY_FILE}, not both")
     try:
         ipaddress.ip_address(settings.host)
     except ValueError:
-        raise SettingsError(f"{PREFIX}HOST must be an IP address (the pod IP), got {settings.host!r}") from None
+        raise SettingsError(f"{env.HOST} must be an IP address (the pod IP), got {settings.host!r}") from None

@@ -1,8 +1,10 @@
 """The operator's client for the pod-local agents (``GET /v1/state``, suspend, resume, refit).
 
 Called by :mod:`megafleet.reconcile` to observe shards and verify served addresses, and by the
-refit orchestration. Every call carries the fleet's bearer token; a pod whose agent does not
-answer within the timeout is reported as unreachable, never as an exception.
+refit orchestration (:mod:`megafleet.refit_driver`). Requests and responses are the models of
+:mod:`megafleet_protocol.agent_api`, which the agent itself validates with. Every call carries the
+fleet's bearer token; a pod whose agent does not answer within the timeout (or answers something
+malformed) is reported as unreachable, never as an exception.
 """
 
 from __future__ import annotations
@@ -12,8 +14,9 @@ import dataclasses
 from typing import Any
 
 import httpx
+import pydantic
 
-from megafleet.api import v1alpha1
+from megafleet_protocol import agent_api, ports, vocabulary
 
 TIMEOUT_SECONDS = 2.0
 
@@ -22,7 +25,7 @@ TIMEOUT_SECONDS = 2.0
 class AgentState:
     """What one agent reports; ``error`` is set instead when it could not be asked."""
 
-    state: str | None = None
+    state: vocabulary.EngineState | None = None
     weight_version: int | None = None
     served_address: str | None = None
     last_error: str | None = None
@@ -32,7 +35,7 @@ class AgentState:
 class AgentClient:
     """One HTTP client for all agents of all fleets."""
 
-    def __init__(self, *, port: int = v1alpha1.AGENT_PORT, timeout_seconds: float = TIMEOUT_SECONDS) -> None:
+    def __init__(self, *, port: int = ports.AGENT_PORT, timeout_seconds: float = TIMEOUT_SECONDS) -> None:
         self.port = port
         self._http = httpx.AsyncClient(timeout=timeout_seconds)
 
@@ -51,26 +54,32 @@ class AgentClient:
     async def state(self, pod_ip: str, token: str) -> AgentState:
         try:
             response = await self._call(
-                "GET", f"http://{pod_ip}:{self.port}/v1/state", headers={"Authorization": f"Bearer {token}"}
+                "GET", self._url(pod_ip, agent_api.STATE), headers={"Authorization": f"Bearer {token}"}
             )
         except httpx.HTTPError as error:
             return AgentState(error=f"agent at {pod_ip}:{self.port} unreachable: {type(error).__name__}")
         if response.status_code != 200:
             return AgentState(error=f"agent at {pod_ip}:{self.port} answered HTTP {response.status_code}")
-        body: dict[str, Any] = response.json()
+        try:
+            body = agent_api.StateResponse.model_validate_json(response.content)
+        except pydantic.ValidationError:
+            return AgentState(error=f"agent at {pod_ip}:{self.port} answered a malformed state")
         return AgentState(
-            state=body.get("state"),
-            weight_version=body.get("weightVersion"),
-            served_address=body.get("servedAddress"),
-            last_error=body.get("lastError"),
+            state=body.state,
+            weight_version=body.weight_version,
+            served_address=body.served_address,
+            last_error=body.last_error,
         )
 
-    async def suspend(self, pod_ip: str, token: str, *, mode: str, timeout_seconds: float) -> str | None:
+    async def suspend(
+        self, pod_ip: str, token: str, *, mode: vocabulary.SuspendMode, timeout_seconds: float
+    ) -> str | None:
         """Ask an agent to suspend (``drain`` or ``abort``); returns an error text, or None on success."""
+        body = agent_api.SuspendRequest(mode=mode, timeout_seconds=max(1, int(timeout_seconds)))
         try:
             response = await self._http.post(
-                f"http://{pod_ip}:{self.port}/v1/suspend",
-                json={"mode": mode, "timeoutSeconds": max(1, int(timeout_seconds))},
+                self._url(pod_ip, agent_api.SUSPEND),
+                json=_json(body),
                 headers={"Authorization": f"Bearer {token}"},
                 timeout=timeout_seconds + TIMEOUT_SECONDS,
             )
@@ -78,13 +87,15 @@ class AgentClient:
             return f"agent at {pod_ip}:{self.port} unreachable: {type(error).__name__}"
         return None if response.status_code == 200 else f"suspend answered HTTP {response.status_code}"
 
-    async def refit_start(self, pod_ip: str, token: str, operation: str, body: dict[str, Any]) -> str | None:
-        """POST /v1/refit/<operation> (prepare or checkpoint); returns an error text, or None."""
+    async def refit_start(self, pod_ip: str, token: str, body: agent_api.RefitRequest) -> str | None:
+        """``POST /v1/refit/prepare`` (a rendezvous request) or ``/v1/refit/checkpoint``; returns an
+        error text, or None."""
+        path = agent_api.REFIT_PREPARE if isinstance(body, agent_api.PrepareRequest) else agent_api.REFIT_CHECKPOINT
         try:
             response = await self._call(
                 "POST",
-                f"http://{pod_ip}:{self.port}/v1/refit/{operation}",
-                json=body,
+                self._url(pod_ip, path),
+                json=_json(body),
                 headers={"Authorization": f"Bearer {token}"},
             )
         except httpx.HTTPError as error:
@@ -96,25 +107,35 @@ class AgentClient:
         try:
             await self._call(
                 "POST",
-                f"http://{pod_ip}:{self.port}/v1/refit/abort",
-                json={"reason": reason[:1000]},
+                self._url(pod_ip, agent_api.REFIT_ABORT),
+                json=_json(agent_api.RefitAbortRequest(reason=reason[:1000])),
                 headers={"Authorization": f"Bearer {token}"},
             )
         except httpx.HTTPError:
             return
 
-    async def refit_status(self, pod_ip: str, token: str) -> dict[str, Any] | None:
-        """GET /v1/refit/status, or None when the agent cannot be asked."""
+    async def refit_status(self, pod_ip: str, token: str) -> agent_api.RefitStatusResponse | None:
+        """GET /v1/refit/status, or None when the agent cannot be asked (or answers something malformed)."""
         try:
             response = await self._call(
-                "GET", f"http://{pod_ip}:{self.port}/v1/refit/status", headers={"Authorization": f"Bearer {token}"}
+                "GET", self._url(pod_ip, agent_api.REFIT_STATUS), headers={"Authorization": f"Bearer {token}"}
             )
         except httpx.HTTPError:
             return None
         if response.status_code != 200:
             return None
-        body: dict[str, Any] = response.json()
-        return body
+        try:
+            return agent_api.RefitStatusResponse.model_validate_json(response.content)
+        except pydantic.ValidationError:
+            return None
 
     async def states(self, pod_ips: list[str], token: str) -> list[AgentState]:
         return list(await asyncio.gather(*(self.state(ip, token) for ip in pod_ips)))
+
+    def _url(self, pod_ip: str, path: str) -> str:
+        return f"http://{pod_ip}:{self.port}{path}"
+
+
+def _json(body: pydantic.BaseModel) -> Any:
+    """A request body as the agent reads it (camelCase; unset defaults left for the agent)."""
+    return body.model_dump(mode="json", by_alias=True, exclude_unset=True)

@@ -14,6 +14,7 @@ from typing import Any
 
 from megafleet import names, planner
 from megafleet.api import checks, v1alpha1
+from megafleet_protocol import env, ports
 
 Object = dict[str, Any]
 
@@ -84,7 +85,7 @@ def ranks_service(fleet: ParsedFleet, shard: int) -> Object:
             "clusterIP": "None",
             "publishNotReadyAddresses": True,
             "selector": {names.LABEL_FLEET: fleet.name, names.LABEL_SHARD: str(shard)},
-            "ports": [{"name": "rendezvous", "protocol": "TCP", "port": names.MASTER_PORT}],
+            "ports": [{"name": "rendezvous", "protocol": "TCP", "port": ports.MASTER_PORT}],
         },
     }
 
@@ -185,13 +186,13 @@ def _pod(
     resources: Object = {"cpu": spec.resources.cpu, "memory": spec.resources.memory}
     if layout.gpus_per_pod:
         resources[spec.resources.gpu_resource] = str(layout.gpus_per_pod)
-    ports = [
-        {"name": "agent", "containerPort": v1alpha1.AGENT_PORT, "protocol": "TCP"},
-        {"name": "metrics", "containerPort": v1alpha1.METRICS_PORT, "protocol": "TCP"},
+    container_ports = [
+        {"name": "agent", "containerPort": ports.AGENT_PORT, "protocol": "TCP"},
+        {"name": "metrics", "containerPort": ports.METRICS_PORT, "protocol": "TCP"},
     ]
     container: Object = {}
     if index == 0:
-        ports.insert(0, {"name": "http", "containerPort": spec.frontend.port, "protocol": "TCP"})
+        container_ports.insert(0, {"name": "http", "containerPort": spec.frontend.port, "protocol": "TCP"})
         # The frontend's /health answers 503 unless the engine serves (loading, suspended for a
         # refit, Stale): such a pod leaves its Service's endpoints and gets no traffic.
         container["readinessProbe"] = {
@@ -230,7 +231,7 @@ def _pod(
                     "command": ["megafleet-engine"],
                     "args": list(spec.engine.args),
                     "env": _env(fleet, shard, index, layout, defer_weights=defer_weights),
-                    "ports": ports,
+                    "ports": container_ports,
                     **container,
                     "resources": {"requests": resources, "limits": resources},
                     "securityContext": {
@@ -269,39 +270,39 @@ def _env(fleet: ParsedFleet, shard: int, index: int, layout: planner.PodLayout, 
     spec = fleet.spec
     master = f"{names.pod(fleet.name, shard, 0)}.{names.ranks_service(fleet.name, shard)}.{fleet.namespace}.svc"
     values = {
-        "MEGAFLEET_FLEET": fleet.name,
-        "MEGAFLEET_SHARD": str(shard),
-        "MEGAFLEET_MODEL_SOURCE": spec.model.source,
-        "MEGAFLEET_SERVED_MODEL_NAME": spec.model.served_name or fleet.name,
-        "MEGAFLEET_BACKEND": spec.engine.backend,
-        "MEGAFLEET_DTYPE": spec.model.dtype,
-        "MEGAFLEET_MAX_SEQUENCE_LENGTH": str(spec.model.max_sequence_length),
-        "MEGAFLEET_MAX_BATCH_SIZE": str(spec.engine.max_batch_size),
-        "MEGAFLEET_WEIGHTS_INITIAL": "refit" if defer_weights else spec.weights.initial,
-        "MEGAFLEET_KV_CACHE_MODE": spec.engine.kv_cache_mode,
-        "MEGAFLEET_CUDA_GRAPHS": "true" if checks.cuda_graphs_enabled(spec) else "false",
-        "MEGAFLEET_TENSOR_PARALLEL": str(spec.parallelism.tensor),
-        "MEGAFLEET_PIPELINE_PARALLEL": str(spec.parallelism.pipeline),
-        "MEGAFLEET_FRONTEND_PORT": str(spec.frontend.port),
-        "MEGAFLEET_AGENT_PORT": str(v1alpha1.AGENT_PORT),
-        "MEGAFLEET_METRICS_PORT": str(v1alpha1.METRICS_PORT),
-        "MEGAFLEET_AGENT_TOKEN_FILE": f"{names.AGENT_TOKEN_MOUNT}/{names.AGENT_TOKEN_KEY}",
-        "MEGAFLEET_RANK": str(index * layout.ranks_per_pod),  # the pod's first global rank in the shard
-        "MEGAFLEET_WORLD_SIZE": str(layout.pods_per_shard * layout.ranks_per_pod),
-        "MEGAFLEET_LOCAL_GPUS": str(layout.gpus_per_pod),
-        "MEGAFLEET_MASTER_ADDR": master,
-        "MEGAFLEET_MASTER_PORT": str(names.MASTER_PORT),
+        env.FLEET: fleet.name,
+        env.SHARD: str(shard),
+        env.MODEL_SOURCE: spec.model.source,
+        env.SERVED_MODEL_NAME: spec.model.served_name or fleet.name,
+        env.BACKEND: spec.engine.backend,
+        env.DTYPE: spec.model.dtype,
+        env.MAX_SEQUENCE_LENGTH: str(spec.model.max_sequence_length),
+        env.MAX_BATCH_SIZE: str(spec.engine.max_batch_size),
+        env.WEIGHTS_INITIAL: "refit" if defer_weights else spec.weights.initial,
+        env.KV_CACHE_MODE: spec.engine.kv_cache_mode,
+        env.CUDA_GRAPHS: "true" if checks.cuda_graphs_enabled(spec) else "false",
+        env.TENSOR_PARALLEL: str(spec.parallelism.tensor),
+        env.PIPELINE_PARALLEL: str(spec.parallelism.pipeline),
+        env.FRONTEND_PORT: str(spec.frontend.port),
+        env.AGENT_PORT: str(ports.AGENT_PORT),
+        env.METRICS_PORT: str(ports.METRICS_PORT),
+        env.AGENT_TOKEN_FILE: f"{names.AGENT_TOKEN_MOUNT}/{names.AGENT_TOKEN_KEY}",
+        env.RANK: str(index * layout.ranks_per_pod),  # the pod's first global rank in the shard
+        env.WORLD_SIZE: str(layout.pods_per_shard * layout.ranks_per_pod),
+        env.LOCAL_GPUS: str(layout.gpus_per_pod),
+        env.MASTER_ADDR: master,
+        env.MASTER_PORT: str(ports.MASTER_PORT),
     }
-    env: list[Object] = [{"name": "MEGAFLEET_HOST", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}}]
-    env += [{"name": key, "value": value} for key, value in values.items()]
+    items: list[Object] = [{"name": env.HOST, "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}}]
+    items += [{"name": key, "value": value} for key, value in values.items()]
     if spec.frontend.api_key_secret is not None:
-        env.append(
+        items.append(
             {
-                "name": "MEGAFLEET_API_KEY",
+                "name": env.API_KEY,
                 "valueFrom": {
                     "secretKeyRef": {"name": spec.frontend.api_key_secret.name, "key": spec.frontend.api_key_secret.key}
                 },
             }
         )
-    env += [{"name": item.name, "value": item.value} for item in spec.engine.env]
-    return env
+    items += [{"name": item.name, "value": item.value} for item in spec.engine.env]
+    return items

@@ -22,7 +22,6 @@ ANNOTATION_TEMPLATE_HASH = f"{PREFIX}/template-hash"
 
 AGENT_TOKEN_KEY = "token"
 AGENT_TOKEN_MOUNT = "/var/run/megafleet/agent"
-MASTER_PORT = 29500
 
 
 def frontend_service(fleet: str, shard: int) -> str:

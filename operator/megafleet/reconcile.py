@@ -23,6 +23,7 @@ from lightkube import operators
 
 from megafleet import agent_client, backoff, conditions, desired, kube, names, planner
 from megafleet.api import checks, v1alpha1
+from megafleet_protocol import agent_api
 
 log = logging.getLogger(__name__)
 
@@ -457,12 +458,12 @@ async def _catch_up(
     delays.forget(lambda key: not isinstance(key, tuple) or key[:2] != fleet_key or key[3:] == (current, path))
     if current is None or path is None or refit_state.get("active") is not None:
         return
-    body = {
-        "version": current,
-        "path": path,
-        "timeoutSeconds": fleet.spec.refit.timeout_seconds,
-        "kvCacheMode": fleet.spec.engine.kv_cache_mode,
-    }
+    body = agent_api.CheckpointRefitRequest(
+        version=current,
+        path=path,
+        timeout_seconds=fleet.spec.refit.timeout_seconds,
+        kv_cache_mode=fleet.spec.engine.kv_cache_mode,
+    )
     for shard, answers in sorted(reports.items()):
         if any(a is None or a.error is not None or a.state == "failed" for a in answers):
             continue  # not every pod of the shard can take it yet
@@ -470,20 +471,20 @@ async def _catch_up(
             continue
         ips = [pod["status"]["podIP"] for pod in shards.pods[shard]]
         progress = [await agents.refit_status(ip, token) for ip in ips]
-        if all(p is not None and p.get("version") == current and p.get("phase") not in _SETTLED for p in progress):
+        if all(p is not None and p.version == current and p.phase not in _SETTLED for p in progress):
             continue  # already catching up
-        failed = [p for p in progress if p is not None and p.get("version") == current and p.get("phase") == "failed"]
+        failed = [p for p in progress if p is not None and p.version == current and p.phase == "failed"]
         left, failures = delays.wait((*fleet_key, shard, current, path), failed=bool(failed), now=clock())
         if failures is not None:
             notify(
                 "Warning",
                 "CatchUpFailed",
                 f"shard {shard} could not load version {current} from {path} ({failures} in a row: "
-                f"{failed[0].get('error')}); next try in {left:.0f} s",
+                f"{failed[0].error}); next try in {left:.0f} s",
             )
         if left > 0:
             continue
-        refused = [error for ip in ips if (error := await agents.refit_start(ip, token, "checkpoint", body))]
+        refused = [error for ip in ips if (error := await agents.refit_start(ip, token, body))]
         if refused:
             notify("Warning", "CatchUpRefused", f"shard {shard} cannot load version {current}: {refused[0]}")
         else:

@@ -7,7 +7,7 @@ stands (Pending -> Running -> Succeeded | Failed) and each call advances it. The
 not scale while it is set. On success the fleet's ``status.refit.currentVersion`` moves on; shards
 not at it afterwards are Stale (see :mod:`megafleet.reconcile`).
 
-The wire protocol (DESIGN.md section 6): the trainer ranks come first in the trainer+fleet world,
+The refit protocol (docs/refit-protocol.md): the trainer ranks come first in the trainer+fleet world,
 then each member shard's ranks at its offset (:func:`megafleet.planner.rank_offsets`); the trainer
 reads ``status.membership`` to learn the world size before it opens its rendezvous store.
 """
@@ -18,8 +18,11 @@ import base64
 import logging
 from typing import Any
 
+import pydantic
+
 from megafleet import agent_client, conditions, desired, kube, names, planner
 from megafleet.api import checks, v1alpha1
+from megafleet_protocol import agent_api, ports
 
 log = logging.getLogger(__name__)
 
@@ -126,20 +129,17 @@ async def _start(
     for shard, members in sorted(reachable.items()):
         for pod in members:
             # The shard's offset: each rank adds its own rank in the shard (MEGAFLEET_RANK).
-            body = _request(spec, fleet, membership, membership.offsets[shard], attempt)
-            path = "prepare" if spec.source.rendezvous is not None else "checkpoint"
-            error = await agents.refit_start(pod["status"]["podIP"], token, path, body)
+            try:
+                body = _request(spec, fleet, membership, membership.offsets[shard], attempt)
+            except pydantic.ValidationError as invalid:  # e.g. attempt 2 past port 65535: the agent would refuse it
+                refused.append(f"{pod['metadata']['name']} refused: {invalid.errors()[0]['msg']}")
+                continue
+            error = await agents.refit_start(pod["status"]["podIP"], token, body)
             if error is not None:
                 refused.append(f"{pod['metadata']['name']} refused: {error}")
     if refused:  # a member that never started would leave the others waiting for it until their deadline
         started = {**refit, "status": {**(refit.get("status") or {}), "attempts": attempt}}
         await _fail_attempt(api, agents, started, fleet_body, reachable, sorted(reachable), token, refused[0])
-
-
-def attempt_port(base_port: int, attempt: int) -> int:
-    """The rendezvous port of attempt ``attempt`` (1, 2): a fresh port per attempt, so a retry never
-    meets a stale store. The trainer SDK's ``megafleet.sdk.trainer.attempt_port`` is the same rule."""
-    return base_port + attempt - 1
 
 
 def _request(
@@ -148,32 +148,32 @@ def _request(
     membership: planner.Membership,
     rank_offset: int,
     attempt: int,
-) -> Object:
-    common: Object = {
-        "version": spec.version,
-        "timeoutSeconds": fleet.spec.refit.timeout_seconds,
-        "kvCacheMode": fleet.spec.engine.kv_cache_mode,
-    }
+) -> agent_api.RefitRequest:
+    version, timeout, kv_cache_mode = spec.version, fleet.spec.refit.timeout_seconds, fleet.spec.engine.kv_cache_mode
     if spec.source.checkpoint is not None:
-        return {**common, "path": spec.source.checkpoint.path}
+        return agent_api.CheckpointRefitRequest(
+            version=version, timeout_seconds=timeout, kv_cache_mode=kv_cache_mode, path=spec.source.checkpoint.path
+        )
     rendezvous = spec.source.rendezvous
     assert rendezvous is not None  # the model validator guarantees exactly one source
-    return {
-        **common,
-        "transport": fleet.spec.refit.transport,
-        "bucketSizeMiB": fleet.spec.refit.bucket_size_mi_b,
-        "rendezvous": {
-            "address": rendezvous.address,
-            "port": attempt_port(rendezvous.port, attempt),  # where the trainer opens this attempt's store
-            "worldSize": membership.world_size,
-            "rankOffset": rank_offset,
-            "trainerWorldSize": membership.trainer_world_size,
-        },
-    }
+    return agent_api.PrepareRequest(
+        version=version,
+        timeout_seconds=timeout,
+        kv_cache_mode=kv_cache_mode,
+        transport=fleet.spec.refit.transport,
+        bucket_size_mib=fleet.spec.refit.bucket_size_mi_b,
+        rendezvous=agent_api.RendezvousBody(
+            address=rendezvous.address,
+            port=ports.attempt_port(rendezvous.port, attempt),  # where the trainer opens this attempt's store
+            world_size=membership.world_size,
+            rank_offset=rank_offset,
+            trainer_world_size=membership.trainer_world_size,
+        ),
+    )
 
 
 MAX_ATTEMPTS = 2
-"""A failed attempt is retried once with the shards still alive (DESIGN.md section 6)."""
+"""A failed attempt is retried once with the shards still alive."""
 
 
 async def _collect(
@@ -187,7 +187,7 @@ async def _collect(
 ) -> None:
     status = refit.get("status") or {}
     members = [entry["shard"] for entry in (status.get("membership") or {}).get("rankOffsets", [])]
-    reports: list[Object] = []
+    reports: list[agent_api.RefitStatusResponse] = []
     failure: str | None = None
     for shard in members:
         if shard not in pods:
@@ -198,10 +198,10 @@ async def _collect(
             if report is None:
                 failure = f"the agent of {pod['metadata']['name']} is gone"
                 break
-            if report.get("version") != spec.version:
+            if report.version != spec.version:
                 return  # not started there yet
-            if report.get("phase") == "failed":
-                failure = f"{pod['metadata']['name']}: {report.get('error')}"
+            if report.phase == "failed":
+                failure = f"{pod['metadata']['name']}: {report.error}"
                 break
             reports.append(report)
         if failure is not None:
@@ -209,13 +209,13 @@ async def _collect(
     if failure is not None:
         await _fail_attempt(api, agents, refit, fleet_body, pods, members, token, failure)
         return
-    if not all(report.get("phase") == "succeeded" for report in reports):
+    if not all(report.phase == "succeeded" for report in reports):
         return
     phases: dict[str, int] = {}
     for report in reports:
-        for timing in report.get("phases", []):
-            phases[timing["name"]] = max(phases.get(timing["name"], 0), int(timing["milliseconds"]))
-    duration = max(int(report.get("durationMilliseconds") or 0) for report in reports)
+        for timing in report.phases:
+            phases[timing.name] = max(phases.get(timing.name, 0), timing.milliseconds)
+    duration = max(report.duration_milliseconds or 0 for report in reports)
     await _finish(
         api,
         refit,

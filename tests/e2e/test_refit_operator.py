@@ -12,9 +12,10 @@ import openai
 import torch
 import yaml
 
-from megafleet.sdk import trainer as sdk
 from megafleet_dev import kube
 from megafleet_engine.models import tiny
+from megafleet_protocol import ports
+from megafleet_protocol.refit import sender as sdk
 
 ROOT = Path(__file__).resolve().parents[2]
 WAIT = 120
@@ -86,7 +87,7 @@ class TrainerModel:
         membership = running["status"]["membership"]
         attempt = running["status"]["attempts"]
         sender = sdk.WeightSender(
-            sdk.attempt_port(port, attempt), membership["worldSize"], address=TRAINER_ADDRESS, timeout_seconds=60
+            ports.attempt_port(port, attempt), membership["worldSize"], address=TRAINER_ADDRESS, timeout_seconds=60
         )
         failure: list[BaseException] = []
 

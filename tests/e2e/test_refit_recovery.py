@@ -1,4 +1,4 @@
-"""Refit recovery end to end (DESIGN.md section 6), against the real control plane with real engine
+"""Refit recovery end to end (docs/refit-protocol.md), against the real control plane with real engine
 processes and gloo on CPU: a shard killed in the middle of a refit is dropped and the retry succeeds
 on the live shards; a restarted shard comes back Stale and unrouted until it caught up (at the next
 refit, or at once from the checkpoint the current version came from); a reshard refit through the
@@ -20,10 +20,11 @@ import pytest
 import test_refit_operator as base
 import torch
 
-from megafleet.sdk import trainer as sdk
 from megafleet_dev import kube, runner
 from megafleet_engine.models import tiny
-from megafleet_engine.refit import errors, wire
+from megafleet_protocol import ports, vocabulary
+from megafleet_protocol.refit import errors
+from megafleet_protocol.refit import sender as sdk
 
 WAIT = 120
 FLEET = "tiny"
@@ -78,7 +79,7 @@ def refit(
     model: Model,
     version: int,
     *,
-    transport: wire.Transport = "broadcast",
+    transport: vocabulary.Transport = "broadcast",
     before_send: BeforeSend | None = None,
 ) -> tuple[kube.Object, list[Attempt]]:
     """What a trainer does: create the Refit, run each attempt the operator publishes on its own
@@ -113,7 +114,7 @@ def refit(
         if _phase(running) != "Running":
             return running, attempts
         attempt = Attempt(_attempts(running), running["status"]["membership"]["worldSize"], 0)
-        attempt.port = sdk.attempt_port(port, attempt.number)
+        attempt.port = ports.attempt_port(port, attempt.number)
         attempts.append(attempt)
         sender = sdk.WeightSender(attempt.port, attempt.world_size, address=base.TRAINER_ADDRESS, timeout_seconds=60)
 

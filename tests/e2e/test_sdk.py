@@ -22,9 +22,9 @@ from prometheus_client.parser import text_string_to_metric_families
 from safetensors.torch import save_file
 
 import enginehelpers
-from megafleet.api import v1alpha1
 from megafleet.sdk import errors, fleet, nemo
 from megafleet_dev import kube
+from megafleet_protocol import ports
 
 ROOT = Path(__file__).resolve().parents[2]
 WAIT = 120
@@ -70,7 +70,7 @@ def completions_served(kube_admin: kube.Kube, namespace: str, pods: list[str]) -
     for pod in pods:
         found = kube_admin.get(f"/api/v1/namespaces/{namespace}/pods/{pod}")
         assert found is not None
-        text = httpx.get(f"http://{found['status']['podIP']}:{v1alpha1.METRICS_PORT}/metrics", timeout=30).text
+        text = httpx.get(f"http://{found['status']['podIP']}:{ports.METRICS_PORT}/metrics", timeout=30).text
         counts.append(
             int(
                 sum(

@@ -15,6 +15,7 @@ import torch
 from megafleet_engine import engine
 from megafleet_engine.backends import base, load_backend, transformers_backend
 from megafleet_engine.models import tiny
+from megafleet_protocol import vocabulary
 
 
 @pytest.fixture(scope="module")
@@ -353,7 +354,7 @@ class SteppedBackend:
     logged."""
 
     supports_admission = True
-    kv_cache_mode: base.KvCacheMode = "offload"
+    kv_cache_mode: vocabulary.KvCacheMode = "offload"
     tokenizer = None
     follows = False
     spans_ranks = False
@@ -407,10 +408,10 @@ class SteppedBackend:
     def load_checkpoint(self, source: str) -> None:
         pass
 
-    def begin_weight_update(self, kv_cache_mode: base.KvCacheMode) -> None:
+    def begin_weight_update(self, kv_cache_mode: vocabulary.KvCacheMode) -> None:
         self.log.append(("begin", kv_cache_mode))
 
-    def finish_weight_update(self, kv_cache_mode: base.KvCacheMode) -> None:
+    def finish_weight_update(self, kv_cache_mode: vocabulary.KvCacheMode) -> None:
         self.log.append(("finish", kv_cache_mode))
 
     def shard_map(self) -> None:

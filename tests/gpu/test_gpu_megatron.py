@@ -36,6 +36,7 @@ import torch
 from megafleet_engine import engine as engine_module
 from megafleet_engine.backends import base, megatron, weight_maps
 from megafleet_engine.models import tiny
+from megafleet_protocol import vocabulary
 
 SOURCE = "tiny://llama?hidden=256&heads=4&kv_heads=2&intermediate=512"  # head_dim 64, a common kernel shape
 MAX_SEQUENCE_LENGTH = 256
@@ -137,7 +138,7 @@ def scaled_reference_weights(seed: int = 0) -> dict[str, torch.Tensor]:
 
 
 def build(
-    kv_cache_mode: base.KvCacheMode = "persist", parallel: base.Parallel | None = None
+    kv_cache_mode: vocabulary.KvCacheMode = "persist", parallel: base.Parallel | None = None
 ) -> megatron.MegatronBackend:
     """The tiny model on this process's GPU (graphs on, 1 GB of KV cache) with the scaled weights."""
     loaded = megatron.load(
@@ -500,7 +501,8 @@ class TestTensorParallel:
         out = tmp_path / "tp2.json"
         engine_dir = Path(base.__file__).resolve().parents[2]
         env = {**os.environ, **NCCL_SAFE}
-        env["PYTHONPATH"] = os.pathsep.join([str(engine_dir), env.get("PYTHONPATH", "")])
+        protocol_dir = Path(vocabulary.__file__).resolve().parents[1]
+        env["PYTHONPATH"] = os.pathsep.join([str(engine_dir), str(protocol_dir), env.get("PYTHONPATH", "")])
         command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2"]
         log = tmp_path / "tp2.log"
         with log.open("w") as output:
@@ -580,7 +582,11 @@ class TestRefitKvModes:
         ids=["persist", "offload", "recompute", "offload-on-persist-build", "recompute-on-persist-build"],
     )
     def test_a_refit_serves_what_a_fresh_engine_serves(
-        self, mode: base.KvCacheMode, built: base.KvCacheMode, prompts: list[list[int]], fresh: dict[str, list[int]]
+        self,
+        mode: vocabulary.KvCacheMode,
+        built: vocabulary.KvCacheMode,
+        prompts: list[list[int]],
+        fresh: dict[str, list[int]],
     ) -> None:
         backend = build(built)
         context = backend.engine.context

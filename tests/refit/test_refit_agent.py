@@ -14,8 +14,8 @@ import pytest
 import test_refit_harness as harness
 import torch
 
-from megafleet.sdk import trainer as sdk
-from megafleet_engine.refit import communicator, errors, wire
+from megafleet_protocol.refit import communicator, errors, wire
+from megafleet_protocol.refit import sender as sdk
 
 PROMPT = [40, 41, 42, 43, 44]
 

@@ -2,7 +2,7 @@
 operator makes.
 
 * :class:`Trainer`: the tiny Llama with *changed* weights (another seed), its own greedy output, and
-  :meth:`Trainer.send_in_background`, a :class:`~megafleet.sdk.trainer.WeightSender` on a thread.
+  :meth:`Trainer.send_in_background`, a :class:`~megafleet_protocol.refit.sender.WeightSender` on a thread.
 * :func:`serve_in_process`: an engine and its servers in this process (so tests can look at the live
   tensors); :class:`EngineProcess`: ``python -m megafleet_engine.cli`` on its own 127.x address.
 * :class:`AgentClient`: ``POST /v1/refit/prepare`` and friends, and waiting for the outcome by
@@ -28,12 +28,12 @@ import openai
 import torch
 
 import enginehelpers
-from megafleet.sdk import trainer as sdk
 from megafleet_engine import backends, engine, metrics, server
 from megafleet_engine.backends import transformers_backend, weight_maps
 from megafleet_engine.models import tiny
-from megafleet_engine.refit import controller as refit_controller
-from megafleet_engine.refit import wire
+from megafleet_engine.refit_runner import controller as refit_controller
+from megafleet_protocol import vocabulary
+from megafleet_protocol.refit import sender as sdk
 
 MODEL = "tiny"
 SOURCE = "tiny://llama"
@@ -85,7 +85,7 @@ class Trainer:
         world_size: int,
         *,
         version: int,
-        transport: wire.Transport = "broadcast",
+        transport: vocabulary.Transport = "broadcast",
         weights: Mapping[str, torch.Tensor] | None = None,
         timeout_seconds: float = 60.0,
         send: bool = True,

@@ -24,9 +24,11 @@ from typing import Any
 import pytest
 import torch
 
-from megafleet.sdk import trainer as sdk
 from megafleet_engine.backends import weight_maps
-from megafleet_engine.refit import communicator, errors, progress, receiver, sinks, watchdog, wire
+from megafleet_engine.refit_runner import progress, sinks, watchdog
+from megafleet_protocol import vocabulary
+from megafleet_protocol.refit import communicator, errors, receiver, wire
+from megafleet_protocol.refit import sender as sdk
 
 pytestmark = [
     pytest.mark.gpu,
@@ -73,7 +75,7 @@ def _report(process: subprocess.Popen[str]) -> dict[str, Any]:
 
 
 @pytest.mark.parametrize("transport", ["broadcast", "reshard"])
-def test_nccl_refit_lands_exactly_and_in_place(transport: wire.Transport) -> None:
+def test_nccl_refit_lands_exactly_and_in_place(transport: vocabulary.Transport) -> None:
     port = _port()
     child = _spawn(mode="receive", port=port, transport=transport, rounds=2)
     try:
@@ -162,12 +164,12 @@ def test_nccl_watchdog_releases_a_receiver_blocked_in_a_broadcast() -> None:
 
 
 def _receiver(arguments: dict[str, Any]) -> dict[str, Any]:
-    transport: wire.Transport = arguments["transport"]
+    transport: vocabulary.Transport = arguments["transport"]
     device = torch.device(RECEIVER_DEVICE)
     torch.cuda.set_device(device)
     if arguments["mode"] == "stall":
         live = {"w": torch.zeros(1024, 1024, dtype=torch.bfloat16, device=device)}
-        sink: sinks.Sink = sinks.NamedSink(live)
+        sink: receiver.Sink = sinks.NamedSink(live)
         expected: dict[str, torch.Tensor] = {}
     elif transport == "broadcast":
         expected = weights(RECEIVER_DEVICE)

@@ -20,9 +20,9 @@ import test_refit_harness as harness
 import torch
 
 from megafleet.sdk import fleet as sdk_fleet
-from megafleet.sdk import trainer as sdk
 from megafleet.sdk import weights as sdk_weights
-from megafleet_engine.refit import errors
+from megafleet_protocol.refit import errors
+from megafleet_protocol.refit import sender as sdk
 
 PROMPT = [60, 61, 62, 63]
 TOKENS = 6

@@ -18,8 +18,9 @@ import test_refit_harness as harness
 import torch
 from torch._C import _distributed_c10d as c10d
 
-from megafleet.sdk import trainer as sdk
-from megafleet_engine.refit import communicator, errors, sinks, wire
+from megafleet_engine.refit_runner import sinks
+from megafleet_protocol.refit import communicator, errors, wire
+from megafleet_protocol.refit import sender as sdk
 
 PROMPT = [50, 51, 52, 53]
 TOKENS = 5

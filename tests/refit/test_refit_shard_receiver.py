@@ -16,7 +16,8 @@ from typing import Any
 import torch
 
 from megafleet_engine.backends import weight_maps
-from megafleet_engine.refit import communicator, progress, receiver, sinks, wire
+from megafleet_engine.refit_runner import progress, sinks
+from megafleet_protocol.refit import communicator, receiver, wire
 
 
 def main(args: dict[str, Any]) -> None:

@@ -12,9 +12,11 @@ import pytest
 import test_refit_harness as harness
 import torch
 
-from megafleet.sdk import trainer as sdk
 from megafleet_engine.backends import weight_maps
-from megafleet_engine.refit import communicator, progress, receiver, sinks, watchdog, wire
+from megafleet_engine.refit_runner import progress, sinks, watchdog
+from megafleet_protocol import ports
+from megafleet_protocol.refit import communicator, receiver, wire
+from megafleet_protocol.refit import sender as sdk
 
 
 def _sized(*sizes: int) -> list[tuple[wire.Region, int]]:
@@ -140,7 +142,7 @@ def test_rank_arithmetic_of_the_trainer_fleet_world() -> None:
             rendezvous.group_rank(outside)
     with pytest.raises(ValueError, match="has no fleet"):
         communicator.Rendezvous("127.0.0.1", 1, world_size=2, trainer_world_size=2)
-    assert [sdk.attempt_port(29500, attempt) for attempt in (1, 2)] == [29500, 29501]
+    assert [ports.attempt_port(29500, attempt) for attempt in (1, 2)] == [29500, 29501]
     with pytest.raises(ValueError, match="only trainer rank 0"):
         sdk.WeightSender(29500, 3, rank=1, address="127.0.0.1")
 

@@ -10,6 +10,7 @@ from typing import Any
 
 from megafleet import agent_client, backoff, desired, reconcile
 from megafleet.api import v1alpha1
+from megafleet_protocol import agent_api
 
 
 def test_delays_double_up_to_the_cap_and_a_failure_counts_once() -> None:
@@ -26,6 +27,23 @@ def test_delays_double_up_to_the_cap_and_a_failure_counts_once() -> None:
     assert delays.failures("other") == 0
 
 
+IDLE_FIELDS: dict[str, Any] = {
+    "transport": None,
+    "rank": None,
+    "worldSize": None,
+    "phases": [],
+    "durationMilliseconds": None,
+    "bytesReceived": 0,
+    "buckets": 0,
+    "tensorsWritten": 0,
+    "timedOut": False,
+    "dirty": False,
+    "state": "stale",
+    "weightVersion": None,
+}
+"""The status fields the catch-up does not look at."""
+
+
 class StandInAgents:
     """The agents' client as :func:`reconcile._catch_up` calls it: each pod's refit status, and the
     checkpoint refits it starts (a started one runs, then fails when ``failing``)."""
@@ -35,13 +53,16 @@ class StandInAgents:
         self.phase = "idle"
         self.failing = True
 
-    async def refit_status(self, pod_ip: str, token: str) -> dict[str, Any]:
+    async def refit_status(self, pod_ip: str, token: str) -> agent_api.RefitStatusResponse:
         if self.phase == "running" and self.failing:
             self.phase = "failed"  # the attempt ran and failed before this look
-        return {"version": 3, "phase": self.phase, "source": "checkpoint", "error": "no such file"}
+        return agent_api.RefitStatusResponse.model_validate(
+            {"version": 3, "phase": self.phase, "source": "checkpoint", "error": "no such file", **IDLE_FIELDS}
+        )
 
-    async def refit_start(self, pod_ip: str, token: str, operation: str, body: dict[str, Any]) -> None:
-        assert (operation, body["version"], body["path"]) == ("checkpoint", 3, "/ckpt/v3")
+    async def refit_start(self, pod_ip: str, token: str, body: agent_api.RefitRequest) -> None:
+        assert isinstance(body, agent_api.CheckpointRefitRequest)
+        assert (body.version, body.path) == (3, "/ckpt/v3")
         self.started.append(pod_ip)
         self.phase = "running"
 

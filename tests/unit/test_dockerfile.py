@@ -144,6 +144,17 @@ def test_the_operator_image_installs_no_torch(stages: dict[str, Stage], project:
     assert not any("torch" in argument for _, argument in operator.instructions)
 
 
+@pytest.mark.parametrize("stage", ["operator", "engine"])
+def test_both_images_copy_every_package_the_install_builds(stages: dict[str, Stage], stage: str) -> None:
+    copied = {argument.split()[0] for keyword, argument in stages[stage].instructions if keyword == "COPY"}
+    assert {"protocol", "operator", "engine", "dev"} <= copied
+
+
+def test_the_operator_image_removes_the_engine_and_the_dev_tooling(stages: dict[str, Stage]) -> None:
+    removal = [a for k, a in stages["operator"].instructions if k == "RUN" and "rmtree" in a]
+    assert removal and "'megafleet_engine'" in removal[0] and "'megafleet_dev'" in removal[0]
+
+
 def test_the_engine_image_installs_torch_and_megatron(stages: dict[str, Stage], project: dict[str, Any]) -> None:
     installed = {name for target in stages["engine"].pip_targets() for name in requirements(project, target)}
     assert {"torch", "transformers", "megatron-core", "fastapi", "uvicorn"} <= installed

@@ -13,13 +13,14 @@ import dataclasses
 from collections.abc import Callable, Collection, Generator, Sequence
 from typing import TYPE_CHECKING, Any, Literal, Protocol
 
+from megafleet_protocol import vocabulary
+
 if TYPE_CHECKING:
     import torch
 
     from megafleet_engine.backends import weight_maps
 
 FinishReason = Literal["stop", "length", "abort"]
-KvCacheMode = Literal["persist", "offload", "recompute"]
 LogprobsMode = Literal["processed", "raw"]
 """Which distribution a sequence's log-probabilities come from (:mod:`megafleet_engine.backends.sampling`):
 ``processed``, the one its tokens are drawn from (temperature, top-k, top-p applied: NeMo RL's
@@ -151,7 +152,7 @@ class Backend(Protocol):
 
     Called by the scheduler (:class:`megafleet_engine.engine.Engine`), the command
     (:mod:`megafleet_engine.cli`), the frontend (its :attr:`tokenizer`) and the refit receiver
-    (:mod:`megafleet_engine.refit.controller` and :mod:`~megafleet_engine.refit.sinks`); this is
+    (:mod:`megafleet_engine.refit_runner.controller` and :mod:`~megafleet_engine.refit_runner.sinks`); this is
     all they use of a backend.
 
     Lifecycle: construct (loads the model skeleton; with deferred init, no weights), then
@@ -176,7 +177,7 @@ class Backend(Protocol):
     ``False`` the scheduler calls ``generate(batch)`` alone and starts the next batch as soon as
     this one ends."""
 
-    kv_cache_mode: KvCacheMode
+    kv_cache_mode: vocabulary.KvCacheMode
     """The KV-cache mode of refits unless the engine is told another."""
 
     @property
@@ -219,14 +220,14 @@ class Backend(Protocol):
         """Load weights from ``source`` into the live parameters (in place)."""
         ...
 
-    def begin_weight_update(self, kv_cache_mode: KvCacheMode) -> None:
+    def begin_weight_update(self, kv_cache_mode: vocabulary.KvCacheMode) -> None:
         """Called before new weights are written, with nothing in flight: ``persist`` keeps the KV
         cache and CUDA graphs, ``offload`` frees them (GPU memory goes back to the device),
         ``recompute`` drops the KV cache (a backend may free it now and rebuild it after).
         Idempotent."""
         ...
 
-    def finish_weight_update(self, kv_cache_mode: KvCacheMode) -> None:
+    def finish_weight_update(self, kv_cache_mode: vocabulary.KvCacheMode) -> None:
         """Called after new weights were written: rebuild what :meth:`begin_weight_update` freed;
         no KV entry computed with the old weights may serve a later request. Idempotent."""
         ...

@@ -28,6 +28,7 @@ import transformers
 
 from megafleet_engine.backends import base, sampling
 from megafleet_engine.models import tiny
+from megafleet_protocol import vocabulary
 
 
 @dataclasses.dataclass
@@ -42,7 +43,7 @@ class TransformersBackend:
     """A :class:`~megafleet_engine.backends.base.Backend` over a ``PreTrainedModel``."""
 
     supports_admission = False
-    kv_cache_mode: base.KvCacheMode = "persist"
+    kv_cache_mode: vocabulary.KvCacheMode = "persist"
     follows = False
     spans_ranks = False
 
@@ -93,10 +94,10 @@ class TransformersBackend:
             for name, tensor in live.items():
                 tensor.copy_(weights[name])
 
-    def begin_weight_update(self, kv_cache_mode: base.KvCacheMode) -> None:
+    def begin_weight_update(self, kv_cache_mode: vocabulary.KvCacheMode) -> None:
         """No cache outlives a batch here, so every mode is already satisfied."""
 
-    def finish_weight_update(self, kv_cache_mode: base.KvCacheMode) -> None:
+    def finish_weight_update(self, kv_cache_mode: vocabulary.KvCacheMode) -> None:
         """No cache outlives a batch here, so every mode is already satisfied."""
 
     def settle_weight_update(self, version: int, *, ok: bool, timeout_seconds: float) -> bool:

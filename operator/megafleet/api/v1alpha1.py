@@ -18,20 +18,12 @@ from pydantic import Field
 from pydantic.alias_generators import to_camel
 from pydantic.config import JsonDict
 
+from megafleet_protocol import ports, vocabulary
+
 GROUP = "megafleet.dev"
 VERSION = "v1alpha1"
 API_VERSION = f"{GROUP}/{VERSION}"
 
-AGENT_PORT = 8471
-"""Port of the pod-local agent API on every engine pod (operator only)."""
-METRICS_PORT = 9400
-"""Port of the Prometheus metrics endpoint on every engine pod."""
-
-Backend = Literal["megatron", "transformers"]
-KvCacheMode = Literal["persist", "offload", "recompute"]
-WeightSource = Literal["checkpoint", "refit"]
-RefitTransport = Literal["broadcast", "reshard"]
-Dtype = Literal["bfloat16", "float16", "float32"]
 NvlinkPolicy = Literal["Required", "Preferred"]
 GangScheduler = Literal["None", "Kueue", "KAI", "Volcano"]
 PullPolicy = Literal["Always", "IfNotPresent", "Never"]
@@ -93,7 +85,7 @@ class ModelSpec(ApiModel):
         max_length=256,
         description="servedName is the model name clients send in the OpenAI API; defaults to the fleet's name.",
     )
-    dtype: Dtype = Field(default="bfloat16", description="dtype is the parameter data type of the engines.")
+    dtype: vocabulary.Dtype = Field(default="bfloat16", description="dtype is the parameter data type of the engines.")
     max_sequence_length: int = Field(
         default=4096,
         ge=16,
@@ -105,7 +97,7 @@ class ModelSpec(ApiModel):
 class WeightsSpec(ApiModel):
     """Where the first weights come from."""
 
-    initial: WeightSource = Field(
+    initial: vocabulary.WeightsInitial = Field(
         default="checkpoint",
         description="initial is checkpoint (load weights from model.source at start) or refit (start "
         "without weights and become Ready only when the first Refit has delivered them; NeMo RL's "
@@ -230,8 +222,9 @@ class FrontendSpec(ApiModel):
         json_schema_extra={
             "x-kubernetes-validations": [
                 _cel(
-                    f"self.port != {AGENT_PORT} && self.port != {METRICS_PORT}",
-                    f"port must differ from the agent port {AGENT_PORT} and the metrics port {METRICS_PORT}",
+                    f"self.port != {ports.AGENT_PORT} && self.port != {ports.METRICS_PORT}",
+                    f"port must differ from the agent port {ports.AGENT_PORT} and the metrics port "
+                    f"{ports.METRICS_PORT}",
                     field_path=".port",
                 ),
             ]
@@ -246,15 +239,17 @@ class FrontendSpec(ApiModel):
     @pydantic.field_validator("port")
     @classmethod
     def _port_free(cls, port: int) -> int:
-        if port in (AGENT_PORT, METRICS_PORT):
-            raise ValueError(f"port must differ from the agent port {AGENT_PORT} and the metrics port {METRICS_PORT}")
+        if port in (ports.AGENT_PORT, ports.METRICS_PORT):
+            raise ValueError(
+                f"port must differ from the agent port {ports.AGENT_PORT} and the metrics port {ports.METRICS_PORT}"
+            )
         return port
 
 
 class RefitSpec(ApiModel):
     """How refits from the trainer run."""
 
-    transport: RefitTransport = Field(
+    transport: vocabulary.Transport = Field(
         default="broadcast",
         description="transport is broadcast (every inference rank receives full tensors and keeps its "
         "shard) or reshard (each rank receives, point to point, only the slices its layout needs; a "
@@ -293,12 +288,12 @@ class EnvVar(ApiModel):
 class EngineSpec(ApiModel):
     """The inference engine inside each pod."""
 
-    backend: Backend = Field(
+    backend: vocabulary.BackendName = Field(
         default="megatron",
         description="backend is megatron (megatron-core's inference engine, GPU, TP/PP across ranks) "
         "or transformers (Hugging Face transformers, CPU or one GPU).",
     )
-    kv_cache_mode: KvCacheMode = Field(
+    kv_cache_mode: vocabulary.KvCacheMode = Field(
         default="persist",
         description="kvCacheMode is persist (keep KV cache and CUDA graphs across refits), offload "
         "(free them during a refit, rebuild after) or recompute (drop the KV cache after each refit).",

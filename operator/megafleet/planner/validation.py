@@ -1,33 +1,28 @@
 """Cross-field validation of a fleet spec, in the spirit of NeMo RL's ``validate_settings``.
 
-The reconcile flow calls :func:`validate` first (DESIGN.md section 5). The CRD schema already
+The reconcile flow calls :func:`validate` first. The CRD schema already
 rejects what it can express at admission; this module checks the combinations it cannot and
 returns every problem at once, each tied to the user-facing spec path and saying what to change.
 A non-empty result means the operator sets ``InvalidSpec`` and creates nothing.
-
-Every rule is grounded in the research notes (``research/nemo_rl.md`` sections 1.2, 1.5, 8) or
-in how megafleet maps shards to pods; no rule guesses at engine limits beyond those.
+No rule guesses at engine limits beyond what NeMo RL's settings checks and megafleet's shard-to-pod
+mapping require.
 """
 
 from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable, Iterator
-from typing import Literal
+from typing import get_args
 
 from megafleet.planner import layout
+from megafleet_protocol import vocabulary
 
 __all__ = ["BACKENDS", "KV_CACHE_MODES", "REFIT_TRANSPORTS", "WEIGHT_SOURCES", "FleetSettings", "Problem", "validate"]
 
-Backend = Literal["megatron", "transformers"]
-KvCacheMode = Literal["persist", "offload", "recompute"]
-WeightSource = Literal["checkpoint", "refit"]
-RefitTransport = Literal["broadcast", "reshard"]
-
-BACKENDS: tuple[Backend, ...] = ("megatron", "transformers")
-KV_CACHE_MODES: tuple[KvCacheMode, ...] = ("persist", "offload", "recompute")
-WEIGHT_SOURCES: tuple[WeightSource, ...] = ("checkpoint", "refit")
-REFIT_TRANSPORTS: tuple[RefitTransport, ...] = ("broadcast", "reshard")
+BACKENDS: tuple[vocabulary.BackendName, ...] = get_args(vocabulary.BackendName)
+KV_CACHE_MODES: tuple[vocabulary.KvCacheMode, ...] = get_args(vocabulary.KvCacheMode)
+WEIGHT_SOURCES: tuple[vocabulary.WeightsInitial, ...] = get_args(vocabulary.WeightsInitial)
+REFIT_TRANSPORTS: tuple[vocabulary.Transport, ...] = get_args(vocabulary.Transport)
 
 # Spec paths of the parallelism sizes, in the order problems are reported.
 _SIZE_FIELDS: tuple[tuple[str, str], ...] = (
@@ -58,11 +53,11 @@ class FleetSettings:
     parallelism: layout.Parallelism
     replicas: int
     gpus_per_node: int
-    backend: Backend
-    kv_cache_mode: KvCacheMode
+    backend: vocabulary.BackendName
+    kv_cache_mode: vocabulary.KvCacheMode
     cuda_graphs: bool
-    weights_initial: WeightSource
-    refit_transport: RefitTransport
+    weights_initial: vocabulary.WeightsInitial
+    refit_transport: vocabulary.Transport
     checkpoint: str | None
 
 

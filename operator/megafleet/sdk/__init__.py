@@ -5,10 +5,10 @@
   httpx only.
 * :mod:`megafleet.sdk.generation` and :mod:`megafleet.sdk.routing`: the OpenAI-compatible client and
   least-outstanding-requests routing over Ready, non-stale frontends (usable without the API server).
-* :mod:`megafleet.sdk.trainer`: :class:`~megafleet.sdk.trainer.WeightSender`, the trainer's end of the
-  refit protocol (DESIGN.md section 6); :mod:`megafleet.sdk.weights` plugs it into ``Fleet.refit``.
-  Both need torch (the ``engine`` extra) and share the wire protocol with the engine's receiver
-  (:mod:`megafleet_engine.refit`), so both ends always speak the same version.
+* :class:`~megafleet_protocol.refit.sender.WeightSender`, the trainer's end of the refit protocol
+  (:mod:`megafleet_protocol.refit`, next to the engine's receiver, so both ends always speak the
+  same version); :mod:`megafleet.sdk.weights` plugs it into ``Fleet.refit``. Both need torch (the
+  ``engine`` extra).
 * :mod:`megafleet.sdk.nemo`: :class:`~megafleet.sdk.nemo.MegafleetGeneration`, NeMo RL's
   ``GenerationInterface`` over a fleet (needs torch).
 
@@ -34,8 +34,9 @@ if TYPE_CHECKING:
     from megafleet.sdk.generation import Answer, Generator, Sampling
     from megafleet.sdk.nemo import MegafleetGeneration
     from megafleet.sdk.routing import Frontend, Router
-    from megafleet.sdk.trainer import SendReport, WeightSender, attempt_port
-    from megafleet_engine.refit.errors import ReceiverFailed, RefitError, RefitRejected, RefitTimeout
+    from megafleet_protocol.ports import attempt_port
+    from megafleet_protocol.refit.errors import ReceiverFailed, RefitError, RefitRejected, RefitTimeout
+    from megafleet_protocol.refit.sender import SendReport, WeightSender
 
 _HOMES = {
     "FleetError": "megafleet.sdk.errors",
@@ -54,13 +55,13 @@ _HOMES = {
     "MegafleetGeneration": "megafleet.sdk.nemo",
     "Frontend": "megafleet.sdk.routing",
     "Router": "megafleet.sdk.routing",
-    "SendReport": "megafleet.sdk.trainer",
-    "WeightSender": "megafleet.sdk.trainer",
-    "attempt_port": "megafleet.sdk.trainer",
-    "ReceiverFailed": "megafleet_engine.refit.errors",
-    "RefitError": "megafleet_engine.refit.errors",
-    "RefitRejected": "megafleet_engine.refit.errors",
-    "RefitTimeout": "megafleet_engine.refit.errors",
+    "SendReport": "megafleet_protocol.refit.sender",
+    "WeightSender": "megafleet_protocol.refit.sender",
+    "attempt_port": "megafleet_protocol.ports",
+    "ReceiverFailed": "megafleet_protocol.refit.errors",
+    "RefitError": "megafleet_protocol.refit.errors",
+    "RefitRejected": "megafleet_protocol.refit.errors",
+    "RefitTimeout": "megafleet_protocol.refit.errors",
 }
 
 __all__ = [

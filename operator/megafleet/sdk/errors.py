@@ -10,8 +10,8 @@ Exception tree::
     ├── NoFrontend             no Ready, non-stale frontend to send a request to
     └── GenerationFailed       every frontend tried refused or failed one request
 
-The trainer's transfer errors (:class:`megafleet_engine.refit.errors.RefitError` and its subclasses)
-are raised by :mod:`megafleet.sdk.trainer`; :class:`RefitFailed` names them when a sender failed.
+The trainer's transfer errors (:class:`megafleet_protocol.refit.errors.RefitError` and its subclasses)
+are raised by :mod:`megafleet_protocol.refit.sender`; :class:`RefitFailed` names them when a sender failed.
 Imports nothing heavy.
 """
 

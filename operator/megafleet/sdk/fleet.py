@@ -20,9 +20,9 @@ version take requests; ``Stale`` shards and shards still starting, loading or re
 After a successful refit the client routes to the Refit's member shards at once (they all serve the
 new version; the fleet's status catches up at the operator's next observation).
 
-A refit (DESIGN.md section 6): :meth:`Fleet.refit` creates the Refit, watches its status, and for every
+A refit (docs/refit-protocol.md): :meth:`Fleet.refit` creates the Refit, watches its status, and for every
 attempt the operator starts (``Running`` with ``status.attempts`` and ``status.membership``) calls
-``send`` on a thread with that attempt's port (:func:`megafleet.sdk.trainer.attempt_port`) and world
+``send`` on a thread with that attempt's port (:func:`megafleet_protocol.ports.attempt_port`) and world
 size; a failed attempt is retried by the operator once with the live shards on the next port. A
 checkpoint refit needs no ``send``. Attempt 1 of every Refit naming the same base port gets the same
 port, so a ``send`` that keeps its sender open (:class:`megafleet.sdk.weights.Sender`, ``keep_open``)
@@ -54,6 +54,7 @@ from lightkube.resources.core_v1 import Pod
 from megafleet import names
 from megafleet.api import v1alpha1
 from megafleet.sdk import errors, generation, routing
+from megafleet_protocol import ports, vocabulary
 
 __all__ = ["FIELD_MANAGER", "Attempt", "Fleet", "FleetState", "RefitResult", "SendFn"]
 
@@ -116,17 +117,17 @@ class Attempt:
     port: int  # this attempt's rendezvous port
     world_size: int  # trainer ranks + every member shard's ranks
     trainer_world_size: int
-    transport: v1alpha1.RefitTransport  # the fleet's spec.refit.transport
+    transport: vocabulary.Transport  # the fleet's spec.refit.transport
     bucket_size_mib: int  # the fleet's spec.refit.bucketSizeMiB
     superseded: threading.Event = dataclasses.field(default_factory=threading.Event, compare=False)
     """Set once this attempt is given up (the operator started a newer one, or the Refit ended):
-    a sender still blocked on a peer should abort (:meth:`~megafleet.sdk.trainer.WeightSender.abort`)."""
+    a sender still blocked on a peer should abort (:meth:`~megafleet_protocol.refit.sender.WeightSender.abort`)."""
 
 
 SendFn = Callable[[Attempt], object]
 """The trainer side of one attempt; runs on its own thread and blocks until the weights are sent,
 giving up when ``attempt.superseded`` is set (:func:`megafleet.sdk.weights.sender` builds one on
-:class:`~megafleet.sdk.trainer.WeightSender`)."""
+:class:`~megafleet_protocol.refit.sender.WeightSender`)."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -363,7 +364,7 @@ class Fleet:
                                 version=spec.version,
                                 attempt=attempt,
                                 address=rendezvous.address,
-                                port=_attempt_port(rendezvous.port, attempt),
+                                port=ports.attempt_port(rendezvous.port, attempt),
                                 world_size=status.membership.world_size,
                                 trainer_world_size=status.membership.trainer_world_size,
                                 transport=refit_spec.transport,
@@ -440,13 +441,6 @@ def _plain(obj: Any) -> Object:
         return obj
     result: Object = obj.to_dict()
     return result
-
-
-def _attempt_port(base_port: int, attempt: int) -> int:
-    # The trainer SDK's rule (it imports torch, so it is imported only when a rendezvous refit runs).
-    from megafleet.sdk import trainer
-
-    return trainer.attempt_port(base_port, attempt)
 
 
 def _not_ready(state: FleetState, detail: str) -> errors.FleetNotReady:

@@ -24,7 +24,7 @@ Refit differs from NeMo RL in one way: the operator, not the trainer, decides th
 membership (the live shards), so the trainer side is driven here. ``init_collective`` only records
 the trainer's rendezvous (address, base port, trainer world size); ``update_weights_from_collective``
 creates a Refit and, for each attempt the operator runs, sends the weights with
-:class:`~megafleet.sdk.trainer.WeightSender` from this process (do not also call the policy's own
+:class:`~megafleet_protocol.refit.sender.WeightSender` from this process (do not also call the policy's own
 ``init_collective``/``broadcast_weights_for_collective``). As in NeMo RL the collective is set up
 once and reused: the sender stays open between refits (:class:`megafleet.sdk.weights.Sender` with
 ``keep_open``), so every refit whose first attempt has the same port and membership size keeps the
@@ -53,7 +53,7 @@ import torch
 from megafleet.api import v1alpha1
 from megafleet.sdk import errors, fleet, generation, routing
 from megafleet.sdk import weights as weight_senders
-from megafleet_engine.refit import communicator
+from megafleet_protocol import vocabulary
 
 __all__ = ["MegafleetGeneration", "pack_outputs"]
 
@@ -114,7 +114,7 @@ class MegafleetGeneration:
         kubeconfig: str | Path | None = None,
         addressing: routing.Addressing = "service",
         api_key: str | None = None,
-        backend: communicator.Backend = "gloo",
+        backend: vocabulary.CollectiveBackend = "gloo",
         frontends: Sequence[str] | None = None,
         model: str | None = None,
         ready_timeout_s: float = fleet.DEFAULT_READY_TIMEOUT_SECONDS,

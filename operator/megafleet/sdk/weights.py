@@ -2,7 +2,7 @@
 
 :func:`sender` turns "where my weights are" into the ``send`` callable a refit runs per attempt: it
 sends the tensors as the attempt's version with the fleet's transport and bucket size through a
-:class:`~megafleet.sdk.trainer.WeightSender` on the attempt's port and world size::
+:class:`~megafleet_protocol.refit.sender.WeightSender` on the attempt's port and world size::
 
     send = weights.sender(model.named_parameters, backend="nccl", keep_open=True)
     for step in range(steps):
@@ -17,7 +17,7 @@ transfer group too (no store, no group, no handshake per refit). Anything else c
 new one: another port (a retry's attempt 2, or another base port), another membership size, a failed
 or superseded attempt. Without ``keep_open`` every attempt opens and closes its own sender.
 
-Needs torch (the ``engine`` extra), like :mod:`megafleet.sdk.trainer`.
+Needs torch (the ``engine`` extra), like :mod:`megafleet_protocol.refit.sender`.
 """
 
 from __future__ import annotations
@@ -27,8 +27,9 @@ from collections.abc import Callable, Iterable
 
 import torch
 
-from megafleet.sdk import fleet, trainer
-from megafleet_engine.refit import communicator
+from megafleet.sdk import fleet
+from megafleet_protocol import vocabulary
+from megafleet_protocol.refit import sender as weight_sender_module
 
 __all__ = ["NamedTensors", "Sender", "sender"]
 
@@ -40,15 +41,16 @@ SenderKey = tuple[str, int, int, int]
 
 
 class Sender:
-    """A ``send`` for :meth:`~megafleet.sdk.fleet.Fleet.refit` built on :class:`~megafleet.sdk.trainer.WeightSender`
+    """A ``send`` for :meth:`~megafleet.sdk.fleet.Fleet.refit` built on
+    :class:`~megafleet_protocol.refit.sender.WeightSender`
     (made by :func:`sender`); callable once per attempt, from the fleet client's threads.
 
     Args:
         weights: called once per attempt for the tensors to send.
         backend: ``gloo`` (CPU tensors) or ``nccl`` (GPU), as the fleet's engines use.
         timeout_seconds: bound of each send (joining included).
-        device: where buckets are staged (see :class:`~megafleet.sdk.trainer.WeightSender`).
-        reports: when given, each attempt's :class:`~megafleet.sdk.trainer.SendReport` is appended.
+        device: where buckets are staged (see :class:`~megafleet_protocol.refit.sender.WeightSender`).
+        reports: when given, each attempt's :class:`~megafleet_protocol.refit.sender.SendReport` is appended.
         keep_open: keep the sender (its store and transfer group) open for the next attempt on the
             same port and world size; :meth:`close` it when done.
     """
@@ -57,10 +59,10 @@ class Sender:
         self,
         weights: NamedTensors,
         *,
-        backend: communicator.Backend = "gloo",
+        backend: vocabulary.CollectiveBackend = "gloo",
         timeout_seconds: float = 300.0,
         device: torch.device | str | None = None,
-        reports: list[trainer.SendReport] | None = None,
+        reports: list[weight_sender_module.SendReport] | None = None,
         keep_open: bool = False,
     ) -> None:
         self.weights = weights
@@ -70,7 +72,7 @@ class Sender:
         self.reports = reports
         self.keep_open = keep_open
         self._lock = threading.Lock()
-        self._kept: tuple[SenderKey, trainer.WeightSender] | None = None
+        self._kept: tuple[SenderKey, weight_sender_module.WeightSender] | None = None
 
     def __call__(self, attempt: fleet.Attempt) -> None:
         weight_sender = self._take(attempt)
@@ -117,7 +119,7 @@ class Sender:
         if kept is not None:
             kept[1].close()
 
-    def _take(self, attempt: fleet.Attempt) -> trainer.WeightSender:
+    def _take(self, attempt: fleet.Attempt) -> weight_sender_module.WeightSender:
         """The kept sender when it serves this attempt's rendezvous, else a new one (the kept one is
         closed first: it may hold the port)."""
         with self._lock:
@@ -127,7 +129,7 @@ class Sender:
             if key == _key(attempt) and weight_sender.usable:
                 return weight_sender
             weight_sender.close()
-        weight_sender = trainer.WeightSender(
+        weight_sender = weight_sender_module.WeightSender(
             attempt.port,
             attempt.world_size,
             backend=self.backend,
@@ -143,7 +145,7 @@ class Sender:
             raise
         return weight_sender
 
-    def _keep(self, key: SenderKey, weight_sender: trainer.WeightSender) -> None:
+    def _keep(self, key: SenderKey, weight_sender: weight_sender_module.WeightSender) -> None:
         with self._lock:
             old, self._kept = self._kept, (key, weight_sender)
         if old is not None and old[1] is not weight_sender:

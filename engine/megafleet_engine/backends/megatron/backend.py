@@ -33,6 +33,7 @@ import torch
 from megafleet_engine.backends import base
 from megafleet_engine.backends.megatron import build, generation, lockstep, sources, weights
 from megafleet_engine.backends.weight_maps import Layout
+from megafleet_protocol import vocabulary
 
 __all__ = ["MegatronBackend", "load"]
 
@@ -58,14 +59,14 @@ class MegatronBackend:
         tokenizer: Any,
         group: Any = None,
         max_requests: int = 64,
-        kv_cache_mode: base.KvCacheMode = "persist",
+        kv_cache_mode: vocabulary.KvCacheMode = "persist",
     ) -> None:
         self.engine = engine
         self.model = model
         self.shape = source.shape
         self.layout = layout
         self.tokenizer = tokenizer  # None for a checkpoint without tokenizer files
-        self.kv_cache_mode: base.KvCacheMode = kv_cache_mode
+        self.kv_cache_mode: vocabulary.KvCacheMode = kv_cache_mode
         self._suspended = False
         eos = source.eos_token_ids[0] if source.eos_token_ids else None
         self.info = base.ModelInfo(
@@ -122,7 +123,7 @@ class MegatronBackend:
 
     # -- refits: KV cache and CUDA graphs ------------------------------------------------------
 
-    def begin_weight_update(self, kv_cache_mode: base.KvCacheMode) -> None:
+    def begin_weight_update(self, kv_cache_mode: vocabulary.KvCacheMode) -> None:
         """Suspend megatron's engine for a refit (nothing may be in flight), through megatron's
         ``KVCacheManagementMode``: ``persist`` keeps the KV buffer and CUDA graphs; ``offload``
         frees both (the KV buffer goes to its pinned host copy when the backend was built with
@@ -138,7 +139,7 @@ class MegatronBackend:
             self._lockstep.broadcast(lockstep.Tick(control="suspend", mode=kv_cache_mode))
         self._suspend(kv_cache_mode)
 
-    def finish_weight_update(self, kv_cache_mode: base.KvCacheMode) -> None:
+    def finish_weight_update(self, kv_cache_mode: vocabulary.KvCacheMode) -> None:
         """Resume megatron's engine after a refit, mirroring :meth:`begin_weight_update`: the KV
         buffer comes back (copied back from the host, or freshly allocated with a fresh block
         allocator, so no block computed with the old weights survives) and the CUDA graphs are

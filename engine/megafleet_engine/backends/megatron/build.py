@@ -20,6 +20,7 @@ import torch
 
 from megafleet_engine.backends import base, weight_maps
 from megafleet_engine.backends.weight_maps import Layout, LlamaShape
+from megafleet_protocol import vocabulary
 
 __all__ = ["EngineOptions", "IdTokenizer", "build_engine", "build_model", "init_parallel", "megatron_core"]
 
@@ -40,7 +41,7 @@ class EngineOptions:
     """Capture decode CUDA graphs (per layer) at start; eager decode is host-bound."""
     seed: int = 0
     """Seed of megatron's RNG trackers (sampling)."""
-    kv_cache_mode: base.KvCacheMode = "persist"
+    kv_cache_mode: vocabulary.KvCacheMode = "persist"
     """The default KV-cache mode of refits (the engine passes it unless told otherwise): see
     :meth:`.backend.MegatronBackend.begin_weight_update`. ``offload`` also pins a host copy of the
     KV buffer's size at start (megatron's ``KVCacheManagementMode.OFFLOAD``)."""

@@ -1,6 +1,6 @@
 """Where received weights go: the live parameters of one engine rank, always written in place.
 
-Called by the receiver (:mod:`megafleet_engine.refit.receiver`), which hands each received tensor (a
+Called by the receiver (:mod:`megafleet_protocol.refit.receiver`), which hands each received tensor (a
 whole Hugging Face tensor, or a contiguous region of one) to a sink; the sink copies into the live
 tensors whatever part of it this rank holds and ignores the rest. Writes are ``copy_`` into the
 existing storage, never a rebinding, so CUDA graphs captured on those addresses stay valid.
@@ -20,44 +20,13 @@ from __future__ import annotations
 import copy
 import dataclasses
 from collections.abc import Mapping
-from typing import Protocol
 
 import torch
 
 from megafleet_engine.backends import base, weight_maps
-from megafleet_engine.refit import wire
+from megafleet_protocol.refit import receiver, wire
 
-__all__ = ["NamedSink", "ShardSink", "Sink", "pointers", "sink_for"]
-
-
-class Sink(Protocol):
-    """The receiving side of one rank's parameters."""
-
-    @property
-    def device(self) -> torch.device:
-        """Where the live tensors (and so the receive buffers) are."""
-        ...
-
-    def required(self) -> dict[str, tuple[int, ...]]:
-        """Every Hugging Face tensor this rank needs some of, with its full shape."""
-        ...
-
-    def regions(self) -> list[wire.Region]:
-        """The regions of those tensors this rank holds (what the reshard transport sends it)."""
-        ...
-
-    def write(self, region: wire.Region, tensor: torch.Tensor) -> int:
-        """Copy what this rank holds of ``region`` (whose values ``tensor`` holds) into the live
-        tensors; returns how many live targets were written."""
-        ...
-
-    def missing(self) -> list[str]:
-        """Live targets not written since the sink was made (empty: the version is complete)."""
-        ...
-
-    def fresh(self) -> Sink:
-        """The same sink with nothing written yet (for the next version; nothing is looked up again)."""
-        ...
+__all__ = ["NamedSink", "ShardSink", "pointers", "sink_for"]
 
 
 class NamedSink:
@@ -172,7 +141,7 @@ class ShardSink:
         return clone
 
 
-def sink_for(backend: base.Backend) -> Sink:
+def sink_for(backend: base.Backend) -> receiver.Sink:
     """The sink over ``backend``'s live parameters: a :class:`ShardSink` for a backend with a
     megatron :meth:`~megafleet_engine.backends.base.Backend.shard_map`, else a :class:`NamedSink`
     over ``backend.parameters()``."""

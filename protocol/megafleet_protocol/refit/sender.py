@@ -5,7 +5,7 @@ object (``spec.source.rendezvous``: this pod's address, a base port, ``trainerWo
 operator publishes the attempt's membership (``status.membership.worldSize``, ``status.attempts``)
 and tells every engine's agent to join; the trainer then runs::
 
-    port = attempt_port(refit.spec.source.rendezvous.port, refit.status.attempts)
+    port = ports.attempt_port(refit.spec.source.rendezvous.port, refit.status.attempts)
     sender = WeightSender(port, refit.status.membership.worldSize, address=pod_ip, backend="nccl")
     sender.init()  # the store server and this session's id; returns at once
     report = sender.send(model.named_parameters(), bucket_size_mib=1024, version=refit.spec.version)
@@ -23,21 +23,21 @@ drops the dead shards and publishes the next attempt: ``status.attempts`` moves 
 ``status.membership`` (the Refit goes Pending, then Running again). The trainer then gives the old
 attempt up (:meth:`WeightSender.abort`, which ends a send still waiting for a dead peer, then
 :meth:`WeightSender.close`) and runs the next one the same way, with a new sender on
-``attempt_port(port, attempts)`` with the new world size.
+``ports.attempt_port(port, attempts)`` with the new world size.
 
 ``named_tensors`` are Hugging Face names and full (unsharded) tensors, e.g. a Megatron-Bridge export;
 with ``shapes=`` (names, shapes, dtypes in order) they may come from a generator, one at a time, so
 a trainer that gathers each HF tensor from its shards never holds the whole model.
 :meth:`WeightSender.send` opens the version's round (group kept or built), publishes the manifest,
 waits for every receiver's verdict (a mismatch raises
-:class:`~megafleet_engine.refit.errors.RefitRejected` before any byte moves; when every receiver
+:class:`~megafleet_protocol.refit.errors.RefitRejected` before any byte moves; when every receiver
 still holds the last send's manifest and this one is the same, the round's decision confirms it
 instead and ``SendReport.manifest_sent`` is false), sends the buckets (``broadcast``: every bucket
 to everyone, bucket k+1 packed into a second staging buffer, on a CUDA side stream for NCCL, while
 bucket k travels; ``reshard``: to each rank only the regions it asked for) and returns once every
 receiver reported that its engine serves the new version (else
-:class:`~megafleet_engine.refit.errors.ReceiverFailed`). The wire protocol is
-:mod:`megafleet_engine.refit.wire` and :mod:`megafleet_engine.refit.communicator`; both ends share them.
+:class:`~megafleet_protocol.refit.errors.ReceiverFailed`). The receiver's half
+is :mod:`megafleet_protocol.refit.receiver`; docs/refit-protocol.md tells the whole protocol.
 """
 
 from __future__ import annotations
@@ -53,21 +53,14 @@ from types import TracebackType
 import torch
 import torch.distributed as dist
 
-from megafleet_engine.refit import communicator, errors, wire
+from megafleet_protocol import vocabulary
+from megafleet_protocol.refit import communicator, errors, wire
 
-__all__ = ["SendReport", "WeightSender", "attempt_port"]
+__all__ = ["SendReport", "WeightSender"]
 
 MIB = 2**20
-_OfferKey = tuple[tuple[wire.TensorInfo, ...], int, wire.Transport]
+_OfferKey = tuple[tuple[wire.TensorInfo, ...], int, vocabulary.Transport]
 """What makes two sends' manifests the same: every tensor's name, shape and dtype, bucket size, transport."""
-
-
-def attempt_port(base_port: int, attempt: int) -> int:
-    """The rendezvous port of attempt ``attempt`` (1, 2, ...) of a Refit whose spec names
-    ``base_port``: a fresh port per attempt, so a retry never meets a stale store or group."""
-    if attempt < 1:
-        raise ValueError(f"attempts count from 1, got {attempt}")
-    return base_port + attempt - 1
 
 
 @dataclasses.dataclass(frozen=True)
@@ -75,7 +68,7 @@ class SendReport:
     """What one :meth:`WeightSender.send` did."""
 
     version: int
-    transport: wire.Transport
+    transport: vocabulary.Transport
     tensors: int
     buckets: int  # buckets sent (reshard: summed over receivers)
     bytes_sent: int
@@ -91,7 +84,7 @@ class WeightSender:
     first attempts while the port and world size stay the same.
 
     Args:
-        rendezvous_port: the port this attempt's store listens on (see :func:`attempt_port`).
+        rendezvous_port: the port this attempt's store listens on (see :func:`megafleet_protocol.ports.attempt_port`).
         world_size: trainer ranks plus every live shard's ranks (the Refit's membership).
         rank: this trainer rank; protocol 1 sends from rank 0 only (other trainer ranks take no part).
         backend: ``gloo`` (CPU tensors travel) or ``nccl`` (GPU), as the fleet's engines use.
@@ -107,7 +100,7 @@ class WeightSender:
         rendezvous_port: int,
         world_size: int,
         rank: int = 0,
-        backend: communicator.Backend = "gloo",
+        backend: vocabulary.CollectiveBackend = "gloo",
         *,
         address: str | None = None,
         trainer_world_size: int = 1,
@@ -161,7 +154,7 @@ class WeightSender:
         bucket_size_mib: int = 1024,
         *,
         version: int,
-        transport: wire.Transport = "broadcast",
+        transport: vocabulary.Transport = "broadcast",
         shapes: Mapping[str, tuple[Sequence[int], torch.dtype]] | None = None,
     ) -> SendReport:
         """Send ``named_tensors`` (HF names, full tensors) as weight version ``version``.
@@ -206,7 +199,7 @@ class WeightSender:
         source: _Held | _Streamed,
         bucket_size_mib: int,
         version: int,
-        transport: wire.Transport,
+        transport: vocabulary.Transport,
     ) -> SendReport:
         started = time.monotonic()
         infos = source.infos
@@ -265,7 +258,7 @@ class WeightSender:
         manifest_id = secrets.token_hex(8)
         return _Offer(key, manifest_id, manifest, self._agree(comm, manifest, manifest_id))
 
-    def _round_keys(self, transport: wire.Transport, exchanged: bool) -> list[str]:
+    def _round_keys(self, transport: vocabulary.Transport, exchanged: bool) -> list[str]:
         """The keys a round writes (deleted during the next round's transfer: every receiver is
         done with them by then, and a store that serves refit after refit does not grow)."""
         receivers = range(1, self.rendezvous.group_size)
@@ -281,7 +274,7 @@ class WeightSender:
         """Give this attempt up from another thread (safe at any time, idempotent): the operator
         published a newer attempt (``status.attempts`` moved on) because a member shard died. A
         :meth:`init` or :meth:`send` blocked on a peer that is gone raises
-        :class:`~megafleet_engine.refit.errors.RefitAborted` (a wait for a store key within about a
+        :class:`~megafleet_protocol.refit.errors.RefitAborted` (a wait for a store key within about a
         second; a gloo collective when its peer's connection closes or at the deadline); then
         :meth:`close` it and start the next attempt on its own port with a new sender. An aborted
         sender is never used again."""

@@ -1,52 +1,17 @@
 """The refit world's communicator: the trainer's session in its ``TCPStore``, and a transfer group
 built by hand over the ranks that move data, kept from one refit to the next while nothing changes.
 
-Used by both ends of a refit: the receiver (:mod:`megafleet_engine.refit.controller` and
-:mod:`~megafleet_engine.refit.receiver`) and the trainer SDK (:mod:`megafleet.sdk.trainer`). Gloo on
-CPU, NCCL on GPU, the same code. Groups are constructed directly (``ProcessGroupGloo``/
-``ProcessGroupNCCL`` over a ``PrefixStore``), never through ``torch.distributed.init_process_group``:
-an engine rank already uses the default group for its own shard (TP/PP), and tests hold a trainer
-and receivers in one process.
+Used by both ends: the trainer's :mod:`~megafleet_protocol.refit.sender` and the engine's
+:mod:`~megafleet_protocol.refit.receiver` (through :mod:`megafleet_engine.refit_runner`). Invariants:
+every store key of a refit lives under its round (``round/<version>/``); every blocking call is
+bounded by the round's :class:`Deadline`; :meth:`Communicator.abort` (from any thread) tears the
+group down so a blocked collective returns. docs/refit-protocol.md tells the ranks, the session and
+rounds, group reuse, the deadlines and the asynchronous ops this implements.
 
-**Ranks.** The trainer+fleet world numbers trainer ranks ``0..T-1`` first, then every live shard's
-ranks at its rank offset (:func:`megafleet.planner.layout.rank_offsets`). Protocol 1 moves data from
-trainer rank 0 only (it holds Hugging Face tensors, gathered by the trainer as NeMo RL's
-``hf_export`` payload does), so the transfer group is trainer rank 0 plus every fleet rank: group
-rank 0 is the trainer, fleet global rank ``g`` is group rank ``g - T + 1``. Trainer ranks ``1..T-1``
-keep their numbers (offsets stay those of the membership) and take no part.
-
-**Session, rounds and group reuse** (as NeMo RL's ``init_collective`` once, then
-``update_weights_from_collective`` per step). :meth:`Communicator.connect` on rank 0 starts the store
-and writes a random *session* id; any other rank connects and reads it. Each refit is a *round*
-named by its weight version (a session sends a version once), and every key of a round lives under
-``round/<version>/``, so a store kept open never mixes two refits. A round opens with
-:meth:`Communicator.open_round`: every receiver writes ``hello/<rank>`` (the session it read and the
-group it still holds, if any), the trainer reads them all and writes its decision ``group``: keep
-the group when every receiver holds the trainer's current one of this session, else build a new one
-named after the version (its own ``group/<name>/`` store prefix), which every rank joins and checks
-with the handshake. The hello and the decision also carry the manifest shortcut (the id of the
-manifest a receiver holds; the trainer's confirmation that every receiver holds the one it sends:
-see :mod:`~megafleet_engine.refit.wire`). A receiver keeps its communicator *parked* between refits only after a refit
-succeeded (:class:`~megafleet_engine.refit.controller.RefitController`); any failure, abort or
-another rendezvous closes it, and the trainer's sender is unusable after a failed send, so a retry
-(a new attempt on its own port) always builds a fresh session and group.
-
-**Deadlines.** Every blocking call is bounded by the current round's :class:`Deadline`
-(:meth:`rearm` gives a parked communicator the next attempt's deadline and abort flag): connecting to
-the store, waiting for a key, building the group, each collective (gloo: the op's own timeout; NCCL:
-ops are stream-ordered and the host waits only where it must, polling completion finely).
-:meth:`Communicator.abort`, called by the watchdog from another thread, tears the group down: that
-is what makes a blocked NCCL collective return. Gloo's ``abort`` does not interrupt an op in progress
-(measured with torch 2.15: a pending broadcast stays blocked until its peer goes away), which is why
-gloo ops carry per-op timeouts that never reach past the deadline, and why a gloo receive never uses
-``Work.wait(timeout)`` on a collective (that leaves the op pending and the group's destructor
-blocked until the peer exits).
-
-**Asynchronous ops.** :meth:`start_broadcast`/:meth:`start_recv` return a :class:`Pending` op and
-:meth:`finish` completes it: gloo waits on the host (the op runs on gloo's own threads meanwhile, so
-the caller can pack or write another bucket), NCCL only makes a CUDA stream wait for it (no host
-wait at all). This is what lets both ends pipeline buckets (:mod:`~megafleet_engine.refit.receiver`,
-:meth:`megafleet.sdk.trainer.WeightSender.send`).
+One module, not a session half and a transport half: one :class:`Communicator` owns both the store
+and the group under one lock and abort flag (a round's decision keeps or rebuilds the group, the
+handshake is the group's first collective, an abort must reach both), so splitting it would split
+that state.
 """
 
 from __future__ import annotations
@@ -61,16 +26,16 @@ import socket
 import threading
 import time
 from collections.abc import Callable
-from typing import Any, Literal, Protocol, cast
+from typing import Any, Protocol, cast
 
 import torch
 import torch.distributed as dist
 from torch._C import _distributed_c10d as c10d  # Store classes: torch.distributed re-exports them untyped
 
-from megafleet_engine.refit import errors, wire
+from megafleet_protocol import vocabulary
+from megafleet_protocol.refit import errors, wire
 
 __all__ = [
-    "Backend",
     "Communicator",
     "Deadline",
     "Pending",
@@ -83,7 +48,6 @@ __all__ = [
 
 log = logging.getLogger(__name__)
 
-Backend = Literal["gloo", "nccl"]
 STORE_PREFIX = "megafleet/refit/"
 SESSION_KEY = "session"
 """The trainer's session id (outside any round): a receiver holding a group of another session never reuses it."""
@@ -277,7 +241,7 @@ class Communicator:
         *,
         rendezvous: Rendezvous,
         group_rank: int,
-        backend: Backend,
+        backend: vocabulary.CollectiveBackend,
         device: torch.device,
         deadline: Deadline,
         local_address: str,
@@ -314,7 +278,7 @@ class Communicator:
         rendezvous: Rendezvous,
         *,
         global_rank: int,
-        backend: Backend,
+        backend: vocabulary.CollectiveBackend,
         device: torch.device,
         deadline: Deadline,
         local_address: str,
@@ -727,7 +691,14 @@ def _listen(address: str, port: int) -> socket.socket:
     return listener
 
 
-def _group(store: c10d.Store, rank: int, size: int, backend: Backend, local_address: str, deadline: Deadline) -> _Group:
+def _group(
+    store: c10d.Store,
+    rank: int,
+    size: int,
+    backend: vocabulary.CollectiveBackend,
+    local_address: str,
+    deadline: Deadline,
+) -> _Group:
     timeout = deadline.left("building the refit group")
     distributed: Any = dist  # the option classes' constructors and fields are not in torch's stubs
     if backend == "gloo":

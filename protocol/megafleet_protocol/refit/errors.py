@@ -1,4 +1,4 @@
-"""The refit errors, shared by the receiver (agent side) and the trainer SDK (:mod:`megafleet.sdk.trainer`).
+"""The refit errors, shared by the receiver (agent side) and the trainer SDK (:mod:`megafleet_protocol.refit.sender`).
 
 Exception tree::
 

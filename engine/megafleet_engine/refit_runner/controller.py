@@ -23,7 +23,7 @@ An attempt, in order (phases as the status reports them):
    trainer's manifest and answer it.
 3. ``receiving``: buckets are received on this thread and written on the engine's backend thread
    (:meth:`Engine.run_exclusive`) with ``copy_`` into the live tensors, pipelined: bucket k is
-   written while bucket k+1 travels (:mod:`~megafleet_engine.refit.receiver`); or ``applying`` (a
+   written while bucket k+1 travels (:mod:`~megafleet_protocol.refit.receiver`); or ``applying`` (a
    checkpoint source): the backend's ``load_checkpoint`` copies the checkpoint in place.
 4. ``resuming``: only once the whole version is written (every parameter, storage addresses
    unchanged) and, on a shard of several rank processes, every rank says it wrote it too (the
@@ -51,14 +51,15 @@ import threading
 from collections.abc import Callable, Coroutine
 from typing import TYPE_CHECKING, Any, TypeVar
 
-from megafleet_engine.refit import errors, progress, watchdog
+from megafleet_engine.refit_runner import progress, watchdog
+from megafleet_protocol import vocabulary
+from megafleet_protocol.refit import errors
 
 if TYPE_CHECKING:
     from megafleet_engine import engine as engine_module
     from megafleet_engine import metrics as metrics_module
-    from megafleet_engine import settings as settings_module
     from megafleet_engine.backends import base
-    from megafleet_engine.refit import communicator, receiver, sinks, wire
+    from megafleet_protocol.refit import communicator, receiver
 
 __all__ = ["Busy", "CheckpointRequest", "RefitController", "Refused", "RendezvousRequest", "Request"]
 
@@ -80,11 +81,11 @@ class RendezvousRequest:
     world_size: int
     rank_offset: int  # global rank of the shard's rank 0
     trainer_world_size: int = 1
-    transport: wire.Transport = "broadcast"
+    transport: vocabulary.Transport = "broadcast"
     bucket_size_mib: int = 1024
     timeout_seconds: float = 300.0
-    suspend_mode: engine_module.SuspendMode = "drain"
-    kv_cache_mode: settings_module.KvCacheMode | None = None
+    suspend_mode: vocabulary.SuspendMode = "drain"
+    kv_cache_mode: vocabulary.KvCacheMode | None = None
     local_address: str | None = None  # where this rank's gloo transport binds; None: the route to the trainer
 
     @property
@@ -100,8 +101,8 @@ class CheckpointRequest:
     version: int
     path: str
     timeout_seconds: float = 300.0
-    suspend_mode: engine_module.SuspendMode = "drain"
-    kv_cache_mode: settings_module.KvCacheMode | None = None
+    suspend_mode: vocabulary.SuspendMode = "drain"
+    kv_cache_mode: vocabulary.KvCacheMode | None = None
 
     @property
     def key(self) -> tuple[object, ...]:
@@ -143,7 +144,7 @@ class RefitController:
         self._attempt: _Attempt | None = None
         self._dirty = False
         self._parked: _Parked | None = None
-        self._sink: sinks.Sink | None = None  # the engine's sink, nothing written (built once)
+        self._sink: receiver.Sink | None = None  # the engine's sink, nothing written (built once)
         self._pointers: dict[str, int] | None = None  # live storage addresses, as last verified
 
     @property
@@ -233,10 +234,10 @@ class RefitController:
         with self._lock:
             self._dirty = dirty
 
-    def _fresh_sink(self) -> sinks.Sink:
+    def _fresh_sink(self) -> receiver.Sink:
         """A sink over the engine's live parameters with nothing written; the parameters are
         looked up once per engine (a walk of the model is milliseconds on a large one)."""
-        from megafleet_engine.refit import sinks
+        from megafleet_engine.refit_runner import sinks
 
         with self._lock:
             template = self._sink
@@ -249,7 +250,7 @@ class RefitController:
     def _live_pointers(self) -> dict[str, int]:
         """The parameters' storage addresses before a refit writes: those the last refit verified
         (nothing rebinds parameters between refits), read afresh the first time."""
-        from megafleet_engine.refit import sinks
+        from megafleet_engine.refit_runner import sinks
 
         with self._lock:
             known = self._pointers
@@ -258,7 +259,7 @@ class RefitController:
     def _verify_in_place(self, before: dict[str, int]) -> None:
         """Raise unless every parameter still has the storage it had ``before`` (a write rebound
         none: CUDA graphs captured on those addresses stay valid), and remember them."""
-        from megafleet_engine.refit import sinks
+        from megafleet_engine.refit_runner import sinks
 
         after = sinks.pointers(self.engine.backend)
         _check_in_place(before, after)
@@ -287,7 +288,7 @@ class _Attempt:
         *,
         parked: _Parked | None = None,
     ) -> None:
-        from megafleet_engine.refit import communicator  # torch loads here, not at agent import
+        from megafleet_protocol.refit import communicator  # torch loads here, not at agent import
 
         self.owner = owner
         self.parked = parked  # taken (reused or closed) by the attempt's thread
@@ -396,7 +397,7 @@ class _Attempt:
             raise errors.RefitTimeout(f"suspending ({self.request.suspend_mode}) did not finish: {error}") from None
 
     def _receive(self, request: RendezvousRequest, suspended: concurrent.futures.Future[None]) -> None:
-        from megafleet_engine.refit import communicator, receiver
+        from megafleet_protocol.refit import communicator, receiver
 
         self.record.enter("joining")
         sink = self.owner._fresh_sink()
@@ -591,7 +592,7 @@ class _Attempt:
 
 
 def _rendezvous(request: RendezvousRequest) -> communicator.Rendezvous:
-    from megafleet_engine.refit import communicator
+    from megafleet_protocol.refit import communicator
 
     return communicator.Rendezvous(
         request.address, request.port, request.world_size, trainer_world_size=request.trainer_world_size
@@ -614,7 +615,7 @@ def _tell(
 ) -> None:
     """Report the outcome (``done``) to the trainer in the round ``namespace`` (``None`` or empty: no
     round was opened, nothing to tell); best effort (it may be gone, or the store unreachable)."""
-    from megafleet_engine.refit import wire
+    from megafleet_protocol.refit import wire
 
     if not namespace:
         return

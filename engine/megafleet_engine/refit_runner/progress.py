@@ -1,6 +1,7 @@
 """The record of one refit attempt: phase, per-phase timings, counters, outcome.
 
-Written by the attempt's thread and by its watchdog (:mod:`megafleet_engine.refit.controller`), read
+Written by the attempt's thread and by its watchdog (:mod:`megafleet_engine.refit_runner.controller`)
+and by the receiver (:func:`megafleet_protocol.refit.receiver.receive`, through its ``Record``), read
 by the agent's ``GET /v1/refit/status``; every access holds one lock. The outcome is decided once:
 :meth:`Progress.finish` returns ``True`` only to the first caller, and :meth:`Progress.begin_commit`
 lets the attempt claim success before it resumes the engine, after which the watchdog can no longer
@@ -14,15 +15,11 @@ import dataclasses
 import threading
 import time
 from collections.abc import Iterator
-from typing import Literal
 
-__all__ = ["TIMED_PHASES", "Phase", "Progress", "Snapshot", "Source"]
+from megafleet_protocol import vocabulary
 
-Phase = Literal["idle", "suspending", "joining", "receiving", "applying", "resuming", "succeeded", "failed"]
-"""Where an attempt is: ``suspending`` the engine, ``joining`` the trainer's world (rendezvous,
-handshake, manifest check), ``receiving`` buckets (and writing each), ``applying`` a checkpoint,
-``resuming``; then ``succeeded`` or ``failed``. ``idle``: no attempt yet."""
-Source = Literal["rendezvous", "checkpoint"]
+__all__ = ["TIMED_PHASES", "Progress", "Snapshot"]
+
 TIMED_PHASES = ("suspend", "join", "receive", "apply", "resume")
 """Names of the timings, in order (the Refit status's ``phases``). Buckets are pipelined (bucket k is
 written while bucket k+1 travels): ``receive`` sums the time the attempt waited for bucket data and
@@ -34,9 +31,9 @@ sum of both costs."""
 class Snapshot:
     """One attempt as the status route reports it (or ``idle``)."""
 
-    phase: Phase = "idle"
+    phase: vocabulary.RefitPhase = "idle"
     version: int | None = None
-    source: Source | None = None
+    source: vocabulary.Source | None = None
     transport: str | None = None
     rank: int | None = None  # this process's rank in the trainer+fleet world (rendezvous only)
     world_size: int | None = None
@@ -57,7 +54,7 @@ class Progress:
         self,
         *,
         version: int,
-        source: Source,
+        source: vocabulary.Source,
         transport: str | None = None,
         rank: int | None = None,
         world_size: int | None = None,
@@ -80,7 +77,7 @@ class Progress:
     def elapsed(self) -> float:
         return time.monotonic() - self._started
 
-    def enter(self, phase: Phase) -> None:
+    def enter(self, phase: vocabulary.RefitPhase) -> None:
         """Move to ``phase`` unless the outcome is decided."""
         with self._lock:
             if self._state.phase not in ("succeeded", "failed"):

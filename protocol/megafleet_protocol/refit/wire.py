@@ -1,44 +1,11 @@
 """The refit wire protocol: what the trainer and the receivers say to each other, and how weights are
 laid out in buckets.
 
-Used by both ends, so there is one definition: the receiver (:mod:`megafleet_engine.refit.receiver`)
-and the trainer SDK (:mod:`megafleet.sdk.trainer`). Pure data and torch views; no networking.
-
-Control messages are small JSON documents in the rendezvous store (the trainer's ``TCPStore``); bulk
-data moves through the process group in **buckets**: flat ``uint8`` tensors into which whole tensors
-(broadcast) or contiguous ranges of tensors (reshard) are packed back to back, each starting at a
-multiple of :data:`ALIGNMENT` bytes so that any dtype can be viewed in place. A tensor larger than the
-bucket size travels alone in a bucket of its own size; tensors are never split across buckets.
-
-One round (a weight version), in order (store keys in quotes, all under ``round/<version>/`` but
-the session; ``r`` is a receiver's rank in the transfer group; the session and the group are those of
-:mod:`megafleet_engine.refit.communicator`)::
-
-    trainer                                   receiver r
-    -------                                   ----------
-    store master at address:port, "session"   store client, reads "session" (or keeps its parked one)
-                                              "hello/r" = session, group it holds, manifest id it holds
-    read every hello; "group" = decision      read the decision
-      (+ the manifest id, if every
-       receiver holds the one to send)
-    new group: build it, handshake            new group: join it, check the handshake
-      broadcast [MAGIC, MAJOR, size]          (kept group: nothing to build)
-    unless the decision named the manifest:
-    "manifest" = Manifest                     read it, check it against its own parameters
-                                              "verdict/r" = Verdict (reshard: the regions it needs)
-    read every verdict; any rejection:
-      "go" = Go(false, reasons), raise
-    reshard: "plan/r" = BucketPlan per receiver
-    "go" = Go(true, manifest id)              read "go"; reshard: read "plan/r"
-    buckets: broadcast from rank 0            receive each bucket, write its tensors in place
-             (reshard: send to r only)        (bucket k written while bucket k+1 arrives)
-    read every "done/r"                       resume serving the version, then "done/r" = Done(ok, error)
-
-A manifest id names a manifest and the plans it went by; a receiver keeps the one of its last
-complete round (with the manifest and its plan) and offers it in its next hello, and the trainer
-confirms it instead of sending the manifest again when it sends the same tensors (names, shapes,
-dtypes), bucket size and transport: a steady RL loop exchanges only hello, decision and done. The
-next round on the same session deletes the last one's keys while its buckets travel.
+Used by both ends, so there is one definition: the receiver (:mod:`megafleet_protocol.refit.receiver`)
+and the trainer (:mod:`megafleet_protocol.refit.sender`). Pure data and torch views; no networking.
+Control messages are small JSON documents in the trainer's rendezvous store; bulk data moves in
+flat ``uint8`` buckets, every tensor starting at a multiple of :data:`ALIGNMENT` bytes, never split
+across buckets. docs/refit-protocol.md draws one round's messages and the manifest shortcut.
 """
 
 from __future__ import annotations
@@ -47,9 +14,11 @@ import dataclasses
 import json
 import math
 from collections.abc import Iterable, Mapping, Sequence
-from typing import Any, Literal, get_args
+from typing import Any, get_args
 
 import torch
+
+from megafleet_protocol import vocabulary
 
 __all__ = [
     "ALIGNMENT",
@@ -66,7 +35,6 @@ __all__ = [
     "Placement",
     "Region",
     "TensorInfo",
-    "Transport",
     "Verdict",
     "done_key",
     "dtype_name",
@@ -86,8 +54,7 @@ HANDSHAKE_MAGIC = 0x4D465246  # "MFRF"
 ALIGNMENT = 256
 """Byte alignment of every tensor in a bucket (enough for any dtype view and vectorised copies)."""
 
-Transport = Literal["broadcast", "reshard"]
-TRANSPORTS: tuple[str, ...] = get_args(Transport)
+TRANSPORTS: tuple[str, ...] = get_args(vocabulary.Transport)
 
 MANIFEST_KEY = "manifest"
 GO_KEY = "go"
@@ -331,7 +298,7 @@ class Manifest:
     transport, its bucket size and (broadcast) the bucket plan every receiver follows."""
 
     version: int
-    transport: Transport
+    transport: vocabulary.Transport
     bucket_bytes: int
     tensors: tuple[TensorInfo, ...]
     buckets: BucketPlan | None = None  # broadcast only; reshard plans are per receiver

@@ -1,6 +1,6 @@
 """Receive one weight version from the trainer into a sink: the receiver's half of the wire protocol.
 
-Called by a refit attempt (:mod:`megafleet_engine.refit.controller`) on its own thread, while its
+Called by a refit attempt (:mod:`megafleet_engine.refit_runner.controller`) on its own thread, while its
 engine suspends (no byte is received before the suspend ended), and by tests that receive straight
 into a sink. :func:`receive` checks the trainer's manifest against the sink (answering with a
 verdict, so a mismatch is refused before any byte moves) unless it holds that manifest from the
@@ -13,32 +13,78 @@ while the next bucket travels into a second buffer (see :func:`_transfer`: gloo 
 gloo's own threads, NCCL through CUDA streams and events, with one host wait at the end).
 
 Every key the receiver reads or writes lives under the round of its version
-(:meth:`Communicator.open_round`), so a trainer store that serves refit after refit never mixes them.
-
-Reshard as point-to-point from trainer rank 0 (not a scatter or an M-to-N exchange) is a deliberate
-first step: it needs only the HF tensors the trainer already exports, moves exactly the bytes each
-rank holds, and runs the same on gloo and NCCL. Its cost is that the trainer's rank 0 sends every
-shard's bytes itself; letting every trainer rank send its own slices is the follow-up.
+(:meth:`Communicator.open_round`), so a trainer store that serves refit after refit never mixes
+them (docs/refit-protocol.md tells the round, reshard and the pipelining).
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 from collections.abc import Callable, Sequence
-from typing import TypeVar
+from typing import Protocol, TypeVar
 
 import torch
 
-from megafleet_engine.refit import communicator, errors, progress, sinks, wire
+from megafleet_protocol import vocabulary
+from megafleet_protocol.refit import communicator, errors, wire
 
-__all__ = ["Accepted", "Apply", "Received", "check_manifest", "receive"]
+__all__ = ["Accepted", "Apply", "Received", "Record", "Sink", "check_manifest", "receive"]
 
 T = TypeVar("T")
 
 Apply = Callable[[Callable[[], int]], int]
 """``apply(write)``: run ``write`` (copies into live tensors, returning how many it wrote) where
 weights may be written (the backend thread), and return its result."""
+
+
+class Sink(Protocol):
+    """Where received weights go: the live parameters of one engine rank (the engine's sinks)."""
+
+    @property
+    def device(self) -> torch.device:
+        """Where the live tensors (and so the receive buffers) are."""
+        ...
+
+    def required(self) -> dict[str, tuple[int, ...]]:
+        """Every Hugging Face tensor this rank needs some of, with its full shape."""
+        ...
+
+    def regions(self) -> list[wire.Region]:
+        """The regions of those tensors this rank holds (what the reshard transport sends it)."""
+        ...
+
+    def write(self, region: wire.Region, tensor: torch.Tensor) -> int:
+        """Copy what this rank holds of ``region`` (whose values ``tensor`` holds) into the live
+        tensors; returns how many live targets were written."""
+        ...
+
+    def missing(self) -> list[str]:
+        """Live targets not written since the sink was made (empty: the version is complete)."""
+        ...
+
+    def fresh(self) -> Sink:
+        """The same sink with nothing written yet (for the next version; nothing is looked up again)."""
+        ...
+
+
+class Record(Protocol):
+    """Where :func:`receive` records the attempt's progress (the engine's refit progress)."""
+
+    def timed(self, name: str) -> contextlib.AbstractContextManager[None]:
+        """Add the time the block takes to timing ``name`` (``join``, ``receive``, ``apply``)."""
+        ...
+
+    def enter(self, phase: vocabulary.RefitPhase) -> None:
+        """Move to ``phase`` unless the outcome is decided."""
+        ...
+
+    def count(self, *, bytes_received: int = 0, buckets: int = 0, tensors_written: int = 0) -> None: ...
+
+    def set_reused(self, reused: bool) -> None:
+        """Whether the round kept the transfer group of the last one."""
+        ...
 
 
 @dataclasses.dataclass(frozen=True)
@@ -50,10 +96,10 @@ class Accepted:
     id: str
     manifest: wire.Manifest
     plan: wire.BucketPlan
-    transport: wire.Transport
+    transport: vocabulary.Transport
     bucket_limit_bytes: int
 
-    def holds(self, transport: wire.Transport, bucket_limit_bytes: int) -> bool:
+    def holds(self, transport: vocabulary.Transport, bucket_limit_bytes: int) -> bool:
         return transport == self.transport and bucket_limit_bytes == self.bucket_limit_bytes
 
 
@@ -67,13 +113,13 @@ class Received:
 
 def receive(
     comm: communicator.Communicator,
-    sink: sinks.Sink,
+    sink: Sink,
     *,
     version: int,
-    transport: wire.Transport,
+    transport: vocabulary.Transport,
     bucket_limit_bytes: int,
     apply: Apply,
-    record: progress.Progress,
+    record: Record,
     accepted: Accepted | None = None,
     before_transfer: Callable[[], None] | None = None,
     after_writes: Callable[[], None] | None = None,
@@ -87,7 +133,7 @@ def receive(
     its engine's suspend there); ``after_writes`` runs once every write was issued and the sink is
     complete, before the wait for the device to finish them (the caller checks there, off the
     critical path, that nothing was rebound). Raises
-    :class:`~megafleet_engine.refit.errors.ManifestMismatch` (after answering the trainer with the
+    :class:`~megafleet_protocol.refit.errors.ManifestMismatch` (after answering the trainer with the
     refusing verdict) when the manifest does not fit this rank, and another :class:`RefitError` for
     any other failure.
     """
@@ -115,9 +161,9 @@ def receive(
 
 def _agree(
     comm: communicator.Communicator,
-    sink: sinks.Sink,
+    sink: Sink,
     version: int,
-    transport: wire.Transport,
+    transport: vocabulary.Transport,
     bucket_limit_bytes: int,
 ) -> tuple[wire.Manifest, wire.BucketPlan, Accepted | None]:
     """Read the manifest, answer it, and read the trainer's go (and, reshard, this rank's plan)."""
@@ -141,12 +187,12 @@ def _agree(
 
 def _transfer(
     comm: communicator.Communicator,
-    sink: sinks.Sink,
+    sink: Sink,
     plan: wire.BucketPlan,
-    transport: wire.Transport,
+    transport: vocabulary.Transport,
     tensors: dict[str, wire.TensorInfo],
     apply: Apply,
-    record: progress.Progress,
+    record: Record,
     issued: Callable[[], None],
 ) -> None:
     """Receive the buckets of ``plan`` into two alternating buffers and write each through ``apply``
@@ -215,10 +261,10 @@ def _transfer(
 
 def check_manifest(
     manifest: wire.Manifest,
-    sink: sinks.Sink,
+    sink: Sink,
     *,
     version: int,
-    transport: wire.Transport,
+    transport: vocabulary.Transport,
     bucket_limit_bytes: int,
 ) -> wire.Verdict:
     """Whether ``manifest`` gives this rank a complete ``version`` it can take; with reshard, the
@@ -280,7 +326,7 @@ def _read_plan(
 
 
 def _write(
-    sink: sinks.Sink,
+    sink: Sink,
     bucket: torch.Tensor,
     placements: Sequence[wire.Placement],
     tensors: dict[str, wire.TensorInfo],

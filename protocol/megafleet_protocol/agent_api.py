@@ -1,0 +1,156 @@
+"""The pod agent's HTTP API: its paths and its request and response bodies.
+
+The engine's agent (:mod:`megafleet_engine.agent_server`) validates requests and writes responses
+with these models; the operator's client (:mod:`megafleet.agent_client`) builds its requests and
+parses the answers with the same ones. Bodies use camelCase, like the Kubernetes API the operator
+speaks; unknown request fields are refused.
+"""
+
+from __future__ import annotations
+
+import pydantic
+from pydantic import Field
+from pydantic.alias_generators import to_camel
+
+from megafleet_protocol import vocabulary
+
+__all__ = [
+    "HEALTHZ",
+    "READYZ",
+    "REFIT",
+    "REFIT_ABORT",
+    "REFIT_CHECKPOINT",
+    "REFIT_PREPARE",
+    "REFIT_STATUS",
+    "RESUME",
+    "STATE",
+    "SUSPEND",
+    "CheckpointRefitRequest",
+    "PhaseTiming",
+    "PrepareRequest",
+    "RefitAbortRequest",
+    "RefitRequest",
+    "RefitStatusResponse",
+    "RendezvousBody",
+    "ResumeRequest",
+    "StateResponse",
+    "SuspendRequest",
+]
+
+HEALTHZ = "/healthz"
+READYZ = "/readyz"
+STATE = "/v1/state"
+SUSPEND = "/v1/suspend"
+RESUME = "/v1/resume"
+REFIT = "/v1/refit"
+REFIT_PREPARE = f"{REFIT}/prepare"
+REFIT_CHECKPOINT = f"{REFIT}/checkpoint"
+REFIT_STATUS = f"{REFIT}/status"
+REFIT_ABORT = f"{REFIT}/abort"
+
+
+class _Body(pydantic.BaseModel):
+    model_config = pydantic.ConfigDict(alias_generator=to_camel, populate_by_name=True, extra="forbid")
+
+
+class _Response(pydantic.BaseModel):
+    """A response body: a client ignores fields a newer agent adds."""
+
+    model_config = pydantic.ConfigDict(alias_generator=to_camel, populate_by_name=True, extra="ignore")
+
+
+class SuspendRequest(_Body):
+    mode: vocabulary.SuspendMode = Field(
+        default="drain", description="drain waits for requests in flight; abort ends them."
+    )
+    timeout_seconds: int = Field(default=60, ge=1, le=86400, description="how long a drain may take, in seconds.")
+
+
+class ResumeRequest(_Body):
+    weight_version: int | None = Field(default=None, ge=0, description="the version now served; unchanged if unset.")
+
+
+class RendezvousBody(_Body):
+    address: str = Field(min_length=1, max_length=253, description="the trainer rank 0's address (its store).")
+    port: int = Field(ge=1, le=65535, description="the store's port; a fresh one per attempt.")
+    world_size: int = Field(ge=2, le=1 << 20, description="trainer ranks plus every live shard's ranks.")
+    rank_offset: int = Field(ge=1, le=1 << 20, description="global rank of this shard's rank 0.")
+    trainer_world_size: int = Field(default=1, ge=1, le=1 << 16, description="trainer ranks (they come first).")
+
+
+class _RefitBody(_Body):
+    version: int = Field(ge=0, le=2**53, description="the weight version served once the refit completes.")
+    timeout_seconds: int = Field(default=300, ge=1, le=86400, description="the watchdog's deadline, in seconds.")
+    suspend_mode: vocabulary.SuspendMode = Field(
+        default="drain", description="drain waits for requests in flight; abort ends them."
+    )
+    kv_cache_mode: vocabulary.KvCacheMode | None = Field(default=None, description="unset: the engine's own mode.")
+
+
+class PrepareRequest(_RefitBody):
+    """``POST /v1/refit/prepare``: receive a version from the trainer's rendezvous."""
+
+    rendezvous: RendezvousBody
+    transport: vocabulary.Transport = Field(default="broadcast", description="spec.refit.transport.")
+    bucket_size_mib: int = Field(
+        default=1024,
+        ge=1,
+        le=65536,
+        alias="bucketSizeMiB",
+        description="the largest bucket this rank accepts, in MiB (spec.refit.bucketSizeMiB).",
+    )
+
+
+class CheckpointRefitRequest(_RefitBody):
+    """``POST /v1/refit/checkpoint``: load a version from a checkpoint every shard reads itself."""
+
+    path: str = Field(min_length=1, max_length=2048, description="the checkpoint every shard loads itself.")
+
+
+RefitRequest = PrepareRequest | CheckpointRefitRequest
+"""A request that starts a refit attempt."""
+
+
+class RefitAbortRequest(_Body):
+    reason: str = Field(default="requested by the operator", max_length=1024)
+
+
+class PhaseTiming(_Response):
+    name: str
+    milliseconds: int
+
+
+class RefitStatusResponse(_Response):
+    """``GET /v1/refit/status`` (and the answer of every refit call): the current or last attempt."""
+
+    phase: vocabulary.RefitPhase
+    version: int | None
+    source: vocabulary.Source | None
+    transport: str | None
+    rank: int | None
+    world_size: int | None
+    phases: list[PhaseTiming]
+    duration_milliseconds: int | None
+    bytes_received: int
+    buckets: int
+    tensors_written: int
+    error: str | None
+    timed_out: bool
+    reused: bool = Field(
+        default=False, description="the join kept the transfer group of the previous refit (no group was built)."
+    )
+    dirty: bool
+    state: vocabulary.EngineState
+    weight_version: int | None
+
+
+class StateResponse(_Response):
+    """``GET /v1/state`` (and the answer of suspend and resume)."""
+
+    state: vocabulary.EngineState
+    weight_version: int | None
+    served_address: str | None
+    rank: int
+    world_size: int
+    last_error: str | None
+    queue_depth: int

@@ -1,0 +1,74 @@
+"""The ``MEGAFLEET_*`` environment variables of an engine pod, one constant per variable.
+
+The operator writes them on every engine pod (:mod:`megafleet.desired`); the engine reads them once
+at start (:mod:`megafleet_engine.settings`), where each variable's meaning, unit and default are
+documented. ``tests/unit/test_protocol_env.py`` builds a pod's env with the operator and reads it
+with the engine, so a name that drifts on either side fails there.
+"""
+
+from __future__ import annotations
+
+__all__ = [
+    "AGENT_PORT",
+    "AGENT_TOKEN_FILE",
+    "API_KEY",
+    "API_KEY_FILE",
+    "BACKEND",
+    "CUDA_GRAPHS",
+    "DTYPE",
+    "FLEET",
+    "FRONTEND_PORT",
+    "HOST",
+    "INFORMATIONAL",
+    "KV_CACHE_GIB",
+    "KV_CACHE_MODE",
+    "LOCAL_GPUS",
+    "LOCAL_RANKS",
+    "MASTER_ADDR",
+    "MASTER_PORT",
+    "MAX_BATCH_SIZE",
+    "MAX_SEQUENCE_LENGTH",
+    "METRICS_PORT",
+    "MODEL_SOURCE",
+    "PIPELINE_PARALLEL",
+    "PREFIX",
+    "RANK",
+    "SERVED_MODEL_NAME",
+    "SHARD",
+    "TENSOR_PARALLEL",
+    "WEIGHTS_INITIAL",
+    "WORLD_SIZE",
+]
+
+PREFIX = "MEGAFLEET_"
+
+FLEET = "MEGAFLEET_FLEET"
+SHARD = "MEGAFLEET_SHARD"
+INFORMATIONAL = (FLEET, SHARD)
+"""Written by the operator for people and logs reading a pod's env; the engine does not read them."""
+
+MODEL_SOURCE = "MEGAFLEET_MODEL_SOURCE"
+SERVED_MODEL_NAME = "MEGAFLEET_SERVED_MODEL_NAME"
+BACKEND = "MEGAFLEET_BACKEND"
+DTYPE = "MEGAFLEET_DTYPE"
+MAX_SEQUENCE_LENGTH = "MEGAFLEET_MAX_SEQUENCE_LENGTH"
+MAX_BATCH_SIZE = "MEGAFLEET_MAX_BATCH_SIZE"
+WEIGHTS_INITIAL = "MEGAFLEET_WEIGHTS_INITIAL"
+KV_CACHE_MODE = "MEGAFLEET_KV_CACHE_MODE"
+KV_CACHE_GIB = "MEGAFLEET_KV_CACHE_GIB"
+CUDA_GRAPHS = "MEGAFLEET_CUDA_GRAPHS"
+HOST = "MEGAFLEET_HOST"
+FRONTEND_PORT = "MEGAFLEET_FRONTEND_PORT"
+AGENT_PORT = "MEGAFLEET_AGENT_PORT"
+METRICS_PORT = "MEGAFLEET_METRICS_PORT"
+AGENT_TOKEN_FILE = "MEGAFLEET_AGENT_TOKEN_FILE"
+API_KEY = "MEGAFLEET_API_KEY"
+API_KEY_FILE = "MEGAFLEET_API_KEY_FILE"
+RANK = "MEGAFLEET_RANK"
+WORLD_SIZE = "MEGAFLEET_WORLD_SIZE"
+TENSOR_PARALLEL = "MEGAFLEET_TENSOR_PARALLEL"
+PIPELINE_PARALLEL = "MEGAFLEET_PIPELINE_PARALLEL"
+MASTER_ADDR = "MEGAFLEET_MASTER_ADDR"
+MASTER_PORT = "MEGAFLEET_MASTER_PORT"
+LOCAL_GPUS = "MEGAFLEET_LOCAL_GPUS"
+LOCAL_RANKS = "MEGAFLEET_LOCAL_RANKS"

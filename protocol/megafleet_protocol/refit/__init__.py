@@ -1,0 +1,17 @@
+"""The refit protocol's two halves, side by side: the trainer sends, the engines receive.
+
+Both ends import these modules, so they always speak the same version; docs/refit-protocol.md tells
+the protocol as a whole (session, rounds, group reuse, manifest shortcut, deadlines, buckets, ranks).
+
+* :mod:`~megafleet_protocol.refit.wire`: messages and bucket layout (pure data and torch views).
+* :mod:`~megafleet_protocol.refit.communicator`: the trainer's session in its rendezvous store and
+  the hand-built gloo/NCCL transfer group, every wait bounded by the attempt's deadline.
+* :mod:`~megafleet_protocol.refit.sender`: the trainer's end (:class:`~.sender.WeightSender`), used
+  by the RL job through :mod:`megafleet.sdk`.
+* :mod:`~megafleet_protocol.refit.receiver`: an engine rank's end, driven by
+  :mod:`megafleet_engine.refit_runner` into its ``Sink``.
+* :mod:`~megafleet_protocol.refit.errors`: the errors both ends raise.
+
+Importing this package (or :mod:`~megafleet_protocol.refit.errors`) does not import torch; the other
+modules do.
+"""
