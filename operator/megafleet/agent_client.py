@@ -18,8 +18,6 @@ import pydantic
 
 from megafleet_protocol import agent_api, ports, vocabulary
 
-TIMEOUT_SECONDS = 2.0
-
 
 @dataclasses.dataclass(frozen=True)
 class AgentState:
@@ -35,8 +33,9 @@ class AgentState:
 class AgentClient:
     """One HTTP client for all agents of all fleets."""
 
-    def __init__(self, *, port: int = ports.AGENT_PORT, timeout_seconds: float = TIMEOUT_SECONDS) -> None:
+    def __init__(self, *, port: int = ports.AGENT_PORT, timeout_seconds: float) -> None:
         self.port = port
+        self.timeout_seconds = timeout_seconds
         self._http = httpx.AsyncClient(timeout=timeout_seconds)
 
     async def close(self) -> None:
@@ -81,7 +80,7 @@ class AgentClient:
                 self._url(pod_ip, agent_api.SUSPEND),
                 json=_json(body),
                 headers={"Authorization": f"Bearer {token}"},
-                timeout=timeout_seconds + TIMEOUT_SECONDS,
+                timeout=timeout_seconds + self.timeout_seconds,
             )
         except httpx.HTTPError as error:
             return f"agent at {pod_ip}:{self.port} unreachable: {type(error).__name__}"

@@ -1,9 +1,10 @@
 """Growing delays between retries of an operator action that keeps failing.
 
-Used by :mod:`megafleet.reconcile` for a shard's catch-up from the fleet's current checkpoint: a
-checkpoint that cannot be loaded (missing on that node, corrupt, the wrong shape) is tried again
-after 10 s, 20 s, 40 s, ... up to 5 minutes, not at every reconcile. Kept in the operator's memory,
-as client-go's rate limiters are: an operator that restarts (or a new leader) starts the delays over.
+Used by :mod:`megafleet.reconcile.versions` for a shard's catch-up from the fleet's current
+checkpoint: a checkpoint that cannot be loaded (missing on that node, corrupt, the wrong shape) is
+tried again after 10 s, 20 s, 40 s, ... up to 5 minutes (:class:`megafleet.settings.CatchUpSettings`),
+not at every reconcile. Kept in the operator's memory (Kopf's ``memo``), as client-go's rate
+limiters are: an operator that restarts (or a new leader) starts the delays over.
 Pure: the caller passes the clock.
 """
 
@@ -25,7 +26,7 @@ class _Entry:
 class Backoff:
     """Per-key retry delays: ``first_seconds`` after the first failure, doubling up to ``most_seconds``."""
 
-    def __init__(self, first_seconds: float = 10.0, most_seconds: float = 300.0) -> None:
+    def __init__(self, *, first_seconds: float, most_seconds: float) -> None:
         self.first_seconds = first_seconds
         self.most_seconds = most_seconds
         self._entries: dict[Hashable, _Entry] = {}

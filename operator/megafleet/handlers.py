@@ -2,12 +2,13 @@
 
 Imported by ``megafleet operator`` (:mod:`megafleet.operator_main`). Triggers: the fleet is created,
 its spec changes, the operator resumes, a periodic timer (observation), and any event of a pod
-the fleet owns. A per-fleet lock keeps reconciles of one fleet sequential.
+the fleet owns. Refits are advanced by :mod:`megafleet.refit_driver` on create and a timer. The
+operator's runtime (clients, locks, delays, settings) is made at startup and kept in Kopf's
+``memo`` as ``memo.runtime``; a per-fleet lock keeps reconciles and Refit steps of one fleet sequential.
 """
 
 from __future__ import annotations
 
-import asyncio
 import logging
 from collections.abc import Mapping
 from typing import Any, cast
@@ -15,32 +16,21 @@ from typing import Any, cast
 import kopf
 
 from megafleet import agent_client, kube, metrics, names, reconcile, refit_driver
+from megafleet import settings as operator_settings
 from megafleet.api import v1alpha1
+from megafleet.reconcile import context
 
 log = logging.getLogger(__name__)
 
 RESOURCE = (v1alpha1.GROUP, v1alpha1.VERSION, "megatrongenerations")
-OBSERVE_INTERVAL_SECONDS = 5.0
-"""How often every fleet is observed even when nothing announces a change."""
-PEERING_LIFETIME_SECONDS = 20
-"""How long a silent replica still counts as alive; a standby takes over after that."""
-RETRY_SECONDS = 5.0
-"""Delay before a failed reconcile is retried (Kopf's default of 60 s is too slow for fleets)."""
-
-_locks: dict[tuple[str, str], asyncio.Lock] = {}
-_api: kube.Api | None = None
-_agents: agent_client.AgentClient | None = None
-
-
-def _clients() -> tuple[kube.Api, agent_client.AgentClient]:
-    global _api, _agents
-    if _api is None or _agents is None:
-        _api, _agents = kube.Api(), agent_client.AgentClient()
-    return _api, _agents
+REFITS = (v1alpha1.GROUP, v1alpha1.VERSION, "refits")
+SETTINGS = operator_settings.OperatorSettings()
+"""The operator's settings; the decorators below read their intervals at import."""
+_TRIGGERS = SETTINGS.triggers
 
 
 @kopf.on.startup()
-def configure(settings: kopf.OperatorSettings, **_: Any) -> None:
+def configure(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) -> None:
     # Kopf's own bookkeeping goes to annotations under our prefix, never into our status contract.
     settings.persistence.progress_storage = kopf.AnnotationsProgressStorage(prefix=names.PREFIX)
     settings.persistence.diffbase_storage = kopf.AnnotationsDiffBaseStorage(
@@ -49,23 +39,24 @@ def configure(settings: kopf.OperatorSettings, **_: Any) -> None:
     settings.posting.level = logging.INFO
     # One peering object for the whole cluster, even when this replica watches a few namespaces.
     settings.peering.clusterwide = True
-    settings.peering.lifetime = PEERING_LIFETIME_SECONDS
+    settings.peering.lifetime = _TRIGGERS.peering_lifetime_seconds
     settings.watching.server_timeout = 60
+    agents = agent_client.AgentClient(timeout_seconds=SETTINGS.agents.timeout_seconds)
+    memo.runtime = context.Runtime.of(kube.Api(), agents, SETTINGS)
 
 
 @kopf.on.cleanup()
-async def close(**_: Any) -> None:
-    if _api is not None:
-        await _api.close()
-    if _agents is not None:
-        await _agents.close()
+async def close(memo: kopf.Memo, **_: Any) -> None:
+    await _runtime(memo).close()
 
 
-async def _reconcile(namespace: str, name: str) -> None:
-    api, agents = _clients()
-    lock = _locks.setdefault((namespace, name), asyncio.Lock())
-    async with lock:
-        fresh = await api.get("MegatronGeneration", name, namespace)  # the latest state, not the event's
+def _runtime(memo: kopf.Memo) -> context.Runtime:
+    return cast(context.Runtime, memo.runtime)
+
+
+async def _reconcile(runtime: context.Runtime, namespace: str, name: str) -> None:
+    async with runtime.fleet_lock(namespace, name):
+        fresh = await runtime.api.get("MegatronGeneration", name, namespace)  # the latest state, not the event's
         if fresh is None or fresh["metadata"].get("deletionTimestamp"):
             return
 
@@ -74,55 +65,55 @@ async def _reconcile(namespace: str, name: str) -> None:
 
         with metrics.RECONCILE_SECONDS.time():
             try:
-                await reconcile.reconcile(api, agents, fresh, notify=notify)
+                await reconcile.reconcile(runtime, fresh, notify=notify)
             except Exception:
                 metrics.RECONCILES.labels(outcome="error").inc()
                 raise
         metrics.RECONCILES.labels(outcome="ok").inc()
 
 
-@kopf.on.create(*RESOURCE, backoff=RETRY_SECONDS)
-@kopf.on.update(*RESOURCE, field="spec", backoff=RETRY_SECONDS)
-@kopf.on.resume(*RESOURCE, backoff=RETRY_SECONDS)
-async def on_fleet_change(namespace: str | None, name: str, **_: Any) -> None:
-    await _reconcile(namespace or "default", name)
+@kopf.on.create(*RESOURCE, backoff=_TRIGGERS.retry_seconds)
+@kopf.on.update(*RESOURCE, field="spec", backoff=_TRIGGERS.retry_seconds)
+@kopf.on.resume(*RESOURCE, backoff=_TRIGGERS.retry_seconds)
+async def on_fleet_change(namespace: str | None, name: str, memo: kopf.Memo, **_: Any) -> None:
+    await _reconcile(_runtime(memo), namespace or "default", name)
 
 
-@kopf.timer(*RESOURCE, interval=OBSERVE_INTERVAL_SECONDS, sharp=False, backoff=RETRY_SECONDS)
-async def observe(namespace: str | None, name: str, **_: Any) -> None:
-    await _reconcile(namespace or "default", name)
+@kopf.timer(*RESOURCE, interval=_TRIGGERS.observe_interval_seconds, sharp=False, backoff=_TRIGGERS.retry_seconds)
+async def observe(namespace: str | None, name: str, memo: kopf.Memo, **_: Any) -> None:
+    await _reconcile(_runtime(memo), namespace or "default", name)
 
 
 @kopf.on.event("v1", "pods", labels={names.LABEL_FLEET: kopf.PRESENT})
-async def on_pod_event(namespace: str | None, labels: Mapping[str, str], **_: Any) -> None:
-    await _reconcile(namespace or "default", labels[names.LABEL_FLEET])
-
-
-REFITS = (v1alpha1.GROUP, v1alpha1.VERSION, "refits")
-REFIT_POLL_SECONDS = 1.0
-"""How often a running refit's agents are asked for progress."""
+async def on_pod_event(namespace: str | None, labels: Mapping[str, str], memo: kopf.Memo, **_: Any) -> None:
+    await _reconcile(_runtime(memo), namespace or "default", labels[names.LABEL_FLEET])
 
 
 def _unfinished(status: Mapping[str, Any], **_: Any) -> bool:
     return status.get("phase") not in ("Succeeded", "Failed")
 
 
-async def _advance_refit(namespace: str, name: str, fleet: str) -> None:
-    api, agents = _clients()
-    async with _locks.setdefault((namespace, fleet), asyncio.Lock()):  # never beside the fleet's reconcile
+async def _advance_refit(runtime: context.Runtime, namespace: str, name: str, fleet: str) -> None:
+    async with runtime.fleet_lock(namespace, fleet):  # never beside the fleet's reconcile
         # Read under the lock: a trigger that waited for it must see what the one before it wrote
         # (two triggers starting the same attempt would each tell the agents to join).
-        refit = await api.get("Refit", name, namespace)
+        refit = await runtime.api.get("Refit", name, namespace)
         if refit is not None:
-            await refit_driver.advance(api, agents, refit)
+            await refit_driver.advance(runtime.api, runtime.agents, refit, settings=runtime.settings.refit)
 
 
-@kopf.on.create(*REFITS, backoff=RETRY_SECONDS)
-@kopf.on.resume(*REFITS, backoff=RETRY_SECONDS, when=_unfinished)
-async def on_refit(namespace: str | None, name: str, spec: Mapping[str, Any], **_: Any) -> None:
-    await _advance_refit(namespace or "default", name, spec["fleetRef"]["name"])
+@kopf.on.create(*REFITS, backoff=_TRIGGERS.retry_seconds)
+@kopf.on.resume(*REFITS, backoff=_TRIGGERS.retry_seconds, when=_unfinished)
+async def on_refit(namespace: str | None, name: str, spec: Mapping[str, Any], memo: kopf.Memo, **_: Any) -> None:
+    await _advance_refit(_runtime(memo), namespace or "default", name, spec["fleetRef"]["name"])
 
 
-@kopf.timer(*REFITS, interval=REFIT_POLL_SECONDS, sharp=False, backoff=RETRY_SECONDS, when=_unfinished)
-async def poll_refit(namespace: str | None, name: str, spec: Mapping[str, Any], **_: Any) -> None:
-    await _advance_refit(namespace or "default", name, spec["fleetRef"]["name"])
+@kopf.timer(
+    *REFITS,
+    interval=SETTINGS.refit.poll_seconds,
+    sharp=False,
+    backoff=_TRIGGERS.retry_seconds,
+    when=_unfinished,
+)
+async def poll_refit(namespace: str | None, name: str, spec: Mapping[str, Any], memo: kopf.Memo, **_: Any) -> None:
+    await _advance_refit(_runtime(memo), namespace or "default", name, spec["fleetRef"]["name"])

@@ -5,7 +5,7 @@ timer while the refit runs. Level-based like the fleet reconcile: the Refit's st
 stands (Pending -> Running -> Succeeded | Failed) and each call advances it. The fleet's
 ``status.refit.active`` is the lock: one refit per fleet at a time, and the fleet's reconcile does
 not scale while it is set. On success the fleet's ``status.refit.currentVersion`` moves on; shards
-not at it afterwards are Stale (see :mod:`megafleet.reconcile`).
+not at it afterwards are Stale (see :mod:`megafleet.reconcile.versions`).
 
 The refit protocol (docs/refit-protocol.md): the trainer ranks come first in the trainer+fleet world,
 then each member shard's ranks at its offset (:func:`megafleet.planner.rank_offsets`); the trainer
@@ -21,7 +21,9 @@ from typing import Any
 import pydantic
 
 from megafleet import agent_client, conditions, desired, kube, names, planner
+from megafleet import settings as operator_settings
 from megafleet.api import checks, v1alpha1
+from megafleet.reconcile import pods as pod_view
 from megafleet_protocol import agent_api, ports
 
 log = logging.getLogger(__name__)
@@ -29,7 +31,9 @@ log = logging.getLogger(__name__)
 Object = dict[str, Any]
 
 
-async def advance(api: kube.Api, agents: agent_client.AgentClient, refit: Object) -> None:
+async def advance(
+    api: kube.Api, agents: agent_client.AgentClient, refit: Object, *, settings: operator_settings.RefitSettings
+) -> None:
     """Move one Refit forward by one step (idempotent)."""
     metadata = refit["metadata"]
     namespace, name = metadata["namespace"], metadata["name"]
@@ -54,9 +58,9 @@ async def advance(api: kube.Api, agents: agent_client.AgentClient, refit: Object
     token = await _token(api, fleet)
     pods = await _member_pods(api, fleet)
     if phase == "Pending":
-        await _start(api, agents, refit, spec, fleet, fleet_body, pods, token)
+        await _start(api, agents, refit, spec, fleet, fleet_body, pods, token, max_attempts=settings.max_attempts)
         return
-    await _collect(api, agents, refit, spec, fleet_body, pods, token)
+    await _collect(api, agents, refit, spec, fleet_body, pods, token, max_attempts=settings.max_attempts)
 
 
 async def _token(api: kube.Api, fleet: desired.ParsedFleet) -> str:
@@ -64,21 +68,16 @@ async def _token(api: kube.Api, fleet: desired.ParsedFleet) -> str:
     return base64.b64decode((secret.get("data") or {}).get(names.AGENT_TOKEN_KEY, "")).decode()
 
 
-async def _member_pods(api: kube.Api, fleet: desired.ParsedFleet) -> dict[int, list[Object]]:
+async def _member_pods(api: kube.Api, fleet: desired.ParsedFleet) -> dict[int, list[pod_view.Pod]]:
     """Pods of every complete shard whose pods all run, by shard, in pod order."""
-    found = await api.list("Pod", namespace=fleet.namespace, labels={names.LABEL_FLEET: fleet.name})
-    shards: dict[int, list[Object]] = {}
-    for pod in found:
-        if pod["metadata"].get("deletionTimestamp"):
-            continue
-        shards.setdefault(int(pod["metadata"]["labels"][names.LABEL_SHARD]), []).append(pod)
-    complete = {}
-    for shard, members in shards.items():
-        members.sort(key=lambda pod: int(pod["metadata"]["labels"][names.LABEL_POD_INDEX]))
-        running = all(pod.get("status", {}).get("phase") == "Running" and pod["status"].get("podIP") for pod in members)
-        if running and len(members) == fleet.layout.pods_per_shard and shard < fleet.spec.replicas:
-            complete[shard] = members
-    return complete
+    shards = await pod_view.observe(api, fleet)
+    return {
+        shard: members
+        for shard, members in shards.pods.items()
+        if all(pod.running for pod in members)
+        and len(members) == fleet.layout.pods_per_shard
+        and shard < fleet.spec.replicas
+    }
 
 
 async def _start(
@@ -88,13 +87,15 @@ async def _start(
     spec: v1alpha1.RefitObjectSpec,
     fleet: desired.ParsedFleet,
     fleet_body: Object,
-    pods: dict[int, list[Object]],
+    pods: dict[int, list[pod_view.Pod]],
     token: str,
+    *,
+    max_attempts: int,
 ) -> None:
     name, namespace = refit["metadata"]["name"], refit["metadata"]["namespace"]
     reachable = {}
     for shard, members in sorted(pods.items()):
-        states = await agents.states([pod["status"]["podIP"] for pod in members], token)
+        states = await agents.states([pod.ip for pod in members], token)
         if all(state.error is None and state.state != "failed" for state in states):
             reachable[shard] = members
     if not reachable:
@@ -132,14 +133,16 @@ async def _start(
             try:
                 body = _request(spec, fleet, membership, membership.offsets[shard], attempt)
             except pydantic.ValidationError as invalid:  # e.g. attempt 2 past port 65535: the agent would refuse it
-                refused.append(f"{pod['metadata']['name']} refused: {invalid.errors()[0]['msg']}")
+                refused.append(f"{pod.name} refused: {invalid.errors()[0]['msg']}")
                 continue
-            error = await agents.refit_start(pod["status"]["podIP"], token, body)
+            error = await agents.refit_start(pod.ip, token, body)
             if error is not None:
-                refused.append(f"{pod['metadata']['name']} refused: {error}")
+                refused.append(f"{pod.name} refused: {error}")
     if refused:  # a member that never started would leave the others waiting for it until their deadline
         started = {**refit, "status": {**(refit.get("status") or {}), "attempts": attempt}}
-        await _fail_attempt(api, agents, started, fleet_body, reachable, sorted(reachable), token, refused[0])
+        await _fail_attempt(
+            api, agents, started, fleet_body, reachable, sorted(reachable), token, refused[0], max_attempts=max_attempts
+        )
 
 
 def _request(
@@ -172,18 +175,16 @@ def _request(
     )
 
 
-MAX_ATTEMPTS = 2
-"""A failed attempt is retried once with the shards still alive."""
-
-
 async def _collect(
     api: kube.Api,
     agents: agent_client.AgentClient,
     refit: Object,
     spec: v1alpha1.RefitObjectSpec,
     fleet_body: Object,
-    pods: dict[int, list[Object]],
+    pods: dict[int, list[pod_view.Pod]],
     token: str,
+    *,
+    max_attempts: int,
 ) -> None:
     status = refit.get("status") or {}
     members = [entry["shard"] for entry in (status.get("membership") or {}).get("rankOffsets", [])]
@@ -194,20 +195,20 @@ async def _collect(
             failure = f"shard {shard} left the fleet during the refit"
             break
         for pod in pods[shard]:
-            report = await agents.refit_status(pod["status"]["podIP"], token)
+            report = await agents.refit_status(pod.ip, token)
             if report is None:
-                failure = f"the agent of {pod['metadata']['name']} is gone"
+                failure = f"the agent of {pod.name} is gone"
                 break
             if report.version != spec.version:
                 return  # not started there yet
             if report.phase == "failed":
-                failure = f"{pod['metadata']['name']}: {report.error}"
+                failure = f"{pod.name}: {report.error}"
                 break
             reports.append(report)
         if failure is not None:
             break
     if failure is not None:
-        await _fail_attempt(api, agents, refit, fleet_body, pods, members, token, failure)
+        await _fail_attempt(api, agents, refit, fleet_body, pods, members, token, failure, max_attempts=max_attempts)
         return
     if not all(report.phase == "succeeded" for report in reports):
         return
@@ -234,17 +235,19 @@ async def _fail_attempt(
     agents: agent_client.AgentClient,
     refit: Object,
     fleet_body: Object,
-    pods: dict[int, list[Object]],
+    pods: dict[int, list[pod_view.Pod]],
     members: list[int],
     token: str,
     failure: str,
+    *,
+    max_attempts: int,
 ) -> None:
     """Stop every other member at once (not at its deadline), then retry once or give up."""
     for shard in members:
         for pod in pods.get(shard, []):
-            await agents.refit_abort(pod["status"]["podIP"], token, f"another member failed: {failure}")
+            await agents.refit_abort(pod.ip, token, f"another member failed: {failure}")
     attempts = int((refit.get("status") or {}).get("attempts", 1))
-    if attempts >= MAX_ATTEMPTS:
+    if attempts >= max_attempts:
         await _finish(api, refit, fleet_body, "Failed", f"attempt {attempts} failed: {failure}")
         return
     name, namespace = refit["metadata"]["name"], refit["metadata"]["namespace"]

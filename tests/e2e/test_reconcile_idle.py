@@ -12,8 +12,9 @@ import pytest
 import yaml
 from lightkube.config.kubeconfig import KubeConfig
 
-from megafleet import agent_client, names, reconcile
+from megafleet import agent_client, names, reconcile, settings
 from megafleet import kube as operator_kube
+from megafleet.reconcile import context
 from megafleet_dev import kube, runner
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -38,20 +39,19 @@ def test_second_reconcile_of_a_settled_fleet_writes_nothing(
     async def scenario() -> tuple[dict[str, int], dict[str, int]]:
         client = lightkube.AsyncClient(config=KubeConfig.from_file(kubeconfig), field_manager=names.FIELD_MANAGER)
         api = operator_kube.Api(client)
-        agents = agent_client.AgentClient()
+        runtime = context.Runtime.of(api, agent_client.AgentClient(timeout_seconds=2.0), settings.OperatorSettings())
         try:
-            await reconcile.reconcile(api, agents, kube_admin.get(path) or {})
+            await reconcile.reconcile(runtime, kube_admin.get(path) or {})
             first = dict(api.writes)
             # Reconcile as the operator's timer would until both engines answer Ready.
             while (kube_admin.get(path) or {}).get("status", {}).get("readyReplicas") != 2:
                 await asyncio.sleep(0.5)  # stands in for the operator's observation interval
-                await reconcile.reconcile(api, agents, kube_admin.get(path) or {})
+                await reconcile.reconcile(runtime, kube_admin.get(path) or {})
             api.writes.clear()
-            await reconcile.reconcile(api, agents, kube_admin.get(path) or {})
+            await reconcile.reconcile(runtime, kube_admin.get(path) or {})
             return first, dict(api.writes)
         finally:
-            await api.close()
-            await agents.close()
+            await runtime.close()
 
     first, idle = asyncio.run(asyncio.wait_for(scenario(), timeout=120))
 

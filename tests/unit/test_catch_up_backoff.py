@@ -1,6 +1,6 @@
 """A shard whose catch-up from the fleet's checkpoint keeps failing is retried after growing delays
 (10 s, 20 s, ... 5 min), each failure reported once, instead of at every reconcile. The delays
-themselves (pure) and :func:`megafleet.reconcile._catch_up` driven by a stand-in for the agents'
+themselves (pure) and :func:`megafleet.reconcile.versions.catch_up` driven by a stand-in for the agents'
 HTTP client (the real client and agents are exercised by tests/e2e/test_refit_recovery.py)."""
 
 from __future__ import annotations
@@ -8,8 +8,9 @@ from __future__ import annotations
 import asyncio
 from typing import Any
 
-from megafleet import agent_client, backoff, desired, reconcile
+from megafleet import agent_client, backoff, desired, settings
 from megafleet.api import v1alpha1
+from megafleet.reconcile import context, pods, versions
 from megafleet_protocol import agent_api
 
 
@@ -45,7 +46,7 @@ IDLE_FIELDS: dict[str, Any] = {
 
 
 class StandInAgents:
-    """The agents' client as :func:`reconcile._catch_up` calls it: each pod's refit status, and the
+    """The agents' client as :func:`versions.catch_up` calls it: each pod's refit status, and the
     checkpoint refits it starts (a started one runs, then fails when ``failing``)."""
 
     def __init__(self) -> None:
@@ -70,30 +71,28 @@ class StandInAgents:
 def test_a_failing_catch_up_is_retried_after_growing_delays_and_reported_once_per_failure() -> None:
     spec = v1alpha1.MegatronGenerationSpec.model_validate({"model": {"source": "/models/m"}})
     fleet = desired.ParsedFleet("gen", "rl", "uid-1", 1, spec)
-    pod = {"metadata": {"name": "gen-s0-p0", "labels": {}}, "status": {"podIP": "10.0.0.5", "phase": "Running"}}
-    shards = reconcile._Shards({0: [pod]}, set())
-    reports = {0: [agent_client.AgentState(state="stale", weight_version=None)]}
-    refit_state = {"currentVersion": 3, "currentCheckpoint": "/ckpt/v3"}
+    pod = {
+        "metadata": {"name": "gen-s0-p0", "labels": {"megafleet.dev/shard": "0"}},
+        "status": {"podIP": "10.0.0.5", "phase": "Running"},
+    }
     client = StandInAgents()
     events: list[tuple[str, str]] = []
-    delays = backoff.Backoff(first_seconds=10, most_seconds=300)
+    runtime = context.Runtime.of(None, client, settings.OperatorSettings())  # type: ignore[arg-type]
+    assert (runtime.catch_up.first_seconds, runtime.catch_up.most_seconds) == (10, 300)
+    ctx = context.FleetContext(
+        runtime,
+        {},
+        fleet,
+        lambda kind, reason, message: events.append((reason, message)),
+        status={"refit": {"currentVersion": 3, "currentCheckpoint": "/ckpt/v3"}},
+        shards=pods.Shards({0: [pods.parse(pod, clique_label="clique")]}, set()),
+        reports={0: [agent_client.AgentState(state="stale", weight_version=None)]},
+    )
     now = [0.0]
 
     def reconcile_at(seconds: float) -> None:
         now[0] = seconds
-        asyncio.run(
-            reconcile._catch_up(
-                client,  # type: ignore[arg-type]
-                fleet,
-                shards,
-                reports,
-                refit_state,
-                "token",
-                lambda kind, reason, message: events.append((reason, message)),
-                delays=delays,
-                clock=lambda: now[0],
-            )
-        )
+        asyncio.run(versions.catch_up(ctx, clock=lambda: now[0]))
 
     reconcile_at(0)  # stale, nothing ran yet: start at once
     assert client.started == ["10.0.0.5"] and events[-1][0] == "ShardCatchingUp"

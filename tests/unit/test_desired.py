@@ -75,13 +75,13 @@ def test_frontend_service_selects_only_pod_zero_of_its_shard() -> None:
 
 
 def test_tolerations_match_taints_as_the_scheduler_does() -> None:
-    from megafleet import reconcile
+    from megafleet.reconcile import inventory
 
     gpu_taint = [{"key": "nvidia.com/gpu", "value": "present", "effect": "NoSchedule"}]
     exists = v1alpha1.Toleration(key="nvidia.com/gpu", operator="Exists", effect="NoSchedule")
     equal_other = v1alpha1.Toleration(key="nvidia.com/gpu", operator="Equal", value="absent")
-    assert reconcile.tolerates([exists], gpu_taint)
-    assert not reconcile.tolerates([], gpu_taint)
-    assert not reconcile.tolerates([equal_other], gpu_taint)
-    assert reconcile.tolerates([], [{"key": "soft", "effect": "PreferNoSchedule"}])
-    assert reconcile.tolerates([v1alpha1.Toleration(operator="Exists")], gpu_taint)
+    assert inventory.tolerates([exists], gpu_taint)
+    assert not inventory.tolerates([], gpu_taint)
+    assert not inventory.tolerates([equal_other], gpu_taint)
+    assert inventory.tolerates([], [{"key": "soft", "effect": "PreferNoSchedule"}])
+    assert inventory.tolerates([v1alpha1.Toleration(operator="Exists")], gpu_taint)

@@ -1,0 +1,64 @@
+"""Reconcile one MegatronGeneration: a short sequence of steps over one :class:`~context.FleetContext`.
+
+Called by the Kopf handlers (:mod:`megafleet.handlers`) on create, update, resume, a timer and
+events of the fleet's pods, one reconcile per fleet at a time. Level-based and idempotent: each
+step reads what exists, compares it with the spec and writes only the difference, so a reconcile
+with nothing to change makes no API writes. Endpoints are reserved, and published in status and the
+ConfigMap, before any pod exists. While a refit runs, nothing is scaled, rolled or placed.
+
+Steps, each in the module named for it: :mod:`.validate`, :mod:`.endpoints`, :mod:`.pods` (observe),
+:mod:`.shards` (scale down, heal, roll, place), :mod:`.versions` (fence, catch up), :mod:`.status`.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from megafleet import conditions
+from megafleet.reconcile import context, endpoints, pods, shards, status, validate, versions
+
+__all__ = ["reconcile"]
+
+
+async def reconcile(runtime: context.Runtime, body: dict[str, Any], *, notify: context.Notify = context.ignore) -> None:
+    """Bring the objects and status of one fleet in line with its spec."""
+    fleet = await validate.fleet(runtime.api, body, notify)
+    if fleet is None:
+        return
+    ctx = context.FleetContext(runtime, body, fleet, notify, status=dict(body.get("status") or {}))
+    ctx.token = await endpoints.agent_token(ctx)
+    await endpoints.reserve(ctx)
+    await status.write(ctx.api, body, ctx.status)  # published before any pod is created
+    ctx.shards = await pods.observe(ctx.api, fleet)
+    if not ctx.refitting:
+        await shards.scale_down(ctx)
+    await shards.heal(ctx)
+    if not ctx.refitting:
+        await shards.roll(ctx)
+        await shards.place(ctx)
+    ctx.reports = await pods.ask_agents(ctx.agents, ctx.shards, ctx.token)
+    await versions.fence(ctx)
+    await versions.catch_up(ctx)
+    await _write_observed(ctx)
+
+
+async def _write_observed(ctx: context.FleetContext) -> None:
+    """Status as observed, with the frontends' served addresses checked against the endpoints."""
+    now = conditions.now()
+    observed = status.observed(
+        ctx.status,
+        ctx.fleet,
+        ctx.shards,
+        unplaced=ctx.unplaced,
+        restarts=ctx.restarts,
+        reports=ctx.reports,
+        max_restarts=ctx.settings.shards.max_restarts,
+        now=now,
+    )
+    port, generation = ctx.fleet.spec.frontend.port, ctx.fleet.generation
+    ctx.status, mismatch = status.verify_addresses(
+        observed, ctx.shards, ctx.reports, port=port, generation=generation, now=now
+    )
+    if mismatch is not None:
+        ctx.notify("Warning", "EndpointsMismatch", mismatch)
+    await status.write(ctx.api, ctx.body, ctx.status)

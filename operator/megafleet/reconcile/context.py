@@ -1,0 +1,101 @@
+"""What one reconcile works on: the operator-wide runtime and the per-fleet context.
+
+:class:`Runtime` lives as long as the operator (kept in Kopf's ``memo`` by :mod:`megafleet.handlers`);
+:class:`FleetContext` lives for one reconcile of one fleet, built by :func:`megafleet.reconcile.reconcile`
+and handed to each step, which reads what earlier steps found and records what it finds.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+from collections.abc import Callable
+from typing import Any
+
+from megafleet import agent_client, backoff, desired, kube
+from megafleet import settings as operator_settings
+from megafleet.reconcile import pods
+
+Object = dict[str, Any]
+Notify = Callable[[str, str, str], None]
+"""Emits a Kubernetes Event about the fleet: (type Normal|Warning, reason, message)."""
+
+
+def ignore(kind: str, reason: str, message: str) -> None:
+    """A :data:`Notify` that emits nothing (in-process tests)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Runtime:
+    """The operator's clients, settings and the state shared across fleets and reconciles."""
+
+    api: kube.Api
+    agents: agent_client.AgentClient
+    settings: operator_settings.OperatorSettings
+    fleet_locks: dict[tuple[str, str], asyncio.Lock]
+    """Keep the reconciles and Refit steps of one fleet sequential, keyed by (namespace, name)."""
+    placement_lock: asyncio.Lock
+    """Serialises inventory-plan-create across fleets, so each sees the GPUs the others took."""
+    catch_up: backoff.Backoff
+    """Delays between checkpoint catch-ups that keep failing, keyed by (namespace, fleet, shard,
+    version, checkpoint)."""
+
+    @classmethod
+    def of(
+        cls, api: kube.Api, agents: agent_client.AgentClient, settings: operator_settings.OperatorSettings
+    ) -> Runtime:
+        delays = backoff.Backoff(
+            first_seconds=settings.catch_up.first_seconds, most_seconds=settings.catch_up.most_seconds
+        )
+        return cls(api, agents, settings, {}, asyncio.Lock(), delays)
+
+    def fleet_lock(self, namespace: str, name: str) -> asyncio.Lock:
+        return self.fleet_locks.setdefault((namespace, name), asyncio.Lock())
+
+    async def close(self) -> None:
+        await self.api.close()
+        await self.agents.close()
+
+
+@dataclasses.dataclass
+class FleetContext:
+    """One reconcile of one valid fleet; the fields after ``notify`` are filled in by the steps."""
+
+    runtime: Runtime
+    body: Object
+    """The fleet as read at the start; its status is updated by each status write."""
+    fleet: desired.ParsedFleet
+    notify: Notify
+    status: Object = dataclasses.field(default_factory=dict)
+    """The status being built, written by :func:`megafleet.reconcile.status.write`."""
+    token: str = ""
+    """The fleet's agent token."""
+    shards: pods.Shards = dataclasses.field(default_factory=lambda: pods.Shards({}, set()))
+    restarts: dict[int, tuple[int, str | None]] = dataclasses.field(default_factory=dict)
+    """Restart count and last error by shard."""
+    unplaced: dict[int, str] = dataclasses.field(default_factory=dict)
+    """Why each shard that could not be placed was not."""
+    reports: pods.Reports = dataclasses.field(default_factory=dict)
+
+    @property
+    def api(self) -> kube.Api:
+        return self.runtime.api
+
+    @property
+    def agents(self) -> agent_client.AgentClient:
+        return self.runtime.agents
+
+    @property
+    def settings(self) -> operator_settings.OperatorSettings:
+        return self.runtime.settings
+
+    @property
+    def refit(self) -> Object:
+        """``status.refit``: the running refit (``active``) and the fleet's current version."""
+        refit: Object = self.status.get("refit") or {}
+        return refit
+
+    @property
+    def refitting(self) -> bool:
+        """A refit runs: scaling, rolling and placing wait for it."""
+        return self.refit.get("active") is not None

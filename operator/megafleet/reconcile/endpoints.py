@@ -1,0 +1,63 @@
+"""Endpoints are reserved before any pod exists: the agent token, each shard's Services, the
+endpoints ConfigMap and ``status.endpoints``.
+
+Called by :func:`megafleet.reconcile.reconcile`. A frontend Service's ClusterIP is the shard's
+published endpoint for the fleet's whole life; Services of shards removed by scaling down go.
+"""
+
+from __future__ import annotations
+
+import base64
+import secrets
+
+from megafleet import conditions, desired, names
+from megafleet.api import v1alpha1
+from megafleet.reconcile import context, status
+
+
+async def agent_token(ctx: context.FleetContext) -> str:
+    """The fleet's agent token, created once and never rotated by a reconcile."""
+    fleet = ctx.fleet
+    secret = await ctx.api.get("Secret", names.agent_secret(fleet.name), fleet.namespace)
+    if secret is None:
+        secret = await ctx.api.create(desired.agent_secret(fleet, secrets.token_urlsafe(32)))
+    return base64.b64decode(secret["data"][names.AGENT_TOKEN_KEY]).decode()
+
+
+async def reserve(ctx: context.FleetContext) -> None:
+    """Services first, then the ConfigMap; ``ctx.status`` gets the endpoints (the caller writes it)."""
+    endpoints = await _services(ctx)
+    await _configmap(ctx, endpoints)
+    ctx.status = status.with_endpoints(ctx.status, ctx.fleet, endpoints, now=conditions.now())
+
+
+async def _services(ctx: context.FleetContext) -> list[v1alpha1.Endpoint]:
+    fleet, api = ctx.fleet, ctx.api
+    services = {
+        service["metadata"]["name"]: service
+        for service in await api.list("Service", namespace=fleet.namespace, labels={names.LABEL_FLEET: fleet.name})
+    }
+    endpoints = []
+    for shard in range(fleet.spec.replicas):
+        frontend = services.get(names.frontend_service(fleet.name, shard))
+        if frontend is None:
+            frontend = await api.create(desired.frontend_service(fleet, shard))
+            ctx.notify("Normal", "EndpointReserved", f"shard {shard}: {frontend['spec']['clusterIP']}")
+        if names.ranks_service(fleet.name, shard) not in services:
+            await api.create(desired.ranks_service(fleet, shard))
+        endpoints.append(desired.endpoint(fleet, shard, frontend["spec"]["clusterIP"]))
+    for name, service in services.items():  # shards removed by scaling down
+        shard = int(service["metadata"]["labels"].get(names.LABEL_SHARD, "-1"))
+        if shard >= fleet.spec.replicas:
+            await api.delete("Service", name, fleet.namespace)
+    return endpoints
+
+
+async def _configmap(ctx: context.FleetContext, endpoints: list[v1alpha1.Endpoint]) -> None:
+    fleet, api = ctx.fleet, ctx.api
+    wanted = desired.endpoints_configmap(fleet, endpoints)
+    current = await api.get("ConfigMap", names.endpoints_configmap(fleet.name), fleet.namespace)
+    if current is None:
+        await api.create(wanted)
+    elif current.get("data") != wanted["data"]:
+        await api.patch("ConfigMap", wanted["metadata"]["name"], fleet.namespace, {"data": wanted["data"]})

@@ -1,0 +1,91 @@
+"""Node inventory for placement, from raw Node and Pod JSON: free GPUs, taints, cordons.
+
+Pure; called by :mod:`megafleet.reconcile.shards` (placement) and :mod:`megafleet.reconcile.pods`
+(a pod's pinned node). GPUs count as taken on a pod's bound node, else on the node its hostname
+affinity pins it to, so GPUs promised to pods the scheduler has not bound yet are not handed out twice.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from megafleet import planner
+from megafleet.api import v1alpha1
+
+Object = dict[str, Any]
+
+HOSTNAME_LABEL = "kubernetes.io/hostname"
+
+
+def nodes(
+    node_objects: list[Object], pod_objects: list[Object], *, resource: str, tolerations: list[v1alpha1.Toleration]
+) -> list[planner.NodeInfo]:
+    """What the planner knows of each node: its labels, GPUs offered and taken, whether the fleet's
+    pods may go there (not cordoned, every hard taint tolerated). ``pod_objects``: live pods only."""
+    used = allocated_gpus(pod_objects, resource)
+    found = []
+    for node in node_objects:
+        spec = node.get("spec", {})
+        name = node["metadata"]["name"]
+        found.append(
+            planner.NodeInfo(
+                name=name,
+                labels=node["metadata"].get("labels", {}),
+                allocatable_gpus=int(str(node.get("status", {}).get("allocatable", {}).get(resource, "0"))),
+                allocated_gpus=used.get(name, 0),
+                schedulable=not spec.get("unschedulable", False) and tolerates(tolerations, spec.get("taints") or []),
+            )
+        )
+    return found
+
+
+def allocated_gpus(pod_objects: list[Object], resource: str) -> dict[str, int]:
+    """GPUs requested per node, by each pod's bound node, else its pinned node."""
+    used: dict[str, int] = {}
+    for pod in pod_objects:
+        node = pod.get("spec", {}).get("nodeName") or pinned_node(pod)
+        if node:
+            used[node] = used.get(node, 0) + requested_gpus(pod, resource)
+    return used
+
+
+def pinned_node(pod: Object) -> str | None:
+    """The node a pod is pinned to by a one-node hostname affinity (the operator's pods are)."""
+    affinity = pod.get("spec", {}).get("affinity") or {}
+    required = (affinity.get("nodeAffinity") or {}).get("requiredDuringSchedulingIgnoredDuringExecution") or {}
+    for term in required.get("nodeSelectorTerms", []):
+        for expression in term.get("matchExpressions", []):
+            values = expression.get("values", [])
+            if expression.get("key") == HOSTNAME_LABEL and expression.get("operator") == "In":
+                return str(values[0]) if len(values) == 1 else None
+    return None
+
+
+def requested_gpus(pod: Object, resource: str) -> int:
+    """The ``resource`` requests of all the pod's containers."""
+    total = 0
+    for container in pod.get("spec", {}).get("containers", []):
+        requests = container.get("resources", {}).get("requests", {}) or {}
+        total += int(str(requests.get(resource, "0")))
+    return total
+
+
+def tolerates(tolerations: list[v1alpha1.Toleration], taints: list[Object]) -> bool:
+    """Whether pods with ``tolerations`` may be scheduled onto a node with ``taints``, as the
+    scheduler decides it (only NoSchedule and NoExecute taints keep pods away)."""
+    for taint in taints:
+        if taint.get("effect") not in ("NoSchedule", "NoExecute"):
+            continue
+        if not any(_matches(toleration, taint) for toleration in tolerations):
+            return False
+    return True
+
+
+def _matches(toleration: v1alpha1.Toleration, taint: Object) -> bool:
+    if toleration.effect is not None and toleration.effect != taint.get("effect"):
+        return False
+    if toleration.key is None:
+        return toleration.operator == "Exists"
+    if toleration.key != taint.get("key"):
+        return False
+    return toleration.operator == "Exists" or toleration.value == taint.get("value")

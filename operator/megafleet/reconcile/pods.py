@@ -1,0 +1,123 @@
+"""A typed view of a fleet's pods, parsed once where they are listed, and their agents' reports.
+
+Called by the reconcile steps and by :mod:`megafleet.refit_driver`. Control logic reads these
+fields, never the pod JSON. A shard's pods are in pod order (pod 0 hosts the frontend); a shard
+with a terminating pod is only ``terminating``: pod names are stable, so it is placed again only
+once the old pods are gone.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+from megafleet import agent_client, desired, kube, names
+from megafleet.reconcile import inventory
+
+Object = dict[str, Any]
+Reports = dict[int, list[agent_client.AgentState | None]]
+"""Agent reports by shard, in pod order; ``None`` for a pod that is not running yet."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Pod:
+    """What the operator reads of one of its pods. Empty strings stand for fields the API server
+    has not filled in yet."""
+
+    name: str
+    shard: int
+    index: int
+    """The pod's index in its shard (pod 0 hosts the frontend rank)."""
+    phase: str
+    ip: str
+    node: str
+    """The node the scheduler bound the pod to."""
+    pinned_node: str | None
+    """The node the pod's hostname affinity pins it to."""
+    clique: str | None
+    """The clique label value the pod's node affinity requires."""
+    template_hash: str | None
+    deleting: bool
+
+    @property
+    def running(self) -> bool:
+        return self.phase == "Running" and bool(self.ip)
+
+    @property
+    def ended(self) -> bool:
+        return self.phase in ("Failed", "Succeeded")
+
+    @property
+    def placed_on(self) -> str:
+        """The bound node, else the pinned one ('' when neither is known)."""
+        return self.node or self.pinned_node or ""
+
+
+def parse(raw: Object, *, clique_label: str) -> Pod:
+    """The view of one pod the operator created (it carries the shard label)."""
+    metadata, spec, status = raw["metadata"], raw.get("spec") or {}, raw.get("status") or {}
+    labels = metadata.get("labels") or {}
+    return Pod(
+        name=metadata["name"],
+        shard=int(labels[names.LABEL_SHARD]),
+        index=int(labels.get(names.LABEL_POD_INDEX, "0")),
+        phase=status.get("phase") or "",
+        ip=status.get("podIP") or "",
+        node=spec.get("nodeName") or "",
+        pinned_node=inventory.pinned_node(raw),
+        clique=_required_label(spec, clique_label),
+        template_hash=(metadata.get("annotations") or {}).get(names.ANNOTATION_TEMPLATE_HASH),
+        deleting=bool(metadata.get("deletionTimestamp")),
+    )
+
+
+def _required_label(spec: Object, label: str) -> str | None:
+    """The value the first required node-selector term asks ``label`` to have."""
+    required = ((spec.get("affinity") or {}).get("nodeAffinity") or {}).get(
+        "requiredDuringSchedulingIgnoredDuringExecution"
+    ) or {}
+    terms = required.get("nodeSelectorTerms") or [{}]
+    expressions = terms[0].get("matchExpressions", [])
+    return next((str(e["values"][0]) for e in expressions if e.get("key") == label), None)
+
+
+@dataclasses.dataclass
+class Shards:
+    """The fleet's pods by shard index, and the shards whose pods are still terminating."""
+
+    pods: dict[int, list[Pod]]
+    terminating: set[int]
+
+    @classmethod
+    def of(cls, pods: list[Pod]) -> Shards:
+        grouped: dict[int, list[Pod]] = {}
+        terminating: set[int] = set()
+        for pod in pods:
+            if pod.deleting:
+                terminating.add(pod.shard)
+            else:
+                grouped.setdefault(pod.shard, []).append(pod)
+        for members in grouped.values():
+            members.sort(key=lambda pod: pod.index)
+        return cls(grouped, terminating)
+
+    def take(self, shard: int) -> list[Pod]:
+        """Forget ``shard``'s pods (the caller deletes them); it counts as terminating from now on."""
+        self.terminating.add(shard)
+        return self.pods.pop(shard, [])
+
+
+async def observe(api: kube.Api, fleet: desired.ParsedFleet) -> Shards:
+    """List the fleet's pods and parse each once."""
+    found = await api.list("Pod", namespace=fleet.namespace, labels={names.LABEL_FLEET: fleet.name})
+    return Shards.of([parse(pod, clique_label=fleet.spec.placement.clique_label) for pod in found])
+
+
+async def ask_agents(agents: agent_client.AgentClient, shards: Shards, token: str) -> Reports:
+    """Every running pod's agent report, by shard in pod order."""
+    reports: Reports = {}
+    for shard, pods in shards.pods.items():
+        ips = [pod.ip if pod.running else None for pod in pods]
+        answers = iter(await agents.states([ip for ip in ips if ip], token))
+        reports[shard] = [next(answers) if ip else None for ip in ips]
+    return reports

@@ -1,0 +1,148 @@
+"""Shard lifecycle: scale down with a drain, heal broken shards, roll one shard, place missing ones.
+
+Called by :func:`megafleet.reconcile.reconcile`, in that order, on ``ctx.shards``. A shard is
+whole or absent: its pods are deleted together, and it is placed again (all pods at once, on
+nodes the planner chose) only once the old ones are gone. Restarts are counted and bounded.
+"""
+
+from __future__ import annotations
+
+from lightkube import operators
+
+from megafleet import desired, planner
+from megafleet.api import checks
+from megafleet.reconcile import context, inventory, pods
+
+
+async def scale_down(ctx: context.FleetContext) -> None:
+    """Drain and remove the shards above ``spec.replicas``, highest last."""
+    replicas = ctx.fleet.spec.replicas
+    for shard in sorted(index for index in ctx.shards.pods if index >= replicas):
+        await _drain_and_remove(ctx, shard)
+        ctx.notify("Normal", "ShardRemoved", f"shard {shard} drained and removed by scaling to {replicas}")
+
+
+async def heal(ctx: context.FleetContext) -> None:
+    """Count a restart for each shard whose pods went away or broke, and delete what is left of a
+    broken one; ``ctx.restarts`` starts from the counts in the status."""
+    previous = {item["index"]: item for item in ctx.status.get("shards", [])}
+    ctx.restarts = {index: (int(item.get("restarts", 0)), item.get("lastError")) for index, item in previous.items()}
+    for shard, item in sorted(previous.items()):
+        gone = shard not in ctx.shards.pods and shard not in ctx.shards.terminating
+        if item.get("pods") and gone and shard < ctx.fleet.spec.replicas:
+            count = _restart(ctx, shard, f"pods gone: {', '.join(item['pods'])}")
+            ctx.notify("Warning", "ShardRestarting", f"shard {shard} is re-placed (restart {count}): its pods are gone")
+    for shard in sorted(ctx.shards.pods):
+        reason = broken(ctx.shards.pods[shard], ctx.fleet.layout)
+        if reason is None:
+            continue
+        count = _restart(ctx, shard, reason)
+        await _remove(ctx, shard)
+        ctx.notify("Warning", "ShardRestarting", f"shard {shard} is re-placed (restart {count}): {reason}")
+
+
+def broken(members: list[pods.Pod], layout: planner.PodLayout) -> str | None:
+    """Why a shard cannot serve as it is (a pod missing or ended), or None."""
+    if len(members) != layout.pods_per_shard:
+        return f"{layout.pods_per_shard - len(members)} of {layout.pods_per_shard} pods missing"
+    ended = [pod.name for pod in members if pod.ended]
+    if ended:
+        return f"pods ended: {', '.join(ended)}"
+    return None
+
+
+def _restart(ctx: context.FleetContext, shard: int, reason: str) -> int:
+    count = ctx.restarts.get(shard, (0, None))[0] + 1
+    ctx.restarts[shard] = (count, reason)
+    return count
+
+
+async def roll(ctx: context.FleetContext) -> None:
+    """Replace one shard whose pods run an older template, only while every shard runs whole."""
+    shards, replicas = ctx.shards, ctx.fleet.spec.replicas
+    if shards.terminating or any(shard not in shards.pods for shard in range(replicas)):
+        return
+    if not all(pod.running for members in shards.pods.values() for pod in members):
+        return
+    current = desired.template_hash(ctx.fleet)
+    for shard in sorted(shards.pods):
+        if any(pod.template_hash != current for pod in shards.pods[shard]):
+            await _drain_and_remove(ctx, shard)
+            ctx.notify("Normal", "ShardRolling", f"shard {shard} is replaced to apply the changed pod template")
+            return
+
+
+async def place(ctx: context.FleetContext) -> None:
+    """Plan and create the shards that have no pods (not terminating, not given up on); record in
+    ``ctx.unplaced`` why the others could not be placed. Once a refit moved the fleet past the
+    checkpoint, new pods start without weights (Stale until a catch-up or refit)."""
+    exhausted = {shard for shard, (count, _) in ctx.restarts.items() if count > ctx.settings.shards.max_restarts}
+    skip = ctx.shards.terminating | exhausted
+    missing = [shard for shard in range(ctx.fleet.spec.replicas) if shard not in ctx.shards.pods and shard not in skip]
+    if not missing:
+        return
+    request = _request(ctx, missing)
+    defer_weights = ctx.refit.get("currentVersion") is not None
+    async with ctx.runtime.placement_lock:  # fleets place one at a time, each seeing what the others took
+        plan = planner.plan_placement(request, await _inventory(ctx))
+        for shard, placement in sorted(plan.placed.items()):
+            created = [
+                await ctx.api.create(pod)
+                for pod in desired.shard_pods(ctx.fleet, shard, placement, defer_weights=defer_weights)
+            ]
+            ctx.shards.pods[shard] = [pods.parse(pod, clique_label=request.clique_label) for pod in created]
+            where = f"clique {placement.clique}" if placement.clique else "nodes"
+            ctx.notify("Normal", "ShardPlaced", f"shard {shard} placed on {where}: {_nodes(placement)}")
+    for _shard, reason in sorted(plan.unplaced.items()):
+        ctx.notify("Warning", "Unschedulable", reason)
+    ctx.unplaced = dict(plan.unplaced)
+
+
+def _nodes(placement: planner.ShardPlacement) -> str:
+    return ", ".join(pod.node for pod in placement.pods)
+
+
+def _request(ctx: context.FleetContext, missing: list[int]) -> planner.PlacementRequest:
+    spec = ctx.fleet.spec
+    return planner.PlacementRequest(
+        fleet=ctx.fleet.name,
+        shard_indices=missing,
+        layout=ctx.fleet.layout,
+        nvlink_span=checks.parallelism(spec.parallelism).nvlink_span,
+        gpus_per_node=spec.resources.gpus_per_node,
+        clique_label=spec.placement.clique_label,
+        require_clique=spec.placement.nvlink == "Required",
+        spread_shards=spec.placement.spread_shards,
+        node_selector=dict(spec.placement.node_selector),
+        existing={shard: existing(members) for shard, members in ctx.shards.pods.items()},
+    )
+
+
+def existing(members: list[pods.Pod]) -> planner.ShardPlacement:
+    """Where a placed shard sits: each pod's node (bound, else pinned) and the shard's clique."""
+    return planner.ShardPlacement(
+        clique=members[0].clique, pods=tuple(planner.PodPlacement(node=pod.placed_on, gpus=0) for pod in members)
+    )
+
+
+async def _inventory(ctx: context.FleetContext) -> list[planner.NodeInfo]:
+    live = await ctx.api.list("Pod", fields={"status.phase": operators.not_in(["Succeeded", "Failed"])})
+    spec = ctx.fleet.spec
+    return inventory.nodes(
+        await ctx.api.list("Node"), live, resource=spec.resources.gpu_resource, tolerations=spec.placement.tolerations
+    )
+
+
+async def _drain_and_remove(ctx: context.FleetContext, shard: int) -> None:
+    """Close the shard's frontend and let in-flight requests finish (bounded), then delete its pods."""
+    members = ctx.shards.pods.get(shard, [])
+    if members and members[0].ip:
+        timeout = ctx.settings.shards.drain_timeout_seconds
+        await ctx.agents.suspend(members[0].ip, ctx.token, mode="drain", timeout_seconds=timeout)
+    await _remove(ctx, shard)
+
+
+async def _remove(ctx: context.FleetContext, shard: int) -> None:
+    """Delete every pod of ``shard`` (whole or nothing); it is placed again once they are gone."""
+    for pod in ctx.shards.take(shard):
+        await ctx.api.delete("Pod", pod.name, ctx.fleet.namespace)

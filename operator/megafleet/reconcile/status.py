@@ -1,0 +1,295 @@
+"""The fleet's status: shard entries and phases from agent reports, counters, and conditions.
+
+Pure except :func:`write`; called by :func:`megafleet.reconcile.reconcile` and its steps. Each
+function returns a new status or condition list; recomputing an unchanged state yields an equal
+status, and :func:`write` patches only what changed, so an idle reconcile writes nothing.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from megafleet import agent_client, conditions, desired, kube
+from megafleet.api import v1alpha1
+from megafleet.reconcile import pods
+
+Object = dict[str, Any]
+Report = agent_client.AgentState | None
+
+_AGENT_PHASES = {"loading": "Loading", "stale": "Stale", "suspended": "Refitting", "failed": "Failed"}
+"""Agent states that make a shard's phase, the first found winning."""
+
+
+def raw_phase(reports: list[Report]) -> tuple[str, str | None, int | None]:
+    """(shard phase, error, weight version) from the agents of one shard's pods, in pod order."""
+    if any(report is None for report in reports):
+        return "Starting", None, None
+    answered = [report for report in reports if report is not None]
+    for report in answered:
+        if report.error is not None:
+            return "Starting", report.error, None
+    for state, phase in _AGENT_PHASES.items():
+        failing = [report for report in answered if report.state == state]
+        if failing:
+            return phase, failing[0].last_error, failing[0].weight_version
+    return "Ready", None, answered[0].weight_version if answered else None
+
+
+def shard_phase(reports: list[Report], current_version: int | None = None) -> tuple[str, str | None, int | None]:
+    """:func:`raw_phase`, but a shard not at the fleet's ``current_version`` is Stale."""
+    phase, error, version = raw_phase(reports)
+    if current_version is not None and phase in ("Ready", "Refitting") and version != current_version:
+        return "Stale", f"serves version {version}, the fleet is at {current_version}", version
+    if current_version is not None and phase == "Loading":  # started after a refit, without weights
+        return "Stale", f"has no weights yet, the fleet is at version {current_version}", version
+    return phase, error, version
+
+
+def shard_entry(
+    shard: int,
+    members: list[pods.Pod] | None,
+    *,
+    unplaced: str | None,
+    restarts: tuple[int, str | None],
+    reports: list[Report],
+    terminating: bool,
+    current_version: int | None,
+    max_restarts: int,
+) -> Object:
+    """One item of ``status.shards``."""
+    count, last_error = restarts
+    entry: Object = {"index": shard, "restarts": count}
+    if members:
+        entry["pods"] = [pod.name for pod in members]
+        entry["nodes"] = [pod.node for pod in members]
+        if members[0].clique is not None:
+            entry["clique"] = members[0].clique
+        phase, agent_error, version = shard_phase(reports, current_version)
+        entry["phase"] = phase
+        # A shard that serves again has recovered: only its restart count remembers the failure.
+        last_error = None if phase == "Ready" else agent_error or last_error
+        if version is not None:
+            entry["weightVersion"] = version
+    elif count > max_restarts:
+        entry["phase"] = "Failed"
+        last_error = f"gave up after {count - 1} restarts; last: {last_error}"
+    elif terminating:
+        entry["phase"] = "Draining"
+    else:
+        entry["phase"] = "Pending"
+    error = unplaced or last_error
+    if error:
+        entry["lastError"] = error
+    return entry
+
+
+def observed(
+    status: Object,
+    fleet: desired.ParsedFleet,
+    shards: pods.Shards,
+    *,
+    unplaced: dict[int, str],
+    restarts: dict[int, tuple[int, str | None]],
+    reports: pods.Reports,
+    max_restarts: int,
+    now: str,
+) -> Object:
+    """``status`` with the shards as observed: entries, counters, weight version and conditions."""
+    refit: Object = status.get("refit") or {}
+    current_version = None if refit.get("active") else refit.get("currentVersion")
+    entries = [
+        shard_entry(
+            shard,
+            shards.pods.get(shard),
+            unplaced=unplaced.get(shard),
+            restarts=restarts.get(shard, (0, None)),
+            reports=reports.get(shard, []),
+            terminating=shard in shards.terminating,
+            current_version=current_version,
+            max_restarts=max_restarts,
+        )
+        for shard in range(fleet.spec.replicas)
+    ]
+    ready = sum(1 for entry in entries if entry["phase"] == "Ready")
+    versions = {entry.get("weightVersion") for entry in entries if entry["phase"] == "Ready"}
+    updated = {
+        **status,
+        "observedGeneration": fleet.generation,
+        "replicas": sum(1 for entry in entries if entry.get("pods")),
+        "readyReplicas": ready,
+        "shards": entries,
+    }
+    if len(versions) == 1 and None not in versions:
+        updated["weightVersion"] = versions.pop()
+    else:
+        updated.pop("weightVersion", None)
+    replicas, generation = fleet.spec.replicas, fleet.generation
+    found = placed(list(updated.get("conditions", [])), unplaced, replicas, generation=generation, now=now)
+    found = ready_condition(found, ready, replicas, generation=generation, now=now)
+    found = degraded(found, ready, replicas, generation=generation, now=now)
+    updated["conditions"] = weights_current(found, entries, refit, generation=generation, now=now)
+    return updated
+
+
+def placed(
+    found: list[conditions.Condition], unplaced: dict[int, str], replicas: int, *, generation: int, now: str
+) -> list[conditions.Condition]:
+    """Placed: every shard found nodes (else each reason, in shard order)."""
+    if unplaced:
+        message = "; ".join(unplaced[s] for s in sorted(unplaced))
+        return conditions.set_condition(
+            found, conditions.PLACED, False, "Unschedulable", message, generation=generation, now=now
+        )
+    return conditions.set_condition(
+        found, conditions.PLACED, True, "AllShardsPlaced", f"{replicas} shards placed", generation=generation, now=now
+    )
+
+
+def ready_condition(
+    found: list[conditions.Condition], ready: int, replicas: int, *, generation: int, now: str
+) -> list[conditions.Condition]:
+    """Ready: every shard serves."""
+    every = ready == replicas
+    reason = "AllShardsReady" if every else "ShardsNotReady"
+    message = f"{ready} of {replicas} shards ready"
+    return conditions.set_condition(found, conditions.READY, every, reason, message, generation=generation, now=now)
+
+
+def degraded(
+    found: list[conditions.Condition], ready: int, replicas: int, *, generation: int, now: str
+) -> list[conditions.Condition]:
+    """Degraded: some shards serve, not all (none serving is not Ready, but not Degraded)."""
+    is_degraded = 0 < ready < replicas
+    reason = "ShardsUnavailable" if is_degraded else "AsDesired"
+    message = f"{replicas - ready} of {replicas} shards not ready" if is_degraded else ""
+    return conditions.set_condition(
+        found, conditions.DEGRADED, is_degraded, reason, message, generation=generation, now=now
+    )
+
+
+def weights_current(
+    found: list[conditions.Condition], entries: list[Object], refit: Object, *, generation: int, now: str
+) -> list[conditions.Condition]:
+    """WeightsCurrent: every shard serves the fleet's current version (the last successful Refit's,
+    else the one every shard started with) and no refit is running."""
+    if refit.get("active"):
+        message = f"refit {refit['active']} is running"
+        return conditions.set_condition(
+            found, conditions.WEIGHTS_CURRENT, False, "Refitting", message, generation=generation, now=now
+        )
+    versions = {entry.get("weightVersion") for entry in entries}
+    target = refit.get("currentVersion")
+    current = (
+        bool(entries) and None not in versions and (versions == {target} if target is not None else len(versions) == 1)
+    )
+    stale = sorted(entry["index"] for entry in entries if target is not None and entry.get("weightVersion") != target)
+    message = (
+        f"every shard serves version {versions.pop()}"
+        if current
+        else f"shards {stale} are not at version {target}"
+        if stale
+        else "not every shard has weights yet"
+    )
+    reason = "Current" if current else "Behind"
+    return conditions.set_condition(
+        found, conditions.WEIGHTS_CURRENT, current, reason, message, generation=generation, now=now
+    )
+
+
+def verify_addresses(
+    status: Object, shards: pods.Shards, reports: pods.Reports, *, port: int, generation: int, now: str
+) -> tuple[Object, str | None]:
+    """EndpointsVerified: each frontend serves where its reserved Service sends traffic (pod 0's IP
+    on the Service's target port); EndpointSlices cannot prove it here, they reject loopback IPs.
+    Also returns the message of a mismatch that is new (for a Warning), else None."""
+    reserved, served = [], []
+    for shard in sorted(shards.pods):
+        frontend = (reports.get(shard) or [None])[0]
+        if frontend is None or frontend.served_address is None:
+            continue
+        reserved.append(f"shard {shard}: {shards.pods[shard][0].ip}:{port}")
+        served.append(f"shard {shard}: {frontend.served_address}")
+    before = conditions.find(status.get("conditions", []), conditions.ENDPOINTS_VERIFIED) or {}
+    found = endpoints_verified(list(status.get("conditions", [])), reserved, served, generation=generation, now=now)
+    after = conditions.find(found, conditions.ENDPOINTS_VERIFIED) or {}
+    known = before.get("status") == "False" and before.get("reason") == "Mismatch"
+    warning = after["message"] if after.get("reason") == "Mismatch" and not known else None
+    return {**status, "conditions": found}, warning
+
+
+def endpoints_verified(
+    found: list[conditions.Condition], reserved: list[str], served: list[str], *, generation: int, now: str
+) -> list[conditions.Condition]:
+    """EndpointsVerified from the reserved and the served address of each answering frontend."""
+    kind = conditions.ENDPOINTS_VERIFIED
+    if not served:
+        message = "no frontend reports an address yet"
+        return conditions.set_condition(
+            found, kind, False, "NoFrontendServing", message, generation=generation, now=now
+        )
+    if reserved == served:
+        message = f"{len(served)} frontends serve where their endpoints point"
+        return conditions.set_condition(found, kind, True, "Verified", message, generation=generation, now=now)
+    message = f"reserved: {', '.join(reserved)}; served: {', '.join(served)}"
+    return conditions.set_condition(found, kind, False, "Mismatch", message, generation=generation, now=now)
+
+
+def with_endpoints(
+    status: Object, fleet: desired.ParsedFleet, endpoints: list[v1alpha1.Endpoint], *, now: str
+) -> Object:
+    """``status`` with the reserved endpoints, the pods' selector, EndpointsReserved and a valid spec."""
+    found = conditions.set_condition(
+        list(status.get("conditions", [])),
+        conditions.ENDPOINTS_RESERVED,
+        True,
+        "ServicesCreated",
+        f"{len(endpoints)} frontend endpoints reserved",
+        generation=fleet.generation,
+        now=now,
+    )
+    found = conditions.set_condition(
+        found, conditions.INVALID_SPEC, False, "Valid", "", generation=fleet.generation, now=now
+    )
+    return {
+        **status,
+        "endpoints": [endpoint.model_dump(mode="json", by_alias=True) for endpoint in endpoints],
+        "selector": fleet.selector,
+        "conditions": found,
+    }
+
+
+def invalid(status: Object, message: str, *, generation: int, now: str) -> Object:
+    """``status`` of a fleet whose spec cannot be acted on: InvalidSpec and not Ready, with ``message``."""
+    found = conditions.set_condition(
+        list(status.get("conditions", [])),
+        conditions.INVALID_SPEC,
+        True,
+        "InvalidSpec",
+        message,
+        generation=generation,
+        now=now,
+    )
+    found = conditions.set_condition(
+        found, conditions.READY, False, "InvalidSpec", message, generation=generation, now=now
+    )
+    return {**status, "conditions": found, "observedGeneration": generation}
+
+
+def unchanged(current: Object, update: Object) -> bool:
+    """Whether merging ``update`` into ``current`` changes nothing."""
+    return _comparable(current) == _comparable({**current, **update})
+
+
+def _comparable(status: Object) -> str:
+    return json.dumps(status, sort_keys=True, default=str)
+
+
+async def write(api: kube.Api, body: Object, status: Object) -> None:
+    """Merge-patch ``status`` into the fleet's, only when that changes it; ``body`` follows."""
+    current = body.get("status") or {}
+    if unchanged(current, status):
+        return
+    metadata = body["metadata"]
+    await api.patch_status("MegatronGeneration", metadata["name"], metadata["namespace"], status)
+    body["status"] = {**current, **status}

@@ -1,0 +1,91 @@
+"""Version fencing and catch-up: never a mix of weight versions behind the fleet's endpoints.
+
+Called by :func:`megafleet.reconcile.reconcile` after the agents were asked, while no refit runs.
+The fleet's current version is ``status.refit.currentVersion`` (set by a successful Refit). A shard
+serving another version is fenced (suspended); a shard behind it loads the current checkpoint, if
+the last Refit came from one, with growing delays between failed tries (``Runtime.catch_up``).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Hashable
+
+from megafleet.reconcile import context
+from megafleet_protocol import agent_api
+
+_SETTLED = ("idle", "succeeded", "failed")
+"""Refit phases an agent reports when no attempt runs."""
+
+
+async def fence(ctx: context.FleetContext) -> None:
+    """Suspend every pod of a shard that serves another version than the fleet's current one
+    (restarted, or added by scaling after a refit) until a refit brings it up to date."""
+    current = ctx.refit.get("currentVersion")
+    if current is None or ctx.refitting:
+        return
+    for shard, answers in ctx.reports.items():
+        serving = [a for a in answers if a is not None and a.state == "ready" and a.weight_version != current]
+        for pod, answer in zip(ctx.shards.pods[shard], answers, strict=True):
+            if answer in serving:
+                timeout = ctx.settings.shards.fence_timeout_seconds
+                await ctx.agents.suspend(pod.ip, ctx.token, mode="abort", timeout_seconds=timeout)
+        if serving:
+            ctx.notify(
+                "Warning",
+                "ShardStale",
+                f"shard {shard} serves version {serving[0].weight_version}, "
+                f"the fleet is at {current}: fenced until the next refit",
+            )
+
+
+async def catch_up(ctx: context.FleetContext, *, clock: Callable[[], float] = time.monotonic) -> None:
+    """Start a checkpoint load on each whole shard behind the current version (restarted or added
+    after a refit, or left Stale by a failed attempt). A failed catch-up is tried again after the
+    delays of ``ctx.runtime.catch_up``, each failure reported once as a ``CatchUpFailed`` Warning.
+    Without a current checkpoint a shard stays Stale, not routed, until the next refit."""
+    current, path = ctx.refit.get("currentVersion"), ctx.refit.get("currentCheckpoint")
+    fleet_key = (ctx.fleet.namespace, ctx.fleet.name)
+
+    def applies(key: Hashable) -> bool:
+        return not isinstance(key, tuple) or key[:2] != fleet_key or key[3:] == (current, path)
+
+    ctx.runtime.catch_up.forget(applies)
+    if current is None or path is None or ctx.refitting:
+        return
+    for shard, answers in sorted(ctx.reports.items()):
+        if any(a is None or a.error is not None or a.state == "failed" for a in answers):
+            continue  # not every pod of the shard can take it yet
+        if all(a is not None and a.weight_version == current and a.state != "stale" for a in answers):
+            continue
+        await _catch_up_shard(ctx, shard, current, path, now=clock())
+
+
+async def _catch_up_shard(ctx: context.FleetContext, shard: int, current: int, path: str, *, now: float) -> None:
+    ips = [pod.ip for pod in ctx.shards.pods[shard]]
+    progress = [await ctx.agents.refit_status(ip, ctx.token) for ip in ips]
+    if all(p is not None and p.version == current and p.phase not in _SETTLED for p in progress):
+        return  # already catching up
+    failed = [p for p in progress if p is not None and p.version == current and p.phase == "failed"]
+    key = (ctx.fleet.namespace, ctx.fleet.name, shard, current, path)
+    left, failures = ctx.runtime.catch_up.wait(key, failed=bool(failed), now=now)
+    if failures is not None:
+        ctx.notify(
+            "Warning",
+            "CatchUpFailed",
+            f"shard {shard} could not load version {current} from {path} ({failures} in a row: "
+            f"{failed[0].error}); next try in {left:.0f} s",
+        )
+    if left > 0:
+        return
+    body = agent_api.CheckpointRefitRequest(
+        version=current,
+        path=path,
+        timeout_seconds=ctx.fleet.spec.refit.timeout_seconds,
+        kv_cache_mode=ctx.fleet.spec.engine.kv_cache_mode,
+    )
+    refused = [error for ip in ips if (error := await ctx.agents.refit_start(ip, ctx.token, body))]
+    if refused:
+        ctx.notify("Warning", "CatchUpRefused", f"shard {shard} cannot load version {current}: {refused[0]}")
+    else:
+        ctx.notify("Normal", "ShardCatchingUp", f"shard {shard} loads version {current} from {path}")

@@ -1,0 +1,84 @@
+"""Every tuning value of the operator, in one frozen object.
+
+Built once by :mod:`megafleet.handlers` (its Kopf decorators read it at import, its startup handler
+keeps it in Kopf's ``memo``) and read by the reconcile steps and the Refit driver. Nothing here is
+read from the environment: a value changes by changing its default, with the reason beside it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+__all__ = ["AgentSettings", "CatchUpSettings", "OperatorSettings", "RefitSettings", "ShardSettings", "TriggerSettings"]
+
+
+@dataclasses.dataclass(frozen=True)
+class TriggerSettings:
+    """When the Kopf handlers run a reconcile."""
+
+    observe_interval_seconds: float = 5.0
+    """Seconds between observations of every fleet even when nothing announces a change (default 5):
+    agent state (Ready, Stale, served address) changes without any Kubernetes event."""
+    retry_seconds: float = 5.0
+    """Seconds before a failed reconcile or Refit step is retried (default 5): Kopf's own 60 s is too
+    slow for fleets that a trainer waits on."""
+    peering_lifetime_seconds: int = 20
+    """Seconds a silent operator replica still counts as alive (default 20); a standby takes over
+    after that."""
+
+
+@dataclasses.dataclass(frozen=True)
+class ShardSettings:
+    """Shard lifecycle: restarts, draining and fencing."""
+
+    max_restarts: int = 5
+    """Re-placements of one shard before it is left ``Failed`` (default 5): bounded restarts, so a
+    shard that can never start stops taking nodes."""
+    drain_timeout_seconds: float = 30.0
+    """Seconds a frontend may finish in-flight requests before its shard's pods are deleted by a
+    scale-down or a roll (default 30)."""
+    fence_timeout_seconds: float = 10.0
+    """Seconds an agent is given to abort serving when its shard is fenced as stale (default 10):
+    nothing is drained, a stale shard must stop answering at once."""
+
+
+@dataclasses.dataclass(frozen=True)
+class CatchUpSettings:
+    """Delays between checkpoint catch-ups of a shard that keep failing."""
+
+    first_seconds: float = 10.0
+    """Seconds after the first failure (default 10); doubled after each further failure."""
+    most_seconds: float = 300.0
+    """The longest delay in seconds (default 300): a checkpoint that became loadable is tried again
+    within five minutes."""
+
+
+@dataclasses.dataclass(frozen=True)
+class RefitSettings:
+    """The Refit driver."""
+
+    poll_seconds: float = 1.0
+    """Seconds between progress polls of a running refit's agents (default 1)."""
+    max_attempts: int = 2
+    """Attempts of one Refit (default 2): a failed attempt is retried once with the shards still
+    alive, then the Refit is ``Failed``."""
+
+
+@dataclasses.dataclass(frozen=True)
+class AgentSettings:
+    """The operator's HTTP client for the pod agents."""
+
+    timeout_seconds: float = 2.0
+    """Seconds one agent call may take (default 2): an agent that does not answer within it is
+    reported as unreachable, and the operator observes again a few seconds later."""
+
+
+@dataclasses.dataclass(frozen=True)
+class OperatorSettings:
+    """The operator's settings, grouped by what they tune."""
+
+    triggers: TriggerSettings = dataclasses.field(default_factory=TriggerSettings)
+    shards: ShardSettings = dataclasses.field(default_factory=ShardSettings)
+    catch_up: CatchUpSettings = dataclasses.field(default_factory=CatchUpSettings)
+    refit: RefitSettings = dataclasses.field(default_factory=RefitSettings)
+    agents: AgentSettings = dataclasses.field(default_factory=AgentSettings)

@@ -1,0 +1,316 @@
+"""Fleet status from observations: shard phases from agent reports, shard entries, conditions."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from megafleet import agent_client, conditions, desired
+from megafleet.api import v1alpha1
+from megafleet.reconcile import pods, status
+
+NOW = "2026-12-01T00:00:00Z"
+LATER = "2026-12-01T00:01:00Z"
+
+
+def fleet(replicas: int = 2, generation: int = 3) -> desired.ParsedFleet:
+    spec = v1alpha1.MegatronGenerationSpec.model_validate({"model": {"source": "/models/m"}, "replicas": replicas})
+    return desired.ParsedFleet("gen", "rl", "uid-1", generation, spec)
+
+
+def ready(version: int | None = 1, address: str | None = None) -> agent_client.AgentState:
+    return agent_client.AgentState(state="ready", weight_version=version, served_address=address)
+
+
+def pod(shard: int, index: int = 0, ip: str = "127.0.0.2", clique: str | None = None) -> pods.Pod:
+    return pods.Pod(f"gen-s{shard}-p{index}", shard, index, "Running", ip, f"n{index}", None, clique, "h", False)
+
+
+def condition(found: list[conditions.Condition], kind: str) -> tuple[str, str, str]:
+    item = conditions.find(found, kind)
+    assert item is not None and item["observedGeneration"] == 3
+    return item["status"], item["reason"], item["message"]
+
+
+@pytest.mark.parametrize(
+    ("reports", "expected"),
+    [
+        ([], ("Ready", None, None)),
+        ([ready(4), ready(4)], ("Ready", None, 4)),
+        ([ready(), None], ("Starting", None, None)),
+        ([ready(), agent_client.AgentState(error="unreachable")], ("Starting", "unreachable", None)),
+        ([ready(), agent_client.AgentState(state="loading")], ("Loading", None, None)),
+        ([agent_client.AgentState(state="stale", weight_version=2, last_error="behind")], ("Stale", "behind", 2)),
+        ([ready(), agent_client.AgentState(state="suspended", weight_version=1)], ("Refitting", None, 1)),
+        (
+            [agent_client.AgentState(state="failed", last_error="oom"), agent_client.AgentState(state="loading")],
+            ("Loading", None, None),
+        ),
+        ([agent_client.AgentState(state="failed", last_error="oom"), ready()], ("Failed", "oom", None)),
+    ],
+    ids=[
+        "no-pods",
+        "all-ready",
+        "one-not-running",
+        "one-unreachable",
+        "one-loading",
+        "stale",
+        "suspended-is-refitting",
+        "loading-before-failed",
+        "failed",
+    ],
+)
+def test_raw_phase(reports: list[agent_client.AgentState | None], expected: tuple[str, str | None, int | None]) -> None:
+    assert status.raw_phase(reports) == expected
+
+
+@pytest.mark.parametrize(
+    ("reports", "current", "expected"),
+    [
+        ([ready(4)], None, ("Ready", None, 4)),
+        ([ready(4)], 4, ("Ready", None, 4)),
+        ([ready(3)], 4, ("Stale", "serves version 3, the fleet is at 4", 3)),
+        (
+            [agent_client.AgentState(state="suspended", weight_version=3)],
+            4,
+            ("Stale", "serves version 3, the fleet is at 4", 3),
+        ),
+        (
+            [agent_client.AgentState(state="loading")],
+            4,
+            ("Stale", "has no weights yet, the fleet is at version 4", None),
+        ),
+        ([agent_client.AgentState(state="loading")], None, ("Loading", None, None)),
+        ([None], 4, ("Starting", None, None)),
+    ],
+    ids=["no-current", "at-current", "behind", "refitting-behind", "loading-after-refit", "loading", "starting"],
+)
+def test_shard_phase_against_the_current_version(
+    reports: list[agent_client.AgentState | None], current: int | None, expected: tuple[str, str | None, int | None]
+) -> None:
+    assert status.shard_phase(reports, current) == expected
+
+
+ENTRY_DEFAULTS: dict[str, Any] = {
+    "unplaced": None,
+    "restarts": (0, None),
+    "reports": [],
+    "terminating": False,
+    "current_version": None,
+    "max_restarts": 5,
+}
+
+
+@pytest.mark.parametrize(
+    ("members", "overrides", "expected"),
+    [
+        (None, {}, {"index": 0, "restarts": 0, "phase": "Pending"}),
+        (None, {"terminating": True}, {"index": 0, "restarts": 0, "phase": "Draining"}),
+        (
+            None,
+            {"unplaced": "no clique has 8 GPUs", "restarts": (1, "pods gone")},
+            {"index": 0, "restarts": 1, "phase": "Pending", "lastError": "no clique has 8 GPUs"},
+        ),
+        (
+            None,
+            {"restarts": (6, "pods ended: p0")},
+            {
+                "index": 0,
+                "restarts": 6,
+                "phase": "Failed",
+                "lastError": "gave up after 5 restarts; last: pods ended: p0",
+            },
+        ),
+        (
+            [pod(0, 0, clique="c1"), pod(0, 1, clique="c1")],
+            {"reports": [ready(2), ready(2)], "restarts": (2, "pods gone")},
+            {
+                "index": 0,
+                "restarts": 2,
+                "pods": ["gen-s0-p0", "gen-s0-p1"],
+                "nodes": ["n0", "n1"],
+                "clique": "c1",
+                "phase": "Ready",
+                "weightVersion": 2,
+            },
+        ),
+        (
+            [pod(0)],
+            {"reports": [None], "restarts": (1, "pods gone")},
+            {
+                "index": 0,
+                "restarts": 1,
+                "pods": ["gen-s0-p0"],
+                "nodes": ["n0"],
+                "phase": "Starting",
+                "lastError": "pods gone",
+            },
+        ),
+        (
+            [pod(0)],
+            {"reports": [ready(1)], "current_version": 2},
+            {
+                "index": 0,
+                "restarts": 0,
+                "pods": ["gen-s0-p0"],
+                "nodes": ["n0"],
+                "phase": "Stale",
+                "weightVersion": 1,
+                "lastError": "serves version 1, the fleet is at 2",
+            },
+        ),
+    ],
+    ids=["pending", "draining", "unplaced", "gave-up", "ready-recovered", "starting-keeps-error", "stale"],
+)
+def test_shard_entry(members: list[pods.Pod] | None, overrides: dict[str, Any], expected: dict[str, Any]) -> None:
+    assert status.shard_entry(0, members, **{**ENTRY_DEFAULTS, **overrides}) == expected
+
+
+@pytest.mark.parametrize(
+    ("unplaced", "expected"),
+    [
+        ({}, ("True", "AllShardsPlaced", "2 shards placed")),
+        (
+            {1: "shard 1: no node", 0: "shard 0: no node"},
+            ("False", "Unschedulable", "shard 0: no node; shard 1: no node"),
+        ),
+    ],
+    ids=["placed", "unschedulable"],
+)
+def test_placed(unplaced: dict[int, str], expected: tuple[str, str, str]) -> None:
+    assert condition(status.placed([], unplaced, 2, generation=3, now=NOW), conditions.PLACED) == expected
+
+
+@pytest.mark.parametrize(
+    ("ready_shards", "ready_expected", "degraded_expected"),
+    [
+        (2, ("True", "AllShardsReady", "2 of 2 shards ready"), ("False", "AsDesired", "")),
+        (
+            1,
+            ("False", "ShardsNotReady", "1 of 2 shards ready"),
+            ("True", "ShardsUnavailable", "1 of 2 shards not ready"),
+        ),
+        (0, ("False", "ShardsNotReady", "0 of 2 shards ready"), ("False", "AsDesired", "")),
+    ],
+    ids=["all", "some", "none"],
+)
+def test_ready_and_degraded(
+    ready_shards: int, ready_expected: tuple[str, str, str], degraded_expected: tuple[str, str, str]
+) -> None:
+    found = status.ready_condition([], ready_shards, 2, generation=3, now=NOW)
+    assert condition(found, conditions.READY) == ready_expected
+    found = status.degraded(found, ready_shards, 2, generation=3, now=NOW)
+    assert condition(found, conditions.DEGRADED) == degraded_expected
+
+
+def entries(*versions: int | None) -> list[dict[str, Any]]:
+    return [{"index": i, **({"weightVersion": v} if v is not None else {})} for i, v in enumerate(versions)]
+
+
+@pytest.mark.parametrize(
+    ("shard_entries", "refit", "expected"),
+    [
+        (entries(1, 1), {}, ("True", "Current", "every shard serves version 1")),
+        (entries(1, 2), {}, ("False", "Behind", "not every shard has weights yet")),
+        (entries(1, None), {}, ("False", "Behind", "not every shard has weights yet")),
+        ([], {}, ("False", "Behind", "not every shard has weights yet")),
+        (entries(4, 4), {"currentVersion": 4}, ("True", "Current", "every shard serves version 4")),
+        (entries(4, 3, None), {"currentVersion": 4}, ("False", "Behind", "shards [1, 2] are not at version 4")),
+        (entries(4, 4), {"active": "r5", "currentVersion": 4}, ("False", "Refitting", "refit r5 is running")),
+    ],
+    ids=["same", "mixed", "one-without", "no-shards", "at-current", "behind-current", "refitting"],
+)
+def test_weights_current(
+    shard_entries: list[dict[str, Any]], refit: dict[str, Any], expected: tuple[str, str, str]
+) -> None:
+    found = status.weights_current([], shard_entries, refit, generation=3, now=NOW)
+    assert condition(found, conditions.WEIGHTS_CURRENT) == expected
+
+
+@pytest.mark.parametrize(
+    ("reserved", "served", "expected"),
+    [
+        ([], [], ("False", "NoFrontendServing", "no frontend reports an address yet")),
+        (["shard 0: a:1"], ["shard 0: a:1"], ("True", "Verified", "1 frontends serve where their endpoints point")),
+        (["shard 0: a:1"], ["shard 0: b:1"], ("False", "Mismatch", "reserved: shard 0: a:1; served: shard 0: b:1")),
+    ],
+    ids=["none-serving", "verified", "mismatch"],
+)
+def test_endpoints_verified(reserved: list[str], served: list[str], expected: tuple[str, str, str]) -> None:
+    found = status.endpoints_verified([], reserved, served, generation=3, now=NOW)
+    assert condition(found, conditions.ENDPOINTS_VERIFIED) == expected
+
+
+def test_a_mismatch_is_reported_once_and_a_verified_address_not_at_all() -> None:
+    shards = pods.Shards({0: [pod(0, ip="127.0.0.2")]}, set())
+    wrong = {0: [ready(1, address="127.0.0.3:8000")]}
+    first, warning = status.verify_addresses({}, shards, wrong, port=8000, generation=3, now=NOW)
+    assert warning == "reserved: shard 0: 127.0.0.2:8000; served: shard 0: 127.0.0.3:8000"
+    again, warning = status.verify_addresses(first, shards, wrong, port=8000, generation=3, now=LATER)
+    assert warning is None and again == first  # no new transition, no new timestamp
+    right = {0: [ready(1, address="127.0.0.2:8000")]}
+    verified, warning = status.verify_addresses(again, shards, right, port=8000, generation=3, now=LATER)
+    assert warning is None and condition(verified["conditions"], conditions.ENDPOINTS_VERIFIED)[1] == "Verified"
+
+
+def test_invalid_spec_sets_invalid_and_not_ready_and_a_valid_one_clears_it() -> None:
+    invalid = status.invalid({"replicas": 2}, "spec.replicas: too many", generation=3, now=NOW)
+    assert invalid["observedGeneration"] == 3 and invalid["replicas"] == 2
+    assert condition(invalid["conditions"], conditions.INVALID_SPEC) == (
+        "True",
+        "InvalidSpec",
+        "spec.replicas: too many",
+    )
+    assert condition(invalid["conditions"], conditions.READY) == ("False", "InvalidSpec", "spec.replicas: too many")
+    endpoint = desired.endpoint(fleet(), 0, "10.96.0.10")
+    valid = status.with_endpoints(invalid, fleet(), [endpoint], now=LATER)
+    assert condition(valid["conditions"], conditions.INVALID_SPEC) == ("False", "Valid", "")
+    assert condition(valid["conditions"], conditions.ENDPOINTS_RESERVED) == (
+        "True",
+        "ServicesCreated",
+        "1 frontend endpoints reserved",
+    )
+    assert valid["endpoints"] == [endpoint.model_dump(mode="json", by_alias=True)]
+    assert valid["selector"] == fleet().selector
+
+
+def test_observed_counts_shards_and_sets_every_condition_and_is_stable() -> None:
+    shards = pods.Shards({0: [pod(0)], 1: [pod(1)]}, set())
+    reports = {0: [ready(2)], 1: [None]}
+    kwargs: dict[str, Any] = {"unplaced": {}, "restarts": {}, "reports": reports, "max_restarts": 5}
+    first = status.observed({"refit": {"currentVersion": 2}}, fleet(), shards, now=NOW, **kwargs)
+    assert (first["observedGeneration"], first["replicas"], first["readyReplicas"]) == (3, 2, 1)
+    assert first["weightVersion"] == 2
+    assert [entry["phase"] for entry in first["shards"]] == ["Ready", "Starting"]
+    assert [c["type"] for c in first["conditions"]] == [
+        conditions.PLACED,
+        conditions.READY,
+        conditions.DEGRADED,
+        conditions.WEIGHTS_CURRENT,
+    ]
+    again = status.observed(first, fleet(), shards, now=LATER, **kwargs)
+    assert status.unchanged(first, again)  # nothing changed: nothing to write
+
+
+def test_observed_drops_the_weight_version_when_shards_disagree() -> None:
+    shards = pods.Shards({0: [pod(0)], 1: [pod(1)]}, set())
+    reports = {0: [ready(2)], 1: [ready(3)]}
+    found = status.observed(
+        {"weightVersion": 2}, fleet(), shards, unplaced={}, restarts={}, reports=reports, max_restarts=5, now=NOW
+    )
+    assert "weightVersion" not in found
+
+
+@pytest.mark.parametrize(
+    ("current", "update", "expected"),
+    [
+        ({}, {}, True),
+        ({"a": 1, "b": [1, 2]}, {"b": [1, 2]}, True),
+        ({"a": 1}, {"a": 2}, False),
+        ({"a": 1}, {"c": None}, False),
+    ],
+    ids=["empty", "same-subset", "changed", "new-key"],
+)
+def test_unchanged(current: dict[str, Any], update: dict[str, Any], expected: bool) -> None:
+    assert status.unchanged(current, update) is expected
