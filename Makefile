@@ -1,11 +1,13 @@
 # The two commands of the README: `make up` (local control plane with simulated GPU nodes) and
-# `make test` (linters, type checker and the whole test suite). Both install what is missing first.
+# `make test` (linters, type checker and the whole test suite, what CI runs). `make check` is the
+# fast tier for the edit loop: linters, types (tests included) and the tests that need no control
+# plane and start no engine process. Every target installs what is missing first.
 PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: up down status build test lint
+.PHONY: up down status build test lint check
 
 $(STAMP): pyproject.toml
 	@echo "[megafleet] installing the project and its dependencies into $(VENV) (torch is ~3 GB on a cold pip cache)"
@@ -31,6 +33,9 @@ lint: $(STAMP)
 	$(BIN)/ruff format --check .
 	$(BIN)/mypy
 	$(BIN)/lint-imports
+
+check: lint
+	$(BIN)/pytest -q -m "not e2e and not slow" tests/unit tests/engine
 
 test: build lint
 	$(BIN)/pytest

@@ -25,7 +25,7 @@ import itertools
 import logging
 import threading
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncGenerator, Callable
 from typing import TypeVar
 
 from megafleet_engine.backends import base
@@ -127,7 +127,7 @@ class Engine:
         with self._lock:
             return self._in_flight
 
-    async def submit(self, request: base.SequenceRequest) -> AsyncIterator[base.TokenStep]:
+    async def submit(self, request: base.SequenceRequest) -> AsyncGenerator[base.TokenStep, None]:
         """Stream the generated tokens of one sequence; raises :class:`NotServing` at the gate.
 
         Cancelling the consumer (client disconnect) stops the sequence at the next step.

@@ -7,6 +7,7 @@ import json
 import os
 import subprocess
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -57,7 +58,7 @@ def test_invalid_manifest_is_rejected_naming_the_field(
 
 
 def test_refit_spec_is_immutable(crds: None, kubeconfig: Path, namespace: str) -> None:
-    manifest = {
+    manifest: dict[str, Any] = {
         "apiVersion": "megafleet.dev/v1alpha1",
         "kind": "Refit",
         "metadata": {"name": "v1"},

@@ -198,7 +198,7 @@ def test_a_deleted_pod_comes_back_behind_the_same_endpoint(
 
     def healed(obj: kube.Object | None) -> bool:
         shard = (obj or {}).get("status", {}).get("shards", [{}, {}])[1]
-        return shard.get("restarts") == 1 and shard.get("phase") == "Ready"
+        return bool(shard.get("restarts") == 1 and shard.get("phase") == "Ready")
 
     after = kube_admin.wait(path, healed, timeout=WAIT, what="shard 1 re-placed and Ready")
     assert after is not None

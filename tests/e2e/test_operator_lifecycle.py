@@ -178,9 +178,13 @@ def test_two_replicas_with_peering_never_both_act_and_the_standby_takes_over(
                     stderr=subprocess.STDOUT,
                 )
             registered = len(processes)
+
+            def all_registered(obj: kube.Object | None, n: int = registered) -> bool:
+                return len((obj or {}).get("status") or {}) == n
+
             kube_admin.wait(
                 f"/apis/kopf.dev/v1/clusterkopfpeerings/{peering}",
-                lambda obj, n=registered: len((obj or {}).get("status") or {}) == n,
+                all_registered,
                 timeout=WAIT,
                 what=f"{registered} replicas registered",
             )

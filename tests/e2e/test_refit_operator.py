@@ -3,140 +3,21 @@ object, the operator drives the agents, and every frontend then serves the train
 
 from __future__ import annotations
 
-import socket
-import threading
 from pathlib import Path
-from typing import Any
 
-import openai
-import torch
-import yaml
-
+from helpers import refit_e2e
 from megafleet_dev import kube
-from megafleet_engine.models import tiny
-from megafleet_protocol import ports
-from megafleet_protocol.refit import sender as sdk
-
-ROOT = Path(__file__).resolve().parents[2]
-WAIT = 120
-TRAINER_SOURCE = "tiny://llama?seed=7"  # the engines' architecture, other weights
-TRAINER_ADDRESS = "127.0.9.2"
-PROMPT = [1, 40, 41, 42, 43]
-
-
-def fleets(namespace: str) -> str:
-    return f"/apis/megafleet.dev/v1alpha1/namespaces/{namespace}/megatrongenerations"
-
-
-def refits(namespace: str) -> str:
-    return f"/apis/megafleet.dev/v1alpha1/namespaces/{namespace}/refits"
-
-
-def tiny_fleet(**spec: Any) -> dict[str, Any]:
-    manifest: dict[str, Any] = yaml.safe_load((ROOT / "examples" / "tiny-cpu.yaml").read_text())
-    manifest["spec"].update(spec)
-    return manifest
-
-
-def ready(obj: kube.Object | None) -> bool:
-    return (kube.condition(obj, "Ready") or {}).get("status") == "True"
-
-
-def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind((TRAINER_ADDRESS, 0))
-        return int(probe.getsockname()[1])
-
-
-class TrainerModel:
-    def __init__(self) -> None:
-        self.model, _ = tiny.build_tiny(TRAINER_SOURCE)
-
-    def greedy(self, max_new_tokens: int) -> list[int]:
-        inputs = torch.tensor([PROMPT])
-        with torch.inference_mode():
-            output = self.model.generate(
-                inputs, attention_mask=torch.ones_like(inputs), do_sample=False, max_new_tokens=max_new_tokens
-            )
-        return [int(token) for token in output[0, len(PROMPT) :]]
-
-    def refit(self, kube_admin: kube.Kube, namespace: str, fleet: str, version: int) -> kube.Object:
-        """Create the Refit, learn the membership from its status, send, and wait for the outcome."""
-        port = free_port()
-        name = f"{fleet}-v{version}"
-        kube_admin.create(
-            refits(namespace),
-            {
-                "apiVersion": "megafleet.dev/v1alpha1",
-                "kind": "Refit",
-                "metadata": {"name": name},
-                "spec": {
-                    "fleetRef": {"name": fleet},
-                    "version": version,
-                    "source": {"rendezvous": {"address": TRAINER_ADDRESS, "port": port, "trainerWorldSize": 1}},
-                },
-            },
-        )
-        running = kube_admin.wait(
-            f"{refits(namespace)}/{name}",
-            lambda r: (r or {}).get("status", {}).get("phase") == "Running",
-            timeout=WAIT,
-            what="the operator to publish the membership",
-        )
-        assert running is not None
-        membership = running["status"]["membership"]
-        attempt = running["status"]["attempts"]
-        sender = sdk.WeightSender(
-            ports.attempt_port(port, attempt), membership["worldSize"], address=TRAINER_ADDRESS, timeout_seconds=60
-        )
-        failure: list[BaseException] = []
-
-        def send() -> None:
-            try:
-                sender.init()
-                weights = [(n, p.detach()) for n, p in self.model.named_parameters()]
-                sender.send(weights, bucket_size_mib=1, version=version)
-            except BaseException as error:  # handed to the test thread
-                failure.append(error)
-            finally:
-                sender.close()
-
-        thread = threading.Thread(target=send, daemon=True)
-        thread.start()
-        done = kube_admin.wait(
-            f"{refits(namespace)}/{name}",
-            lambda r: (r or {}).get("status", {}).get("phase") in ("Succeeded", "Failed"),
-            timeout=WAIT,
-            what="the refit to finish",
-        )
-        thread.join(timeout=WAIT)
-        assert not failure, failure
-        assert done is not None
-        return done
-
-
-def served(kube_admin: kube.Kube, namespace: str, pod: str) -> tuple[list[int], str]:
-    found = kube_admin.get(f"/api/v1/namespaces/{namespace}/pods/{pod}")
-    assert found is not None
-    url = f"http://{found['status']['podIP']}:8000/v1"
-    with openai.OpenAI(base_url=url, api_key="unused", max_retries=0) as client:
-        raw = client.completions.with_raw_response.create(
-            model="tiny", prompt=PROMPT, max_tokens=12, temperature=0, extra_body={"return_token_ids": True}
-        )
-    completion = raw.parse()
-    ids = (completion.choices[0].model_extra or {})["token_ids"]
-    return [int(token) for token in ids], raw.headers["X-Megafleet-Weight-Version"]
 
 
 def test_a_refit_object_brings_every_frontend_to_the_trainers_weights(
     operator: Path, kube_admin: kube.Kube, namespace: str
 ) -> None:
-    kube_admin.create(fleets(namespace), tiny_fleet())
-    before = kube_admin.wait(f"{fleets(namespace)}/tiny", ready, timeout=WAIT)
+    kube_admin.create(refit_e2e.fleets(namespace), refit_e2e.tiny_fleet())
+    before = kube_admin.wait(f"{refit_e2e.fleets(namespace)}/tiny", refit_e2e.ready, timeout=refit_e2e.WAIT)
     assert before is not None and before["status"]["weightVersion"] == 0
-    trainer = TrainerModel()
+    trainer = refit_e2e.TrainerModel()
     expected = trainer.greedy(12)
-    assert served(kube_admin, namespace, "tiny-s0-p0")[0] != expected  # the fleet starts elsewhere
+    assert refit_e2e.served(kube_admin, namespace, "tiny-s0-p0")[0] != expected  # the fleet starts elsewhere
 
     result = trainer.refit(kube_admin, namespace, "tiny", version=1)
 
@@ -144,34 +25,39 @@ def test_a_refit_object_brings_every_frontend_to_the_trainers_weights(
     assert result["status"]["membership"]["worldSize"] == 3  # 1 trainer rank + 2 one-rank shards
     assert {p["name"] for p in result["status"]["phases"]} >= {"suspend", "join", "receive", "apply", "resume"}
     fleet = kube_admin.wait(
-        f"{fleets(namespace)}/tiny",
-        lambda o: ready(o) and (o or {})["status"].get("weightVersion") == 1,
-        timeout=WAIT,
+        f"{refit_e2e.fleets(namespace)}/tiny",
+        lambda o: refit_e2e.ready(o) and (o or {})["status"].get("weightVersion") == 1,
+        timeout=refit_e2e.WAIT,
         what="the fleet at version 1",
     )
     assert fleet is not None and fleet["status"]["refit"]["currentVersion"] == 1
     current = kube.condition(fleet, "WeightsCurrent")
     assert current is not None and current["status"] == "True" and "version 1" in current["message"]
     for shard in fleet["status"]["shards"]:
-        tokens, version = served(kube_admin, namespace, shard["pods"][0])
+        tokens, version = refit_e2e.served(kube_admin, namespace, shard["pods"][0])
         assert tokens == expected and version == "1"
 
 
 def test_a_deferred_fleet_becomes_ready_only_through_its_first_refit(
     operator: Path, kube_admin: kube.Kube, namespace: str
 ) -> None:
-    kube_admin.create(fleets(namespace), tiny_fleet(replicas=1, weights={"initial": "refit"}))
+    kube_admin.create(refit_e2e.fleets(namespace), refit_e2e.tiny_fleet(replicas=1, weights={"initial": "refit"}))
     loading = kube_admin.wait(
-        f"{fleets(namespace)}/tiny",
+        f"{refit_e2e.fleets(namespace)}/tiny",
         lambda o: [s.get("phase") for s in (o or {}).get("status", {}).get("shards", [])] == ["Loading"],
-        timeout=WAIT,
+        timeout=refit_e2e.WAIT,
         what="the shard loading without weights",
     )
-    assert loading is not None and not ready(loading)
+    assert loading is not None and not refit_e2e.ready(loading)
     assert loading["status"]["endpoints"]  # published long before any weights exist
 
-    result = TrainerModel().refit(kube_admin, namespace, "tiny", version=5)
+    result = refit_e2e.TrainerModel().refit(kube_admin, namespace, "tiny", version=5)
 
     assert result["status"]["phase"] == "Succeeded", result["status"]
-    fleet = kube_admin.wait(f"{fleets(namespace)}/tiny", ready, timeout=WAIT, what="Ready after the first refit")
+    fleet = kube_admin.wait(
+        f"{refit_e2e.fleets(namespace)}/tiny",
+        refit_e2e.ready,
+        timeout=refit_e2e.WAIT,
+        what="Ready after the first refit",
+    )
     assert fleet is not None and fleet["status"]["weightVersion"] == 5

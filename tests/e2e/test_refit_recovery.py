@@ -17,9 +17,9 @@ from pathlib import Path
 
 import httpx
 import pytest
-import test_refit_operator as base
 import torch
 
+from helpers import refit_e2e as base
 from megafleet_dev import kube, runner
 from megafleet_engine.models import tiny
 from megafleet_protocol import ports, vocabulary

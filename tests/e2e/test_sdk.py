@@ -21,7 +21,7 @@ import yaml
 from prometheus_client.parser import text_string_to_metric_families
 from safetensors.torch import save_file
 
-import enginehelpers
+from helpers import engine_command
 from megafleet.sdk import errors, fleet, nemo
 from megafleet_dev import kube
 from megafleet_protocol import ports
@@ -88,8 +88,8 @@ def test_a_nemo_style_loop_generates_refits_and_generates_the_trainers_tokens(
     operator: Path, kube_admin: kube.Kube, namespace: str, kubeconfig: Path, tmp_path: Path
 ) -> None:
     kube_admin.create(fleets(namespace), tiny_fleet())
-    engines = enginehelpers.Reference()  # the fleet's own weights (tiny://llama)
-    trainer = enginehelpers.Reference("tiny://llama?seed=7")
+    engines = engine_command.Reference()  # the fleet's own weights (tiny://llama)
+    trainer = engine_command.Reference("tiny://llama?seed=7")
     generation = nemo.MegafleetGeneration(
         "tiny",
         namespace,
@@ -122,7 +122,7 @@ def test_a_nemo_style_loop_generates_refits_and_generates_the_trainers_tokens(
         assert generated(second) == [trainer.greedy(prompt, MAX_TOKENS) for prompt in PROMPTS]
         assert generated(second) != generated(first)
 
-        saved = enginehelpers.Reference("tiny://llama?seed=11")
+        saved = engine_command.Reference("tiny://llama?seed=11")
         weights = {name: tensor.detach().contiguous() for name, tensor in saved.model.named_parameters()}
         save_file(weights, tmp_path / "model.safetensors")
         assert generation.update_weights_from_checkpoint(str(tmp_path), refit_timeout_s=WAIT)

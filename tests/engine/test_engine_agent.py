@@ -11,7 +11,8 @@ from typing import Any
 import httpx
 import openai
 import pytest
-import test_engine_harness as harness
+
+from helpers import engine_harness as harness
 
 AUTHENTICATED = [
     ("GET", "/readyz", None),

@@ -16,9 +16,11 @@ from pathlib import Path
 import httpx
 import openai
 import pytest
-import test_engine_harness as harness
 
-import enginehelpers
+from helpers import engine_command
+from helpers import engine_harness as harness
+
+pytestmark = pytest.mark.slow  # each test starts megafleet-engine processes
 
 ALL_SERVERS = {"frontend", "agent", "metrics"}
 
@@ -46,12 +48,12 @@ def _env(token_file: Path, **extra: str) -> dict[str, str]:
 
 
 @contextlib.contextmanager
-def engine_processes(*envs: dict[str, str]) -> Iterator[list[enginehelpers.EngineCommand]]:
+def engine_processes(*envs: dict[str, str]) -> Iterator[list[engine_command.EngineCommand]]:
     """Start one process per environment, all at once; stop whatever still runs on exit."""
-    processes: list[enginehelpers.EngineCommand] = []
+    processes: list[engine_command.EngineCommand] = []
     try:
         for env in envs:
-            processes.append(enginehelpers.EngineCommand(env))
+            processes.append(engine_command.EngineCommand(env))
         yield processes
     finally:
         for process in processes:

@@ -86,7 +86,7 @@ def _reference(tokenizer: Any, ids: list[int], stop: tuple[str, ...]) -> str:
     earliest stop string."""
     full = tokenizer.decode(ids, skip_special_tokens=True)
     found = [position for position in (full.find(s) for s in stop) if position >= 0]
-    return full[: min(found)] if found else full
+    return str(full[: min(found)] if found else full)
 
 
 def _feed_all(tokenizer: Any, ids: list[int], stop: tuple[str, ...]) -> tuple[list[str], generation.ChoiceState]:

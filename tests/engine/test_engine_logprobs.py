@@ -93,7 +93,8 @@ def trainer_logits(
     sequence = torch.tensor([prompt + [step.token_id for step in steps]])
     with torch.no_grad():
         logits = backend.model(sequence).logits[0].float()
-    return logits[len(prompt) - 1 : len(prompt) - 1 + len(steps)]
+    rows: torch.Tensor = logits[len(prompt) - 1 : len(prompt) - 1 + len(steps)]
+    return rows
 
 
 SAMPLED = [

@@ -8,8 +8,9 @@ from pathlib import Path
 
 import httpx
 import pytest
-import test_engine_harness as harness
 from prometheus_client import parser
+
+from helpers import engine_harness as harness
 
 
 @pytest.fixture

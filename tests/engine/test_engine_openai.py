@@ -15,9 +15,10 @@ from typing import Any
 
 import openai
 import pytest
-import test_engine_harness as harness
 import torch
 from openai.types.chat import ChatCompletionMessageParam
+
+from helpers import engine_harness as harness
 
 WEIGHT_HEADER = "x-megafleet-weight-version"
 CHAT: list[ChatCompletionMessageParam] = [
@@ -312,7 +313,7 @@ def test_client_disconnect_cancels_generation(served: harness.Served, stream: bo
             generating.set()
             yield steps
 
-    served.backend.generate = counting  # type: ignore[method-assign]
+    served.backend.generate = counting  # type: ignore[method-assign, assignment]
     try:
         body = json.dumps(
             {"model": harness.MODEL, "prompt": "abc", "max_tokens": 240, "stream": stream, "ignore_eos": True}

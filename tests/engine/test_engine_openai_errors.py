@@ -11,7 +11,8 @@ from typing import Any
 
 import openai
 import pytest
-import test_engine_harness as harness
+
+from helpers import engine_harness as harness
 
 GOOD_COMPLETION = {"model": harness.MODEL, "prompt": "hi", "max_tokens": 2}
 GOOD_CHAT = {"model": harness.MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}

@@ -17,11 +17,10 @@ from pathlib import Path
 import httpx
 import openai
 import pytest
-import test_gpu_megatron as gpu
 import torch
 from safetensors.torch import save_file
 
-import enginehelpers
+from helpers import engine_command, gpu
 from megafleet_engine.models import tiny
 
 TOKEN = "gpu-agent-token"
@@ -49,7 +48,7 @@ def _free_port(host: str, span: int = 1) -> int:
     raise AssertionError("no free ports")
 
 
-class Pod(enginehelpers.EngineCommand):
+class Pod(engine_command.EngineCommand):
     """One ``megafleet-engine`` process tree on ``host`` with ``gpus`` GPUs, as TP = ``gpus`` or, with
     ``pipeline``, PP = ``gpus``."""
 

@@ -18,7 +18,6 @@ import asyncio
 import dataclasses
 import datetime
 import faulthandler
-import importlib.util
 import json
 import math
 import os
@@ -33,35 +32,18 @@ from typing import Any
 import pytest
 import torch
 
+from helpers import gpu
 from megafleet_engine import engine as engine_module
 from megafleet_engine.backends import base, megatron, weight_maps
 from megafleet_engine.models import tiny
 from megafleet_protocol import vocabulary
 
-SOURCE = "tiny://llama?hidden=256&heads=4&kv_heads=2&intermediate=512"  # head_dim 64, a common kernel shape
-MAX_SEQUENCE_LENGTH = 256
-NEW_TOKENS = 24
-TEXTS = ["hello", "the quick brown fox jumps over", "a", "RL needs token log-probabilities"]
 TIE = 0.1
 """Log-probability gap of the best two tokens under which two bf16 computations of one greedy step
 (other reduction order: TP=2, another batch) may pick different tokens."""
-NCCL_SAFE = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
-
-
-def _gpu_skip_reason() -> str | None:
-    if not torch.cuda.is_available():
-        return "needs an NVIDIA GPU (torch.cuda.is_available() is False)"
-    if importlib.util.find_spec("megatron") is None or importlib.util.find_spec("megatron.core") is None:
-        return "needs megatron-core (>= 0.19, Python >= 3.12), which is not installed"
-    if not any(importlib.util.find_spec(name) for name in ("flash_attn", "flash_attn_3", "flashattn_hopper")):
-        return "needs a flash-attention kernel (FA2 >= 2.7.3, FA3 or FA4) for megatron's dynamic engine"
-    return None
-
-
-GPU_SKIP = _gpu_skip_reason()
 ON_GPU = [
     pytest.mark.gpu,
-    pytest.mark.skipif(GPU_SKIP is not None, reason=GPU_SKIP or ""),
+    pytest.mark.skipif(gpu.GPU_SKIP is not None, reason=gpu.GPU_SKIP or ""),
     # megatron-core, the cutlass DSL and flash-attention-4 warn (deprecations, optional packages,
     # JIT notes) in ways this project does not control; show those warnings, don't fail on them.
     pytest.mark.filterwarnings("default"),
@@ -120,21 +102,10 @@ def test_sampling_maps_onto_megatron_parameters() -> None:
 @pytest.mark.parametrize(("dtype", "device"), [("float32", "cuda"), ("bfloat16", "cpu")])
 def test_load_refuses_what_megatron_cannot_run(dtype: str, device: str) -> None:
     with pytest.raises(ValueError, match="megatron backend"):
-        megatron.load(SOURCE, name="t", max_sequence_length=64, dtype=dtype, device=device, load_weights=True)
+        megatron.load(gpu.SOURCE, name="t", max_sequence_length=64, dtype=dtype, device=device, load_weights=True)
 
 
 # -- on the GPU ------------------------------------------------------------------------------------
-
-
-def scaled_reference_weights(seed: int = 0) -> dict[str, torch.Tensor]:
-    """The tiny model's weights with q/k (peaked attention) and the output layer (peaked logits)
-    scaled up, rounded to bf16 as the backend holds them."""
-    weights = tiny.reference_weights(f"{SOURCE}&seed={seed}")
-    scaled = {}
-    for name, tensor in weights.items():
-        factor = 4.0 if ("q_proj" in name or "k_proj" in name) else 10.0 if name == "lm_head.weight" else 1.0
-        scaled[name] = (tensor * factor).to(torch.bfloat16)
-    return scaled
 
 
 def build(
@@ -142,9 +113,9 @@ def build(
 ) -> megatron.MegatronBackend:
     """The tiny model on this process's GPU (graphs on, 1 GB of KV cache) with the scaled weights."""
     loaded = megatron.load(
-        SOURCE,
+        gpu.SOURCE,
         name="tiny",
-        max_sequence_length=MAX_SEQUENCE_LENGTH,
+        max_sequence_length=gpu.MAX_SEQUENCE_LENGTH,
         dtype="bfloat16",
         device="cuda",
         load_weights=True,
@@ -153,7 +124,7 @@ def build(
             max_batch_size=8, kv_buffer_gb=1.0, max_step_tokens=2048, kv_cache_mode=kv_cache_mode
         ),
     )
-    loaded.write_weights(scaled_reference_weights())
+    loaded.write_weights(gpu.scaled_reference_weights())
     return loaded
 
 
@@ -166,11 +137,11 @@ def backend() -> Iterator[megatron.MegatronBackend]:
 
 @pytest.fixture(scope="module")
 def prompts(backend: megatron.MegatronBackend) -> list[list[int]]:
-    return [backend.tokenizer.encode(text) for text in TEXTS]
+    return [backend.tokenizer.encode(text) for text in gpu.TEXTS]
 
 
 def greedy_requests(prompts: list[list[int]], **extra: object) -> list[base.SequenceRequest]:
-    params = base.SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True, **extra)  # type: ignore[arg-type]
+    params = base.SamplingParams(max_tokens=gpu.NEW_TOKENS, temperature=0.0, ignore_eos=True, **extra)  # type: ignore[arg-type]
     return [base.SequenceRequest(str(index), tuple(prompt), params) for index, prompt in enumerate(prompts)]
 
 
@@ -217,14 +188,6 @@ def nemo_logprobs(logits: torch.Tensor, mode: base.LogprobsMode) -> torch.Tensor
     return torch.log_softmax(values.scatter(dim=-1, index=index, src=values), dim=-1)
 
 
-def report(name: str, **measured: Any) -> None:
-    """Append what a test measured to ``$MEGAFLEET_GPU_REPORT`` (when set)."""
-    path = os.environ.get("MEGAFLEET_GPU_REPORT")
-    if path:
-        with open(path, "a") as file:
-            file.write(json.dumps({"test": name, **measured}, default=str) + "\n")
-
-
 async def gather_tokens(scheduler: engine_module.Engine, request: base.SequenceRequest) -> list[int]:
     return [step.token_id async for step in scheduler.submit(request)]
 
@@ -268,7 +231,7 @@ class TestOnGpu:
     def test_live_parameters_hold_exactly_the_mapped_hf_weights(self, backend: megatron.MegatronBackend) -> None:
         live = {name: parameter.data for name, parameter in backend.model.named_parameters()}
         back = weight_maps.megatron_to_hf([live], backend.shape)
-        expected = scaled_reference_weights()
+        expected = gpu.scaled_reference_weights()
         assert sorted(back) == sorted(expected)
         for name, tensor in expected.items():
             assert torch.equal(back[name].cpu(), tensor), name
@@ -281,7 +244,7 @@ class TestOnGpu:
     ) -> None:
         sampling = megatron.megatron_core("inference.sampling_params")
         direct = backend.engine.generate(
-            prompts, sampling.SamplingParams(top_k=1, num_tokens_to_generate=NEW_TOKENS, termination_id=-1)
+            prompts, sampling.SamplingParams(top_k=1, num_tokens_to_generate=gpu.NEW_TOKENS, termination_id=-1)
         )
         expected = {str(index): list(record.merge().generated_tokens) for index, record in enumerate(direct)}
 
@@ -289,15 +252,15 @@ class TestOnGpu:
 
         assert tokens(produced) == expected
         for steps in produced.values():
-            assert len(steps) == NEW_TOKENS
-            assert [step.finish_reason for step in steps] == [None] * (NEW_TOKENS - 1) + ["length"]
+            assert len(steps) == gpu.NEW_TOKENS
+            assert [step.finish_reason for step in steps] == [None] * (gpu.NEW_TOKENS - 1) + ["length"]
 
     def test_logprobs_match_the_hf_reference_model(
         self, backend: megatron.MegatronBackend, prompts: list[list[int]]
     ) -> None:
         """Teacher-force megatron's greedy output through the HF model (fp32, the same bf16 weights)."""
-        reference, _ = tiny.build_tiny(SOURCE)
-        reference.load_state_dict({name: tensor.float() for name, tensor in scaled_reference_weights().items()})
+        reference, _ = tiny.build_tiny(gpu.SOURCE)
+        reference.load_state_dict({name: tensor.float() for name, tensor in gpu.scaled_reference_weights().items()})
         reference.cuda()
         produced = run(backend, greedy_requests(prompts, logprobs=3))
         worst = 0.0
@@ -332,13 +295,20 @@ class TestOnGpu:
         def recording(logits: torch.Tensor, context: Any, **kwargs: Any) -> torch.Tensor:
             assert logits.shape[0] == 1, "one request at a time"
             rows.append(logits[0].detach().float().clone())
-            return kernel(logits, context, **kwargs)
+            result: torch.Tensor = kernel(logits, context, **kwargs)
+            return result
 
-        reference, _ = tiny.build_tiny(SOURCE)
-        reference.load_state_dict({name: tensor.float() for name, tensor in scaled_reference_weights().items()})
+        reference, _ = tiny.build_tiny(gpu.SOURCE)
+        reference.load_state_dict({name: tensor.float() for name, tensor in gpu.scaled_reference_weights().items()})
         reference.cuda()
         params = base.SamplingParams(
-            max_tokens=NEW_TOKENS, temperature=0.7, top_k=5, top_p=0.9, ignore_eos=True, logprobs=5, logprobs_mode=mode
+            max_tokens=gpu.NEW_TOKENS,
+            temperature=0.7,
+            top_k=5,
+            top_p=0.9,
+            ignore_eos=True,
+            logprobs=5,
+            logprobs_mode=mode,
         )
         worst_exact, worst_model, compared, total, kept_sizes = 0.0, 0.0, 0, 0, set()
         sampler.log_probs_kernel = recording
@@ -346,10 +316,12 @@ class TestOnGpu:
             for index, prompt in enumerate(prompts):
                 rows.clear()
                 steps = run(backend, [base.SequenceRequest(str(index), tuple(prompt), params)])[str(index)]
-                assert len(steps) == NEW_TOKENS and len(rows) == NEW_TOKENS, (len(steps), len(rows))
+                assert len(steps) == gpu.NEW_TOKENS and len(rows) == gpu.NEW_TOKENS, (len(steps), len(rows))
                 sequence = torch.tensor([prompt + [step.token_id for step in steps]], device="cuda")
                 with torch.no_grad():
-                    hf_logits = reference(sequence).logits[0].float()[len(prompt) - 1 : len(prompt) - 1 + NEW_TOKENS]
+                    hf_logits = (
+                        reference(sequence).logits[0].float()[len(prompt) - 1 : len(prompt) - 1 + gpu.NEW_TOKENS]
+                    )
                 hf = nemo_logprobs(hf_logits, mode)
                 for position, step in enumerate(steps):
                     own = nemo_logprobs(rows[position].unsqueeze(0), mode)[0]
@@ -365,7 +337,7 @@ class TestOnGpu:
                         worst_model = max(worst_model, abs(step.logprob - float(hf[position, step.token_id])))
         finally:
             del sampler.log_probs_kernel
-        report(
+        gpu.report(
             f"sampled_logprobs_{mode}", worst_exact=worst_exact, worst_model=worst_model, compared=compared, total=total
         )
         assert worst_exact < 1e-4, worst_exact
@@ -382,7 +354,7 @@ class TestOnGpu:
         saved = {name: view.clone() for name, view in views.items()}
         pointers = {name: parameter.data_ptr() for name, parameter in backend.model.named_parameters()}
 
-        backend.write_weights(scaled_reference_weights(seed=1))
+        backend.write_weights(gpu.scaled_reference_weights(seed=1))
         backend.finish_weight_update("persist")
         changed = tokens(run(backend, requests))
 
@@ -396,7 +368,7 @@ class TestOnGpu:
         assert restored == before
 
     def test_sliced_writes_equal_whole_writes(self, backend: megatron.MegatronBackend) -> None:
-        whole = scaled_reference_weights()
+        whole = gpu.scaled_reference_weights()
         before = {name: view.clone() for name, view in backend.parameters().items()}
         sliced = []
         for spec in backend.shard_map().specs.values():
@@ -441,8 +413,8 @@ class TestOnGpu:
 
         assert (scheduler.batches, scheduler.admitted, scheduler.batch_sizes) == (1, 3, [4])
         agreed = [agreed_prefix(reference, row) for reference, row in zip(solo, produced, strict=True)]
-        report("join_tp1", agreed=agreed, of=NEW_TOKENS)
-        assert sum(agreed) >= 0.75 * NEW_TOKENS * len(prompts), agreed
+        gpu.report("join_tp1", agreed=agreed, of=gpu.NEW_TOKENS)
+        assert sum(agreed) >= 0.75 * gpu.NEW_TOKENS * len(prompts), agreed
 
     def test_a_cancelled_sequence_leaves_megatrons_batch(
         self, backend: megatron.MegatronBackend, prompts: list[list[int]]
@@ -480,8 +452,8 @@ class TestOnGpu:
             scheduler.close()
         assert other == tokens(run(backend, greedy_requests(prompts[2:3])))["0"]
         assert not backend.engine.has_unfinished_requests()
-        report("cancel_tp1", generated_by_the_cancelled=finished.get(len(prompts[1])))
-        assert finished[len(prompts[1])] < NEW_TOKENS, finished
+        gpu.report("cancel_tp1", generated_by_the_cancelled=finished.get(len(prompts[1])))
+        assert finished[len(prompts[1])] < gpu.NEW_TOKENS, finished
 
 
 class TestTensorParallel:
@@ -500,9 +472,12 @@ class TestTensorParallel:
         reference = run(backend, greedy_requests(prompts, logprobs=2))
         out = tmp_path / "tp2.json"
         engine_dir = Path(base.__file__).resolve().parents[2]
-        env = {**os.environ, **NCCL_SAFE}
+        env = {**os.environ, **gpu.NCCL_SAFE}
         protocol_dir = Path(vocabulary.__file__).resolve().parents[1]
-        env["PYTHONPATH"] = os.pathsep.join([str(engine_dir), str(protocol_dir), env.get("PYTHONPATH", "")])
+        tests_dir = Path(__file__).resolve().parents[1]  # the worker imports helpers.gpu
+        env["PYTHONPATH"] = os.pathsep.join(
+            [str(engine_dir), str(protocol_dir), str(tests_dir), env.get("PYTHONPATH", "")]
+        )
         command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2"]
         log = tmp_path / "tp2.log"
         with log.open("w") as output:
@@ -513,11 +488,11 @@ class TestTensorParallel:
             except subprocess.TimeoutExpired:
                 code = None
         report_log = os.environ.get("MEGAFLEET_GPU_REPORT")
-        if report_log:  # keep the workers' output next to the report
+        if report_log:  # keep the workers' output next to the gpu.report
             Path(report_log).with_name("tp2-workers.log").write_text(log.read_text())
         assert out.exists(), f"TP=2 workers: exit {code}, no result\n{log.read_text()[-8000:]}"
         shard = json.loads(out.read_text())
-        report("tp2_workers", exit_code=code)
+        gpu.report("tp2_workers", exit_code=code)
         if report_log:
             Path(report_log).with_name("tp2-result.json").write_text(out.read_text())
         assert "error" not in shard, shard["error"]
@@ -533,18 +508,18 @@ class TestTensorParallel:
             for step, ref in zip(direct[key][:count], reference[key][:count], strict=True)
         ]
         joined_agreed = [agreed_prefix(direct[str(index)], row) for index, row in enumerate(shard["joined"])]
-        report(
+        gpu.report(
             "tp2",
             agreed_with_tp1=agreed,
-            of=NEW_TOKENS,
+            of=gpu.NEW_TOKENS,
             max_logprob_gap=max(gaps),
             joined_agreed_with_tp2=joined_agreed,
             joined_batches=shard["batches"],
         )
-        assert sum(agreed) >= 0.75 * NEW_TOKENS * len(prompts), agreed
+        assert sum(agreed) >= 0.75 * gpu.NEW_TOKENS * len(prompts), agreed
         assert max(gaps) < 0.1, max(gaps)
         assert (shard["batches"], shard["admitted"]) == (1, 3)
-        assert sum(joined_agreed) >= 0.75 * NEW_TOKENS * len(prompts), joined_agreed
+        assert sum(joined_agreed) >= 0.75 * gpu.NEW_TOKENS * len(prompts), joined_agreed
         assert shard["after_refit"] == {key: [step.token_id for step in steps] for key, steps in direct.items()}
 
 
@@ -561,7 +536,7 @@ class TestRefitKvModes:
     def fresh(self, prompts: list[list[int]]) -> dict[str, list[int]]:
         fresh = build()
         try:
-            fresh.write_weights(scaled_reference_weights(seed=1))
+            fresh.write_weights(gpu.scaled_reference_weights(seed=1))
             scheduler = engine_module.Engine(fresh, max_batch_size=8)
             try:
                 return asyncio.run(together(scheduler, greedy_requests(prompts)))
@@ -600,7 +575,7 @@ class TestRefitKvModes:
             torch.cuda.synchronize()
             seen["allocated_during"] = torch.cuda.memory_allocated()
             seen["suspended_during"] = backend.suspended
-            backend.write_weights(scaled_reference_weights(seed=1))
+            backend.write_weights(gpu.scaled_reference_weights(seed=1))
 
         async def scenario() -> tuple[dict[str, list[int]], dict[str, list[int]]]:
             before = await together(scheduler, requests)
@@ -623,7 +598,7 @@ class TestRefitKvModes:
             backend.close()
         freed = seen["allocated_before"] - seen["allocated_during"]
         recaptured = backend.engine.capture_stats is not seen["graphs"]
-        report(
+        gpu.report(
             f"refit_{mode}_built_{built}",
             kv_bytes=kv_bytes,
             freed_during_refit=freed,
@@ -646,7 +621,7 @@ class TestRefitKvModes:
 
 def _tp_worker(out: Path) -> None:
     """One rank of the TP=2 shard of :class:`TestTensorParallel` (started by torchrun)."""
-    for key, value in NCCL_SAFE.items():
+    for key, value in gpu.NCCL_SAFE.items():
         os.environ.setdefault(key, value)
     rank, world, local = (int(os.environ[name]) for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK"))
     faulthandler.dump_traceback_later(95, exit=True)  # a hang prints every thread's stack and ends
@@ -660,7 +635,7 @@ def _tp_worker(out: Path) -> None:
     else:
         result: dict[str, Any] = {}
         try:
-            prompts = [shard.tokenizer.encode(text) for text in TEXTS]
+            prompts = [shard.tokenizer.encode(text) for text in gpu.TEXTS]
             direct = run(shard, greedy_requests(prompts, logprobs=2))
             sys.stderr.write("rank 0: direct run done\n")
             result["direct"] = {

@@ -11,9 +11,9 @@ from pathlib import Path
 
 import httpx
 import pytest
-import test_refit_harness as harness
 import torch
 
+from helpers import refit_harness as harness
 from megafleet_protocol.refit import communicator, errors, wire
 from megafleet_protocol.refit import sender as sdk
 

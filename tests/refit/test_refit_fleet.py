@@ -15,9 +15,9 @@ from pathlib import Path
 
 import httpx
 import pytest
-import test_refit_harness as harness
 from safetensors.torch import save_file
 
+from helpers import refit_harness as harness
 from megafleet.planner import layout
 
 PROMPT = [50, 51, 52, 53]

@@ -11,9 +11,9 @@ from pathlib import Path
 
 import httpx
 import pytest
-import test_refit_harness as harness
 
-import enginehelpers
+from helpers import engine_command
+from helpers import refit_harness as harness
 
 POD_IP = "127.0.12.1"
 PROMPT = [60, 61, 62]
@@ -32,7 +32,7 @@ def _free_pair(host: str) -> int:
     raise AssertionError("no two adjacent free ports")
 
 
-class Pod(enginehelpers.EngineCommand):
+class Pod(engine_command.EngineCommand):
     """``python -m megafleet_engine.cli`` with two local ranks on CPU (a TP=2 shard in one pod)."""
 
     def __init__(self, token: Path) -> None:

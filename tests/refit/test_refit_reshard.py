@@ -14,16 +14,17 @@ import sys
 from pathlib import Path
 
 import pytest
-import test_refit_harness as harness
 import torch
 
+from helpers import refit_harness as harness
 from megafleet_engine.backends import weight_maps
+from megafleet_protocol import vocabulary
 
 TP = 2
 
 
 @pytest.mark.parametrize("transport", ["reshard", "broadcast"])
-def test_tp2_megatron_receivers_get_exactly_their_slices(transport: str, tmp_path: Path) -> None:
+def test_tp2_megatron_receivers_get_exactly_their_slices(transport: vocabulary.Transport, tmp_path: Path) -> None:
     trainer = harness.Trainer()
     weights = trainer.weights()
     shape = harness.tiny_shape()

@@ -16,9 +16,9 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-import test_refit_harness as harness
 import torch
 
+from helpers import refit_harness as harness
 from megafleet.sdk import fleet as sdk_fleet
 from megafleet.sdk import weights as sdk_weights
 from megafleet_protocol.refit import errors

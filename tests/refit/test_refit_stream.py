@@ -13,8 +13,9 @@ from pathlib import Path
 
 import httpx
 import pytest
-import test_refit_harness as harness
 import torch
+
+from helpers import refit_harness as harness
 
 PROMPT = [70, 71, 72]
 TOKENS = 5

@@ -9,9 +9,9 @@ import sys
 import threading
 
 import pytest
-import test_refit_harness as harness
 import torch
 
+from helpers import refit_harness as harness
 from megafleet_engine.backends import weight_maps
 from megafleet_engine.refit_runner import progress, sinks, watchdog
 from megafleet_protocol import ports

@@ -16,7 +16,7 @@ from collections.abc import Iterator
 import pytest
 import torch
 
-import enginehelpers
+from helpers import engine_command
 from megafleet.api import v1alpha1
 from megafleet.sdk import generation, nemo, routing
 
@@ -29,9 +29,9 @@ FULL_LENGTH = generation.Sampling(max_tokens=MAX_TOKENS, temperature=0, ignore_e
 
 
 @pytest.fixture(scope="module")
-def engines(tmp_path_factory: pytest.TempPathFactory) -> Iterator[list[enginehelpers.EngineProcess]]:
-    token = enginehelpers.token_file(tmp_path_factory.mktemp("agent"))
-    started = [enginehelpers.EngineProcess(host, token) for host in HOSTS]
+def engines(tmp_path_factory: pytest.TempPathFactory) -> Iterator[list[engine_command.EngineProcess]]:
+    token = engine_command.token_file(tmp_path_factory.mktemp("agent"))
+    started = [engine_command.EngineProcess(host, token) for host in HOSTS]
     try:
         for engine in started:
             engine.wait_serving()
@@ -42,11 +42,11 @@ def engines(tmp_path_factory: pytest.TempPathFactory) -> Iterator[list[enginehel
 
 
 @pytest.fixture(scope="module")
-def reference() -> enginehelpers.Reference:
-    return enginehelpers.Reference()
+def reference() -> engine_command.Reference:
+    return engine_command.Reference()
 
 
-def fleet_status(engines: list[enginehelpers.EngineProcess]) -> v1alpha1.MegatronGenerationStatus:
+def fleet_status(engines: list[engine_command.EngineProcess]) -> v1alpha1.MegatronGenerationStatus:
     return v1alpha1.MegatronGenerationStatus.model_validate(
         {
             "shards": [
@@ -60,24 +60,24 @@ def fleet_status(engines: list[enginehelpers.EngineProcess]) -> v1alpha1.Megatro
     )
 
 
-def routed(engines: list[enginehelpers.EngineProcess]) -> routing.Router:
+def routed(engines: list[engine_command.EngineProcess]) -> routing.Router:
     urls = {index: engine.base_url for index, engine in enumerate(engines)} | {3: NOWHERE}
     return routing.Router(routing.select(urls, routing.routable(fleet_status(engines))))
 
 
-def counts(engines: list[enginehelpers.EngineProcess], endpoint: str = "/v1/completions") -> list[int]:
+def counts(engines: list[engine_command.EngineProcess], endpoint: str = "/v1/completions") -> list[int]:
     return [engine.requests(endpoint) for engine in engines]
 
 
 def test_a_batch_spreads_over_every_ready_frontend_and_never_reaches_stale_or_starting_ones(
-    engines: list[enginehelpers.EngineProcess], reference: enginehelpers.Reference
+    engines: list[engine_command.EngineProcess], reference: engine_command.Reference
 ) -> None:
     router = routed(engines)
     assert [frontend.shard for frontend in router.frontends] == [0, 1]
     before = counts(engines)
 
     async def run() -> list[generation.Answer]:
-        async with generation.Generator(router, model=enginehelpers.MODEL) as generator:
+        async with generation.Generator(router, model=engine_command.MODEL) as generator:
             return await generator.complete_batch(PROMPTS, FULL_LENGTH)
 
     answers = asyncio.run(run())
@@ -97,14 +97,14 @@ def test_a_batch_spreads_over_every_ready_frontend_and_never_reaches_stale_or_st
 
 
 def test_chat_answers_are_the_models_greedy_continuation_of_the_templated_prompt(
-    engines: list[enginehelpers.EngineProcess], reference: enginehelpers.Reference
+    engines: list[engine_command.EngineProcess], reference: engine_command.Reference
 ) -> None:
     router = routed(engines)
     conversations = [[{"role": "user", "content": f"count to {n}"}] for n in range(4)]
     before = counts(engines, "/v1/chat/completions")
 
     async def run() -> list[generation.Answer]:
-        async with generation.Generator(router, model=enginehelpers.MODEL) as generator:
+        async with generation.Generator(router, model=engine_command.MODEL) as generator:
             return await generator.chat_batch(conversations, GREEDY)
 
     answers = asyncio.run(run())
@@ -118,11 +118,11 @@ def test_chat_answers_are_the_models_greedy_continuation_of_the_templated_prompt
         assert answer.weight_version == 0
 
 
-def test_a_frontend_that_cannot_be_reached_is_skipped(engines: list[enginehelpers.EngineProcess]) -> None:
+def test_a_frontend_that_cannot_be_reached_is_skipped(engines: list[engine_command.EngineProcess]) -> None:
     router = routing.Router([routing.Frontend(0, NOWHERE, 0), routing.Frontend(1, engines[0].base_url, 0)])
 
     async def run() -> list[generation.Answer]:
-        async with generation.Generator(router, model=enginehelpers.MODEL) as generator:
+        async with generation.Generator(router, model=engine_command.MODEL) as generator:
             return await generator.complete_batch(PROMPTS[:4], GREEDY)
 
     answers = asyncio.run(run())
@@ -132,7 +132,7 @@ def test_a_frontend_that_cannot_be_reached_is_skipped(engines: list[enginehelper
 
 
 def test_the_nemo_adapter_returns_nemo_rls_tensors(
-    engines: list[enginehelpers.EngineProcess], reference: enginehelpers.Reference
+    engines: list[engine_command.EngineProcess], reference: engine_command.Reference
 ) -> None:
     prompts = [[1, 40, 41, 42, 43], [1, 50], [1, 60, 61]]
     width = max(len(prompt) for prompt in prompts)

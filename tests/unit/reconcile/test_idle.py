@@ -1,4 +1,4 @@
-"""The reconcile sequence against an in-memory API (tests/kubefakes.py): the first pass reserves
+"""The reconcile sequence against an in-memory API (tests/kube_fakes.py): the first pass reserves
 endpoints and places every shard, a settled fleet is Ready, and reconciling it again writes nothing.
 The same property against the real control plane: tests/e2e/test_reconcile_idle.py."""
 
@@ -9,7 +9,7 @@ from pathlib import Path
 
 import yaml
 
-import kubefakes
+from helpers import kube_fakes
 from megafleet import agent_client, conditions, reconcile, settings
 from megafleet.reconcile import context
 
@@ -30,7 +30,7 @@ def test_a_settled_fleet_is_ready_and_its_next_reconcile_writes_nothing() -> Non
     manifest = yaml.safe_load((ROOT / "examples" / "tiny-cpu.yaml").read_text())
     manifest["metadata"]["namespace"] = "rl"
     node = {"kind": "Node", "metadata": {"name": "n0", "labels": {}}, "spec": {}, "status": {"allocatable": {}}}
-    api = kubefakes.Api(manifest, node)
+    api = kube_fakes.Api(manifest, node)
     runtime = context.Runtime.of(api, ServingAgents(), settings.OperatorSettings())  # type: ignore[arg-type]
 
     async def reconcile_once() -> dict[str, int]:

@@ -244,12 +244,12 @@ def test_endpoints_verified(reserved: list[str], served: list[str], expected: tu
 
 def test_a_mismatch_is_reported_once_and_a_verified_address_not_at_all() -> None:
     shards = pods.Shards({0: [pod(0, ip="127.0.0.2")]}, set())
-    wrong = {0: [ready(1, address="127.0.0.3:8000")]}
+    wrong: pods.Reports = {0: [ready(1, address="127.0.0.3:8000")]}
     first, warning = status.verify_addresses({}, shards, wrong, port=8000, generation=3, now=NOW)
     assert warning == "reserved: shard 0: 127.0.0.2:8000; served: shard 0: 127.0.0.3:8000"
     again, warning = status.verify_addresses(first, shards, wrong, port=8000, generation=3, now=LATER)
     assert warning is None and again == first  # no new transition, no new timestamp
-    right = {0: [ready(1, address="127.0.0.2:8000")]}
+    right: pods.Reports = {0: [ready(1, address="127.0.0.2:8000")]}
     verified, warning = status.verify_addresses(again, shards, right, port=8000, generation=3, now=LATER)
     assert warning is None and condition(verified["conditions"], conditions.ENDPOINTS_VERIFIED)[1] == "Verified"
 
@@ -295,7 +295,7 @@ def test_observed_counts_shards_and_sets_every_condition_and_is_stable() -> None
 
 def test_observed_drops_the_weight_version_when_shards_disagree() -> None:
     shards = pods.Shards({0: [pod(0)], 1: [pod(1)]}, set())
-    reports = {0: [ready(2)], 1: [ready(3)]}
+    reports: pods.Reports = {0: [ready(2)], 1: [ready(3)]}
     found = status.observed(
         {"weightVersion": 2}, fleet(), shards, unplaced={}, restarts={}, reports=reports, max_restarts=5, now=NOW
     )

@@ -27,7 +27,7 @@ import httpx
 import openai
 import torch
 
-import enginehelpers
+from helpers import engine_command
 from megafleet_engine import backends, engine, metrics, server
 from megafleet_engine.backends import transformers_backend, weight_maps
 from megafleet_engine.models import tiny
@@ -298,7 +298,7 @@ def _wait_healthy(agent_url: str, alive: Any) -> None:
     raise AssertionError(f"the agent did not answer within {START_TIMEOUT_SECONDS} s")
 
 
-class EngineProcess(enginehelpers.EngineProcess):
+class EngineProcess(engine_command.EngineProcess):
     """``python -m megafleet_engine.cli`` bound to ``host`` (its pod IP), as a pod runs it, with the
     calls the operator makes on its agent."""
 
