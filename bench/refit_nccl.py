@@ -831,7 +831,7 @@ DEFINITIONS = {
     "gb_per_s": "payload bytes (every tensor's bytes, what the engine installs) / end_to_end_s, / the sender's "
     "transfer phase, / the engine's receive phase",
     "ratio_to_nccl_broadcast": "gb_per_s / the broadcast baseline's GB/s at --ratio-size-mib measured before "
-    "the refits; goal end_to_end >= 0.75 (shared/research/performance.md 6a, stretch tier)",
+    "the refits; goal end_to_end >= 0.75 (the refit issue's stretch tier)",
     "zero_byte": "an empty refit cannot be sent: WeightSender.send() refuses an empty tensor set and every "
     "receiver requires all of its parameters in the manifest (receiver.check_manifest). Reported instead: "
     "(a) full refits of a second engine of a ~6 MB model, started alongside on the same GPU (same code path, "

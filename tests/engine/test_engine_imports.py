@@ -1,5 +1,5 @@
-"""The engine package imports without kopf and without the operator package (DESIGN.md section 3):
-the engine image carries neither."""
+"""The engine package imports without kopf and without the operator package (docs/architecture.md,
+"Packages and layers"): the engine image carries neither."""
 
 from __future__ import annotations
 

@@ -1,44 +1,17 @@
 """One engine's refits: accept a request, run it as an attempt on its own thread, report it.
 
-Called by the agent's refit routes (:mod:`megafleet_engine.agent_server`): one :class:`RefitController` per
-engine process, created with the agent. :meth:`RefitController.start` returns at once; the attempt
-runs on a thread of its own, so the HTTP server never waits on a collective, and a :class:`Watchdog`
-thread ends it at its deadline.
+Called by the agent's refit routes (:mod:`megafleet_engine.agent_server`): one :class:`RefitController`
+per engine process. :meth:`RefitController.start` returns at once; the attempt runs on a thread of
+its own (the HTTP server never waits on a collective) through the phases ``suspending``, ``joining``
+or ``applying``, ``receiving``, ``resuming``, and a :class:`Watchdog` thread ends it at its deadline.
+docs/refit-protocol.md ("An attempt on the engine") tells each phase.
 
-An attempt, in order (phases as the status reports them):
-
-1. ``suspending``: close the engine's gate and drain or abort what is in flight (the request's
-   ``suspendMode``), then let the backend free what its KV-cache mode frees. Nothing is received
-   or written before this ends, so no response is ever produced by a mix of two versions. With a
-   rendezvous source the suspend runs on the agent's loop *while* the attempt joins (step 2), so a
-   drain and the round's opening overlap; a new transfer group is built only after the suspend
-   (its buffers come after whatever the suspend frees).
-2. ``joining`` (rendezvous source): reuse the communicator *parked* by the last successful refit
-   when this request names the same rendezvous (address, port, world size, trainer world size,
-   this rank) and the trainer's store still answers with the same session; else connect to the
-   trainer's store afresh. Then open the round (:meth:`Communicator.open_round`): keep the parked
-   transfer group if the trainer keeps it too (no group is built: the status says ``reused``), or
-   join a new one as ``rankOffset + shard-local rank`` and handshake; take the manifest the parked
-   communicator accepted last when the trainer confirms it sends that one again, else check the
-   trainer's manifest and answer it.
-3. ``receiving``: buckets are received on this thread and written on the engine's backend thread
-   (:meth:`Engine.run_exclusive`) with ``copy_`` into the live tensors, pipelined: bucket k is
-   written while bucket k+1 travels (:mod:`~megafleet_protocol.refit.receiver`); or ``applying`` (a
-   checkpoint source): the backend's ``load_checkpoint`` copies the checkpoint in place.
-4. ``resuming``: only once the whole version is written (every parameter, storage addresses
-   unchanged) and, on a shard of several rank processes, every rank says it wrote it too (the
-   backend's ``settle_weight_update``), the engine resumes stamping the new version; a
-   deferred-init engine (``loading``) becomes ``ready`` here for the first time. The communicator
-   is parked for the next refit before the success is reported, and only then is the trainer told
-   (``done``): its ``send()`` returns once every receiver serves the new version.
-
-Any failure, the watchdog's deadline or ``POST /v1/refit/abort`` ends the attempt ``failed``: the
-engine is marked ``stale`` with the error (its gate stays closed: ``/v1`` answers 503), the process
-group is aborted (never parked), and the trainer is told when it can be. A parked group is closed by
-any attempt that does not reuse it (another rendezvous, another session, a checkpoint refit), by
-``POST /v1/refit/abort`` and by :meth:`RefitController.close`. Once any weight was written, the engine is
-*dirty*: only a later complete refit brings it back (``POST /v1/resume`` is refused), because its
-parameters may hold two versions.
+Invariants: nothing is received or written before the suspend ended, so no response comes from two
+versions; the engine resumes only once every parameter of the version is written in place (and, on a
+shard of several ranks, every rank says so); any failure, the deadline or an abort leaves the engine
+``stale`` and the group aborted, never parked; once any weight was written the engine is *dirty* and
+only a later complete refit brings it back. Only a successful refit parks its communicator for the
+next one, and the trainer hears ``done`` only after the engine serves the version.
 """
 
 from __future__ import annotations

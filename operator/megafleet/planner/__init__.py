@@ -1,6 +1,6 @@
 """The planner: pure functions from a fleet spec and a node snapshot to a plan.
 
-The reconcile handlers call it in DESIGN.md section 5 order: :func:`validate` the spec, derive the
+The reconcile (:mod:`megafleet.reconcile`) calls it in this order: :func:`validate` the spec, derive the
 rank layout (:func:`pod_layout`, :func:`frontend_ranks`, :func:`needs_clique`), then
 :func:`plan_placement` for the shards to create; the refit orchestrator calls
 :func:`rank_offsets` for the membership of each refit. No Kubernetes calls and no imports outside

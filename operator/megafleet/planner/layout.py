@@ -1,7 +1,7 @@
 """Rank layout of a fleet: Megatron rank order, frontend ranks, pods per shard and refit membership.
 
 The reconcile flow calls these pure functions after :mod:`megafleet.planner.validation` has
-accepted a spec ("plan" in DESIGN.md section 5): they decide how many pods a shard needs, which
+accepted a spec: they decide how many pods a shard needs, which
 ranks host an OpenAI frontend, whether a shard must sit in one NVLink clique, and which global
 ranks each live shard takes in the trainer+fleet refit communicator. Nothing here talks to
 Kubernetes.

@@ -1,7 +1,7 @@
 """Placement of a fleet's shards onto nodes: whole shards, NVLink cliques, no over-commit.
 
 The reconcile flow calls :func:`plan_placement` after reserving endpoints and before creating
-pods (DESIGN.md section 5). It reads a snapshot of the nodes (labels, allocatable and allocated
+pods (:mod:`megafleet.reconcile.shards`). It reads a snapshot of the nodes (labels, allocatable and allocated
 GPUs, schedulability) that the Kubernetes layer collected, and answers which node each pod of
 each requested shard goes to, or, for a shard that does not fit, a reason the user can act on.
 The pod builder turns a shard's clique into node affinity. Nothing here talks to Kubernetes.

@@ -601,9 +601,8 @@ class Communicator:
             self._store = None
             group_aborted = self._group_aborted
         if group is not None and self.backend == "nccl" and not group_aborted:
-            # Abort, not shutdown(): a graceful NCCL shutdown waits for the peers' side of the group,
-            # which a receiver keeps parked until its next refit (the trainer's close() hung for
-            # minutes that way on 2xH200, 2026-11-30). Nothing is in flight here, so nothing is lost.
+            # Abort, not shutdown(): a graceful shutdown waits for the receivers' parked side of the
+            # group (docs/incidents.md, "the trainer's close() hung"). Nothing is in flight here.
             try:
                 group.abort()
             except RuntimeError as error:
@@ -631,8 +630,8 @@ def _wait_for_store(rendezvous: Rendezvous, deadline: Deadline, aborted: threadi
     """Wait until the trainer's store accepts connections, or the deadline or an abort.
 
     A plain TCP probe, retried with backoff: ``TCPStore``'s own client retries until its timeout
-    but overruns it (by ~80 % when measured with torch 2.15) and cannot be interrupted, so probing
-    first keeps a receiver whose trainer never comes exactly to its deadline and abortable.
+    but overruns it and cannot be interrupted (docs/incidents.md), so probing first keeps a receiver
+    whose trainer never comes exactly to its deadline and abortable.
     """
     what = "the trainer's rendezvous store accepted a connection"
     delay = STORE_PROBE_FIRST_SECONDS

@@ -1,43 +1,16 @@
 """The trainer's end of a refit: send weight versions to every live shard of a fleet.
 
-Called by the RL training loop on its rank 0, once per refit attempt. The trainer creates a ``Refit``
-object (``spec.source.rendezvous``: this pod's address, a base port, ``trainerWorldSize``); the
-operator publishes the attempt's membership (``status.membership.worldSize``, ``status.attempts``)
-and tells every engine's agent to join; the trainer then runs::
+Called on the trainer's rank 0 once per refit attempt, by the SDK (:mod:`megafleet.sdk.weights`, the
+NeMo RL adapter) or directly. :class:`WeightSender` holds the rendezvous store and the transfer group
+across versions (NeMo RL's ``init_collective`` once, ``update_weights_from_collective`` per step);
+:meth:`WeightSender.send` sends one version and returns once every receiver's engine serves it.
+docs/refit-protocol.md ("The trainer's side") shows the calls and the retry rules.
 
-    port = ports.attempt_port(refit.spec.source.rendezvous.port, refit.status.attempts)
-    sender = WeightSender(port, refit.status.membership.worldSize, address=pod_ip, backend="nccl")
-    sender.init()  # the store server and this session's id; returns at once
-    report = sender.send(model.named_parameters(), bucket_size_mib=1024, version=refit.spec.version)
-
-**One sender, many versions** (NeMo RL's ``init_collective`` once, ``update_weights_from_collective``
-per step): keep the sender open and call :meth:`WeightSender.send` again for the next Refit while its
-attempt has the same port and world size (attempt 1 of every Refit naming the same base port does).
-The first send builds the transfer group (every fleet rank joins and handshakes); later ones keep it
-when every receiver still holds it (``SendReport.reused``), and build a new one otherwise (an engine
-restarted, or closed its group), all inside :meth:`send`. A sender sends each version once, and a
-failed :meth:`send` leaves it unusable: close it; the retry is a new attempt on its own port.
-
-If an attempt fails (a member shard died, a watchdog fired), the operator aborts the other members,
-drops the dead shards and publishes the next attempt: ``status.attempts`` moves on with a new
-``status.membership`` (the Refit goes Pending, then Running again). The trainer then gives the old
-attempt up (:meth:`WeightSender.abort`, which ends a send still waiting for a dead peer, then
-:meth:`WeightSender.close`) and runs the next one the same way, with a new sender on
-``ports.attempt_port(port, attempts)`` with the new world size.
-
-``named_tensors`` are Hugging Face names and full (unsharded) tensors, e.g. a Megatron-Bridge export;
-with ``shapes=`` (names, shapes, dtypes in order) they may come from a generator, one at a time, so
-a trainer that gathers each HF tensor from its shards never holds the whole model.
-:meth:`WeightSender.send` opens the version's round (group kept or built), publishes the manifest,
-waits for every receiver's verdict (a mismatch raises
-:class:`~megafleet_protocol.refit.errors.RefitRejected` before any byte moves; when every receiver
-still holds the last send's manifest and this one is the same, the round's decision confirms it
-instead and ``SendReport.manifest_sent`` is false), sends the buckets (``broadcast``: every bucket
-to everyone, bucket k+1 packed into a second staging buffer, on a CUDA side stream for NCCL, while
-bucket k travels; ``reshard``: to each rank only the regions it asked for) and returns once every
-receiver reported that its engine serves the new version (else
-:class:`~megafleet_protocol.refit.errors.ReceiverFailed`). The receiver's half
-is :mod:`megafleet_protocol.refit.receiver`; docs/refit-protocol.md tells the whole protocol.
+Invariants: a sender sends each version once; a failed :meth:`WeightSender.send` leaves it unusable
+(the retry is a new attempt on its own port); a receiver that rejects the manifest fails the send
+before any byte moves (:class:`~megafleet_protocol.refit.errors.RefitRejected`); tensors given one at
+a time with ``shapes=`` are read only when their bucket is packed. The receiver's half is
+:mod:`megafleet_protocol.refit.receiver`.
 """
 
 from __future__ import annotations
