@@ -123,9 +123,9 @@ class PhaseTiming(_Response):
 class RefitStatusResponse(_Response):
     """``GET /v1/refit/status`` (and the answer of every refit call): the current or last attempt."""
 
-    phase: vocabulary.RefitPhase
+    phase: vocabulary.AttemptPhase
     version: int | None
-    source: vocabulary.Source | None
+    source: vocabulary.RefitSource | None
     transport: str | None
     rank: int | None
     world_size: int | None

@@ -10,13 +10,13 @@ from __future__ import annotations
 from typing import Literal
 
 __all__ = [
+    "AttemptPhase",
     "BackendName",
     "CollectiveBackend",
     "Dtype",
     "EngineState",
     "KvCacheMode",
-    "RefitPhase",
-    "Source",
+    "RefitSource",
     "SuspendMode",
     "Transport",
     "WeightsInitial",
@@ -36,12 +36,12 @@ EngineState = Literal["loading", "ready", "suspended", "stale", "failed"]
 """An engine's state as its agent reports it (``GET /v1/state``)."""
 SuspendMode = Literal["drain", "abort"]
 """How an engine suspends: ``drain`` waits for requests in flight, ``abort`` ends them."""
-RefitPhase = Literal["idle", "suspending", "joining", "receiving", "applying", "resuming", "succeeded", "failed"]
-"""Where an engine's refit attempt is (``GET /v1/refit/status``): ``suspending`` the engine,
-``joining`` the trainer's world (rendezvous, handshake, manifest check), ``receiving`` buckets (and
-writing each), ``applying`` a checkpoint, ``resuming``; then ``succeeded`` or ``failed``. ``idle``:
-no attempt yet."""
-Source = Literal["rendezvous", "checkpoint"]
+AttemptPhase = Literal["idle", "suspending", "joining", "receiving", "applying", "resuming", "succeeded", "failed"]
+"""Where an engine's refit attempt is (``GET /v1/refit/status``; a Refit object's own phase is the API
+models'): ``suspending`` the engine, ``joining`` the trainer's world (rendezvous, handshake, manifest
+check), ``receiving`` buckets (and writing each), ``applying`` a checkpoint, ``resuming``; then
+``succeeded`` or ``failed``. ``idle``: no attempt yet."""
+RefitSource = Literal["rendezvous", "checkpoint"]
 """Where a refit's weights come from: the trainer's rendezvous, or a checkpoint path."""
 CollectiveBackend = Literal["gloo", "nccl"]
 """The torch.distributed backend of a refit's transfer group: gloo on CPU, NCCL on GPU."""

@@ -31,9 +31,9 @@ sum of both costs."""
 class Snapshot:
     """One attempt as the status route reports it (or ``idle``)."""
 
-    phase: vocabulary.RefitPhase = "idle"
+    phase: vocabulary.AttemptPhase = "idle"
     version: int | None = None
-    source: vocabulary.Source | None = None
+    source: vocabulary.RefitSource | None = None
     transport: str | None = None
     rank: int | None = None  # this process's rank in the trainer+fleet world (rendezvous only)
     world_size: int | None = None
@@ -54,7 +54,7 @@ class Progress:
         self,
         *,
         version: int,
-        source: vocabulary.Source,
+        source: vocabulary.RefitSource,
         transport: str | None = None,
         rank: int | None = None,
         world_size: int | None = None,
@@ -77,7 +77,7 @@ class Progress:
     def elapsed(self) -> float:
         return time.monotonic() - self._started
 
-    def enter(self, phase: vocabulary.RefitPhase) -> None:
+    def enter(self, phase: vocabulary.AttemptPhase) -> None:
         """Move to ``phase`` unless the outcome is decided."""
         with self._lock:
             if self._state.phase not in ("succeeded", "failed"):

@@ -76,7 +76,7 @@ class Record(Protocol):
         """Add the time the block takes to timing ``name`` (``join``, ``receive``, ``apply``)."""
         ...
 
-    def enter(self, phase: vocabulary.RefitPhase) -> None:
+    def enter(self, phase: vocabulary.AttemptPhase) -> None:
         """Move to ``phase`` unless the outcome is decided."""
         ...
 
