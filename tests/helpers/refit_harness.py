@@ -43,7 +43,6 @@ TRAINER_ADDRESS = "127.0.9.1"
 START_TIMEOUT_SECONDS = 120
 REFIT_POLL_SECONDS = 0.05
 SETTLE_TIMEOUT_SECONDS = 30  # an aborted attempt's thread ends by its deadline
-HERE = Path(__file__).resolve().parent
 
 
 def token_file(folder: Path) -> Path:

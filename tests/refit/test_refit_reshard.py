@@ -21,6 +21,7 @@ from megafleet_engine.backends import weight_maps
 from megafleet_protocol import vocabulary
 
 TP = 2
+RECEIVER = Path(__file__).resolve().parent / "test_refit_shard_receiver.py"  # run as a script per rank
 
 
 @pytest.mark.parametrize("transport", ["reshard", "broadcast"])
@@ -32,7 +33,7 @@ def test_tp2_megatron_receivers_get_exactly_their_slices(transport: vocabulary.T
     world_size = 1 + TP
     receivers = [
         subprocess.Popen(
-            [sys.executable, str(harness.HERE / "test_refit_shard_receiver.py"), json.dumps(arguments)],
+            [sys.executable, str(RECEIVER), json.dumps(arguments)],
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
             text=True,
