@@ -63,6 +63,7 @@ __all__ = [
     "NcclCollective",
     "NemoReceiver",
     "NemoWorld",
+    "Stats",
     "TensorSpec",
     "Write",
     "check_refit_info",
