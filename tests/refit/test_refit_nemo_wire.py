@@ -18,7 +18,7 @@ import sys
 import threading
 import time
 import types
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import pytest
@@ -27,6 +27,7 @@ import torch.distributed as dist
 from torch._C import _distributed_c10d as c10d
 
 from helpers import refit_harness as harness
+from megafleet_engine.refit_runner import nemo_source, sinks
 from megafleet_protocol.refit import communicator, errors, nemo
 
 ADDRESS = harness.TRAINER_ADDRESS
@@ -89,6 +90,7 @@ def trainer_rank(
     generation: nemo.Generation,
     unique_id: bytes,
     sent: list[int],
+    later: Sequence[list[torch.Tensor]] = (),
 ) -> None:
     """One NeMo trainer rank: rank 0 hosts the store (its constructor returns once every rank
     connected) and publishes the id; every rank builds the world group, warms up and broadcasts."""
@@ -114,11 +116,12 @@ def trainer_rank(
     else:
         data = torch.zeros(1)
         group.allreduce([data]).wait()
-    for parts in nemo_buckets(tensors, target):
-        buffer = torch.cat(parts)
-        group.broadcast([buffer]).wait()
-        if rank == 0:
-            sent.append(buffer.numel())
+    for refit in [tensors, *later]:  # one world, refit after refit
+        for parts in nemo_buckets(refit, target):
+            buffer = torch.cat(parts)
+            group.broadcast([buffer]).wait()
+            if rank == 0:
+                sent.append(buffer.numel())
 
 
 @contextlib.contextmanager
@@ -379,3 +382,51 @@ def test_the_default_bucket_target_is_nemos_formula() -> None:
     assert nemo.nemo_bucket_bytes(10**12, 0.3) == 5 * 1024**3
     with pytest.raises(ValueError, match="not an inference rank"):
         nemo.NemoWorld(ADDRESS, 1, 3, 1, 2)
+
+
+def test_the_engines_sink_takes_refit_after_refit_in_place_over_one_world() -> None:
+    """The engine's side (:mod:`megafleet_engine.refit_runner.nemo_source`): joined once, two refits
+    written into a sink's live tensors in place through ``apply``; a tensor of the refit info the rank
+    does not hold is received and dropped."""
+    first, second = weights(), {name: tensor + 1 for name, tensor in weights().items()}
+    specs = info_of(first)
+    live = {name: torch.zeros_like(tensor) for name, tensor in first.items() if name != "step"}
+    addresses = {name: tensor.data_ptr() for name, tensor in live.items()}
+    sink = sinks.NamedSink(live)
+    port = harness.free_port()
+    applied: list[int] = []
+    stats: list[nemo.Stats] = []
+
+    def apply(write: Callable[[], int]) -> int:
+        applied.append(write())
+        return applied[-1]
+
+    def fleet() -> None:
+        deadline = communicator.Deadline(30)
+        world = nemo.NemoWorld(ADDRESS, port, 2, 1, 1)
+        joined = nemo.NemoReceiver.connect(
+            world, backend="gloo", device=torch.device("cpu"), deadline=deadline, local_address=ADDRESS,
+            gloo_prefix=GLOO_PREFIX,
+        )  # fmt: skip
+        try:
+            for _ in range(2):
+                stats.append(
+                    nemo_source.receive(
+                        joined, sink.fresh(), specs=specs, bucket_bytes=TARGET, apply=apply, deadline=deadline
+                    )
+                )
+                if len(stats) == 1:
+                    assert all(torch.equal(live[name], first[name]) for name in live)
+        finally:
+            joined.close()
+
+    trainer = functools.partial(
+        trainer_rank, 0, port=port, world_size=2, tensors=list(first.values()), target=TARGET, generation="nemo",
+        unique_id=os.urandom(128), sent=[], later=[list(second.values())],
+    )  # fmt: skip
+    with running(trainer, fleet) as failures:
+        pass
+    assert not failures, failures
+    assert [stat.buckets for stat in stats] == [3, 3] and sum(applied) == 2 * len(live)
+    assert all(bits(live[name]) == bits(second[name]) for name in live)
+    assert {name: tensor.data_ptr() for name, tensor in live.items()} == addresses, "written in place"
