@@ -653,6 +653,8 @@ class NemoReceiver:
             self._collective.broadcast(chunk, deadline=deadline, what=what)
             received += size
             written += write(unpack(chunk, bucket))
+            if buffer.is_cuda:  # the writer's copies may run on another thread's stream: the buffer is reused next
+                torch.cuda.synchronize(device)
         self.refits += 1
         return Stats(len(buckets), received, written)
 
