@@ -10,6 +10,8 @@ the protocol as a whole (session, rounds, group reuse, manifest shortcut, deadli
   by the RL job through :mod:`megafleet.sdk`.
 * :mod:`~megafleet_protocol.refit.receiver`: an engine rank's end, driven by
   :mod:`megafleet_engine.refit_runner` into its ``Sink``.
+* :mod:`~megafleet_protocol.refit.nemo`: the receiving side of NeMo RL's own collective (a NeMo
+  trainer's ``init_collective`` world and packed broadcasts), another wire than the one above.
 * :mod:`~megafleet_protocol.refit.errors`: the errors both ends raise.
 
 Importing this package (or :mod:`~megafleet_protocol.refit.errors`) does not import torch; the other
