@@ -13,7 +13,7 @@ $(STAMP): pyproject.toml
 	@echo "[megafleet] installing the project and its dependencies into $(VENV) (torch is ~3 GB on a cold pip cache)"
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install --quiet --upgrade pip
-	$(BIN)/pip install --progress-bar off -e '.[engine,dev]'
+	$(BIN)/pip install --progress-bar off -e '.[engine,dev,ray]'
 	touch $@
 
 build: $(STAMP)

@@ -8,7 +8,9 @@ Exception tree::
     │                          carries the blocking condition's reason and message
     ├── RefitFailed            a Refit ended Failed, or did not finish in time; carries its status
     ├── NoFrontend             no Ready, non-stale frontend to send a request to
-    └── GenerationFailed       every frontend tried refused or failed one request
+    ├── GenerationFailed       every frontend tried refused or failed one request
+    └── PromptTooLong          a token prompt leaves no room to generate under the model's length
+                               limit (also a ValueError); nothing was sent
 
 The trainer's transfer errors (:class:`megafleet_protocol.refit.errors.RefitError` and its subclasses)
 are raised by :mod:`megafleet_protocol.refit.sender`; :class:`RefitFailed` names them when a sender failed.
@@ -22,7 +24,15 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     from megafleet.api import v1alpha1
 
-__all__ = ["FleetError", "FleetNotFound", "FleetNotReady", "GenerationFailed", "NoFrontend", "RefitFailed"]
+__all__ = [
+    "FleetError",
+    "FleetNotFound",
+    "FleetNotReady",
+    "GenerationFailed",
+    "NoFrontend",
+    "PromptTooLong",
+    "RefitFailed",
+]
 
 
 class FleetError(RuntimeError):
@@ -68,3 +78,15 @@ class GenerationFailed(FleetError):
         tried = "; ".join(f"{url}: {failure}" for url, failure in failures.items())
         super().__init__(f"the request failed on {len(failures)} frontends: {tried}")
         self.failures = failures
+
+
+class PromptTooLong(FleetError, ValueError):
+    """A prompt of ``length`` tokens leaves no room to generate under ``limit``, the fleet's
+    ``spec.model.maxSequenceLength`` (vLLM refuses such a prompt too)."""
+
+    def __init__(self, length: int, limit: int, *, what: str = "the prompt") -> None:
+        super().__init__(
+            f"{what} is {length} tokens; the fleet's maximum sequence length is {limit}: no room to generate"
+        )
+        self.length = length
+        self.limit = limit

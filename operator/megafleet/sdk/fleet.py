@@ -402,6 +402,8 @@ class Fleet:
             status=v1alpha1.MegatronGenerationStatus.model_validate(obj.get("status") or {}),
         )
         self.generator.model = state.model
+        if spec is not None:  # token prompts are clamped to it (generation.Generator.fit)
+            self.generator.max_sequence_length = spec.model.max_sequence_length
         return state
 
     async def _objects(self, resource: Any, name: str) -> AsyncIterator[Object | None]:

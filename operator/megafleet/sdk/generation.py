@@ -16,6 +16,14 @@ body, ``X-Megafleet-Weight-Version`` header), so every :class:`Answer` says whic
 A frontend that answers 503 (suspended for a refit, loading, fenced as stale), 5xx or cannot be reached
 is skipped and the request goes to the next one; a 4xx is the request's own fault and is raised at once.
 Plain httpx underneath: the OpenAI wire format without the ``openai`` package.
+
+Length limits as vLLM applies them: a token-id prompt's ``max_tokens`` is clamped to the room the
+model's length limit leaves (``maxSequenceLength - len(prompt)``), so asking for more than fits is not
+an error: generation stops at the limit with finish reason ``length``. A prompt that leaves no room
+raises :class:`~megafleet.sdk.errors.PromptTooLong` before anything is sent. The limit is
+:attr:`Generator.max_sequence_length` (the fleet client sets it from the fleet's spec), else the
+frontend's ``GET /v1/models`` ``max_model_len``, read once. Text and chat prompts are not clamped (their
+token count is the engine's): for them the frontend's 400 for ``prompt + max_tokens > limit`` stays.
 """
 
 from __future__ import annotations
@@ -108,6 +116,8 @@ class Generator:
         model: the served model name (the fleet's ``spec.model.servedName``, else its name).
         api_key: sent as ``Authorization: Bearer`` when the fleet's frontends require a key.
         http: an ``httpx.AsyncClient`` to use (closed by its owner); default: one made here.
+        max_sequence_length: the model's length limit (prompt plus completion); default: read from
+            a frontend's ``/v1/models`` when first needed.
     """
 
     def __init__(
@@ -117,9 +127,12 @@ class Generator:
         model: str,
         api_key: str | None = None,
         http: httpx.AsyncClient | None = None,
+        max_sequence_length: int | None = None,
     ) -> None:
         self.router = router
         self.model = model
+        self.max_sequence_length = max_sequence_length
+        self._limit_read: asyncio.Task[int | None] | None = None
         headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         self._owns_http = http is None
         self._http = http or httpx.AsyncClient(timeout=DEFAULT_TIMEOUT, limits=DEFAULT_LIMITS)
@@ -140,11 +153,51 @@ class Generator:
     # -- requests --------------------------------------------------------------------------------
 
     async def complete(self, prompt: Prompt, sampling: Sampling = DEFAULT_SAMPLING) -> Answer:
-        """``POST /v1/completions`` for one prompt (text or token ids)."""
+        """``POST /v1/completions`` for one prompt (text or token ids); a token prompt's ``max_tokens``
+        is clamped to the length limit's room (see the module docstring)."""
+        if not isinstance(prompt, str) and sampling.max_tokens is not None:
+            sampling = await self.fit(len(prompt), sampling)
         body = {**sampling.body(), "model": self.model, "prompt": prompt if isinstance(prompt, str) else list(prompt)}
         if sampling.logprobs:
             body["logprobs"] = 0
         return await self._send("/completions", body, _completion_answer)
+
+    async def sequence_limit(self) -> int | None:
+        """The model's length limit: :attr:`max_sequence_length`, else the first frontend's
+        ``/v1/models`` entry for :attr:`model` (read once; ``None`` when no frontend reports one)."""
+        if self.max_sequence_length is not None:
+            return self.max_sequence_length
+        if self._limit_read is None or (self._limit_read.done() and self._limit_read.result() is None):
+            self._limit_read = asyncio.ensure_future(self._read_limit())
+        return await asyncio.shield(self._limit_read)
+
+    async def fit(self, prompt_length: int, sampling: Sampling) -> Sampling:
+        """``sampling`` with ``max_tokens`` at most the room left after a prompt of ``prompt_length``.
+
+        Raises:
+            PromptTooLong: the prompt leaves no room under the limit.
+        """
+        limit = await self.sequence_limit()
+        if limit is None or sampling.max_tokens is None:
+            return sampling
+        room = limit - prompt_length
+        if room < 1:
+            raise errors.PromptTooLong(prompt_length, limit)
+        return sampling if sampling.max_tokens <= room else dataclasses.replace(sampling, max_tokens=room)
+
+    async def _read_limit(self) -> int | None:
+        for frontend in self.router.frontends:
+            try:
+                response = await self._http.get(f"{frontend.url}/models", headers=self._headers)
+            except httpx.TransportError:
+                continue
+            if response.status_code != 200:
+                continue
+            for card in response.json().get("data") or []:
+                if card.get("id") == self.model and card.get("max_model_len") is not None:
+                    self.max_sequence_length = int(card["max_model_len"])
+                    return self.max_sequence_length
+        return None
 
     async def chat(self, messages: Sequence[Message], sampling: Sampling = DEFAULT_SAMPLING) -> Answer:
         """``POST /v1/chat/completions`` for one conversation."""

@@ -1,0 +1,114 @@
+"""The NeMo RL adapter with Ray and a real engine process (the tiny Llama on CPU, on loopback).
+
+NeMo RL hands ``policy_generation`` to its async trajectory collector, a Ray actor, by pickling it;
+the actor runs every batch under ``asyncio.run`` in fresh threads. Here a local Ray instance
+(``ray.init``, no cluster) runs such a collector (:mod:`helpers.nemo_collector`) over an adapter
+with fixed frontends; the actor's copy reconnects on first use and its answers are the model's own
+greedy tokens. On the driver, the methods NeMo RL passes to ``ray.get`` return real object refs.
+The engine's length limit (128 tokens) is hit as vLLM's: truncated, not an error.
+(The actor seeing a driver's refit is proven against the real control plane in tests/e2e/test_sdk.py.)
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+import ray
+import torch
+
+from helpers import engine_command, nemo_collector
+from megafleet.sdk import nemo
+
+HOST = "127.0.13.9"
+LIMIT = 128  # the engine's MEGAFLEET_MAX_SEQUENCE_LENGTH
+PROMPTS = [[1, 40 + i, 41 + 2 * i, 42] for i in range(6)]
+
+
+@pytest.fixture(scope="module")
+def engine(tmp_path_factory: pytest.TempPathFactory) -> Iterator[engine_command.EngineProcess]:
+    started = engine_command.EngineProcess(HOST, engine_command.token_file(tmp_path_factory.mktemp("agent")))
+    try:
+        started.wait_serving()
+        yield started
+    finally:
+        started.close()
+
+
+@pytest.fixture(scope="module")
+def local_ray() -> Iterator[None]:
+    # Ray's workers get this process's import path (the repository's packages and tests/helpers).
+    previous = os.environ.get("PYTHONPATH")
+    os.environ["PYTHONPATH"] = os.pathsep.join(path for path in sys.path if path)
+    ray.init(num_cpus=1, include_dashboard=False, log_to_driver=False)
+    try:
+        yield
+    finally:
+        ray.shutdown()
+        if previous is None:
+            os.environ.pop("PYTHONPATH", None)
+        else:
+            os.environ["PYTHONPATH"] = previous
+
+
+def adapter(engine: engine_command.EngineProcess, **config: Any) -> nemo.MegafleetGeneration:
+    return nemo.MegafleetGeneration(
+        engine_command.MODEL,
+        frontends=[engine.base_url],
+        config={"max_new_tokens": 8, "temperature": 1.0, "_pad_token_id": 0, **config},
+    )
+
+
+def test_a_ray_actor_receives_the_adapter_and_generates_from_threads_under_asyncio_run(
+    engine: engine_command.EngineProcess, local_ray: None
+) -> None:
+    reference = engine_command.Reference()
+    generation = adapter(engine)
+    assert not generation.connected
+    collector: Any = ray.remote(nemo_collector.Collector).remote(generation)
+    try:
+        assert ray.get(collector.connected.remote()) is False  # the copy connects on first use
+        results = ray.get(collector.collect.remote(PROMPTS, 3), timeout=120)
+        assert ray.get(collector.connected.remote()) is True
+        assert ray.get(collector.invalidate_kv_cache.remote()) is False  # kvCacheMode unknown here
+    finally:
+        ray.kill(collector)
+        generation.shutdown()
+    assert [result["tokens"] for result in results] == [reference.greedy(prompt, 8) for prompt in PROMPTS]
+    assert {result["weight_version"] for result in results} == {0}
+
+
+def test_methods_nemo_rl_passes_to_ray_get_return_object_refs(
+    engine: engine_command.EngineProcess, local_ray: None
+) -> None:
+    generation = adapter(engine)
+    try:
+        futures_inference = generation.init_collective("127.0.0.1", 29500, 3, train_world_size=1)
+        futures_train = [ray.put(None)]
+        assert all(isinstance(ref, ray.ObjectRef) for ref in futures_inference)
+        results = ray.get(futures_train + futures_inference)
+        assert all(result for result in results if result is not None) and results[1:] == [True]
+        liveness = generation.shard_liveness_ref(0)
+        assert isinstance(liveness, ray.ObjectRef) and ray.get(liveness) is True
+    finally:
+        generation.shutdown()
+
+
+def test_asking_for_more_tokens_than_the_model_length_leaves_stops_there_as_truncated(
+    engine: engine_command.EngineProcess,
+) -> None:
+    prompt = [1, 40, 41, 42, 43]
+    generation = adapter(engine, max_new_tokens=LIMIT, ignore_eos=True)  # NeMo recipes' max_new_tokens
+    try:
+        out = generation.generate({"input_ids": torch.tensor([prompt]), "input_lengths": torch.tensor([5])})
+        with pytest.raises(ValueError, match="the prompt at index 0 is 128 tokens"):
+            generation.generate(
+                {"input_ids": torch.ones((1, LIMIT), dtype=torch.long), "input_lengths": torch.tensor([LIMIT])}
+            )
+    finally:
+        generation.shutdown()
+    assert out["generation_lengths"].tolist() == [LIMIT - 5] and out["truncated"].tolist() == [True]
+    assert out["unpadded_sequence_lengths"].tolist() == [LIMIT]
