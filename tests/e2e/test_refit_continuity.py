@@ -2,13 +2,14 @@
 against the real control plane, the operator and engine pods run by the local runner.
 
 A trainer refits a two-shard tiny fleet 20 times in a row through the SDK (each version other
-weights: ``tiny://llama?seed=100+v``, sent over gloo with a sender kept open). Meanwhile threads
-hammer every frontend directly (pod IPs, no retries) and a second SDK :class:`~megafleet.sdk.fleet.Fleet`
-(another client, routing from the fleet's status it re-reads before every request) generates too.
-Every answer must come back (no 503: a request that reaches a suspended engine waits and is served
-by the new version) and its tokens must be the greedy continuation of exactly the version stamped on
-it. Then two Refits that would go backwards (the current version, an older one) fail at once with
-reason ``VersionNotNewer`` while the fleet keeps serving its version.
+weights: a seed whose greedy output differs from every other version's, sent over gloo with a
+sender kept open). Meanwhile threads hammer every frontend directly (pod IPs, no retries) and a
+second SDK :class:`~megafleet.sdk.fleet.Fleet` (another client, routing from the fleet's status it
+re-reads before every request) generates too. Every answer must come back (no 503: a request that
+reaches a suspended engine waits and is served by the new version) and its tokens must be the
+greedy continuation of exactly the version stamped on it. Then two Refits that would go backwards
+(the current version, an older one) fail at once with reason ``VersionNotNewer`` while the fleet
+keeps serving its version.
 """
 
 from __future__ import annotations
@@ -38,8 +39,19 @@ THREADS_PER_FRONTEND = 2
 AFTER_LAST_REFIT = 10  # requests the second client makes after the last refit succeeded
 
 
-def source(version: int) -> str:
-    return "tiny://llama" if version == 0 else f"tiny://llama?seed={100 + version}"
+def versions() -> tuple[dict[int, torch.nn.Module], dict[int, list[int]]]:
+    """The weights of version 0 (the fleet's own) to ``VERSIONS``, each a seed whose greedy output
+    differs from every earlier version's (some seeds end at once on EOS: skipped), and that output."""
+    models: dict[int, torch.nn.Module] = {0: tiny.build_tiny("tiny://llama")[0]}
+    expected = {0: greedy(models[0])}
+    seed = 100
+    while len(models) <= VERSIONS:
+        seed += 1
+        model = tiny.build_tiny(f"tiny://llama?seed={seed}")[0]
+        tokens = greedy(model)
+        if len(tokens) == MAX_TOKENS and tokens not in expected.values():
+            models[len(models)], expected[len(expected)] = model, tokens
+    return models, expected
 
 
 def greedy(model: torch.nn.Module) -> list[int]:
@@ -122,9 +134,7 @@ async def second_client(namespace: str, kubeconfig: Path, tally: Tally, done: as
 def test_clients_see_no_error_and_no_mixed_answer_across_20_refits_and_stale_refits_are_refused(
     operator: Path, kube_admin: kube.Kube, namespace: str, kubeconfig: Path
 ) -> None:
-    models = {version: tiny.build_tiny(source(version))[0] for version in range(VERSIONS + 1)}
-    expected = {version: greedy(model) for version, model in models.items()}
-    assert len({tuple(tokens) for tokens in expected.values()}) == VERSIONS + 1, "versions must be distinguishable"
+    models, expected = versions()
     kube_admin.create(refit_e2e.fleets(namespace), refit_e2e.tiny_fleet())
     assert kube_admin.wait(f"{refit_e2e.fleets(namespace)}/tiny", refit_e2e.ready, timeout=refit_e2e.WAIT)
     urls = []
