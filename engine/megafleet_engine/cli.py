@@ -95,7 +95,10 @@ def run_rank(settings: settings_module.Settings, local_rank: int) -> int:
     )
     backend = _load_backend(settings, rank, local_rank, device=device, deferred=deferred)
     engine = engine_module.Engine(
-        backend, max_batch_size=settings.max_batch_size, weight_version=None if deferred else 0
+        backend,
+        max_batch_size=settings.max_batch_size,
+        weight_version=None if deferred else 0,
+        refit_wait_seconds=settings.refit_wait_seconds,
     )
     follower = _start_following(backend, rank)
     try:

@@ -13,6 +13,17 @@ closes early (client gone, suspend in abort mode) leave it. Admission stops whil
 ``ready`` (a suspend is pending or done) and while a backend call (:meth:`Engine.run_exclusive`, a
 weight write) or shutdown waits in the queue, so the running batch drains and the call runs next.
 Otherwise the next batch starts as soon as the running one ends.
+
+Holding at the gate: a suspend *for a refit* (``suspend(..., hold=True)``, what the refit runner
+does) keeps the gate closed but makes new requests wait there instead of answering
+:class:`NotServing`: each waits (on an asyncio future woken by :meth:`Engine.resume` or
+:meth:`Engine.mark`, no polling) for at most ``refit_wait_seconds`` and then enters the queue
+behind the backend's cache rebuild, so it runs on the new weights. Waiting requests are not in
+flight: a drain waits only for what was accepted before the suspend, and an abort-mode suspend
+never aborts them. A refit that fails (``stale``/``failed``) or a wait past the bound answers
+:class:`NotServing` as before; a client that goes away while waiting is simply dropped. Other
+suspends (fencing a stale shard, draining before removal) and ``loading``/``stale``/``failed``
+engines answer at once: nothing they could wait for is known to come soon.
 """
 
 from __future__ import annotations
@@ -41,11 +52,14 @@ class EngineError(RuntimeError):
 
 
 class NotServing(EngineError):
-    """The engine does not accept requests now (loading, suspended, stale or failed)."""
+    """The engine does not accept requests now (loading, suspended, stale or failed); ``waited``:
+    seconds the request was held at the gate for a refit that did not end in time."""
 
-    def __init__(self, state: vocabulary.EngineState) -> None:
-        super().__init__(f"the engine is {state} and does not accept requests")
+    def __init__(self, state: vocabulary.EngineState, *, waited: float | None = None) -> None:
+        detail = "" if waited is None else f" (held {waited:.0f} s for a refit that did not finish)"
+        super().__init__(f"the engine is {state} and does not accept requests{detail}")
         self.state = state
+        self.waited = waited
 
 
 class Aborted(EngineError):
@@ -71,6 +85,11 @@ class _Call:
     error: BaseException | None = None
 
 
+def _settle(future: asyncio.Future[None]) -> None:
+    if not future.done():
+        future.set_result(None)
+
+
 class Engine:
     """Serve one backend: batch requests, gate them by state, stamp the weight version.
 
@@ -80,6 +99,10 @@ class Engine:
     flight before weights may change. ``kv_cache_mode`` (default: the backend's ``kv_cache_mode``)
     is passed to the backend's ``begin_weight_update`` at the end of a
     suspend and to its ``finish_weight_update`` on resume, before any later request runs.
+
+    ``refit_wait_seconds`` bounds how long a request waits at the gate while the engine is
+    suspended for a refit (0: answer :class:`NotServing` at once); ``held`` counts the requests
+    that waited and ``held_now`` those waiting now.
 
     ``batches`` counts backend batches and ``batch_sizes`` the sequences each one served (those
     admitted while it ran included); ``admitted`` counts sequences that joined a running batch and
@@ -93,8 +116,10 @@ class Engine:
         max_batch_size: int = 64,
         weight_version: int | None = 0,
         kv_cache_mode: vocabulary.KvCacheMode | None = None,
+        refit_wait_seconds: float = 60.0,
     ) -> None:
         self.backend = backend
+        self.refit_wait_seconds = refit_wait_seconds
         self.max_batch_size = max_batch_size
         self.weight_version = weight_version
         self.kv_cache_mode: vocabulary.KvCacheMode = backend.kv_cache_mode if kv_cache_mode is None else kv_cache_mode
@@ -104,6 +129,9 @@ class Engine:
         self._queue: collections.deque[_Pending | _Call | None] = collections.deque()
         self._in_flight = 0
         self._abort_all = False
+        self._holding = False  # suspended for a refit: new requests wait at the gate
+        self._waiters: list[tuple[asyncio.AbstractEventLoop, asyncio.Future[None]]] = []
+        self.held = 0
         self._lock = threading.Lock()
         self._work = threading.Condition(self._lock)  # the queue got an item
         self._idle = threading.Condition(self._lock)  # _in_flight went down
@@ -127,18 +155,28 @@ class Engine:
         with self._lock:
             return self._in_flight
 
-    async def submit(self, request: base.SequenceRequest) -> AsyncGenerator[base.TokenStep, None]:
-        """Stream the generated tokens of one sequence; raises :class:`NotServing` at the gate.
+    @property
+    def accepting(self) -> bool:
+        """Whether a request sent now will be served: ``ready``, or suspended for a refit with
+        holding on (it waits at the gate for the new version)."""
+        with self._lock:
+            return self.state == "ready" or self._holds()
 
-        Cancelling the consumer (client disconnect) stops the sequence at the next step.
+    @property
+    def held_now(self) -> int:
+        """Requests waiting at the gate now."""
+        with self._lock:
+            return len(self._waiters)
+
+    async def submit(self, request: base.SequenceRequest) -> AsyncGenerator[base.TokenStep, None]:
+        """Stream the generated tokens of one sequence; raises :class:`NotServing` at the gate
+        (after holding it up to ``refit_wait_seconds`` while suspended for a refit).
+
+        Cancelling the consumer (client disconnect) stops the sequence at the next step, or drops
+        it from the gate while it waits.
         """
         pending = _Pending(request, asyncio.get_running_loop(), asyncio.Queue())
-        with self._lock:
-            if self.state != "ready":
-                raise NotServing(self.state)
-            self._in_flight += 1
-            self._queue.append(pending)
-            self._work.notify()
+        await self._enter(pending)
         try:
             while True:
                 item = await pending.steps.get()
@@ -150,15 +188,65 @@ class Engine:
         finally:
             pending.cancelled.set()
 
+    async def _enter(self, pending: _Pending) -> None:
+        """Queue ``pending`` once the gate is open; hold it while suspended for a refit."""
+        started = time.monotonic()
+        deadline = started + self.refit_wait_seconds
+        counted = False
+        while True:
+            with self._lock:
+                if self.state == "ready":
+                    self._in_flight += 1
+                    self._queue.append(pending)
+                    self._work.notify()
+                    return
+                if not self._holds():
+                    raise NotServing(self.state, waited=time.monotonic() - started if counted else None)
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    raise NotServing(self.state, waited=time.monotonic() - started)
+                future: asyncio.Future[None] = pending.loop.create_future()
+                waiter = (pending.loop, future)
+                self._waiters.append(waiter)
+                if not counted:
+                    self.held += 1
+                    counted = True
+            try:
+                await asyncio.wait_for(future, remaining)
+            except TimeoutError:
+                with self._lock:
+                    state = self.state
+                raise NotServing(state, waited=time.monotonic() - started) from None
+            finally:
+                with self._lock:
+                    if waiter in self._waiters:
+                        self._waiters.remove(waiter)
+
+    def _holds(self) -> bool:
+        """Suspended for a refit with a wait allowed (call with the lock held)."""
+        return self.state == "suspended" and self._holding and self.refit_wait_seconds > 0
+
+    def _wake(self) -> None:
+        """Wake every request waiting at the gate to look again (call with the lock held)."""
+        for loop, future in self._waiters:
+            with contextlib.suppress(RuntimeError):  # the loop is closed: the client is gone
+                loop.call_soon_threadsafe(_settle, future)
+
     # -- state ---------------------------------------------------------------------------------
 
-    async def suspend(self, mode: vocabulary.SuspendMode, *, timeout_seconds: float = 60.0) -> None:
+    async def suspend(self, mode: vocabulary.SuspendMode, *, timeout_seconds: float = 60.0, hold: bool = False) -> None:
         """Close the gate and stop admission; drain (wait for) or abort every request in flight,
-        then let the backend free what the KV-cache mode frees during a refit."""
+        then let the backend free what the KV-cache mode frees during a refit.
+
+        ``hold``: the suspend is for a refit that resumes soon, so requests arriving meanwhile wait
+        at the gate (up to ``refit_wait_seconds``) instead of being refused."""
         aborted: list[_Pending] = []
         with self._lock:
-            if self.state == "ready":
+            if self.state in ("ready", "suspended"):
                 self.state = "suspended"
+                self._holding = hold
+                if not hold:
+                    self._wake()  # a hold turned into a plain suspend: waiters answer now
             self._abort_all = mode == "abort"
             if self._abort_all:  # accepted but not started: end them here, they never run
                 aborted = [item for item in self._queue if isinstance(item, _Pending)]
@@ -191,13 +279,17 @@ class Engine:
             self._work.notify()
             self.state = "ready"
             self._abort_all = False
+            self._holding = False
+            self._wake()  # queued behind the cache rebuild above: they run on the new weights
 
     def mark(self, state: vocabulary.EngineState, error: str | None = None) -> None:
         """Set ``stale`` or ``failed`` (with the reason) from the agent."""
         with self._lock:
             self.state = state
+            self._holding = False
             if error is not None:
                 self.last_error = error
+            self._wake()  # held requests answer NotServing now, not at their deadline
 
     async def run_exclusive(self, fn: Callable[[], T]) -> T:
         """Run ``fn`` on the backend thread between batches (weight writes, checkpoint loads).

@@ -40,7 +40,18 @@ GRACEFUL_SHUTDOWN_SECONDS = 10
 
 
 def build_frontend_app(context: serving.ServingContext, *, api_key: str | None = None) -> fastapi.FastAPI:
-    """The OpenAI-compatible app; ``GET /health`` (no key) says whether the engine takes requests."""
+    """The OpenAI-compatible app; ``GET /health`` (no key) says whether the engine takes requests.
+
+    ``/health`` is the pod's readiness probe (period 2 s, failure threshold 1). It answers 200 while
+    the engine is ``ready`` and also while it is suspended *for a refit* with holding on
+    (``{"status": "refitting"}``): such a request waits at the gate and is served by the new
+    version. Answering 503 there would make the kubelet drop the pod from its Service's endpoints
+    at the first probe inside the refit and add it back only at the first probe after it (up to 2 s
+    plus endpoint propagation later); every member of a refit suspends at the same moment, so the
+    Service would have no endpoint at all and ClusterIP clients would fail to connect for a refit
+    that otherwise loses nothing. A refit that fails leaves the engine ``stale``, which answers 503
+    at the next probe; a plain suspend (fencing, draining before removal), ``loading`` and
+    ``failed`` answer 503 as before."""
     app = fastapi.FastAPI(title="megafleet engine", docs_url=None, redoc_url=None, openapi_url=None)
     app.state.frontend = router.Frontend(
         models=serving.ModelServing(context),
@@ -59,10 +70,12 @@ def build_frontend_app(context: serving.ServingContext, *, api_key: str | None =
 
     @app.get("/health")
     async def health() -> dict[str, str]:
-        state = context.engine.state
-        if state != "ready":
-            raise errors.ServiceUnavailable(f"the engine is {state}", code=state)
-        return {"status": "ready"}
+        # The pod's readiness probe. Suspended for a refit counts as serving: requests are held and
+        # served by the new version, so the pod stays in its Service (see above).
+        engine = context.engine
+        if not engine.accepting:
+            raise errors.ServiceUnavailable(f"the engine is {engine.state}", code=engine.state)
+        return {"status": "ready" if engine.state == "ready" else "refitting"}
 
     app.add_middleware(metrics_module.RequestMetrics, metrics=context.metrics, known=FRONTEND_PATHS)
     return app

@@ -135,6 +135,14 @@ class Settings:
     """``MEGAFLEET_KV_CACHE_GIB``: GPU memory for the paged KV cache of the megatron backend, in GiB.
     Default 20 (an 8B model in bf16 leaves far more on an H200; raise it for long sequences)."""
 
+    refit_wait_seconds: int = 60
+    """``MEGAFLEET_REFIT_WAIT_SECONDS``: how long a request that arrives while the engine is
+    suspended for a refit waits at the gate for the new version before answering 503, in seconds.
+    Default 60: a refit takes seconds, and a request held that long still beats a failed one the
+    client must retry; bounded so a refit that hangs (until its own watchdog) cannot hold clients
+    forever. 0 answers 503 at once (the behaviour before holding existed). The operator sets it from
+    spec.engine.refitWaitSeconds."""
+
     def __post_init__(self) -> None:
         _check(self)
 
@@ -195,6 +203,7 @@ def from_env(environ: Mapping[str, str] | None = None) -> Settings:
         cuda_graphs=reader.choice(env.CUDA_GRAPHS, ("true", "false"), "true" if defaults.cuda_graphs else "false")
         == "true",
         kv_cache_gib=reader.integer(env.KV_CACHE_GIB, defaults.kv_cache_gib),
+        refit_wait_seconds=reader.integer(env.REFIT_WAIT_SECONDS, defaults.refit_wait_seconds),
     )
 
 
@@ -254,6 +263,7 @@ def _check(settings: Settings) -> None:
         (env.LOCAL_GPUS, settings.local_gpus, 0),
         (env.LOCAL_RANKS, settings.local_rank_count, 0),
         (env.KV_CACHE_GIB, settings.kv_cache_gib, 1),
+        (env.REFIT_WAIT_SECONDS, settings.refit_wait_seconds, 0),
     ):
         if value < low:
             raise SettingsError(f"{name} must be at least {low}, got {value}")

@@ -193,8 +193,9 @@ def _pod(
     container: Object = {}
     if index == 0:
         container_ports.insert(0, {"name": "http", "containerPort": spec.frontend.port, "protocol": "TCP"})
-        # The frontend's /health answers 503 unless the engine serves (loading, suspended for a
-        # refit, Stale): such a pod leaves its Service's endpoints and gets no traffic.
+        # The frontend's /health answers 503 unless the engine serves (loading, Stale, fenced):
+        # such a pod leaves its Service's endpoints. Suspended for a refit it answers 200: requests
+        # are held and served by the new version (megafleet_engine.server.build_frontend_app).
         container["readinessProbe"] = {
             "httpGet": {"path": "/health", "port": "http"},
             "periodSeconds": 2,

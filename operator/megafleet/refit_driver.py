@@ -10,12 +10,22 @@ not at it afterwards are Stale (see :mod:`megafleet.reconcile.versions`).
 The refit protocol (docs/refit-protocol.md): the trainer ranks come first in the trainer+fleet world,
 then each member shard's ranks at its offset (:func:`megafleet.planner.rank_offsets`); the trainer
 reads ``status.membership`` to learn the world size before it opens its rendezvous store.
+
+Versions never go backwards: a Refit whose version is not above the fleet's current one
+(:func:`current_version`) ends ``Failed`` with reason ``VersionNotNewer`` before anything is sent
+to an agent. Pruning (:func:`prunable`) deletes only finished Refits, never the newest one.
+
+Readiness after a refit comes from the Refit's own completion: the status patch that moves
+``status.refit.currentVersion`` also marks each member shard whose agents reported the new version
+``Ready`` at it (:func:`settled_shards`), so a client reading the fleet's status (any process's
+:class:`megafleet.sdk.fleet.Fleet`) routes to them at once, not at the reconcile's next pass.
 """
 
 from __future__ import annotations
 
 import base64
 import logging
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 import pydantic
@@ -29,6 +39,9 @@ from megafleet_protocol import agent_api, ports
 log = logging.getLogger(__name__)
 
 Object = dict[str, Any]
+
+VERSION_NOT_NEWER = "VersionNotNewer"
+"""Reason of the Failed condition of a Refit whose version is not above the fleet's current one."""
 
 
 async def advance(
@@ -51,6 +64,14 @@ async def advance(
         await _finish(api, refit, fleet_body, "Failed", f"fleet {spec.fleet_ref.name} has an invalid spec")
         return
     fleet = desired.ParsedFleet(spec.fleet_ref.name, namespace, fleet_body["metadata"]["uid"], 0, fleet_spec)
+    current = current_version(fleet_body.get("status") or {})
+    if phase == "Pending" and current is not None and spec.version <= current:
+        message = (
+            f"version {spec.version} is not above fleet {spec.fleet_ref.name}'s current version {current}: "
+            "versions never go backwards (create a Refit with a higher version)"
+        )
+        await _finish(api, refit, None, "Failed", message, reason=VERSION_NOT_NEWER)
+        return
     active = ((fleet_body.get("status") or {}).get("refit") or {}).get("active")
     if active not in (None, name):
         await _set_status(api, name, namespace, {"phase": "Pending", "message": f"waiting for refit {active}"})
@@ -61,6 +82,16 @@ async def advance(
         await _start(api, agents, refit, spec, fleet, fleet_body, pods, token, max_attempts=settings.max_attempts)
         return
     await _collect(api, agents, refit, spec, fleet_body, pods, token, max_attempts=settings.max_attempts)
+
+
+def current_version(fleet_status: Object) -> int | None:
+    """The version a new Refit must be above: ``status.refit.currentVersion`` (the last successful
+    Refit's), else the version every Ready shard serves (the checkpoint's 0 before any refit), else
+    ``None`` (no weights anywhere yet: any version may come first)."""
+    found = (fleet_status.get("refit") or {}).get("currentVersion")
+    if found is None:
+        found = fleet_status.get("weightVersion")
+    return None if found is None else int(found)
 
 
 async def _token(api: kube.Api, fleet: desired.ParsedFleet) -> str:
@@ -189,6 +220,7 @@ async def _collect(
     status = refit.get("status") or {}
     members = [entry["shard"] for entry in (status.get("membership") or {}).get("rankOffsets", [])]
     reports: list[agent_api.RefitStatusResponse] = []
+    serving: list[int] = []  # member shards whose every agent reports it ready at the new version
     failure: str | None = None
     for shard in members:
         if shard not in pods:
@@ -207,6 +239,9 @@ async def _collect(
             reports.append(report)
         if failure is not None:
             break
+        shard_reports = reports[-len(pods[shard]) :]
+        if all(report.state == "ready" and report.weight_version == spec.version for report in shard_reports):
+            serving.append(shard)
     if failure is not None:
         await _fail_attempt(api, agents, refit, fleet_body, pods, members, token, failure, max_attempts=max_attempts)
         return
@@ -227,6 +262,7 @@ async def _collect(
         duration=duration,
         version=spec.version,
         checkpoint=spec.source.checkpoint.path if spec.source.checkpoint is not None else None,
+        serving=serving,
     )
 
 
@@ -266,6 +302,8 @@ async def _finish(
     duration: int | None = None,
     version: int | None = None,
     checkpoint: str | None = None,
+    serving: Sequence[int] = (),
+    reason: str | None = None,
 ) -> None:
     name, namespace = refit["metadata"]["name"], refit["metadata"]["namespace"]
     now = conditions.now()
@@ -273,7 +311,7 @@ async def _finish(
         list((refit.get("status") or {}).get("conditions", [])),
         "Complete" if phase == "Succeeded" else "Failed",
         True,
-        phase,
+        reason or phase,
         message,
         generation=int(refit["metadata"].get("generation", 1)),
         now=now,
@@ -294,23 +332,62 @@ async def _finish(
         fleet_refit.update({"currentVersion": version, "lastDurationMilliseconds": duration, "lastPhases": phases})
         # What a shard that falls behind this version catches up from (None: the next refit).
         fleet_refit["currentCheckpoint"] = checkpoint
-    await api.patch_status("MegatronGeneration", fleet_body["metadata"]["name"], namespace, {"refit": fleet_refit})
+    fleet_update: Object = {"refit": fleet_refit}
+    fleet_status = fleet_body.get("status") or {}
+    if version is not None and serving and fleet_status.get("shards"):
+        # In the same patch as currentVersion: no reader sees the new version without its shards.
+        fleet_update["shards"] = settled_shards(fleet_status["shards"], serving, version)
+    await api.patch_status("MegatronGeneration", fleet_body["metadata"]["name"], namespace, fleet_update)
     await _prune(api, namespace, fleet_body)
 
 
+def settled_shards(shards: Iterable[Object], serving: Iterable[int], version: int) -> list[Object]:
+    """``status.shards`` after a successful refit: each shard in ``serving`` (its agents reported
+    the refit succeeded, engine ready at ``version``) is ``Ready`` at ``version``; others as they were
+    (the reconcile's next pass observes them, and marks those behind ``Stale``)."""
+    settled = set(serving)
+    updated = []
+    for entry in shards:
+        if entry.get("index") in settled:
+            entry = {**entry, "phase": "Ready", "weightVersion": version}
+            entry.pop("lastError", None)
+        updated.append(entry)
+    return updated
+
+
 async def _prune(api: kube.Api, namespace: str, fleet_body: Object) -> None:
-    """Keep the newest ``refit.historyLimit`` finished Refits of the fleet."""
+    """Delete the fleet's finished Refits beyond ``refit.historyLimit`` (see :func:`prunable`)."""
     limit = int(((fleet_body.get("spec") or {}).get("refit") or {}).get("historyLimit", 10))
     fleet = fleet_body["metadata"]["name"]
-    finished = [
-        item
-        for item in await api.list("Refit", namespace=namespace)
-        if item["spec"]["fleetRef"]["name"] == fleet
-        and (item.get("status") or {}).get("phase") in ("Succeeded", "Failed")
-    ]
-    finished.sort(key=lambda item: (int(item["spec"]["version"]), item["metadata"]["creationTimestamp"]))
-    for item in finished[:-limit] if len(finished) > limit else []:
-        await api.delete("Refit", item["metadata"]["name"], namespace)
+    ours = [item for item in await api.list("Refit", namespace=namespace) if item["spec"]["fleetRef"]["name"] == fleet]
+    for name in prunable(ours, limit):
+        await api.delete("Refit", name, namespace)
+
+
+def prunable(refits: Iterable[Object], limit: int) -> list[str]:
+    """Names of the Refits (all of one fleet) to delete so that ``limit`` finished ones remain.
+
+    Only finished Refits (Succeeded, Failed) are ever chosen, oldest first by creation (then
+    version, then name). Never chosen: a Pending or Running Refit, the last created (whatever its
+    phase: the one a trainer is most likely still watching, e.g. one just refused as
+    ``VersionNotNewer``) and the one of the highest version (the fleet's current). Kept ones count
+    towards ``limit`` when finished."""
+    every = sorted(refits, key=_created)
+    if not every:
+        return []
+    kept = {every[-1]["metadata"]["name"], max(every, key=_versioned)["metadata"]["name"]}
+    finished = [item for item in every if (item.get("status") or {}).get("phase") in ("Succeeded", "Failed")]
+    excess = len(finished) - max(limit, 0)
+    chosen = [item["metadata"]["name"] for item in finished if item["metadata"]["name"] not in kept]
+    return chosen[: max(excess, 0)]
+
+
+def _created(item: Object) -> tuple[str, int, str]:
+    return item["metadata"].get("creationTimestamp", ""), int(item["spec"]["version"]), item["metadata"]["name"]
+
+
+def _versioned(item: Object) -> tuple[int, str, str]:
+    return int(item["spec"]["version"]), item["metadata"].get("creationTimestamp", ""), item["metadata"]["name"]
 
 
 async def _set_status(api: kube.Api, name: str, namespace: str, status: Object) -> None:

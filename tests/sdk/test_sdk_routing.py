@@ -46,6 +46,31 @@ def test_only_ready_shards_at_the_current_version_are_routable() -> None:
     assert routing.routable(before_any_refit) == {0: 0}
 
 
+def test_the_members_of_a_running_refit_keep_their_traffic() -> None:
+    # Observed mid-refit: shard 0 suspended (its engine holds requests for the new version), shard 1
+    # already resumed at it, shard 2 not a member, shard 3 a member that fails.
+    during = status(
+        refit={
+            "active": "f-v4",
+            "currentVersion": 3,
+            "membership": {
+                "worldSize": 4,
+                "trainerWorldSize": 1,
+                "rankOffsets": [{"shard": s, "offset": 1 + s} for s in (0, 1, 3)],
+            },
+        },
+        shards=[
+            {"index": 0, "phase": "Refitting", "weightVersion": 3},
+            {"index": 1, "phase": "Ready", "weightVersion": 4},
+            {"index": 2, "phase": "Ready", "weightVersion": 3},
+            {"index": 3, "phase": "Failed", "weightVersion": 3},
+        ],
+    )
+    assert routing.routable(during) == {0: None, 1: None, 2: 3}
+    finished = during.model_copy(update={"refit": during.refit.model_copy(update={"active": None})})  # type: ignore[union-attr]
+    assert routing.routable(finished) == {2: 3}  # the members come back through the status that ends it
+
+
 def test_frontend_urls_by_addressing() -> None:
     assert routing.endpoint_urls(FLEET, "service")[2] == "http://10.96.0.12:8000/v1"
     assert routing.endpoint_urls(FLEET, "dns")[2] == "http://f-s2.ns.svc:8000/v1"

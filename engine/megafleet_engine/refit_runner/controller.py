@@ -351,7 +351,8 @@ class _Attempt:
 
         async def suspend() -> None:
             with self.record.timed("suspend"):
-                await self.engine.suspend(request.suspend_mode, timeout_seconds=remaining)
+                # hold: requests arriving meanwhile wait for the new version instead of a 503
+                await self.engine.suspend(request.suspend_mode, timeout_seconds=remaining, hold=True)
 
         coroutine = suspend()
         try:

@@ -16,9 +16,10 @@ status through the operator's own typed models (:mod:`megafleet.api.v1alpha1`)::
         ...  # later refits with the same send keep its store and transfer group; send.close() at the end
 
 Routing (:mod:`megafleet.sdk.routing`): only shards that are ``Ready`` at the fleet's current weight
-version take requests; ``Stale`` shards and shards still starting, loading or refitting get none.
-After a successful refit the client routes to the Refit's member shards at once (they all serve the
-new version; the fleet's status catches up at the operator's next observation).
+version take requests; ``Stale`` shards and shards still starting or loading get none, and the
+members of a running refit keep theirs (their engines hold requests until the new version serves).
+After a successful refit the client routes to the Refit's member shards at once, and so does any
+other client that reads the fleet's status (the operator marks them Ready in the patch that ends it).
 
 A refit (docs/refit-protocol.md): :meth:`Fleet.refit` creates the Refit, watches its status, and for every
 attempt the operator starts (``Running`` with ``status.attempts`` and ``status.membership``) calls

@@ -3,10 +3,13 @@
 Used by :mod:`megafleet.sdk.fleet` (frontends from the fleet's status) and
 :mod:`megafleet.sdk.generation` (one :class:`Router` per client). A frontend takes traffic only when
 its shard is ``Ready`` and, once a Refit has succeeded, serves the fleet's current weight version:
-``Stale`` shards (restarted, or added by scaling after a refit) and shards still starting, loading
-or refitting get nothing (DESIGN.md section 6). Among the routable frontends the :class:`Router`
-picks the one with the fewest outstanding requests, rotating among ties, so a batch submitted at
-once spreads evenly and a slow frontend gets less.
+``Stale`` shards (restarted, or added by scaling after a refit) and shards still starting or
+loading get nothing (DESIGN.md section 6). The members of a running refit keep traffic: their
+engines hold requests during the refit's suspend and serve them with the new version, and the
+operator marks them ``Ready`` at it in the very status patch that ends the refit, so no client
+waits for the operator's next observation (:mod:`megafleet.refit_driver`). Among the routable
+frontends the :class:`Router` picks the one with the fewest outstanding requests, rotating among
+ties, so a batch submitted at once spreads evenly and a slow frontend gets less.
 """
 
 from __future__ import annotations
@@ -38,13 +41,23 @@ class Frontend:
 
 def routable(status: v1alpha1.MegatronGenerationStatus) -> dict[int, int | None]:
     """Shard index -> weight version of every shard that may take requests: phase ``Ready`` and, once
-    a Refit succeeded, at the fleet's ``status.refit.currentVersion``."""
-    current = status.refit.current_version if status.refit is not None else None
-    return {
+    a Refit succeeded, at the fleet's ``status.refit.currentVersion``; and while a refit runs
+    (``status.refit.active``), each of its member shards that is ``Ready`` or ``Refitting``, with
+    version ``None`` (unknown: its engine holds requests at the gate and serves them with the
+    refit's version, or the old one if it had not suspended yet)."""
+    refit = status.refit
+    current = refit.current_version if refit is not None else None
+    found = {
         shard.index: shard.weight_version
         for shard in status.shards
         if shard.phase == "Ready" and (current is None or shard.weight_version == current)
     }
+    if refit is not None and refit.active is not None and refit.membership is not None:
+        members = {offset.shard for offset in refit.membership.rank_offsets}
+        for shard in status.shards:
+            if shard.index in members and shard.phase in ("Ready", "Refitting"):
+                found[shard.index] = None
+    return found
 
 
 def endpoint_urls(status: v1alpha1.MegatronGenerationStatus, addressing: Addressing) -> dict[int, str]:

@@ -1,0 +1,134 @@
+"""The Refit driver's pure choices (issue 13 point 4 and the readiness half of point 5): which
+Refits pruning deletes, the version a new Refit must be above, the shard entries the patch that
+ends a refit writes; and a Refit whose version is not newer fails at once without any agent call."""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+from typing import Any, cast
+
+import pytest
+import yaml
+
+from helpers import kube_fakes
+from megafleet import agent_client, kube, refit_driver
+from megafleet import settings as operator_settings
+
+ROOT = Path(__file__).resolve().parents[2]
+Object = dict[str, Any]
+
+
+def refit(name: str, version: int, phase: str | None, created: str, fleet: str = "tiny") -> Object:
+    body: Object = {
+        "apiVersion": "megafleet.dev/v1alpha1",
+        "kind": "Refit",
+        "metadata": {"name": name, "namespace": "rl", "creationTimestamp": created, "generation": 1},
+        "spec": {
+            "fleetRef": {"name": fleet},
+            "version": version,
+            "source": {"rendezvous": {"address": "10.0.0.1", "port": 29600}},
+        },
+    }
+    if phase is not None:
+        body["status"] = {"phase": phase}
+    return body
+
+
+T = "2026-01-01T00:00:"
+
+
+@pytest.mark.parametrize(
+    ("refits", "limit", "expected"),
+    [
+        pytest.param(
+            [refit(f"r{v}", v, "Succeeded", f"{T}{v:02d}Z") for v in range(1, 6)],
+            2,
+            ["r1", "r2", "r3"],
+            id="oldest-first",
+        ),
+        pytest.param(
+            [refit("r1", 1, "Succeeded", f"{T}01Z"), refit("r2", 2, "Running", f"{T}02Z")],
+            0,
+            ["r1"],
+            id="never-running",
+        ),
+        pytest.param(
+            [refit("r1", 1, "Pending", f"{T}01Z"), refit("r2", 2, "Failed", f"{T}02Z")],
+            0,
+            [],
+            id="never-pending-or-newest",
+        ),
+        pytest.param(
+            # a stale Refit refused as VersionNotNewer is the newest: sorting by version alone would
+            # prune it first, under the eyes of the trainer still watching it
+            [
+                refit("r5", 5, "Succeeded", f"{T}01Z"),
+                refit("r6", 6, "Succeeded", f"{T}02Z"),
+                refit("stale", 3, "Failed", f"{T}03Z"),
+            ],
+            1,
+            ["r5"],
+            id="newest-by-creation-and-highest-version-kept",
+        ),
+        pytest.param(
+            [refit(f"r{v}", v, "Succeeded", f"{T}00Z") for v in (3, 1, 2)], 1, ["r1", "r2"], id="same-second-by-version"
+        ),
+        pytest.param([], 3, [], id="none"),
+    ],
+)
+def test_pruning_deletes_only_old_finished_refits(refits: list[Object], limit: int, expected: list[str]) -> None:
+    assert refit_driver.prunable(refits, limit) == expected
+
+
+def test_the_version_to_beat_is_the_current_one_else_what_every_shard_serves() -> None:
+    assert refit_driver.current_version({"refit": {"currentVersion": 4}, "weightVersion": 4}) == 4
+    assert refit_driver.current_version({"weightVersion": 0}) == 0  # served from the checkpoint
+    assert refit_driver.current_version({"refit": {"active": "x"}}) is None  # no weights anywhere yet
+
+
+def test_a_successful_refit_marks_its_reporting_members_ready_at_the_new_version() -> None:
+    shards = [
+        {"index": 0, "phase": "Refitting", "weightVersion": 3, "lastError": "suspended"},
+        {"index": 1, "phase": "Ready", "weightVersion": 3},
+        {"index": 2, "phase": "Starting"},
+    ]
+    settled = refit_driver.settled_shards(shards, [0, 1], 4)
+    assert settled == [
+        {"index": 0, "phase": "Ready", "weightVersion": 4},
+        {"index": 1, "phase": "Ready", "weightVersion": 4},
+        {"index": 2, "phase": "Starting"},
+    ]
+    assert shards[0]["phase"] == "Refitting"  # the input is not changed
+
+
+class NoAgents:
+    """An agent client that fails the test on any call: a refused Refit reaches no agent."""
+
+    def __getattr__(self, name: str) -> Any:
+        raise AssertionError(f"the driver called the agents ({name}) for a refused Refit")
+
+
+def test_a_refit_not_above_the_current_version_fails_at_once_and_reaches_no_agent() -> None:
+    fleet: Object = yaml.safe_load((ROOT / "examples" / "tiny-cpu.yaml").read_text())
+    fleet["metadata"].update(namespace="rl", uid="uid-1")
+    fleet["status"] = {"refit": {"currentVersion": 5}, "weightVersion": 5}
+    stale = refit("tiny-v5", 5, None, f"{T}01Z")
+    api = kube_fakes.Api(fleet, stale)
+
+    asyncio.run(
+        refit_driver.advance(
+            cast(kube.Api, api),
+            cast(agent_client.AgentClient, NoAgents()),
+            stale,
+            settings=operator_settings.RefitSettings(),
+        )
+    )
+
+    status = api.objects[("Refit", "rl", "tiny-v5")]["status"]
+    assert status["phase"] == "Failed"
+    [condition] = status["conditions"]
+    assert (condition["type"], condition["reason"]) == ("Failed", refit_driver.VERSION_NOT_NEWER)
+    assert "version 5" in condition["message"] and "current version 5" in condition["message"]
+    assert api.objects[("MegatronGeneration", "rl", "tiny")]["status"] == fleet["status"]  # lock untouched
+    assert api.writes["status MegatronGeneration"] == 0
