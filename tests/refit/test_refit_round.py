@@ -121,9 +121,9 @@ def test_the_round_opens_while_the_engine_suspends_and_nothing_moves_before_the_
 
         suspend = served.engine.suspend
 
-        async def held_suspend(mode: Any, *, timeout_seconds: float) -> None:
+        async def held_suspend(mode: Any, *, timeout_seconds: float, hold: bool = False) -> None:
             await asyncio.to_thread(gate.wait, 30)
-            await suspend(mode, timeout_seconds=timeout_seconds)
+            await suspend(mode, timeout_seconds=timeout_seconds, hold=hold)
 
         monkeypatch.setattr(served.engine, "suspend", held_suspend)
         assert agent.prepare(2, port=port, world_size=2, rank_offset=1).status_code == 202
