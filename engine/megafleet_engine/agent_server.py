@@ -17,6 +17,11 @@ Routes: ``GET /healthz``, ``GET /readyz``, ``GET /v1/state``, ``POST /v1/suspend
   once; the attempt suspends the engine, joins as rank ``rankOffset + rank``, receives, writes in
   place and resumes with the new version, on its own thread.
 * ``POST /v1/refit/checkpoint`` (202): the same from a checkpoint ``path`` every shard reads itself.
+* ``POST /v1/refit/nemo`` (202): the same from an unmodified NeMo RL trainer's own collective
+  (``rendezvous`` as ``init_collective`` got it, ``refitInfo`` as ``prepare_refit_info`` gave it, the
+  trainer's ``bucketBytes``); the first one joins NeMo's world as rank ``rankOffset + rank``, later
+  ones over the same world keep that membership (``reused``). A refit info that does not fit this
+  engine is refused (400) before anything is suspended.
 * ``GET /v1/refit/status``: the current or last attempt: ``phase`` (idle, suspending, joining,
   receiving, applying, resuming, succeeded, failed), per-phase milliseconds, counters, ``error``,
   ``reused`` (the join kept the transfer group parked by the previous refit).
@@ -29,7 +34,7 @@ failed, succeeded when all did.
 
 A failed attempt leaves the engine ``stale`` (no request is served: never a mix of two versions);
 once it wrote any weight, ``POST /v1/resume`` is refused and only a complete refit brings it back.
-Repeating a prepare or checkpoint call that runs or succeeded answers its status; another refit
+Repeating a prepare, checkpoint or nemo call that runs or succeeded answers its status; another refit
 while one runs is a 409. Bodies use camelCase like the Kubernetes API the operator speaks.
 """
 
@@ -193,6 +198,29 @@ async def refit_checkpoint(body: agent_api.CheckpointRefitRequest, agent: AgentD
     return await _start_refit(agent, refit, agent_api.REFIT_CHECKPOINT, body)
 
 
+@refit_router.post("/nemo", status_code=202)
+async def refit_nemo(
+    body: agent_api.NemoRefitRequest, request: fastapi.Request, agent: AgentDep
+) -> responses.JSONResponse:
+    rendezvous = body.rendezvous
+    refit = refit_controller.NemoRequest(
+        version=body.version,
+        address=rendezvous.address,
+        port=rendezvous.port,
+        world_size=rendezvous.world_size,
+        rank_offset=rendezvous.rank_offset,
+        trainer_world_size=rendezvous.trainer_world_size,
+        refit_info=tuple((tensor.name, tuple(tensor.shape), tensor.dtype) for tensor in body.refit_info),
+        bucket_bytes=body.bucket_bytes,
+        generation=body.generation,
+        timeout_seconds=body.timeout_seconds,
+        suspend_mode=body.suspend_mode,
+        kv_cache_mode=body.kv_cache_mode,
+        local_address=agent.transfer_address or _pod_address(request),
+    )
+    return await _start_refit(agent, refit, agent_api.REFIT_NEMO, body)
+
+
 @refit_router.get("/status")
 async def refit_status(agent: AgentDep) -> responses.JSONResponse:
     own = _refit_status_body(agent, agent.refits.snapshot())
@@ -221,7 +249,7 @@ async def refit_abort(body: agent_api.RefitAbortRequest, agent: AgentDep) -> res
 
 @refit_router.post("/{operation:path}", status_code=404)
 async def refit_unknown(operation: str) -> None:
-    raise errors.NotFound(f"no refit operation {operation!r}: use prepare, checkpoint, status or abort")
+    raise errors.NotFound(f"no refit operation {operation!r}: use prepare, checkpoint, nemo, status or abort")
 
 
 async def _start_refit(

@@ -8,6 +8,8 @@ speaks; unknown request fields are refused.
 
 from __future__ import annotations
 
+import collections
+
 import pydantic
 from pydantic import Field
 from pydantic.alias_generators import to_camel
@@ -20,12 +22,15 @@ __all__ = [
     "REFIT",
     "REFIT_ABORT",
     "REFIT_CHECKPOINT",
+    "REFIT_NEMO",
     "REFIT_PREPARE",
     "REFIT_STATUS",
     "RESUME",
     "STATE",
     "SUSPEND",
     "CheckpointRefitRequest",
+    "NemoRefitRequest",
+    "NemoTensor",
     "PhaseTiming",
     "PrepareRequest",
     "RefitAbortRequest",
@@ -45,6 +50,7 @@ RESUME = "/v1/resume"
 REFIT = "/v1/refit"
 REFIT_PREPARE = f"{REFIT}/prepare"
 REFIT_CHECKPOINT = f"{REFIT}/checkpoint"
+REFIT_NEMO = f"{REFIT}/nemo"
 REFIT_STATUS = f"{REFIT}/status"
 REFIT_ABORT = f"{REFIT}/abort"
 
@@ -107,7 +113,62 @@ class CheckpointRefitRequest(_RefitBody):
     path: str = Field(min_length=1, max_length=2048, description="the checkpoint every shard loads itself.")
 
 
-RefitRequest = PrepareRequest | CheckpointRefitRequest
+class NemoTensor(_Body):
+    """One entry of NeMo's refit info (``prepare_refit_info``): a Hugging Face tensor the trainer sends."""
+
+    name: str = Field(min_length=1, max_length=1024)
+    shape: list[int] = Field(max_length=64, description="the full tensor's shape; [] for a scalar.")
+    dtype: str = Field(
+        pattern=r"^(torch\.)?[a-z][a-z0-9_]*$", max_length=64, description="a torch dtype name, e.g. bfloat16."
+    )
+
+    @pydantic.field_validator("shape")
+    @classmethod
+    def _sizes(cls, shape: list[int]) -> list[int]:
+        if any(size < 0 for size in shape):
+            raise ValueError(f"negative dimension in shape {shape}")
+        return shape
+
+
+class NemoRefitRequest(_RefitBody):
+    """``POST /v1/refit/nemo``: receive a version from an unmodified NeMo RL trainer's own collective
+    (``policy.init_collective`` once, ``broadcast_weights_for_collective`` per step). The first
+    such refit joins NeMo's world; later ones with the same rendezvous reuse that membership."""
+
+    rendezvous: RendezvousBody = Field(
+        description="init_collective's ip, port, world_size and train_world_size; rankOffset is the "
+        "shard's first rank in NeMo's world (at least trainerWorldSize)."
+    )
+    refit_info: list[NemoTensor] = Field(
+        min_length=1,
+        max_length=1 << 20,
+        description="the trainer's prepare_refit_info in its order, which is the wire's order.",
+    )
+    bucket_bytes: int = Field(
+        ge=1,
+        le=1 << 40,
+        description="the trainer's exact packed-bucket target in bytes (NeMo: min(GPU memory x "
+        "NRL_REFIT_BUFFER_MEMORY_RATIO, 5 GiB), or buffer_size_bytes); a wrong one is not detected cleanly.",
+    )
+    generation: vocabulary.NemoGeneration | None = Field(
+        default=None, description="the trainer's communicator (NeMo >= 0.6, or vLLM's); unset: from its store."
+    )
+
+    @pydantic.model_validator(mode="after")
+    def _one_name_once(self) -> NemoRefitRequest:
+        counts = collections.Counter(tensor.name for tensor in self.refit_info)
+        twice = sorted(name for name, count in counts.items() if count > 1)
+        if twice:
+            raise ValueError(f"refitInfo names {len(twice)} tensors twice, e.g. {twice[:3]}")
+        if self.rendezvous.rank_offset < self.rendezvous.trainer_world_size:
+            raise ValueError(
+                f"rendezvous.rankOffset {self.rendezvous.rank_offset} is a trainer rank "
+                f"(NeMo's inference ranks start at trainerWorldSize {self.rendezvous.trainer_world_size})"
+            )
+        return self
+
+
+RefitRequest = PrepareRequest | CheckpointRefitRequest | NemoRefitRequest
 """A request that starts a refit attempt."""
 
 

@@ -16,6 +16,7 @@ __all__ = [
     "Dtype",
     "EngineState",
     "KvCacheMode",
+    "NemoGeneration",
     "RefitSource",
     "SuspendMode",
     "Transport",
@@ -41,7 +42,10 @@ AttemptPhase = Literal["idle", "suspending", "joining", "receiving", "applying",
 models'): ``suspending`` the engine, ``joining`` the trainer's world (rendezvous, handshake, manifest
 check), ``receiving`` buckets (and writing each), ``applying`` a checkpoint, ``resuming``; then
 ``succeeded`` or ``failed``. ``idle``: no attempt yet."""
-RefitSource = Literal["rendezvous", "checkpoint"]
-"""Where a refit's weights come from: the trainer's rendezvous, or a checkpoint path."""
+RefitSource = Literal["rendezvous", "checkpoint", "nemo"]
+"""Where a refit's weights come from: the trainer's rendezvous, a checkpoint path, or an unmodified
+NeMo RL trainer's own collective."""
+NemoGeneration = Literal["nemo", "vllm"]
+"""How a NeMo RL trainer built its refit communicator: ``nemo`` (NeMo >= 0.6) or ``vllm`` (NeMo <= 0.5)."""
 CollectiveBackend = Literal["gloo", "nccl"]
 """The torch.distributed backend of a refit's transfer group: gloo on CPU, NCCL on GPU."""

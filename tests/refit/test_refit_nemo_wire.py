@@ -1,152 +1,32 @@
 """NeMo RL's refit collective on CPU: the fleet's receiver (:mod:`megafleet_protocol.refit.nemo`) against
-an independent trainer written here from the description of NeMo's wire (docs/refit-protocol.md,
-"NeMo RL's collective"), not from the receiver's code: a ``TCPStore`` master at rank 0 that waits
-for every rank, the unique id under NeMo's or vLLM's key, the warm-up of that generation, then
-NeMo's packing (raw bytes back to back, a bucket closing once its size exceeds the target) broadcast
-over gloo (standing in for NCCL, over the same store). Every trainer rank takes part, as in NeMo.
+an independent trainer written from the description of NeMo's wire, not from the receiver's code
+(:mod:`helpers.nemo_trainer`): the unique id under NeMo's or vLLM's key, the warm-up of that
+generation, NeMo's packing broadcast over gloo (standing in for NCCL). Every trainer rank takes part,
+as in NeMo.
 """
 
 from __future__ import annotations
 
-import contextlib
-import ctypes
 import datetime
 import functools
 import os
 import pickle
-import sys
 import threading
 import time
-import types
-from collections.abc import Callable, Iterator, Sequence
-from typing import Any
+from collections.abc import Callable
 
 import pytest
 import torch
-import torch.distributed as dist
 from torch._C import _distributed_c10d as c10d
 
+from helpers import nemo_trainer
 from helpers import refit_harness as harness
 from megafleet_engine.refit_runner import nemo_source, sinks
 from megafleet_protocol.refit import communicator, errors, nemo
 
-ADDRESS = harness.TRAINER_ADDRESS
-GLOO_PREFIX = "test-gloo/"
+ADDRESS = nemo_trainer.ADDRESS
+GLOO_PREFIX = nemo_trainer.GLOO_PREFIX
 TARGET = 1000
-
-
-# -- the independent trainer -----------------------------------------------------------------------
-
-
-def vllm_pickled_id(raw: bytes) -> bytes:
-    """What vLLM's ``broadcast_obj`` stores for its ctypes ``ncclUniqueId`` (a 128-byte Structure of
-    vLLM's ``pynccl_wrapper`` module), built with a stand-in module of that name."""
-    name = "vllm.distributed.device_communicators.pynccl_wrapper"
-
-    class ncclUniqueId(ctypes.Structure):
-        _fields_ = [("internal", ctypes.c_byte * 128)]
-
-    ncclUniqueId.__module__, ncclUniqueId.__qualname__ = name, "ncclUniqueId"
-    module = types.ModuleType(name)
-    module.ncclUniqueId = ncclUniqueId  # type: ignore[attr-defined]
-    unique = ncclUniqueId()
-    ctypes.memmove(ctypes.addressof(unique), raw, 128)
-    parents = ["vllm", "vllm.distributed", "vllm.distributed.device_communicators"]
-    stand_ins = {parent: types.ModuleType(parent) for parent in parents} | {name: module}
-    assert not set(stand_ins) & set(sys.modules), "vLLM must not be importable here"
-    sys.modules.update(stand_ins)
-    try:
-        return pickle.dumps(unique, protocol=4)
-    finally:
-        for stand_in in stand_ins:
-            del sys.modules[stand_in]
-
-
-def nemo_buckets(tensors: list[torch.Tensor], target: int) -> list[list[torch.Tensor]]:
-    """NeMo's producer loop: append each tensor's bytes, close the bucket once its size exceeds the
-    target; the partial last bucket goes if it holds any tensor."""
-    buckets: list[list[torch.Tensor]] = []
-    parts: list[torch.Tensor] = []
-    size = 0
-    for tensor in tensors:
-        flat = tensor.contiguous().reshape(-1).view(torch.uint8)
-        parts.append(flat)
-        size += flat.numel()
-        if size > target:
-            buckets.append(parts)
-            parts, size = [], 0
-    if parts:
-        buckets.append(parts)
-    return buckets
-
-
-def trainer_rank(
-    rank: int,
-    *,
-    port: int,
-    world_size: int,
-    tensors: list[torch.Tensor],
-    target: int,
-    generation: nemo.Generation,
-    unique_id: bytes,
-    sent: list[int],
-    later: Sequence[list[torch.Tensor]] = (),
-) -> None:
-    """One NeMo trainer rank: rank 0 hosts the store (its constructor returns once every rank
-    connected) and publishes the id; every rank builds the world group, warms up and broadcasts."""
-    timeout = datetime.timedelta(seconds=30)
-    if rank == 0:
-        store = c10d.TCPStore(ADDRESS, port, world_size, True, timeout, wait_for_workers=True)
-        writer: Any = store  # torch's stubs type values as str; bytes are what NeMo stores
-        if generation == "nemo":
-            writer.set("nccl_unique_id", unique_id)
-        else:
-            writer.set("broadcast_from/0/0", vllm_pickled_id(unique_id))
-    else:
-        store = c10d.TCPStore(ADDRESS, port, world_size, False, timeout)
-        store.wait(["nccl_unique_id" if generation == "nemo" else "broadcast_from/0/0"])
-    distributed: Any = dist
-    options = distributed.ProcessGroupGloo._Options()
-    options._devices = [distributed.ProcessGroupGloo.create_device(hostname=ADDRESS)]
-    options._timeout = datetime.timedelta(seconds=20)
-    group = distributed.ProcessGroupGloo(c10d.PrefixStore(GLOO_PREFIX, store), rank, world_size, options)
-    if generation == "nemo":
-        data = torch.ones(1) if rank == 0 else torch.zeros(1)
-        group.broadcast([data]).wait()
-    else:
-        data = torch.zeros(1)
-        group.allreduce([data]).wait()
-    for refit in [tensors, *later]:  # one world, refit after refit
-        for parts in nemo_buckets(refit, target):
-            buffer = torch.cat(parts)
-            group.broadcast([buffer]).wait()
-            if rank == 0:
-                sent.append(buffer.numel())
-
-
-@contextlib.contextmanager
-def running(*targets: Callable[[], None], timeout: float = 60.0) -> Iterator[list[BaseException]]:
-    """Run ``targets`` on threads; after the block, join them and collect what they raised."""
-    failures: list[BaseException] = []
-
-    def guarded(target: Callable[[], None]) -> Callable[[], None]:
-        def run() -> None:
-            try:
-                target()
-            except BaseException as error:
-                failures.append(error)
-
-        return run
-
-    threads = [threading.Thread(target=guarded(target), daemon=True) for target in targets]
-    for thread in threads:
-        thread.start()
-    try:
-        yield failures
-    finally:
-        for thread in threads:
-            thread.join(timeout)
-        assert not any(thread.is_alive() for thread in threads), "a rank is still blocked"
 
 
 # -- the receiver under test -----------------------------------------------------------------------
@@ -226,7 +106,7 @@ def test_the_fleet_receives_nemos_packed_broadcast_bit_for_bit(
     joined: dict[int, nemo.NemoReceiver] = {}
     ranks = [
         functools.partial(
-            trainer_rank,
+            nemo_trainer.trainer_rank,
             rank,
             port=port,
             world_size=world_size,
@@ -252,7 +132,7 @@ def test_the_fleet_receives_nemos_packed_broadcast_bit_for_bit(
         )
         for rank in range(trainers, world_size)
     ]
-    with running(*ranks) as failures:
+    with nemo_trainer.running(*ranks) as failures:
         pass
     assert not failures, failures
     assert [sum(spec.nbytes for spec in bucket) for bucket in nemo.plan_buckets(specs, TARGET)] == sent
@@ -283,7 +163,7 @@ def test_bucket_boundaries_follow_nemos_strictly_greater_rule() -> None:
     for _ in range(50):  # against the trainer's own loop
         sizes = [int(size) for size in torch.randint(0, 700, (int(torch.randint(1, 30, (1,))),), generator=generator)]
         tensors = [torch.zeros(size, dtype=torch.uint8) for size in sizes]
-        theirs = [sum(part.numel() for part in bucket) for bucket in nemo_buckets(tensors, TARGET)]
+        theirs = [sum(part.numel() for part in bucket) for bucket in nemo_trainer.nemo_buckets(tensors, TARGET)]
         ours = [sum(spec.nbytes for spec in bucket) for bucket in nemo.plan_buckets(sized(*sizes), TARGET)]
         assert ours == theirs
 
@@ -301,7 +181,7 @@ def test_unpack_copies_only_misaligned_tensors() -> None:
 
 def test_a_pickled_unique_id_naming_anything_else_is_refused() -> None:
     raw = os.urandom(128)
-    pickled = vllm_pickled_id(raw)
+    pickled = nemo_trainer.vllm_pickled_id(raw)
     assert len(pickled) == 247 and b"_ctypes" in pickled, "the shape the notes measured with vLLM"
     assert nemo.decode_vllm_unique_id(pickled) == raw
     evil = b"cos\nsystem\n(S'true'\ntR."
@@ -358,7 +238,7 @@ def test_a_trainer_that_never_publishes_its_id_ends_at_the_deadline() -> None:
         masters.append(c10d.TCPStore(ADDRESS, port, 2, True, datetime.timedelta(seconds=10), wait_for_workers=True))
 
     started = time.monotonic()
-    with running(master) as failures, pytest.raises(errors.RefitTimeout, match="NCCL unique id"):
+    with nemo_trainer.running(master) as failures, pytest.raises(errors.RefitTimeout, match="NCCL unique id"):
         nemo.rendezvous(world, deadline=communicator.Deadline(1.5))
     assert not failures and len(masters) == 1, "the trainer's store counted the receiver (world_size given)"
     assert time.monotonic() - started < 5
@@ -373,7 +253,7 @@ def test_an_abort_ends_the_wait_for_the_id() -> None:
         holder.append(c10d.TCPStore(ADDRESS, port, 2, True, datetime.timedelta(seconds=10), wait_for_workers=True))
         aborted.set()
 
-    with running(master), pytest.raises(errors.RefitAborted):
+    with nemo_trainer.running(master), pytest.raises(errors.RefitAborted):
         nemo.rendezvous(nemo.NemoWorld(ADDRESS, port, 2, 1, 1), deadline=communicator.Deadline(20), aborted=aborted)
 
 
@@ -421,10 +301,10 @@ def test_the_engines_sink_takes_refit_after_refit_in_place_over_one_world() -> N
             joined.close()
 
     trainer = functools.partial(
-        trainer_rank, 0, port=port, world_size=2, tensors=list(first.values()), target=TARGET, generation="nemo",
-        unique_id=os.urandom(128), sent=[], later=[list(second.values())],
+        nemo_trainer.trainer_rank, 0, port=port, world_size=2, tensors=list(first.values()), target=TARGET,
+        generation="nemo", unique_id=os.urandom(128), sent=[], later=[list(second.values())],
     )  # fmt: skip
-    with running(trainer, fleet) as failures:
+    with nemo_trainer.running(trainer, fleet) as failures:
         pass
     assert not failures, failures
     assert [stat.buckets for stat in stats] == [3, 3] and sum(applied) == 2 * len(live)

@@ -32,9 +32,9 @@ if TYPE_CHECKING:
     from megafleet_engine import engine as engine_module
     from megafleet_engine import metrics as metrics_module
     from megafleet_engine.backends import base
-    from megafleet_protocol.refit import communicator, receiver
+    from megafleet_protocol.refit import communicator, nemo, receiver
 
-__all__ = ["Busy", "CheckpointRequest", "RefitController", "Refused", "RendezvousRequest", "Request"]
+__all__ = ["Busy", "CheckpointRequest", "NemoRequest", "RefitController", "Refused", "RendezvousRequest", "Request"]
 
 log = logging.getLogger(__name__)
 
@@ -82,7 +82,46 @@ class CheckpointRequest:
         return ("checkpoint", self.version, self.path)
 
 
-Request = RendezvousRequest | CheckpointRequest
+@dataclasses.dataclass(frozen=True)
+class NemoRequest:
+    """Receive ``version`` from an unmodified NeMo RL trainer's own collective (``POST /v1/refit/nemo``):
+    this rank is ``rank_offset`` + its shard-local rank in NeMo's world of ``world_size`` ranks, the
+    refit is NeMo's packed broadcast of ``refit_info`` (``(name, shape, dtype name)`` in the wire's
+    order) in buckets of the trainer's target ``bucket_bytes``."""
+
+    version: int
+    address: str
+    port: int
+    world_size: int
+    rank_offset: int
+    trainer_world_size: int
+    refit_info: tuple[tuple[str, tuple[int, ...], str], ...]
+    bucket_bytes: int
+    generation: vocabulary.NemoGeneration | None = None  # None: as the trainer's store tells
+    timeout_seconds: float = 300.0
+    suspend_mode: vocabulary.SuspendMode = "drain"
+    kv_cache_mode: vocabulary.KvCacheMode | None = None
+    local_address: str | None = None  # where this rank's gloo transport binds; None: the route to the trainer
+
+    @property
+    def key(self) -> tuple[object, ...]:
+        return ("nemo", self.version, self.address, self.port, self.world_size, self.rank_offset)
+
+    def world(self, rank: int) -> nemo.NemoWorld:
+        """NeMo's world as shard-local rank ``rank`` joins it (:class:`ValueError`: not an inference rank)."""
+        from megafleet_protocol.refit import nemo
+
+        global_rank = self.rank_offset + rank
+        return nemo.NemoWorld(self.address, self.port, self.world_size, global_rank, self.trainer_world_size)
+
+    def specs(self) -> list[nemo.TensorSpec]:
+        """The refit info as NeMo's specs (:class:`ValueError` for an unknown dtype)."""
+        from megafleet_protocol.refit import nemo
+
+        return nemo.refit_info({name: (shape, dtype) for name, shape, dtype in self.refit_info})
+
+
+Request = RendezvousRequest | CheckpointRequest | NemoRequest
 
 
 class Refused(errors.RefitError):
@@ -116,7 +155,7 @@ class RefitController:
         self._lock = threading.Lock()
         self._attempt: _Attempt | None = None
         self._dirty = False
-        self._parked: _Parked | None = None
+        self._parked: _Parked | _Joined | None = None  # kept by the last successful refit
         self._sink: receiver.Sink | None = None  # the engine's sink, nothing written (built once)
         self._pointers: dict[str, int] | None = None  # live storage addresses, as last verified
 
@@ -155,6 +194,8 @@ class RefitController:
         if isinstance(request, RendezvousRequest):
             rendezvous = _rendezvous(request)
             rendezvous.group_rank(request.rank_offset + self.rank)  # ValueError: not a fleet rank
+        elif isinstance(request, NemoRequest):
+            self._check_nemo(request)
         with self._lock:
             current = self._attempt
             if current is not None:
@@ -180,6 +221,21 @@ class RefitController:
         self._discard_parked()
         return self.snapshot()
 
+    def _check_nemo(self, request: NemoRequest) -> None:
+        """Refuse (:class:`ValueError`) a NeMo refit this rank cannot take, before it suspends anything:
+        a rank outside NeMo's inference ranks, an unknown dtype, or a refit info that lacks a parameter
+        this rank holds or gives one another shape. The trainer cannot hear the refusal (its broadcasts
+        time out), so the world joined for earlier refits is left too."""
+        from megafleet_protocol.refit import nemo
+
+        request.world(self.rank)
+        try:
+            nemo.check_refit_info(request.specs(), self._fresh_sink().required())
+        except errors.ManifestMismatch as error:
+            if not self.running:
+                self._discard_parked()
+            raise ValueError(f"NeMo's refit info does not fit this engine: {error}") from None
+
     @property
     def parked(self) -> bool:
         """Whether a transfer group is parked for the next refit."""
@@ -191,17 +247,17 @@ class RefitController:
         its watchdog)."""
         self._discard_parked()
 
-    def _park(self, parked: _Parked) -> None:
+    def _park(self, parked: _Parked | _Joined) -> None:
         with self._lock:
             old, self._parked = self._parked, parked
         if old is not None:
-            old.comm.discard()
+            old.discard()
 
     def _discard_parked(self) -> None:
         with self._lock:
             parked, self._parked = self._parked, None
         if parked is not None:
-            parked.comm.discard()
+            parked.discard()
 
     def _mark_dirty(self, dirty: bool) -> None:
         with self._lock:
@@ -249,6 +305,21 @@ class _Parked:
     comm: communicator.Communicator
     accepted: receiver.Accepted | None = None
 
+    def discard(self) -> None:
+        self.comm.discard()
+
+
+@dataclasses.dataclass(frozen=True)
+class _Joined:
+    """Membership of NeMo's world kept after a successful NeMo refit (NeMo builds its world once per
+    run and refits over it step after step; it cannot be rebuilt), and the world and bind address it serves."""
+
+    key: tuple[object, ...]
+    receiver: nemo.NemoReceiver
+
+    def discard(self) -> None:
+        self.receiver.close()
+
 
 class _Attempt:
     """One refit attempt: its thread, watchdog, communicator and record."""
@@ -259,7 +330,7 @@ class _Attempt:
         request: Request,
         loop: asyncio.AbstractEventLoop,
         *,
-        parked: _Parked | None = None,
+        parked: _Parked | _Joined | None = None,
     ) -> None:
         from megafleet_protocol.refit import communicator  # torch loads here, not at agent import
 
@@ -278,8 +349,17 @@ class _Attempt:
                 rank=request.rank_offset + owner.rank,
                 world_size=request.world_size,
             )
+        elif isinstance(request, NemoRequest):
+            self.record = progress.Progress(
+                version=request.version,
+                source="nemo",
+                transport="broadcast",
+                rank=request.rank_offset + owner.rank,
+                world_size=request.world_size,
+            )
         else:
             self.record = progress.Progress(version=request.version, source="checkpoint")
+        self._joined: nemo.NemoReceiver | None = None  # this attempt's membership of NeMo's world
         self._comm: communicator.Communicator | None = None
         self._comm_lock = threading.Lock()
         self._received: receiver.Received | None = None  # what the transfer took in (rendezvous)
@@ -305,9 +385,11 @@ class _Attempt:
         self._aborted.set()
         self._settle(ok=False)  # a following rank tells its first rank it does not hold the version
         with self._comm_lock:
-            comm = self._comm
+            comm, joined = self._comm, self._joined
         if comm is not None:
             comm.abort()
+        if joined is not None:
+            joined.abort()
         self._observe(succeeded=False)
         log.error("refit to weight version %d failed: %s", self.request.version, reason)
 
@@ -319,9 +401,12 @@ class _Attempt:
             if isinstance(self.request, RendezvousRequest):
                 suspended = self._start_suspend()
                 self._receive(self.request, suspended)
+            elif isinstance(self.request, NemoRequest):
+                suspended = self._start_suspend()
+                self._receive_nemo(self.request, suspended)
             else:
                 if self.parked is not None:  # another kind of refit: the next rendezvous joins afresh
-                    self.parked.comm.discard()
+                    self.parked.discard()
                     self.parked = None
                 self._wait_suspended(self._start_suspend())
                 self._load(self.request)
@@ -334,12 +419,15 @@ class _Attempt:
                 suspended.cancel()  # the join failed first; the engine stays closed (stale)
             self._watchdog.stop()
             if self.parked is not None:  # failed before it got to the join
-                self.parked.comm.discard()
+                self.parked.discard()
                 self.parked = None
             with self._comm_lock:
                 comm, self._comm = self._comm, None
+                joined, self._joined = self._joined, None
             if comm is not None:  # not parked: this attempt failed
                 comm.close()
+            if joined is not None:
+                joined.close()
 
     def _start_suspend(self) -> concurrent.futures.Future[None]:
         """Start suspending the engine on the agent's loop (the suspend runs while the attempt
@@ -421,14 +509,14 @@ class _Attempt:
         parked, self.parked = self.parked, None
         if parked is None:
             return None, None
-        if parked.key == key:
+        if isinstance(parked, _Parked) and parked.key == key:
             try:
                 parked.comm.rearm(self.deadline, self._aborted)
                 parked.comm.check_session(SESSION_CHECK_SECONDS)
                 return parked.comm, parked.accepted
             except errors.RefitError as error:
                 log.info("not reusing the parked refit group: %s", error)
-        parked.comm.discard()
+        parked.discard()
         return None, None
 
     def _park(self) -> tuple[communicator.Communicator | None, bool]:
@@ -441,6 +529,63 @@ class _Attempt:
         accepted = self._received.accepted if self._received is not None else None
         self.owner._park(_Parked(self._key, comm, accepted))
         return comm, True
+
+    def _receive_nemo(self, request: NemoRequest, suspended: concurrent.futures.Future[None]) -> None:
+        """Join NeMo's world (or keep the membership of the last NeMo refit over the same world), then
+        receive its packed broadcast into the engine's sink, in place, once the suspend ended."""
+        from megafleet_engine.refit_runner import nemo_source
+        from megafleet_protocol.refit import communicator, nemo
+
+        self.record.enter("joining")
+        sink = self.owner._fresh_sink()
+        before = self.owner._live_pointers()
+        world = request.world(self.owner.rank)
+        local_address = request.local_address or communicator.local_address_towards(request.address)
+        key = ("nemo", world, local_address, request.generation)
+        parked, self.parked = self.parked, None
+        joined = parked.receiver if isinstance(parked, _Joined) and parked.key == key else None
+        if parked is not None and joined is None:
+            parked.discard()
+        self.record.set_reused(joined is not None)
+        if joined is None:
+            with self.record.timed("join"):
+                self._wait_suspended(suspended)  # NCCL's buffers come after whatever the suspend frees
+                joined = nemo.NemoReceiver.connect(
+                    world,
+                    backend="nccl" if sink.device.type == "cuda" else "gloo",
+                    device=sink.device,
+                    deadline=self.deadline,
+                    aborted=self._aborted,
+                    generation=request.generation,
+                    local_address=local_address,
+                )
+        with self._comm_lock:
+            self._joined, self._key = joined, key
+        if self.record.finished:  # aborted while joining: the abort did not see this membership
+            joined.abort()
+            raise errors.RefitAborted("the refit was aborted while joining")
+        self._wait_suspended(suspended)
+        self.record.enter("receiving")
+        with self.record.timed("receive"):
+            stats = nemo_source.receive(
+                joined,
+                sink,
+                specs=request.specs(),
+                bucket_bytes=request.bucket_bytes,
+                apply=self._apply,
+                deadline=self.deadline,
+            )
+        self.record.count(
+            bytes_received=stats.bytes_received, buckets=stats.buckets, tensors_written=stats.tensors_written
+        )
+        self.owner._verify_in_place(before)
+
+    def _keep_joined(self) -> None:
+        """Keep this attempt's membership of NeMo's world for the next NeMo refit over it."""
+        with self._comm_lock:
+            joined, self._joined = self._joined, None
+        if joined is not None and self._key is not None:
+            self.owner._park(_Joined(self._key, joined))
 
     def _load(self, request: CheckpointRequest) -> None:
         self.record.enter("applying")
@@ -489,6 +634,7 @@ class _Attempt:
             self.engine.resume(weight_version=self.request.version)
         self.owner._mark_dirty(False)
         namespace = self._namespace()
+        self._keep_joined()  # before the success shows, as the communicator below
         comm, parked = self._park()  # before the success shows: the next refit's prepare finds the group parked
         self.record.finish(error=None)
         self._told = True
@@ -555,6 +701,12 @@ class _Attempt:
         request = self.request
         if isinstance(request, CheckpointRequest):
             return f"checkpoint {request.path}, timeout {request.timeout_seconds:g} s"
+        if isinstance(request, NemoRequest):
+            return (
+                f"NeMo's collective at {request.address}:{request.port} as rank "
+                f"{request.rank_offset + self.owner.rank} of {request.world_size}, {len(request.refit_info)} tensors "
+                f"in buckets of {request.bucket_bytes} bytes, timeout {request.timeout_seconds:g} s"
+            )
         return (
             f"{request.transport} from {request.address}:{request.port} as rank "
             f"{request.rank_offset + self.owner.rank} of {request.world_size}, timeout {request.timeout_seconds:g} s"

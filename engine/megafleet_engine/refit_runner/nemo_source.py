@@ -1,12 +1,11 @@
 """NeMo RL's collective as a refit source of the engine: one refit from a NeMo trainer's packed broadcast
 (:mod:`megafleet_protocol.refit.nemo`) written into the engine's sink, in place.
 
-The seam for the refit attempt (:mod:`~megafleet_engine.refit_runner.controller`): an attempt whose
-request names NeMo's format joins the trainer's world once (:meth:`NemoReceiver.connect`, kept
-between refits like a parked communicator: NeMo builds its world once per run), suspends the engine,
-then calls :func:`receive` with the sink and the attempt's ``apply`` (the backend thread), and
-resumes only when it returns. Not yet wired into the controller or the agent API (see
-docs/refit-protocol.md, "NeMo RL's collective").
+Called by the refit attempt (:mod:`~megafleet_engine.refit_runner.controller`) of a
+``POST /v1/refit/nemo`` request: the attempt joins the trainer's world once (:meth:`NemoReceiver.connect`,
+kept between refits like a parked communicator: NeMo builds its world once per run), suspends the
+engine, then calls :func:`receive` with the sink and the attempt's ``apply`` (the backend thread), and
+resumes only when it returns (docs/refit-protocol.md, "NeMo RL's collective").
 """
 
 from __future__ import annotations

@@ -1,0 +1,153 @@
+"""An independent NeMo RL trainer for the tests of the fleet's side of NeMo's own refit collective
+(it holds no tests). Written from the description of NeMo's wire (docs/refit-protocol.md, "NeMo RL's
+collective"), not from the receiver's code (:mod:`megafleet_protocol.refit.nemo`): a ``TCPStore``
+master at rank 0 that waits for every rank, the unique id under NeMo's or vLLM's key, the warm-up of
+that generation, then NeMo's packing (raw bytes back to back, a bucket closing once its size exceeds
+the target) broadcast over gloo (standing in for NCCL, over the same store under a prefix both ends
+agree on). Every trainer rank takes part, as in NeMo.
+
+* :func:`trainer_rank`: one trainer rank, refit after refit over one world.
+* :func:`nemo_buckets`: NeMo's producer loop; :func:`vllm_pickled_id`: vLLM's pickled unique id.
+* :func:`running`: run ranks on threads and collect what they raised.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import datetime
+import itertools
+import pickle
+import sys
+import threading
+import types
+from collections.abc import Callable, Iterable, Iterator
+from typing import Any, Literal
+
+import torch
+import torch.distributed as dist
+from torch._C import _distributed_c10d as c10d
+
+from helpers import refit_harness as harness
+
+ADDRESS = harness.TRAINER_ADDRESS
+GLOO_PREFIX = "test-gloo/"
+AGENT_GLOO_PREFIX = "megafleet/nemo-gloo/"
+"""The gloo stand-in's store prefix as the engine's agent uses it (documented with the wire)."""
+
+
+def vllm_pickled_id(raw: bytes) -> bytes:
+    """What vLLM's ``broadcast_obj`` stores for its ctypes ``ncclUniqueId`` (a 128-byte Structure of
+    vLLM's ``pynccl_wrapper`` module), built with a stand-in module of that name."""
+    name = "vllm.distributed.device_communicators.pynccl_wrapper"
+
+    class ncclUniqueId(ctypes.Structure):
+        _fields_ = [("internal", ctypes.c_byte * 128)]
+
+    ncclUniqueId.__module__, ncclUniqueId.__qualname__ = name, "ncclUniqueId"
+    module = types.ModuleType(name)
+    module.ncclUniqueId = ncclUniqueId  # type: ignore[attr-defined]
+    unique = ncclUniqueId()
+    ctypes.memmove(ctypes.addressof(unique), raw, 128)
+    parents = ["vllm", "vllm.distributed", "vllm.distributed.device_communicators"]
+    stand_ins = {parent: types.ModuleType(parent) for parent in parents} | {name: module}
+    assert not set(stand_ins) & set(sys.modules), "vLLM must not be importable here"
+    sys.modules.update(stand_ins)
+    try:
+        return pickle.dumps(unique, protocol=4)
+    finally:
+        for stand_in in stand_ins:
+            del sys.modules[stand_in]
+
+
+def nemo_buckets(tensors: list[torch.Tensor], target: int) -> list[list[torch.Tensor]]:
+    """NeMo's producer loop: append each tensor's bytes, close the bucket once its size exceeds the
+    target; the partial last bucket goes if it holds any tensor."""
+    buckets: list[list[torch.Tensor]] = []
+    parts: list[torch.Tensor] = []
+    size = 0
+    for tensor in tensors:
+        flat = tensor.contiguous().reshape(-1).view(torch.uint8)
+        parts.append(flat)
+        size += flat.numel()
+        if size > target:
+            buckets.append(parts)
+            parts, size = [], 0
+    if parts:
+        buckets.append(parts)
+    return buckets
+
+
+def trainer_rank(
+    rank: int,
+    *,
+    port: int,
+    world_size: int,
+    tensors: list[torch.Tensor],
+    target: int,
+    generation: Literal["nemo", "vllm"],
+    unique_id: bytes,
+    sent: list[int],
+    later: Iterable[list[torch.Tensor]] = (),
+    prefix: str = GLOO_PREFIX,
+    joined: threading.Event | None = None,
+) -> None:
+    """One NeMo trainer rank: rank 0 hosts the store (its constructor returns once every rank
+    connected) and publishes the id; every rank builds the world group, warms up (then sets
+    ``joined``) and broadcasts ``tensors``, then each refit of ``later`` (which may block until the
+    test hands over the next one), over the same world."""
+    timeout = datetime.timedelta(seconds=30)
+    if rank == 0:
+        store = c10d.TCPStore(ADDRESS, port, world_size, True, timeout, wait_for_workers=True)
+        writer: Any = store  # torch's stubs type values as str; bytes are what NeMo stores
+        if generation == "nemo":
+            writer.set("nccl_unique_id", unique_id)
+        else:
+            writer.set("broadcast_from/0/0", vllm_pickled_id(unique_id))
+    else:
+        store = c10d.TCPStore(ADDRESS, port, world_size, False, timeout)
+        store.wait(["nccl_unique_id" if generation == "nemo" else "broadcast_from/0/0"])
+    distributed: Any = dist
+    options = distributed.ProcessGroupGloo._Options()
+    options._devices = [distributed.ProcessGroupGloo.create_device(hostname=ADDRESS)]
+    options._timeout = datetime.timedelta(seconds=20)
+    group = distributed.ProcessGroupGloo(c10d.PrefixStore(prefix, store), rank, world_size, options)
+    if generation == "nemo":
+        data = torch.ones(1) if rank == 0 else torch.zeros(1)
+        group.broadcast([data]).wait()
+    else:
+        data = torch.zeros(1)
+        group.allreduce([data]).wait()
+    if joined is not None:
+        joined.set()
+    for refit in itertools.chain([tensors], later):  # one world, refit after refit
+        for parts in nemo_buckets(refit, target):
+            buffer = torch.cat(parts)
+            group.broadcast([buffer]).wait()
+            if rank == 0:
+                sent.append(buffer.numel())
+
+
+@contextlib.contextmanager
+def running(*targets: Callable[[], None], timeout: float = 60.0) -> Iterator[list[BaseException]]:
+    """Run ``targets`` on threads; after the block, join them and collect what they raised."""
+    failures: list[BaseException] = []
+
+    def guarded(target: Callable[[], None]) -> Callable[[], None]:
+        def run() -> None:
+            try:
+                target()
+            except BaseException as error:
+                failures.append(error)
+
+        return run
+
+    threads = [threading.Thread(target=guarded(target), daemon=True) for target in targets]
+    for thread in threads:
+        thread.start()
+    try:
+        yield failures
+    finally:
+        for thread in threads:
+            thread.join(timeout)
+        assert not any(thread.is_alive() for thread in threads), "a rank is still blocked"

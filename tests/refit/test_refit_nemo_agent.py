@@ -1,0 +1,241 @@
+"""The agent's ``POST /v1/refit/nemo`` on an engine in this process: an independent NeMo-style trainer
+(:mod:`helpers.nemo_trainer`, rank 0 of a world with the engine as rank 1) hosts the store and
+broadcasts NeMo's packed buckets over gloo; the engine joins once, refit after refit over the same
+world, writes in place and serves each version whole. A refit info that does not fit is refused
+before anything is suspended; an abort ends a refit that waits for the trainer."""
+
+from __future__ import annotations
+
+import functools
+import os
+import queue
+import threading
+import time
+from collections.abc import Iterator, Mapping
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+import torch
+
+from helpers import nemo_trainer
+from helpers import refit_harness as harness
+
+PROMPT = [40, 41, 42, 43, 44]
+WAIT_SECONDS = 60.0
+
+
+@pytest.fixture
+def served(tmp_path: Path) -> Iterator[harness.InProcessEngine]:
+    with harness.serve_in_process(harness.token_file(tmp_path)) as running:
+        yield running
+
+
+@pytest.fixture(scope="module")
+def trainer() -> harness.Trainer:
+    return harness.Trainer()
+
+
+def refit_info(weights: Mapping[str, torch.Tensor]) -> list[dict[str, Any]]:
+    """NeMo's ``prepare_refit_info`` as JSON: name, shape and dtype, in the trainer's order."""
+    return [{"name": name, "shape": list(tensor.shape), "dtype": str(tensor.dtype)} for name, tensor in weights.items()]
+
+
+def nemo_body(
+    version: int, port: int, info: list[dict[str, Any]], bucket_bytes: int, *, timeout_seconds: int = 60
+) -> dict[str, Any]:
+    return {
+        "version": version,
+        "timeoutSeconds": timeout_seconds,
+        "rendezvous": {
+            "address": harness.TRAINER_ADDRESS,
+            "port": port,
+            "worldSize": 2,
+            "rankOffset": 1,
+            "trainerWorldSize": 1,
+        },
+        "refitInfo": info,
+        "bucketBytes": bucket_bytes,
+    }
+
+
+def post_nemo(served: harness.InProcessEngine, body: Mapping[str, Any]) -> httpx.Response:
+    with served.agent.client() as agent:
+        return agent.post("/v1/refit/nemo", json=body)
+
+
+class NemoTrainer:
+    """Trainer rank 0 of NeMo's world on a thread: joins, sends ``first``, then each refit handed to
+    :meth:`send` (until :meth:`finish`)."""
+
+    def __init__(self, first: Mapping[str, torch.Tensor], bucket_bytes: int) -> None:
+        self.port = harness.free_port()
+        self.sent: list[int] = []
+        self.joined = threading.Event()
+        self._next: queue.Queue[list[torch.Tensor] | None] = queue.Queue()
+        rank = functools.partial(
+            nemo_trainer.trainer_rank,
+            0,
+            port=self.port,
+            world_size=2,
+            tensors=list(first.values()),
+            target=bucket_bytes,
+            generation="nemo",
+            unique_id=os.urandom(128),
+            sent=self.sent,
+            later=iter(functools.partial(self._next.get, timeout=WAIT_SECONDS), None),
+            prefix=nemo_trainer.AGENT_GLOO_PREFIX,
+            joined=self.joined,
+        )
+        self._running = nemo_trainer.running(rank)
+        self.failures = self._running.__enter__()
+
+    def send(self, weights: Mapping[str, torch.Tensor]) -> None:
+        self._next.put(list(weights.values()))
+
+    def finish(self) -> None:
+        self._next.put(None)
+        self._running.__exit__(None, None, None)
+        assert not self.failures, self.failures
+
+
+def wait_phase(served: harness.InProcessEngine, phase: str) -> dict[str, Any]:
+    deadline = time.monotonic() + WAIT_SECONDS
+    while True:
+        status = served.agent.status()
+        if status["phase"] == phase:
+            return status
+        assert status["phase"] not in ("succeeded", "failed"), status
+        assert time.monotonic() < deadline, f"the refit did not reach {phase}: {status}"
+        time.sleep(harness.REFIT_POLL_SECONDS)  # polling an HTTP status with a deadline
+
+
+def test_refits_over_one_nemo_world_write_in_place_and_serve_each_version(
+    served: harness.InProcessEngine, trainer: harness.Trainer
+) -> None:
+    live = served.backend.parameters()
+    pointers = {name: tensor.data_ptr() for name, tensor in live.items()}
+    original = {name: tensor.clone() for name, tensor in live.items()}
+    before, header = harness.completion_ids(served.frontend_url, PROMPT, 8)
+    expected = trainer.greedy(PROMPT, 8)
+    assert header == "0" and before != expected, "the trainer's weights must change the output"
+    weights = trainer.weights()
+    total = sum(tensor.numel() * tensor.element_size() for tensor in weights.values())
+    bucket_bytes = total // 4  # several buckets, tensors of mixed sizes
+    nemo = NemoTrainer(weights, bucket_bytes)
+    try:
+        accepted = post_nemo(served, nemo_body(5, nemo.port, refit_info(weights), bucket_bytes))
+        assert accepted.status_code == 202, accepted.text
+        assert (accepted.json()["source"], accepted.json()["rank"]) == ("nemo", 1)
+        first = served.agent.wait_finished(WAIT_SECONDS)
+
+        assert first["phase"] == "succeeded", first
+        assert (first["version"], first["worldSize"], first["error"], first["reused"]) == (5, 2, None, False)
+        assert [phase["name"] for phase in first["phases"]] == ["suspend", "join", "receive", "resume"]
+        assert first["bytesReceived"] == total and first["buckets"] == len(nemo.sent) >= 3
+        assert first["tensorsWritten"] == len(live)
+        assert (first["state"], first["weightVersion"], first["dirty"]) == ("ready", 5, False)
+        for name, tensor in served.backend.parameters().items():
+            assert tensor.data_ptr() == pointers[name], f"{name} was rebound"
+            assert torch.equal(tensor, weights[name]), name
+        assert harness.completion_ids(served.frontend_url, PROMPT, 8) == (expected, "5")
+        assert served.refits.parked, "the membership of NeMo's world is kept for the next refit"
+
+        # the next step: the engine's original weights again, over the same world, no new join
+        nemo.send(original)
+        accepted = post_nemo(served, nemo_body(6, nemo.port, refit_info(weights), bucket_bytes))
+        assert accepted.status_code == 202, accepted.text
+        second = served.agent.wait_finished(WAIT_SECONDS)
+    finally:
+        nemo.finish()
+
+    assert second["phase"] == "succeeded" and second["reused"], second
+    assert [phase["name"] for phase in second["phases"]] == ["suspend", "receive", "resume"], "no new join"
+    assert second["bytesReceived"] == total and sum(nemo.sent) == 2 * total
+    for name, tensor in served.backend.parameters().items():
+        assert tensor.data_ptr() == pointers[name] and torch.equal(tensor, original[name]), name
+    assert harness.completion_ids(served.frontend_url, PROMPT, 8) == (before, "6")
+
+
+def test_a_refit_info_that_lacks_a_parameter_is_refused_and_the_engine_keeps_serving(
+    served: harness.InProcessEngine, trainer: harness.Trainer
+) -> None:
+    original = {name: tensor.clone() for name, tensor in served.backend.parameters().items()}
+    before = harness.completion_ids(served.frontend_url, PROMPT, 6)
+    weights = trainer.weights()
+    del weights["model.norm.weight"]
+    refused = post_nemo(served, nemo_body(3, harness.free_port(), refit_info(weights), 4096))
+
+    assert refused.status_code == 400, refused.text
+    error = refused.json()["error"]
+    assert error["code"] == "invalid_refit" and error["type"] == "invalid_request_error"
+    assert "NeMo's refit info does not fit this engine" in error["message"]
+    assert "lacks 1 parameters this rank holds" in error["message"] and "model.norm.weight" in error["message"]
+    status = served.agent.status()
+    assert (status["phase"], status["state"], status["weightVersion"], status["dirty"]) == ("idle", "ready", 0, False)
+    for name, tensor in served.backend.parameters().items():
+        assert torch.equal(tensor, original[name]), f"{name} changed although the refit was refused"
+    assert harness.completion_ids(served.frontend_url, PROMPT, 6) == before
+
+
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        ({"bucketBytes": None}, "bucketBytes: Field required"),
+        ({"refitInfo": []}, "refitInfo: List should have at least 1 item"),
+        ({"duplicate": True}, "refitInfo names 1 tensors twice"),
+        ({"dtype": "float33"}, "unknown dtype 'float33'"),
+        ({"dtype": "float32; rm"}, "refitInfo.0.dtype: String should match pattern"),
+        ({"rendezvous": {"worldSize": 3, "rankOffset": 1, "trainerWorldSize": 2}}, "rankOffset 1 is a trainer rank"),
+        ({"rendezvous": {"worldSize": 2, "rankOffset": 2}}, "rank 2 is not an inference rank (1..1)"),
+        ({"generation": "megatron"}, "generation: Input should be 'nemo' or 'vllm'"),
+    ],
+    ids=["no-bucket-bytes", "no-refit-info", "duplicate", "unknown-dtype", "bad-dtype", "trainer-rank", "past-world",
+         "generation"],
+)  # fmt: skip
+def test_nemo_requests_that_cannot_be_taken_are_refused_clearly(
+    served: harness.InProcessEngine, trainer: harness.Trainer, change: dict[str, Any], message: str
+) -> None:
+    info = refit_info(trainer.weights())
+    body = nemo_body(1, harness.free_port(), info, 4096)
+    if change.get("duplicate"):
+        info.append(dict(info[0]))
+    elif "dtype" in change:
+        info[0]["dtype"] = change["dtype"]
+    elif "rendezvous" in change:
+        body["rendezvous"].update(change["rendezvous"])
+    else:
+        body.update(change)
+    body = {key: value for key, value in body.items() if value is not None}
+    response = post_nemo(served, body)
+
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert error["type"] == "invalid_request_error" and message in error["message"], error
+    assert served.agent.status()["phase"] == "idle"
+
+
+def test_an_abort_ends_a_nemo_refit_that_waits_for_the_trainers_buckets(
+    served: harness.InProcessEngine, trainer: harness.Trainer
+) -> None:
+    weights = trainer.weights()
+    nemo = NemoTrainer({}, 4096)  # joins, then sends nothing until told
+    try:
+        accepted = post_nemo(served, nemo_body(4, nemo.port, refit_info(weights), 4096, timeout_seconds=5))
+        assert accepted.status_code == 202, accepted.text
+        assert nemo.joined.wait(WAIT_SECONDS)
+        wait_phase(served, "receiving")
+        with served.agent.client() as agent:
+            started = time.monotonic()
+            aborted = agent.post("/v1/refit/abort", json={"reason": "the trainer died"}).json()
+            assert time.monotonic() - started < 2, "abort answers at once, even while the attempt waits"
+    finally:
+        nemo.finish()
+
+    assert (aborted["phase"], aborted["error"], aborted["state"]) == ("failed", "aborted: the trainer died", "stale")
+    assert not aborted["dirty"] and aborted["bytesReceived"] == 0
+    assert served.refits.wait_settled(harness.SETTLE_TIMEOUT_SECONDS)
+    assert not served.refits.parked, "an aborted refit keeps no membership of NeMo's world"
+    with served.agent.client() as agent:  # nothing was written: serving the old version is allowed
+        assert agent.post("/v1/resume", json={}).json()["state"] == "ready"
