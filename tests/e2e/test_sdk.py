@@ -14,9 +14,7 @@ greedy tokens of the weights sent. The fleet client's errors name what blocks a 
 from __future__ import annotations
 
 import asyncio
-import os
 import socket
-import sys
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -94,18 +92,8 @@ def completions_served(kube_admin: kube.Kube, namespace: str, pods: list[str]) -
 
 @pytest.fixture
 def local_ray() -> Iterator[None]:
-    """A local Ray instance whose workers import what this process imports."""
-    previous = os.environ.get("PYTHONPATH")
-    os.environ["PYTHONPATH"] = os.pathsep.join(path for path in sys.path if path)
-    ray.init(num_cpus=1, include_dashboard=False, log_to_driver=False)
-    try:
+    with nemo_collector.local_ray():
         yield
-    finally:
-        ray.shutdown()
-        if previous is None:
-            os.environ.pop("PYTHONPATH", None)
-        else:
-            os.environ["PYTHONPATH"] = previous
 
 
 def async_rollout(generation: nemo.MegafleetGeneration) -> dict[str, torch.Tensor]:

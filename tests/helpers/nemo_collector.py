@@ -4,18 +4,41 @@ backend as a constructor argument (pickled by Ray, as NeMo RL's ``AsyncTrajector
 consumed through ``generate_async``, several threads at once.
 
 Used by tests/sdk/test_nemo_ray.py and tests/e2e/test_sdk.py; the actor class is made with
-``ray.remote(Collector)`` there, so this module does not import ray.
+``ray.remote(Collector)`` there. :func:`local_ray` starts the local Ray instance both use.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import os
+import sys
 import threading
+from collections.abc import Iterator
 from typing import Any
 
 import torch
 
 from megafleet.sdk import nemo
+
+
+@contextlib.contextmanager
+def local_ray() -> Iterator[None]:
+    """A local Ray instance (one CPU, no dashboard) whose workers import what this process imports
+    (the repository's packages and tests/helpers, through ``PYTHONPATH``)."""
+    import ray  # the tests that use it need ray; importing this module does not
+
+    previous = os.environ.get("PYTHONPATH")
+    os.environ["PYTHONPATH"] = os.pathsep.join(path for path in sys.path if path)
+    ray.init(num_cpus=1, include_dashboard=False, log_to_driver=False)
+    try:
+        yield
+    finally:
+        ray.shutdown()
+        if previous is None:
+            os.environ.pop("PYTHONPATH", None)
+        else:
+            os.environ["PYTHONPATH"] = previous
 
 
 class Collector:

@@ -11,8 +11,6 @@ The engine's length limit (128 tokens) is hit as vLLM's: truncated, not an error
 
 from __future__ import annotations
 
-import os
-import sys
 from collections.abc import Iterator
 from typing import Any
 
@@ -40,18 +38,8 @@ def engine(tmp_path_factory: pytest.TempPathFactory) -> Iterator[engine_command.
 
 @pytest.fixture(scope="module")
 def local_ray() -> Iterator[None]:
-    # Ray's workers get this process's import path (the repository's packages and tests/helpers).
-    previous = os.environ.get("PYTHONPATH")
-    os.environ["PYTHONPATH"] = os.pathsep.join(path for path in sys.path if path)
-    ray.init(num_cpus=1, include_dashboard=False, log_to_driver=False)
-    try:
+    with nemo_collector.local_ray():
         yield
-    finally:
-        ray.shutdown()
-        if previous is None:
-            os.environ.pop("PYTHONPATH", None)
-        else:
-            os.environ["PYTHONPATH"] = previous
 
 
 def adapter(engine: engine_command.EngineProcess, **config: Any) -> nemo.MegafleetGeneration:
