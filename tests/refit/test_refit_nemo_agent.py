@@ -6,6 +6,8 @@ before anything is suspended; an abort ends a refit that waits for the trainer."
 
 from __future__ import annotations
 
+import contextlib
+import datetime
 import functools
 import os
 import queue
@@ -18,6 +20,7 @@ from typing import Any
 import httpx
 import pytest
 import torch
+from torch._C import _distributed_c10d as c10d
 
 from helpers import nemo_trainer
 from helpers import refit_harness as harness
@@ -325,3 +328,35 @@ def test_a_session_refit_without_a_joined_world_is_refused_with_409(
     assert error["code"] == "nemo_not_joined" and "POST /v1/refit/nemo/join" in error["message"], error
     status = served.agent.status()
     assert (status["phase"], status["state"], status["world"]) == ("idle", "ready", None)
+
+
+def test_an_abort_ends_a_join_that_waits_for_the_trainers_other_ranks(served: harness.InProcessEngine) -> None:
+    port = harness.free_port()
+    store_up = threading.Event()
+
+    def master() -> None:  # NeMo's rank 0 of a world of 3 whose rank 2 never comes: it waits, then times out
+        with contextlib.suppress(RuntimeError):
+            store_up.set()
+            c10d.TCPStore(harness.TRAINER_ADDRESS, port, 3, True, datetime.timedelta(seconds=5), wait_for_workers=True)
+
+    with nemo_trainer.running(master) as failures:
+        assert store_up.wait(WAIT_SECONDS)
+        body = join_body("grpo-8", port)
+        body["rendezvous"]["worldSize"] = 3
+        with served.agent.client() as agent:
+            started = time.monotonic()
+            assert agent.post("/v1/refit/nemo/join", json=body).status_code == 202
+            assert time.monotonic() - started < 2, "the join runs on its own thread, never on the agent's loop"
+            assert wait_world(served, "joining")["session"] == "grpo-8"
+            assert harness.completion_ids(served.frontend_url, PROMPT, 4)[1] == "0", "it serves while it joins"
+            agent.post("/v1/refit/abort", json={"reason": "the trainer died"})
+        world = served.agent.status()["world"]
+        deadline = time.monotonic() + WAIT_SECONDS
+        while world["phase"] == "joining" and time.monotonic() < deadline:
+            time.sleep(harness.REFIT_POLL_SECONDS)  # polling an HTTP status with a deadline
+            world = served.agent.status()["world"]
+    assert not failures, failures
+    assert world["phase"] == "failed" and "abort" in world["error"], world
+    refused = post_nemo(served, session_body(1, "grpo-8", refit_info(served.backend.parameters()), 4096))
+    assert refused.status_code == 409 and refused.json()["error"]["code"] == "nemo_not_joined", refused.text
+    assert served.agent.status()["state"] == "ready"
