@@ -198,11 +198,60 @@ async def refit_checkpoint(body: agent_api.CheckpointRefitRequest, agent: AgentD
     return await _start_refit(agent, refit, agent_api.REFIT_CHECKPOINT, body)
 
 
+@refit_router.post("/nemo/join", status_code=202)
+async def refit_nemo_join(
+    body: agent_api.NemoJoinRequest, request: fastapi.Request, agent: AgentDep
+) -> responses.JSONResponse:
+    rendezvous = body.rendezvous
+    join = refit_controller.NemoJoinRequest(
+        session=body.session,
+        address=rendezvous.address,
+        port=rendezvous.port,
+        world_size=rendezvous.world_size,
+        rank_offset=rendezvous.rank_offset,
+        trainer_world_size=rendezvous.trainer_world_size,
+        generation=body.generation,
+        timeout_seconds=body.timeout_seconds,
+        local_address=agent.transfer_address or _pod_address(request),
+    )
+    try:
+        own = _world_body(agent.refits.join(join))
+    except refit_controller.Busy as error:
+        raise errors.Conflict(str(error), code="refit_in_progress") from None
+    except refit_controller.Refused as error:
+        raise errors.Conflict(str(error), code="refit_refused") from None
+    except ValueError as error:
+        raise errors.InvalidRequest(str(error), code="invalid_refit") from None
+    if agent.siblings is None:
+        return responses.JSONResponse(own, status_code=202)
+    try:
+        others = await agent.siblings.post(agent_api.REFIT_NEMO_JOIN, body.model_dump(mode="json", by_alias=True))
+    except siblings_module.SiblingError as error:
+        agent.refits.abort(str(error))
+        raise errors.Conflict(str(error), code="refit_refused") from None
+    return responses.JSONResponse(siblings_module.combine_world([own, *others]), status_code=202)
+
+
 @refit_router.post("/nemo", status_code=202)
 async def refit_nemo(
     body: agent_api.NemoRefitRequest, request: fastapi.Request, agent: AgentDep
 ) -> responses.JSONResponse:
     rendezvous = body.rendezvous
+    info = tuple((tensor.name, tuple(tensor.shape), tensor.dtype) for tensor in body.refit_info)
+    if rendezvous is None:  # the session form: over the world joined by /nemo/join, never joining
+        try:
+            joined = agent.refits.joined(body.session)
+        except refit_controller.NotJoined as error:
+            raise errors.Conflict(str(error), code="nemo_not_joined") from None
+        session_refit = joined.refit(
+            version=body.version,
+            refit_info=info,
+            bucket_bytes=body.bucket_bytes,
+            timeout_seconds=body.timeout_seconds,
+            suspend_mode=body.suspend_mode,
+            kv_cache_mode=body.kv_cache_mode,
+        )
+        return await _start_refit(agent, session_refit, agent_api.REFIT_NEMO, body)
     refit = refit_controller.NemoRequest(
         version=body.version,
         address=rendezvous.address,
@@ -210,7 +259,7 @@ async def refit_nemo(
         world_size=rendezvous.world_size,
         rank_offset=rendezvous.rank_offset,
         trainer_world_size=rendezvous.trainer_world_size,
-        refit_info=tuple((tensor.name, tuple(tensor.shape), tensor.dtype) for tensor in body.refit_info),
+        refit_info=info,
         bucket_bytes=body.bucket_bytes,
         generation=body.generation,
         timeout_seconds=body.timeout_seconds,
@@ -311,8 +360,29 @@ def _refit_status_body(agent: AgentServer, snapshot: refit_progress.Snapshot) ->
         dirty=agent.refits.dirty,
         state=engine.state,
         weight_version=engine.weight_version,
+        world=_world_model(agent.refits.world()),
     )
     return body.model_dump(mode="json", by_alias=True)
+
+
+def _world_model(world: refit_controller.WorldSnapshot | None) -> agent_api.NemoWorldStatus | None:
+    if world is None:
+        return None
+    return agent_api.NemoWorldStatus.model_validate(
+        {
+            "session": world.session,
+            "phase": world.phase,
+            "rank": world.rank,
+            "generation": world.generation,
+            "error": world.error,
+        }
+    )
+
+
+def _world_body(world: refit_controller.WorldSnapshot) -> dict[str, Any]:
+    model = _world_model(world)
+    assert model is not None
+    return model.model_dump(mode="json", by_alias=True)
 
 
 def _state(agent: AgentServer) -> responses.JSONResponse:

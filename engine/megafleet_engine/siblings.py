@@ -91,6 +91,28 @@ class Siblings:
         return payload
 
 
+_WORLD_ORDER = ("failed", "left", "joining", "joined")
+
+
+def combine_world(ranks: Sequence[Mapping[str, Any] | None]) -> dict[str, Any] | None:
+    """One membership of NeMo's world for the pod from every rank's (``world`` of the refit status,
+    or a join's answer): the least advanced phase of any rank (failed first, then left, joining,
+    joined), with the errors of the ranks that failed; ``None`` when no rank joined anything."""
+    worlds = [world for world in ranks if world]
+    if not worlds:
+        return None
+    combined = dict(worlds[0])
+    if len(worlds) < len(ranks):  # a rank that never heard of the join holds no membership
+        combined["phase"] = "failed"
+        combined["error"] = "a rank of this pod has not joined NeMo's world"
+        return combined
+    combined["phase"] = min((str(world.get("phase")) for world in worlds), key=_WORLD_ORDER.index)
+    errors = [f"rank {world.get('rank')}: {world.get('error')}" for world in worlds if world.get("error")]
+    if errors:
+        combined["error"] = "; ".join(errors)
+    return combined
+
+
 def combine(own: Mapping[str, Any], others: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
     """One refit status for the pod from every rank's (camelCase bodies of ``/v1/refit/status``).
 
@@ -120,6 +142,7 @@ def combine(own: Mapping[str, Any], others: Sequence[Mapping[str, Any]]) -> dict
     combined["durationMilliseconds"] = max(durations) if len(durations) == len(ranks) else None
     for counter in ("bytesReceived", "buckets", "tensorsWritten"):
         combined[counter] = sum(int(status.get(counter, 0)) for status in ranks)
+    combined["world"] = combine_world([status.get("world") for status in ranks])
     for flag in ("dirty", "timedOut"):
         combined[flag] = any(bool(status.get(flag)) for status in ranks)
     return combined

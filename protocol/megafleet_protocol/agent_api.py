@@ -9,6 +9,7 @@ speaks; unknown request fields are refused.
 from __future__ import annotations
 
 import collections
+from typing import Literal
 
 import pydantic
 from pydantic import Field
@@ -23,14 +24,17 @@ __all__ = [
     "REFIT_ABORT",
     "REFIT_CHECKPOINT",
     "REFIT_NEMO",
+    "REFIT_NEMO_JOIN",
     "REFIT_PREPARE",
     "REFIT_STATUS",
     "RESUME",
     "STATE",
     "SUSPEND",
     "CheckpointRefitRequest",
+    "NemoJoinRequest",
     "NemoRefitRequest",
     "NemoTensor",
+    "NemoWorldStatus",
     "PhaseTiming",
     "PrepareRequest",
     "RefitAbortRequest",
@@ -51,6 +55,7 @@ REFIT = "/v1/refit"
 REFIT_PREPARE = f"{REFIT}/prepare"
 REFIT_CHECKPOINT = f"{REFIT}/checkpoint"
 REFIT_NEMO = f"{REFIT}/nemo"
+REFIT_NEMO_JOIN = f"{REFIT}/nemo/join"
 REFIT_STATUS = f"{REFIT}/status"
 REFIT_ABORT = f"{REFIT}/abort"
 
@@ -130,14 +135,47 @@ class NemoTensor(_Body):
         return shape
 
 
-class NemoRefitRequest(_RefitBody):
-    """``POST /v1/refit/nemo``: receive a version from an unmodified NeMo RL trainer's own collective
-    (``policy.init_collective`` once, ``broadcast_weights_for_collective`` per step). The first
-    such refit joins NeMo's world; later ones with the same rendezvous reuse that membership."""
+class NemoJoinRequest(_Body):
+    """``POST /v1/refit/nemo/join``: join an unmodified NeMo RL trainer's collective at its
+    ``init_collective`` time, with no version and no refit info, without suspending the engine. The
+    membership is kept for the refits of ``session`` (``POST /v1/refit/nemo`` without a rendezvous)."""
 
+    session: str = Field(
+        min_length=1, max_length=253, description="the RefitSession this membership serves (its name or UID)."
+    )
     rendezvous: RendezvousBody = Field(
         description="init_collective's ip, port, world_size and train_world_size; rankOffset is the "
         "shard's first rank in NeMo's world (at least trainerWorldSize)."
+    )
+    generation: vocabulary.NemoGeneration | None = Field(
+        default=None, description="the trainer's communicator (NeMo >= 0.6, or vLLM's); unset: from its store."
+    )
+    timeout_seconds: int = Field(
+        default=240, ge=1, le=86400, description="how long the join may take (below NeMo's 300 s store timeout)."
+    )
+
+    @pydantic.model_validator(mode="after")
+    def _inference_rank(self) -> NemoJoinRequest:
+        _check_inference_rank(self.rendezvous)
+        return self
+
+
+class NemoRefitRequest(_RefitBody):
+    """``POST /v1/refit/nemo``: receive a version from an unmodified NeMo RL trainer's own collective
+    (``policy.init_collective`` once, ``broadcast_weights_for_collective`` per step).
+
+    Two forms: with ``rendezvous`` the first such refit joins NeMo's world and later ones with the
+    same rendezvous reuse that membership; without it the refit receives over the world joined by
+    ``POST /v1/refit/nemo/join`` (of ``session`` when given) and never joins (409 ``nemo_not_joined``
+    on a rank that holds no such membership)."""
+
+    rendezvous: RendezvousBody | None = Field(
+        default=None,
+        description="init_collective's ip, port, world_size and train_world_size; rankOffset is the "
+        "shard's first rank in NeMo's world (at least trainerWorldSize). Unset: the joined world.",
+    )
+    session: str | None = Field(
+        default=None, min_length=1, max_length=253, description="without rendezvous: the joined session it must be."
     )
     refit_info: list[NemoTensor] = Field(
         min_length=1,
@@ -160,12 +198,17 @@ class NemoRefitRequest(_RefitBody):
         twice = sorted(name for name, count in counts.items() if count > 1)
         if twice:
             raise ValueError(f"refitInfo names {len(twice)} tensors twice, e.g. {twice[:3]}")
-        if self.rendezvous.rank_offset < self.rendezvous.trainer_world_size:
-            raise ValueError(
-                f"rendezvous.rankOffset {self.rendezvous.rank_offset} is a trainer rank "
-                f"(NeMo's inference ranks start at trainerWorldSize {self.rendezvous.trainer_world_size})"
-            )
+        if self.rendezvous is not None:
+            _check_inference_rank(self.rendezvous)
         return self
+
+
+def _check_inference_rank(rendezvous: RendezvousBody) -> None:
+    if rendezvous.rank_offset < rendezvous.trainer_world_size:
+        raise ValueError(
+            f"rendezvous.rankOffset {rendezvous.rank_offset} is a trainer rank "
+            f"(NeMo's inference ranks start at trainerWorldSize {rendezvous.trainer_world_size})"
+        )
 
 
 RefitRequest = PrepareRequest | CheckpointRefitRequest | NemoRefitRequest
@@ -203,6 +246,21 @@ class RefitStatusResponse(_Response):
     dirty: bool
     state: vocabulary.EngineState
     weight_version: int | None
+    world: NemoWorldStatus | None = Field(
+        default=None, description="the membership of NeMo's world joined by POST /v1/refit/nemo/join, if any."
+    )
+
+
+class NemoWorldStatus(_Response):
+    """This rank's (or, combined, the pod's) membership of NeMo's world joined by ``POST /v1/refit/nemo/join``:
+    ``joining`` until the trainer's store counted every rank and the warm-up passed, then ``joined``;
+    ``failed`` (``error`` says why) or ``left`` (a failed refit, an abort, another world, shutdown)."""
+
+    session: str
+    phase: Literal["joining", "joined", "failed", "left"]
+    rank: int | None = None
+    generation: vocabulary.NemoGeneration | None = None
+    error: str | None = None
 
 
 class StateResponse(_Response):

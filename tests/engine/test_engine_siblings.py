@@ -57,3 +57,18 @@ def test_sibling_ports_follow_the_agent_port() -> None:
 def test_sibling_agents_stay_on_the_pods_loopback() -> None:
     assert siblings.sibling_host("10.4.2.17") == "127.0.0.1", "a real pod: private to the pod"
     assert siblings.sibling_host("127.0.12.1") == "127.0.12.1", "the local runner: pods share one loopback"
+
+
+def test_the_pods_membership_of_nemos_world_is_its_least_advanced_rank() -> None:
+    joined = {"session": "s", "phase": "joined", "rank": 1, "generation": "nemo", "error": None}
+    joining = dict(joined, rank=2, phase="joining")
+    failed = dict(joined, rank=3, phase="failed", error="store timeout")
+
+    assert siblings.combine_world([joined, dict(joined, rank=2)]) == joined
+    assert siblings.combine_world([joined, joining])["phase"] == "joining"  # type: ignore[index]
+    assert siblings.combine_world([joined, joining, failed]) == dict(
+        joined, phase="failed", error="rank 3: store timeout"
+    )
+    assert siblings.combine_world([None, None]) is None
+    missing = siblings.combine_world([joined, None])
+    assert missing is not None and missing["phase"] == "failed" and "has not joined" in missing["error"]

@@ -6,6 +6,8 @@ before anything is suspended; an abort ends a refit that waits for the trainer."
 
 from __future__ import annotations
 
+import contextlib
+import datetime
 import functools
 import os
 import queue
@@ -18,6 +20,7 @@ from typing import Any
 import httpx
 import pytest
 import torch
+from torch._C import _distributed_c10d as c10d
 
 from helpers import nemo_trainer
 from helpers import refit_harness as harness
@@ -239,3 +242,121 @@ def test_an_abort_ends_a_nemo_refit_that_waits_for_the_trainers_buckets(
     assert not served.refits.parked, "an aborted refit keeps no membership of NeMo's world"
     with served.agent.client() as agent:  # nothing was written: serving the old version is allowed
         assert agent.post("/v1/resume", json={}).json()["state"] == "ready"
+
+
+def join_body(session: str, port: int) -> dict[str, Any]:
+    """``POST /v1/refit/nemo/join``: NeMo's world as ``init_collective`` got it, this engine as rank 1."""
+    rendezvous = {"address": harness.TRAINER_ADDRESS, "port": port, "worldSize": 2, "rankOffset": 1}
+    return {"session": session, "rendezvous": rendezvous, "timeoutSeconds": 60}
+
+
+def session_body(version: int, session: str, info: list[dict[str, Any]], bucket_bytes: int) -> dict[str, Any]:
+    """``POST /v1/refit/nemo`` in its session form: no rendezvous, the joined world."""
+    return {
+        "version": version,
+        "session": session,
+        "timeoutSeconds": 60,
+        "refitInfo": info,
+        "bucketBytes": bucket_bytes,
+    }
+
+
+def wait_world(served: harness.InProcessEngine, phase: str) -> dict[str, Any]:
+    deadline = time.monotonic() + WAIT_SECONDS
+    while True:
+        world = served.agent.status()["world"]
+        if world is not None and world["phase"] == phase:
+            return dict(world)
+        assert world is None or world["phase"] not in ("failed", "left"), world
+        assert time.monotonic() < deadline, f"the world did not reach {phase}: {world}"
+        time.sleep(harness.REFIT_POLL_SECONDS)  # polling an HTTP status with a deadline
+
+
+def test_a_join_at_init_collective_time_serves_on_and_session_refits_reuse_it(
+    served: harness.InProcessEngine, trainer: harness.Trainer
+) -> None:
+    live = served.backend.parameters()
+    pointers = {name: tensor.data_ptr() for name, tensor in live.items()}
+    original = {name: tensor.clone() for name, tensor in live.items()}
+    before, _ = harness.completion_ids(served.frontend_url, PROMPT, 8)
+    expected = trainer.greedy(PROMPT, 8)
+    weights = trainer.weights()
+    info = refit_info(weights)
+    total = sum(tensor.numel() * tensor.element_size() for tensor in weights.values())
+    bucket_bytes = total // 4
+    nemo = NemoTrainer({}, bucket_bytes)  # NeMo's setup: the store waits for every rank; no refit yet
+    try:
+        assert not nemo.joined.wait(0.5), "the trainer's init_collective must wait for the engine"
+        with served.agent.client() as agent:
+            joining = agent.post("/v1/refit/nemo/join", json=join_body("grpo-7", nemo.port))
+        assert joining.status_code == 202, joining.text
+        assert (joining.json()["session"], joining.json()["rank"]) == ("grpo-7", 1)
+        assert nemo.joined.wait(WAIT_SECONDS), "the trainer's init_collective returns once the engine joined"
+        world = wait_world(served, "joined")
+        assert (world["generation"], world["error"]) == ("nemo", None)
+        status = served.agent.status()
+        assert (status["phase"], status["state"], status["weightVersion"]) == ("idle", "ready", 0), "nothing suspended"
+        assert harness.completion_ids(served.frontend_url, PROMPT, 8) == (before, "0"), "it served on while joined"
+
+        for version, sent in ((5, weights), (6, original)):  # per step: the trainer broadcasts, the fleet receives
+            nemo.send(sent)
+            accepted = post_nemo(served, session_body(version, "grpo-7", info, bucket_bytes))
+            assert accepted.status_code == 202, accepted.text
+            done = served.agent.wait_finished(WAIT_SECONDS)
+            assert done["phase"] == "succeeded" and done["reused"], done
+            assert [phase["name"] for phase in done["phases"]] == ["suspend", "receive", "resume"], "never joins"
+            assert done["bytesReceived"] == total and done["world"]["phase"] == "joined"
+            for name, tensor in served.backend.parameters().items():
+                assert tensor.data_ptr() == pointers[name] and torch.equal(tensor, sent[name]), name
+            assert harness.completion_ids(served.frontend_url, PROMPT, 8) == (
+                expected if version == 5 else before,
+                str(version),
+            )
+    finally:
+        nemo.finish()
+    assert sum(nemo.sent) == 2 * total
+
+
+def test_a_session_refit_without_a_joined_world_is_refused_with_409(
+    served: harness.InProcessEngine, trainer: harness.Trainer
+) -> None:
+    info = refit_info(trainer.weights())
+    refused = post_nemo(served, session_body(1, "grpo-7", info, 4096))
+
+    assert refused.status_code == 409, refused.text
+    error = refused.json()["error"]
+    assert error["code"] == "nemo_not_joined" and "POST /v1/refit/nemo/join" in error["message"], error
+    status = served.agent.status()
+    assert (status["phase"], status["state"], status["world"]) == ("idle", "ready", None)
+
+
+def test_an_abort_ends_a_join_that_waits_for_the_trainers_other_ranks(served: harness.InProcessEngine) -> None:
+    port = harness.free_port()
+    store_up = threading.Event()
+
+    def master() -> None:  # NeMo's rank 0 of a world of 3 whose rank 2 never comes: it waits, then times out
+        with contextlib.suppress(RuntimeError):
+            store_up.set()
+            c10d.TCPStore(harness.TRAINER_ADDRESS, port, 3, True, datetime.timedelta(seconds=5), wait_for_workers=True)
+
+    with nemo_trainer.running(master) as failures:
+        assert store_up.wait(WAIT_SECONDS)
+        body = join_body("grpo-8", port)
+        body["rendezvous"]["worldSize"] = 3
+        with served.agent.client() as agent:
+            started = time.monotonic()
+            assert agent.post("/v1/refit/nemo/join", json=body).status_code == 202
+            assert time.monotonic() - started < 2, "the join runs on its own thread, never on the agent's loop"
+            assert wait_world(served, "joining")["session"] == "grpo-8"
+            assert harness.completion_ids(served.frontend_url, PROMPT, 4)[1] == "0", "it serves while it joins"
+            agent.post("/v1/refit/abort", json={"reason": "the trainer died"})
+        world = served.agent.status()["world"]
+        deadline = time.monotonic() + WAIT_SECONDS
+        while world["phase"] == "joining" and time.monotonic() < deadline:
+            time.sleep(harness.REFIT_POLL_SECONDS)  # polling an HTTP status with a deadline
+            world = served.agent.status()["world"]
+    assert not failures, failures
+    assert world["phase"] == "failed" and "abort" in world["error"], world
+    refused = post_nemo(served, session_body(1, "grpo-8", refit_info(served.backend.parameters()), 4096))
+    assert refused.status_code == 409 and refused.json()["error"]["code"] == "nemo_not_joined", refused.text
+    assert served.agent.status()["state"] == "ready"

@@ -34,7 +34,18 @@ if TYPE_CHECKING:
     from megafleet_engine.backends import base
     from megafleet_protocol.refit import communicator, nemo, receiver
 
-__all__ = ["Busy", "CheckpointRequest", "NemoRequest", "RefitController", "Refused", "RendezvousRequest", "Request"]
+__all__ = [
+    "Busy",
+    "CheckpointRequest",
+    "NemoJoinRequest",
+    "NemoRequest",
+    "NotJoined",
+    "RefitController",
+    "Refused",
+    "RendezvousRequest",
+    "Request",
+    "WorldSnapshot",
+]
 
 log = logging.getLogger(__name__)
 
@@ -102,6 +113,7 @@ class NemoRequest:
     suspend_mode: vocabulary.SuspendMode = "drain"
     kv_cache_mode: vocabulary.KvCacheMode | None = None
     local_address: str | None = None  # where this rank's gloo transport binds; None: the route to the trainer
+    session: str | None = None  # set: receive over the world joined for this session, never join
 
     @property
     def key(self) -> tuple[object, ...]:
@@ -121,11 +133,101 @@ class NemoRequest:
         return nemo.refit_info({name: (shape, dtype) for name, shape, dtype in self.refit_info})
 
 
+@dataclasses.dataclass(frozen=True)
+class NemoJoinRequest:
+    """Join NeMo's world at the trainer's ``init_collective`` time (``POST /v1/refit/nemo/join``): no
+    version, no refit info, nothing suspended. The membership is kept for the refits of ``session``
+    (:meth:`refit` builds them), exactly as a successful :class:`NemoRequest` keeps its own."""
+
+    session: str
+    address: str
+    port: int
+    world_size: int
+    rank_offset: int
+    trainer_world_size: int
+    generation: vocabulary.NemoGeneration | None = None
+    timeout_seconds: float = 240.0
+    local_address: str | None = None
+
+    def world(self, rank: int) -> nemo.NemoWorld:
+        """NeMo's world as shard-local rank ``rank`` joins it (:class:`ValueError`: not an inference rank)."""
+        from megafleet_protocol.refit import nemo
+
+        return nemo.NemoWorld(
+            self.address, self.port, self.world_size, self.rank_offset + rank, self.trainer_world_size
+        )
+
+    def refit(
+        self,
+        *,
+        version: int,
+        refit_info: tuple[tuple[str, tuple[int, ...], str], ...],
+        bucket_bytes: int,
+        timeout_seconds: float,
+        suspend_mode: vocabulary.SuspendMode,
+        kv_cache_mode: vocabulary.KvCacheMode | None,
+    ) -> NemoRequest:
+        """A refit over this joined world: the same world, generation and bind address, so it reuses
+        the membership (and fails rather than join when the membership is gone)."""
+        return NemoRequest(
+            version=version,
+            address=self.address,
+            port=self.port,
+            world_size=self.world_size,
+            rank_offset=self.rank_offset,
+            trainer_world_size=self.trainer_world_size,
+            refit_info=refit_info,
+            bucket_bytes=bucket_bytes,
+            generation=self.generation,
+            timeout_seconds=timeout_seconds,
+            suspend_mode=suspend_mode,
+            kv_cache_mode=kv_cache_mode,
+            local_address=self.local_address,
+            session=self.session,
+        )
+
+
+@dataclasses.dataclass(frozen=True)
+class WorldSnapshot:
+    """The membership of NeMo's world this rank joined for a session (``world`` in the refit status)."""
+
+    session: str
+    phase: str  # joining | joined | failed | left
+    rank: int
+    generation: vocabulary.NemoGeneration | None = None
+    error: str | None = None
+
+
+class _World:
+    """A join of NeMo's world (its thread's outcome): the request, and once joined the receiver.
+    ``phase`` is read under the controller's lock; ``left`` is derived from the receiver's state."""
+
+    def __init__(self, request: NemoJoinRequest, rank: int) -> None:
+        self.request = request
+        self.rank = rank
+        self.phase = "joining"
+        self.error: str | None = None
+        self.receiver: nemo.NemoReceiver | None = None
+        self.aborted = threading.Event()
+        self.thread: threading.Thread | None = None
+
+    def snapshot(self) -> WorldSnapshot:
+        phase = self.phase
+        if phase == "joined" and (self.receiver is None or self.receiver.closed):
+            phase = "left"
+        generation = self.receiver.generation if self.receiver is not None else self.request.generation
+        return WorldSnapshot(self.request.session, phase, self.rank, generation, self.error)
+
+
 Request = RendezvousRequest | CheckpointRequest | NemoRequest
 
 
 class Refused(errors.RefitError):
     """The engine cannot take a refit now (another one runs, or the engine failed)."""
+
+
+class NotJoined(Refused):
+    """A session refit on a rank that holds no joined membership of NeMo's world for it."""
 
 
 class Busy(Refused):
@@ -158,6 +260,7 @@ class RefitController:
         self._parked: _Parked | _Joined | None = None  # kept by the last successful refit
         self._sink: receiver.Sink | None = None  # the engine's sink, nothing written (built once)
         self._pointers: dict[str, int] | None = None  # live storage addresses, as last verified
+        self._world: _World | None = None  # the last join of NeMo's world (POST /v1/refit/nemo/join)
 
     @property
     def dirty(self) -> bool:
@@ -212,10 +315,107 @@ class RefitController:
         attempt.start()
         return attempt.record.snapshot()
 
+    def join(self, request: NemoJoinRequest) -> WorldSnapshot:
+        """Join NeMo's world for ``request.session`` on a thread of its own (the trainer's store master
+        waits for every rank, so the join takes as long as the slowest rank) without suspending the
+        engine, and keep the membership for that session's refits. Returns at once.
+
+        The same session again while it joins or is joined answers its status; a join for another
+        session leaves the old world first. Raises :class:`Busy` while a refit runs and
+        :class:`ValueError` for a rank outside NeMo's inference ranks."""
+        request.world(self.rank)  # ValueError: not an inference rank
+        with self._lock:
+            current = self._world
+            if current is not None and current.request.session == request.session:
+                snapshot = current.snapshot()
+                if snapshot.phase in ("joining", "joined"):
+                    return snapshot
+            if self._attempt is not None and not self._attempt.record.finished:
+                raise Busy(self._attempt.record.snapshot())
+            if self.engine.state == "failed":
+                raise Refused(f"the engine failed ({self.engine.last_error}); it cannot join NeMo's world")
+            world = _World(request, request.rank_offset + self.rank)
+            self._world = world
+        if current is not None:
+            current.aborted.set()
+        self._discard_parked()  # another world (or a failed join of this one): NeMo's world cannot be rejoined
+        world.thread = threading.Thread(target=self._join, args=(world,), name="megafleet-nemo-join", daemon=True)
+        world.thread.start()
+        return world.snapshot()
+
+    def world(self) -> WorldSnapshot | None:
+        """The last join of NeMo's world, if any."""
+        with self._lock:
+            world = self._world
+            return world.snapshot() if world is not None else None
+
+    def joined(self, session: str | None) -> NemoJoinRequest:
+        """The join request of the world this rank holds for ``session`` (any session when ``None``);
+        raises :class:`NotJoined` when it holds none (never joined, still joining, failed or left)."""
+        with self._lock:
+            world = self._world
+            snapshot = world.snapshot() if world is not None else None
+        if world is None or snapshot is None:
+            raise NotJoined("this rank has not joined NeMo's world: call POST /v1/refit/nemo/join first")
+        if session is not None and world.request.session != session:
+            raise NotJoined(f"this rank joined NeMo's world for session {world.request.session!r}, not {session!r}")
+        if snapshot.phase != "joined":
+            detail = f": {snapshot.error}" if snapshot.error else ""
+            raise NotJoined(
+                f"this rank's membership of NeMo's world for session {snapshot.session!r} is {snapshot.phase}{detail}"
+            )
+        return world.request
+
+    def _join(self, world: _World) -> None:
+        """The join's thread: rendezvous, communicator, warm-up; the receiver is parked as a NeMo
+        refit's would be, so the session's first refit reuses it (``reused``, no ``join`` phase)."""
+        from megafleet_protocol.refit import communicator, nemo
+
+        request = world.request
+        try:
+            device = self._fresh_sink().device
+            local_address = request.local_address or communicator.local_address_towards(request.address)
+            receiver = nemo.NemoReceiver.connect(
+                request.world(self.rank),
+                backend="nccl" if device.type == "cuda" else "gloo",
+                device=device,
+                deadline=communicator.Deadline(request.timeout_seconds),
+                aborted=world.aborted,
+                generation=request.generation,
+                local_address=local_address,
+            )
+        except Exception as error:
+            message = str(error) or type(error).__name__
+            if not isinstance(error, errors.RefitError):
+                log.exception("joining NeMo's world for session %s raised", request.session)
+                message = f"{type(error).__name__}: {message}"
+            with self._lock:
+                world.phase, world.error = "failed", message
+            log.error("joining NeMo's world for session %s failed: %s", request.session, message)
+            return
+        key = ("nemo", request.world(self.rank), local_address, request.generation)
+        with self._lock:
+            current = self._world is world and not world.aborted.is_set()
+        if not current:
+            receiver.close()
+            return
+        self._park(_Joined(key, receiver))  # a refit built by request.refit() computes this key: it never joins
+        with self._lock:
+            world.request = dataclasses.replace(request, local_address=local_address)
+            world.receiver, world.phase = receiver, "joined"
+        log.info(
+            "joined NeMo's world for session %s as rank %d of %d (%s)",
+            request.session, world.rank, request.world_size, receiver.generation,
+        )  # fmt: skip
+
     def abort(self, reason: str) -> progress.Snapshot:
-        """End the running attempt now (as the watchdog would), and close a parked transfer group."""
+        """End the running attempt now (as the watchdog would), and close a parked transfer group
+        (and a join of NeMo's world still in progress)."""
         with self._lock:
             attempt = self._attempt
+            world = self._world
+        if world is not None:
+            world.aborted.set()
         if attempt is not None:
             attempt.abort(f"aborted: {reason}", timed_out=False)
         self._discard_parked()
@@ -243,8 +443,12 @@ class RefitController:
             return self._parked is not None
 
     def close(self) -> None:
-        """Engine shutdown: close the parked transfer group, if any (a running attempt is left to
-        its watchdog)."""
+        """Engine shutdown: close the parked transfer group, if any, and stop a join in progress (a
+        running attempt is left to its watchdog)."""
+        with self._lock:
+            world = self._world
+        if world is not None:
+            world.aborted.set()
         self._discard_parked()
 
     def _park(self, parked: _Parked | _Joined) -> None:
@@ -547,6 +751,11 @@ class _Attempt:
         if parked is not None and joined is None:
             parked.discard()
         self.record.set_reused(joined is not None)
+        if joined is None and request.session is not None:
+            raise errors.RefitError(
+                f"this rank no longer holds NeMo's world for session {request.session!r}; a session refit never "
+                "joins (NeMo cannot rebuild its collective)"
+            )
         if joined is None:
             with self.record.timed("join"):
                 self._wait_suspended(suspended)  # NCCL's buffers come after whatever the suspend frees

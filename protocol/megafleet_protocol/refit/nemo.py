@@ -658,6 +658,11 @@ class NemoReceiver:
         self.refits += 1
         return Stats(len(buckets), received, written)
 
+    @property
+    def closed(self) -> bool:
+        """Whether :meth:`abort` or :meth:`close` ended this membership (it cannot be rebuilt)."""
+        return self._aborted
+
     def abort(self) -> None:
         """Tear the communicator down (any thread); the receiver is unusable afterwards."""
         self._aborted = True
