@@ -17,8 +17,9 @@ to an agent. Pruning (:func:`prunable`) deletes only finished Refits, never the 
 
 Readiness after a refit comes from the Refit's own completion: the status patch that moves
 ``status.refit.currentVersion`` also marks each member shard whose agents reported the new version
-``Ready`` at it (:func:`settled_shards`), so a client reading the fleet's status (any process's
-:class:`megafleet.sdk.fleet.Fleet`) routes to them at once, not at the reconcile's next pass.
+``Ready`` at it, with ``readyReplicas`` and the Ready, Degraded and WeightsCurrent conditions
+(:func:`settled_status`), so a client reading the fleet's status (any process's
+:class:`megafleet.sdk.fleet.Fleet`, ``kubectl wait``) sees it at once, not at the reconcile's next pass.
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ from megafleet import agent_client, conditions, desired, kube, names, planner
 from megafleet import settings as operator_settings
 from megafleet.api import checks, v1alpha1
 from megafleet.reconcile import pods as pod_view
+from megafleet.reconcile import status as reconcile_status
 from megafleet_protocol import agent_api, ports
 
 log = logging.getLogger(__name__)
@@ -336,9 +338,32 @@ async def _finish(
     fleet_status = fleet_body.get("status") or {}
     if version is not None and serving and fleet_status.get("shards"):
         # In the same patch as currentVersion: no reader sees the new version without its shards.
-        fleet_update["shards"] = settled_shards(fleet_status["shards"], serving, version)
+        replicas = int((fleet_body.get("spec") or {}).get("replicas", 1))
+        generation = int(fleet_body["metadata"].get("generation", 1))
+        fleet_update.update(
+            settled_status(fleet_status, serving, version, replicas=replicas, generation=generation, now=now)
+        )
     await api.patch_status("MegatronGeneration", fleet_body["metadata"]["name"], namespace, fleet_update)
     await _prune(api, namespace, fleet_body)
+
+
+def settled_status(
+    fleet_status: Object, serving: Iterable[int], version: int, *, replicas: int, generation: int, now: str
+) -> Object:
+    """The fleet status fields a successful refit settles at once: the member shards (see
+    :func:`settled_shards`), ``readyReplicas``, ``weightVersion`` when every Ready shard serves
+    ``version``, and the Ready, Degraded and WeightsCurrent conditions, computed as the reconcile
+    computes them, so readiness does not wait for its next pass."""
+    shards = settled_shards(fleet_status.get("shards") or [], serving, version)
+    ready = sum(1 for entry in shards if entry.get("phase") == "Ready")
+    found = list(fleet_status.get("conditions") or [])
+    found = reconcile_status.ready_condition(found, ready, replicas, generation=generation, now=now)
+    found = reconcile_status.degraded(found, ready, replicas, generation=generation, now=now)
+    found = reconcile_status.weights_current(found, shards, {"currentVersion": version}, generation=generation, now=now)
+    settled: Object = {"shards": shards, "readyReplicas": ready, "conditions": found}
+    if {entry.get("weightVersion") for entry in shards if entry.get("phase") == "Ready"} == {version}:
+        settled["weightVersion"] = version
+    return settled
 
 
 def settled_shards(shards: Iterable[Object], serving: Iterable[int], version: int) -> list[Object]:

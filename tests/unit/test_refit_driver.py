@@ -102,6 +102,40 @@ def test_a_successful_refit_marks_its_reporting_members_ready_at_the_new_version
     assert shards[0]["phase"] == "Refitting"  # the input is not changed
 
 
+def test_a_successful_refit_settles_readiness_and_weights_current_in_the_same_patch() -> None:
+    before: Object = {
+        "shards": [
+            {"index": 0, "phase": "Refitting", "weightVersion": 3},
+            {"index": 1, "phase": "Refitting", "weightVersion": 3},
+        ],
+        "readyReplicas": 0,
+        "weightVersion": 3,
+        "conditions": [
+            {"type": "Ready", "status": "False", "reason": "ShardsNotReady", "lastTransitionTime": "t0"},
+            {"type": "WeightsCurrent", "status": "False", "reason": "Refitting", "lastTransitionTime": "t0"},
+        ],
+    }
+    settled = refit_driver.settled_status(before, [0, 1], 4, replicas=2, generation=7, now="t1")
+    assert settled["readyReplicas"] == 2 and settled["weightVersion"] == 4
+    found = {c["type"]: c for c in settled["conditions"]}
+    assert (found["Ready"]["status"], found["Ready"]["reason"], found["Ready"]["lastTransitionTime"]) == (
+        "True",
+        "AllShardsReady",
+        "t1",
+    )
+    assert (found["WeightsCurrent"]["status"], found["Degraded"]["status"]) == ("True", "False")
+    # One member not settled: not Ready, Degraded, not current (the Ready shard's version is reported,
+    # as the reconcile reports it).
+    partial = refit_driver.settled_status(before, [0], 4, replicas=2, generation=7, now="t1")
+    found = {c["type"]: c for c in partial["conditions"]}
+    assert partial["readyReplicas"] == 1 and partial["weightVersion"] == 4
+    assert (found["Ready"]["status"], found["Degraded"]["status"], found["WeightsCurrent"]["status"]) == (
+        "False",
+        "True",
+        "False",
+    )
+
+
 class NoAgents:
     """An agent client that fails the test on any call: a refused Refit reaches no agent."""
 
