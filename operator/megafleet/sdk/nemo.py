@@ -1,55 +1,26 @@
-"""NeMo RL's ``GenerationInterface`` over a megafleet fleet: a drop-in for the generation side of a
-GRPO-style loop whose engines run as a MegatronGeneration on Kubernetes (docs/nemo-rl.md).
+"""NeMo RL's ``GenerationInterface`` over a megafleet fleet: the generation side of a GRPO-style loop
+whose engines run as a MegatronGeneration on Kubernetes. docs/nemo-rl.md is the user's guide.
 
 Called by the RL training loop on its driver (NeMo RL's GRPO through :func:`nemo_factory`, or any
-script), and, pickled, inside NeMo RL's async trajectory collector (a Ray actor)::
+script), and, pickled, inside NeMo RL's async trajectory collector (a Ray actor).
 
-    generation = MegafleetGeneration("tiny", "rl-team-a", config=master_config["policy"]["generation"],
-                                     weights=policy_model.named_parameters)
-    generation.prepare_for_generation()                  # waits until the fleet is Ready
-    out = generation.generate(batch, greedy=False)       # BatchedDataDict in, NeMo's output keys out
-    ray.get(generation.init_collective(pod_ip, 29600, world_size, train_world_size=1))
-    ray.get(generation.update_weights_from_collective())  # a Refit object + the trainer's WeightSender
-    generation.shutdown()
+Invariants:
 
-Surface: every public method and property of NeMo RL's ``GenerationInterface`` (main and the
-development line) and of its ``MegatronGeneration`` (main and the seed) exists here with the same
-parameters (a union where they differ: every added parameter is optional). Methods NeMo RL consumes
-as ``list[ray.ObjectRef]`` return real Ray object refs (resolving to ``True``) when Ray is initialised
-in this process, else a plain ``list[bool]``; Ray is never imported here (it is read from
-``sys.modules``). What a fleet cannot do (colocated CUDA-IPC refits, NCCL M-to-N resharding, NVSHMEM,
-fleet-health membership, generation-prefix checkpoints) raises ``NotImplementedError`` saying what to
-use instead; nothing is silently accepted. ``cfg["backend"]`` reads ``"megatron"`` so NeMo RL takes
-its async-capable rollout path.
-
-Generation (NeMo RL's ``interfaces.py`` semantics): ``generate`` takes right-padded ``input_ids``
-[B, L] and ``input_lengths`` [B] (optional per-sample ``stop_strings``) and returns ``output_ids``
-[B, L + G] (each prompt, its generated tokens, then ``_pad_token_id``), ``logprobs`` [B, L + G]
-float32 (zeros on the prompt and padding), ``generation_lengths`` and ``unpadded_sequence_lengths``
-[B]; G is the longest generation of the batch; plus ``truncated`` [B] (stopped by a length limit)
-and ``weight_versions`` [B] (-1 for none). Input is checked first, with the wording of NeMo RL's
-``verify_right_padding`` naming the sample. Length limits as vLLM's: ``max_new_tokens`` is clamped to
-what the fleet's ``spec.model.maxSequenceLength`` leaves after each prompt (NeMo recipes ask for the
-whole sequence length), so a generation stops at the limit with ``truncated``; a prompt that leaves
-no room is refused naming the sample. ``ignore_eos`` is honoured; a non-empty ``bad_words`` is refused.
-
-Refit (the megafleet wire): the operator, not the trainer, decides the membership (the live shards),
-so the trainer side is driven here. ``init_collective`` records the trainer's rendezvous (address,
-base port, trainer world size); ``update_weights_from_collective`` creates a Refit and, for each
-attempt the operator runs, sends the weights with
-:class:`~megafleet_protocol.refit.sender.WeightSender` from this process (do not also call the
-policy's own ``init_collective``/``broadcast_weights_for_collective``). The sender stays open between
-refits (:class:`megafleet.sdk.weights.Sender` with ``keep_open``). NeMo RL's own trainer wire (its
-packed broadcast) would plug in at :meth:`MegafleetGeneration._rendezvous_refit`, the one seam. The
-version a refit targets is chosen once per refit, whatever order NeMo RL calls the refit methods in:
-``max(fleet's status.refit.currentVersion + 1, the version set_rollout_weight_version named)``.
-
-Threads and pickling: the clients run on an event loop on a daemon thread, made on first use, so the
-synchronous methods work from inside another event loop and ``generate_async`` from many event loops
-on many threads at once (NeMo RL's collector runs each batch under ``asyncio.run`` in a fresh thread).
-Pickling keeps only the configuration (:class:`Handle`: fleet, namespace, kubeconfig path or fixed
-frontends, options); the copy reconnects on first use. The trainer's ``weights`` do not travel: a
-copy generates, the driver refits.
+* Surface: every public method and property of NeMo RL's ``GenerationInterface`` (main and the
+  development line) and of its ``MegatronGeneration`` (main and the seed), same parameters (a union
+  where they differ). Methods NeMo RL hands to ``ray.get`` return Ray object refs when Ray runs in
+  this process, else ``list[bool]``; Ray is never imported here. What a fleet cannot do raises
+  ``NotImplementedError`` saying what to use instead; nothing is silently accepted.
+* Generation follows NeMo RL's ``interfaces.py`` shapes; input is checked first (right padding,
+  lengths) naming the sample; ``max_new_tokens`` is clamped to the fleet's ``maxSequenceLength`` as
+  vLLM does (``truncated``); a non-empty ``bad_words`` is refused, ``ignore_eos`` honoured.
+* Refits: the operator decides the membership; ``update_weights_from_collective`` creates a Refit and
+  sends with :class:`~megafleet_protocol.refit.sender.WeightSender` from this process (the one seam for
+  NeMo RL's own wire is :meth:`MegafleetGeneration._rendezvous_refit`). The version a refit targets is
+  ``max(current + 1, set_rollout_weight_version)``, chosen once per refit whatever NeMo's call order.
+* Threads and pickling: clients run on an event loop on a daemon thread made on first use, so
+  ``generate_async`` works from many event loops and threads at once; a pickled copy keeps only the
+  configuration (:class:`Handle`) and reconnects on first use; the trainer's weights never travel.
 """
 
 from __future__ import annotations
