@@ -41,14 +41,17 @@ while one runs is a 409. Bodies use camelCase like the Kubernetes API the operat
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import hmac
 import ipaddress
 import logging
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Annotated, Any
 
 import fastapi
+import pydantic
 from fastapi import responses
 
 from megafleet_engine import engine as engine_module
@@ -214,22 +217,11 @@ async def refit_nemo_join(
         timeout_seconds=body.timeout_seconds,
         local_address=agent.transfer_address or _pod_address(request),
     )
-    try:
+    with _refusals():
         own = _world_body(agent.refits.join(join))
-    except refit_controller.Busy as error:
-        raise errors.Conflict(str(error), code="refit_in_progress") from None
-    except refit_controller.Refused as error:
-        raise errors.Conflict(str(error), code="refit_refused") from None
-    except ValueError as error:
-        raise errors.InvalidRequest(str(error), code="invalid_refit") from None
-    if agent.siblings is None:
-        return responses.JSONResponse(own, status_code=202)
-    try:
-        others = await agent.siblings.post(agent_api.REFIT_NEMO_JOIN, body.model_dump(mode="json", by_alias=True))
-    except siblings_module.SiblingError as error:
-        agent.refits.abort(str(error))
-        raise errors.Conflict(str(error), code="refit_refused") from None
-    return responses.JSONResponse(siblings_module.combine_world([own, *others]), status_code=202)
+    others = await _forward(agent, agent_api.REFIT_NEMO_JOIN, body)
+    combined = own if others is None else siblings_module.combine_world([own, *others])
+    return responses.JSONResponse(combined, status_code=202)
 
 
 @refit_router.post("/nemo", status_code=202)
@@ -306,23 +298,36 @@ async def _start_refit(
 ) -> responses.JSONResponse:
     """Start ``refit`` on this rank, then on the pod's other ranks (the same body: each joins as its
     own rank); when one of them refuses, this rank's attempt is aborted too and the call fails."""
-    try:
+    with _refusals():
         snapshot = agent.refits.start(refit, asyncio.get_running_loop())
+    own = _refit_status_body(agent, snapshot)
+    others = await _forward(agent, path, body)
+    return responses.JSONResponse(own if others is None else siblings_module.combine(own, others), status_code=202)
+
+
+@contextlib.contextmanager
+def _refusals() -> Iterator[None]:
+    """The controller's refusals of a refit or join as the agent answers them (409, or 400)."""
+    try:
+        yield
     except refit_controller.Busy as error:
         raise errors.Conflict(str(error), code="refit_in_progress") from None
     except refit_controller.Refused as error:
         raise errors.Conflict(str(error), code="refit_refused") from None
     except ValueError as error:
         raise errors.InvalidRequest(str(error), code="invalid_refit") from None
-    own = _refit_status_body(agent, snapshot)
+
+
+async def _forward(agent: AgentServer, path: str, body: pydantic.BaseModel) -> list[dict[str, Any]] | None:
+    """Send the call this rank accepted to the pod's other ranks (``None``: no others); when one of
+    them refuses, this rank's attempt is aborted too and the call fails."""
     if agent.siblings is None:
-        return responses.JSONResponse(own, status_code=202)
+        return None
     try:
-        others = await agent.siblings.post(path, body.model_dump(mode="json", by_alias=True))
+        return await agent.siblings.post(path, body.model_dump(mode="json", by_alias=True))
     except siblings_module.SiblingError as error:
         agent.refits.abort(str(error))
         raise errors.Conflict(str(error), code="refit_refused") from None
-    return responses.JSONResponse(siblings_module.combine(own, others), status_code=202)
 
 
 def _pod_address(request: fastapi.Request) -> str | None:

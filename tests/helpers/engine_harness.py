@@ -24,12 +24,13 @@ from pathlib import Path
 import httpx
 import openai
 
+from helpers import engine_command
 from megafleet_engine import backends, engine, metrics, server
 from megafleet_engine.backends import transformers_backend
 
 MODEL = "tiny"
 MAX_SEQUENCE_LENGTH = 256
-AGENT_TOKEN = "agent-secret-token"
+AGENT_TOKEN = engine_command.AGENT_TOKEN
 START_TIMEOUT_SECONDS = 30
 
 
@@ -76,11 +77,7 @@ def tiny_backend() -> transformers_backend.TransformersBackend:
     return backend
 
 
-def token_file(folder: Path) -> Path:
-    """An agent token file (as a mounted Secret holds it) in ``folder``."""
-    path = folder / "agent-token"
-    path.write_text(AGENT_TOKEN + "\n")
-    return path
+token_file = engine_command.token_file  # one agent token file for every harness
 
 
 @contextlib.contextmanager

@@ -38,17 +38,14 @@ from megafleet_protocol.refit import sender as sdk
 MODEL = "tiny"
 SOURCE = "tiny://llama"
 TRAINER_SOURCE = "tiny://llama?seed=7"  # same architecture as the engines, other weights
-AGENT_TOKEN = "refit-agent-token"
+AGENT_TOKEN = engine_command.AGENT_TOKEN
 TRAINER_ADDRESS = "127.0.9.1"
 START_TIMEOUT_SECONDS = 120
 REFIT_POLL_SECONDS = 0.05
 SETTLE_TIMEOUT_SECONDS = 30  # an aborted attempt's thread ends by its deadline
 
 
-def token_file(folder: Path) -> Path:
-    path = folder / "agent-token"
-    path.write_text(AGENT_TOKEN + "\n")
-    return path
+token_file = engine_command.token_file  # one agent token file for every harness
 
 
 def free_port(host: str = TRAINER_ADDRESS) -> int:
