@@ -27,6 +27,7 @@ MegatronGeneration = create_namespaced_resource(
     v1alpha1.GROUP, v1alpha1.VERSION, "MegatronGeneration", "megatrongenerations"
 )
 Refit = create_namespaced_resource(v1alpha1.GROUP, v1alpha1.VERSION, "Refit", "refits")
+RefitSession = create_namespaced_resource(v1alpha1.GROUP, v1alpha1.VERSION, "RefitSession", "refitsessions")
 
 KINDS: dict[str, Any] = {
     "Pod": Pod,
@@ -36,6 +37,7 @@ KINDS: dict[str, Any] = {
     "Node": Node,
     "MegatronGeneration": MegatronGeneration,
     "Refit": Refit,
+    "RefitSession": RefitSession,
 }
 
 

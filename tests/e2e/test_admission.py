@@ -53,7 +53,7 @@ def test_invalid_manifest_is_rejected_naming_the_field(
     assert result.returncode != 0, f"{path.name} was accepted"
     assert expected in result.stderr
     assert field in result.stderr
-    listed = kubectl(kubeconfig, "get", "mgen,mrefit", "-n", namespace, "-o", "name")
+    listed = kubectl(kubeconfig, "get", "mgen,mrefit,mrsess", "-n", namespace, "-o", "name")
     assert listed.stdout.strip() == ""  # nothing was stored
 
 
@@ -85,3 +85,31 @@ def test_kubectl_scale_changes_replicas_and_printer_columns_show_them(
     header, row = table.stdout.splitlines()
     assert header.split() == ["NAME", "DESIRED", "READY", "WEIGHTS", "STATUS", "AGE"]
     assert row.split()[:2] == ["tiny", "5"]
+
+
+def test_refit_session_spec_is_immutable_and_refit_info_is_set_once(
+    crds: None, kubeconfig: Path, namespace: str
+) -> None:
+    world = {"address": "trainer-0", "port": 1473, "worldSize": 3, "trainerWorldSize": 1, "bucketBytes": 1 << 20}
+    manifest: dict[str, Any] = {
+        "apiVersion": "megafleet.dev/v1alpha1",
+        "kind": "RefitSession",
+        "metadata": {"name": "grpo"},
+        "spec": {"fleetRef": {"name": "fleet"}, "nemoCollective": world},
+    }
+    assert kubectl(kubeconfig, "apply", "-n", namespace, "-f", "-", stdin=json.dumps(manifest)).returncode == 0
+    info = {"configMapRef": {"name": "grpo-info", "key": "refitInfo.json.gz"}, "sha256": "a" * 64, "tensors": 3}
+    manifest["spec"]["refitInfo"] = info
+    set_once = kubectl(kubeconfig, "apply", "-n", namespace, "-f", "-", stdin=json.dumps(manifest))
+    assert set_once.returncode == 0, set_once.stderr
+
+    manifest["spec"]["refitInfo"] = {**info, "tensors": 4}
+    changed_info = kubectl(kubeconfig, "apply", "-n", namespace, "-f", "-", stdin=json.dumps(manifest))
+    manifest["spec"]["refitInfo"] = info
+    manifest["spec"]["nemoCollective"] = {**world, "port": 1474}
+    changed_port = kubectl(kubeconfig, "apply", "-n", namespace, "-f", "-", stdin=json.dumps(manifest))
+
+    assert changed_info.returncode != 0
+    assert "refitInfo is set once" in changed_info.stderr
+    assert changed_port.returncode != 0
+    assert "a RefitSession's spec is immutable" in changed_port.stderr

@@ -1,4 +1,5 @@
-"""``megafleet.dev/v1alpha1``: the typed source of truth for the MegatronGeneration and Refit kinds.
+"""``megafleet.dev/v1alpha1``: the typed source of truth for the MegatronGeneration, Refit and
+RefitSession kinds.
 
 The CRD YAML in ``crds/`` and the API reference in ``docs/api.md`` are generated from these models
 (:mod:`megafleet.api.crd`, ``megafleet crds``); a test fails when the checked-in files drift. Field
@@ -30,6 +31,8 @@ PullPolicy = Literal["Always", "IfNotPresent", "Never"]
 ConditionStatus = Literal["True", "False", "Unknown"]
 ShardPhase = Literal["Pending", "Starting", "Loading", "Ready", "Stale", "Refitting", "Draining", "Failed"]
 RefitPhase = Literal["Pending", "Running", "Succeeded", "Failed"]
+RefitSessionPhase = Literal["Pending", "Joining", "Joined", "Broken", "Closed", "Failed"]
+CopyBackend = Literal["gloo", "nccl"]
 
 _QUANTITY = r"^([+-]?[0-9.]+)([eEinumkKMGTP]*[-+]?[0-9]*)$"
 _DNS_LABEL = r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$"
@@ -464,6 +467,11 @@ class FleetRefitStatus(ApiModel):
     """What the fleet knows about refits."""
 
     active: str | None = Field(default=None, description="active is the Refit in progress, if any.")
+    session: str | None = Field(
+        default=None,
+        description="session is the RefitSession whose trainer world the fleet's shards hold: while it is "
+        "set, scaling and template rolls wait and only Refits through that session run.",
+    )
     current_version: int | None = Field(
         default=None,
         ge=0,
@@ -539,24 +547,36 @@ class CheckpointSource(ApiModel):
     path: str = Field(min_length=1, max_length=2048, description="path (or URI) of the checkpoint.")
 
 
+class SessionSource(ApiModel):
+    """A RefitSession whose held trainer world carries the version (NeMo RL's own collective)."""
+
+    name: str = Field(min_length=1, max_length=253, pattern=_DNS_LABEL, description="name of the RefitSession.")
+
+
 class RefitSourceSpec(ApiModel):
-    """Exactly one of rendezvous and checkpoint."""
+    """Exactly one of rendezvous, checkpoint and session."""
 
     model_config = pydantic.ConfigDict(
         json_schema_extra={
             "x-kubernetes-validations": [
-                _cel("has(self.rendezvous) != has(self.checkpoint)", "set exactly one of rendezvous and checkpoint"),
+                _cel(
+                    "[has(self.rendezvous), has(self.checkpoint), has(self.session)].filter(x, x).size() == 1",
+                    "set exactly one of rendezvous, checkpoint and session",
+                ),
             ]
         }
     )
 
     rendezvous: RendezvousSource | None = Field(default=None, description="rendezvous for a collective transfer.")
     checkpoint: CheckpointSource | None = Field(default=None, description="checkpoint to load.")
+    session: SessionSource | None = Field(
+        default=None, description="session: receive over the world a RefitSession holds (one attempt, no retry)."
+    )
 
     @pydantic.model_validator(mode="after")
     def _exactly_one(self) -> RefitSourceSpec:
-        if (self.rendezvous is None) == (self.checkpoint is None):
-            raise ValueError("set exactly one of rendezvous and checkpoint")
+        if sum(source is not None for source in (self.rendezvous, self.checkpoint, self.session)) != 1:
+            raise ValueError("set exactly one of rendezvous, checkpoint and session")
         return self
 
 
@@ -593,6 +613,153 @@ class RefitObjectStatus(ApiModel):
     completion_time: str | None = Field(
         default=None, json_schema_extra={"format": "date-time"}, description="completionTime of the refit."
     )
+    message: str = Field(default="", description="message explains the phase.")
+
+
+# -- RefitSession ----------------------------------------------------------------------------------
+
+
+class _TrainerWorld(ApiModel):
+    """The trainer's ``init_collective(ip, port, world_size, train_world_size=...)``, used as given."""
+
+    model_config = pydantic.ConfigDict(
+        json_schema_extra={
+            "x-kubernetes-validations": [
+                _cel(
+                    "self.worldSize > self.trainerWorldSize",
+                    "worldSize must exceed trainerWorldSize (the fleet fields worldSize - trainerWorldSize ranks)",
+                ),
+            ]
+        }
+    )
+
+    address: str = Field(
+        min_length=1,
+        max_length=253,
+        pattern=r"^[A-Za-z0-9]([-A-Za-z0-9.:]*[A-Za-z0-9])?$",
+        description="address (host name or IP) of the trainer's rank 0 store: init_collective's ip.",
+    )
+    port: int = Field(ge=1, le=65535, description="port of the trainer's store, used as given.")
+    world_size: int = Field(ge=2, le=65536, description="worldSize: trainer ranks plus the fleet's ranks.")
+    trainer_world_size: int = Field(ge=1, le=65536, description="trainerWorldSize: the trainer ranks (first).")
+
+    @pydantic.model_validator(mode="after")
+    def _fleet_ranks(self) -> _TrainerWorld:
+        if self.world_size <= self.trainer_world_size:
+            raise ValueError(
+                f"worldSize {self.world_size} must exceed trainerWorldSize {self.trainer_world_size} "
+                "(the fleet fields worldSize - trainerWorldSize ranks)"
+            )
+        return self
+
+
+class NemoCollectiveSpec(_TrainerWorld):
+    """NeMo RL's vLLM-style collective: a store at ``address:port`` and packed bucket broadcasts."""
+
+    bucket_bytes: int = Field(
+        ge=1,
+        le=1 << 40,
+        description="bucketBytes is the trainer's exact packed-bucket target (the wire carries no sizes).",
+    )
+    generation: vocabulary.NemoGeneration | None = Field(
+        default=None, description="generation of the trainer's communicator; unset: read from its store."
+    )
+
+
+class MegatronNativeSpec(_TrainerWorld):
+    """megatron-core's own refit (``prepare_swap_model_weights``/``swap_model_weights``), store at port + 1."""
+
+    copy_backend: CopyBackend = Field(default="nccl", description="copyBackend of megatron-core's copy service.")
+
+
+class ConfigMapKeyRef(ApiModel):
+    """A key of a ConfigMap in the session's namespace."""
+
+    name: str = Field(min_length=1, max_length=253, pattern=_DNS_LABEL, description="name of the ConfigMap.")
+    key: str = Field(min_length=1, max_length=253, pattern=r"^[-._a-zA-Z0-9]+$", description="key in the ConfigMap.")
+
+
+class RefitInfoRef(ApiModel):
+    """The trainer's ``prepare_refit_info``: ``[[name, shape, dtype], ...]`` in its order, gzip'd JSON."""
+
+    config_map_ref: ConfigMapKeyRef = Field(description="configMapRef holds the gzip'd JSON (binaryData).")
+    sha256: str = Field(pattern=r"^[0-9a-f]{64}$", description="sha256 of the gzip'd bytes.")
+    tensors: int = Field(ge=1, le=1 << 20, description="tensors is the number of entries.")
+
+
+class RefitSessionSpec(ApiModel):
+    """One trainer world the fleet joins at the trainer's ``init_collective`` and holds for its refits."""
+
+    model_config = pydantic.ConfigDict(
+        json_schema_extra={
+            "x-kubernetes-validations": [
+                _cel(
+                    "has(self.nemoCollective) != has(self.megatronNative)",
+                    "set exactly one of nemoCollective and megatronNative",
+                ),
+                _cel("!has(self.refitInfo) || has(self.nemoCollective)", "refitInfo belongs to nemoCollective"),
+                _cel(
+                    "self.fleetRef == oldSelf.fleetRef && self.joinTimeoutSeconds == oldSelf.joinTimeoutSeconds"
+                    " && has(self.nemoCollective) == has(oldSelf.nemoCollective)"
+                    " && (!has(self.nemoCollective) || self.nemoCollective == oldSelf.nemoCollective)"
+                    " && has(self.megatronNative) == has(oldSelf.megatronNative)"
+                    " && (!has(self.megatronNative) || self.megatronNative == oldSelf.megatronNative)",
+                    "a RefitSession's spec is immutable except refitInfo, which is set once",
+                ),
+                _cel(
+                    "!has(oldSelf.refitInfo) || (has(self.refitInfo) && self.refitInfo == oldSelf.refitInfo)",
+                    "refitInfo is set once",
+                ),
+            ]
+        }
+    )
+
+    fleet_ref: FleetRef = Field(description="fleetRef names the fleet whose shards join.")
+    nemo_collective: NemoCollectiveSpec | None = Field(
+        default=None, description="nemoCollective: NeMo RL's vLLM-style collective (policy.init_collective)."
+    )
+    megatron_native: MegatronNativeSpec | None = Field(
+        default=None, description="megatronNative: megatron-core's swap_model_weights (engine.backend megatron)."
+    )
+    refit_info: RefitInfoRef | None = Field(
+        default=None, description="refitInfo: the trainer's tensor list; set once, before the first Refit."
+    )
+    join_timeout_seconds: int = Field(
+        default=240, ge=1, le=3600, description="joinTimeoutSeconds bounds the join (NeMo's store waits 300 s)."
+    )
+
+    @pydantic.model_validator(mode="after")
+    def _one_protocol(self) -> RefitSessionSpec:
+        if (self.nemo_collective is None) == (self.megatron_native is None):
+            raise ValueError("set exactly one of nemoCollective and megatronNative")
+        if self.refit_info is not None and self.nemo_collective is None:
+            raise ValueError("refitInfo belongs to nemoCollective")
+        return self
+
+    @property
+    def world(self) -> _TrainerWorld:
+        """The trainer world, whichever protocol names it."""
+        world = self.nemo_collective or self.megatron_native
+        assert world is not None
+        return world
+
+
+class RefitSessionStatus(ApiModel):
+    """The held world; written only by the operator."""
+
+    phase: RefitSessionPhase = Field(default="Pending", description="phase of the session.")
+    conditions: list[Condition] = Field(
+        default_factory=list,
+        json_schema_extra={"x-kubernetes-list-type": "map", "x-kubernetes-list-map-keys": ["type"]},
+        description="conditions: Joined, RefitInfoAccepted, Broken.",
+    )
+    membership: Membership | None = Field(
+        default=None, description="membership decided once at the join: shard i's ranks start at T + i x S."
+    )
+    generation: vocabulary.NemoGeneration | None = Field(
+        default=None, description="generation of the communicator the members found in the store."
+    )
+    last_version: int | None = Field(default=None, ge=0, description="lastVersion received through the session.")
     message: str = Field(default="", description="message explains the phase.")
 
 
@@ -663,6 +830,25 @@ KINDS: tuple[KindInfo, ...] = (
             {"name": "Version", "type": "integer", "jsonPath": ".spec.version"},
             {"name": "Phase", "type": "string", "jsonPath": ".status.phase"},
             {"name": "Duration-ms", "type": "integer", "jsonPath": ".status.durationMilliseconds"},
+            {"name": "Age", "type": "date", "jsonPath": ".metadata.creationTimestamp"},
+        ],
+    ),
+    KindInfo(
+        kind="RefitSession",
+        plural="refitsessions",
+        singular="refitsession",
+        short_names=["mrsess"],
+        categories=["megafleet"],
+        spec=RefitSessionSpec,
+        status=RefitSessionStatus,
+        scale=False,
+        description="RefitSession is a trainer's own weight-transfer world (NeMo RL's init_collective) that a "
+        "fleet's shards join once and hold: Refits naming it receive over that world; while it is held "
+        "the fleet's shape is frozen. Created and deleted by the trainer.",
+        printer_columns=[
+            {"name": "Fleet", "type": "string", "jsonPath": ".spec.fleetRef.name"},
+            {"name": "Phase", "type": "string", "jsonPath": ".status.phase"},
+            {"name": "Version", "type": "integer", "jsonPath": ".status.lastVersion"},
             {"name": "Age", "type": "date", "jsonPath": ".metadata.creationTimestamp"},
         ],
     ),
