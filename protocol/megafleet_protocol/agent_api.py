@@ -25,13 +25,19 @@ __all__ = [
     "REFIT_CHECKPOINT",
     "REFIT_NEMO",
     "REFIT_NEMO_JOIN",
+    "REFIT_NEMO_LEAVE",
+    "REFIT_MEGATRON",
+    "REFIT_MEGATRON_JOIN",
     "REFIT_PREPARE",
     "REFIT_STATUS",
     "RESUME",
     "STATE",
     "SUSPEND",
     "CheckpointRefitRequest",
+    "MegatronJoinRequest",
+    "MegatronRefitRequest",
     "NemoJoinRequest",
+    "NemoLeaveRequest",
     "NemoRefitRequest",
     "NemoTensor",
     "NemoWorldStatus",
@@ -56,6 +62,9 @@ REFIT_PREPARE = f"{REFIT}/prepare"
 REFIT_CHECKPOINT = f"{REFIT}/checkpoint"
 REFIT_NEMO = f"{REFIT}/nemo"
 REFIT_NEMO_JOIN = f"{REFIT}/nemo/join"
+REFIT_NEMO_LEAVE = f"{REFIT}/nemo/leave"
+REFIT_MEGATRON = f"{REFIT}/megatron"
+REFIT_MEGATRON_JOIN = f"{REFIT}/megatron/join"
 REFIT_STATUS = f"{REFIT}/status"
 REFIT_ABORT = f"{REFIT}/abort"
 
@@ -203,6 +212,39 @@ class NemoRefitRequest(_RefitBody):
         return self
 
 
+class NemoLeaveRequest(_Body):
+    """``POST /v1/refit/nemo/leave`` (and ``/v1/refit/megatron/leave``'s twin): drop this pod's membership
+    of ``session``'s world and abort its communicator. Idempotent: a session it does not hold answers 200."""
+
+    session: str = Field(min_length=1, max_length=253, description="the RefitSession whose membership ends.")
+
+
+class MegatronJoinRequest(_Body):
+    """``POST /v1/refit/megatron/join``: join a megatron-core trainer's refit group (its store at
+    ``port + 1``) at ``init_collective`` time and run ``prepare_swap_model_weights`` with it, without
+    suspending the engine. Only the megatron backend can (409 ``backend_cannot_swap`` otherwise)."""
+
+    session: str = Field(min_length=1, max_length=253, description="the RefitSession this membership serves.")
+    rendezvous: RendezvousBody = Field(
+        description="init_collective's ip, port (the group's store listens at port + 1), world_size and "
+        "train_world_size; rankOffset is the shard's first rank (at least trainerWorldSize)."
+    )
+    copy_backend: Literal["gloo", "nccl"] = Field(default="nccl", description="megatron-core's copy service.")
+    timeout_seconds: int = Field(default=240, ge=1, le=86400, description="how long the join may take.")
+
+    @pydantic.model_validator(mode="after")
+    def _inference_rank(self) -> MegatronJoinRequest:
+        _check_inference_rank(self.rendezvous)
+        return self
+
+
+class MegatronRefitRequest(_RefitBody):
+    """``POST /v1/refit/megatron``: one ``swap_model_weights`` over the group joined for ``session``
+    (suspend, swap, resume); never joins (409 ``megatron_not_joined`` on a rank that holds no such group)."""
+
+    session: str = Field(min_length=1, max_length=253, description="the joined session it must be.")
+
+
 def _check_inference_rank(rendezvous: RendezvousBody) -> None:
     if rendezvous.rank_offset < rendezvous.trainer_world_size:
         raise ValueError(
@@ -211,7 +253,7 @@ def _check_inference_rank(rendezvous: RendezvousBody) -> None:
         )
 
 
-RefitRequest = PrepareRequest | CheckpointRefitRequest | NemoRefitRequest
+RefitRequest = PrepareRequest | CheckpointRefitRequest | NemoRefitRequest | MegatronRefitRequest
 """A request that starts a refit attempt."""
 
 
@@ -252,15 +294,22 @@ class RefitStatusResponse(_Response):
 
 
 class NemoWorldStatus(_Response):
-    """This rank's (or, combined, the pod's) membership of NeMo's world joined by ``POST /v1/refit/nemo/join``:
-    ``joining`` until the trainer's store counted every rank and the warm-up passed, then ``joined``;
-    ``failed`` (``error`` says why) or ``left`` (a failed refit, an abort, another world, shutdown)."""
+    """This rank's (or, combined, the pod's) membership of a trainer's world joined by
+    ``POST /v1/refit/nemo/join`` or ``/v1/refit/megatron/join``: ``joining`` until the trainer's store
+    counted every rank and the warm-up passed, then ``joined``; ``failed`` (``error`` says why) or ``left``
+    (a failed refit, an abort, a leave, another world, shutdown)."""
 
     session: str
     phase: Literal["joining", "joined", "failed", "left"]
+    protocol: Literal["nemo", "megatron"] = "nemo"
     rank: int | None = None
     generation: vocabulary.NemoGeneration | None = None
     error: str | None = None
+    store_reachable: bool | None = Field(
+        default=None,
+        description="the last probe of the trainer's store (every 10 s while joined): False means the "
+        "trainer's process is gone; None: not probed yet.",
+    )
 
 
 class StateResponse(_Response):
