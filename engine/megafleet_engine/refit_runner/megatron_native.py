@@ -341,9 +341,9 @@ class NativeRefits:
             return None
         with membership.lock:
             swapping = membership.swapping
-        if swapping:
-            self.refits.abort(f"the refit group of session {session!r} was left")
         membership.end("left")
+        if swapping:  # its group is closed above: the attempt fails now, the swap's thread once unblocked
+            self.refits.abort(f"the refit group of session {session!r} was left")
         return membership.snapshot()
 
     def close(self) -> None:
