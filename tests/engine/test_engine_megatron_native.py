@@ -20,7 +20,7 @@ import pytest
 import torch
 
 from helpers import engine_harness as harness
-from helpers import refit_harness
+from helpers import megatron_trainer, refit_harness
 from megafleet_engine.backends import transformers_backend
 from megafleet_engine.backends.megatron import native_refit
 from megafleet_engine.models import tiny
@@ -378,45 +378,16 @@ def test_leave_during_a_swap_aborts_it(swapping: tuple[harness.Served, FakeRecei
 # -- the group handshake, with real process groups ------------------------------------------------
 
 
-def nemo_trainer_group(port: int, world_size: int) -> Any:
-    """Trainer rank 0 of NeMo's Megatron synchronizer, written here from its protocol: the store
-    master at ``port + 1`` counting ``world_size`` ranks, and the group over ``refit/`` with its Gloo
-    backend over ``cpu/``, named ``refit``, registered with an identity rank map."""
-    import datetime
-
-    from torch.distributed import distributed_c10d as c10d
-
-    store = torch._C._distributed_c10d.TCPStore(
-        host_name="127.0.0.1",
-        port=port + 1,
-        world_size=world_size,
-        is_master=True,
-        timeout=datetime.timedelta(seconds=WAIT_SECONDS),
-    )
-    prefixed = c10d.PrefixStore("refit/", store)
-    group = c10d.ProcessGroup(prefixed, 0, world_size)
-    gloo = c10d.ProcessGroupGloo(c10d.PrefixStore("cpu/", prefixed), 0, world_size)
-    gloo._set_sequence_number_for_group()
-    group._register_backend(torch.device("cpu"), c10d.ProcessGroup.BackendType.GLOO, gloo)
-    group._set_default_backend(c10d.ProcessGroup.BackendType.GLOO)
-    name: Any = "refit"
-    group._set_group_name(name)
-    c10d._world.pg_group_ranks[group] = {i: i for i in range(world_size)}
-    c10d._world.pg_map[group] = ("gloo", prefixed)
-    c10d._world.pg_names[group] = name
-    return store, group
-
-
 @pytest.mark.slow
 def test_the_receiver_joins_the_group_nemos_synchronizer_builds(monkeypatch: pytest.MonkeyPatch) -> None:
     from torch.distributed import distributed_c10d as c10d
 
     monkeypatch.setattr(native_refit, "unsupported", lambda: None)  # no megatron-core on this machine
-    port = refit_harness.free_port()
+    port = refit_harness.free_port() - 1  # the group's store listens at port + 1
     trainer: dict[str, Any] = {}
 
     def run_trainer() -> None:
-        store, group = nemo_trainer_group(port, 2)
+        store, group = megatron_trainer.refit_group("127.0.0.1", port, 2, 0, timeout_seconds=WAIT_SECONDS)
         gathered: list[Any] = [None, None]
         torch.distributed.all_gather_object(gathered, "trainer metadata", group=group)
         trainer.update(store=store, group=group, gathered=gathered)
@@ -435,5 +406,4 @@ def test_the_receiver_joins_the_group_nemos_synchronizer_builds(monkeypatch: pyt
     assert c10d._world.pg_names[joined.group] == "refit" and c10d._world.pg_group_ranks[joined.group] == {0: 0, 1: 1}
     joined.close()
     assert joined.group not in c10d._world.pg_map and joined.group not in c10d._world.pg_names
-    for table in (c10d._world.pg_group_ranks, c10d._world.pg_map, c10d._world.pg_names):
-        table.pop(trainer["group"], None)
+    megatron_trainer.forget_group(trainer["group"])
