@@ -89,6 +89,9 @@ class TrainerProcess:
         if self.process.poll() is None:
             self.process.kill()  # the trainer exits by os._exit; a stuck one is ended here
         self.process.wait(30)
+        for stream in (self.process.stdin, self.process.stdout):
+            if stream is not None:
+                stream.close()
         self._log.close()
 
 
