@@ -22,6 +22,12 @@ Routes: ``GET /healthz``, ``GET /readyz``, ``GET /v1/state``, ``POST /v1/suspend
   trainer's ``bucketBytes``); the first one joins NeMo's world as rank ``rankOffset + rank``, later
   ones over the same world keep that membership (``reused``). A refit info that does not fit this
   engine is refused (400) before anything is suspended.
+* ``POST /v1/refit/megatron/join`` (202), ``POST /v1/refit/megatron`` (202) and
+  ``POST /v1/refit/megatron/leave``: megatron-core's own refit from a megatron-core trainer
+  (:mod:`megafleet_engine.refit_runner.megatron_native`): join its refit group at the store at
+  ``port + 1`` and prepare the plan without suspending, then one ``swap_model_weights`` per refit of the
+  session; 409 ``backend_cannot_swap`` on a backend without a megatron-core model (or megatron-core
+  < 0.17), 409 ``megatron_not_joined`` for a refit without a joined group.
 * ``GET /v1/refit/status``: the current or last attempt: ``phase`` (idle, suspending, joining,
   receiving, applying, resuming, succeeded, failed), per-phase milliseconds, counters, ``error``,
   ``reused`` (the join kept the transfer group parked by the previous refit).
