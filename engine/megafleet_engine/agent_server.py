@@ -358,7 +358,7 @@ def _megatron_refusals() -> Iterator[None]:
 
 @refit_router.post("/{operation:path}", status_code=404)
 async def refit_unknown(operation: str) -> None:
-    raise errors.NotFound(f"no refit operation {operation!r}: use prepare, checkpoint, nemo, status or abort")
+    raise errors.NotFound(f"no refit operation {operation!r}: use prepare, checkpoint, nemo, megatron, status or abort")
 
 
 async def _start_refit(
