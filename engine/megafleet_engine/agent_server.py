@@ -78,9 +78,6 @@ __all__ = [
 
 log = logging.getLogger(__name__)
 
-REFIT_MEGATRON_LEAVE = f"{agent_api.REFIT}/megatron/leave"
-"""``POST``: leave a megatron-native session's refit group (body: :class:`agent_api.NemoLeaveRequest`)."""
-
 
 @dataclasses.dataclass(frozen=True)
 class AgentServer:
@@ -340,7 +337,7 @@ async def refit_megatron(body: agent_api.MegatronRefitRequest, agent: AgentDep) 
 async def refit_megatron_leave(body: agent_api.NemoLeaveRequest, agent: AgentDep) -> responses.JSONResponse:
     left = agent.megatron.leave(body.session)
     own = None if left is None else _world_body(left, protocol="megatron")
-    others = await _forward(agent, REFIT_MEGATRON_LEAVE, body)
+    others = await _forward(agent, agent_api.REFIT_MEGATRON_LEAVE, body)
     return responses.JSONResponse({"world": own if others is None else siblings_module.combine_world([own, *others])})
 
 
