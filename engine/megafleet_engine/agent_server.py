@@ -26,6 +26,12 @@ Routes: ``GET /healthz``, ``GET /readyz``, ``GET /v1/state``, ``POST /v1/suspend
   ``init_collective`` time, on a thread, without suspending; ``POST /v1/refit/nemo/leave`` (200,
   idempotent): drop that membership (a refit running over it fails). While joined, each rank probes
   the trainer's store every 10 s (``world.storeReachable`` in the status).
+* ``POST /v1/refit/megatron/join`` (202), ``POST /v1/refit/megatron`` (202) and
+  ``POST /v1/refit/megatron/leave``: megatron-core's own refit from a megatron-core trainer
+  (:mod:`megafleet_engine.refit_runner.megatron_native`): join its refit group at the store at
+  ``port + 1`` and prepare the plan without suspending, then one ``swap_model_weights`` per refit of the
+  session; 409 ``backend_cannot_swap`` on a backend without a megatron-core model (or megatron-core
+  < 0.17), 409 ``megatron_not_joined`` for a refit without a joined group.
 * ``GET /v1/refit/status``: the current or last attempt: ``phase`` (idle, suspending, joining,
   receiving, applying, resuming, succeeded, failed), per-phase milliseconds, counters, ``error``,
   ``reused`` (the join kept the transfer group parked by the previous refit).
@@ -63,6 +69,7 @@ from megafleet_engine import metrics as metrics_module
 from megafleet_engine import siblings as siblings_module
 from megafleet_engine.openai import errors
 from megafleet_engine.refit_runner import controller as refit_controller
+from megafleet_engine.refit_runner import megatron_native
 from megafleet_engine.refit_runner import progress as refit_progress
 from megafleet_protocol import agent_api
 
@@ -89,10 +96,12 @@ class AgentServer:
     siblings: siblings_module.Siblings | None = None  # the pod's other local ranks (local rank 0 only)
     transfer_address: str | None = None  # where refit transports bind; None: the address this agent serves on
     refits: refit_controller.RefitController = dataclasses.field(init=False, repr=False, compare=False)
+    megatron: megatron_native.NativeRefits = dataclasses.field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         controller = refit_controller.RefitController(self.engine, rank=self.rank, metrics=self.metrics)
         object.__setattr__(self, "refits", controller)
+        object.__setattr__(self, "megatron", megatron_native.NativeRefits(controller))
 
 
 def _agent(request: fastapi.Request) -> AgentServer:
@@ -307,9 +316,65 @@ async def refit_abort(body: agent_api.RefitAbortRequest, agent: AgentDep) -> res
     return responses.JSONResponse(siblings_module.combine(own, others))
 
 
+@refit_router.post("/megatron/join", status_code=202)
+async def refit_megatron_join(body: agent_api.MegatronJoinRequest, agent: AgentDep) -> responses.JSONResponse:
+    rendezvous = body.rendezvous
+    join = megatron_native.JoinRequest(
+        session=body.session,
+        address=rendezvous.address,
+        port=rendezvous.port,
+        world_size=rendezvous.world_size,
+        rank_offset=rendezvous.rank_offset,
+        trainer_world_size=rendezvous.trainer_world_size,
+        copy_backend=body.copy_backend,
+        timeout_seconds=body.timeout_seconds,
+    )
+    with _megatron_refusals():
+        own = _world_body(agent.megatron.join(join, asyncio.get_running_loop()), protocol="megatron")
+    others = await _forward(agent, agent_api.REFIT_MEGATRON_JOIN, body)
+    combined = own if others is None else siblings_module.combine_world([own, *others])
+    return responses.JSONResponse(combined, status_code=202)
+
+
+@refit_router.post("/megatron", status_code=202)
+async def refit_megatron(body: agent_api.MegatronRefitRequest, agent: AgentDep) -> responses.JSONResponse:
+    refit = megatron_native.RefitRequest(
+        version=body.version,
+        session=body.session,
+        timeout_seconds=body.timeout_seconds,
+        suspend_mode=body.suspend_mode,
+        kv_cache_mode=body.kv_cache_mode,
+    )
+    with _megatron_refusals():
+        snapshot = agent.megatron.refit(refit, asyncio.get_running_loop())
+    own = _refit_status_body(agent, snapshot)
+    others = await _forward(agent, agent_api.REFIT_MEGATRON, body)
+    return responses.JSONResponse(own if others is None else siblings_module.combine(own, others), status_code=202)
+
+
+@refit_router.post("/megatron/leave")
+async def refit_megatron_leave(body: agent_api.NemoLeaveRequest, agent: AgentDep) -> responses.JSONResponse:
+    left = agent.megatron.leave(body.session)
+    own = None if left is None else _world_body(left, protocol="megatron")
+    others = await _forward(agent, agent_api.REFIT_MEGATRON_LEAVE, body)
+    return responses.JSONResponse({"world": own if others is None else siblings_module.combine_world([own, *others])})
+
+
+@contextlib.contextmanager
+def _megatron_refusals() -> Iterator[None]:
+    """The megatron-native refusals (409 ``backend_cannot_swap``, ``megatron_not_joined``), then the others."""
+    with _refusals():
+        try:
+            yield
+        except megatron_native.CannotSwap as error:
+            raise errors.Conflict(str(error), code="backend_cannot_swap") from None
+        except megatron_native.NotJoined as error:
+            raise errors.Conflict(str(error), code="megatron_not_joined") from None
+
+
 @refit_router.post("/{operation:path}", status_code=404)
 async def refit_unknown(operation: str) -> None:
-    raise errors.NotFound(f"no refit operation {operation!r}: use prepare, checkpoint, nemo, status or abort")
+    raise errors.NotFound(f"no refit operation {operation!r}: use prepare, checkpoint, nemo, megatron, status or abort")
 
 
 async def _start_refit(
@@ -384,18 +449,31 @@ def _refit_status_body(agent: AgentServer, snapshot: refit_progress.Snapshot) ->
         dirty=agent.refits.dirty,
         state=engine.state,
         weight_version=engine.weight_version,
-        world=_world_model(agent.refits.world()),
+        world=_world_model(*_last_world(agent)),
     )
     return body.model_dump(mode="json", by_alias=True)
 
 
-def _world_model(world: refit_controller.WorldSnapshot | None) -> agent_api.NemoWorldStatus | None:
+def _last_world(agent: AgentServer) -> tuple[refit_controller.WorldSnapshot | None, str]:
+    """The membership the refit status shows: a megatron-native one while it is joining or joined
+    (or when there is no NeMo one), else NeMo's, with its protocol."""
+    megatron = agent.megatron.world()
+    nemo = agent.refits.world()
+    if megatron is not None and (nemo is None or megatron.phase in ("joining", "joined")):
+        return megatron, "megatron"
+    return nemo, "nemo"
+
+
+def _world_model(
+    world: refit_controller.WorldSnapshot | None, protocol: str = "nemo"
+) -> agent_api.NemoWorldStatus | None:
     if world is None:
         return None
     return agent_api.NemoWorldStatus.model_validate(
         {
             "session": world.session,
             "phase": world.phase,
+            "protocol": protocol,
             "rank": world.rank,
             "generation": world.generation,
             "error": world.error,
@@ -404,8 +482,8 @@ def _world_model(world: refit_controller.WorldSnapshot | None) -> agent_api.Nemo
     )
 
 
-def _world_body(world: refit_controller.WorldSnapshot) -> dict[str, Any]:
-    model = _world_model(world)
+def _world_body(world: refit_controller.WorldSnapshot, protocol: str = "nemo") -> dict[str, Any]:
+    model = _world_model(world, protocol)
     assert model is not None
     return model.model_dump(mode="json", by_alias=True)
 

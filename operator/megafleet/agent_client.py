@@ -13,7 +13,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
-from typing import Any
+from typing import Any, Literal
 
 import httpx
 import pydantic
@@ -109,10 +109,11 @@ class AgentClient:
         )
         return await self._post(pod_ip, token, path, body)
 
-    async def leave(self, pod_ip: str, token: str, session: str) -> None:
-        """``POST /v1/refit/nemo/leave``: drop the pod's membership of ``session``'s world (idempotent;
-        an agent that cannot be reached holds nothing any more worth leaving)."""
-        error = await self._post(pod_ip, token, agent_api.REFIT_NEMO_LEAVE, agent_api.NemoLeaveRequest(session=session))
+    async def leave(self, pod_ip: str, token: str, session: str, *, protocol: Literal["nemo", "megatron"]) -> None:
+        """``POST /v1/refit/nemo/leave`` or ``/v1/refit/megatron/leave``: drop the pod's membership of
+        ``session``'s world (idempotent; an agent that cannot be reached holds nothing worth leaving)."""
+        path = agent_api.REFIT_NEMO_LEAVE if protocol == "nemo" else agent_api.REFIT_MEGATRON_LEAVE
+        error = await self._post(pod_ip, token, path, agent_api.NemoLeaveRequest(session=session))
         if error is not None:
             log.info("leaving session %s at %s: %s", session, pod_ip, error)
 

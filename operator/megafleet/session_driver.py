@@ -40,7 +40,7 @@ import json
 import logging
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Literal
 
 import pydantic
 
@@ -122,6 +122,11 @@ class Session:
         """(shard, rank offset) of every member, as published at the join (empty before)."""
         membership = self.status.membership
         return [] if membership is None else [(entry.shard, entry.offset) for entry in membership.rank_offsets]
+
+    @property
+    def protocol(self) -> Literal["nemo", "megatron"]:
+        """Whose world it is: NeMo's collective (nemoCollective) or megatron-core's group (megatronNative)."""
+        return "nemo" if self.spec.nemo_collective is not None else "megatron"
 
     @property
     def world_address(self) -> str:
@@ -529,7 +534,7 @@ async def release(api: kube.Api, agents: agent_client.AgentClient, session: Sess
         for shard, _offset in session.members:
             for pod in shards.pods.get(shard, []):
                 if pod.ip:
-                    await agents.leave(pod.ip, token, session.key)
+                    await agents.leave(pod.ip, token, session.key, protocol=session.protocol)
     refit = dict((fleet_body.get("status") or {}).get("refit") or {})
     if refit.get("session") != session.name:
         return

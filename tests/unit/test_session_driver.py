@@ -45,6 +45,7 @@ class Agents:
         self.refit_phase: dict[str, str] = {}  # what a started refit reports, by pod IP (default succeeded)
         self.versions: dict[str, int] = {}
         self.engine_state: vocabulary.EngineState = "ready"
+        self.protocol = "nemo"  # the session's, which every leave must name
 
     async def states(self, pod_ips: list[str], token: str) -> list[agent_client.AgentState]:
         return [agent_client.AgentState(state=self.engine_state, weight_version=0) for _ in pod_ips]
@@ -66,7 +67,8 @@ class Agents:
             if world is not None and only in (None, ip):
                 self.worlds[ip] = world.model_copy(update={"phase": phase, "error": error, **fields})
 
-    async def leave(self, pod_ip: str, token: str, session: str) -> None:
+    async def leave(self, pod_ip: str, token: str, session: str, *, protocol: str) -> None:
+        assert protocol == self.protocol, protocol
         self.leaves.append((pod_ip, session))
         world = self.worlds.get(pod_ip)
         if world is not None and world.session == session:
@@ -114,7 +116,12 @@ class World:
         manifest = yaml.safe_load((ROOT / "examples" / "tiny-cpu.yaml").read_text())
         manifest["metadata"].update(namespace=NS, uid="fleet-uid")
         manifest["spec"].update(fleet_spec)
-        node = {"kind": "Node", "metadata": {"name": "n0", "labels": {}}, "spec": {}, "status": {"allocatable": {}}}
+        node = {
+            "kind": "Node",
+            "metadata": {"name": "n0", "labels": {}},
+            "spec": {},
+            "status": {"allocatable": {"nvidia.com/gpu": "8"}},
+        }
         self.api = kube_fakes.Api(manifest, node)
         self.agents = Agents()
         self.settings = operator_settings.OperatorSettings()
@@ -569,3 +576,27 @@ def test_a_hold_whose_session_is_gone_is_released_by_the_fleets_reconcile(world:
     assert world.fleet()["status"]["refit"]["session"] is None
     assert condition(world.fleet(), conditions.REFIT_SESSION_HELD)["status"] == "False"
     assert ("Pod", NS, "tiny-s2-p0") in world.api.objects, "the held scale is applied"
+
+
+def test_a_megatron_native_session_joins_refits_and_leaves_through_the_megatron_routes() -> None:
+    gpus = {"gpusPerNode": 1, "cpu": "1", "memory": "1Gi"}
+    world = World(engine={"backend": "megatron", "maxBatchSize": 8}, resources=gpus)
+    world.start()
+    native = {"address": "127.0.9.3", "port": 29700, "worldSize": 4, "trainerWorldSize": 2, "copyBackend": "gloo"}
+    world.session(megatronNative=native)
+    world.agents.protocol = "megatron"
+    world.joined()
+    world.refit(1, {"session": {"name": "grpo"}})
+    world.advance_refit("tiny-v1")
+    del world.api.objects[("Pod", NS, "tiny-s1-p0")]
+
+    failed = world.advance_refit("tiny-v1")["status"]  # the member is gone: the refit fails, the session breaks
+
+    bodies = [body for _, body in world.agents.joins]
+    assert len(bodies) == 2 and all(isinstance(body, agent_api.MegatronJoinRequest) for body in bodies)
+    assert {body.copy_backend for body in bodies if isinstance(body, agent_api.MegatronJoinRequest)} == {"gloo"}
+    started = world.agents.starts[0][1]
+    assert isinstance(started, agent_api.MegatronRefitRequest) and started.session == "grpo-uid"
+    assert failed["phase"] == "Failed" and "shard 1 left the fleet" in failed["message"]
+    assert world.api.objects[("RefitSession", NS, "grpo")]["status"]["phase"] == "Broken"
+    assert world.agents.leaves == [(world.pod_ips()["tiny-s0-p0"], "grpo-uid")], "left through the megatron route"
