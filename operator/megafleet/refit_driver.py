@@ -150,11 +150,7 @@ async def _start(
     shard_size = layout.pods_per_shard * layout.ranks_per_pod
     trainer = spec.source.rendezvous.trainer_world_size if spec.source.rendezvous else 1
     membership = planner.rank_offsets(trainer, sorted(reachable), shard_size)
-    published = {
-        "worldSize": membership.world_size,
-        "trainerWorldSize": membership.trainer_world_size,
-        "rankOffsets": [{"shard": shard, "offset": offset} for shard, offset in sorted(membership.offsets.items())],
-    }
+    published = reconcile_status.membership(membership)
     fleet_status = dict(fleet_body.get("status") or {})
     fleet_status["refit"] = {**(fleet_status.get("refit") or {}), "active": name, "membership": published}
     await api.patch_status("MegatronGeneration", fleet.name, namespace, {"refit": fleet_status["refit"]})

@@ -48,6 +48,7 @@ from megafleet import agent_client, conditions, desired, kube, planner
 from megafleet.api import checks, v1alpha1
 from megafleet.reconcile import context, endpoints, hold
 from megafleet.reconcile import pods as pod_view
+from megafleet.reconcile import status as reconcile_status
 from megafleet_protocol import agent_api
 
 log = logging.getLogger(__name__)
@@ -252,11 +253,7 @@ async def _take_and_join(
     api, world = runtime.api, session.spec.world
     shard_size = fleet.layout.pods_per_shard * fleet.layout.ranks_per_pod
     membership = planner.rank_offsets(world.trainer_world_size, range(fleet.spec.replicas), shard_size)
-    published = {
-        "worldSize": membership.world_size,
-        "trainerWorldSize": membership.trainer_world_size,
-        "rankOffsets": [{"shard": shard, "offset": offset} for shard, offset in sorted(membership.offsets.items())],
-    }
+    published = reconcile_status.membership(membership)
     await _hold(api, fleet_body, session.name)
     first, last = world.trainer_world_size, membership.world_size - 1
     update = {

@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from megafleet import agent_client, conditions, desired, kube
+from megafleet import agent_client, conditions, desired, kube, planner
 from megafleet.api import v1alpha1
 from megafleet.reconcile import pods
 
@@ -274,6 +274,15 @@ def invalid(status: Object, message: str, *, generation: int, now: str) -> Objec
         found, conditions.READY, False, "InvalidSpec", message, generation=generation, now=now
     )
     return {**status, "conditions": found, "observedGeneration": generation}
+
+
+def membership(found: planner.Membership) -> Object:
+    """A membership as the Refit and RefitSession statuses (and the fleet's ``status.refit``) publish it."""
+    return {
+        "worldSize": found.world_size,
+        "trainerWorldSize": found.trainer_world_size,
+        "rankOffsets": [{"shard": shard, "offset": offset} for shard, offset in sorted(found.offsets.items())],
+    }
 
 
 def unchanged(current: Object, update: Object) -> bool:
