@@ -100,7 +100,7 @@ async def advance(
         await _set_status(api, name, namespace, {"phase": "Pending", "message": f"waiting for refit {active}"})
         return
     token = await endpoints.read_token(api, fleet)
-    pods = await pod_view.whole_running(api, fleet)
+    pods = await pod_view.whole_running(api, fleet, held=spec.source.session is not None)
     attempts = 1 if spec.source.session is not None else settings.max_attempts  # a broadcast cannot be replayed
     if phase == "Pending" and spec.source.session is not None:
         await _start_session(api, agents, refit, spec, fleet, fleet_body, pods, token)

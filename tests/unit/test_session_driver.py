@@ -600,3 +600,20 @@ def test_a_megatron_native_session_joins_refits_and_leaves_through_the_megatron_
     assert failed["phase"] == "Failed" and "shard 1 left the fleet" in failed["message"]
     assert world.api.objects[("RefitSession", NS, "grpo")]["status"]["phase"] == "Broken"
     assert world.agents.leaves == [(world.pod_ips()["tiny-s0-p0"], "grpo-uid")], "left through the megatron route"
+
+
+def test_a_scale_down_waits_while_held_and_the_shard_above_it_still_receives_session_refits(world: World) -> None:
+    world.session()
+    world.refit_info()
+    world.joined()
+    world.fleet()["spec"]["replicas"] = 1
+    world.reconcile()
+    assert ("Pod", NS, "tiny-s1-p0") in world.api.objects, "not drained while held"
+    assert condition(world.fleet(), conditions.REFIT_SESSION_HELD)["message"].startswith("spec.replicas 1 waits")
+
+    world.refit(1, {"session": {"name": "grpo"}})
+    world.advance_refit("tiny-v1")
+    done = world.advance_refit("tiny-v1")["status"]
+
+    assert done["phase"] == "Succeeded", done
+    assert sorted(ip for ip, _ in world.agents.starts) == sorted(world.pod_ips().values())

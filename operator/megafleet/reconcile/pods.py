@@ -123,14 +123,15 @@ async def ask_agents(agents: agent_client.AgentClient, shards: Shards, token: st
     return reports
 
 
-async def whole_running(api: kube.Api, fleet: desired.ParsedFleet) -> dict[int, list[Pod]]:
-    """Pods of every shard below ``spec.replicas`` whose pods all exist and run, by shard, in pod
-    order (the shards a refit or a RefitSession can count on)."""
+async def whole_running(api: kube.Api, fleet: desired.ParsedFleet, *, held: bool = False) -> dict[int, list[Pod]]:
+    """Pods of every shard whose pods all exist and run, by shard, in pod order (the shards a refit
+    or a RefitSession can count on): below ``spec.replicas``, unless ``held`` (a RefitSession holds
+    the fleet: a scale-down waits, so the shards above it are still members)."""
     shards = await observe(api, fleet)
     return {
         shard: members
         for shard, members in shards.pods.items()
         if all(pod.running for pod in members)
         and len(members) == fleet.layout.pods_per_shard
-        and shard < fleet.spec.replicas
+        and (held or shard < fleet.spec.replicas)
     }
