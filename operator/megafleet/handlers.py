@@ -153,12 +153,13 @@ async def poll_session(namespace: str | None, name: str, spec: Mapping[str, Any]
 
 @kopf.on.delete(*SESSIONS, backoff=_TRIGGERS.retry_seconds)
 async def on_session_delete(
-    namespace: str | None, body: kopf.Body, spec: Mapping[str, Any], memo: kopf.Memo, **_: Any
+    namespace: str | None, name: str, spec: Mapping[str, Any], memo: kopf.Memo, **_: Any
 ) -> None:
     """The finalizer's work: the members leave the trainer's world, the fleet's hold is released."""
     runtime = _runtime(memo)
     namespace = namespace or "default"
     async with runtime.fleet_lock(namespace, spec["fleetRef"]["name"]):
-        session = session_driver.Session.parse(dict(body))
-        runtime.store_lost.pop((namespace, session.name), None)
-        await session_driver.release(runtime.api, runtime.agents, session)
+        runtime.store_lost.pop((namespace, name), None)
+        found = await runtime.api.get("RefitSession", name, namespace)  # still there: the finalizer holds it
+        if found is not None:
+            await session_driver.release(runtime.api, runtime.agents, session_driver.Session.parse(found))

@@ -21,6 +21,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import httpx
 import pytest
 import torch
 
@@ -28,6 +29,7 @@ from helpers import nemo_trainer, refit_e2e
 from helpers import refit_harness as harness
 from megafleet_dev import kube, runner
 from megafleet_engine.models import tiny
+from megafleet_protocol import ports
 
 TRAINER_RANKS = 2
 BUCKET_BYTES = 16384  # several buckets for the tiny model
@@ -143,6 +145,19 @@ def create_session(
     )
 
 
+def world_of(kube_admin: kube.Kube, namespace: str, pod: str) -> dict[str, Any]:
+    """What a member pod's agent reports about the trainer's world (``world`` of its refit status)."""
+    secret = kube_admin.get(f"/api/v1/namespaces/{namespace}/secrets/tiny-agent-token")
+    found = kube_admin.get(f"/api/v1/namespaces/{namespace}/pods/{pod}")
+    assert secret is not None and found is not None
+    token = base64.b64decode(secret["data"]["token"]).decode()
+    with httpx.Client(headers={"Authorization": f"Bearer {token}"}, timeout=10) as agent:
+        response = agent.get(f"http://{found['status']['podIP']}:{ports.AGENT_PORT}/v1/refit/status")
+    assert response.status_code == 200, response.text
+    world: dict[str, Any] = response.json()["world"]
+    return world
+
+
 def phase_in(*phases: str) -> Any:
     return lambda obj: (obj or {}).get("status", {}).get("phase") in phases
 
@@ -176,6 +191,9 @@ def test_a_trainer_world_is_joined_refitted_held_released_and_broken_by_a_lost_m
     assert joined["status"]["generation"] == "nemo"
     fleet = kube_admin.get(f"{fleets}/tiny")
     assert fleet is not None and fleet["status"]["refit"]["session"] == "grpo"
+    uid = joined["metadata"]["uid"]
+    worlds = [world_of(kube_admin, namespace, pod) for pod in ("tiny-s0-p0", "tiny-s1-p0")]
+    assert [(w["session"], w["phase"], w["rank"]) for w in worlds] == [(uid, "joined", 2), (uid, "joined", 3)]
 
     # three steps: the trainer broadcasts, a Refit through the session receives it
     for version, (model, weights) in models.items():
@@ -229,6 +247,8 @@ def test_a_trainer_world_is_joined_refitted_held_released_and_broken_by_a_lost_m
         f"/api/v1/namespaces/{namespace}/pods/tiny-s2-p0", lambda o: o is not None, timeout=refit_e2e.WAIT
     ), "the held scale is applied"
     assert kube_admin.get(f"{sessions(namespace)}/grpo") is None
+    for pod in ("tiny-s0-p0", "tiny-s1-p0"):
+        assert world_of(kube_admin, namespace, pod)["phase"] == "left", f"{pod} left the trainer's world"
 
     # a new run's world over the three shards; a member killed while it is held breaks it
     trainers.append(TrainerWorld(world_size=TRAINER_RANKS + 3))
