@@ -87,6 +87,8 @@ class Session:
     spec: v1alpha1.RefitSessionSpec
     status: v1alpha1.RefitSessionStatus
     conditions: list[conditions.Condition]
+    raw_status: Object = dataclasses.field(default_factory=dict, compare=False)
+    """``status`` as read, so that a write that would change nothing is not made."""
 
     @classmethod
     def parse(cls, body: Object) -> Session:
@@ -102,6 +104,7 @@ class Session:
             spec=v1alpha1.RefitSessionSpec.model_validate(body["spec"]),
             status=v1alpha1.RefitSessionStatus.model_validate(raw_status),
             conditions=list(raw_status.get("conditions") or []),
+            raw_status=dict(raw_status),
         )
 
     @property
@@ -262,8 +265,7 @@ async def _take_and_join(
         "message": f"{len(pods)} shards join {session.world_address} as ranks {first}..{last} of {world.world_size}",
     }
     await _set_status(api, session, update)
-    status = session.status.model_dump(mode="json", by_alias=True, exclude_none=True)
-    session = dataclasses.replace(session, status=v1alpha1.RefitSessionStatus.model_validate({**status, **update}))
+    session = _written(session, update)
     left = max(1, int((session.deadline - at).total_seconds()))
     for shard, offset in sorted(membership.offsets.items()):
         for pod in pods[shard]:
@@ -486,9 +488,8 @@ async def _accept_refit_info(api: kube.Api, agents: agent_client.AgentClient, se
                 session.conditions, REFIT_INFO_ACCEPTED, False, "Waiting", str(error),
                 generation=session.generation, now=conditions.now(),
             )  # fmt: skip
-            if found != session.conditions:
-                await _set_status(api, session, {"conditions": found})
-            return dataclasses.replace(session, conditions=found)
+            await _set_status(api, session, {"conditions": found})
+            return _written(session, {"conditions": found})
         await end(api, agents, session, phase="Broken", reason=REFIT_INFO_REJECTED, message=str(error))
         return None
     message = f"{len(info)} tensors, sha256 {session.spec.refit_info.sha256[:12]}…" if session.spec.refit_info else ""
@@ -497,7 +498,7 @@ async def _accept_refit_info(api: kube.Api, agents: agent_client.AgentClient, se
         generation=session.generation, now=conditions.now(),
     )  # fmt: skip
     await _set_status(api, session, {"conditions": found})
-    return dataclasses.replace(session, conditions=found)
+    return _written(session, {"conditions": found})
 
 
 # -- ending, the hold, the last version ------------------------------------------------------------
@@ -573,7 +574,22 @@ def _parse_fleet(body: Object | None) -> desired.ParsedFleet | None:
     )
 
 
+def _written(session: Session, update: Object) -> Session:
+    """``session`` as it is once ``update`` was merged into its status."""
+    raw = {**session.raw_status, **update}
+    return dataclasses.replace(
+        session,
+        status=v1alpha1.RefitSessionStatus.model_validate(raw),
+        conditions=list(raw.get("conditions") or []),
+        raw_status=raw,
+    )
+
+
 async def _set_status(api: kube.Api, session: Session, status: Object) -> None:
+    """Merge-patch the session's status, unless that changes nothing (a waiting session is polled
+    every second)."""
+    if reconcile_status.unchanged(session.raw_status, status):
+        return
     await api.patch_status("RefitSession", session.name, session.namespace, status)
 
 

@@ -282,6 +282,8 @@ def test_shards_not_running_by_the_join_deadline_fail_the_session_not_ready() ->
 
     waiting = world.advance()["status"]
     assert waiting["phase"] == "Pending" and waiting["message"] == "waiting for shard 0's pods to run"
+    world.advance()
+    assert world.api.writes["status RefitSession"] == 1, "waiting again writes nothing"
     world.now = CREATED + datetime.timedelta(seconds=61)
     failed = world.advance()["status"]
 
