@@ -619,3 +619,16 @@ def test_a_scale_down_waits_while_held_and_the_shard_above_it_still_receives_ses
 
     assert done["phase"] == "Succeeded", done
     assert sorted(ip for ip, _ in world.agents.starts) == sorted(world.pod_ips().values())
+
+
+@pytest.mark.parametrize(("state", "phase"), [("loading", "Joining"), ("stale", "Joining"), ("failed", "Pending")])
+def test_engines_without_weights_can_join_failed_ones_cannot(world: World, state: str, phase: str) -> None:
+    world.agents.engine_state = cast(vocabulary.EngineState, state)
+    world.session()
+
+    status = world.advance()["status"]
+
+    assert status["phase"] == phase, status
+    if phase == "Pending":
+        assert status["message"].startswith("waiting for shard 0: the engine of tiny-s0-p0 failed")
+        assert world.agents.joins == []
