@@ -130,8 +130,16 @@ def _session_open(status: Mapping[str, Any], **_: Any) -> bool:
 async def _advance_session(runtime: context.Runtime, namespace: str, name: str, fleet: str) -> None:
     async with runtime.fleet_lock(namespace, fleet):  # beside the fleet's reconcile and its Refits
         session = await runtime.api.get("RefitSession", name, namespace)
-        if session is not None and not session["metadata"].get("deletionTimestamp"):
-            await session_driver.advance(runtime, session)
+        if session is None or session["metadata"].get("deletionTimestamp"):
+            return
+        await session_driver.advance(runtime, session)
+        after = await runtime.api.get("RefitSession", name, namespace)
+    before = (session.get("status") or {}).get("phase", "Pending")
+    status = (after or {}).get("status") or {}
+    if after is not None and status.get("phase", "Pending") != before:  # a transition: an Event says why
+        kind = "Warning" if status["phase"] in session_driver.ENDED else "Normal"
+        message = status.get("message") or status["phase"]
+        kopf.event(kopf.Body(cast(kopf.RawBody, after)), type=kind, reason=f"Session{status['phase']}", message=message)
 
 
 @kopf.on.create(*SESSIONS, backoff=_TRIGGERS.retry_seconds)

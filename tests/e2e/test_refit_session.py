@@ -266,6 +266,15 @@ def test_a_trainer_world_is_joined_refitted_held_released_and_broken_by_a_lost_m
     assert lost is not None and lost["reason"] == "MemberLost" and "shard 1" in lost["message"], lost
     fleet = kube_admin.get(f"{fleets}/tiny")
     assert fleet is not None and fleet["status"]["refit"].get("session") is None, "the hold is released"
+    events = kube_admin.wait_items(
+        f"/api/v1/namespaces/{namespace}/events",
+        lambda items: any(item.get("reason") == "SessionBroken" for item in items),
+        field_selector="involvedObject.name=grpo-2",
+        timeout=refit_e2e.WAIT,
+        what="the SessionBroken Warning",
+    )
+    warning = next(item for item in events if item.get("reason") == "SessionBroken")
+    assert warning["type"] == "Warning" and "shard 1" in warning["message"]
 
 
 def kill_engine(pod_runner: runner.Runner, namespace: str, pod: str) -> None:
