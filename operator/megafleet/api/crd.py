@@ -109,6 +109,8 @@ def definition(info: v1alpha1.KindInfo) -> dict[str, Any]:
             "status": openapi_schema(info.status),
         },
     }
+    if info.validations:
+        schema["x-kubernetes-validations"] = list(info.validations)
     return {
         "apiVersion": "apiextensions.k8s.io/v1",
         "kind": "CustomResourceDefinition",

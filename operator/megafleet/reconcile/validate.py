@@ -19,7 +19,7 @@ async def fleet(api: kube.Api, body: Object, notify: context.Notify) -> desired.
     """The parsed fleet, or None once its problems are reported."""
     metadata = body["metadata"]
     generation = int(metadata.get("generation", 1))
-    spec, problems = checks.parse_spec(body.get("spec") or {})
+    spec, problems = checks.parse_spec(body.get("spec") or {}, name=metadata["name"])
     if spec is None or problems:
         message = "; ".join(f"{problem.field}: {problem.message}" for problem in problems)
         await _report_invalid(api, body, message, generation, notify)
