@@ -97,7 +97,7 @@ def definition(info: v1alpha1.KindInfo) -> dict[str, Any]:
             "statusReplicasPath": ".status.replicas",
             "labelSelectorPath": ".status.selector",
         }
-    schema = {
+    schema: dict[str, Any] = {
         "type": "object",
         "description": info.description,
         "required": ["spec"],

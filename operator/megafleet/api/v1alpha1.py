@@ -309,6 +309,7 @@ class PlacementSpec(ApiModel):
         if bad:
             raise ValueError(f"nodeSelector keys must be label keys ([prefix/]name), got {bad}")
         return selector
+
     tolerations: list[Toleration] = Field(
         default_factory=lambda: [Toleration(key="nvidia.com/gpu", operator="Exists", effect="NoSchedule")],
         max_length=32,
@@ -324,7 +325,11 @@ class SecretKeyRef(ApiModel):
 
     name: str = Field(min_length=1, max_length=253, pattern=_DNS_LABEL, description="name is the Secret's name.")
     key: str = Field(
-        default="api-key", min_length=1, max_length=253, pattern=r"^[-._a-zA-Z0-9]+$", description="key is the key in the Secret."
+        default="api-key",
+        min_length=1,
+        max_length=253,
+        pattern=r"^[-._a-zA-Z0-9]+$",
+        description="key is the key in the Secret.",
     )
 
 
