@@ -73,7 +73,7 @@ def shard_entry(
             entry["weightVersion"] = version
     elif count > max_restarts:
         entry["phase"] = "Failed"
-        last_error = f"gave up after {count - 1} restarts; last: {last_error}"
+        last_error = gave_up(count, last_error)
     elif terminating:
         entry["phase"] = "Draining"
     else:
@@ -82,6 +82,16 @@ def shard_entry(
     if error:
         entry["lastError"] = error
     return entry
+
+
+def gave_up(count: int, last_error: str | None) -> str:
+    """The lastError of a shard given up on after ``count`` placements. ``last_error`` is the status's
+    previous one, which already says so from the second reconcile on: it is kept, so an unchanged
+    Failed shard keeps an equal status (and nothing is written)."""
+    prefix = f"gave up after {count - 1} restarts; last: "
+    if last_error is not None and last_error.startswith(prefix):
+        return last_error
+    return f"{prefix}{last_error}"
 
 
 def observed(
