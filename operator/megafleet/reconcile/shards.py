@@ -11,7 +11,7 @@ from lightkube import operators
 
 from megafleet import desired, planner
 from megafleet.api import checks
-from megafleet.reconcile import context, inventory, pods
+from megafleet.reconcile import context, inventory, ownership, pods
 
 
 async def scale_down(ctx: context.FleetContext) -> None:
@@ -91,7 +91,7 @@ async def place(ctx: context.FleetContext) -> None:
         plan = planner.plan_placement(request, await _inventory(ctx))
         for shard, placement in sorted(plan.placed.items()):
             created = [
-                await ctx.api.create(pod)
+                await ownership.create(ctx.api, ctx.fleet, pod)
                 for pod in desired.shard_pods(ctx.fleet, shard, placement, defer_weights=defer_weights)
             ]
             ctx.shards.pods[shard] = [pods.parse(pod, clique_label=request.clique_label) for pod in created]

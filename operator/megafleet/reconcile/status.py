@@ -261,6 +261,9 @@ def with_endpoints(
     found = conditions.set_condition(
         found, conditions.INVALID_SPEC, False, "Valid", "", generation=fleet.generation, now=now
     )
+    found = conditions.set_condition(
+        found, conditions.NAME_CONFLICT, False, "NoConflict", "", generation=fleet.generation, now=now
+    )
     return {
         **status,
         "endpoints": [endpoint.model_dump(mode="json", by_alias=True) for endpoint in endpoints],
@@ -269,20 +272,13 @@ def with_endpoints(
     }
 
 
-def invalid(status: Object, message: str, *, generation: int, now: str) -> Object:
-    """``status`` of a fleet whose spec cannot be acted on: InvalidSpec and not Ready, with ``message``."""
+def invalid(status: Object, message: str, *, generation: int, now: str, kind: str = conditions.INVALID_SPEC) -> Object:
+    """``status`` of a fleet that cannot be acted on: ``kind`` (InvalidSpec, or NameConflict when a
+    derived name is taken) True and not Ready, both with ``message``."""
     found = conditions.set_condition(
-        list(status.get("conditions", [])),
-        conditions.INVALID_SPEC,
-        True,
-        "InvalidSpec",
-        message,
-        generation=generation,
-        now=now,
+        list(status.get("conditions", [])), kind, True, kind, message, generation=generation, now=now
     )
-    found = conditions.set_condition(
-        found, conditions.READY, False, "InvalidSpec", message, generation=generation, now=now
-    )
+    found = conditions.set_condition(found, conditions.READY, False, kind, message, generation=generation, now=now)
     return {**status, "conditions": found, "observedGeneration": generation}
 
 

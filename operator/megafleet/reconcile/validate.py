@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from megafleet import conditions, desired, kube
+from megafleet import conditions, desired, kube, names
 from megafleet.api import checks
 from megafleet.reconcile import context, status
 
@@ -37,12 +37,27 @@ async def _missing_references(api: kube.Api, fleet: desired.ParsedFleet) -> str 
     ref = fleet.spec.frontend.api_key_secret
     if ref is None:
         return None
+    if ref.name == names.agent_secret(fleet.name):
+        return f"spec.frontend.apiKeySecret: Secret {ref.name!r} is this fleet's agent token; name a Secret of your own"
     secret = await api.get("Secret", ref.name, fleet.namespace)
     if secret is None:
         return f"spec.frontend.apiKeySecret: Secret {ref.name!r} does not exist in namespace {fleet.namespace}"
+    if _agent_token(secret):
+        return (
+            f"spec.frontend.apiKeySecret: Secret {ref.name!r} is a fleet's agent token (its frontends would "
+            "hand that fleet's agents to every client); name a Secret of your own"
+        )
     if ref.key not in (secret.get("data") or {}):
         return f"spec.frontend.apiKeySecret: Secret {ref.name!r} has no key {ref.key!r}"
     return None
+
+
+def _agent_token(secret: Object) -> bool:
+    """Whether ``secret`` is some fleet's agent token: made by the operator for a MegatronGeneration."""
+    metadata = secret["metadata"]
+    labelled = (metadata.get("labels") or {}).get(names.LABEL_COMPONENT) == "agent-token"
+    owners = metadata.get("ownerReferences") or []
+    return labelled or any(owner.get("kind") == "MegatronGeneration" for owner in owners)
 
 
 async def _report_invalid(api: kube.Api, body: Object, message: str, generation: int, notify: context.Notify) -> None:
