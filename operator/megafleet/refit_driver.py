@@ -59,8 +59,8 @@ async def advance(
     try:  # admission checks the same: only an object admitted by an older CRD fails here
         spec = v1alpha1.RefitObjectSpec.model_validate(refit["spec"])
     except pydantic.ValidationError as error:
-        problems = "; ".join(f"spec.{'.'.join(map(str, item['loc']))}: {item['msg']}" for item in error.errors())
-        await _finish(api, refit, None, "Failed", f"invalid spec: {problems}", reason="InvalidSpec")
+        reasons = "; ".join(f"spec.{'.'.join(map(str, item['loc']))}: {item['msg']}" for item in error.errors())
+        await _finish(api, refit, None, "Failed", f"invalid spec: {reasons}", reason="InvalidSpec")
         return
     fleet_body = await api.get("MegatronGeneration", spec.fleet_ref.name, namespace)
     if fleet_body is None:
