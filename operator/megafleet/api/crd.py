@@ -30,6 +30,7 @@ _KEPT = {
     "pattern",
     "minItems",
     "maxItems",
+    "maxProperties",
     "items",
     "properties",
     "required",

@@ -275,7 +275,7 @@ class PlacementSpec(ApiModel):
         json_schema_extra={
             "x-kubernetes-validations": [
                 _cel(
-                    f"self.nodeSelector.all(key, key.matches(r'{_LABEL_KEY}'))",
+                    f"!has(self.nodeSelector) || self.nodeSelector.all(key, key.matches(r'{_LABEL_KEY}'))",
                     "nodeSelector keys must be label keys ([prefix/]name)",
                     field_path=".nodeSelector",
                 ),
@@ -299,7 +299,7 @@ class PlacementSpec(ApiModel):
         description="spreadShards spreads shards across cliques instead of packing them to keep whole cliques free.",
     )
     node_selector: dict[str, _LabelValue] = Field(
-        default_factory=dict, description="nodeSelector restricts the nodes shards may use."
+        default_factory=dict, max_length=64, description="nodeSelector restricts the nodes shards may use."
     )
 
     @pydantic.field_validator("node_selector")
@@ -413,7 +413,7 @@ class EngineSpec(ApiModel):
         json_schema_extra={
             "x-kubernetes-validations": [
                 _cel(
-                    f"self.env.all(item, !(item.name in {list(pod_env.SET_BY_OPERATOR)}))",
+                    f"!has(self.env) || self.env.all(item, !(item.name in {list(pod_env.SET_BY_OPERATOR)}))",
                     _OPERATOR_ENV,
                     field_path=".env",
                 ),
