@@ -20,10 +20,15 @@ async def agent_token(ctx: context.FleetContext) -> str:
     """The fleet's agent token, created once and never rotated by a reconcile. A Secret of that name
     the fleet does not own is a :class:`~.ownership.NameConflict`, never read."""
     fleet = ctx.fleet
-    secret = await ownership.get(ctx.api, fleet, "Secret", names.agent_secret(fleet.name))
+    name = names.agent_secret(fleet.name)
+    secret = await ownership.get(ctx.api, fleet, "Secret", name)
     if secret is None:
         secret = await ownership.create(ctx.api, fleet, desired.agent_secret(fleet, secrets.token_urlsafe(32)))
-    return base64.b64decode(secret["data"][names.AGENT_TOKEN_KEY]).decode()
+    encoded = (secret.get("data") or {}).get(names.AGENT_TOKEN_KEY)
+    if not encoded:  # the fleet's Secret, emptied by hand: a new token (agents read it at every call)
+        encoded = desired.agent_secret(fleet, secrets.token_urlsafe(32))["data"][names.AGENT_TOKEN_KEY]
+        await ctx.api.patch("Secret", name, fleet.namespace, {"data": {names.AGENT_TOKEN_KEY: encoded}})
+    return base64.b64decode(encoded).decode()
 
 
 async def reserve(ctx: context.FleetContext) -> None:

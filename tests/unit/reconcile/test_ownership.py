@@ -127,3 +127,14 @@ def test_an_api_key_naming_a_fleets_agent_token_is_an_invalid_spec() -> None:
         invalid = condition(fleet, "InvalidSpec")
         assert invalid["status"] == "True" and "agent token" in invalid["message"], name
         assert not [key for key in api.objects if key[0] in ("Pod", "Service")]
+
+
+def test_the_fleets_own_token_secret_emptied_by_hand_gets_a_new_token() -> None:
+    api = kube_fakes.Api(tiny(), NODE)
+    reconciled(api)
+    api.objects[("Secret", "rl", "tiny-agent-token")]["data"] = {}
+
+    fleet = reconciled(api)
+
+    assert condition(fleet, "NameConflict")["status"] == "False"
+    assert api.objects[("Secret", "rl", "tiny-agent-token")]["data"]["token"]
