@@ -56,7 +56,7 @@ import dataclasses
 import hmac
 import ipaddress
 import logging
-from collections.abc import Iterator
+from collections.abc import Callable, Coroutine, Iterator
 from pathlib import Path
 from typing import Annotated, Any
 
@@ -129,12 +129,26 @@ def read_token(path: Path) -> str:
     return token
 
 
+class _TokenFirst(fastapi.routing.APIRoute):
+    """A route that checks the agent token before FastAPI reads the body: a caller without the token
+    learns nothing from a 400 about what it sent, only a 401 (issue 16)."""
+
+    def get_route_handler(self) -> Callable[[fastapi.Request], Coroutine[Any, Any, responses.Response]]:
+        handler = super().get_route_handler()
+
+        async def authorized(request: fastapi.Request) -> responses.Response:
+            _authorize(request)
+            return await handler(request)
+
+        return authorized
+
+
 AgentDep = Annotated[AgentServer, fastapi.Depends(_agent)]
 _ERRORS: dict[int | str, dict[str, Any]] = {status: {"model": errors.ErrorBody} for status in (401, 409, 500, 504)}
 
 health_router = fastapi.APIRouter()
-router = fastapi.APIRouter(dependencies=[fastapi.Depends(_authorize)], responses=_ERRORS)
-refit_router = fastapi.APIRouter(prefix=agent_api.REFIT, dependencies=[fastapi.Depends(_authorize)], responses=_ERRORS)
+router = fastapi.APIRouter(route_class=_TokenFirst, responses=_ERRORS)
+refit_router = fastapi.APIRouter(prefix=agent_api.REFIT, route_class=_TokenFirst, responses=_ERRORS)
 
 
 @health_router.get(agent_api.HEALTHZ)

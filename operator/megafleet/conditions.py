@@ -16,6 +16,7 @@ WEIGHTS_CURRENT = "WeightsCurrent"
 ENDPOINTS_VERIFIED = "EndpointsVerified"
 DEGRADED = "Degraded"
 INVALID_SPEC = "InvalidSpec"
+NAME_CONFLICT = "NameConflict"
 REFIT_SESSION_HELD = "RefitSessionHeld"
 """A RefitSession holds the fleet's shards in a trainer's world (:mod:`megafleet.reconcile.hold`)."""
 
