@@ -126,8 +126,9 @@ class Engine:
 
     ``generated_tokens`` counts tokens delivered and ``running`` is the number of sequences in the
     running batch (the metrics read both at scrape time). ``batches`` counts backend batches and
-    ``batch_sizes`` the sequences each one served (those admitted while it ran included); ``admitted`` counts sequences that joined a running batch and
-    ``admissions`` the steps at which at least one joined.
+    ``batch_sizes`` the sequences each one served (those admitted while it ran included);
+    ``admitted`` counts sequences that joined a running batch and ``admissions`` the steps at which
+    at least one joined.
     """
 
     def __init__(

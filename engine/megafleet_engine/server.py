@@ -27,7 +27,7 @@ from megafleet_engine import engine as engine_module
 from megafleet_engine import metrics as metrics_module
 from megafleet_engine import siblings as siblings_module
 from megafleet_engine.backends import base
-from megafleet_engine.openai import errors, router, serving
+from megafleet_engine.openai import engine_client, errors, router, serving
 
 __all__ = ["EngineServers", "Listener", "bind", "build_agent_app", "build_frontend_app", "read_secret", "tokenizer_of"]
 
@@ -62,7 +62,7 @@ def build_frontend_app(context: serving.ServingContext, *, api_key: str | None =
     )
 
     def stamp() -> tuple[Mapping[str, Any], Mapping[str, str]]:
-        version = context.engine.weight_version
+        version = context.client.weight_version
         return {"weight_version": version}, {router.WEIGHT_VERSION_HEADER: router.weight_version_header(version)}
 
     errors.install(app, stamp=stamp)
@@ -72,10 +72,10 @@ def build_frontend_app(context: serving.ServingContext, *, api_key: str | None =
     async def health() -> dict[str, str]:
         # The pod's readiness probe. Suspended for a refit counts as serving: requests are held and
         # served by the new version, so the pod stays in its Service (see above).
-        engine = context.engine
-        if not engine.accepting:
-            raise errors.ServiceUnavailable(f"the engine is {engine.state}", code=engine.state)
-        return {"status": "ready" if engine.state == "ready" else "refitting"}
+        client = context.client
+        if not client.accepting:
+            raise errors.ServiceUnavailable(f"the engine is {client.state}", code=client.state)
+        return {"status": "ready" if client.state == "ready" else "refitting"}
 
     app.add_middleware(metrics_module.RequestMetrics, metrics=context.metrics, known=FRONTEND_PATHS)
     return app
@@ -199,7 +199,8 @@ class EngineServers:
         try:
             self.served_address: str | None = None
             if frontend_port is not None:
-                app = build_frontend_app(serving.ServingContext(engine, tokenizer, metrics), api_key=api_key)
+                context = serving.ServingContext(engine_client.LocalClient(engine), tokenizer, metrics)
+                app = build_frontend_app(context, api_key=api_key)
                 self._listen("frontend", app, host, frontend_port)
                 self.served_address = self.listeners[-1].address
             if agent_port is not None and agent_token_file is not None:
