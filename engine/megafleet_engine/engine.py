@@ -90,6 +90,7 @@ class Handle:
     tag: Any
     cancelled: threading.Event = dataclasses.field(default_factory=threading.Event)
     key: str = ""  # the id the backend sees: the request's own, or an alias if that is taken
+    done: bool = False  # ended (finished, failed or aborted): its sink got its last item or gets it now
 
     def cancel(self) -> None:
         self.cancelled.set()
@@ -300,6 +301,8 @@ class Engine:
                 self._queue.extend(kept)
                 self._in_flight -= len(aborted)
                 self._idle.notify_all()
+        for pending in aborted:
+            pending.done = True
         _send([(pending, Aborted("request aborted by a suspend for refit")) for pending in aborted])
         with self._idle:
             busy = self._in_flight > 0
@@ -495,6 +498,7 @@ class Engine:
         """End one open sequence of the running batch (``told``: the backend already ended it)."""
         if self._open.pop(pending.key, None) is None:
             return
+        pending.done = True
         if not told:
             self._leaving.add(pending.key)
         if error is not None:

@@ -131,7 +131,10 @@ class _EngineCollector(registry.Collector):
 
 class RequestMetrics:
     """ASGI middleware counting frontend requests by endpoint and status and timing them to the last
-    byte (streams included). Endpoints outside ``known`` count as ``other`` to bound label values."""
+    byte (streams included). Endpoints outside ``known`` count as ``other`` to bound label values.
+
+    A request is recorded just before its last byte is sent (so an API server's forwarded count
+    reaches the core before the client can see the response end), or when it fails."""
 
     def __init__(self, app: ASGIApp, *, metrics: FrontendMetrics, known: frozenset[str]) -> None:
         self._app = app
@@ -145,17 +148,26 @@ class RequestMetrics:
         path = scope["path"] if scope["path"] in self._known else "other"
         started = time.monotonic()
         status = 500  # unless a response starts
+        recorded = False
+
+        def observe() -> None:
+            nonlocal recorded
+            if not recorded:
+                recorded = True
+                self._metrics.observe_request(path, status, time.monotonic() - started)
 
         async def record(message: Message) -> None:
             nonlocal status
             if message["type"] == "http.response.start":
                 status = message["status"]
+            elif message["type"] == "http.response.body" and not message.get("more_body", False):
+                observe()
             await send(message)
 
         try:
             await self._app(scope, receive, record)
         finally:
-            self._metrics.observe_request(path, status, time.monotonic() - started)
+            observe()
 
 
 def build_app(metrics: Metrics) -> fastapi.FastAPI:
