@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import httpx
 import pytest
@@ -25,7 +26,7 @@ def _ids(choice: object) -> list[int]:
 
 
 def test_a_list_of_prompts_is_one_batch_with_n_choices_each(served: harness.Served) -> None:
-    prompts = ["hello there", [5, 6, 7, 8]]
+    prompts: list[Any] = ["hello there", [5, 6, 7, 8]]  # text and token ids mixed (the frontend takes both)
     with served.openai_client() as client:
         singles = [
             client.completions.create(
@@ -36,7 +37,7 @@ def test_a_list_of_prompts_is_one_batch_with_n_choices_each(served: harness.Serv
         batches_before = served.engine.batches
         both = client.completions.create(
             model=harness.MODEL,
-            prompt=prompts,  # type: ignore[arg-type]  # a mixed list: OpenAI accepts strings or token lists
+            prompt=prompts,
             max_tokens=6,
             temperature=0,
             n=2,
