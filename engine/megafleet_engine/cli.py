@@ -9,10 +9,11 @@ and metrics on local rank 0. A frontend rank is the *engine core*: its frontend 
 ``MEGAFLEET_API_SERVERS`` API-server processes it spawns and supervises
 (:mod:`megafleet_engine.core_ipc`), which own HTTP and tokenisation and talk to the core over IPC.
 The other local ranks serve an agent of their own on the pod IP at ``agent port + local rank``,
-which local rank 0's agent forwards refits to (:mod:`megafleet_engine.siblings`). On a model-parallel megatron shard the ranks other than the
-first run :meth:`~megafleet_engine.backends.megatron.MegatronBackend.serve_followers` on a
-thread of their own and step in lockstep with the first. SIGTERM or SIGINT stops the servers
-gracefully (the first rank then releases its followers); a rank that fails stops its siblings.
+which local rank 0's agent forwards refits to (:mod:`megafleet_engine.siblings`). On a
+model-parallel megatron shard the ranks other than the first run
+:meth:`~megafleet_engine.backends.megatron.MegatronBackend.serve_followers` on a thread of their own
+and step in lockstep with the first. SIGTERM or SIGINT stops the servers gracefully (the first rank
+then releases its followers); a rank that fails stops its siblings.
 """
 
 from __future__ import annotations

@@ -4,7 +4,6 @@ through the official ``openai`` client against the frontend in the engine's proc
 from __future__ import annotations
 
 from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import httpx
