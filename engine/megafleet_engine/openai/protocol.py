@@ -19,11 +19,12 @@ import pydantic
 from pydantic import Field
 
 from megafleet_engine.backends import base
+from megafleet_protocol import frontend
 
 log = logging.getLogger(__name__)
 
-MAX_N = 128
-"""Most choices one request may ask for: each is a sequence in the batch."""
+MAX_N = frontend.MAX_SEQUENCES_PER_REQUEST
+"""Most choices one request may ask for, prompts times ``n``: each is a sequence in the batch."""
 MAX_LOGPROBS = 20
 """Most alternatives per token (OpenAI's limit for chat ``top_logprobs``)."""
 MAX_STOP = 16
