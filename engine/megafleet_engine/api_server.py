@@ -43,6 +43,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = list(sys.argv[1:] if argv is None else argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr)
     config: dict[str, Any] = json.loads(Path(args[0]).read_text())
+    # Unpickling the tokenizer imports transformers, which imports torch (and CUDA's libraries)
+    # when it finds it; marked missing, transformers runs tokenizer-only and any other import fails.
+    sys.modules.setdefault("torch", None)  # type: ignore[arg-type]
     tokenizer: base.Tokenizer = pickle.loads(Path(config["tokenizer_file"]).read_bytes())
     asyncio.run(_serve(config, tokenizer))
     return 0
