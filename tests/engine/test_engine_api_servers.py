@@ -5,6 +5,7 @@ restarts it; the core dies: the API servers exit and the port stops answering)."
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -12,6 +13,7 @@ import sys
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import httpx
 import openai
@@ -150,3 +152,48 @@ def test_a_core_that_dies_takes_its_api_servers_down(engine: SplitEngine) -> Non
     _wait_for(lambda: all(gone(pid) for pid in servers), "the API servers to exit", timeout=15)
     with pytest.raises(httpx.TransportError):
         httpx.get(f"http://{engine.addresses['frontend']}/health", timeout=5)
+
+
+def _stream_first_line(engine: SplitEngine, max_tokens: int) -> tuple[httpx.Client, Any, Iterator[str]]:
+    http = httpx.Client(base_url=f"http://{engine.addresses['frontend']}", timeout=60)
+    body = {"model": MODEL, "prompt": [1, 2, 3], "max_tokens": max_tokens, "ignore_eos": True, "stream": True}
+    context = http.stream("POST", "/v1/completions", json=body)
+    response = context.__enter__()
+    lines = response.iter_lines()
+    assert next(line for line in lines if line.startswith("data: {"))
+    return http, context, lines
+
+
+def test_a_client_that_leaves_stops_its_sequence_in_the_core(engine: SplitEngine) -> None:
+    max_tokens = 120
+    http, context, _ = _stream_first_line(engine, max_tokens)
+    context.__exit__(None, None, None)  # the client goes away after its first token
+    http.close()
+    _wait_for(lambda: engine.metric("megafleet_queue_depth") == 0, "the core to drop the sequence", timeout=30)
+    assert engine.metric("megafleet_generated_tokens_total") < max_tokens
+
+
+def test_suspend_abort_and_resume_reach_requests_through_api_servers(engine: SplitEngine) -> None:
+    http, context, lines = _stream_first_line(engine, 120)
+    agent = httpx.Client(
+        base_url=f"http://{engine.addresses['agent']}",
+        headers={"Authorization": f"Bearer {engine_command.AGENT_TOKEN}"},
+        timeout=60,
+    )
+    with agent:
+        assert agent.post("/v1/suspend", json={"mode": "abort", "timeoutSeconds": 30}).status_code == 200
+        rest = [line for line in lines if line]
+        context.__exit__(None, None, None)
+        http.close()
+        error = json.loads(next(line for line in rest if '"error"' in line)[len("data: ") :])
+        assert error["error"]["code"] == "aborted" and rest[-1] == "data: [DONE]"
+        frontend = f"http://{engine.addresses['frontend']}"
+        _wait_for(lambda: httpx.get(f"{frontend}/health", timeout=5).status_code == 503, "health to say suspended")
+        assert agent.post("/v1/resume", json={"weightVersion": 3}).status_code == 200
+    _wait_for(lambda: _ready(engine), "health to say ready again")
+    with _client(engine) as client:
+        raw = client.completions.with_raw_response.create(model=MODEL, prompt="hi", max_tokens=2)
+        models = client.models.list()
+    assert raw.headers["X-Megafleet-Weight-Version"] == "3"
+    assert (raw.parse().model_extra or {})["weight_version"] == 3
+    assert (models.model_extra or {})["weight_version"] == 3
