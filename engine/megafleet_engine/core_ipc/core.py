@@ -334,6 +334,7 @@ class CoreServer:
         try:
             handles = await self._engine.enqueue(entries, client.sink)
         except engine_module.NotServing as error:
+            client.dropped.difference_update(sequence.seq for sequence in message.sequences)
             failures = [failure(sequence.seq, error) for sequence in message.sequences]
             client.send(messages.Outputs(self._engine.weight_version, [], failures))
             return
