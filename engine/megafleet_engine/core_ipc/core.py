@@ -166,7 +166,14 @@ class CoreServer:
         self._api_key = api_key
         self._folder = Path(tempfile.mkdtemp(prefix="megafleet-core-"))
         self._tokenizer_file = self._folder / "tokenizer.pickle"
-        self._tokenizer_file.write_bytes(pickle.dumps(tokenizer))
+        try:
+            self._tokenizer_file.write_bytes(pickle.dumps(tokenizer))
+        except (pickle.PicklingError, TypeError, AttributeError) as error:
+            shutil.rmtree(self._folder, ignore_errors=True)
+            raise RuntimeError(
+                f"the tokenizer cannot be handed to API-server processes ({error}); set MEGAFLEET_API_SERVERS=0 "
+                "to serve the frontend in the engine's process"
+            ) from None
         self._context = zmq.asyncio.Context()
         self._sync_context = zmq.Context()
         self._input = self._context.socket(zmq.PULL)
