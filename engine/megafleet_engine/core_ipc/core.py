@@ -14,7 +14,7 @@ server's sink once per step, which sends that step's tokens as one :class:`~.mes
 message. An API server that exits is restarted (its sequences are cancelled; a new epoch keeps
 stale messages apart) unless it failed :data:`RESTART_LIMIT` times within
 :data:`RESTART_WINDOW_SECONDS`; then the core logs that the frontend is down and stops restarting
-it, and the pod's readiness probe fails.
+it, and the pod's readiness probe fails (once no API server is left, the frontend port is closed).
 """
 
 from __future__ import annotations
@@ -276,6 +276,9 @@ class CoreServer:
                         RESTART_WINDOW_SECONDS,
                     )
                     del self._clients[slot]
+                    if not self._clients:  # nobody accepts any more: refuse connections instead of queueing them
+                        log.error("no API server is left; closing the frontend port")
+                        self._listener.close()
                     continue
                 log.error(
                     "API server %d (pid %d) exited with status %s; restarting it", slot, process.pid, process.returncode
