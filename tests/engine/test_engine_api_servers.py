@@ -197,3 +197,24 @@ def test_suspend_abort_and_resume_reach_requests_through_api_servers(engine: Spl
     assert raw.headers["X-Megafleet-Weight-Version"] == "3"
     assert (raw.parse().model_extra or {})["weight_version"] == 3
     assert (models.model_extra or {})["weight_version"] == 3
+
+
+def test_an_api_server_that_keeps_dying_is_given_up_and_the_port_closes(tmp_path: Path) -> None:
+    engine = SplitEngine(engine_command.token_file(tmp_path), api_servers=1)
+    try:
+        engine.wait_serving()
+        killed: set[int] = set()
+        deadline = time.monotonic() + 120
+        while not any("not restarting it" in line for line in engine.log):
+            assert time.monotonic() < deadline, "the core kept restarting its API server"
+            for pid in set(engine.api_server_pids()) - killed:
+                os.kill(pid, signal.SIGKILL)
+                killed.add(pid)
+            time.sleep(0.05)  # polling for the next replacement, with a deadline
+        assert len(killed) == 6  # the first start and 5 restarts within a minute
+        assert any("closing the frontend port" in line for line in engine.log)
+        with pytest.raises(httpx.ConnectError):
+            httpx.get(f"http://{engine.addresses['frontend']}/health", timeout=5)
+        assert engine.process.poll() is None  # the core (agent, metrics) stays up; readiness fails
+    finally:
+        engine.close()
