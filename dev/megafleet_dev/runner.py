@@ -148,8 +148,9 @@ class Runner:
     ) -> dict[str, str]:
         env = {key: value for key, value in os.environ.items() if not key.startswith("MEGAFLEET_")}
         namespace = pod["metadata"]["namespace"]
+        defined: dict[str, str] = {}  # the container's own variables, which $(NAME) may refer to
         for item in container.get("env", []):
-            value = item.get("value", "")
+            value = expand(item.get("value", ""), defined)
             source = item.get("valueFrom", {})
             if "fieldRef" in source:
                 value = _field(pod, source["fieldRef"]["fieldPath"])
@@ -157,7 +158,7 @@ class Runner:
                 ref = source["secretKeyRef"]
                 secret = self.client.get(f"/api/v1/namespaces/{namespace}/secrets/{ref['name']}") or {}
                 value = base64.b64decode((secret.get("data") or {}).get(ref["key"], "")).decode()
-            env[item["name"]] = _local_path(value, mounts)
+            env[item["name"]] = defined[item["name"]] = _local_path(value, mounts)
         master = env.get("MEGAFLEET_MASTER_ADDR", "")
         env["MEGAFLEET_MASTER_ADDR"] = _resolve(master, namespace, pods) or master
         return env
@@ -182,6 +183,25 @@ class Runner:
             except subprocess.TimeoutExpired:
                 os.killpg(process.popen.pid, signal.SIGKILL)
                 process.popen.wait()
+
+
+def expand(value: str, defined: dict[str, str]) -> str:
+    """An env value as the kubelet passes it on: ``$$`` becomes ``$``, ``$(NAME)`` the value of an
+    earlier variable (left as written when there is none), anything else stays."""
+    out, i = [], 0
+    while i < len(value):
+        following = value[i + 1 : i + 2]
+        end = value.find(")", i + 2) if following == "(" and value[i] == "$" else -1
+        if value[i] == "$" and following == "$":
+            out.append("$")
+            i += 2
+        elif end != -1:
+            out.append(defined.get(value[i + 2 : end], value[i : end + 1]))
+            i = end + 1
+        else:
+            out.append(value[i])
+            i += 1
+    return "".join(out)
 
 
 def _wants_gpus(pod: dict[str, Any]) -> bool:

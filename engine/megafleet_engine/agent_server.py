@@ -22,6 +22,12 @@ Routes: ``GET /healthz``, ``GET /readyz``, ``GET /v1/state``, ``POST /v1/suspend
   trainer's ``bucketBytes``); the first one joins NeMo's world as rank ``rankOffset + rank``, later
   ones over the same world keep that membership (``reused``). A refit info that does not fit this
   engine is refused (400) before anything is suspended.
+* ``POST /v1/refit/megatron/join`` (202), ``POST /v1/refit/megatron`` (202) and
+  ``POST /v1/refit/megatron/leave``: megatron-core's own refit from a megatron-core trainer
+  (:mod:`megafleet_engine.refit_runner.megatron_native`): join its refit group at the store at
+  ``port + 1`` and prepare the plan without suspending, then one ``swap_model_weights`` per refit of the
+  session; 409 ``backend_cannot_swap`` on a backend without a megatron-core model (or megatron-core
+  < 0.17), 409 ``megatron_not_joined`` for a refit without a joined group.
 * ``GET /v1/refit/status``: the current or last attempt: ``phase`` (idle, suspending, joining,
   receiving, applying, resuming, succeeded, failed), per-phase milliseconds, counters, ``error``,
   ``reused`` (the join kept the transfer group parked by the previous refit).
@@ -46,7 +52,7 @@ import dataclasses
 import hmac
 import ipaddress
 import logging
-from collections.abc import Iterator
+from collections.abc import Callable, Coroutine, Iterator
 from pathlib import Path
 from typing import Annotated, Any
 
@@ -59,6 +65,7 @@ from megafleet_engine import metrics as metrics_module
 from megafleet_engine import siblings as siblings_module
 from megafleet_engine.openai import errors
 from megafleet_engine.refit_runner import controller as refit_controller
+from megafleet_engine.refit_runner import megatron_native
 from megafleet_engine.refit_runner import progress as refit_progress
 from megafleet_protocol import agent_api
 
@@ -85,10 +92,12 @@ class AgentServer:
     siblings: siblings_module.Siblings | None = None  # the pod's other local ranks (local rank 0 only)
     transfer_address: str | None = None  # where refit transports bind; None: the address this agent serves on
     refits: refit_controller.RefitController = dataclasses.field(init=False, repr=False, compare=False)
+    megatron: megatron_native.NativeRefits = dataclasses.field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         controller = refit_controller.RefitController(self.engine, rank=self.rank, metrics=self.metrics)
         object.__setattr__(self, "refits", controller)
+        object.__setattr__(self, "megatron", megatron_native.NativeRefits(controller))
 
 
 def _agent(request: fastapi.Request) -> AgentServer:
@@ -116,12 +125,26 @@ def read_token(path: Path) -> str:
     return token
 
 
+class _TokenFirst(fastapi.routing.APIRoute):
+    """A route that checks the agent token before FastAPI reads the body: a caller without the token
+    learns nothing from a 400 about what it sent, only a 401 (issue 16)."""
+
+    def get_route_handler(self) -> Callable[[fastapi.Request], Coroutine[Any, Any, responses.Response]]:
+        handler = super().get_route_handler()
+
+        async def authorized(request: fastapi.Request) -> responses.Response:
+            _authorize(request)
+            return await handler(request)
+
+        return authorized
+
+
 AgentDep = Annotated[AgentServer, fastapi.Depends(_agent)]
 _ERRORS: dict[int | str, dict[str, Any]] = {status: {"model": errors.ErrorBody} for status in (401, 409, 500, 504)}
 
 health_router = fastapi.APIRouter()
-router = fastapi.APIRouter(dependencies=[fastapi.Depends(_authorize)], responses=_ERRORS)
-refit_router = fastapi.APIRouter(prefix=agent_api.REFIT, dependencies=[fastapi.Depends(_authorize)], responses=_ERRORS)
+router = fastapi.APIRouter(route_class=_TokenFirst, responses=_ERRORS)
+refit_router = fastapi.APIRouter(prefix=agent_api.REFIT, route_class=_TokenFirst, responses=_ERRORS)
 
 
 @health_router.get(agent_api.HEALTHZ)
@@ -288,9 +311,65 @@ async def refit_abort(body: agent_api.RefitAbortRequest, agent: AgentDep) -> res
     return responses.JSONResponse(siblings_module.combine(own, others))
 
 
+@refit_router.post("/megatron/join", status_code=202)
+async def refit_megatron_join(body: agent_api.MegatronJoinRequest, agent: AgentDep) -> responses.JSONResponse:
+    rendezvous = body.rendezvous
+    join = megatron_native.JoinRequest(
+        session=body.session,
+        address=rendezvous.address,
+        port=rendezvous.port,
+        world_size=rendezvous.world_size,
+        rank_offset=rendezvous.rank_offset,
+        trainer_world_size=rendezvous.trainer_world_size,
+        copy_backend=body.copy_backend,
+        timeout_seconds=body.timeout_seconds,
+    )
+    with _megatron_refusals():
+        own = _world_body(agent.megatron.join(join, asyncio.get_running_loop()), protocol="megatron")
+    others = await _forward(agent, agent_api.REFIT_MEGATRON_JOIN, body)
+    combined = own if others is None else siblings_module.combine_world([own, *others])
+    return responses.JSONResponse(combined, status_code=202)
+
+
+@refit_router.post("/megatron", status_code=202)
+async def refit_megatron(body: agent_api.MegatronRefitRequest, agent: AgentDep) -> responses.JSONResponse:
+    refit = megatron_native.RefitRequest(
+        version=body.version,
+        session=body.session,
+        timeout_seconds=body.timeout_seconds,
+        suspend_mode=body.suspend_mode,
+        kv_cache_mode=body.kv_cache_mode,
+    )
+    with _megatron_refusals():
+        snapshot = agent.megatron.refit(refit, asyncio.get_running_loop())
+    own = _refit_status_body(agent, snapshot)
+    others = await _forward(agent, agent_api.REFIT_MEGATRON, body)
+    return responses.JSONResponse(own if others is None else siblings_module.combine(own, others), status_code=202)
+
+
+@refit_router.post("/megatron/leave")
+async def refit_megatron_leave(body: agent_api.NemoLeaveRequest, agent: AgentDep) -> responses.JSONResponse:
+    left = agent.megatron.leave(body.session)
+    own = None if left is None else _world_body(left, protocol="megatron")
+    others = await _forward(agent, agent_api.REFIT_MEGATRON_LEAVE, body)
+    return responses.JSONResponse({"world": own if others is None else siblings_module.combine_world([own, *others])})
+
+
+@contextlib.contextmanager
+def _megatron_refusals() -> Iterator[None]:
+    """The megatron-native refusals (409 ``backend_cannot_swap``, ``megatron_not_joined``), then the others."""
+    with _refusals():
+        try:
+            yield
+        except megatron_native.CannotSwap as error:
+            raise errors.Conflict(str(error), code="backend_cannot_swap") from None
+        except megatron_native.NotJoined as error:
+            raise errors.Conflict(str(error), code="megatron_not_joined") from None
+
+
 @refit_router.post("/{operation:path}", status_code=404)
 async def refit_unknown(operation: str) -> None:
-    raise errors.NotFound(f"no refit operation {operation!r}: use prepare, checkpoint, nemo, status or abort")
+    raise errors.NotFound(f"no refit operation {operation!r}: use prepare, checkpoint, nemo, megatron, status or abort")
 
 
 async def _start_refit(
@@ -365,18 +444,31 @@ def _refit_status_body(agent: AgentServer, snapshot: refit_progress.Snapshot) ->
         dirty=agent.refits.dirty,
         state=engine.state,
         weight_version=engine.weight_version,
-        world=_world_model(agent.refits.world()),
+        world=_world_model(*_last_world(agent)),
     )
     return body.model_dump(mode="json", by_alias=True)
 
 
-def _world_model(world: refit_controller.WorldSnapshot | None) -> agent_api.NemoWorldStatus | None:
+def _last_world(agent: AgentServer) -> tuple[refit_controller.WorldSnapshot | None, str]:
+    """The membership the refit status shows: a megatron-native one while it is joining or joined
+    (or when there is no NeMo one), else NeMo's, with its protocol."""
+    megatron = agent.megatron.world()
+    nemo = agent.refits.world()
+    if megatron is not None and (nemo is None or megatron.phase in ("joining", "joined")):
+        return megatron, "megatron"
+    return nemo, "nemo"
+
+
+def _world_model(
+    world: refit_controller.WorldSnapshot | None, protocol: str = "nemo"
+) -> agent_api.NemoWorldStatus | None:
     if world is None:
         return None
     return agent_api.NemoWorldStatus.model_validate(
         {
             "session": world.session,
             "phase": world.phase,
+            "protocol": protocol,
             "rank": world.rank,
             "generation": world.generation,
             "error": world.error,
@@ -384,8 +476,8 @@ def _world_model(world: refit_controller.WorldSnapshot | None) -> agent_api.Nemo
     )
 
 
-def _world_body(world: refit_controller.WorldSnapshot) -> dict[str, Any]:
-    model = _world_model(world)
+def _world_body(world: refit_controller.WorldSnapshot, protocol: str = "nemo") -> dict[str, Any]:
+    model = _world_model(world, protocol)
     assert model is not None
     return model.model_dump(mode="json", by_alias=True)
 

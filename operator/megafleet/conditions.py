@@ -16,6 +16,7 @@ WEIGHTS_CURRENT = "WeightsCurrent"
 ENDPOINTS_VERIFIED = "EndpointsVerified"
 DEGRADED = "Degraded"
 INVALID_SPEC = "InvalidSpec"
+NAME_CONFLICT = "NameConflict"
 
 Condition = dict[str, Any]
 

@@ -295,7 +295,7 @@ def _env(fleet: ParsedFleet, shard: int, index: int, layout: planner.PodLayout, 
         env.MASTER_PORT: str(ports.MASTER_PORT),
     }
     items: list[Object] = [{"name": env.HOST, "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}}]
-    items += [{"name": key, "value": value} for key, value in values.items()]
+    items += [{"name": key, "value": literal(value)} for key, value in values.items()]
     if spec.frontend.api_key_secret is not None:
         items.append(
             {
@@ -305,5 +305,13 @@ def _env(fleet: ParsedFleet, shard: int, index: int, layout: planner.PodLayout, 
                 },
             }
         )
+    # The user's own variables keep Kubernetes' meaning: $(NAME) in them refers to another variable.
     items += [{"name": item.name, "value": item.value} for item in spec.engine.env]
     return items
+
+
+def literal(value: str) -> str:
+    """``value`` escaped for a container's env: the kubelet expands ``$(NAME)`` there and turns ``$$``
+    into ``$``, so doubling every ``$`` makes the engine see exactly ``value`` (a model source or served
+    name holding ``$(MEGAFLEET_HOST)`` stays that text)."""
+    return value.replace("$", "$$")

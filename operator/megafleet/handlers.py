@@ -1,8 +1,10 @@
 """Kopf handlers: every trigger runs the same level-based :func:`megafleet.reconcile.reconcile`.
 
 Imported by ``megafleet operator`` (:mod:`megafleet.operator_main`). Triggers: the fleet is created,
-its spec changes, the operator resumes, a periodic timer (observation), and any event of a pod
-the fleet owns. Refits are advanced by :mod:`megafleet.refit_driver` on create and a timer. The
+its spec changes, the operator resumes, a periodic poll (observation), and any event of a pod
+the fleet owns. Refits are advanced by :mod:`megafleet.refit_driver` on create and a poll. The polls
+are daemons that end once their object is gone, so no object carries a finalizer
+(:mod:`megafleet.persistence`): deleting one never waits for an operator. The
 operator's runtime (clients, locks, delays, settings) is made at startup and kept in Kopf's
 ``memo`` as ``memo.runtime``; a per-fleet lock keeps reconciles and Refit steps of one fleet sequential.
 """
@@ -10,12 +12,12 @@ operator's runtime (clients, locks, delays, settings) is made at startup and kep
 from __future__ import annotations
 
 import logging
-from collections.abc import Mapping
+from collections.abc import Awaitable, Callable, Mapping
 from typing import Any, cast
 
 import kopf
 
-from megafleet import agent_client, kube, metrics, names, reconcile, refit_driver
+from megafleet import agent_client, kube, metrics, names, persistence, reconcile, refit_driver
 from megafleet import settings as operator_settings
 from megafleet.api import v1alpha1
 from megafleet.reconcile import context
@@ -32,8 +34,9 @@ _TRIGGERS = SETTINGS.triggers
 @kopf.on.startup()
 def configure(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) -> None:
     # Kopf's own bookkeeping goes to annotations under our prefix, never into our status contract.
-    settings.persistence.progress_storage = kopf.AnnotationsProgressStorage(prefix=names.PREFIX)
-    settings.persistence.diffbase_storage = kopf.AnnotationsDiffBaseStorage(
+    # Bounded and tolerant of malformed records; see megafleet.persistence (issue 16).
+    settings.persistence.progress_storage = persistence.TolerantProgress(prefix=names.PREFIX)
+    settings.persistence.diffbase_storage = persistence.DigestDiffBase(
         prefix=names.PREFIX, key="last-handled-configuration"
     )
     settings.posting.level = logging.INFO
@@ -54,11 +57,12 @@ def _runtime(memo: kopf.Memo) -> context.Runtime:
     return cast(context.Runtime, memo.runtime)
 
 
-async def _reconcile(runtime: context.Runtime, namespace: str, name: str) -> None:
+async def _reconcile(runtime: context.Runtime, namespace: str, name: str) -> bool:
+    """One reconcile of the fleet; False when it is gone or going."""
     async with runtime.fleet_lock(namespace, name):
         fresh = await runtime.api.get("MegatronGeneration", name, namespace)  # the latest state, not the event's
         if fresh is None or fresh["metadata"].get("deletionTimestamp"):
-            return
+            return False
 
         def notify(kind: str, reason: str, message: str) -> None:
             kopf.event(kopf.Body(cast(kopf.RawBody, fresh)), type=kind, reason=reason, message=message)
@@ -70,6 +74,15 @@ async def _reconcile(runtime: context.Runtime, namespace: str, name: str) -> Non
                 metrics.RECONCILES.labels(outcome="error").inc()
                 raise
         metrics.RECONCILES.labels(outcome="ok").inc()
+        return True
+
+
+async def poll(stopped: kopf.DaemonStopped, interval: float, step: Callable[[], Awaitable[bool]]) -> None:
+    """Run ``step`` every ``interval`` seconds until it reports its object gone (or Kopf stops the
+    daemon). A timer that ends by itself: these daemons hold no finalizer
+    (:func:`megafleet.persistence.without_finalizers`), so Kopf does not stop them on deletion."""
+    while not stopped and await step():
+        await stopped.wait(interval)
 
 
 @kopf.on.create(*RESOURCE, backoff=_TRIGGERS.retry_seconds)
@@ -79,9 +92,10 @@ async def on_fleet_change(namespace: str | None, name: str, memo: kopf.Memo, **_
     await _reconcile(_runtime(memo), namespace or "default", name)
 
 
-@kopf.timer(*RESOURCE, interval=_TRIGGERS.observe_interval_seconds, sharp=False, backoff=_TRIGGERS.retry_seconds)
-async def observe(namespace: str | None, name: str, memo: kopf.Memo, **_: Any) -> None:
-    await _reconcile(_runtime(memo), namespace or "default", name)
+@kopf.daemon(*RESOURCE, backoff=_TRIGGERS.retry_seconds)
+async def observe(namespace: str | None, name: str, memo: kopf.Memo, stopped: kopf.DaemonStopped, **_: Any) -> None:
+    runtime = _runtime(memo)
+    await poll(stopped, _TRIGGERS.observe_interval_seconds, lambda: _reconcile(runtime, namespace or "default", name))
 
 
 @kopf.on.event("v1", "pods", labels={names.LABEL_FLEET: kopf.PRESENT})
@@ -93,13 +107,16 @@ def _unfinished(status: Mapping[str, Any], **_: Any) -> bool:
     return status.get("phase") not in ("Succeeded", "Failed")
 
 
-async def _advance_refit(runtime: context.Runtime, namespace: str, name: str, fleet: str) -> None:
+async def _advance_refit(runtime: context.Runtime, namespace: str, name: str, fleet: str) -> bool:
+    """One step of the Refit; False when it is gone or finished."""
     async with runtime.fleet_lock(namespace, fleet):  # never beside the fleet's reconcile
         # Read under the lock: a trigger that waited for it must see what the one before it wrote
         # (two triggers starting the same attempt would each tell the agents to join).
         refit = await runtime.api.get("Refit", name, namespace)
-        if refit is not None:
-            await refit_driver.advance(runtime.api, runtime.agents, refit, settings=runtime.settings.refit)
+        if refit is None or not _unfinished(refit.get("status") or {}):
+            return False
+        await refit_driver.advance(runtime.api, runtime.agents, refit, settings=runtime.settings.refit)
+        return True
 
 
 @kopf.on.create(*REFITS, backoff=_TRIGGERS.retry_seconds)
@@ -108,12 +125,14 @@ async def on_refit(namespace: str | None, name: str, spec: Mapping[str, Any], me
     await _advance_refit(_runtime(memo), namespace or "default", name, spec["fleetRef"]["name"])
 
 
-@kopf.timer(
-    *REFITS,
-    interval=SETTINGS.refit.poll_seconds,
-    sharp=False,
-    backoff=_TRIGGERS.retry_seconds,
-    when=_unfinished,
-)
-async def poll_refit(namespace: str | None, name: str, spec: Mapping[str, Any], memo: kopf.Memo, **_: Any) -> None:
-    await _advance_refit(_runtime(memo), namespace or "default", name, spec["fleetRef"]["name"])
+@kopf.daemon(*REFITS, backoff=_TRIGGERS.retry_seconds, when=_unfinished)
+async def poll_refit(
+    namespace: str | None, name: str, spec: Mapping[str, Any], memo: kopf.Memo, stopped: kopf.DaemonStopped, **_: Any
+) -> None:
+    runtime, fleet = _runtime(memo), spec["fleetRef"]["name"]
+    await poll(
+        stopped, SETTINGS.refit.poll_seconds, lambda: _advance_refit(runtime, namespace or "default", name, fleet)
+    )
+
+
+persistence.without_finalizers(kopf.get_default_registry())  # after every daemon above is registered

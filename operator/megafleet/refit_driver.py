@@ -52,10 +52,15 @@ async def advance(
     """Move one Refit forward by one step (idempotent)."""
     metadata = refit["metadata"]
     namespace, name = metadata["namespace"], metadata["name"]
-    spec = v1alpha1.RefitObjectSpec.model_validate(refit["spec"])
     status = dict(refit.get("status") or {})
     phase = status.get("phase", "Pending")
     if phase in ("Succeeded", "Failed"):
+        return
+    try:  # admission checks the same: only an object admitted by an older CRD fails here
+        spec = v1alpha1.RefitObjectSpec.model_validate(refit["spec"])
+    except pydantic.ValidationError as error:
+        reasons = "; ".join(f"spec.{'.'.join(map(str, item['loc']))}: {item['msg']}" for item in error.errors())
+        await _finish(api, refit, None, "Failed", f"invalid spec: {reasons}", reason="InvalidSpec")
         return
     fleet_body = await api.get("MegatronGeneration", spec.fleet_ref.name, namespace)
     if fleet_body is None:

@@ -25,6 +25,7 @@ __all__ = [
     "REFIT_CHECKPOINT",
     "REFIT_MEGATRON",
     "REFIT_MEGATRON_JOIN",
+    "REFIT_MEGATRON_LEAVE",
     "REFIT_NEMO",
     "REFIT_NEMO_JOIN",
     "REFIT_NEMO_LEAVE",
@@ -65,6 +66,7 @@ REFIT_NEMO_JOIN = f"{REFIT}/nemo/join"
 REFIT_NEMO_LEAVE = f"{REFIT}/nemo/leave"
 REFIT_MEGATRON = f"{REFIT}/megatron"
 REFIT_MEGATRON_JOIN = f"{REFIT}/megatron/join"
+REFIT_MEGATRON_LEAVE = f"{REFIT}/megatron/leave"
 REFIT_STATUS = f"{REFIT}/status"
 REFIT_ABORT = f"{REFIT}/abort"
 

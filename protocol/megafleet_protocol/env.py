@@ -36,6 +36,7 @@ __all__ = [
     "RANK",
     "REFIT_WAIT_SECONDS",
     "SERVED_MODEL_NAME",
+    "SET_BY_OPERATOR",
     "SHARD",
     "TENSOR_PARALLEL",
     "WEIGHTS_INITIAL",
@@ -76,3 +77,33 @@ MASTER_ADDR = "MEGAFLEET_MASTER_ADDR"
 MASTER_PORT = "MEGAFLEET_MASTER_PORT"
 LOCAL_GPUS = "MEGAFLEET_LOCAL_GPUS"
 LOCAL_RANKS = "MEGAFLEET_LOCAL_RANKS"
+
+SET_BY_OPERATOR = (
+    FLEET,
+    SHARD,
+    HOST,
+    MODEL_SOURCE,
+    SERVED_MODEL_NAME,
+    BACKEND,
+    DTYPE,
+    MAX_SEQUENCE_LENGTH,
+    MAX_BATCH_SIZE,
+    WEIGHTS_INITIAL,
+    KV_CACHE_MODE,
+    CUDA_GRAPHS,
+    TENSOR_PARALLEL,
+    PIPELINE_PARALLEL,
+    FRONTEND_PORT,
+    AGENT_PORT,
+    METRICS_PORT,
+    AGENT_TOKEN_FILE,
+    API_KEY,
+    RANK,
+    WORLD_SIZE,
+    LOCAL_GPUS,
+    MASTER_ADDR,
+    MASTER_PORT,
+)
+"""What the operator writes on every engine pod (``API_KEY`` with ``spec.frontend.apiKeySecret``): a
+fleet's ``spec.engine.env`` may not set them, so the checked ports, ranks and model stay the
+operator's. The others (``KV_CACHE_GIB``, ``REFIT_WAIT_SECONDS``, ...) are the user's to set."""

@@ -255,32 +255,6 @@ def test_fleets_created_together_never_share_gpus(operator: Path, kube_admin: ku
     assert len({pod["spec"]["nodeName"] for pod in pods}) == 4
 
 
-def test_a_frontend_serving_elsewhere_fails_address_verification(
-    operator: Path, kube_admin: kube.Kube, namespace: str
-) -> None:
-    manifest = example("tiny-cpu.yaml")
-    manifest["spec"]["replicas"] = 1
-    # The engine is told to bind another port than the one its Service targets.
-    manifest["spec"]["engine"]["env"] = [{"name": "MEGAFLEET_FRONTEND_PORT", "value": "8001"}]
-    kube_admin.create(fleets(namespace), manifest)
-
-    def mismatch(obj: kube.Object | None) -> bool:
-        return (kube.condition(obj, "EndpointsVerified") or {}).get("reason") == "Mismatch"
-
-    status = kube_admin.wait(f"{fleets(namespace)}/tiny", mismatch, timeout=WAIT, what="a mismatch")
-
-    assert status is not None
-    message = (kube.condition(status, "EndpointsVerified") or {})["message"]
-    pod = kube_admin.get(f"/api/v1/namespaces/{namespace}/pods/tiny-s0-p0")
-    assert pod is not None
-    ip = pod["status"]["podIP"]
-    assert f"reserved: shard 0: {ip}:8000" in message and f"served: shard 0: {ip}:8001" in message
-    events = kube_admin.wait_items(
-        f"/api/v1/namespaces/{namespace}/events", bool, field_selector="reason=EndpointsMismatch", timeout=WAIT
-    )
-    assert events[0]["type"] == "Warning"
-
-
 def test_deleting_a_fleet_removes_everything_it_created(operator: Path, kube_admin: kube.Kube, namespace: str) -> None:
     manifest = example("tiny-cpu.yaml")
     kube_admin.create(fleets(namespace), manifest)

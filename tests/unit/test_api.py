@@ -74,7 +74,7 @@ def test_examples_pass_operator_checks(path: Path) -> None:
     if manifest["kind"] != "MegatronGeneration":
         SPECS[manifest["kind"]].model_validate(manifest["spec"])
         return
-    spec, problems = checks.parse_spec(manifest["spec"])
+    spec, problems = checks.parse_spec(manifest["spec"], name=manifest["metadata"]["name"])
     assert spec is not None and problems == []
 
 
@@ -87,6 +87,6 @@ def test_operator_rejects_what_admission_rejects(path: Path) -> None:
         with pytest.raises(ValueError):
             SPECS[manifest["kind"]].model_validate(manifest["spec"])
         return
-    _, problems = checks.parse_spec(manifest["spec"])
+    _, problems = checks.parse_spec(manifest["spec"], name=manifest["metadata"]["name"])
     assert problems, "no problem reported"
     assert any(problem.field.startswith(field) or field.startswith(problem.field) for problem in problems), problems

@@ -85,3 +85,32 @@ def test_tolerations_match_taints_as_the_scheduler_does() -> None:
     assert not inventory.tolerates([equal_other], gpu_taint)
     assert inventory.tolerates([], [{"key": "soft", "effect": "PreferNoSchedule"}])
     assert inventory.tolerates([v1alpha1.Toleration(operator="Exists")], gpu_taint)
+
+
+def test_env_values_reach_the_engine_as_written_never_expanded_by_the_kubelet() -> None:
+    """The kubelet expands ``$(NAME)`` in env values and turns ``$$`` into ``$`` (issue 16)."""
+    parsed = fleet(model={"source": "/models/$(MEGAFLEET_HOST)", "servedName": "a$$b$(MEGAFLEET_SHARD)"})
+
+    values = env(desired.shard_pods(parsed, 0, PLACEMENT)[0])
+
+    assert values["MEGAFLEET_MODEL_SOURCE"] == "/models/$$(MEGAFLEET_HOST)"
+    assert values["MEGAFLEET_SERVED_MODEL_NAME"] == "a$$$$b$$(MEGAFLEET_SHARD)"
+
+
+def test_the_operator_sets_exactly_the_env_a_spec_may_not_set() -> None:
+    from megafleet_protocol import env as pod_env
+
+    parsed = fleet(frontend={"apiKeySecret": {"name": "keys"}})
+
+    written = {item["name"] for item in desired.shard_pods(parsed, 0, PLACEMENT)[0]["spec"]["containers"][0]["env"]}
+
+    assert written == set(pod_env.SET_BY_OPERATOR)
+
+
+def test_the_dev_runner_expands_env_as_the_kubelet_does() -> None:
+    from megafleet_dev import runner
+
+    defined = {"A": "x"}
+
+    assert runner.expand("$(A)-$$(A)-$(B)-$$-$-$(", defined) == "x-$(A)-$(B)-$-$-$("
+    assert runner.expand(desired.literal("/m/$(A)$$"), defined) == "/m/$(A)$$"

@@ -166,3 +166,23 @@ def test_a_refit_not_above_the_current_version_fails_at_once_and_reaches_no_agen
     assert "version 5" in condition["message"] and "current version 5" in condition["message"]
     assert api.objects[("MegatronGeneration", "rl", "tiny")]["status"] == fleet["status"]  # lock untouched
     assert api.writes["status MegatronGeneration"] == 0
+
+
+def test_a_refit_admitted_by_an_older_crd_with_a_rendezvous_address_not_a_host_fails_naming_it() -> None:
+    """``'127.0.0.1; curl x|sh'`` is refused at admission (issue 16); an object that predates the
+    rule fails once, naming the field, instead of crashing the driver at every poll."""
+    hostile = refit("tiny-v6", 6, None, f"{T}01Z")
+    hostile["spec"]["source"]["rendezvous"]["address"] = "127.0.0.1; curl x|sh"
+    api = kube_fakes.Api(hostile)
+
+    asyncio.run(
+        refit_driver.advance(
+            cast(kube.Api, api),
+            cast(agent_client.AgentClient, NoAgents()),
+            hostile,
+            settings=operator_settings.RefitSettings(),
+        )
+    )
+
+    status = api.objects[("Refit", "rl", "tiny-v6")]["status"]
+    assert status["phase"] == "Failed" and "spec.source.rendezvous.address" in status["message"]

@@ -22,7 +22,7 @@ import dataclasses
 import logging
 import threading
 from collections.abc import Callable, Coroutine
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
 from megafleet_engine.refit_runner import progress, watchdog
 from megafleet_protocol import vocabulary
@@ -44,6 +44,8 @@ __all__ = [
     "Refused",
     "RendezvousRequest",
     "Request",
+    "SwapRequest",
+    "Swappable",
     "WorldSnapshot",
 ]
 
@@ -219,7 +221,38 @@ class _World:
         return WorldSnapshot(self.request.session, phase, self.rank, generation, self.error)
 
 
-Request = RendezvousRequest | CheckpointRequest | NemoRequest
+class Swappable(Protocol):
+    """A joined megatron-core refit group (:mod:`~megafleet_engine.refit_runner.megatron_native`)."""
+
+    def swap(self) -> tuple[int, int]:
+        """One ``swap_model_weights`` into the live model (on the backend thread): tensors, bytes."""
+        ...
+
+    def fail(self, reason: str) -> None:
+        """The attempt failed: the group cannot be reused (any thread, never blocks)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class SwapRequest:
+    """Receive ``version`` by megatron-core's own ``swap_model_weights`` over ``group``, the refit
+    group joined for ``session`` (``POST /v1/refit/megatron``, built by
+    :class:`~megafleet_engine.refit_runner.megatron_native.NativeRefits`)."""
+
+    version: int
+    session: str
+    rank: int  # this process's rank in the refit group
+    world_size: int
+    group: Swappable = dataclasses.field(compare=False, repr=False)
+    timeout_seconds: float = 300.0
+    suspend_mode: vocabulary.SuspendMode = "drain"
+    kv_cache_mode: vocabulary.KvCacheMode | None = None
+
+    @property
+    def key(self) -> tuple[object, ...]:
+        return ("megatron", self.version, self.session)
+
+
+Request = RendezvousRequest | CheckpointRequest | NemoRequest | SwapRequest
 
 
 class Refused(errors.RefitError):
@@ -561,6 +594,14 @@ class _Attempt:
                 rank=request.rank_offset + owner.rank,
                 world_size=request.world_size,
             )
+        elif isinstance(request, SwapRequest):  # NeMo's Megatron synchronizer: megatron-core's reshard
+            self.record = progress.Progress(
+                version=request.version,
+                source="nemo",
+                transport="reshard",
+                rank=request.rank,
+                world_size=request.world_size,
+            )
         else:
             self.record = progress.Progress(version=request.version, source="checkpoint")
         self._joined: nemo.NemoReceiver | None = None  # this attempt's membership of NeMo's world
@@ -594,6 +635,8 @@ class _Attempt:
             comm.abort()
         if joined is not None:
             joined.abort()
+        if isinstance(self.request, SwapRequest):
+            self.request.group.fail(reason)
         self._observe(succeeded=False)
         log.error("refit to weight version %d failed: %s", self.request.version, reason)
 
@@ -608,6 +651,8 @@ class _Attempt:
             elif isinstance(self.request, NemoRequest):
                 suspended = self._start_suspend()
                 self._receive_nemo(self.request, suspended)
+            elif isinstance(self.request, SwapRequest):
+                self._swap(self.request)
             else:
                 if self.parked is not None:  # another kind of refit: the next rendezvous joins afresh
                     self.parked.discard()
@@ -796,6 +841,26 @@ class _Attempt:
         if joined is not None and self._key is not None:
             self.owner._park(_Joined(self._key, joined))
 
+    def _swap(self, request: SwapRequest) -> None:
+        """Suspend, then one megatron-core swap into the live parameters on the backend thread."""
+        if self.parked is not None:  # another kind of refit: its group is of no further use
+            self.parked.discard()
+            self.parked = None
+        self._wait_suspended(self._start_suspend())
+        self.record.enter("receiving")
+        before = self.owner._live_pointers()
+        counts: list[tuple[int, int]] = []
+
+        def swap() -> int:
+            counts.append(request.group.swap())
+            return counts[-1][0]
+
+        with self.record.timed("receive"):
+            self._apply(swap)
+        tensors, nbytes = counts[0] if counts else (0, 0)
+        self.record.count(bytes_received=nbytes, tensors_written=tensors)
+        self.owner._verify_in_place(before)
+
     def _load(self, request: CheckpointRequest) -> None:
         self.record.enter("applying")
         backend = self.engine.backend
@@ -910,6 +975,11 @@ class _Attempt:
         request = self.request
         if isinstance(request, CheckpointRequest):
             return f"checkpoint {request.path}, timeout {request.timeout_seconds:g} s"
+        if isinstance(request, SwapRequest):
+            return (
+                f"megatron-core's swap_model_weights over the refit group of session {request.session} as rank "
+                f"{request.rank} of {request.world_size}, timeout {request.timeout_seconds:g} s"
+            )
         if isinstance(request, NemoRequest):
             return (
                 f"NeMo's collective at {request.address}:{request.port} as rank "

@@ -7,21 +7,44 @@ adds the planner's cross-field rules, so one call returns every problem with its
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 import pydantic
 
-from megafleet import planner
+from megafleet import names, planner
 from megafleet.api import v1alpha1
 
 
-def parse_spec(raw: dict[str, Any]) -> tuple[v1alpha1.MegatronGenerationSpec | None, list[planner.Problem]]:
-    """The typed spec and every problem found; the spec is ``None`` when it does not even parse."""
+def parse_spec(
+    raw: dict[str, Any], *, name: str | None = None
+) -> tuple[v1alpha1.MegatronGenerationSpec | None, list[planner.Problem]]:
+    """The typed spec and every problem found; the spec is ``None`` when it does not even parse.
+    With the fleet's ``name``, the names derived from it are checked too (:func:`name_problems`)."""
     try:
         spec = v1alpha1.MegatronGenerationSpec.model_validate(raw)
     except pydantic.ValidationError as error:
         return None, [_problem(item) for item in error.errors()]
-    return spec, planner.validate(fleet_settings(spec))
+    problems = planner.validate(fleet_settings(spec))
+    if name is not None:
+        problems += name_problems(name, spec)
+    return spec, problems
+
+
+def name_problems(name: str, spec: v1alpha1.MegatronGenerationSpec) -> list[planner.Problem]:
+    """The fleet's name against the rules the API server applies to the objects named after it:
+    Service names are DNS-1035 labels, pod host names and label values at most 63 characters."""
+    if not re.fullmatch(v1alpha1.DNS_1035_LABEL, name):
+        return [planner.Problem("metadata.name", f"{name!r}: {v1alpha1.NAME_NOT_DNS_1035}")]
+    last_shard = max(spec.replicas - 1, 0)
+    derived = [names.ranks_service(name, last_shard)]  # Secret and ConfigMap names may be longer (253)
+    if not planner.validate(fleet_settings(spec)):  # the layout is known
+        layout = planner.pod_layout(parallelism(spec.parallelism), spec.resources.gpus_per_node)
+        derived.append(names.pod(name, last_shard, layout.pods_per_shard - 1))
+    longest = max(derived, key=len)
+    if len(longest) > v1alpha1.NAME_MAX:
+        return [planner.Problem("metadata.name", f"{v1alpha1.NAME_TOO_LONG} ({longest!r} has {len(longest)})")]
+    return []
 
 
 def fleet_settings(spec: v1alpha1.MegatronGenerationSpec) -> planner.FleetSettings:

@@ -30,6 +30,7 @@ _KEPT = {
     "pattern",
     "minItems",
     "maxItems",
+    "maxProperties",
     "items",
     "properties",
     "required",
@@ -97,7 +98,7 @@ def definition(info: v1alpha1.KindInfo) -> dict[str, Any]:
             "statusReplicasPath": ".status.replicas",
             "labelSelectorPath": ".status.selector",
         }
-    schema = {
+    schema: dict[str, Any] = {
         "type": "object",
         "description": info.description,
         "required": ["spec"],
@@ -109,6 +110,8 @@ def definition(info: v1alpha1.KindInfo) -> dict[str, Any]:
             "status": openapi_schema(info.status),
         },
     }
+    if info.validations:
+        schema["x-kubernetes-validations"] = list(info.validations)
     return {
         "apiVersion": "apiextensions.k8s.io/v1",
         "kind": "CustomResourceDefinition",

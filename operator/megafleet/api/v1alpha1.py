@@ -12,13 +12,15 @@ server at admission; the operator re-checks them, and the rules CEL cannot expre
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Literal
+import re
+from typing import Annotated, Any, Literal
 
 import pydantic
 from pydantic import Field
 from pydantic.alias_generators import to_camel
 from pydantic.config import JsonDict
 
+from megafleet_protocol import env as pod_env
 from megafleet_protocol import ports, vocabulary
 
 GROUP = "megafleet.dev"
@@ -34,11 +36,28 @@ RefitPhase = Literal["Pending", "Running", "Succeeded", "Failed"]
 RefitSessionPhase = Literal["Pending", "Joining", "Joined", "Broken", "Closed", "Failed"]
 CopyBackend = Literal["gloo", "nccl"]
 
-_QUANTITY = r"^([+-]?[0-9.]+)([eEinumkKMGTP]*[-+]?[0-9]*)$"
+# The rules the API server applies to the objects derived from a spec, so that a spec admitted here
+# never yields an object the API server refuses (issue 16).
+_QUANTITY = r"^\+?([0-9]+(\.[0-9]*)?|\.[0-9]+)([KMGTPE]i|[numkMGTPE]|[eE][-+]?[0-9]+)?$"
+"""A non-negative Kubernetes resource quantity (``8``, ``500m``, ``64Gi``, ``1e3``)."""
 _DNS_LABEL = r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$"
+DNS_1035_LABEL = r"^[a-z]([-a-z0-9]*[a-z0-9])?$"
+"""A Service name: a DNS-1035 label (a letter first, no dots), at most 63 characters."""
 _LABEL_KEY = (
     r"^([a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*/)?[A-Za-z0-9]([-A-Za-z0-9_.]*[A-Za-z0-9])?$"
 )
+_LABEL_VALUE = r"^(([A-Za-z0-9][-A-Za-z0-9_.]*)?[A-Za-z0-9])?$"
+_EXTENDED_RESOURCE = (
+    r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*/[A-Za-z0-9]([-A-Za-z0-9_.]*[A-Za-z0-9])?$"
+)
+"""An extended resource name: ``<domain>/<name>``, the domain not under kubernetes.io (checked apart)."""
+_PRINTABLE = r"^[^\x00-\x1f\x7f]*$"
+"""No NUL or other control character: strings that reach a pod's env or command line."""
+_NO_NUL = r"^[^\x00]*$"
+_HOST = r"^([A-Za-z0-9]([-A-Za-z0-9.]*[A-Za-z0-9])?|[0-9A-Fa-f:.]*:[0-9A-Fa-f:.]*)$"
+"""A host name or an IPv4 or IPv6 address, nothing else (no spaces, no shell)."""
+NAME_MAX = 63
+"""Derived names (Services, pod host names) and the fleet label value are at most 63 characters."""
 
 
 def _cel(rule: str, message: str, *, field_path: str | None = None, reason: str | None = None) -> JsonDict:
@@ -74,6 +93,7 @@ class ModelSpec(ApiModel):
     source: str = Field(
         min_length=1,
         max_length=2048,
+        pattern=_PRINTABLE,
         description="source is the checkpoint location (a path inside the engine pod, or a URI the "
         "backend can read) holding the model config, tokenizer and, unless weights.initial is refit, "
         "the weights.",
@@ -81,11 +101,13 @@ class ModelSpec(ApiModel):
     tokenizer: str | None = Field(
         default=None,
         max_length=2048,
+        pattern=_PRINTABLE,
         description="tokenizer is the tokenizer location when it is not in source.",
     )
     served_name: str | None = Field(
         default=None,
         max_length=256,
+        pattern=_PRINTABLE,
         description="servedName is the model name clients send in the OpenAI API; defaults to the fleet's name.",
     )
     dtype: vocabulary.Dtype = Field(default="bfloat16", description="dtype is the parameter data type of the engines.")
@@ -141,6 +163,18 @@ class ParallelismSpec(ApiModel):
 class ResourcesSpec(ApiModel):
     """Hardware of every engine pod."""
 
+    model_config = pydantic.ConfigDict(
+        json_schema_extra={
+            "x-kubernetes-validations": [
+                _cel(
+                    "!self.gpuResource.contains('kubernetes.io/')",
+                    "gpuResource must be an extended resource (<domain>/<name>), not one of Kubernetes' own",
+                    field_path=".gpuResource",
+                ),
+            ]
+        }
+    )
+
     gpus_per_node: int = Field(
         default=8,
         ge=0,
@@ -151,24 +185,75 @@ class ResourcesSpec(ApiModel):
     gpu_resource: str = Field(
         default="nvidia.com/gpu",
         max_length=253,
-        pattern=_LABEL_KEY,
-        description="gpuResource is the extended resource name GPUs are requested by.",
+        pattern=_EXTENDED_RESOURCE,
+        description="gpuResource is the extended resource name GPUs are requested by (<domain>/<name>).",
     )
-    cpu: str = Field(default="8", pattern=_QUANTITY, description="cpu is the CPU request of each engine pod.")
+    cpu: str = Field(
+        default="8",
+        max_length=64,
+        pattern=_QUANTITY,
+        description="cpu is the CPU request of each engine pod, a non-negative quantity.",
+    )
     memory: str = Field(
-        default="64Gi", pattern=_QUANTITY, description="memory is the memory request of each engine pod."
+        default="64Gi",
+        max_length=64,
+        pattern=_QUANTITY,
+        description="memory is the memory request of each engine pod, a non-negative quantity.",
     )
+
+    @pydantic.field_validator("gpu_resource")
+    @classmethod
+    def _extended(cls, name: str) -> str:
+        if "kubernetes.io/" in name:
+            raise ValueError("gpuResource must be an extended resource (<domain>/<name>), not one of Kubernetes' own")
+        return name
+
+
+_EMPTY_KEY = "operator must be Exists when key is empty (an empty key matches every taint)"
+_EXISTS_VALUE = "value must be empty when operator is Exists"
 
 
 class Toleration(ApiModel):
-    """A pod toleration, as in the core API."""
+    """A pod toleration, as in the core API (and refused where the core API refuses it)."""
 
-    key: str | None = Field(default=None, max_length=316, description="key is the taint key; empty matches all.")
+    model_config = pydantic.ConfigDict(
+        json_schema_extra={
+            "x-kubernetes-validations": [
+                _cel(
+                    "(has(self.key) && self.key != '') || self.operator == 'Exists'",
+                    _EMPTY_KEY,
+                    field_path=".operator",
+                ),
+                _cel(
+                    "self.operator != 'Exists' || !has(self.value) || self.value == ''",
+                    _EXISTS_VALUE,
+                    field_path=".value",
+                ),
+            ]
+        }
+    )
+
+    key: str | None = Field(
+        default=None,
+        max_length=316,
+        pattern=f"^$|{_LABEL_KEY}",
+        description="key is the taint key; empty (with operator Exists) matches every taint.",
+    )
     operator: Literal["Exists", "Equal"] = Field(default="Equal", description="operator is Exists or Equal.")
-    value: str | None = Field(default=None, max_length=63, description="value is the taint value for Equal.")
+    value: str | None = Field(
+        default=None, max_length=63, pattern=_LABEL_VALUE, description="value is the taint value for Equal."
+    )
     effect: Literal["NoSchedule", "PreferNoSchedule", "NoExecute"] | None = Field(
         default=None, description="effect is the taint effect to match; empty matches all."
     )
+
+    @pydantic.model_validator(mode="after")
+    def _core_rules(self) -> Toleration:
+        if not self.key and self.operator != "Exists":
+            raise ValueError(_EMPTY_KEY)
+        if self.operator == "Exists" and self.value:
+            raise ValueError(_EXISTS_VALUE)
+        return self
 
 
 class GangSpec(ApiModel):
@@ -180,8 +265,23 @@ class GangSpec(ApiModel):
     queue: str | None = Field(default=None, max_length=253, description="queue is the scheduler's queue name.")
 
 
+_LabelValue = Annotated[str, Field(max_length=63, pattern=_LABEL_VALUE)]
+
+
 class PlacementSpec(ApiModel):
     """Where shards go."""
+
+    model_config = pydantic.ConfigDict(
+        json_schema_extra={
+            "x-kubernetes-validations": [
+                _cel(
+                    f"!has(self.nodeSelector) || self.nodeSelector.all(key, key.matches(r'{_LABEL_KEY}'))",
+                    "nodeSelector keys must be label keys ([prefix/]name)",
+                    field_path=".nodeSelector",
+                ),
+            ]
+        }
+    )
 
     clique_label: str = Field(
         default="nvidia.com/gpu.clique",
@@ -198,9 +298,18 @@ class PlacementSpec(ApiModel):
         default=False,
         description="spreadShards spreads shards across cliques instead of packing them to keep whole cliques free.",
     )
-    node_selector: dict[str, str] = Field(
-        default_factory=dict, description="nodeSelector restricts the nodes shards may use."
+    node_selector: dict[str, _LabelValue] = Field(
+        default_factory=dict, max_length=64, description="nodeSelector restricts the nodes shards may use."
     )
+
+    @pydantic.field_validator("node_selector")
+    @classmethod
+    def _label_keys(cls, selector: dict[str, str]) -> dict[str, str]:
+        bad = sorted(key for key in selector if not re.fullmatch(_LABEL_KEY, key) or len(key) > 316)
+        if bad:
+            raise ValueError(f"nodeSelector keys must be label keys ([prefix/]name), got {bad}")
+        return selector
+
     tolerations: list[Toleration] = Field(
         default_factory=lambda: [Toleration(key="nvidia.com/gpu", operator="Exists", effect="NoSchedule")],
         max_length=32,
@@ -215,7 +324,13 @@ class SecretKeyRef(ApiModel):
     """A key in a Secret of the fleet's namespace."""
 
     name: str = Field(min_length=1, max_length=253, pattern=_DNS_LABEL, description="name is the Secret's name.")
-    key: str = Field(default="api-key", min_length=1, max_length=253, description="key is the key in the Secret.")
+    key: str = Field(
+        default="api-key",
+        min_length=1,
+        max_length=253,
+        pattern=r"^[-._a-zA-Z0-9]+$",
+        description="key is the key in the Secret.",
+    )
 
 
 class FrontendSpec(ApiModel):
@@ -285,11 +400,26 @@ class EnvVar(ApiModel):
     name: str = Field(
         min_length=1, max_length=256, pattern=r"^[-._a-zA-Z][-._a-zA-Z0-9]*$", description="name of the variable."
     )
-    value: str = Field(default="", max_length=32768, description="value of the variable.")
+    value: str = Field(default="", max_length=32768, pattern=_NO_NUL, description="value of the variable.")
+
+
+_OPERATOR_ENV = "env may not set the MEGAFLEET_* variables the operator sets on every engine pod"
 
 
 class EngineSpec(ApiModel):
     """The inference engine inside each pod."""
+
+    model_config = pydantic.ConfigDict(
+        json_schema_extra={
+            "x-kubernetes-validations": [
+                _cel(
+                    f"!has(self.env) || self.env.all(item, !(item.name in {list(pod_env.SET_BY_OPERATOR)}))",
+                    _OPERATOR_ENV,
+                    field_path=".env",
+                ),
+            ]
+        }
+    )
 
     backend: vocabulary.BackendName = Field(
         default="megatron",
@@ -310,11 +440,29 @@ class EngineSpec(ApiModel):
         default=64, ge=1, le=4096, description="maxBatchSize is the most requests decoded together."
     )
     image: str = Field(
-        default="megafleet/engine:0.1.0", min_length=1, max_length=1024, description="image is the engine image."
+        default="megafleet/engine:0.1.0",
+        min_length=1,
+        max_length=1024,
+        pattern=r"^[^\s\x00-\x1f\x7f]+$",
+        description="image is the engine image.",
     )
     image_pull_policy: PullPolicy = Field(default="IfNotPresent", description="imagePullPolicy of the engine image.")
-    args: list[str] = Field(default_factory=list, max_length=64, description="args are extra engine arguments.")
-    env: list[EnvVar] = Field(default_factory=list, max_length=64, description="env is extra engine environment.")
+    args: list[Annotated[str, Field(max_length=4096, pattern=_NO_NUL)]] = Field(
+        default_factory=list, max_length=64, description="args are extra engine arguments."
+    )
+    env: list[EnvVar] = Field(
+        default_factory=list,
+        max_length=64,
+        description="env is extra engine environment; the MEGAFLEET_* variables the operator sets are refused.",
+    )
+
+    @pydantic.field_validator("env")
+    @classmethod
+    def _not_operator_env(cls, items: list[EnvVar]) -> list[EnvVar]:
+        taken = sorted({item.name for item in items} & set(pod_env.SET_BY_OPERATOR))
+        if taken:
+            raise ValueError(f"{_OPERATOR_ENV}: {', '.join(taken)}")
+        return items
 
 
 class MegatronGenerationSpec(ApiModel):
@@ -502,7 +650,7 @@ class MegatronGenerationStatus(ApiModel):
         default_factory=list,
         json_schema_extra={"x-kubernetes-list-type": "map", "x-kubernetes-list-map-keys": ["type"]},
         description="conditions: EndpointsReserved, Placed, Ready, WeightsCurrent, EndpointsVerified, "
-        "Degraded, InvalidSpec.",
+        "Degraded, InvalidSpec, NameConflict (an object under a derived name is not the fleet's).",
     )
     replicas: int = Field(
         default=0, ge=0, description="replicas is the number of shards that exist (scale subresource)."
@@ -530,7 +678,10 @@ class RendezvousSource(ApiModel):
     """The trainer's rendezvous for a collective transfer (trainer ranks come first)."""
 
     address: str = Field(
-        min_length=1, max_length=253, description="address (host or IP) of the trainer's rank 0 store."
+        min_length=1,
+        max_length=253,
+        pattern=_HOST,
+        description="address (host name or IP) of the trainer's rank 0 store.",
     )
     port: int = Field(ge=1, le=65535, description="port of the trainer's rendezvous store.")
     trainer_world_size: int = Field(
@@ -765,6 +916,31 @@ class RefitSessionStatus(ApiModel):
 
 # -- kinds -----------------------------------------------------------------------------------------
 
+NAME_NOT_DNS_1035 = (
+    "metadata.name must be a DNS-1035 label (lowercase letters, digits and '-', a letter first, no dots): "
+    "it names the fleet's Services"
+)
+NAME_TOO_LONG = (
+    f"metadata.name is too long: every name derived from it (Service <name>-s<shard>-ranks, pod "
+    f"<name>-s<shard>-p<pod>, for the last shard and pod) must fit {NAME_MAX} characters"
+)
+_LAST_SHARD = "(self.spec.replicas > 0 ? self.spec.replicas - 1 : 0)"
+_SHARD_GPUS = "self.spec.parallelism.tensor * self.spec.parallelism.pipeline * self.spec.parallelism.context"
+_LAST_POD = (
+    f"(self.spec.resources.gpusPerNode == 0 || {_SHARD_GPUS} <= self.spec.resources.gpusPerNode ? 0 : "
+    f"({_SHARD_GPUS}) / self.spec.resources.gpusPerNode - 1)"
+)
+_FLEET_NAME_RULES = (
+    _cel(f"self.metadata.name.matches('{DNS_1035_LABEL}')", NAME_NOT_DNS_1035),
+    _cel(
+        f"size(self.metadata.name) + size(string({_LAST_SHARD})) + {len('-s-ranks')} <= {NAME_MAX} && "
+        f"size(self.metadata.name) + size(string({_LAST_SHARD})) + size(string({_LAST_POD})) + {len('-s-p')} "
+        f"<= {NAME_MAX}",
+        NAME_TOO_LONG,
+    ),
+)
+"""Rules on a fleet's name, at the object's root (the only place CEL sees ``metadata.name``)."""
+
 
 @dataclasses.dataclass(frozen=True)
 class KindInfo:
@@ -780,6 +956,8 @@ class KindInfo:
     printer_columns: list[dict[str, Any]]
     scale: bool
     description: str
+    validations: tuple[JsonDict, ...] = ()
+    """CEL rules on the whole object (its name), beside the spec's own."""
 
 
 KINDS: tuple[KindInfo, ...] = (
@@ -792,6 +970,7 @@ KINDS: tuple[KindInfo, ...] = (
         spec=MegatronGenerationSpec,
         status=MegatronGenerationStatus,
         scale=True,
+        validations=_FLEET_NAME_RULES,
         description="MegatronGeneration is an LLM generation fleet for reinforcement learning: shards of "
         "GPU pods placed by NVLink domain, with OpenAI-compatible frontends whose addresses are "
         "reserved before any engine starts, refitted with new weights by Refit objects.",

@@ -8,6 +8,8 @@ ConfigMap, before any pod exists. While a refit runs, nothing is scaled, rolled 
 
 Steps, each in the module named for it: :mod:`.validate`, :mod:`.endpoints`, :mod:`.pods` (observe),
 :mod:`.shards` (scale down, heal, roll, place), :mod:`.versions` (fence, catch up), :mod:`.status`.
+An object under a derived name that the fleet does not own stops the sequence (:mod:`.ownership`):
+NameConflict, nothing adopted or published.
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ from __future__ import annotations
 from typing import Any
 
 from megafleet import conditions
-from megafleet.reconcile import context, endpoints, pods, shards, status, validate, versions
+from megafleet.reconcile import context, endpoints, ownership, pods, shards, status, validate, versions
 
 __all__ = ["reconcile"]
 
@@ -26,10 +28,17 @@ async def reconcile(runtime: context.Runtime, body: dict[str, Any], *, notify: c
     if fleet is None:
         return
     ctx = context.FleetContext(runtime, body, fleet, notify, status=dict(body.get("status") or {}))
+    try:
+        await _steps(ctx)
+    except ownership.NameConflict as conflict:
+        await _report_conflict(ctx, str(conflict))
+
+
+async def _steps(ctx: context.FleetContext) -> None:
     ctx.token = await endpoints.agent_token(ctx)
     await endpoints.reserve(ctx)
-    await status.write(ctx.api, body, ctx.status)  # published before any pod is created
-    ctx.shards = await pods.observe(ctx.api, fleet)
+    await status.write(ctx.api, ctx.body, ctx.status)  # published before any pod is created
+    ctx.shards = await pods.observe(ctx.api, ctx.fleet)
     if not ctx.refitting:
         await shards.scale_down(ctx)
     await shards.heal(ctx)
@@ -40,6 +49,18 @@ async def reconcile(runtime: context.Runtime, body: dict[str, Any], *, notify: c
     await versions.fence(ctx)
     await versions.catch_up(ctx)
     await _write_observed(ctx)
+
+
+async def _report_conflict(ctx: context.FleetContext, message: str) -> None:
+    """NameConflict=True naming the object, and a Warning Event when it is new; nothing else."""
+    current: dict[str, Any] = dict(ctx.body.get("status") or {})
+    before = conditions.find(current.get("conditions", []), conditions.NAME_CONFLICT) or {}
+    kind, generation = conditions.NAME_CONFLICT, ctx.fleet.generation
+    await status.write(
+        ctx.api, ctx.body, status.invalid(current, message, generation=generation, now=conditions.now(), kind=kind)
+    )
+    if before.get("status") != "True" or before.get("message") != message:
+        ctx.notify("Warning", conditions.NAME_CONFLICT, message)
 
 
 async def _write_observed(ctx: context.FleetContext) -> None:

@@ -2,7 +2,8 @@
 endpoints ConfigMap and ``status.endpoints``.
 
 Called by :func:`megafleet.reconcile.reconcile`. A frontend Service's ClusterIP is the shard's
-published endpoint for the fleet's whole life; Services of shards removed by scaling down go.
+published endpoint for the fleet's whole life; Services of shards removed by scaling down go. Only
+objects the fleet owns are read, published or deleted (:mod:`.ownership`).
 """
 
 from __future__ import annotations
@@ -12,16 +13,22 @@ import secrets
 
 from megafleet import conditions, desired, names
 from megafleet.api import v1alpha1
-from megafleet.reconcile import context, status
+from megafleet.reconcile import context, ownership, status
 
 
 async def agent_token(ctx: context.FleetContext) -> str:
-    """The fleet's agent token, created once and never rotated by a reconcile."""
+    """The fleet's agent token, created once and never rotated by a reconcile. A Secret of that name
+    the fleet does not own is a :class:`~.ownership.NameConflict`, never read."""
     fleet = ctx.fleet
-    secret = await ctx.api.get("Secret", names.agent_secret(fleet.name), fleet.namespace)
+    name = names.agent_secret(fleet.name)
+    secret = await ownership.get(ctx.api, fleet, "Secret", name)
     if secret is None:
-        secret = await ctx.api.create(desired.agent_secret(fleet, secrets.token_urlsafe(32)))
-    return base64.b64decode(secret["data"][names.AGENT_TOKEN_KEY]).decode()
+        secret = await ownership.create(ctx.api, fleet, desired.agent_secret(fleet, secrets.token_urlsafe(32)))
+    encoded = (secret.get("data") or {}).get(names.AGENT_TOKEN_KEY)
+    if not encoded:  # the fleet's Secret, emptied by hand: a new token (agents read it at every call)
+        encoded = desired.agent_secret(fleet, secrets.token_urlsafe(32))["data"][names.AGENT_TOKEN_KEY]
+        await ctx.api.patch("Secret", name, fleet.namespace, {"data": {names.AGENT_TOKEN_KEY: encoded}})
+    return base64.b64decode(encoded).decode()
 
 
 async def reserve(ctx: context.FleetContext) -> None:
@@ -33,18 +40,16 @@ async def reserve(ctx: context.FleetContext) -> None:
 
 async def _services(ctx: context.FleetContext) -> list[v1alpha1.Endpoint]:
     fleet, api = ctx.fleet, ctx.api
-    services = {
-        service["metadata"]["name"]: service
-        for service in await api.list("Service", namespace=fleet.namespace, labels={names.LABEL_FLEET: fleet.name})
-    }
+    labelled = await api.list("Service", namespace=fleet.namespace, labels={names.LABEL_FLEET: fleet.name})
+    services = {service["metadata"]["name"]: service for service in ownership.only_owned(labelled, fleet)}
     endpoints = []
     for shard in range(fleet.spec.replicas):
         frontend = services.get(names.frontend_service(fleet.name, shard))
         if frontend is None:
-            frontend = await api.create(desired.frontend_service(fleet, shard))
+            frontend = await ownership.create(api, fleet, desired.frontend_service(fleet, shard))
             ctx.notify("Normal", "EndpointReserved", f"shard {shard}: {frontend['spec']['clusterIP']}")
         if names.ranks_service(fleet.name, shard) not in services:
-            await api.create(desired.ranks_service(fleet, shard))
+            await ownership.create(api, fleet, desired.ranks_service(fleet, shard))
         endpoints.append(desired.endpoint(fleet, shard, frontend["spec"]["clusterIP"]))
     for name, service in services.items():  # shards removed by scaling down
         shard = int(service["metadata"]["labels"].get(names.LABEL_SHARD, "-1"))
@@ -56,8 +61,8 @@ async def _services(ctx: context.FleetContext) -> list[v1alpha1.Endpoint]:
 async def _configmap(ctx: context.FleetContext, endpoints: list[v1alpha1.Endpoint]) -> None:
     fleet, api = ctx.fleet, ctx.api
     wanted = desired.endpoints_configmap(fleet, endpoints)
-    current = await api.get("ConfigMap", names.endpoints_configmap(fleet.name), fleet.namespace)
+    current = await ownership.get(api, fleet, "ConfigMap", names.endpoints_configmap(fleet.name))
     if current is None:
-        await api.create(wanted)
+        await ownership.create(api, fleet, wanted)
     elif current.get("data") != wanted["data"]:
         await api.patch("ConfigMap", wanted["metadata"]["name"], fleet.namespace, {"data": wanted["data"]})

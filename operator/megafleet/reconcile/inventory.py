@@ -82,10 +82,12 @@ def tolerates(tolerations: list[v1alpha1.Toleration], taints: list[Object]) -> b
 
 
 def _matches(toleration: v1alpha1.Toleration, taint: Object) -> bool:
+    """The core API's rule: an empty effect matches every effect, an empty key (``None`` or ``""``,
+    with Exists) every taint; Equal compares values, an unset one as ``""``."""
     if toleration.effect is not None and toleration.effect != taint.get("effect"):
         return False
-    if toleration.key is None:
+    if not toleration.key:
         return toleration.operator == "Exists"
     if toleration.key != taint.get("key"):
         return False
-    return toleration.operator == "Exists" or toleration.value == taint.get("value")
+    return toleration.operator == "Exists" or (toleration.value or "") == (taint.get("value") or "")

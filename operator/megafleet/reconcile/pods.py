@@ -12,7 +12,7 @@ import dataclasses
 from typing import Any
 
 from megafleet import agent_client, desired, kube, names
-from megafleet.reconcile import inventory
+from megafleet.reconcile import inventory, ownership
 
 Object = dict[str, Any]
 Reports = dict[int, list[agent_client.AgentState | None]]
@@ -108,9 +108,11 @@ class Shards:
 
 
 async def observe(api: kube.Api, fleet: desired.ParsedFleet) -> Shards:
-    """List the fleet's pods and parse each once."""
-    found = await api.list("Pod", namespace=fleet.namespace, labels={names.LABEL_FLEET: fleet.name})
-    return Shards.of([parse(pod, clique_label=fleet.spec.placement.clique_label) for pod in found])
+    """List the fleet's pods and parse each once. A pod that carries the fleet's label but is not
+    the fleet's own is ignored: it is never given the agent token nor counted as a shard."""
+    labelled = await api.list("Pod", namespace=fleet.namespace, labels={names.LABEL_FLEET: fleet.name})
+    clique_label = fleet.spec.placement.clique_label
+    return Shards.of([parse(pod, clique_label=clique_label) for pod in ownership.only_owned(labelled, fleet)])
 
 
 async def ask_agents(agents: agent_client.AgentClient, shards: Shards, token: str) -> Reports:

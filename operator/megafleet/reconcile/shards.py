@@ -11,7 +11,7 @@ from lightkube import operators
 
 from megafleet import desired, planner
 from megafleet.api import checks
-from megafleet.reconcile import context, inventory, pods
+from megafleet.reconcile import context, inventory, ownership, pods
 
 
 async def scale_down(ctx: context.FleetContext) -> None:
@@ -32,8 +32,9 @@ async def heal(ctx: context.FleetContext) -> None:
         if item.get("pods") and gone and shard < ctx.fleet.spec.replicas:
             count = _restart(ctx, shard, f"pods gone: {', '.join(item['pods'])}")
             ctx.notify("Warning", "ShardRestarting", f"shard {shard} is re-placed (restart {count}): its pods are gone")
+    template = desired.template_hash(ctx.fleet)
     for shard in sorted(ctx.shards.pods):
-        reason = broken(ctx.shards.pods[shard], ctx.fleet.layout)
+        reason = broken(ctx.shards.pods[shard], ctx.fleet.layout, template)
         if reason is None:
             continue
         count = _restart(ctx, shard, reason)
@@ -41,13 +42,16 @@ async def heal(ctx: context.FleetContext) -> None:
         ctx.notify("Warning", "ShardRestarting", f"shard {shard} is re-placed (restart {count}): {reason}")
 
 
-def broken(members: list[pods.Pod], layout: planner.PodLayout) -> str | None:
-    """Why a shard cannot serve as it is (a pod missing or ended), or None."""
-    if len(members) != layout.pods_per_shard:
-        return f"{layout.pods_per_shard - len(members)} of {layout.pods_per_shard} pods missing"
+def broken(members: list[pods.Pod], layout: planner.PodLayout, template: str) -> str | None:
+    """Why a shard cannot serve as it is (a pod missing or ended), or None. A shard on an older
+    ``template`` was placed with the old layout (a changed pipeline size changes its pod count):
+    only an ended pod breaks it; :func:`roll` replaces it."""
     ended = [pod.name for pod in members if pod.ended]
     if ended:
         return f"pods ended: {', '.join(ended)}"
+    current = all(pod.template_hash == template for pod in members)
+    if current and len(members) != layout.pods_per_shard:
+        return f"{layout.pods_per_shard - len(members)} of {layout.pods_per_shard} pods missing"
     return None
 
 
@@ -87,7 +91,7 @@ async def place(ctx: context.FleetContext) -> None:
         plan = planner.plan_placement(request, await _inventory(ctx))
         for shard, placement in sorted(plan.placed.items()):
             created = [
-                await ctx.api.create(pod)
+                await ownership.create(ctx.api, ctx.fleet, pod)
                 for pod in desired.shard_pods(ctx.fleet, shard, placement, defer_weights=defer_weights)
             ]
             ctx.shards.pods[shard] = [pods.parse(pod, clique_label=request.clique_label) for pod in created]

@@ -73,7 +73,7 @@ def shard_entry(
             entry["weightVersion"] = version
     elif count > max_restarts:
         entry["phase"] = "Failed"
-        last_error = f"gave up after {count - 1} restarts; last: {last_error}"
+        last_error = gave_up(count, last_error)
     elif terminating:
         entry["phase"] = "Draining"
     else:
@@ -82,6 +82,16 @@ def shard_entry(
     if error:
         entry["lastError"] = error
     return entry
+
+
+def gave_up(count: int, last_error: str | None) -> str:
+    """The lastError of a shard given up on after ``count`` placements. ``last_error`` is the status's
+    previous one, which already says so from the second reconcile on: it is kept, so an unchanged
+    Failed shard keeps an equal status (and nothing is written)."""
+    prefix = f"gave up after {count - 1} restarts; last: "
+    if last_error is not None and last_error.startswith(prefix):
+        return last_error
+    return f"{prefix}{last_error}"
 
 
 def observed(
@@ -251,6 +261,9 @@ def with_endpoints(
     found = conditions.set_condition(
         found, conditions.INVALID_SPEC, False, "Valid", "", generation=fleet.generation, now=now
     )
+    found = conditions.set_condition(
+        found, conditions.NAME_CONFLICT, False, "NoConflict", "", generation=fleet.generation, now=now
+    )
     return {
         **status,
         "endpoints": [endpoint.model_dump(mode="json", by_alias=True) for endpoint in endpoints],
@@ -259,20 +272,13 @@ def with_endpoints(
     }
 
 
-def invalid(status: Object, message: str, *, generation: int, now: str) -> Object:
-    """``status`` of a fleet whose spec cannot be acted on: InvalidSpec and not Ready, with ``message``."""
+def invalid(status: Object, message: str, *, generation: int, now: str, kind: str = conditions.INVALID_SPEC) -> Object:
+    """``status`` of a fleet that cannot be acted on: ``kind`` (InvalidSpec, or NameConflict when a
+    derived name is taken) True and not Ready, both with ``message``."""
     found = conditions.set_condition(
-        list(status.get("conditions", [])),
-        conditions.INVALID_SPEC,
-        True,
-        "InvalidSpec",
-        message,
-        generation=generation,
-        now=now,
+        list(status.get("conditions", [])), kind, True, kind, message, generation=generation, now=now
     )
-    found = conditions.set_condition(
-        found, conditions.READY, False, "InvalidSpec", message, generation=generation, now=now
-    )
+    found = conditions.set_condition(found, conditions.READY, False, kind, message, generation=generation, now=now)
     return {**status, "conditions": found, "observedGeneration": generation}
 
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from megafleet import conditions, desired, kube
+from megafleet import conditions, desired, kube, names
 from megafleet.api import checks
 from megafleet.reconcile import context, status
 
@@ -19,7 +19,7 @@ async def fleet(api: kube.Api, body: Object, notify: context.Notify) -> desired.
     """The parsed fleet, or None once its problems are reported."""
     metadata = body["metadata"]
     generation = int(metadata.get("generation", 1))
-    spec, problems = checks.parse_spec(body.get("spec") or {})
+    spec, problems = checks.parse_spec(body.get("spec") or {}, name=metadata["name"])
     if spec is None or problems:
         message = "; ".join(f"{problem.field}: {problem.message}" for problem in problems)
         await _report_invalid(api, body, message, generation, notify)
@@ -37,12 +37,27 @@ async def _missing_references(api: kube.Api, fleet: desired.ParsedFleet) -> str 
     ref = fleet.spec.frontend.api_key_secret
     if ref is None:
         return None
+    if ref.name == names.agent_secret(fleet.name):
+        return f"spec.frontend.apiKeySecret: Secret {ref.name!r} is this fleet's agent token; name a Secret of your own"
     secret = await api.get("Secret", ref.name, fleet.namespace)
     if secret is None:
         return f"spec.frontend.apiKeySecret: Secret {ref.name!r} does not exist in namespace {fleet.namespace}"
+    if _agent_token(secret):
+        return (
+            f"spec.frontend.apiKeySecret: Secret {ref.name!r} is a fleet's agent token (its frontends would "
+            "hand that fleet's agents to every client); name a Secret of your own"
+        )
     if ref.key not in (secret.get("data") or {}):
         return f"spec.frontend.apiKeySecret: Secret {ref.name!r} has no key {ref.key!r}"
     return None
+
+
+def _agent_token(secret: Object) -> bool:
+    """Whether ``secret`` is some fleet's agent token: made by the operator for a MegatronGeneration."""
+    metadata = secret["metadata"]
+    labelled = (metadata.get("labels") or {}).get(names.LABEL_COMPONENT) == "agent-token"
+    owners = metadata.get("ownerReferences") or []
+    return labelled or any(owner.get("kind") == "MegatronGeneration" for owner in owners)
 
 
 async def _report_invalid(api: kube.Api, body: Object, message: str, generation: int, notify: context.Notify) -> None:

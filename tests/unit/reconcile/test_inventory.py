@@ -6,6 +6,7 @@ from typing import Any
 
 import pytest
 
+from megafleet import planner
 from megafleet.api import v1alpha1
 from megafleet.reconcile import inventory
 
@@ -29,6 +30,8 @@ def toleration(**fields: Any) -> v1alpha1.Toleration:
         ([toleration(key=GPU, operator="Exists", effect="NoExecute")], [GPU_TAINT], False),
         ([toleration(key="other", operator="Exists")], [GPU_TAINT], False),
         ([toleration(operator="Exists")], [GPU_TAINT], True),
+        ([toleration(key="", operator="Exists")], [GPU_TAINT, {"key": "evict", "effect": "NoExecute"}], True),
+        ([toleration(key="bare", operator="Equal")], [{"key": "bare", "effect": "NoSchedule"}], True),
         ([], [{"key": "soft", "effect": "PreferNoSchedule"}], True),
         ([], [{"key": "evict", "effect": "NoExecute"}], False),
         ([toleration(key=GPU, operator="Exists")], [GPU_TAINT, {"key": "evict", "effect": "NoExecute"}], False),
@@ -43,6 +46,8 @@ def toleration(**fields: Any) -> v1alpha1.Toleration:
         "other-effect",
         "other-key",
         "wildcard-exists",
+        "empty-key-exists-tolerates-everything",
+        "equal-without-value-matches-empty-value",
         "prefer-no-schedule-ignored",
         "no-execute-counts",
         "one-of-two-tolerated",
@@ -130,3 +135,28 @@ def test_nodes_report_gpus_offered_taken_and_schedulability(
     found = inventory.nodes(nodes, [pod(node="n1", gpus=["3"])], resource=GPU, tolerations=tolerations)
     assert [(n.name, n.allocatable_gpus, n.allocated_gpus, n.schedulable) for n in found] == expected
     assert all(n.labels == {"clique": "c0"} for n in found)
+
+
+def test_an_empty_key_exists_toleration_lets_placement_use_tainted_nodes() -> None:
+    """Kubernetes reads ``key: "", operator: Exists`` as "tolerate every taint" (issue 16): the planner
+    must see such nodes as schedulable and place the shard there."""
+    tainted = {
+        "metadata": {"name": "n0", "labels": {}},
+        "spec": {"taints": [{"key": "dedicated", "value": "rl", "effect": "NoSchedule"}]},
+        "status": {"allocatable": {GPU: "8"}},
+    }
+    tolerate_all = [toleration(key="", operator="Exists")]
+    parallelism = planner.Parallelism(tensor=8)
+    request = planner.PlacementRequest(
+        fleet="rl/gen",
+        shard_indices=[0],
+        layout=planner.pod_layout(parallelism, 8),
+        nvlink_span=parallelism.nvlink_span,
+        gpus_per_node=8,
+    )
+
+    plan = planner.plan_placement(request, inventory.nodes([tainted], [], resource=GPU, tolerations=tolerate_all))
+    refused = planner.plan_placement(request, inventory.nodes([tainted], [], resource=GPU, tolerations=[]))
+
+    assert [pod.node for pod in plan.placed[0].pods] == ["n0"]
+    assert refused.placed == {}

@@ -167,6 +167,17 @@ def test_shard_entry(members: list[pods.Pod] | None, overrides: dict[str, Any], 
     assert status.shard_entry(0, members, **{**ENTRY_DEFAULTS, **overrides}) == expected
 
 
+def test_a_failed_shard_keeps_the_same_entry_at_every_reconcile() -> None:
+    """Each reconcile reads lastError back from the status (issue 16: it grew "gave up after 5
+    restarts; last: gave up after ..." at every pass, so status was written forever)."""
+    first = status.shard_entry(0, None, **{**ENTRY_DEFAULTS, "restarts": (6, "pods ended: p0")})
+    again = status.shard_entry(0, None, **{**ENTRY_DEFAULTS, "restarts": (6, first["lastError"])})
+    third = status.shard_entry(0, None, **{**ENTRY_DEFAULTS, "restarts": (6, again["lastError"])})
+
+    assert first == again == third
+    assert first["lastError"] == "gave up after 5 restarts; last: pods ended: p0"
+
+
 @pytest.mark.parametrize(
     ("unplaced", "expected"),
     [

@@ -31,7 +31,7 @@ from typing import Any
 import torch
 
 from megafleet_engine.backends import base
-from megafleet_engine.backends.megatron import build, generation, lockstep, sources, weights
+from megafleet_engine.backends.megatron import build, generation, lockstep, native_refit, sources, weights
 from megafleet_engine.backends.weight_maps import Layout
 from megafleet_protocol import vocabulary
 
@@ -120,6 +120,11 @@ class MegatronBackend:
     def zero_weights(self) -> None:
         """Deferred init: the parameters exist but hold zeros until the first refit writes them."""
         self._weights.zero()
+
+    def native_receiver(self) -> native_refit.NativeRefit:
+        """This rank's model as a destination of megatron-core's own refit (``swap_model_weights``
+        from a megatron-core trainer; :mod:`.native_refit`)."""
+        return native_refit.NativeRefit(self.model, self._lockstep.device)
 
     # -- refits: KV cache and CUDA graphs ------------------------------------------------------
 

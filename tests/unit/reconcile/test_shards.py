@@ -1,0 +1,62 @@
+"""Shard lifecycle steps against an in-memory API (tests/helpers/kube_fakes.py)."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+from helpers import kube_fakes
+from megafleet import agent_client, reconcile, settings
+from megafleet.reconcile import context
+
+GPU = "nvidia.com/gpu"
+
+
+class Agents:
+    """Every agent serves version 1; a drain succeeds at once."""
+
+    async def states(self, pod_ips: list[str], token: str) -> list[agent_client.AgentState]:
+        return [agent_client.AgentState(state="ready", weight_version=1, served_address=f"{ip}:8000") for ip in pod_ips]
+
+    async def suspend(self, ip: str, token: str, **_: Any) -> None:
+        pass
+
+    async def close(self) -> None:
+        pass
+
+
+def gpu_fleet(pipeline: int) -> dict[str, Any]:
+    spec = {
+        "model": {"source": "/models/m"},
+        "parallelism": {"tensor": 8, "pipeline": pipeline},
+        "resources": {"gpusPerNode": 8},
+    }
+    metadata = {"name": "gen", "namespace": "rl", "uid": "uid-gen", "generation": pipeline}
+    return {"apiVersion": "megafleet.dev/v1alpha1", "kind": "MegatronGeneration", "metadata": metadata, "spec": spec}
+
+
+def test_changing_the_pipeline_size_rolls_the_shard_instead_of_counting_a_failure() -> None:
+    """Issue 16: a pipeline change made the old 2-pod shard "-1 of 1 pods missing" (a restart)."""
+    nodes = [
+        {"kind": "Node", "metadata": {"name": f"n{i}", "labels": {}}, "spec": {}, "status": {"allocatable": {GPU: "8"}}}
+        for i in range(4)
+    ]
+    api = kube_fakes.Api(gpu_fleet(pipeline=2), *nodes)
+    runtime = context.Runtime.of(api, Agents(), settings.OperatorSettings())  # type: ignore[arg-type]
+
+    async def reconcile_once() -> dict[str, Any]:
+        await reconcile.reconcile(runtime, await api.get("MegatronGeneration", "gen", "rl") or {})
+        return await api.get("MegatronGeneration", "gen", "rl") or {}
+
+    asyncio.run(reconcile_once())
+    api.run_pods("n0")
+    assert asyncio.run(reconcile_once())["status"]["readyReplicas"] == 1
+    api.objects[("MegatronGeneration", "rl", "gen")].update(gpu_fleet(pipeline=1))
+
+    rolling = asyncio.run(reconcile_once())["status"]["shards"][0]  # drained and deleted
+    placed = asyncio.run(reconcile_once())["status"]["shards"][0]  # placed again, with one pod
+
+    assert rolling == {"index": 0, "restarts": 0, "phase": "Draining"}
+    assert placed["restarts"] == 0 and "lastError" not in placed
+    assert placed["pods"] == ["gen-s0-p0"]
+    assert [name for (kind, _, name) in api.objects if kind == "Pod"] == ["gen-s0-p0"]

@@ -1,0 +1,91 @@
+"""Kopf's bookkeeping on our objects (megafleet.persistence): bounded, tolerant, no finalizers."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import kopf
+
+from megafleet import handlers, names, persistence
+
+KEY = f"{names.PREFIX}/last-handled-configuration"
+
+
+def fleet(spec: dict[str, object], annotations: dict[str, str] | None = None) -> kopf.Body:
+    metadata: Any = {"name": "big", "namespace": "rl", "uid": "u1", "annotations": annotations or {}}
+    return kopf.Body(
+        {"apiVersion": "megafleet.dev/v1alpha1", "kind": "MegatronGeneration", "metadata": metadata, "spec": spec}
+    )
+
+
+def stored(storage: persistence.DigestDiffBase, body: kopf.Body) -> str:
+    patch = kopf.Patch()
+    storage.store(body=body, patch=patch, essence=storage.build(body=body))
+    return str(patch["metadata"]["annotations"][KEY])
+
+
+def test_a_spec_near_the_object_size_limit_keeps_a_small_annotation() -> None:
+    """Kopf stored the whole spec: past 256 KiB the fleet could not be updated or deleted (issue 16)."""
+    storage = persistence.DigestDiffBase(prefix=names.PREFIX, key="last-handled-configuration")
+    big = {
+        "model": {"source": "/m"},
+        "engine": {"args": ["x" * 4000] * 64, "env": [{"name": "A", "value": "y" * 32000}] * 6},
+    }
+
+    annotation = stored(storage, fleet(big))
+
+    assert len(annotation) < 1024
+    assert storage.fetch(body=fleet(big, {KEY: annotation})) == storage.build(body=fleet(big))
+
+
+def test_a_spec_change_still_shows_as_a_change_of_the_spec() -> None:
+    storage = persistence.DigestDiffBase(prefix=names.PREFIX, key="last-handled-configuration")
+    before = storage.build(body=fleet({"replicas": 1}))
+    after = storage.build(body=fleet({"replicas": 2}))
+
+    assert before != after and before["spec"] != after["spec"]
+
+
+def test_a_malformed_record_reads_as_none_so_the_object_is_handled_again() -> None:
+    """A malformed annotation raised JSONDecodeError at every event: the fleet was never reconciled again."""
+    diffbase = persistence.DigestDiffBase(prefix=names.PREFIX, key="last-handled-configuration")
+    progress = persistence.TolerantProgress(prefix=names.PREFIX)
+
+    for malformed in ("{not json", "[1, 2]", "7"):
+        body = fleet({}, {KEY: malformed, f"{names.PREFIX}/observe": malformed})
+        assert diffbase.fetch(body=body) is None
+        assert progress.fetch(key=kopf.HandlerId("observe"), body=body) is None
+
+
+def test_no_handler_puts_a_finalizer_on_fleets_or_refits() -> None:
+    """Kopf gave every object with a timer a finalizer: without an operator, deletion hung (issue 16).
+    The end-to-end proof is tests/e2e/test_hostile_specs.py."""
+    registry = kopf.get_default_registry()
+    spawning = registry._spawning.get_all_handlers()
+    changing = registry._changing.get_all_handlers()
+
+    assert {handler.id for handler in spawning} >= {"observe", "poll_refit"}
+    assert not [handler.id for handler in [*spawning, *changing] if getattr(handler, "requires_finalizer", False)]
+
+
+def test_a_poll_ends_by_itself_once_its_object_is_gone() -> None:
+    """Without a finalizer Kopf never stops these daemons: each must return when its object is gone."""
+
+    class NeverStopped:
+        def __bool__(self) -> bool:
+            return False
+
+        async def wait(self, timeout: float) -> None:
+            pass
+
+    answers = iter([True, True, False])
+    calls: list[bool] = []
+
+    async def step() -> bool:
+        calls.append(next(answers))
+        return calls[-1]
+
+    asyncio.run(asyncio.wait_for(handlers.poll(NeverStopped(), 0, step), timeout=5))  # type: ignore[arg-type]
+
+    assert calls == [True, True, False]
