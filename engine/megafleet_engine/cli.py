@@ -5,12 +5,15 @@ processes: one per local GPU (spawned, each with its own rank and device), or on
 runs in this process. Each rank process joins the shard's process group when the world has more
 than one rank (gloo on CPU, NCCL on GPU), loads the backend (megatron: into its TP/PP place), and
 serves: the OpenAI frontend on frontend ranks (``tp_rank == 0 and pp_rank == 0``), the pod's agent
-and metrics on local rank 0. The other local ranks serve an agent of their own on the pod IP at
-``agent port + local rank``, which local rank 0's agent forwards refits to
-(:mod:`megafleet_engine.siblings`). On a model-parallel megatron shard the ranks other than the
-first run :meth:`~megafleet_engine.backends.megatron.MegatronBackend.serve_followers` on a
-thread of their own and step in lockstep with the first. SIGTERM or SIGINT stops the servers
-gracefully (the first rank then releases its followers); a rank that fails stops its siblings.
+and metrics on local rank 0. A frontend rank is the *engine core*: its frontend runs in
+``MEGAFLEET_API_SERVERS`` API-server processes it spawns and supervises
+(:mod:`megafleet_engine.core_ipc`), which own HTTP and tokenisation and talk to the core over IPC.
+The other local ranks serve an agent of their own on the pod IP at ``agent port + local rank``,
+which local rank 0's agent forwards refits to (:mod:`megafleet_engine.siblings`). On a
+model-parallel megatron shard the ranks other than the first run
+:meth:`~megafleet_engine.backends.megatron.MegatronBackend.serve_followers` on a thread of their own
+and step in lockstep with the first. SIGTERM or SIGINT stops the servers gracefully (the first rank
+then releases its followers); a rank that fails stops its siblings.
 """
 
 from __future__ import annotations
@@ -213,6 +216,7 @@ def _servers(
         world_size=settings.world_size,
         siblings=siblings,
         agent_host=sibling_host if local_rank > 0 else None,
+        api_servers=settings.api_server_count,
     )
 
 

@@ -14,6 +14,12 @@ closes early (client gone, suspend in abort mode) leave it. Admission stops whil
 weight write) or shutdown waits in the queue, so the running batch drains and the call runs next.
 Otherwise the next batch starts as soon as the running one ends.
 
+Output delivery: every sequence is enqueued with a *sink* (:data:`Sink`), and the backend thread
+calls each sink once per decode step with every item for its sequences (one call per step, not one
+per token): the OpenAI frontend's in-process client hands a request's step to its event loop in one
+hop, and the engine core's IPC server (:mod:`megafleet_engine.core_ipc.core`) turns a step into one
+message per API-server process. :meth:`Engine.submit` is the one-sequence async view on top.
+
 Holding at the gate: a suspend *for a refit* (``suspend(..., hold=True)``, what the refit runner
 does) keeps the gate closed but makes new requests wait there instead of answering
 :class:`NotServing`: each waits (on an asyncio future woken by :meth:`Engine.resume` or
@@ -36,8 +42,8 @@ import itertools
 import logging
 import threading
 import time
-from collections.abc import AsyncGenerator, Callable
-from typing import TypeVar
+from collections.abc import AsyncGenerator, Callable, Sequence
+from typing import Any, TypeVar
 
 from megafleet_engine.backends import base
 from megafleet_protocol import vocabulary
@@ -66,13 +72,28 @@ class Aborted(EngineError):
     """A request was aborted by a suspend in abort mode."""
 
 
-@dataclasses.dataclass
-class _Pending:
+Item = tuple[Any, "base.TokenStep | BaseException"]
+"""What a sink receives per sequence: the tag it was enqueued with, and its next token or its error."""
+Sink = Callable[[list[Item]], None]
+"""Called with every item of one step for the sequences enqueued with it: from the backend thread
+once per step, or from the suspending thread for sequences an abort-mode suspend ends before they
+ran. Must be quick and thread-safe (hand the items over; never block)."""
+
+
+@dataclasses.dataclass(eq=False)
+class Handle:
+    """One enqueued sequence: :meth:`cancel` stops it at the next step (its sink gets ``Aborted``
+    unless it already finished)."""
+
     request: base.SequenceRequest
-    loop: asyncio.AbstractEventLoop
-    steps: asyncio.Queue[base.TokenStep | BaseException]
+    sink: Sink
+    tag: Any
     cancelled: threading.Event = dataclasses.field(default_factory=threading.Event)
     key: str = ""  # the id the backend sees: the request's own, or an alias if that is taken
+    done: bool = False  # ended (finished, failed or aborted): its sink got its last item or gets it now
+
+    def cancel(self) -> None:
+        self.cancelled.set()
 
 
 @dataclasses.dataclass
@@ -104,9 +125,11 @@ class Engine:
     suspended for a refit (0: answer :class:`NotServing` at once); ``held`` counts the requests
     that waited and ``held_now`` those waiting now.
 
-    ``batches`` counts backend batches and ``batch_sizes`` the sequences each one served (those
-    admitted while it ran included); ``admitted`` counts sequences that joined a running batch and
-    ``admissions`` the steps at which at least one joined.
+    ``generated_tokens`` counts tokens delivered and ``running`` is the number of sequences in the
+    running batch (the metrics read both at scrape time). ``batches`` counts backend batches and
+    ``batch_sizes`` the sequences each one served (those admitted while it ran included);
+    ``admitted`` counts sequences that joined a running batch and ``admissions`` the steps at which
+    at least one joined.
     """
 
     def __init__(
@@ -126,7 +149,7 @@ class Engine:
         self.continuous = backend.supports_admission
         self.state: vocabulary.EngineState = "ready" if weight_version is not None else "loading"
         self.last_error: str | None = None
-        self._queue: collections.deque[_Pending | _Call | None] = collections.deque()
+        self._queue: collections.deque[Handle | _Call | None] = collections.deque()
         self._in_flight = 0
         self._abort_all = False
         self._holding = False  # suspended for a refit: new requests wait at the gate
@@ -137,13 +160,15 @@ class Engine:
         self._idle = threading.Condition(self._lock)  # _in_flight went down
         # The running batch (backend thread only): open sequences by the id the backend sees, and
         # the ids closed early that the backend has not been told about yet.
-        self._open: dict[str, _Pending] = {}
+        self._open: dict[str, Handle] = {}
         self._leaving: set[str] = set()
         self._aliases = itertools.count()
         self.batches = 0
         self.batch_sizes: list[int] = []
         self.admitted = 0
         self.admissions = 0
+        self.generated_tokens = 0
+        self._outbox: list[tuple[Handle, base.TokenStep | BaseException]] = []  # backend thread only
         self._thread = threading.Thread(target=self._run, name="megafleet-engine", daemon=True)
         self._thread.start()
 
@@ -163,6 +188,11 @@ class Engine:
             return self.state == "ready" or self._holds()
 
     @property
+    def running(self) -> int:
+        """Sequences in the running batch (read without the backend thread's cooperation)."""
+        return len(self._open)
+
+    @property
     def held_now(self) -> int:
         """Requests waiting at the gate now."""
         with self._lock:
@@ -175,29 +205,45 @@ class Engine:
         Cancelling the consumer (client disconnect) stops the sequence at the next step, or drops
         it from the gate while it waits.
         """
-        pending = _Pending(request, asyncio.get_running_loop(), asyncio.Queue())
-        await self._enter(pending)
+        loop = asyncio.get_running_loop()
+        steps: asyncio.Queue[base.TokenStep | BaseException] = asyncio.Queue()
+
+        def sink(items: list[Item]) -> None:
+            with contextlib.suppress(RuntimeError):  # the loop is closed: the client is gone
+                loop.call_soon_threadsafe(_put_all, steps, items)
+
+        [handle] = await self.enqueue([(None, request)], sink)
         try:
             while True:
-                item = await pending.steps.get()
+                item = await steps.get()
                 if isinstance(item, BaseException):
                     raise item
                 yield item
                 if item.finish_reason is not None:
                     return
         finally:
-            pending.cancelled.set()
+            handle.cancel()
 
-    async def _enter(self, pending: _Pending) -> None:
-        """Queue ``pending`` once the gate is open; hold it while suspended for a refit."""
+    async def enqueue(self, entries: Sequence[tuple[Any, base.SequenceRequest]], sink: Sink) -> list[Handle]:
+        """Queue every ``(tag, request)`` of ``entries`` at once, behind the gate (held while
+        suspended for a refit, as :meth:`submit`); their tokens go to ``sink`` once per step, tagged.
+
+        Raises :class:`NotServing` for all of them at the gate; nothing is queued then."""
+        handles = [Handle(request, sink, tag) for tag, request in entries]
+        await self._enter(handles)
+        return handles
+
+    async def _enter(self, handles: list[Handle]) -> None:
+        """Queue ``handles`` once the gate is open; hold them while suspended for a refit."""
+        loop = asyncio.get_running_loop()
         started = time.monotonic()
         deadline = started + self.refit_wait_seconds
         counted = False
         while True:
             with self._lock:
                 if self.state == "ready":
-                    self._in_flight += 1
-                    self._queue.append(pending)
+                    self._in_flight += len(handles)
+                    self._queue.extend(handles)
                     self._work.notify()
                     return
                 if not self._holds():
@@ -205,8 +251,8 @@ class Engine:
                 remaining = deadline - time.monotonic()
                 if remaining <= 0:
                     raise NotServing(self.state, waited=time.monotonic() - started)
-                future: asyncio.Future[None] = pending.loop.create_future()
-                waiter = (pending.loop, future)
+                future: asyncio.Future[None] = loop.create_future()
+                waiter = (loop, future)
                 self._waiters.append(waiter)
                 if not counted:
                     self.held += 1
@@ -240,7 +286,7 @@ class Engine:
 
         ``hold``: the suspend is for a refit that resumes soon, so requests arriving meanwhile wait
         at the gate (up to ``refit_wait_seconds``) instead of being refused."""
-        aborted: list[_Pending] = []
+        aborted: list[Handle] = []
         with self._lock:
             if self.state in ("ready", "suspended"):
                 self.state = "suspended"
@@ -249,14 +295,15 @@ class Engine:
                     self._wake()  # a hold turned into a plain suspend: waiters answer now
             self._abort_all = mode == "abort"
             if self._abort_all:  # accepted but not started: end them here, they never run
-                aborted = [item for item in self._queue if isinstance(item, _Pending)]
-                kept = [item for item in self._queue if not isinstance(item, _Pending)]
+                aborted = [item for item in self._queue if isinstance(item, Handle)]
+                kept = [item for item in self._queue if not isinstance(item, Handle)]
                 self._queue.clear()
                 self._queue.extend(kept)
                 self._in_flight -= len(aborted)
                 self._idle.notify_all()
         for pending in aborted:
-            self._deliver(pending, Aborted("request aborted by a suspend for refit"))
+            pending.done = True
+        _send([(pending, Aborted("request aborted by a suspend for refit")) for pending in aborted])
         with self._idle:
             busy = self._in_flight > 0
         if busy:  # else nothing to wait for (no thread hop)
@@ -335,10 +382,10 @@ class Engine:
                 while not self._queue:
                     self._work.wait()
                 first = self._queue.popleft()
-                batch: list[_Pending] = []
-                if isinstance(first, _Pending):
+                batch: list[Handle] = []
+                if isinstance(first, Handle):
                     batch.append(first)
-                    while len(batch) < self.max_batch_size and self._queue and isinstance(self._queue[0], _Pending):
+                    while len(batch) < self.max_batch_size and self._queue and isinstance(self._queue[0], Handle):
                         batch.append(self._queue.popleft())  # type: ignore[arg-type]
             if first is None:
                 return
@@ -355,7 +402,7 @@ class Engine:
         finally:
             call.done.set()
 
-    def _open_sequence(self, pending: _Pending) -> base.SequenceRequest:
+    def _open_sequence(self, pending: Handle) -> base.SequenceRequest:
         """Register ``pending`` in the running batch; the request as the backend sees it."""
         key = pending.request.request_id
         if key in self._open:  # two live requests share an id: give the backend a unique one
@@ -376,12 +423,13 @@ class Engine:
                 self._close(pending, Aborted("request aborted by a suspend for refit"))
         leave, self._leaving = self._leaving, set()
         room = min(capacity, self.max_batch_size - len(self._open))
-        joining: list[_Pending] = []
+        joining: list[Handle] = []
         if room > 0:
             with self._lock:
                 if self.state == "ready" and not self._abort_all:
-                    while len(joining) < room and self._queue and isinstance(self._queue[0], _Pending):
+                    while len(joining) < room and self._queue and isinstance(self._queue[0], Handle):
                         joining.append(self._queue.popleft())  # type: ignore[arg-type]
+        self._flush()
         if not joining:
             return base.Admission(leave=leave)
         self.admitted += len(joining)
@@ -389,7 +437,7 @@ class Engine:
         self.batch_sizes[-1] += len(joining)
         return base.Admission(join=tuple(self._open_sequence(pending) for pending in joining), leave=leave)
 
-    def _generate(self, batch: list[_Pending]) -> None:
+    def _generate(self, batch: list[Handle]) -> None:
         self.batches += 1
         self.batch_sizes.append(len(batch))
         self._open = {}
@@ -412,10 +460,11 @@ class Engine:
             produced.close()  # let the backend wind the batch down now
         for pending in list(self._open.values()):  # the backend ended without a final step
             self._close(pending, EngineError("generation ended early"), told=True)
+        self._flush()
         self._leaving = set()
 
     def _take(self, steps: list[base.TokenStep]) -> None:
-        """Deliver one decode step's tokens to their open sequences."""
+        """Deliver one decode step's tokens to their open sequences: one sink call per sink."""
         for step in steps:
             pending = self._open.get(step.request_id)
             if pending is None:
@@ -430,17 +479,26 @@ class Engine:
                 if pending.key != pending.request.request_id:
                     step = dataclasses.replace(step, request_id=pending.request.request_id)
                 self._deliver(pending, step)
+                self.generated_tokens += 1
                 if step.finish_reason is not None:
                     self._close(pending, None, told=True)
+        self._flush()
 
-    def _deliver(self, pending: _Pending, item: base.TokenStep | BaseException) -> None:
-        with contextlib.suppress(RuntimeError):  # the loop is closed: the client is gone
-            pending.loop.call_soon_threadsafe(pending.steps.put_nowait, item)
+    def _deliver(self, pending: Handle, item: base.TokenStep | BaseException) -> None:
+        """Hold ``item`` for the step's one call to the sequence's sink (:meth:`_flush`)."""
+        self._outbox.append((pending, item))
 
-    def _close(self, pending: _Pending, error: BaseException | None, *, told: bool = False) -> None:
+    def _flush(self) -> None:
+        """Hand the step's items to their sinks, one call per sink (backend thread)."""
+        if self._outbox:
+            items, self._outbox = self._outbox, []
+            _send(items)
+
+    def _close(self, pending: Handle, error: BaseException | None, *, told: bool = False) -> None:
         """End one open sequence of the running batch (``told``: the backend already ended it)."""
         if self._open.pop(pending.key, None) is None:
             return
+        pending.done = True
         if not told:
             self._leaving.add(pending.key)
         if error is not None:
@@ -448,3 +506,23 @@ class Engine:
         with self._idle:
             self._in_flight -= 1
             self._idle.notify_all()
+
+
+def _send(items: list[tuple[Handle, base.TokenStep | BaseException]]) -> None:
+    """Call each sink once with its sequences' items, in order; a failing sink is logged and skipped."""
+    grouped: dict[int, tuple[Sink, list[Item]]] = {}
+    for handle, item in items:
+        entry = grouped.get(id(handle.sink))
+        if entry is None:
+            entry = grouped[id(handle.sink)] = (handle.sink, [])
+        entry[1].append((handle.tag, item))
+    for sink, batch in grouped.values():
+        try:
+            sink(batch)
+        except Exception:
+            log.exception("an output sink failed; its %d items are dropped", len(batch))
+
+
+def _put_all(queue: asyncio.Queue[base.TokenStep | BaseException], items: list[Item]) -> None:
+    for _, item in items:
+        queue.put_nowait(item)

@@ -1,17 +1,19 @@
 """Prometheus metrics of one engine process, served on the metrics port (``GET /metrics``).
 
-:class:`Metrics` owns its own registry (so several engines can live in one test process). It is
-fed by the frontend's :class:`RequestMetrics` middleware (requests, latency), by serving (tokens,
-time to first token) and by the refit code (:meth:`Metrics.observe_refit`); queue depth, weight
-version and engine state are read from the engine at scrape time. :func:`build_app` is called by
-:mod:`megafleet_engine.server`.
+:class:`Metrics` owns its own registry (so several engines can live in one test process) and lives
+with the engine (in the engine core process). It is fed by the frontend through
+:class:`FrontendMetrics` (the :class:`RequestMetrics` middleware: requests, latency; serving: prompt
+tokens, time to first token), directly in process or forwarded by the API-server processes
+(:mod:`megafleet_engine.core_ipc`), and by the refit code (:meth:`Metrics.observe_refit`); queue
+depth, running sequences, generated tokens, weight version and engine state are read from the
+engine at scrape time. :func:`build_app` is called by :mod:`megafleet_engine.server`.
 """
 
 from __future__ import annotations
 
 import time
 from collections.abc import Callable, Iterator
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 import fastapi
 import prometheus_client
@@ -22,7 +24,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 if TYPE_CHECKING:
     from megafleet_engine import engine as engine_module
 
-__all__ = ["Metrics", "RequestMetrics", "build_app"]
+__all__ = ["FrontendMetrics", "Metrics", "RequestMetrics", "build_app"]
 
 STATES = ("loading", "ready", "suspended", "stale", "failed")
 LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0)
@@ -31,8 +33,18 @@ REFIT_BUCKETS = (0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 
 """Refit duration, in seconds: from a tiny CPU model to a large model over the network."""
 
 
+class FrontendMetrics(Protocol):
+    """What the OpenAI frontend records, wherever it runs."""
+
+    def observe_request(self, endpoint: str, status: int, seconds: float) -> None: ...
+
+    def observe_first_token(self, seconds: float) -> None: ...
+
+    def count_prompt_tokens(self, count: int) -> None: ...
+
+
 class Metrics:
-    """The metric families of one engine process."""
+    """The metric families of one engine process (:class:`FrontendMetrics` included)."""
 
     def __init__(self, engine: engine_module.Engine) -> None:
         self.registry = registry.CollectorRegistry()
@@ -58,9 +70,6 @@ class Metrics:
         self.prompt_tokens = prometheus_client.Counter(
             "megafleet_prompt_tokens", "Prompt tokens of accepted requests.", registry=self.registry
         )
-        self.generated_tokens = prometheus_client.Counter(
-            "megafleet_generated_tokens", "Tokens generated.", registry=self.registry
-        )
         self.refit_duration = prometheus_client.Histogram(
             "megafleet_refit_duration_seconds",
             "Duration of refits (suspend to resume) that this engine took part in.",
@@ -69,6 +78,16 @@ class Metrics:
             registry=self.registry,
         )
         self.registry.register(_EngineCollector(engine))
+
+    def observe_request(self, endpoint: str, status: int, seconds: float) -> None:
+        self.requests.labels(endpoint=endpoint, status=str(status)).inc()
+        self.request_latency.labels(endpoint=endpoint).observe(seconds)
+
+    def observe_first_token(self, seconds: float) -> None:
+        self.time_to_first_token.observe(seconds)
+
+    def count_prompt_tokens(self, count: int) -> None:
+        self.prompt_tokens.inc(count)
 
     def observe_refit(self, duration_seconds: float, *, succeeded: bool) -> None:
         """Record one refit; called by the refit code when a refit ends either way."""
@@ -90,6 +109,14 @@ class _EngineCollector(registry.Collector):
         yield core.GaugeMetricFamily(
             "megafleet_queue_depth", "Sequences accepted and not finished.", value=engine.queue_depth
         )
+        yield core.GaugeMetricFamily(
+            "megafleet_running_sequences", "Sequences in the running batch.", value=engine.running
+        )
+        yield core.CounterMetricFamily(
+            "megafleet_generated_tokens",
+            "Tokens generated (counted by the engine core).",
+            value=engine.generated_tokens,
+        )
         version = core.GaugeMetricFamily(
             "megafleet_weight_version", "Weight version served; absent until the first weights are loaded."
         )
@@ -104,9 +131,12 @@ class _EngineCollector(registry.Collector):
 
 class RequestMetrics:
     """ASGI middleware counting frontend requests by endpoint and status and timing them to the last
-    byte (streams included). Endpoints outside ``known`` count as ``other`` to bound label values."""
+    byte (streams included). Endpoints outside ``known`` count as ``other`` to bound label values.
 
-    def __init__(self, app: ASGIApp, *, metrics: Metrics, known: frozenset[str]) -> None:
+    A request is recorded just before its last byte is sent (so an API server's forwarded count
+    reaches the core before the client can see the response end), or when it fails."""
+
+    def __init__(self, app: ASGIApp, *, metrics: FrontendMetrics, known: frozenset[str]) -> None:
         self._app = app
         self._metrics = metrics
         self._known = known
@@ -118,18 +148,26 @@ class RequestMetrics:
         path = scope["path"] if scope["path"] in self._known else "other"
         started = time.monotonic()
         status = 500  # unless a response starts
+        recorded = False
+
+        def observe() -> None:
+            nonlocal recorded
+            if not recorded:
+                recorded = True
+                self._metrics.observe_request(path, status, time.monotonic() - started)
 
         async def record(message: Message) -> None:
             nonlocal status
             if message["type"] == "http.response.start":
                 status = message["status"]
+            elif message["type"] == "http.response.body" and not message.get("more_body", False):
+                observe()
             await send(message)
 
         try:
             await self._app(scope, receive, record)
         finally:
-            self._metrics.requests.labels(endpoint=path, status=str(status)).inc()
-            self._metrics.request_latency.labels(endpoint=path).observe(time.monotonic() - started)
+            observe()
 
 
 def build_app(metrics: Metrics) -> fastapi.FastAPI:

@@ -15,9 +15,8 @@ import dataclasses
 import ipaddress
 import logging
 import socket
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
 
 import fastapi
 import uvicorn
@@ -27,58 +26,18 @@ from megafleet_engine import engine as engine_module
 from megafleet_engine import metrics as metrics_module
 from megafleet_engine import siblings as siblings_module
 from megafleet_engine.backends import base
-from megafleet_engine.openai import errors, router, serving
+from megafleet_engine.core_ipc import core as core_module
+from megafleet_engine.openai import app as frontend_app
+from megafleet_engine.openai import engine_client, errors, serving
 
 __all__ = ["EngineServers", "Listener", "bind", "build_agent_app", "build_frontend_app", "read_secret", "tokenizer_of"]
 
+build_frontend_app = frontend_app.build_frontend_app
+
 log = logging.getLogger(__name__)
 
-FRONTEND_PATHS = frozenset({"/v1/models", "/v1/completions", "/v1/chat/completions", "/health"})
-"""Endpoint label values of the request metrics; anything else counts as ``other``."""
 GRACEFUL_SHUTDOWN_SECONDS = 10
 """How long a stopping server waits for responses in flight before closing their connections."""
-
-
-def build_frontend_app(context: serving.ServingContext, *, api_key: str | None = None) -> fastapi.FastAPI:
-    """The OpenAI-compatible app; ``GET /health`` (no key) says whether the engine takes requests.
-
-    ``/health`` is the pod's readiness probe (period 2 s, failure threshold 1). It answers 200 while
-    the engine is ``ready`` and also while it is suspended *for a refit* with holding on
-    (``{"status": "refitting"}``): such a request waits at the gate and is served by the new
-    version. Answering 503 there would make the kubelet drop the pod from its Service's endpoints
-    at the first probe inside the refit and add it back only at the first probe after it (up to 2 s
-    plus endpoint propagation later); every member of a refit suspends at the same moment, so the
-    Service would have no endpoint at all and ClusterIP clients would fail to connect for a refit
-    that otherwise loses nothing. A refit that fails leaves the engine ``stale``, which answers 503
-    at the next probe; a plain suspend (fencing, draining before removal), ``loading`` and
-    ``failed`` answer 503 as before."""
-    app = fastapi.FastAPI(title="megafleet engine", docs_url=None, redoc_url=None, openapi_url=None)
-    app.state.frontend = router.Frontend(
-        models=serving.ModelServing(context),
-        completions=serving.CompletionServing(context),
-        chat=serving.ChatServing(context),
-        context=context,
-        api_key=api_key,
-    )
-
-    def stamp() -> tuple[Mapping[str, Any], Mapping[str, str]]:
-        version = context.engine.weight_version
-        return {"weight_version": version}, {router.WEIGHT_VERSION_HEADER: router.weight_version_header(version)}
-
-    errors.install(app, stamp=stamp)
-    app.include_router(router.router)
-
-    @app.get("/health")
-    async def health() -> dict[str, str]:
-        # The pod's readiness probe. Suspended for a refit counts as serving: requests are held and
-        # served by the new version, so the pod stays in its Service (see above).
-        engine = context.engine
-        if not engine.accepting:
-            raise errors.ServiceUnavailable(f"the engine is {engine.state}", code=engine.state)
-        return {"status": "ready" if engine.state == "ready" else "refitting"}
-
-    app.add_middleware(metrics_module.RequestMetrics, metrics=context.metrics, known=FRONTEND_PATHS)
-    return app
 
 
 def build_agent_app(agent: agent_server.AgentServer) -> fastapi.FastAPI:
@@ -172,6 +131,8 @@ class EngineServers:
         siblings: the agents of the pod's other local ranks (on local rank 0 of a multi-rank pod).
         agent_host: where the agent binds, if not ``host`` (the other local ranks: the pod's
             loopback); its refit transports still bind ``host``.
+        api_servers: API-server processes that serve the frontend (the engine core split,
+            :mod:`megafleet_engine.core_ipc`); 0 serves it in this process's event loop.
     """
 
     def __init__(
@@ -190,16 +151,27 @@ class EngineServers:
         world_size: int = 1,
         siblings: siblings_module.Siblings | None = None,
         agent_host: str | None = None,
+        api_servers: int = 0,
     ) -> None:
         if agent_port is not None:
             if agent_token_file is None:
                 raise RuntimeError("the agent needs a token file (MEGAFLEET_AGENT_TOKEN_FILE)")
             read_secret(agent_token_file, what="agent token")
         self.listeners: list[Listener] = []
+        self._core: core_module.CoreServer | None = None
+        self._frontend_sock: socket.socket | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
         try:
             self.served_address: str | None = None
-            if frontend_port is not None:
-                app = build_frontend_app(serving.ServingContext(engine, tokenizer, metrics), api_key=api_key)
+            if frontend_port is not None and api_servers > 0:
+                self._frontend_sock = bind(host, frontend_port)
+                self.served_address = address_of(self._frontend_sock)
+                self._core = core_module.CoreServer(
+                    engine, metrics, tokenizer, listener=self._frontend_sock, count=api_servers, api_key=api_key
+                )
+            elif frontend_port is not None:
+                context = serving.ServingContext(engine_client.LocalClient(engine), tokenizer, metrics)
+                app = build_frontend_app(context, api_key=api_key)
                 self._listen("frontend", app, host, frontend_port)
                 self.served_address = self.listeners[-1].address
             if agent_port is not None and agent_token_file is not None:
@@ -227,6 +199,8 @@ class EngineServers:
 
     def address(self, name: str) -> str | None:
         """Where the server called ``name`` (frontend, agent, metrics) listens, if it runs."""
+        if name == "frontend" and self._core is not None:
+            return self.served_address
         return next((listener.address for listener in self.listeners if listener.name == name), None)
 
     @property
@@ -235,32 +209,45 @@ class EngineServers:
 
     async def serve(self) -> None:
         """Run every server until :meth:`stop` (or until one of them ends, which stops the rest)."""
-        for listener in self.listeners:
-            log.info("serving the %s on http://%s", listener.name, listener.address)
+        self._loop = asyncio.get_running_loop()
+        names = [listener.name for listener in self.listeners]
         tasks = [
             asyncio.create_task(server.serve(sockets=[listener.sock]), name=f"megafleet-{listener.name}")
             for server, listener in zip(self._servers, self.listeners, strict=True)
         ]
+        if self._core is not None:
+            names.append("frontend")
+            tasks.append(asyncio.create_task(self._core.serve(), name="megafleet-core"))
+            log.info(
+                "serving the frontend on http://%s (%d API-server processes)", self.served_address, self._core.count
+            )
+        for listener in self.listeners:
+            log.info("serving the %s on http://%s", listener.name, listener.address)
         try:
             await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
         finally:
             self.stop()
             results = await asyncio.gather(*tasks, return_exceptions=True)
             self.close_sockets()
-        for listener, result in zip(self.listeners, results, strict=True):
+        for name, result in zip(names, results, strict=True):
             if isinstance(result, BaseException):
-                raise RuntimeError(f"the {listener.name} server failed: {result!r}") from result
-        for listener in self.listeners:
-            log.info("stopped the %s on http://%s", listener.name, listener.address)
+                raise RuntimeError(f"the {name} server failed: {result!r}") from result
+        for name in names:
+            log.info("stopped the %s on http://%s", name, self.address(name))
 
     def stop(self) -> None:
         """Ask every server to finish its responses in flight and stop (safe from any thread)."""
         for server in self._servers:
             server.should_exit = True
+        if self._core is not None and self._loop is not None:
+            with contextlib.suppress(RuntimeError):  # the loop is closed: the core stopped already
+                self._loop.call_soon_threadsafe(self._core.stop)
 
     def close_sockets(self) -> None:
         for listener in self.listeners:
             listener.sock.close()
+        if self._frontend_sock is not None:
+            self._frontend_sock.close()
 
 
 def _config(app: fastapi.FastAPI) -> uvicorn.Config:

@@ -143,8 +143,20 @@ class Settings:
     forever. 0 answers 503 at once (the behaviour before holding existed). The operator sets it from
     spec.engine.refitWaitSeconds."""
 
+    api_servers: int | None = None
+    """``MEGAFLEET_API_SERVERS``: API-server processes that serve the OpenAI frontend of a frontend
+    rank, apart from the engine core (the rank process, which keeps the model, the scheduler, the
+    agent and the metrics); they share the frontend port. 0 serves the frontend in the rank
+    process itself. Default (unset): :func:`default_api_servers` of the CPUs the pod may use, one
+    on small pods."""
+
     def __post_init__(self) -> None:
         _check(self)
+
+    @property
+    def api_server_count(self) -> int:
+        """API-server processes to run: ``MEGAFLEET_API_SERVERS``, or the default for this pod."""
+        return default_api_servers(usable_cpus()) if self.api_servers is None else self.api_servers
 
     @property
     def model_name(self) -> str:
@@ -204,7 +216,33 @@ def from_env(environ: Mapping[str, str] | None = None) -> Settings:
         == "true",
         kv_cache_gib=reader.integer(env.KV_CACHE_GIB, defaults.kv_cache_gib),
         refit_wait_seconds=reader.integer(env.REFIT_WAIT_SECONDS, defaults.refit_wait_seconds),
+        api_servers=reader.integer(env.API_SERVERS, -1) if reader.text(env.API_SERVERS) else None,
     )
+
+
+CPUS_PER_API_SERVER = 4
+"""CPUs the default gives each API-server process: one for its event loop and JSON, the rest left
+to the engine core's busy loop and to the other processes of the pod."""
+MAX_DEFAULT_API_SERVERS = 8
+
+
+def default_api_servers(cpus: float) -> int:
+    """The default number of API-server processes for a pod that may use ``cpus`` CPUs: one per
+    :data:`CPUS_PER_API_SERVER`, at least 1 and at most :data:`MAX_DEFAULT_API_SERVERS`."""
+    return max(1, min(MAX_DEFAULT_API_SERVERS, int(cpus // CPUS_PER_API_SERVER)))
+
+
+def usable_cpus(cgroup: Path = Path("/sys/fs/cgroup/cpu.max")) -> float:
+    """CPUs this process may use: the cgroup v2 quota (a pod's CPU limit) when set, else the CPUs
+    it is allowed to run on."""
+    available = float(len(os.sched_getaffinity(0)))
+    try:
+        quota, period = cgroup.read_text().split()[:2]
+    except (OSError, ValueError):
+        return available
+    if quota == "max":
+        return available
+    return min(available, int(quota) / int(period))
 
 
 def _choices(literal: object, default: str) -> tuple[str, ...]:
@@ -264,6 +302,7 @@ def _check(settings: Settings) -> None:
         (env.LOCAL_RANKS, settings.local_rank_count, 0),
         (env.KV_CACHE_GIB, settings.kv_cache_gib, 1),
         (env.REFIT_WAIT_SECONDS, settings.refit_wait_seconds, 0),
+        (env.API_SERVERS, settings.api_server_count, 0),
     ):
         if value < low:
             raise SettingsError(f"{name} must be at least {low}, got {value}")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
@@ -49,6 +50,7 @@ def test_every_variable_is_read() -> None:
         "MEGAFLEET_KV_CACHE_MODE": "offload",
         "MEGAFLEET_CUDA_GRAPHS": "false",
         "MEGAFLEET_KV_CACHE_GIB": "40",
+        "MEGAFLEET_API_SERVERS": "3",
     }
     read = settings.from_env(env)
     assert read == settings.Settings(
@@ -76,8 +78,10 @@ def test_every_variable_is_read() -> None:
         kv_cache_mode="offload",
         cuda_graphs=False,
         kv_cache_gib=40,
+        api_servers=3,
     )
     assert read.model_name == "policy"
+    assert read.api_server_count == 3
     # TP 4, PP 2, world 8: frontend ranks are tp_rank 0 of the first pipeline stage only
     assert [rank for rank in range(8) if read.is_frontend_rank(rank)] == [0]
 
@@ -158,3 +162,23 @@ def test_settings_are_frozen() -> None:
     read = settings.from_env({"MEGAFLEET_MODEL_SOURCE": "tiny://llama"})
     with pytest.raises(AttributeError):
         read.host = "0.0.0.0"  # type: ignore[misc]
+
+
+@pytest.mark.parametrize(("cpus", "servers"), [(0.5, 1), (2, 1), (7.9, 1), (8, 2), (16, 4), (64, 8), (200, 8)])
+def test_the_default_api_servers_follow_the_pods_cpus(cpus: float, servers: int) -> None:
+    assert settings.default_api_servers(cpus) == servers
+
+
+def test_usable_cpus_read_the_cgroup_quota(tmp_path: Path) -> None:
+    quota = tmp_path / "cpu.max"
+    quota.write_text("150000 100000\n")
+    assert settings.usable_cpus(quota) == min(1.5, len(os.sched_getaffinity(0)))
+    quota.write_text("max 100000\n")
+    assert settings.usable_cpus(quota) == len(os.sched_getaffinity(0))
+    assert settings.usable_cpus(tmp_path / "absent") == len(os.sched_getaffinity(0))
+
+
+def test_api_servers_zero_serves_in_process_and_negative_is_refused() -> None:
+    assert settings.from_env({"MEGAFLEET_MODEL_SOURCE": "x", "MEGAFLEET_API_SERVERS": "0"}).api_server_count == 0
+    with pytest.raises(settings.SettingsError, match="MEGAFLEET_API_SERVERS must be at least 0"):
+        settings.from_env({"MEGAFLEET_MODEL_SOURCE": "x", "MEGAFLEET_API_SERVERS": "-1"})

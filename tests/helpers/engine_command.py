@@ -106,9 +106,12 @@ class EngineCommand:
 class EngineProcess(EngineCommand):
     """One engine process on ``host`` (frontend, agent and metrics on free ports)."""
 
-    def __init__(self, host: str, token: Path, *, source: str = SOURCE, deferred: bool = False) -> None:
+    def __init__(
+        self, host: str, token: Path, *, source: str = SOURCE, deferred: bool = False, env: Mapping[str, str] = {}
+    ) -> None:
         super().__init__(
             {
+                **env,
                 "MEGAFLEET_MODEL_SOURCE": source,
                 "MEGAFLEET_SERVED_MODEL_NAME": MODEL,
                 "MEGAFLEET_DTYPE": "float32",

@@ -1,23 +1,22 @@
-"""Running the choices of one OpenAI request on the engine, and turning their tokens into text.
+"""The choices of one OpenAI request, and turning their tokens into text.
 
-Called by :mod:`megafleet_engine.openai.serving` for completions and chat completions alike: a
-:class:`Run` submits every choice to the :class:`~megafleet_engine.engine.Engine` at once (so they
-are batched together), merges their token streams, and stops one choice early (stop string) or
-all of them (client disconnect, error). A :class:`ChoiceState` per choice holds its tokens,
-log-probabilities and the text produced so far, detokenizing incrementally and holding back text
-that may still turn out to be the start of a stop string.
+Called by :mod:`megafleet_engine.openai.serving` for completions and chat completions alike (the
+engine runs a request's choices as one batch: :mod:`megafleet_engine.openai.engine_client`). A
+:class:`ChoiceState` per choice holds its tokens, log-probabilities and the text produced so far:
+:meth:`ChoiceState.feed` detokenizes incrementally, holding back text that may still turn out to be
+the start of a stop string (streams and stop strings need the text as it grows);
+:meth:`ChoiceState.append` only keeps the token, and :meth:`ChoiceState.settle` decodes the whole
+completion once at its end (a non-streaming choice without stop strings), or never (token-ids-only
+responses).
 """
 
 from __future__ import annotations
 
-import asyncio
 import dataclasses
-from collections.abc import Sequence
 
-from megafleet_engine import engine as engine_module
 from megafleet_engine.backends import base
 
-__all__ = ["ChoiceState", "Delta", "Run", "SequenceSpec"]
+__all__ = ["ChoiceState", "Delta", "SequenceSpec"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -102,6 +101,20 @@ class ChoiceState:
         hold = max((len(stop) for stop in self.spec.stop), default=1) - 1
         return self._emit(min(len(self._held), max(0, len(candidate) - hold)), None)
 
+    def append(self, step: base.TokenStep) -> Delta:
+        """Add one generated token without making text (:meth:`settle` makes it once, at the end)."""
+        self.steps.append(step)
+        self._ids.append(step.token_id)
+        if step.finish_reason is not None:
+            self.finish_reason = step.finish_reason
+        return Delta(self.spec.index, "", (step,), step.finish_reason)
+
+    def settle(self, tokenizer: base.Tokenizer) -> None:
+        """The whole text of a choice fed by :meth:`append`, decoded once."""
+        text = tokenizer.decode(self._ids, skip_special_tokens=True)
+        self._pieces = [text] if text else []
+        self.text_length = len(text)
+
     def _detokenize(self, tokenizer: base.Tokenizer, *, flush: bool) -> tuple[str, str]:
         """The text the new token adds: settled (final), and unsettled (the window's text while it
         ends inside a character: decoded again at the next token, or taken as it is at the end)."""
@@ -130,73 +143,3 @@ class ChoiceState:
             self.text_length += len(delta)
         steps, self._pending = tuple(self._pending), []
         return Delta(self.spec.index, delta, steps, reason)
-
-
-_END = object()
-
-
-class Run:
-    """The choices of one request, in flight on the engine together.
-
-    :meth:`start` submits the choices; :meth:`close` (always called: after the last token, on an
-    error, or when a client disconnect cancels the caller) cancels every choice still running,
-    which closes its engine stream so the engine stops generating it at the next step.
-    """
-
-    def __init__(self, engine: engine_module.Engine, specs: Sequence[SequenceSpec], *, request_id: str) -> None:
-        self._engine = engine
-        self._specs = specs
-        self._request_id = request_id
-        self._events: asyncio.Queue[tuple[int, base.TokenStep | BaseException | object]] = asyncio.Queue()
-        self._tasks: dict[int, asyncio.Task[None]] = {}
-        self._open: set[int] = set()
-
-    def start(self) -> None:
-        """Submit every choice at once, so the engine batches them together."""
-        for spec in self._specs:
-            request = base.SequenceRequest(f"{self._request_id}-{spec.index}", spec.prompt_token_ids, spec.params)
-            self._tasks[spec.index] = asyncio.create_task(self._pump(spec.index, request))
-            self._open.add(spec.index)
-
-    async def next(self) -> tuple[int, base.TokenStep] | None:
-        """The next token of any open choice; ``None`` once every choice has finished or stopped.
-
-        Raises what the engine raised for a choice (:class:`~megafleet_engine.engine.NotServing`,
-        :class:`~megafleet_engine.engine.Aborted`, ...).
-        """
-        while self._open:
-            index, item = await self._events.get()
-            if index not in self._open:
-                continue  # a choice stopped early; drop what it had in flight
-            if isinstance(item, BaseException):
-                raise item
-            if item is _END:
-                self._open.discard(index)
-                continue
-            assert isinstance(item, base.TokenStep)
-            if item.finish_reason is not None:
-                self._open.discard(index)
-            return index, item
-        return None
-
-    def stop(self, index: int) -> None:
-        """Stop one choice early (its stop string matched); the others go on."""
-        self._open.discard(index)
-        self._tasks[index].cancel()
-
-    async def close(self) -> None:
-        """Cancel every choice still running and wait until their engine streams are closed."""
-        self._open.clear()
-        for task in self._tasks.values():
-            task.cancel()
-        if self._tasks:
-            await asyncio.wait(self._tasks.values())
-
-    async def _pump(self, index: int, request: base.SequenceRequest) -> None:
-        try:
-            async for step in self._engine.submit(request):
-                self._events.put_nowait((index, step))
-        except Exception as error:  # handed to the consumer, which raises it
-            self._events.put_nowait((index, error))
-        else:
-            self._events.put_nowait((index, _END))

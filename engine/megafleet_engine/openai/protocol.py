@@ -6,8 +6,8 @@ Read by the router (FastAPI validates requests against these) and written by
 Imports only pydantic and the backend's plain dataclasses (no torch).
 
 RL extensions beyond OpenAI: ``top_k``, ``ignore_eos``, ``stop_token_ids``, ``return_token_ids``,
-``logprobs_mode`` (requests); ``token_ids`` and ``prompt_token_ids`` per choice and ``weight_version`` on every
-response and stream chunk.
+``detokenize`` (``false``: token ids only), ``logprobs_mode`` (requests); ``token_ids`` and
+``prompt_token_ids`` per choice and ``weight_version`` on every response and stream chunk.
 """
 
 from __future__ import annotations
@@ -19,11 +19,12 @@ import pydantic
 from pydantic import Field
 
 from megafleet_engine.backends import base
+from megafleet_protocol import frontend
 
 log = logging.getLogger(__name__)
 
-MAX_N = 128
-"""Most choices one request may ask for: each is a sequence in the batch."""
+MAX_N = frontend.MAX_SEQUENCES_PER_REQUEST
+"""Most choices one request may ask for, prompts times ``n``: each is a sequence in the batch."""
 MAX_LOGPROBS = 20
 """Most alternatives per token (OpenAI's limit for chat ``top_logprobs``)."""
 MAX_STOP = 16
@@ -68,6 +69,14 @@ class SamplingRequest(OpenAIBaseModel):
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     return_token_ids: bool = Field(default=False, description="extension: token ids per choice")
+    detokenize: bool = Field(
+        default=True,
+        description=(
+            "extension (vLLM's name), for RL clients: false answers token ids only: every choice's "
+            "text is empty, token_ids and prompt_token_ids are returned (as with return_token_ids), "
+            "log-probability tokens read token_id:<id>, and no text is made (no stop strings)"
+        ),
+    )
     logprobs_mode: Literal["processed_logprobs", "raw_logprobs"] = Field(
         default="processed_logprobs",
         description=(
@@ -96,6 +105,17 @@ class SamplingRequest(OpenAIBaseModel):
         if value != 0.0:
             raise ValueError("penalties are not supported; leave it 0")
         return value
+
+    @pydantic.model_validator(mode="after")
+    def _stop_needs_text(self) -> SamplingRequest:
+        if not self.detokenize and self.stop_strings:
+            raise ValueError("stop strings need text: leave detokenize true or use stop_token_ids")
+        return self
+
+    @property
+    def wants_token_ids(self) -> bool:
+        """Whether choices carry ``token_ids`` and ``prompt_token_ids``."""
+        return self.return_token_ids or not self.detokenize
 
     @property
     def stop_strings(self) -> tuple[str, ...]:

@@ -77,7 +77,7 @@ async def list_models(frontend: FrontendDep) -> responses.JSONResponse:
 
 @router.get("/models/{model:path}")
 async def get_model(model: str, frontend: FrontendDep) -> responses.JSONResponse:
-    version = frontend.context.engine.weight_version
+    version = frontend.context.client.weight_version
     card = frontend.models.get_model(model)
     return responses.JSONResponse(
         {**protocol.dump(card), "weight_version": version},

@@ -5,9 +5,14 @@ non-streaming method from ``request.stream``. Serving raises typed errors
 (:mod:`megafleet_engine.openai.errors`) and never builds error responses itself; errors that occur
 after a stream has started become an SSE error chunk followed by ``data: [DONE]``.
 
-Every response is stamped with the weight version that produced it: the version is read after
-the engine accepted the request's first choice, and the engine drains (or aborts) every request
-before a refit changes it.
+Every response is stamped with the weight version that produced it: the version the engine
+reported with the request's first tokens (the engine drains or aborts every request before a refit
+changes it).
+
+A request's choices (every prompt of a multi-prompt completion times ``n``) go to the engine as one
+batch and come back one engine step at a time (:class:`~megafleet_engine.openai.engine_client.Batch`):
+a stream writes one piece per step, and a non-streaming choice without stop strings is decoded
+once at its end; with ``detokenize: false`` (token-ids-only, for RL clients) nothing is decoded.
 """
 
 from __future__ import annotations
@@ -24,7 +29,7 @@ import jinja2
 from megafleet_engine import engine as engine_module
 from megafleet_engine import metrics as metrics_module
 from megafleet_engine.backends import base
-from megafleet_engine.openai import errors, generation, protocol
+from megafleet_engine.openai import engine_client, errors, generation, protocol
 
 __all__ = ["ChatServing", "CompletionServing", "ModelServing", "ServingContext", "Stream"]
 
@@ -42,15 +47,16 @@ it the same way)."""
 
 @dataclasses.dataclass(frozen=True)
 class ServingContext:
-    """Everything the serving classes share: the engine, its tokenizer and the metrics."""
+    """Everything the serving classes share: the engine (through a client), its tokenizer and the
+    frontend's metrics."""
 
-    engine: engine_module.Engine
+    client: engine_client.EngineClient
     tokenizer: base.Tokenizer
-    metrics: metrics_module.Metrics
+    metrics: metrics_module.FrontendMetrics
 
     @property
     def info(self) -> base.ModelInfo:
-        return self.engine.backend.info
+        return self.client.info
 
 
 @dataclasses.dataclass(frozen=True)
@@ -72,7 +78,7 @@ class ModelServing:
     def list_models(self) -> protocol.ModelList:
         info = self._context.info
         card = protocol.ModelCard(id=info.name, created=self._created, max_model_len=info.max_sequence_length)
-        return protocol.ModelList(data=[card], weight_version=self._context.engine.weight_version)
+        return protocol.ModelList(data=[card], weight_version=self._context.client.weight_version)
 
     def get_model(self, name: str) -> protocol.ModelCard:
         check_model(self._context.info, name)
@@ -91,11 +97,16 @@ def check_model(info: base.ModelInfo, name: str) -> None:
 
 @dataclasses.dataclass(frozen=True)
 class _Prepared:
-    """A validated request: its choices and the distinct prompts they continue."""
+    """A validated request: its choices, the distinct prompts they continue, and whether the client
+    wants text (``False``: ``detokenize: false``, token ids only)."""
 
     request_id: str
     specs: list[generation.SequenceSpec]
     prompts: list[tuple[int, ...]]
+    text: bool = True
+
+
+Step = list[tuple[int, base.TokenStep]]
 
 
 class _Pipeline:
@@ -109,6 +120,12 @@ class _Pipeline:
     ) -> _Prepared:
         info = self.context.info
         check_model(info, request.model)
+        if len(prompts) * request.n > protocol.MAX_N:
+            raise errors.InvalidRequest(
+                f"{len(prompts)} prompts x n={request.n} is {len(prompts) * request.n} sequences; "
+                f"one request may ask for at most {protocol.MAX_N}",
+                param="n",
+            )
         specs: list[generation.SequenceSpec] = []
         for prompt_index, prompt in enumerate(prompts):
             _check_token_ids(prompt, info.vocab_size, param=param)
@@ -117,66 +134,86 @@ class _Pipeline:
                 index = prompt_index * request.n + sample
                 params = request.to_sampling_params(max_tokens=max_tokens, choice=index)
                 specs.append(generation.SequenceSpec(index, tuple(prompt), params, request.stop_strings))
-        return _Prepared(f"{prefix}-{uuid.uuid4().hex}", specs, [tuple(prompt) for prompt in prompts])
+        prompt_tuples = [tuple(prompt) for prompt in prompts]
+        return _Prepared(f"{prefix}-{uuid.uuid4().hex}", specs, prompt_tuples, text=request.detokenize)
 
     async def complete(self, prepared: _Prepared) -> tuple[dict[int, generation.ChoiceState], int | None]:
         """Run every choice to its end (a non-streaming response): their states and the weight
-        version served, read once the first token came (the engine cannot change it mid-request)."""
-        run, first = await self.start(prepared)
-        weight_version = self.context.engine.weight_version
+        version served. Text is made incrementally only where a stop string needs it, else once."""
+        batch, first = await self.start(prepared)
         states = _states(prepared)
+        eager = prepared.text and any(spec.stop for spec in prepared.specs)
         try:
-            async for _ in self.deltas(run, first, states):
+            async for _ in self.steps(batch, first, states, text=eager):
                 pass
         finally:
-            await run.close()
-        return states, weight_version
+            batch.close()
+        if prepared.text and not eager:
+            for state in states.values():
+                state.settle(self.context.tokenizer)
+        return states, batch.weight_version
 
-    async def start(self, prepared: _Prepared) -> tuple[generation.Run, tuple[int, base.TokenStep]]:
-        """Submit every choice and wait for the first token: errors here are plain HTTP errors."""
+    async def start(self, prepared: _Prepared) -> tuple[engine_client.Batch, Step]:
+        """Submit every choice as one batch and wait for the first step: errors here are plain HTTP
+        errors."""
         started = time.monotonic()
-        run = generation.Run(self.context.engine, prepared.specs, request_id=prepared.request_id)
-        run.start()
+        requests = [
+            base.SequenceRequest(f"{prepared.request_id}-{spec.index}", spec.prompt_token_ids, spec.params)
+            for spec in prepared.specs
+        ]
         try:
-            first = await self.next(run)
+            batch = await self.context.client.submit(requests)
+        except engine_module.EngineError as error:
+            raise engine_error(error) from error
+        try:
+            first = await self.next(batch)
         except BaseException:
-            await run.close()
+            batch.close()
             raise
         if first is None:
-            await run.close()
+            batch.close()
             raise errors.InternalError("the engine produced no tokens")
-        self.context.metrics.time_to_first_token.observe(time.monotonic() - started)
-        self.context.metrics.prompt_tokens.inc(sum(len(prompt) for prompt in prepared.prompts))
-        return run, first
+        self.context.metrics.observe_first_token(time.monotonic() - started)
+        self.context.metrics.count_prompt_tokens(sum(len(prompt) for prompt in prepared.prompts))
+        return batch, first
 
-    async def next(self, run: generation.Run) -> tuple[int, base.TokenStep] | None:
+    async def next(self, batch: engine_client.Batch) -> Step | None:
         try:
-            return await run.next()
+            return await batch.next()
         except engine_module.EngineError as error:
             raise engine_error(error) from error
 
-    async def deltas(
-        self, run: generation.Run, first: tuple[int, base.TokenStep], states: dict[int, generation.ChoiceState]
-    ) -> AsyncIterator[generation.Delta]:
-        """Feed every token to its choice; stop a choice whose stop string matched."""
-        event: tuple[int, base.TokenStep] | None = first
-        while event is not None:
-            index, step = event
-            state = states[index]
-            delta = state.feed(step, self.context.tokenizer)
-            self.context.metrics.generated_tokens.inc()
-            if state.finished:
-                run.stop(index)
-            yield delta
-            event = await self.next(run)
+    async def steps(
+        self,
+        batch: engine_client.Batch,
+        first: Step,
+        states: dict[int, generation.ChoiceState],
+        *,
+        text: bool,
+    ) -> AsyncIterator[list[generation.Delta]]:
+        """Every engine step's deltas, one list per step; stop a choice whose stop string matched.
+        ``text``: detokenize as the tokens come (else only keep them)."""
+        tokenizer = self.context.tokenizer
+        tokens: Step | None = first
+        while tokens is not None:
+            deltas = []
+            for index, step in tokens:
+                state = states[index]
+                deltas.append(state.feed(step, tokenizer) if text else state.append(step))
+                if state.finished:
+                    batch.stop(index)
+            yield deltas
+            tokens = await self.next(batch)
 
     async def sse(
-        self, run: generation.Run, chunks: AsyncIterator[dict[str, object]], weight_version: int | None
+        self, batch: engine_client.Batch, chunks: AsyncIterator[list[dict[str, object]]], weight_version: int | None
     ) -> AsyncIterator[str]:
-        """Server-sent events from ``chunks``; a failure mid-stream becomes an error event."""
+        """Server-sent events from ``chunks``, one write per engine step; a failure mid-stream
+        becomes an error event."""
         try:
-            async for chunk in chunks:
-                yield _event(chunk)
+            async for step_chunks in chunks:
+                if step_chunks:
+                    yield "".join(_event(chunk) for chunk in step_chunks)
         except errors.HTTPError as error:
             yield _event({**errors.envelope(error), "weight_version": weight_version})
         except Exception as error:
@@ -184,7 +221,7 @@ class _Pipeline:
             internal = errors.InternalError(f"internal error ({type(error).__name__})")
             yield _event({**errors.envelope(internal), "weight_version": weight_version})
         finally:
-            await run.close()
+            batch.close()
         yield "data: [DONE]\n\n"
 
     def usage(self, prepared: _Prepared, states: dict[int, generation.ChoiceState]) -> protocol.Usage:
@@ -196,8 +233,10 @@ class _Pipeline:
             total_tokens=prompt_tokens + completion_tokens,
         )
 
-    def token_text(self, token_id: int) -> str:
-        return self.context.tokenizer.decode([token_id])
+    def token_text(self, token_id: int, *, text: bool = True) -> str:
+        """A token as log-probabilities show it: its text, or ``token_id:<id>`` without text
+        (``detokenize: false``; vLLM's ``return_tokens_as_token_ids`` form)."""
+        return self.context.tokenizer.decode([token_id]) if text else f"token_id:{token_id}"
 
 
 def engine_error(error: engine_module.EngineError) -> errors.HTTPError:
@@ -266,7 +305,7 @@ def _states(prepared: _Prepared) -> dict[int, generation.ChoiceState]:
 
 
 class CompletionServing:
-    """``POST /v1/completions``."""
+    """``POST /v1/completions``: one prompt or many (OpenAI's batch form), each with ``n`` choices."""
 
     def __init__(self, context: ServingContext) -> None:
         self._pipeline = _Pipeline(context)
@@ -287,10 +326,10 @@ class CompletionServing:
 
     async def stream(self, request: protocol.CompletionRequest) -> Stream:
         prepared = self._prepare(request)
-        run, first = await self._pipeline.start(prepared)
-        weight_version = self._context.engine.weight_version
-        chunks = self._chunks(request, prepared, run, first, weight_version)
-        return Stream(weight_version, self._pipeline.sse(run, chunks, weight_version), run.close)
+        batch, first = await self._pipeline.start(prepared)
+        weight_version = batch.weight_version
+        chunks = self._chunks(request, prepared, batch, first, weight_version)
+        return Stream(weight_version, self._pipeline.sse(batch, chunks, weight_version), batch.close)
 
     def _prepare(self, request: protocol.CompletionRequest) -> _Prepared:
         prompts = _token_prompts(request.prompt, self._context.tokenizer)
@@ -300,31 +339,34 @@ class CompletionServing:
         self,
         request: protocol.CompletionRequest,
         prepared: _Prepared,
-        run: generation.Run,
-        first: tuple[int, base.TokenStep],
+        batch: engine_client.Batch,
+        first: Step,
         weight_version: int | None,
-    ) -> AsyncIterator[dict[str, object]]:
+    ) -> AsyncIterator[list[dict[str, object]]]:
         states = _states(prepared)
         started: set[int] = set()
         created = int(time.time())
-        async for delta in self._pipeline.deltas(run, first, states):
-            state = states[delta.index]
-            wants_steps = request.logprobs is not None or request.return_token_ids
-            if not (delta.text or delta.finish_reason or wants_steps):
-                continue
-            choice = self._choice(request, state, delta.steps, delta.text, state.text_length - len(delta.text))
-            choice.finish_reason = delta.finish_reason
-            if delta.index in started:
-                choice.prompt_token_ids = None
-            started.add(delta.index)
-            chunk = protocol.CompletionChunk(
-                id=prepared.request_id,
-                created=created,
-                model=request.model,
-                choices=[choice],
-                weight_version=weight_version,
-            )
-            yield protocol.dump(chunk)
+        wants_steps = request.logprobs is not None or request.wants_token_ids
+        async for deltas in self._pipeline.steps(batch, first, states, text=prepared.text):
+            chunks: list[dict[str, object]] = []
+            for delta in deltas:
+                if not (delta.text or delta.finish_reason or wants_steps):
+                    continue
+                state = states[delta.index]
+                choice = self._choice(request, state, delta.steps, delta.text, state.text_length - len(delta.text))
+                choice.finish_reason = delta.finish_reason
+                if delta.index in started:
+                    choice.prompt_token_ids = None
+                started.add(delta.index)
+                chunk = protocol.CompletionChunk(
+                    id=prepared.request_id,
+                    created=created,
+                    model=request.model,
+                    choices=[choice],
+                    weight_version=weight_version,
+                )
+                chunks.append(protocol.dump(chunk))
+            yield chunks
         if request.include_usage:
             usage = protocol.CompletionChunk(
                 id=prepared.request_id,
@@ -334,7 +376,7 @@ class CompletionServing:
                 usage=self._pipeline.usage(prepared, states),
                 weight_version=weight_version,
             )
-            yield protocol.dump(usage)
+            yield [protocol.dump(usage)]
 
     def _choice(
         self,
@@ -344,29 +386,31 @@ class CompletionServing:
         text: str,
         offset: int,
     ) -> protocol.CompletionChoice:
+        ids = request.wants_token_ids
         return protocol.CompletionChoice(
             index=state.spec.index,
             text=text,
-            logprobs=self._logprobs(steps, offset) if request.logprobs is not None else None,
+            logprobs=self._logprobs(steps, offset, text=request.detokenize) if request.logprobs is not None else None,
             finish_reason=state.finish_reason,
-            token_ids=[step.token_id for step in steps] if request.return_token_ids else None,
-            prompt_token_ids=list(state.spec.prompt_token_ids) if request.return_token_ids else None,
+            token_ids=[step.token_id for step in steps] if ids else None,
+            prompt_token_ids=list(state.spec.prompt_token_ids) if ids else None,
         )
 
-    def _logprobs(self, steps: Sequence[base.TokenStep], offset: int) -> protocol.CompletionLogprobs:
+    def _logprobs(self, steps: Sequence[base.TokenStep], offset: int, *, text: bool) -> protocol.CompletionLogprobs:
         result = protocol.CompletionLogprobs()
         for step in steps:
-            token = self._pipeline.token_text(step.token_id)
+            token = self._pipeline.token_text(step.token_id, text=text)
             result.tokens.append(token)
             chosen = None if step.logprob is None else _shown(step.logprob)
             result.token_logprobs.append(chosen)
             # keyed by text (OpenAI's shape): tokens that decode alike keep the first, most likely one
             top = {token: chosen} if chosen is not None else {}
             for token_id, logprob in step.top_logprobs:
-                top.setdefault(self._pipeline.token_text(token_id), _shown(logprob))
+                top.setdefault(self._pipeline.token_text(token_id, text=text), _shown(logprob))
             result.top_logprobs.append(top)
-            result.text_offset.append(offset)
-            offset += len(token)
+            if text:
+                result.text_offset.append(offset)
+                offset += len(token)
         return result
 
 
@@ -383,14 +427,15 @@ class ChatServing:
     async def create(self, request: protocol.ChatCompletionRequest) -> protocol.ChatCompletionResponse:
         prepared = self._prepare(request)
         states, weight_version = await self._pipeline.complete(prepared)
+        ids = request.wants_token_ids
         choices = [
             protocol.ChatChoice(
                 index=state.spec.index,
                 message=protocol.AssistantMessage(content=state.text),
-                logprobs=self._logprobs(state.steps) if request.logprobs else None,
+                logprobs=self._logprobs(state.steps, text=request.detokenize) if request.logprobs else None,
                 finish_reason=state.finish_reason,
-                token_ids=state.token_ids if request.return_token_ids else None,
-                prompt_token_ids=list(state.spec.prompt_token_ids) if request.return_token_ids else None,
+                token_ids=state.token_ids if ids else None,
+                prompt_token_ids=list(state.spec.prompt_token_ids) if ids else None,
             )
             for state in states.values()
         ]
@@ -405,10 +450,10 @@ class ChatServing:
 
     async def stream(self, request: protocol.ChatCompletionRequest) -> Stream:
         prepared = self._prepare(request)
-        run, first = await self._pipeline.start(prepared)
-        weight_version = self._context.engine.weight_version
-        chunks = self._chunks(request, prepared, run, first, weight_version)
-        return Stream(weight_version, self._pipeline.sse(run, chunks, weight_version), run.close)
+        batch, first = await self._pipeline.start(prepared)
+        weight_version = batch.weight_version
+        chunks = self._chunks(request, prepared, batch, first, weight_version)
+        return Stream(weight_version, self._pipeline.sse(batch, chunks, weight_version), batch.close)
 
     def _prepare(self, request: protocol.ChatCompletionRequest) -> _Prepared:
         try:
@@ -425,11 +470,12 @@ class ChatServing:
         self,
         request: protocol.ChatCompletionRequest,
         prepared: _Prepared,
-        run: generation.Run,
-        first: tuple[int, base.TokenStep],
+        batch: engine_client.Batch,
+        first: Step,
         weight_version: int | None,
-    ) -> AsyncIterator[dict[str, object]]:
+    ) -> AsyncIterator[list[dict[str, object]]]:
         created = int(time.time())
+        ids = request.wants_token_ids
 
         def chunk(choices: list[protocol.ChatStreamChoice], usage: protocol.Usage | None = None) -> dict[str, object]:
             return protocol.dump(
@@ -443,33 +489,41 @@ class ChatServing:
                 )
             )
 
+        opening: list[dict[str, object]] = []
         for spec in prepared.specs:  # OpenAI opens every choice with the role
-            prompt_ids = list(spec.prompt_token_ids) if request.return_token_ids else None
-            opening = protocol.DeltaMessage(role="assistant", content="")
-            yield chunk([protocol.ChatStreamChoice(index=spec.index, delta=opening, prompt_token_ids=prompt_ids)])
-        states = _states(prepared)
-        wants_steps = request.logprobs or request.return_token_ids
-        async for delta in self._pipeline.deltas(run, first, states):
-            if not (delta.text or delta.finish_reason or wants_steps):
-                continue
-            choice = protocol.ChatStreamChoice(
-                index=delta.index,
-                delta=protocol.DeltaMessage(content=delta.text),
-                logprobs=self._logprobs(delta.steps) if request.logprobs else None,
-                finish_reason=delta.finish_reason,
-                token_ids=[step.token_id for step in delta.steps] if request.return_token_ids else None,
+            prompt_ids = list(spec.prompt_token_ids) if ids else None
+            role = protocol.DeltaMessage(role="assistant", content="")
+            opening.append(
+                chunk([protocol.ChatStreamChoice(index=spec.index, delta=role, prompt_token_ids=prompt_ids)])
             )
-            yield chunk([choice])
+        yield opening
+        states = _states(prepared)
+        wants_steps = request.logprobs or ids
+        async for deltas in self._pipeline.steps(batch, first, states, text=prepared.text):
+            chunks: list[dict[str, object]] = []
+            for delta in deltas:
+                if not (delta.text or delta.finish_reason or wants_steps):
+                    continue
+                choice = protocol.ChatStreamChoice(
+                    index=delta.index,
+                    delta=protocol.DeltaMessage(content=delta.text),
+                    logprobs=self._logprobs(delta.steps, text=request.detokenize) if request.logprobs else None,
+                    finish_reason=delta.finish_reason,
+                    token_ids=[step.token_id for step in delta.steps] if ids else None,
+                )
+                chunks.append(chunk([choice]))
+            yield chunks
         if request.include_usage:
-            yield chunk([], self._pipeline.usage(prepared, states))
+            yield [chunk([], self._pipeline.usage(prepared, states))]
 
-    def _logprobs(self, steps: Sequence[base.TokenStep]) -> protocol.ChatLogprobs:
+    def _logprobs(self, steps: Sequence[base.TokenStep], *, text: bool) -> protocol.ChatLogprobs:
+        token_text = self._pipeline.token_text
         content = []
         for step in steps:
-            token = self._pipeline.token_text(step.token_id)
+            token = token_text(step.token_id, text=text)
             top = [
-                protocol.TopLogprob(token=text, logprob=_shown(logprob), bytes=list(text.encode()))
-                for text, logprob in ((self._pipeline.token_text(token_id), lp) for token_id, lp in step.top_logprobs)
+                protocol.TopLogprob(token=name, logprob=_shown(logprob), bytes=list(name.encode()))
+                for name, logprob in ((token_text(token_id, text=text), lp) for token_id, lp in step.top_logprobs)
             ]
             logprob = _shown(step.logprob) if step.logprob is not None else MISSING_LOGPROB
             content.append(

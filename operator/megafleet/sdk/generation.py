@@ -8,9 +8,13 @@ from anywhere (the ``<fleet>-endpoints`` ConfigMap, a test)::
         answers = await generator.complete_batch([[1, 40, 41], "Hello"], Sampling(max_tokens=16, temperature=0))
         answers[0].token_ids, answers[0].logprobs, answers[0].weight_version
 
-Every request goes to the frontend with the fewest outstanding requests (:class:`~megafleet.sdk.routing.Router`);
-a batch is one request per prompt, all in flight at once, so it spreads over every frontend and the
-engines' continuous batching takes it from there. The engine's RL extensions are always asked for:
+Every request goes to the frontend with the fewest outstanding requests (:class:`~megafleet.sdk.routing.Router`).
+A completion batch is sent as few batched requests (``prompt`` as a list: OpenAI's batch form, which
+the engine admits as one batch): one chunk per frontend at least, each of at most
+:data:`~megafleet_protocol.frontend.MAX_SEQUENCES_PER_REQUEST` prompts (:func:`chunks`), all in
+flight at once. A chat batch is one request per conversation (chat has no batch form).
+``Sampling(text=False)`` asks for token ids only (the engine's ``detokenize: false``: no text is
+made). The engine's RL extensions are always asked for:
 ``return_token_ids`` (the completion's token ids) and the weight version (``weight_version`` in the
 body, ``X-Megafleet-Weight-Version`` header), so every :class:`Answer` says which weights made it.
 A frontend that answers 503 (suspended for a refit, loading, fenced as stale), 5xx or cannot be reached
@@ -30,15 +34,17 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import itertools
 from collections.abc import Callable, Mapping, Sequence
 from types import TracebackType
-from typing import Any
+from typing import Any, TypeVar
 
 import httpx
 
 from megafleet.sdk import errors, routing
+from megafleet_protocol import frontend as frontend_limits
 
-__all__ = ["DEFAULT_SAMPLING", "WEIGHT_VERSION_HEADER", "Answer", "Generator", "Sampling"]
+__all__ = ["DEFAULT_SAMPLING", "WEIGHT_VERSION_HEADER", "Answer", "Generator", "Sampling", "chunks"]
 
 WEIGHT_VERSION_HEADER = "X-Megafleet-Weight-Version"
 """Response header the engine stamps with the weight version (``none`` before any weights)."""
@@ -47,6 +53,7 @@ DEFAULT_TIMEOUT = httpx.Timeout(600.0, connect=10.0)
 DEFAULT_LIMITS = httpx.Limits(max_connections=1024, max_keepalive_connections=256)
 """Enough connections for a large batch in flight at once over many frontends."""
 
+T = TypeVar("T")
 Prompt = str | Sequence[int]
 Message = Mapping[str, str]
 
@@ -54,7 +61,9 @@ Message = Mapping[str, str]
 @dataclasses.dataclass(frozen=True)
 class Sampling:
     """Sampling parameters of a request (OpenAI's, plus the engine's ``top_k``, ``stop_token_ids``,
-    ``ignore_eos``). ``temperature=0`` is greedy. ``logprobs``: return each generated token's log-probability."""
+    ``ignore_eos``). ``temperature=0`` is greedy. ``logprobs``: return each generated token's log-probability.
+    ``text=False``: token ids only (answers' ``text`` is empty; no stop strings), for RL rollouts that
+    never read the text."""
 
     max_tokens: int | None = None
     temperature: float = 1.0
@@ -65,6 +74,7 @@ class Sampling:
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
     logprobs: bool = True
+    text: bool = True
 
     def body(self) -> dict[str, Any]:
         """The request fields both endpoints share."""
@@ -84,6 +94,8 @@ class Sampling:
             body["stop_token_ids"] = list(self.stop_token_ids)
         if self.ignore_eos:
             body["ignore_eos"] = True
+        if not self.text:
+            body["detokenize"] = False
         return body
 
 
@@ -105,7 +117,17 @@ class Answer:
     shard: int
 
 
-_Parser = Callable[[httpx.Response, routing.Frontend], Answer]
+def chunks(count: int, frontends: int, *, limit: int = frontend_limits.MAX_SEQUENCES_PER_REQUEST) -> list[range]:
+    """Split ``count`` prompts into consecutive, near-equal chunks: at least one per frontend (so a
+    batch spreads over all of them), each at most ``limit`` prompts (the engine's per-request bound)."""
+    if count == 0:
+        return []
+    pieces = min(count, max(frontends, 1, -(-count // limit)))
+    size, extra = divmod(count, pieces)
+    bounds = [0]
+    for piece in range(pieces):
+        bounds.append(bounds[-1] + size + (1 if piece < extra else 0))
+    return [range(start, end) for start, end in itertools.pairwise(bounds)]
 
 
 class Generator:
@@ -155,12 +177,17 @@ class Generator:
     async def complete(self, prompt: Prompt, sampling: Sampling = DEFAULT_SAMPLING) -> Answer:
         """``POST /v1/completions`` for one prompt (text or token ids); a token prompt's ``max_tokens``
         is clamped to the length limit's room (see the module docstring)."""
-        if not isinstance(prompt, str) and sampling.max_tokens is not None:
-            sampling = await self.fit(len(prompt), sampling)
+        sampling = await self._fitted(prompt, sampling)
         body = {**sampling.body(), "model": self.model, "prompt": prompt if isinstance(prompt, str) else list(prompt)}
         if sampling.logprobs:
             body["logprobs"] = 0
         return await self._send("/completions", body, _completion_answer)
+
+    async def _fitted(self, prompt: Prompt, sampling: Sampling) -> Sampling:
+        """``sampling`` clamped for a token prompt (text prompts are not: their length is the engine's)."""
+        if isinstance(prompt, str) or sampling.max_tokens is None:
+            return sampling
+        return await self.fit(len(prompt), sampling)
 
     async def sequence_limit(self) -> int | None:
         """The model's length limit: :attr:`max_sequence_length`, else the first frontend's
@@ -207,8 +234,35 @@ class Generator:
         return await self._send("/chat/completions", body, _chat_answer)
 
     async def complete_batch(self, prompts: Sequence[Prompt], sampling: Sampling = DEFAULT_SAMPLING) -> list[Answer]:
-        """Every prompt at once, spread over the frontends; answers in prompt order."""
-        return list(await asyncio.gather(*(self.complete(prompt, sampling) for prompt in prompts)))
+        """Every prompt at once as batched requests (:func:`chunks`), spread over the frontends;
+        answers in prompt order. Token prompts whose ``max_tokens`` must be clamped differently go
+        in different requests (one request has one ``max_tokens``)."""
+        fitted = [
+            sampling
+            if isinstance(prompt, str) or sampling.max_tokens is None
+            else await self.fit(len(prompt), sampling)
+            for prompt in prompts
+        ]
+        groups: dict[Sampling, list[int]] = {}
+        for index, chosen in enumerate(fitted):
+            groups.setdefault(chosen, []).append(index)
+        frontends = max(len(self.router.frontends), 1)
+        requests: list[tuple[list[int], Any]] = []
+        for chosen, indexes in groups.items():
+            for piece in chunks(len(indexes), frontends):
+                members = [indexes[position] for position in piece]
+                batch = [
+                    prompts[index] if isinstance(prompts[index], str) else list(prompts[index]) for index in members
+                ]
+                body = {**chosen.body(), "model": self.model, "prompt": batch}
+                if chosen.logprobs:
+                    body["logprobs"] = 0
+                requests.append((members, self._send("/completions", body, _completion_answers)))
+        answers: list[Answer | None] = [None] * len(prompts)
+        for (members, _), got in zip(requests, await asyncio.gather(*(work for _, work in requests)), strict=True):
+            for index, answer in zip(members, got, strict=True):
+                answers[index] = answer
+        return [answer for answer in answers if answer is not None]
 
     async def chat_batch(
         self, conversations: Sequence[Sequence[Message]], sampling: Sampling = DEFAULT_SAMPLING
@@ -216,7 +270,7 @@ class Generator:
         """Every conversation at once, spread over the frontends; answers in order."""
         return list(await asyncio.gather(*(self.chat(messages, sampling) for messages in conversations)))
 
-    async def _send(self, path: str, body: dict[str, Any], parse: _Parser) -> Answer:
+    async def _send(self, path: str, body: dict[str, Any], parse: Callable[[httpx.Response, routing.Frontend], T]) -> T:
         failures: dict[str, str] = {}
         while True:
             try:
@@ -239,6 +293,10 @@ class Generator:
                 raise errors.GenerationFailed(failures)  # the request itself is wrong: same answer anywhere
 
 
+def _wire(prompt: Prompt) -> str | list[int]:
+    return prompt if isinstance(prompt, str) else list(prompt)
+
+
 def _weight_version(response: httpx.Response, body: Mapping[str, Any]) -> int | None:
     version = body.get("weight_version")
     if version is not None:
@@ -248,8 +306,21 @@ def _weight_version(response: httpx.Response, body: Mapping[str, Any]) -> int | 
 
 
 def _completion_answer(response: httpx.Response, frontend: routing.Frontend) -> Answer:
+    return _completion_answers(response, frontend)[0]
+
+
+def _completion_answers(response: httpx.Response, frontend: routing.Frontend) -> list[Answer]:
+    """Every choice of a completion, in choice order (a batched request: one per prompt)."""
     body = response.json()
-    choice = body["choices"][0]
+    return [
+        _completion_choice(choice, response, body, frontend)
+        for choice in sorted(body["choices"], key=lambda choice: int(choice.get("index", 0)))
+    ]
+
+
+def _completion_choice(
+    choice: Mapping[str, Any], response: httpx.Response, body: Mapping[str, Any], frontend: routing.Frontend
+) -> Answer:
     logprobs = (choice.get("logprobs") or {}).get("token_logprobs")
     return Answer(
         text=choice.get("text", ""),
