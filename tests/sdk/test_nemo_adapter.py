@@ -373,16 +373,17 @@ def install(monkeypatch: pytest.MonkeyPatch, frontend: Frontend, made: list[Fake
     """Every adapter (and unpickled copy) made from here connects to ``frontend`` (through a fake fleet
     unless it has fixed frontends)."""
 
-    async def make_clients(handle: nemo.Handle) -> tuple[fleet.Fleet | None, generation.Generator]:
+    async def make_clients(handle: nemo.Handle) -> tuple[fleet.Fleet | None, generation.Generator, None]:
         if handle.frontends is not None:
             router = routing.Router([routing.Frontend(i, url, None) for i, url in enumerate(handle.frontends)])
             http = httpx.AsyncClient(transport=httpx.MockTransport(frontend))
-            return None, generation.Generator(
+            found_generator = generation.Generator(
                 router, model=handle.model or MODEL, http=http, max_sequence_length=handle.max_sequence_length
             )
+            return None, found_generator, None
         found = FakeFleet(frontend, **fleet_options)
         made.append(found)
-        return found, found.generator
+        return found, found.generator, None  # refit_wire="nemo" is covered by tests/unit/test_nemo_wire.py
 
     monkeypatch.setattr(nemo_clients, "make_clients", make_clients)
 

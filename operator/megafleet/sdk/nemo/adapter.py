@@ -22,7 +22,7 @@ import torch
 
 from megafleet.sdk import errors, fleet, generation, routing
 from megafleet.sdk import weights as weight_senders
-from megafleet.sdk.nemo import batching, metrics, refs, unsupported, versions, wire, wire_megafleet
+from megafleet.sdk.nemo import batching, metrics, refs, unsupported, versions, wire, wire_megafleet, wire_nemo
 from megafleet.sdk.nemo import clients as connection
 from megafleet.sdk.nemo import config as config_
 from megafleet_protocol import vocabulary
@@ -56,6 +56,15 @@ class MegafleetGeneration(unsupported.Unsupported):
             spec is used otherwise); unknown counts as not recomputing.
         max_sequence_length: the fleet's ``model.maxSequenceLength`` with fixed ``frontends``; default:
             the frontends' ``/v1/models``.
+        refit_wire: how refits travel (:mod:`megafleet.sdk.nemo.wire`): ``nemo`` (NeMo RL's own
+            trainer broadcast over a RefitSession; the default without ``weights``) or ``megafleet``
+            (this process sends ``weights``; the default with them).
+        trainer_bucket_bytes: ``nemo``: the trainer's exact packed-bucket target (bytes).
+        trainer_gpu_memory_bytes: ``nemo``: a trainer GPU's ``total_memory``, from which NeMo RL computes
+            the target (``NRL_REFIT_BUFFER_MEMORY_RATIO``, default 0.02, capped at 5 GiB); see
+            :mod:`megafleet.sdk.nemo.buckets` for the order.
+        join_timeout_s: ``nemo``: how long the fleet may take to join NeMo's world (the session's
+            ``joinTimeoutSeconds``; NeMo's store waits 300 s).
 
     Raises:
         NotImplementedError: ``config`` has a non-empty ``bad_words`` or asks for colocated inference.
@@ -77,8 +86,14 @@ class MegafleetGeneration(unsupported.Unsupported):
         ready_timeout_s: float = fleet.DEFAULT_READY_TIMEOUT_SECONDS,
         kv_cache_mode: vocabulary.KvCacheMode | None = None,
         max_sequence_length: int | None = None,
+        refit_wire: connection.RefitWire | None = None,
+        trainer_bucket_bytes: int | None = None,
+        trainer_gpu_memory_bytes: int | None = None,
+        join_timeout_s: int = 240,
     ) -> None:
         config_.refuse_unsupported_config(config or {})
+        if refit_wire not in (None, "nemo", "megafleet"):
+            raise ValueError(f"refit_wire must be 'nemo' or 'megafleet', not {refit_wire!r}")
         self._handle = connection.Handle(
             fleet_name=fleet_name,
             namespace=namespace,
@@ -92,13 +107,17 @@ class MegafleetGeneration(unsupported.Unsupported):
             ready_timeout_s=ready_timeout_s,
             kv_cache_mode=kv_cache_mode,
             max_sequence_length=max_sequence_length,
+            refit_wire=refit_wire or ("megafleet" if weights is not None else "nemo"),
+            trainer_bucket_bytes=trainer_bucket_bytes,
+            trainer_gpu_memory_bytes=trainer_gpu_memory_bytes,
+            join_timeout_s=join_timeout_s,
         )
         self._kv_cache_mode = kv_cache_mode
         self._connecting = threading.Lock()
         self._clients: connection.Clients | None = None
         self._prepared = False
         self._closed = False
-        self._wire: wire.Wire = wire_megafleet.MegafleetWire(self._connect, weights, backend)
+        self._wire: wire.Wire = _wire(self._handle, self._connect, weights)
         self._trainer_version: int | None = None  # set_rollout_weight_version
         self._refit_target: int | None = None  # chosen by suspend_for_refit, kept until resume_after_refit
         self._metrics = metrics.Metrics()
@@ -198,8 +217,10 @@ class MegafleetGeneration(unsupported.Unsupported):
     def prepare_for_generation(self, *args: Any, **kwargs: Any) -> bool:
         """Idempotent wake: the first call waits until the fleet is Ready (raises
         :class:`~megafleet.sdk.errors.FleetNotReady` with the condition's reason otherwise) and reads
-        its weight version, KV cache mode and length limit. ``tags`` (``weights``, ``kv_cache``) need
-        nothing: the fleet never sleeps."""
+        its weight version, KV cache mode and length limit. With ``tags`` (``weights``, ``kv_cache``:
+        the Megatron synchronizer's calls inside a refit) it does nothing: the fleet never sleeps."""
+        if kwargs.get("tags"):
+            return True
         clients = self._connect()
         if clients.fleet is not None and not self._prepared:
             state = clients.loop.run(clients.fleet.wait_ready(self._handle.ready_timeout_s))
@@ -235,19 +256,20 @@ class MegafleetGeneration(unsupported.Unsupported):
         return mode == "recompute"
 
     def shutdown(self) -> bool:
-        """Close the clients and the event loop; repeated calls are safe. The fleet keeps running."""
+        """Delete this adapter's RefitSession (``refit_wire="nemo"``), close the clients and the event
+        loop; repeated calls are safe. The fleet keeps running."""
         if self._closed:
             return True
         self._closed = True
-        self._wire.close()
-        clients, self._clients = self._clients, None
-        if clients is None:
-            return True
-        closing = clients.fleet.aclose() if clients.fleet is not None else clients.generator.aclose()
         try:
-            clients.loop.run(closing)
+            self._wire.close()  # refit_wire="nemo": deletes the RefitSession this adapter made
         finally:
-            clients.loop.close()
+            clients, self._clients = self._clients, None
+            if clients is not None:
+                try:
+                    clients.loop.run(clients.aclose())
+                finally:
+                    clients.loop.close()
         return True
 
     def start_gpu_profiling(self) -> None:
@@ -488,8 +510,8 @@ class MegafleetGeneration(unsupported.Unsupported):
                 if self._closed:
                     raise errors.FleetError(f"MegafleetGeneration of fleet {self._handle.fleet_name} was shut down")
                 loop = connection.Loop()
-                found, generator = loop.run(connection.make_clients(self._handle))
-                self._clients = connection.Clients(loop, found, generator)
+                found, generator, api = loop.run(connection.make_clients(self._handle))
+                self._clients = connection.Clients(loop, found, generator, api)
             return self._clients
 
     def _observe(self, state: fleet.FleetState) -> None:
@@ -537,7 +559,25 @@ def _from_handle(handle: connection.Handle) -> MegafleetGeneration:
         ready_timeout_s=handle.ready_timeout_s,
         kv_cache_mode=handle.kv_cache_mode,
         max_sequence_length=handle.max_sequence_length,
+        refit_wire=handle.refit_wire,
+        trainer_bucket_bytes=handle.trainer_bucket_bytes,
+        trainer_gpu_memory_bytes=handle.trainer_gpu_memory_bytes,
+        join_timeout_s=handle.join_timeout_s,
     )
+
+
+def _wire(
+    handle: connection.Handle, connect: Callable[[], connection.Clients], weights: weight_senders.NamedTensors | None
+) -> wire.Wire:
+    """The refit wire ``handle.refit_wire`` names."""
+    if handle.refit_wire == "megafleet":
+        return wire_megafleet.MegafleetWire(connect, weights, handle.backend)
+    options = wire_nemo.NemoOptions(
+        trainer_bucket_bytes=handle.trainer_bucket_bytes,
+        trainer_gpu_memory_bytes=handle.trainer_gpu_memory_bytes,
+        join_timeout_s=handle.join_timeout_s,
+    )
+    return wire_nemo.NemoWire(connect, handle.fleet_name, options)
 
 
 def _bound(refit_timeout_s: float | None) -> float:

@@ -15,14 +15,21 @@ import concurrent.futures
 import dataclasses
 import threading
 from collections.abc import Coroutine
-from typing import Any, TypeVar
+from typing import Any, Literal, TypeVar
 
+import lightkube
+from lightkube.config.kubeconfig import KubeConfig
+
+from megafleet import kube
 from megafleet.sdk import fleet, generation, routing
 from megafleet_protocol import vocabulary
 
-__all__ = ["Clients", "Handle", "Loop", "make_clients"]
+__all__ = ["Clients", "Handle", "Loop", "RefitWire", "make_clients"]
 
 T = TypeVar("T")
+RefitWire = Literal["megafleet", "nemo"]
+"""How refits travel: ``nemo`` (NeMo RL's own trainer broadcast over a RefitSession) or
+``megafleet`` (this process's ``WeightSender``); :mod:`megafleet.sdk.nemo.wire`."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -41,6 +48,10 @@ class Handle:
     ready_timeout_s: float
     kv_cache_mode: vocabulary.KvCacheMode | None
     max_sequence_length: int | None
+    refit_wire: RefitWire = "megafleet"
+    trainer_bucket_bytes: int | None = None
+    trainer_gpu_memory_bytes: int | None = None
+    join_timeout_s: int = 240
 
 
 class Loop:
@@ -70,11 +81,21 @@ class Clients:
     loop: Loop
     fleet: fleet.Fleet | None
     generator: generation.Generator
+    api: kube.Api | None  # the API server for RefitSessions, ConfigMaps and Refits; None with fixed frontends
+
+    async def aclose(self) -> None:
+        """Close the HTTP and API server clients (on :attr:`loop`)."""
+        if self.fleet is not None:
+            await self.fleet.aclose()
+        else:
+            await self.generator.aclose()
+        if self.api is not None:
+            await self.api.close()
 
 
-async def make_clients(handle: Handle) -> tuple[fleet.Fleet | None, generation.Generator]:
-    """The fleet client (or a generator over fixed frontends), made on the adapter's loop (its HTTP
-    clients belong to that loop)."""
+async def make_clients(handle: Handle) -> tuple[fleet.Fleet | None, generation.Generator, kube.Api | None]:
+    """The fleet client (or a generator over fixed frontends) and the API server's client, made on
+    the adapter's loop (its HTTP clients belong to that loop); the two share one lightkube client."""
     if handle.frontends is not None:
         fixed = [routing.Frontend(index, url, None) for index, url in enumerate(handle.frontends)]
         generator = generation.Generator(
@@ -83,12 +104,10 @@ async def make_clients(handle: Handle) -> tuple[fleet.Fleet | None, generation.G
             api_key=handle.api_key,
             max_sequence_length=handle.max_sequence_length,
         )
-        return None, generator
+        return None, generator, None
+    config = KubeConfig.from_file(handle.kubeconfig) if handle.kubeconfig is not None else None
+    client = lightkube.AsyncClient(config=config, namespace=handle.namespace, field_manager=fleet.FIELD_MANAGER)
     found = fleet.Fleet(
-        handle.fleet_name,
-        handle.namespace,
-        kubeconfig=handle.kubeconfig,
-        addressing=handle.addressing,
-        api_key=handle.api_key,
+        handle.fleet_name, handle.namespace, client=client, addressing=handle.addressing, api_key=handle.api_key
     )
-    return found, found.generator
+    return found, found.generator, kube.Api(client)
