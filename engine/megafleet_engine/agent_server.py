@@ -22,6 +22,10 @@ Routes: ``GET /healthz``, ``GET /readyz``, ``GET /v1/state``, ``POST /v1/suspend
   trainer's ``bucketBytes``); the first one joins NeMo's world as rank ``rankOffset + rank``, later
   ones over the same world keep that membership (``reused``). A refit info that does not fit this
   engine is refused (400) before anything is suspended.
+* ``POST /v1/refit/nemo/join`` (202): join NeMo's world for a RefitSession at the trainer's
+  ``init_collective`` time, on a thread, without suspending; ``POST /v1/refit/nemo/leave`` (200,
+  idempotent): drop that membership (a refit running over it fails). While joined, each rank probes
+  the trainer's store every 10 s (``world.storeReachable`` in the status).
 * ``GET /v1/refit/status``: the current or last attempt: ``phase`` (idle, suspending, joining,
   receiving, applying, resuming, succeeded, failed), per-phase milliseconds, counters, ``error``,
   ``reused`` (the join kept the transfer group parked by the previous refit).
@@ -224,6 +228,21 @@ async def refit_nemo_join(
     return responses.JSONResponse(combined, status_code=202)
 
 
+@refit_router.post("/nemo/leave")
+async def refit_nemo_leave(body: agent_api.NemoLeaveRequest, agent: AgentDep) -> responses.JSONResponse:
+    """Leave ``session``'s world on every rank of the pod (idempotent; a rank that cannot be reached
+    holds nothing worth leaving)."""
+    own = _world_body(agent.refits.leave(body.session))
+    if agent.siblings is None:
+        return responses.JSONResponse(own)
+    try:
+        others = await agent.siblings.post(agent_api.REFIT_NEMO_LEAVE, body.model_dump(mode="json", by_alias=True))
+    except siblings_module.SiblingError as error:
+        log.warning("forwarding the leave of session %s: %s", body.session, error)
+        return responses.JSONResponse(own)
+    return responses.JSONResponse(siblings_module.combine_world([own, *others]))
+
+
 @refit_router.post("/nemo", status_code=202)
 async def refit_nemo(
     body: agent_api.NemoRefitRequest, request: fastapi.Request, agent: AgentDep
@@ -380,6 +399,7 @@ def _world_model(world: refit_controller.WorldSnapshot | None) -> agent_api.Nemo
             "rank": world.rank,
             "generation": world.generation,
             "error": world.error,
+            "storeReachable": world.store_reachable,
         }
     )
 

@@ -1,7 +1,8 @@
-"""The operator's client for the pod-local agents (``GET /v1/state``, suspend, resume, refit).
+"""The operator's client for the pod-local agents (``GET /v1/state``, suspend, resume, refit, join, leave).
 
-Called by :mod:`megafleet.reconcile` to observe shards and verify served addresses, and by the
-refit orchestration (:mod:`megafleet.refit_driver`). Requests and responses are the models of
+Called by :mod:`megafleet.reconcile` to observe shards and verify served addresses, by the refit
+orchestration (:mod:`megafleet.refit_driver`) and by the RefitSession driver
+(:mod:`megafleet.session_driver`: join a trainer's world, leave it). Requests and responses are the models of
 :mod:`megafleet_protocol.agent_api`, which the agent itself validates with. Every call carries the
 fleet's bearer token; a pod whose agent does not answer within the timeout (or answers something
 malformed) is reported as unreachable, never as an exception.
@@ -11,12 +12,15 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import logging
 from typing import Any
 
 import httpx
 import pydantic
 
 from megafleet_protocol import agent_api, ports, vocabulary
+
+log = logging.getLogger(__name__)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -87,9 +91,33 @@ class AgentClient:
         return None if response.status_code == 200 else f"suspend answered HTTP {response.status_code}"
 
     async def refit_start(self, pod_ip: str, token: str, body: agent_api.RefitRequest) -> str | None:
-        """``POST /v1/refit/prepare`` (a rendezvous request) or ``/v1/refit/checkpoint``; returns an
+        """Start a refit attempt: ``POST /v1/refit/prepare`` (a rendezvous request),
+        ``/v1/refit/checkpoint``, ``/v1/refit/nemo`` (a session refit over a joined NeMo world) or
+        ``/v1/refit/megatron`` (a session refit over a joined megatron-core group); returns an error
+        text, or None."""
+        return await self._post(pod_ip, token, _REFIT_PATHS[type(body)], body)
+
+    async def join(
+        self, pod_ip: str, token: str, body: agent_api.NemoJoinRequest | agent_api.MegatronJoinRequest
+    ) -> str | None:
+        """Join a trainer's world for a RefitSession (``POST /v1/refit/nemo/join`` or
+        ``/v1/refit/megatron/join``; the pod's agent forwards it to its other local ranks); the join
+        runs on in the pod and ``GET /v1/refit/status``'s ``world`` tells its outcome. Returns an
         error text, or None."""
-        path = agent_api.REFIT_PREPARE if isinstance(body, agent_api.PrepareRequest) else agent_api.REFIT_CHECKPOINT
+        path = (
+            agent_api.REFIT_NEMO_JOIN if isinstance(body, agent_api.NemoJoinRequest) else agent_api.REFIT_MEGATRON_JOIN
+        )
+        return await self._post(pod_ip, token, path, body)
+
+    async def leave(self, pod_ip: str, token: str, session: str) -> None:
+        """``POST /v1/refit/nemo/leave``: drop the pod's membership of ``session``'s world (idempotent;
+        an agent that cannot be reached holds nothing any more worth leaving)."""
+        error = await self._post(pod_ip, token, agent_api.REFIT_NEMO_LEAVE, agent_api.NemoLeaveRequest(session=session))
+        if error is not None:
+            log.info("leaving session %s at %s: %s", session, pod_ip, error)
+
+    async def _post(self, pod_ip: str, token: str, path: str, body: pydantic.BaseModel) -> str | None:
+        """POST ``body``; an error text, or None when the agent accepted it (200 or 202)."""
         try:
             response = await self._call(
                 "POST",
@@ -133,6 +161,15 @@ class AgentClient:
 
     def _url(self, pod_ip: str, path: str) -> str:
         return f"http://{pod_ip}:{self.port}{path}"
+
+
+_REFIT_PATHS: dict[type[pydantic.BaseModel], str] = {
+    agent_api.PrepareRequest: agent_api.REFIT_PREPARE,
+    agent_api.CheckpointRefitRequest: agent_api.REFIT_CHECKPOINT,
+    agent_api.NemoRefitRequest: agent_api.REFIT_NEMO,
+    agent_api.MegatronRefitRequest: agent_api.REFIT_MEGATRON,
+}
+"""Where each kind of refit request starts its attempt."""
 
 
 def _json(body: pydantic.BaseModel) -> Any:

@@ -16,6 +16,8 @@ WEIGHTS_CURRENT = "WeightsCurrent"
 ENDPOINTS_VERIFIED = "EndpointsVerified"
 DEGRADED = "Degraded"
 INVALID_SPEC = "InvalidSpec"
+REFIT_SESSION_HELD = "RefitSessionHeld"
+"""A RefitSession holds the fleet's shards in a trainer's world (:mod:`megafleet.reconcile.hold`)."""
 
 Condition = dict[str, Any]
 

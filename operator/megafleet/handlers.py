@@ -2,7 +2,10 @@
 
 Imported by ``megafleet operator`` (:mod:`megafleet.operator_main`). Triggers: the fleet is created,
 its spec changes, the operator resumes, a periodic timer (observation), and any event of a pod
-the fleet owns. Refits are advanced by :mod:`megafleet.refit_driver` on create and a timer. The
+the fleet owns. Refits are advanced by :mod:`megafleet.refit_driver` on create and a timer, and
+RefitSessions by :mod:`megafleet.session_driver` on create, resume and a timer; a RefitSession has
+a finalizer (Kopf's, for its delete handler) so that its members leave the trainer's world and the
+fleet's hold is released before it goes. The
 operator's runtime (clients, locks, delays, settings) is made at startup and kept in Kopf's
 ``memo`` as ``memo.runtime``; a per-fleet lock keeps reconciles and Refit steps of one fleet sequential.
 """
@@ -15,7 +18,7 @@ from typing import Any, cast
 
 import kopf
 
-from megafleet import agent_client, kube, metrics, names, reconcile, refit_driver
+from megafleet import agent_client, kube, metrics, names, reconcile, refit_driver, session_driver
 from megafleet import settings as operator_settings
 from megafleet.api import v1alpha1
 from megafleet.reconcile import context
@@ -24,6 +27,7 @@ log = logging.getLogger(__name__)
 
 RESOURCE = (v1alpha1.GROUP, v1alpha1.VERSION, "megatrongenerations")
 REFITS = (v1alpha1.GROUP, v1alpha1.VERSION, "refits")
+SESSIONS = (v1alpha1.GROUP, v1alpha1.VERSION, "refitsessions")
 SETTINGS = operator_settings.OperatorSettings()
 """The operator's settings; the decorators below read their intervals at import."""
 _TRIGGERS = SETTINGS.triggers
@@ -117,3 +121,44 @@ async def on_refit(namespace: str | None, name: str, spec: Mapping[str, Any], me
 )
 async def poll_refit(namespace: str | None, name: str, spec: Mapping[str, Any], memo: kopf.Memo, **_: Any) -> None:
     await _advance_refit(_runtime(memo), namespace or "default", name, spec["fleetRef"]["name"])
+
+
+def _session_open(status: Mapping[str, Any], **_: Any) -> bool:
+    return status.get("phase") not in session_driver.ENDED
+
+
+async def _advance_session(runtime: context.Runtime, namespace: str, name: str, fleet: str) -> None:
+    async with runtime.fleet_lock(namespace, fleet):  # beside the fleet's reconcile and its Refits
+        session = await runtime.api.get("RefitSession", name, namespace)
+        if session is not None and not session["metadata"].get("deletionTimestamp"):
+            await session_driver.advance(runtime, session)
+
+
+@kopf.on.create(*SESSIONS, backoff=_TRIGGERS.retry_seconds)
+@kopf.on.resume(*SESSIONS, backoff=_TRIGGERS.retry_seconds, when=_session_open)
+async def on_session(namespace: str | None, name: str, spec: Mapping[str, Any], memo: kopf.Memo, **_: Any) -> None:
+    await _advance_session(_runtime(memo), namespace or "default", name, spec["fleetRef"]["name"])
+
+
+@kopf.timer(
+    *SESSIONS,
+    interval=SETTINGS.session.poll_seconds,
+    sharp=False,
+    backoff=_TRIGGERS.retry_seconds,
+    when=_session_open,
+)
+async def poll_session(namespace: str | None, name: str, spec: Mapping[str, Any], memo: kopf.Memo, **_: Any) -> None:
+    await _advance_session(_runtime(memo), namespace or "default", name, spec["fleetRef"]["name"])
+
+
+@kopf.on.delete(*SESSIONS, backoff=_TRIGGERS.retry_seconds)
+async def on_session_delete(
+    namespace: str | None, body: kopf.Body, spec: Mapping[str, Any], memo: kopf.Memo, **_: Any
+) -> None:
+    """The finalizer's work: the members leave the trainer's world, the fleet's hold is released."""
+    runtime = _runtime(memo)
+    namespace = namespace or "default"
+    async with runtime.fleet_lock(namespace, spec["fleetRef"]["name"]):
+        session = session_driver.Session.parse(dict(body))
+        runtime.store_lost.pop((namespace, session.name), None)
+        await session_driver.release(runtime.api, runtime.agents, session)

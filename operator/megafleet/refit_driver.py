@@ -11,6 +11,12 @@ The refit protocol (docs/refit-protocol.md): the trainer ranks come first in the
 then each member shard's ranks at its offset (:func:`megafleet.planner.rank_offsets`); the trainer
 reads ``status.membership`` to learn the world size before it opens its rendezvous store.
 
+A Refit through a RefitSession (``source.session``, NeMo RL's own collective) uses the session's
+membership and held world (:mod:`megafleet.session_driver`): exactly one attempt (a trainer's
+broadcast cannot be replayed), and a failure breaks the session (its members leave, the hold is
+released). While a session holds the fleet, rendezvous and checkpoint Refits are refused
+(``SessionHeld``); a Refit through a session that is not ``Joined`` fails (``SessionNotJoined``).
+
 Versions never go backwards: a Refit whose version is not above the fleet's current one
 (:func:`current_version`) ends ``Failed`` with reason ``VersionNotNewer`` before anything is sent
 to an agent. Pruning (:func:`prunable`) deletes only finished Refits, never the newest one.
@@ -24,16 +30,16 @@ Readiness after a refit comes from the Refit's own completion: the status patch 
 
 from __future__ import annotations
 
-import base64
 import logging
 from collections.abc import Iterable, Sequence
 from typing import Any
 
 import pydantic
 
-from megafleet import agent_client, conditions, desired, kube, names, planner
+from megafleet import agent_client, conditions, desired, kube, planner, session_driver
 from megafleet import settings as operator_settings
 from megafleet.api import checks, v1alpha1
+from megafleet.reconcile import endpoints
 from megafleet.reconcile import pods as pod_view
 from megafleet.reconcile import status as reconcile_status
 from megafleet_protocol import agent_api, ports
@@ -44,6 +50,12 @@ Object = dict[str, Any]
 
 VERSION_NOT_NEWER = "VersionNotNewer"
 """Reason of the Failed condition of a Refit whose version is not above the fleet's current one."""
+SESSION_HELD = "SessionHeld"
+"""Reason of the Failed condition of a rendezvous or checkpoint Refit of a fleet a RefitSession holds."""
+SESSION_NOT_JOINED = "SessionNotJoined"
+"""Reason of the Failed condition of a Refit through a RefitSession that is not Joined (or not this fleet's)."""
+REFIT_INFO_MISSING = "RefitInfoMissing"
+"""Reason of the Failed condition of a NeMo session Refit whose session has no usable refit info."""
 
 
 async def advance(
@@ -74,16 +86,33 @@ async def advance(
         )
         await _finish(api, refit, None, "Failed", message, reason=VERSION_NOT_NEWER)
         return
-    active = ((fleet_body.get("status") or {}).get("refit") or {}).get("active")
+    fleet_refit = (fleet_body.get("status") or {}).get("refit") or {}
+    held = fleet_refit.get("session")
+    if phase == "Pending" and spec.source.session is None and held is not None:
+        message = (
+            f"fleet {spec.fleet_ref.name} is held by RefitSession {held}: a {_source_name(spec)} refit would drop "
+            "its members' place in the trainer's world (refit through the session, or delete it first)"
+        )
+        await _finish(api, refit, None, "Failed", message, reason=SESSION_HELD)
+        return
+    active = fleet_refit.get("active")
     if active not in (None, name):
         await _set_status(api, name, namespace, {"phase": "Pending", "message": f"waiting for refit {active}"})
         return
-    token = await _token(api, fleet)
-    pods = await _member_pods(api, fleet)
-    if phase == "Pending":
-        await _start(api, agents, refit, spec, fleet, fleet_body, pods, token, max_attempts=settings.max_attempts)
+    token = await endpoints.read_token(api, fleet)
+    pods = await pod_view.whole_running(api, fleet)
+    attempts = 1 if spec.source.session is not None else settings.max_attempts  # a broadcast cannot be replayed
+    if phase == "Pending" and spec.source.session is not None:
+        await _start_session(api, agents, refit, spec, fleet, fleet_body, pods, token)
         return
-    await _collect(api, agents, refit, spec, fleet_body, pods, token, max_attempts=settings.max_attempts)
+    if phase == "Pending":
+        await _start(api, agents, refit, spec, fleet, fleet_body, pods, token, max_attempts=attempts)
+        return
+    await _collect(api, agents, refit, spec, fleet_body, pods, token, max_attempts=attempts)
+
+
+def _source_name(spec: v1alpha1.RefitObjectSpec) -> str:
+    return "checkpoint" if spec.source.checkpoint is not None else "rendezvous"
 
 
 def current_version(fleet_status: Object) -> int | None:
@@ -94,23 +123,6 @@ def current_version(fleet_status: Object) -> int | None:
     if found is None:
         found = fleet_status.get("weightVersion")
     return None if found is None else int(found)
-
-
-async def _token(api: kube.Api, fleet: desired.ParsedFleet) -> str:
-    secret = await api.get("Secret", names.agent_secret(fleet.name), fleet.namespace) or {}
-    return base64.b64decode((secret.get("data") or {}).get(names.AGENT_TOKEN_KEY, "")).decode()
-
-
-async def _member_pods(api: kube.Api, fleet: desired.ParsedFleet) -> dict[int, list[pod_view.Pod]]:
-    """Pods of every complete shard whose pods all run, by shard, in pod order."""
-    shards = await pod_view.observe(api, fleet)
-    return {
-        shard: members
-        for shard, members in shards.pods.items()
-        if all(pod.running for pod in members)
-        and len(members) == fleet.layout.pods_per_shard
-        and shard < fleet.spec.replicas
-    }
 
 
 async def _start(
@@ -176,6 +188,107 @@ async def _start(
         await _fail_attempt(
             api, agents, started, fleet_body, reachable, sorted(reachable), token, refused[0], max_attempts=max_attempts
         )
+
+
+async def _start_session(
+    api: kube.Api,
+    agents: agent_client.AgentClient,
+    refit: Object,
+    spec: v1alpha1.RefitObjectSpec,
+    fleet: desired.ParsedFleet,
+    fleet_body: Object,
+    pods: dict[int, list[pod_view.Pod]],
+    token: str,
+) -> None:
+    """Start the one attempt of a Refit through a RefitSession: the session's membership (never
+    recomputed), its held world, every member pod told to receive (``POST /v1/refit/nemo`` or
+    ``/v1/refit/megatron`` in the session form)."""
+    assert spec.source.session is not None
+    name, namespace = refit["metadata"]["name"], refit["metadata"]["namespace"]
+    session = await session_driver.load(api, namespace, spec.source.session.name)
+    refused = _not_joined(session, spec)
+    if refused is not None or session is None:
+        await _finish(api, refit, None, "Failed", refused or "", reason=SESSION_NOT_JOINED)
+        return
+    info: list[agent_api.NemoTensor] = []
+    if session.spec.nemo_collective is not None:
+        try:
+            info = await session_driver.read_refit_info(api, session)
+        except session_driver.RefitInfoError as error:
+            message = f"RefitSession {session.name} has no usable refitInfo: {error}"
+            await _finish(api, refit, None, "Failed", message, reason=REFIT_INFO_MISSING)
+            return
+    membership = session.status.membership
+    assert membership is not None  # published before the session could join
+    published = membership.model_dump(mode="json", by_alias=True)
+    fleet_refit = {**((fleet_body.get("status") or {}).get("refit") or {}), "active": name, "membership": published}
+    await api.patch_status("MegatronGeneration", fleet.name, namespace, {"refit": fleet_refit})
+    await _set_status(
+        api,
+        name,
+        namespace,
+        {
+            "phase": "Running",
+            "membership": published,
+            "attempts": 1,
+            "startTime": conditions.now(),
+            "message": f"{len(session.members)} shards receive version {spec.version} through RefitSession "
+            f"{session.name}",
+        },
+    )
+    body = _session_request(spec, fleet, session, info)
+    started = {**refit, "status": {**(refit.get("status") or {}), "attempts": 1}}
+    members = [shard for shard, _ in session.members]
+    for shard in members:
+        if shard not in pods:
+            failure = f"shard {shard} of RefitSession {session.name} has no running pods"
+            await _fail_attempt(api, agents, started, fleet_body, pods, members, token, failure, max_attempts=1)
+            return
+        for pod in pods[shard]:
+            refusal = await agents.refit_start(pod.ip, token, body)
+            if refusal is not None:
+                failure = f"{pod.name} refused: {refusal}"
+                await _fail_attempt(api, agents, started, fleet_body, pods, members, token, failure, max_attempts=1)
+                return
+
+
+def _not_joined(session: session_driver.Session | None, spec: v1alpha1.RefitObjectSpec) -> str | None:
+    """Why a Refit cannot go through its session (it does not exist, serves another fleet, or its
+    world is not joined), or None."""
+    assert spec.source.session is not None
+    named = spec.source.session.name
+    if session is None:
+        return f"RefitSession {named} does not exist"
+    if session.spec.fleet_ref.name != spec.fleet_ref.name:
+        return f"RefitSession {named} holds fleet {session.spec.fleet_ref.name}, not {spec.fleet_ref.name}"
+    if session.phase != "Joined":
+        detail = f": {session.status.message}" if session.status.message else ""
+        return f"RefitSession {named} is {session.phase}, not Joined{detail}"
+    return None
+
+
+def _session_request(
+    spec: v1alpha1.RefitObjectSpec,
+    fleet: desired.ParsedFleet,
+    session: session_driver.Session,
+    info: list[agent_api.NemoTensor],
+) -> agent_api.NemoRefitRequest | agent_api.MegatronRefitRequest:
+    """The body every member pod gets: the same for all (each rank knows its place in the world)."""
+    version, timeout, kv_cache_mode = spec.version, fleet.spec.refit.timeout_seconds, fleet.spec.engine.kv_cache_mode
+    nemo = session.spec.nemo_collective
+    if nemo is None:
+        return agent_api.MegatronRefitRequest(
+            version=version, timeout_seconds=timeout, kv_cache_mode=kv_cache_mode, session=session.key
+        )
+    return agent_api.NemoRefitRequest(
+        version=version,
+        timeout_seconds=timeout,
+        kv_cache_mode=kv_cache_mode,
+        session=session.key,
+        refit_info=info,
+        bucket_bytes=nemo.bucket_bytes,
+        generation=session.status.generation or nemo.generation,
+    )
 
 
 def _request(
@@ -266,6 +379,16 @@ async def _collect(
         checkpoint=spec.source.checkpoint.path if spec.source.checkpoint is not None else None,
         serving=serving,
     )
+    await _record_session_version(api, refit, spec)
+
+
+async def _record_session_version(api: kube.Api, refit: Object, spec: v1alpha1.RefitObjectSpec) -> None:
+    """After a Refit through a session succeeded: the session's ``status.lastVersion``."""
+    if spec.source.session is None:
+        return
+    session = await session_driver.load(api, refit["metadata"]["namespace"], spec.source.session.name)
+    if session is not None:
+        await session_driver.record_version(api, session, spec.version)
 
 
 async def _fail_attempt(
@@ -287,10 +410,24 @@ async def _fail_attempt(
     attempts = int((refit.get("status") or {}).get("attempts", 1))
     if attempts >= max_attempts:
         await _finish(api, refit, fleet_body, "Failed", f"attempt {attempts} failed: {failure}")
+        await _break_session(api, agents, refit, failure)
         return
     name, namespace = refit["metadata"]["name"], refit["metadata"]["namespace"]
     log.warning("refit %s/%s attempt %d failed (%s); retrying with the live shards", namespace, name, attempts, failure)
     await _set_status(api, name, namespace, {"phase": "Pending", "message": f"attempt {attempts} failed: {failure}"})
+
+
+async def _break_session(api: kube.Api, agents: agent_client.AgentClient, refit: Object, failure: str) -> None:
+    """A failed Refit through a session breaks it: the trainer may have sent part of the version,
+    its stream is out of step with the fleet's (the members leave, the hold goes)."""
+    spec = v1alpha1.RefitObjectSpec.model_validate(refit["spec"])
+    if spec.source.session is None:
+        return
+    session = await session_driver.load(api, refit["metadata"]["namespace"], spec.source.session.name)
+    if session is None or session.phase in session_driver.ENDED:
+        return
+    message = f"Refit {refit['metadata']['name']} (version {spec.version}) failed: {failure}"
+    await session_driver.end(api, agents, session, phase="Broken", reason=session_driver.REFIT_FAILED, message=message)
 
 
 async def _finish(

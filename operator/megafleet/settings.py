@@ -9,7 +9,15 @@ from __future__ import annotations
 
 import dataclasses
 
-__all__ = ["AgentSettings", "CatchUpSettings", "OperatorSettings", "RefitSettings", "ShardSettings", "TriggerSettings"]
+__all__ = [
+    "AgentSettings",
+    "CatchUpSettings",
+    "OperatorSettings",
+    "RefitSettings",
+    "SessionSettings",
+    "ShardSettings",
+    "TriggerSettings",
+]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -65,6 +73,22 @@ class RefitSettings:
 
 
 @dataclasses.dataclass(frozen=True)
+class SessionSettings:
+    """The RefitSession driver."""
+
+    poll_seconds: float = 1.0
+    """Seconds between observations of a session's members (default 1): a join's progress, a lost
+    member, the trainer's store."""
+    join_grace_seconds: float = 5.0
+    """Seconds past ``joinTimeoutSeconds`` the driver waits for the members to report a join's
+    outcome themselves (default 5; each agent's join has the same deadline and fails by itself)."""
+    trainer_gone_seconds: float = 60.0
+    """Seconds every member must report the trainer's store unreachable before the session is
+    ``Closed`` with ``TrainerGone`` (default 60: six of the agents' 10 s probes, so one slow probe
+    never ends a run)."""
+
+
+@dataclasses.dataclass(frozen=True)
 class AgentSettings:
     """The operator's HTTP client for the pod agents."""
 
@@ -81,4 +105,5 @@ class OperatorSettings:
     shards: ShardSettings = dataclasses.field(default_factory=ShardSettings)
     catch_up: CatchUpSettings = dataclasses.field(default_factory=CatchUpSettings)
     refit: RefitSettings = dataclasses.field(default_factory=RefitSettings)
+    session: SessionSettings = dataclasses.field(default_factory=SessionSettings)
     agents: AgentSettings = dataclasses.field(default_factory=AgentSettings)

@@ -360,3 +360,86 @@ def test_an_abort_ends_a_join_that_waits_for_the_trainers_other_ranks(served: ha
     refused = post_nemo(served, session_body(1, "grpo-8", refit_info(served.backend.parameters()), 4096))
     assert refused.status_code == 409 and refused.json()["error"]["code"] == "nemo_not_joined", refused.text
     assert served.agent.status()["state"] == "ready"
+
+
+def wait_store(served: harness.InProcessEngine, reachable: bool) -> dict[str, Any]:
+    deadline = time.monotonic() + WAIT_SECONDS
+    while True:
+        world = served.agent.status()["world"]
+        if world is not None and world["storeReachable"] is reachable:
+            return dict(world)
+        assert time.monotonic() < deadline, f"the store probe did not report {reachable}: {world}"
+        time.sleep(harness.REFIT_POLL_SECONDS)  # polling an HTTP status with a deadline
+
+
+def test_a_leave_drops_the_joined_world_the_engine_serves_on_and_a_second_leave_changes_nothing(
+    served: harness.InProcessEngine, trainer: harness.Trainer
+) -> None:
+    served.refits.store_probe_seconds = 0.2
+    before, _ = harness.completion_ids(served.frontend_url, PROMPT, 6)
+    nemo = NemoTrainer({}, 4096)
+    try:
+        with served.agent.client() as agent:
+            assert agent.post("/v1/refit/nemo/join", json=join_body("grpo-9", nemo.port)).status_code == 202
+            assert nemo.joined.wait(WAIT_SECONDS)
+            wait_world(served, "joined")
+            assert wait_store(served, True)["session"] == "grpo-9", "the probe finds the trainer's store"
+            left = agent.post("/v1/refit/nemo/leave", json={"session": "grpo-9"})
+            again = agent.post("/v1/refit/nemo/leave", json={"session": "grpo-9"})
+            other = agent.post("/v1/refit/nemo/leave", json={"session": "never-joined"})
+    finally:
+        nemo.finish()
+
+    assert left.status_code == 200 and left.json()["phase"] == "left", left.text
+    assert (again.status_code, again.json()["phase"], again.json()["session"]) == (200, "left", "grpo-9")
+    assert (other.status_code, other.json()["phase"], other.json()["session"]) == (200, "left", "never-joined")
+    status = served.agent.status()
+    assert status["world"]["phase"] == "left" and status["world"]["error"] is None, status["world"]
+    assert (status["phase"], status["state"], status["weightVersion"]) == ("idle", "ready", 0), "nothing suspended"
+    assert not served.refits.parked, "the membership is dropped"
+    assert harness.completion_ids(served.frontend_url, PROMPT, 6) == (before, "0"), "it serves on"
+    refused = post_nemo(served, session_body(1, "grpo-9", refit_info(trainer.weights()), 4096))
+    assert refused.status_code == 409 and refused.json()["error"]["code"] == "nemo_not_joined", refused.text
+
+
+def test_a_leave_ends_a_join_in_progress_as_left_not_failed(served: harness.InProcessEngine) -> None:
+    port = harness.free_port()
+    store_up = threading.Event()
+
+    def master() -> None:  # NeMo's rank 0 of a world of 3 whose rank 2 never comes
+        with contextlib.suppress(RuntimeError):
+            store_up.set()
+            c10d.TCPStore(harness.TRAINER_ADDRESS, port, 3, True, datetime.timedelta(seconds=5), wait_for_workers=True)
+
+    with nemo_trainer.running(master) as failures:
+        assert store_up.wait(WAIT_SECONDS)
+        body = join_body("grpo-10", port)
+        body["rendezvous"]["worldSize"] = 3
+        with served.agent.client() as agent:
+            assert agent.post("/v1/refit/nemo/join", json=body).status_code == 202
+            wait_world(served, "joining")
+            left = agent.post("/v1/refit/nemo/leave", json={"session": "grpo-10"})
+    assert not failures, failures
+    assert left.status_code == 200 and left.json()["phase"] == "left", left.text
+    assert served.refits.wait_settled(harness.SETTLE_TIMEOUT_SECONDS)
+    world = served.agent.status()["world"]
+    assert (world["phase"], world["error"]) == ("left", None), world
+
+
+def test_the_store_probe_reports_the_trainers_store_gone_once_the_trainer_exits(
+    served: harness.InProcessEngine,
+) -> None:
+    served.refits.store_probe_seconds = 0.2
+    nemo = NemoTrainer({}, 4096)
+    try:
+        with served.agent.client() as agent:
+            assert agent.post("/v1/refit/nemo/join", json=join_body("grpo-11", nemo.port)).status_code == 202
+        assert nemo.joined.wait(WAIT_SECONDS)
+        wait_world(served, "joined")
+        assert wait_store(served, True)["phase"] == "joined"
+    finally:
+        nemo.finish()  # the trainer's ranks return: its store closes with them
+
+    world = wait_store(served, False)
+    assert (world["session"], world["phase"]) == ("grpo-11", "joined"), "an unreachable store is reported, not acted on"
+    assert served.agent.status()["state"] == "ready"

@@ -20,6 +20,7 @@ import asyncio
 import concurrent.futures
 import dataclasses
 import logging
+import socket
 import threading
 from collections.abc import Callable, Coroutine
 from typing import TYPE_CHECKING, Any, TypeVar
@@ -45,6 +46,7 @@ __all__ = [
     "RendezvousRequest",
     "Request",
     "WorldSnapshot",
+    "store_listening",
 ]
 
 log = logging.getLogger(__name__)
@@ -53,6 +55,11 @@ T = TypeVar("T")
 MIB = 2**20
 SESSION_CHECK_SECONDS = 5.0
 """Bound of asking a parked communicator's store for the trainer's session (it answers at once or is gone)."""
+STORE_PROBE_SECONDS = 10.0
+"""Seconds between probes of the trainer's store while this rank holds a joined world (the operator
+closes the session once every member found the store unreachable for a minute)."""
+STORE_PROBE_TIMEOUT_SECONDS = 2.0
+"""How long one probe may wait for the store to accept a connection."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -196,6 +203,7 @@ class WorldSnapshot:
     rank: int
     generation: vocabulary.NemoGeneration | None = None
     error: str | None = None
+    store_reachable: bool | None = None  # the last probe of the trainer's store; None: not probed yet
 
 
 class _World:
@@ -210,13 +218,14 @@ class _World:
         self.receiver: nemo.NemoReceiver | None = None
         self.aborted = threading.Event()
         self.thread: threading.Thread | None = None
+        self.store_reachable: bool | None = None  # written by the store probe's thread
 
     def snapshot(self) -> WorldSnapshot:
         phase = self.phase
         if phase == "joined" and (self.receiver is None or self.receiver.closed):
             phase = "left"
         generation = self.receiver.generation if self.receiver is not None else self.request.generation
-        return WorldSnapshot(self.request.session, phase, self.rank, generation, self.error)
+        return WorldSnapshot(self.request.session, phase, self.rank, generation, self.error, self.store_reachable)
 
 
 Request = RendezvousRequest | CheckpointRequest | NemoRequest
@@ -261,6 +270,7 @@ class RefitController:
         self._sink: receiver.Sink | None = None  # the engine's sink, nothing written (built once)
         self._pointers: dict[str, int] | None = None  # live storage addresses, as last verified
         self._world: _World | None = None  # the last join of NeMo's world (POST /v1/refit/nemo/join)
+        self.store_probe_seconds = STORE_PROBE_SECONDS  # shorter in tests
 
     @property
     def dirty(self) -> bool:
@@ -390,7 +400,8 @@ class RefitController:
                 log.exception("joining NeMo's world for session %s raised", request.session)
                 message = f"{type(error).__name__}: {message}"
             with self._lock:
-                world.phase, world.error = "failed", message
+                if world.phase != "left":  # a leave during the join is not a failure
+                    world.phase, world.error = "failed", message
             log.error("joining NeMo's world for session %s failed: %s", request.session, message)
             return
         key = ("nemo", request.world(self.rank), local_address, request.generation)
@@ -407,6 +418,48 @@ class RefitController:
             "joined NeMo's world for session %s as rank %d of %d (%s)",
             request.session, world.rank, request.world_size, receiver.generation,
         )  # fmt: skip
+        probe = threading.Thread(target=self._probe_store, args=(world,), name="megafleet-store-probe", daemon=True)
+        probe.start()
+
+    def _probe_store(self, world: _World) -> None:
+        """The store probe's thread, while ``world`` is joined: every ``store_probe_seconds``, whether
+        the trainer's store still accepts a connection (NeMo keeps it alive for its whole run, so a
+        store that does not is a trainer that is gone). A plain connect, never a call on the store
+        client the joined group was built over."""
+        address, port = world.request.address, world.request.port
+        while world.snapshot().phase == "joined":
+            reachable = store_listening(address, port, timeout=STORE_PROBE_TIMEOUT_SECONDS)
+            with self._lock:
+                world.store_reachable = reachable
+            if world.aborted.wait(self.store_probe_seconds):
+                return
+
+    def leave(self, session: str) -> WorldSnapshot:
+        """Drop this rank's membership of ``session``'s world (``POST /v1/refit/nemo/leave``): stop a
+        join in progress, fail a refit running over it (the engine stays stale, as after any failed
+        refit) and close the communicator; an engine with nothing running serves on. Idempotent: a
+        session this rank does not hold answers ``left`` and changes nothing."""
+        with self._lock:
+            world, attempt = self._world, self._attempt
+            if world is None or world.request.session != session:
+                return WorldSnapshot(session, "left", self.rank)
+            world.phase = "left"
+        world.aborted.set()
+        request = attempt.request if attempt is not None else None
+        if attempt is not None and isinstance(request, NemoRequest) and request.session == session:
+            attempt.abort(f"aborted: this rank left RefitSession {session}'s world", timed_out=False)
+        with self._lock:
+            parked = self._parked
+            if isinstance(parked, _Joined) and parked.receiver is world.receiver:
+                self._parked = None
+            else:
+                parked = None
+        if parked is not None:
+            parked.discard()
+        if world.receiver is not None:
+            world.receiver.close()
+        log.info("left NeMo's world for session %s", session)
+        return world.snapshot()
 
     def abort(self, reason: str) -> progress.Snapshot:
         """End the running attempt now (as the watchdog would), and close a parked transfer group
@@ -924,6 +977,15 @@ class _Attempt:
     def _observe(self, *, succeeded: bool) -> None:
         if self.owner.metrics is not None:
             self.owner.metrics.observe_refit(self.record.elapsed, succeeded=succeeded)
+
+
+def store_listening(address: str, port: int, *, timeout: float) -> bool:
+    """Whether the trainer's store at ``address:port`` accepts a TCP connection within ``timeout``."""
+    try:
+        with socket.create_connection((address, port), timeout=timeout):
+            return True
+    except OSError:
+        return False
 
 
 def _rendezvous(request: RendezvousRequest) -> communicator.Rendezvous:

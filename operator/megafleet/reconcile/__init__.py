@@ -4,7 +4,9 @@ Called by the Kopf handlers (:mod:`megafleet.handlers`) on create, update, resum
 events of the fleet's pods, one reconcile per fleet at a time. Level-based and idempotent: each
 step reads what exists, compares it with the spec and writes only the difference, so a reconcile
 with nothing to change makes no API writes. Endpoints are reserved, and published in status and the
-ConfigMap, before any pod exists. While a refit runs, nothing is scaled, rolled or placed.
+ConfigMap, before any pod exists. While a refit runs, nothing is scaled, rolled or placed; while a
+RefitSession holds the fleet (:mod:`.hold`), nothing is scaled, rolled, placed or caught up either,
+but broken shards are still healed.
 
 Steps, each in the module named for it: :mod:`.validate`, :mod:`.endpoints`, :mod:`.pods` (observe),
 :mod:`.shards` (scale down, heal, roll, place), :mod:`.versions` (fence, catch up), :mod:`.status`.
@@ -15,7 +17,7 @@ from __future__ import annotations
 from typing import Any
 
 from megafleet import conditions
-from megafleet.reconcile import context, endpoints, pods, shards, status, validate, versions
+from megafleet.reconcile import context, endpoints, hold, pods, shards, status, validate, versions
 
 __all__ = ["reconcile"]
 
@@ -30,15 +32,17 @@ async def reconcile(runtime: context.Runtime, body: dict[str, Any], *, notify: c
     await endpoints.reserve(ctx)
     await status.write(ctx.api, body, ctx.status)  # published before any pod is created
     ctx.shards = await pods.observe(ctx.api, fleet)
-    if not ctx.refitting:
+    frozen = ctx.refitting or ctx.held is not None
+    if not frozen:
         await shards.scale_down(ctx)
     await shards.heal(ctx)
-    if not ctx.refitting:
+    if not frozen:
         await shards.roll(ctx)
         await shards.place(ctx)
     ctx.reports = await pods.ask_agents(ctx.agents, ctx.shards, ctx.token)
     await versions.fence(ctx)
-    await versions.catch_up(ctx)
+    if ctx.held is None:  # a checkpoint load would drop the members' place in the trainer's world
+        await versions.catch_up(ctx)
     await _write_observed(ctx)
 
 
@@ -59,6 +63,13 @@ async def _write_observed(ctx: context.FleetContext) -> None:
     ctx.status, mismatch = status.verify_addresses(
         observed, ctx.shards, ctx.reports, port=port, generation=generation, now=now
     )
+    found = list(ctx.status.get("conditions", []))
+    if ctx.held is not None:
+        changes = hold.waiting(ctx.fleet, ctx.shards)
+        found = hold.held(found, ctx.held, changes, generation=generation, now=now)
+    else:
+        found = hold.released(found, generation=generation, now=now)
+    ctx.status = {**ctx.status, "conditions": found}
     if mismatch is not None:
         ctx.notify("Warning", "EndpointsMismatch", mismatch)
     await status.write(ctx.api, ctx.body, ctx.status)

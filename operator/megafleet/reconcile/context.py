@@ -39,6 +39,10 @@ class Runtime:
     catch_up: backoff.Backoff
     """Delays between checkpoint catch-ups that keep failing, keyed by (namespace, fleet, shard,
     version, checkpoint)."""
+    store_lost: dict[tuple[str, str], float] = dataclasses.field(default_factory=dict)
+    """When (monotonic seconds) every member of a joined RefitSession, keyed by (namespace, name),
+    first reported the trainer's store unreachable; kept in memory only (an operator restart starts
+    the wait again, which only delays ``TrainerGone``)."""
 
     @classmethod
     def of(
@@ -99,3 +103,10 @@ class FleetContext:
     def refitting(self) -> bool:
         """A refit runs: scaling, rolling and placing wait for it."""
         return self.refit.get("active") is not None
+
+    @property
+    def held(self) -> str | None:
+        """The RefitSession whose trainer world the shards hold (``status.refit.session``): scaling,
+        rolling, placing and checkpoint catch-ups wait until it ends; healing does not."""
+        session: str | None = self.refit.get("session")
+        return session

@@ -10,7 +10,7 @@ from __future__ import annotations
 import base64
 import secrets
 
-from megafleet import conditions, desired, names
+from megafleet import conditions, desired, kube, names
 from megafleet.api import v1alpha1
 from megafleet.reconcile import context, status
 
@@ -22,6 +22,12 @@ async def agent_token(ctx: context.FleetContext) -> str:
     if secret is None:
         secret = await ctx.api.create(desired.agent_secret(fleet, secrets.token_urlsafe(32)))
     return base64.b64decode(secret["data"][names.AGENT_TOKEN_KEY]).decode()
+
+
+async def read_token(api: kube.Api, fleet: desired.ParsedFleet) -> str:
+    """The fleet's agent token as the Refit and RefitSession drivers read it ('' before it exists)."""
+    secret = await api.get("Secret", names.agent_secret(fleet.name), fleet.namespace) or {}
+    return base64.b64decode((secret.get("data") or {}).get(names.AGENT_TOKEN_KEY, "")).decode()
 
 
 async def reserve(ctx: context.FleetContext) -> None:

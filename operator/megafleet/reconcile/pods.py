@@ -121,3 +121,16 @@ async def ask_agents(agents: agent_client.AgentClient, shards: Shards, token: st
         answers = iter(await agents.states([ip for ip in ips if ip], token))
         reports[shard] = [next(answers) if ip else None for ip in ips]
     return reports
+
+
+async def whole_running(api: kube.Api, fleet: desired.ParsedFleet) -> dict[int, list[Pod]]:
+    """Pods of every shard below ``spec.replicas`` whose pods all exist and run, by shard, in pod
+    order (the shards a refit or a RefitSession can count on)."""
+    shards = await observe(api, fleet)
+    return {
+        shard: members
+        for shard, members in shards.pods.items()
+        if all(pod.running for pod in members)
+        and len(members) == fleet.layout.pods_per_shard
+        and shard < fleet.spec.replicas
+    }
