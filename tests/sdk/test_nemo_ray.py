@@ -47,7 +47,6 @@ def adapter(engine: engine_command.EngineProcess, **config: Any) -> nemo.Megafle
         engine_command.MODEL,
         frontends=[engine.base_url],
         config={"max_new_tokens": 8, "temperature": 1.0, "_pad_token_id": 0, **config},
-        refit_wire="megafleet",  # init_collective only records the rendezvous (no API server here)
     )
 
 

@@ -57,8 +57,8 @@ class MegafleetGeneration(unsupported.Unsupported):
         max_sequence_length: the fleet's ``model.maxSequenceLength`` with fixed ``frontends``; default:
             the frontends' ``/v1/models``.
         refit_wire: how refits travel (:mod:`megafleet.sdk.nemo.wire`): ``nemo`` (NeMo RL's own
-            trainer broadcast over a RefitSession; the default without ``weights``) or ``megafleet``
-            (this process sends ``weights``; the default with them).
+            trainer broadcast over a RefitSession; the default without ``weights`` and ``frontends``)
+            or ``megafleet`` (this process sends ``weights``; the default otherwise).
         trainer_bucket_bytes: ``nemo``: the trainer's exact packed-bucket target (bytes).
         trainer_gpu_memory_bytes: ``nemo``: a trainer GPU's ``total_memory``, from which NeMo RL computes
             the target (``NRL_REFIT_BUFFER_MEMORY_RATIO``, default 0.02, capped at 5 GiB); see
@@ -107,7 +107,7 @@ class MegafleetGeneration(unsupported.Unsupported):
             ready_timeout_s=ready_timeout_s,
             kv_cache_mode=kv_cache_mode,
             max_sequence_length=max_sequence_length,
-            refit_wire=refit_wire or ("megafleet" if weights is not None else "nemo"),
+            refit_wire=refit_wire or ("megafleet" if weights is not None or frontends is not None else "nemo"),
             trainer_bucket_bytes=trainer_bucket_bytes,
             trainer_gpu_memory_bytes=trainer_gpu_memory_bytes,
             join_timeout_s=join_timeout_s,
