@@ -254,16 +254,14 @@ async def _take_and_join(
     }
     await _hold(api, fleet_body, session.name)
     first, last = world.trainer_world_size, membership.world_size - 1
-    await _set_status(
-        api,
-        session,
-        {
-            "phase": "Joining",
-            "membership": published,
-            "message": f"{len(pods)} shards join {session.world_address} as ranks {first}..{last} "
-            f"of {world.world_size}",
-        },
-    )
+    update = {
+        "phase": "Joining",
+        "membership": published,
+        "message": f"{len(pods)} shards join {session.world_address} as ranks {first}..{last} of {world.world_size}",
+    }
+    await _set_status(api, session, update)
+    status = session.status.model_dump(mode="json", by_alias=True, exclude_none=True)
+    session = dataclasses.replace(session, status=v1alpha1.RefitSessionStatus.model_validate({**status, **update}))
     left = max(1, int((session.deadline - at).total_seconds()))
     for shard, offset in sorted(membership.offsets.items()):
         for pod in pods[shard]:
