@@ -16,6 +16,7 @@ import copy
 import gzip
 import hashlib
 import json
+import pickle
 import sys
 import threading
 import time
@@ -480,3 +481,20 @@ def test_the_refit_info_encoding_is_deterministic_ordered_and_bounded(monkeypatc
         refit_info.encode(many)
     with pytest.raises(ValueError, match=r"is not \(shape, dtype\)"):
         refit_info.encode({"w": 3})
+
+
+def test_a_pickled_copy_keeps_the_wire_and_its_options_and_holds_no_session(
+    operator: FakeOperator, adapter_factory: Callable[..., nemo.MegafleetGeneration]
+) -> None:
+    generation_ = adapter_factory(trainer_bucket_bytes=MIB, join_timeout_s=100)
+    generation_.init_collective("10.0.0.1", 29500, 3, train_world_size=1)
+    copy_ = pickle.loads(pickle.dumps(generation_))  # what NeMo RL's async collector actor receives
+    try:
+        assert copy_.handle == generation_.handle and copy_.handle.refit_wire == "nemo"
+        assert copy_.handle.trainer_bucket_bytes == MIB and copy_.handle.join_timeout_s == 100
+        assert not copy_.connected
+        with pytest.raises(RuntimeError, match="call init_collective"):  # only the driver's copy refits
+            copy_.update_weights_from_collective()
+    finally:
+        copy_.shutdown()
+    assert len(operator.of("RefitSession")) == 1  # the copy's shutdown leaves the driver's session alone
