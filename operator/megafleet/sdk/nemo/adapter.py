@@ -124,7 +124,8 @@ class MegafleetGeneration(unsupported.Unsupported):
         self.weight_version: int | None = None
         """The weight version the fleet serves, as far as this adapter knows."""
         self.weight_synchronizer: Any = None
-        """NeMo RL reads it (``getattr(..., "weight_synchronizer", None)``); refits go through this object."""
+        """NeMo RL reads it (``getattr(..., "weight_synchronizer", None)``) and sets it for its
+        synchronizers; ``None``: GRPO calls this object's refit methods itself (vLLM's legacy order)."""
         self.dp_openai_server_base_urls: list[str | None] = list(self._handle.frontends or ())
         """The fleet's OpenAI base URLs (``.../v1``), one per routable shard; filled by
         :meth:`prepare_for_generation` when the API server is used."""
@@ -413,8 +414,8 @@ class MegafleetGeneration(unsupported.Unsupported):
         return refs.object_refs([True])
 
     def rebuild_collective(self, membership: Any, ip: str, port: int) -> refs.ObjectRefs:
-        """A new rendezvous for the following refits (``membership.train_world_size`` trainer ranks);
-        which shards join is the operator's choice (the live ones), whatever ``membership`` lists."""
+        """:meth:`init_collective` again for the trainer's new world (``membership.world_size`` and
+        ``train_world_size``); which shards join is the operator's choice, whatever ``membership`` lists."""
         train_world_size = int(getattr(membership, "train_world_size", 1))
         world_size = int(getattr(membership, "world_size", train_world_size))
         return self.init_collective(ip, port, world_size, train_world_size=train_world_size)
