@@ -70,7 +70,7 @@ REFIT_FAILED = "RefitFailed"
 REFIT_INFO_REJECTED = "RefitInfoRejected"
 TRAINER_GONE = "TrainerGone"
 
-ENDED = ("Broken", "Closed", "Failed")
+ENDED = hold.ENDED
 """Phases a session never leaves."""
 
 

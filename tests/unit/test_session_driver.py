@@ -556,3 +556,16 @@ def test_while_held_scaling_rolling_and_placing_wait_and_healing_runs(world: Wor
     pods = sorted(name for kind, _, name in world.api.objects if kind == "Pod")
     assert "tiny-s1-p0" in pods and "tiny-s2-p0" in pods, "released: healing and scaling run"
     assert condition(world.fleet(), conditions.REFIT_SESSION_HELD)["status"] == "False"
+
+
+def test_a_hold_whose_session_is_gone_is_released_by_the_fleets_reconcile(world: World) -> None:
+    world.session()
+    world.joined()
+    world.fleet()["spec"]["replicas"] = 3
+    del world.api.objects[("RefitSession", NS, "grpo")]  # its finalizer removed by hand
+
+    world.reconcile()
+
+    assert world.fleet()["status"]["refit"]["session"] is None
+    assert condition(world.fleet(), conditions.REFIT_SESSION_HELD)["status"] == "False"
+    assert ("Pod", NS, "tiny-s2-p0") in world.api.objects, "the held scale is applied"

@@ -502,7 +502,7 @@ class MegatronGenerationStatus(ApiModel):
         default_factory=list,
         json_schema_extra={"x-kubernetes-list-type": "map", "x-kubernetes-list-map-keys": ["type"]},
         description="conditions: EndpointsReserved, Placed, Ready, WeightsCurrent, EndpointsVerified, "
-        "Degraded, InvalidSpec.",
+        "Degraded, InvalidSpec, RefitSessionHeld.",
     )
     replicas: int = Field(
         default=0, ge=0, description="replicas is the number of shards that exist (scale subresource)."

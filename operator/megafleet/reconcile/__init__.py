@@ -29,6 +29,7 @@ async def reconcile(runtime: context.Runtime, body: dict[str, Any], *, notify: c
         return
     ctx = context.FleetContext(runtime, body, fleet, notify, status=dict(body.get("status") or {}))
     ctx.token = await endpoints.agent_token(ctx)
+    await hold.verify(ctx)
     await endpoints.reserve(ctx)
     await status.write(ctx.api, body, ctx.status)  # published before any pod is created
     ctx.shards = await pods.observe(ctx.api, fleet)

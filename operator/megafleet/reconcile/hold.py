@@ -4,17 +4,32 @@ While ``status.refit.session`` names a session, the fleet's shards are members o
 world that cannot grow, shrink or be rebuilt (NeMo RL builds its collective once per run): the
 reconcile (:func:`megafleet.reconcile.reconcile`) then scales, rolls, places and catches up
 nothing, and heals broken shards only (by then the world is lost anyway). The condition
-``RefitSessionHeld`` says which changes wait. Pure; called by the reconcile and by
-:mod:`megafleet.session_driver` when it takes or releases the hold.
+``RefitSessionHeld`` says which changes wait. Pure except :func:`verify`; called by the reconcile and
+by :mod:`megafleet.session_driver` when it takes or releases the hold.
 """
 
 from __future__ import annotations
 
 from megafleet import conditions, desired
-from megafleet.reconcile import pods
+from megafleet.reconcile import context, pods
 
 HELD = "Held"
 RELEASED = "Released"
+ENDED = ("Broken", "Closed", "Failed")
+"""RefitSession phases that never hold a fleet (the session driver releases the hold as it ends one)."""
+
+
+async def verify(ctx: context.FleetContext) -> None:
+    """Drop a hold whose session is gone or ended (its finalizer removed by hand, an operator that
+    stopped between two writes): a fleet is never held by nothing. The caller writes the status."""
+    session = ctx.held
+    if session is None:
+        return
+    found = await ctx.api.get("RefitSession", session, ctx.fleet.namespace)
+    if found is not None and (found.get("status") or {}).get("phase", "Pending") not in ENDED:
+        return
+    ctx.status = {**ctx.status, "refit": {**ctx.refit, "session": None}}
+    ctx.notify("Warning", "RefitSessionReleased", f"RefitSession {session} is gone or ended: the hold is released")
 
 
 def waiting(fleet: desired.ParsedFleet, shards: pods.Shards) -> list[str]:
