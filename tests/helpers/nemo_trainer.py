@@ -9,6 +9,7 @@ agree on). Every trainer rank takes part, as in NeMo.
 * :func:`trainer_rank`: one trainer rank, refit after refit over one world.
 * :func:`nemo_buckets`: NeMo's producer loop; :func:`vllm_pickled_id`: vLLM's pickled unique id.
 * :func:`running`: run ranks on threads and collect what they raised.
+* :class:`PolicyWorkers`: NeMo RL's policy side (T ranks, weights per step) for a Ray actor.
 """
 
 from __future__ import annotations
@@ -16,8 +17,10 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import datetime
+import functools
 import itertools
 import pickle
+import queue
 import sys
 import threading
 import types
@@ -151,3 +154,113 @@ def running(*targets: Callable[[], None], timeout: float = 60.0) -> Iterator[lis
         for thread in threads:
             thread.join(timeout)
         assert not any(thread.is_alive() for thread in threads), "a rank is still blocked"
+
+
+class PolicyWorkers:
+    """NeMo RL's policy side of a non-colocated GRPO run, for end-to-end tests: ``train_world_size``
+    trainer ranks (threads of :func:`trainer_rank`) of a tiny Llama whose weights change per step.
+    Made a Ray actor by the test (``ray.remote(PolicyWorkers)``), so it runs in its own process, as
+    NeMo's policy workers do; its methods are the ``Policy`` calls GRPO makes, each returning once
+    every rank is done (GRPO ``ray.get``s their futures).
+
+    Weights of step ``s`` are :func:`step_source` ``(s)``'s; the wire is NeMo's (``nemo`` generation),
+    over gloo under the agent's store prefix. The bucket target is NeMo's own rule for a GPU of
+    ``gpu_memory_bytes`` (vLLM's legacy order), or ``bucket_bytes`` (what the collective synchronizer
+    got from the generation's sender spec; each broadcast names it again and must match: the ranks
+    pack with one target per world).
+    """
+
+    def __init__(
+        self,
+        *,
+        gpu_memory_bytes: int | None = None,
+        ratio: float = 0.02,
+        bucket_bytes: int | None = None,
+        timeout: float = 120.0,
+    ) -> None:
+        from megafleet_engine.models import tiny  # the engines' model family; imported in the actor
+
+        self._tiny = tiny
+        if bucket_bytes is None:
+            assert gpu_memory_bytes is not None, "give gpu_memory_bytes or bucket_bytes"
+            bucket_bytes = min(int(gpu_memory_bytes * ratio), 5 * 1024**3)  # NeMo's policy workers' rule
+        self._target = bucket_bytes
+        self._timeout = timeout
+        self._queues: list[queue.Queue[list[torch.Tensor] | None]] = []
+        self._finished = threading.Semaphore(0)
+        self._running: contextlib.AbstractContextManager[list[BaseException]] | None = None
+        self._failures: list[BaseException] = []
+        self.sent: list[int] = []
+
+    def weights(self, step: int) -> dict[str, torch.Tensor]:
+        """The policy's tensors after training step ``step`` (HF names, in ``named_parameters`` order)."""
+        return self._tiny.reference_weights(step_source(step))
+
+    def prepare_refit_info(self) -> dict[str, tuple[list[int], str]]:
+        """NeMo's ``{name: (shape, dtype)}`` in the order every broadcast packs."""
+        return {name: (list(tensor.shape), str(tensor.dtype)) for name, tensor in self.weights(0).items()}
+
+    def init_collective(self, ip: str, port: int, world_size: int, *, train_world_size: int) -> bool:
+        """Every rank joins NeMo's world (rank 0 hosts the store); returns once all warmed up."""
+        assert ip == ADDRESS, f"the trainer's store listens on {ADDRESS}"
+        unique_id = bytes(range(128))
+        joined = [threading.Event() for _ in range(train_world_size)]
+        self._queues = [queue.Queue() for _ in range(train_world_size)]
+        ranks = [
+            functools.partial(
+                trainer_rank,
+                rank,
+                port=port,
+                world_size=world_size,
+                tensors=[],
+                target=self._target,
+                generation="nemo",
+                unique_id=unique_id,
+                sent=self.sent,
+                later=self._feed(self._queues[rank]),
+                prefix=AGENT_GLOO_PREFIX,
+                joined=joined[rank],
+            )
+            for rank in range(train_world_size)
+        ]
+        self._running = running(*ranks, timeout=self._timeout)
+        self._failures = self._running.__enter__()
+        for event in joined:
+            if not event.wait(self._timeout):
+                raise TimeoutError(f"trainer ranks did not join in {self._timeout} s: {self._failures}")
+        return True
+
+    def broadcast_weights_for_collective(self, step: int, buffer_size_bytes: int | None = None) -> int:
+        """Every rank broadcasts step ``step``'s weights in NeMo's packing; returns the buckets sent."""
+        if buffer_size_bytes is not None and buffer_size_bytes != self._target:
+            raise ValueError(f"the ranks pack with {self._target} bytes, not buffer_size_bytes={buffer_size_bytes}")
+        before = len(self.sent)
+        tensors = list(self.weights(step).values())
+        for pending in self._queues:
+            pending.put(tensors)
+        for _ in self._queues:
+            if not self._finished.acquire(timeout=self._timeout):
+                raise TimeoutError(f"a trainer rank is still broadcasting after {self._timeout} s: {self._failures}")
+        if self._failures:
+            raise RuntimeError(f"a trainer rank failed: {self._failures}")
+        return len(self.sent) - before
+
+    def shutdown(self) -> list[str]:
+        """End every rank; what they raised, as text."""
+        for pending in self._queues:
+            pending.put(None)
+        if self._running is not None:
+            with contextlib.suppress(AssertionError):
+                self._running.__exit__(None, None, None)
+        return [repr(failure) for failure in self._failures]
+
+    def _feed(self, pending: queue.Queue[list[torch.Tensor] | None]) -> Iterator[list[torch.Tensor]]:
+        """The refits one rank sends: the next is asked for once the previous one's buckets went out."""
+        while (tensors := pending.get(timeout=self._timeout)) is not None:
+            yield tensors
+            self._finished.release()
+
+
+def step_source(step: int) -> str:
+    """The tiny model source of the policy after ``step`` (the fleet starts at ``tiny://llama``)."""
+    return f"tiny://llama?seed={100 + step}"

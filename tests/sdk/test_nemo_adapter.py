@@ -17,6 +17,7 @@ import asyncio
 import inspect
 import json
 import pickle
+import re
 import sys
 import threading
 from collections.abc import Iterator
@@ -28,6 +29,7 @@ import torch
 
 from megafleet.api import v1alpha1
 from megafleet.sdk import errors, fleet, generation, nemo, routing
+from megafleet.sdk.nemo import clients as nemo_clients
 from megafleet_protocol import vocabulary
 
 MODEL = "tiny"
@@ -203,6 +205,7 @@ def expected_parameters(node: ast.FunctionDef | ast.AsyncFunctionDef) -> list[tu
 
 def normalised(annotation: str) -> str:
     text = ast.unparse(ast.parse(annotation, mode="eval"))
+    text = re.sub(r"\b(?:refs|wire|config_)\.", "", text)  # the adapter's modules qualify its type names
     text = RETURNS.get(text, text)
     if text.startswith("Optional[") and text.endswith("]"):
         text = f"{text[len('Optional[') : -1]} | None"
@@ -370,18 +373,19 @@ def install(monkeypatch: pytest.MonkeyPatch, frontend: Frontend, made: list[Fake
     """Every adapter (and unpickled copy) made from here connects to ``frontend`` (through a fake fleet
     unless it has fixed frontends)."""
 
-    async def make_clients(handle: nemo.Handle) -> tuple[fleet.Fleet | None, generation.Generator]:
+    async def make_clients(handle: nemo.Handle) -> tuple[fleet.Fleet | None, generation.Generator, None]:
         if handle.frontends is not None:
             router = routing.Router([routing.Frontend(i, url, None) for i, url in enumerate(handle.frontends)])
             http = httpx.AsyncClient(transport=httpx.MockTransport(frontend))
-            return None, generation.Generator(
+            found_generator = generation.Generator(
                 router, model=handle.model or MODEL, http=http, max_sequence_length=handle.max_sequence_length
             )
+            return None, found_generator, None
         found = FakeFleet(frontend, **fleet_options)
         made.append(found)
-        return found, found.generator
+        return found, found.generator, None  # refit_wire="nemo" is covered by tests/unit/test_nemo_wire.py
 
-    monkeypatch.setattr(nemo, "_make_clients", make_clients)
+    monkeypatch.setattr(nemo_clients, "make_clients", make_clients)
 
 
 def one_row(prompt: list[int]) -> dict[str, Any]:

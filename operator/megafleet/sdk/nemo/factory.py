@@ -1,0 +1,48 @@
+"""A stand-in for NeMo RL's generation constructors: GRPO's ``setup`` builds its backend by name
+(``grpo.MegatronGeneration`` or ``grpo.VllmGeneration``), so the user replaces that name with
+:func:`nemo_factory`'s result before calling it (docs/nemo-rl.md)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from typing import Any
+
+from megafleet.sdk.nemo import adapter
+
+__all__ = ["nemo_factory"]
+
+
+def nemo_factory(
+    fleet_name: str, namespace: str | None = None, **options: Any
+) -> Callable[..., adapter.MegafleetGeneration]:
+    """A stand-in for NeMo RL's ``MegatronGeneration``/``VllmGeneration`` constructors (GRPO's
+    ``setup`` builds the backend by name): called with their keyword arguments, it returns a
+    :class:`~megafleet.sdk.nemo.adapter.MegafleetGeneration` of ``fleet_name`` with
+    ``config["generation"]`` (or ``config`` itself when it has no ``generation`` key); ``options`` go
+    to the adapter's constructor.
+
+    Raises (when called):
+        NotImplementedError: a colocated setup (``policy=`` given): the fleet has its own GPUs.
+    """
+
+    def build(
+        config: Mapping[str, Any] | None = None,
+        tokenizer: Any = None,
+        cluster: Any = None,
+        policy: Any = None,
+        name_prefix: str = "megafleet_generation",
+        processor: Any = None,
+        weights_path: str | None = None,
+        skip_weight_load: bool = False,
+        reserved_http_server_ports: dict[int, int] | None = None,
+    ) -> adapter.MegafleetGeneration:
+        if policy is not None:
+            raise NotImplementedError(
+                "colocated generation is not supported by megafleet: set policy.generation.colocated.enabled=false"
+            )
+        generation_cfg = dict((config or {}).get("generation", config or {}))
+        if tokenizer is not None and "_pad_token_id" not in generation_cfg:
+            generation_cfg["_pad_token_id"] = tokenizer.pad_token_id
+        return adapter.MegafleetGeneration(fleet_name, namespace, config=generation_cfg, **options)
+
+    return build

@@ -1,0 +1,46 @@
+"""Generation counters for NeMo RL's logger and step metrics (``get_logger_metrics``,
+``get_step_metrics``); thread-safe, because the async collector generates from many threads."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Sequence
+from typing import Any
+
+from megafleet.sdk import generation
+
+__all__ = ["Metrics"]
+
+
+class Metrics:
+    """Totals since creation, and the marks each of NeMo RL's two views counts from."""
+
+    NAMES = ("requests", "generated_tokens", "truncated")
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._total = dict.fromkeys(self.NAMES, 0)
+        self._logger = dict.fromkeys(self.NAMES, 0)
+        self._step = dict.fromkeys(self.NAMES, 0)
+
+    def add(self, answers: Sequence[generation.Answer]) -> None:
+        with self._lock:
+            self._total["requests"] += len(answers)
+            self._total["generated_tokens"] += sum(len(answer.token_ids) for answer in answers)
+            self._total["truncated"] += sum(answer.finish_reason == "length" for answer in answers)
+
+    def clear(self) -> None:
+        with self._lock:
+            self._logger = dict(self._total)
+
+    def snapshot(self) -> None:
+        with self._lock:
+            self._step = dict(self._total)
+
+    def logger(self) -> dict[str, Any]:
+        with self._lock:
+            return {f"megafleet/{name}": self._total[name] - self._logger[name] for name in self.NAMES}
+
+    def step(self) -> dict[str, float]:
+        with self._lock:
+            return {f"megafleet/{name}": float(self._total[name] - self._step[name]) for name in self.NAMES}

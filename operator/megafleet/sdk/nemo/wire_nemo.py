@@ -1,0 +1,293 @@
+"""``refit_wire="nemo"``: NeMo RL's own trainer broadcast, received by the fleet over a RefitSession.
+
+NeMo's policy workers send (``policy.init_collective`` at setup, ``broadcast_weights_for_collective``
+or megatron-core's swap per step); this wire makes the fleet the receiving ranks (proposal 0001,
+section 4), through Kubernetes objects the operator acts on:
+
+* ``init_collective``: check ``W - T`` against the fleet's ranks and that the bucket target ``B`` is known
+  (:mod:`~megafleet.sdk.nemo.buckets`), *before* creating anything; delete this adapter's older session;
+  create a ``RefitSession`` (``nemoCollective``, or ``megatronNative`` when the Megatron synchronizer
+  passed ``refit_backend``) owned by the fleet; store the refit info if already held; wait for ``Joined``.
+* ``prepare_refit_info``: encode (:mod:`~megafleet.sdk.nemo.refit_info`); with a session, store it in
+  an immutable ConfigMap the session owns, set ``spec.refitInfo`` and wait until the fleet accepted it.
+* ``update`` (``update_weights_from_collective``): a ``Refit`` with ``source.session``, created then
+  (or at ``begin``, the Megatron synchronizer's ``suspend_for_refit``); wait for ``Succeeded``. A failure
+  raises :class:`~megafleet.sdk.errors.RefitFailed` naming the session's state and the restart advice.
+* ``close`` (``shutdown``): delete the session (its finalizer makes the members leave).
+
+Only the driver's adapter refits; pickled copies (the async collector) never touch this wire.
+Waiting polls the API server (every :data:`POLL_SECONDS`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+import secrets
+import time
+from collections.abc import Callable, Mapping
+from typing import Any
+
+from megafleet import kube
+from megafleet.api import v1alpha1
+from megafleet.sdk import errors
+from megafleet.sdk import weights as weight_senders
+from megafleet.sdk.nemo import buckets, refit_info, sessions, wire
+from megafleet.sdk.nemo import clients as connection
+
+__all__ = ["POLL_SECONDS", "NemoOptions", "NemoWire"]
+
+log = logging.getLogger(__name__)
+
+POLL_SECONDS = 0.2
+"""How often a wait reads the session and Refit again."""
+MIB = 1024 * 1024
+_World = v1alpha1.NemoCollectiveSpec | v1alpha1.MegatronNativeSpec
+
+
+@dataclasses.dataclass(frozen=True)
+class NemoOptions:
+    """The adapter's options for this wire (all pickled with its handle)."""
+
+    trainer_bucket_bytes: int | None = None
+    """The trainer's exact packed-bucket target, when known (section 5, option 2)."""
+    trainer_gpu_memory_bytes: int | None = None
+    """A trainer GPU's ``total_memory``, from which NeMo RL computes the target (option 3)."""
+    join_timeout_s: int = 240
+    """The session's ``joinTimeoutSeconds``: below NeMo's 300 s store timeout."""
+
+
+class NemoWire:
+    """Refits through NeMo RL's own collective (see the module docstring); one per adapter."""
+
+    def __init__(self, connect: Callable[[], connection.Clients], fleet_name: str, options: NemoOptions) -> None:
+        self._connect = connect
+        self._fleet_name = fleet_name
+        self._options = options
+        self._handed_out: int | None = None  # B given to the trainer by sender_spec
+        self._info: refit_info.Encoded | None = None
+        self._session: str | None = None
+        self._info_stored = False
+        self._pending: tuple[int, str] | None = None  # (version, Refit) made by begin
+        self._native = False  # the session is megatronNative (megatron-core plans the transfer: no refit info)
+
+    @property
+    def session(self) -> str | None:
+        """The RefitSession this wire holds, if any."""
+        return self._session
+
+    # -- NeMo RL's calls --------------------------------------------------------------------------
+
+    def sender_spec(self) -> wire.CollectiveSenderSpec:
+        """``B`` for the trainer's broadcast: ``trainer_bucket_bytes``, else the fleet's
+        ``spec.refit.bucketSizeMiB``; remembered, so the session uses exactly what was handed out."""
+        if self._handed_out is None:
+            if self._options.trainer_bucket_bytes is not None:
+                self._handed_out = self._options.trainer_bucket_bytes
+            else:
+                found = self._clients().loop.run(self._fleet())
+                spec = v1alpha1.MegatronGenerationSpec.model_validate(found.get("spec") or {})
+                self._handed_out = spec.refit.bucket_size_mi_b * MIB
+        return wire.CollectiveSenderSpec(nccl_peer="nemo", buffer_size_bytes=self._handed_out)
+
+    def inference_world_size(self) -> int | None:
+        """The fleet's ranks: ``spec.replicas`` x ranks per shard."""
+        shards, per_shard = sessions.fleet_ranks(self._clients().loop.run(self._fleet()))
+        return shards * per_shard
+
+    def prepare_refit_info(self, state_dict_info: Mapping[str, Any] | None) -> None:
+        """Encode the trainer's tensor list; store it now when a session exists, else at ``init_collective``."""
+        if state_dict_info is None:  # MegatronGeneration's call: megatron-core plans the transfer itself
+            return
+        encoded = refit_info.encode(state_dict_info)
+        if self._info is not None and self._info_stored and encoded.sha256 != self._info.sha256:
+            raise ValueError(
+                f"the refit info changed ({self._info.tensors} -> {encoded.tensors} tensors) but RefitSession "
+                f"{self._session} holds the first one: call init_collective again for a new session"
+            )
+        self._info = encoded
+        if self._session is not None and not self._info_stored:
+            self._clients().loop.run(self._store_info(self._session))
+
+    def init_collective(self, ip: str, port: int, world_size: int, train_world_size: int, backend: str | None) -> None:
+        """Check, then create the session and wait until every shard joined NeMo's world.
+
+        Raises:
+            ValueError: the fleet cannot field ``world_size - train_world_size`` ranks, or ``B`` is
+                unknown (nemoCollective); nothing was created.
+            RefitFailed: the session failed to join (its reason, e.g. ``NotReady`` or ``JoinFailed``).
+        """
+        clients = self._clients()
+        found = clients.loop.run(self._fleet())
+        problem = sessions.world_check(found, world_size, train_world_size)
+        if problem is not None:
+            raise ValueError(problem)
+        world: _World
+        if backend is None:
+            bucket = buckets.resolve(
+                self._handed_out,
+                self._options.trainer_bucket_bytes,
+                self._options.trainer_gpu_memory_bytes,
+                buckets.memory_ratio(),
+            )
+            world = v1alpha1.NemoCollectiveSpec(
+                address=ip, port=port, world_size=world_size, trainer_world_size=train_world_size, bucket_bytes=bucket
+            )
+        else:
+            world = v1alpha1.MegatronNativeSpec(
+                address=ip,
+                port=port,
+                world_size=world_size,
+                trainer_world_size=train_world_size,
+                copy_backend="nccl" if backend == "nccl" else "gloo",
+            )
+        clients.loop.run(self._open(found, world))
+
+    def begin(self, version: int) -> None:
+        """The Megatron synchronizer's ``suspend_for_refit``: create the Refit now, so the engines
+        drain while the trainer offloads."""
+        self._require_session()
+        if self._pending is None or self._pending[0] != version:
+            self._pending = (version, self._clients().loop.run(self._create_refit(version)))
+
+    def update(self, version: int, timeout: float, weights: weight_senders.NamedTensors | None) -> None:
+        """Wait until the fleet received ``version`` over the session (creating its Refit unless
+        ``begin`` did).
+
+        Raises:
+            ValueError: ``weights`` given (the trainer's policy sends them on this wire).
+            RuntimeError: no session, or no refit info for a nemoCollective session.
+            RefitFailed: the Refit failed or the session broke; the message says why and to restart.
+        """
+        if weights is not None:
+            raise ValueError(
+                "refit_wire='nemo': the trainer's policy sends the weights (broadcast_weights_for_collective); "
+                "weights= is for refit_wire='megafleet'"
+            )
+        session = self._require_session()
+        clients = self._clients()
+        pending, self._pending = self._pending, None
+        name = pending[1] if pending is not None and pending[0] == version else None
+        if name is None:
+            name = clients.loop.run(self._create_refit(version))
+        clients.loop.run(self._await_refit(name, session, timeout))
+        if clients.fleet is not None:
+            clients.loop.run(clients.fleet.refresh())  # route to the shards at the new version now
+
+    def end(self) -> None:
+        """``resume_after_refit``: the fleet resumed itself; forget a Refit ``update`` did not wait for."""
+        self._pending = None
+
+    def close(self) -> None:
+        """Delete the session (the operator makes its members leave); the fleet keeps serving."""
+        session, self._session = self._session, None
+        if session is None:
+            return
+        clients = self._connect()
+        assert clients.api is not None
+        clients.loop.run(clients.api.delete("RefitSession", session, self._namespace(clients)))
+
+    # -- internals --------------------------------------------------------------------------------
+
+    def _clients(self) -> connection.Clients:
+        clients = self._connect()
+        if clients.api is None or clients.fleet is None:
+            raise errors.FleetError(
+                "refit_wire='nemo' needs the API server: this adapter was made with fixed frontends"
+            )
+        return clients
+
+    def _namespace(self, clients: connection.Clients) -> str:
+        assert clients.fleet is not None
+        return clients.fleet.namespace
+
+    def _api(self) -> tuple[kube.Api, str]:
+        clients = self._clients()
+        assert clients.api is not None
+        return clients.api, self._namespace(clients)
+
+    def _require_session(self) -> str:
+        if self._session is None:
+            raise RuntimeError("call init_collective(ip, port, world_size, train_world_size=...) before refitting")
+        return self._session
+
+    async def _fleet(self) -> dict[str, Any]:
+        api, namespace = self._api()
+        found = await api.get("MegatronGeneration", self._fleet_name, namespace)
+        if found is None:
+            raise errors.FleetNotFound(f"fleet {namespace}/{self._fleet_name} does not exist")
+        return found
+
+    async def _open(self, found: dict[str, Any], world: _World) -> None:
+        api, namespace = self._api()
+        older, self._session = self._session, None
+        self._pending = None
+        if older is not None:
+            log.info("deleting RefitSession %s/%s: init_collective makes a new one", namespace, older)
+            await api.delete("RefitSession", older, namespace)
+        name = f"{self._fleet_name}-nemo-{secrets.token_hex(3)}"
+        await api.create(sessions.session(name, namespace, found, world, self._options.join_timeout_s))
+        self._session, self._info_stored = name, False
+        self._native = isinstance(world, v1alpha1.MegatronNativeSpec)
+        log.info("RefitSession %s/%s: %s", namespace, name, world)
+        if self._info is not None and isinstance(world, v1alpha1.NemoCollectiveSpec):
+            await self._store_info(name)
+        else:
+            await self._await_session(name, None)
+
+    async def _store_info(self, name: str) -> None:
+        api, namespace = self._api()
+        info = self._info
+        assert info is not None
+        owner = await api.get("RefitSession", name, namespace)
+        if owner is None:
+            raise errors.RefitFailed(name, f"{sessions.describe(name, None)}; {sessions.RESTART_ADVICE}")
+        config_map = f"{name}-refit-info"
+        await api.create(refit_info.config_map(config_map, namespace, info, owner))
+        reference = refit_info.reference(config_map, info).model_dump(mode="json", by_alias=True)
+        await api.patch("RefitSession", name, namespace, {"spec": {"refitInfo": reference}})
+        self._info_stored = True
+        await self._await_session(name, info.sha256)
+
+    async def _await_session(self, name: str, info_sha256: str | None) -> None:
+        """Until the session is Joined (and accepted the info), bounded by its join timeout."""
+        api, namespace = self._api()
+        deadline = time.monotonic() + self._options.join_timeout_s + 30
+        while True:
+            found = await api.get("RefitSession", name, namespace)
+            state, message = sessions.outcome(name, found, info_sha256=info_sha256)
+            if state == "done":
+                return
+            if state == "failed":
+                raise errors.RefitFailed(name, message)
+            if time.monotonic() > deadline:
+                raise errors.RefitFailed(name, f"not joined after {self._options.join_timeout_s} s: {message}")
+            await asyncio.sleep(POLL_SECONDS)
+
+    async def _create_refit(self, version: int) -> str:
+        api, namespace = self._api()
+        session = self._require_session()
+        if self._info is None and not self._native:
+            raise RuntimeError("call prepare_refit_info(policy.prepare_refit_info()) before the first refit")
+        name = f"{self._fleet_name}-v{version}-{secrets.token_hex(3)}"
+        await api.create(sessions.refit(name, namespace, self._fleet_name, version, session))
+        log.info("Refit %s/%s: version %d over RefitSession %s", namespace, name, version, session)
+        return name
+
+    async def _await_refit(self, name: str, session: str, timeout: float) -> None:
+        api, namespace = self._api()
+        deadline = time.monotonic() + timeout
+        while True:
+            refit_obj = await api.get("Refit", name, namespace)
+            session_obj = await api.get("RefitSession", session, namespace)
+            state, message = sessions.refit_outcome(name, refit_obj, session, session_obj)
+            if state == "done":
+                return
+            if state == "failed":
+                raise errors.RefitFailed(name, message)
+            if time.monotonic() > deadline:
+                raise errors.RefitFailed(
+                    name, f"did not finish within {timeout:.0f} s ({message}); {sessions.RESTART_ADVICE}"
+                )
+            await asyncio.sleep(POLL_SECONDS)

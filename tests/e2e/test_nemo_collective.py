@@ -1,0 +1,165 @@
+"""NeMo RL's own trainer-driven refits of a fleet, end to end (proposal 0001, issue 13 point 7).
+
+The real local control plane, the operator and two tiny CPU engine pods; NeMo RL's policy side is
+:class:`helpers.nemo_trainer.PolicyWorkers` in a Ray actor (its own process: two trainer ranks, the
+store master at rank 0, the unique id, the warm-up and NeMo's packed broadcasts over gloo); the test
+plays GRPO with a local Ray and :class:`megafleet.sdk.nemo.MegafleetGeneration` through
+``nemo_factory`` (``refit_wire="nemo"``): a world the fleet cannot field is refused before any
+RefitSession exists; vLLM's legacy order (``init_collective`` -> ``prepare_refit_info`` -> per step
+broadcast + update) refits versions 1..3, each served with the trainer's greedy tokens and logprobs;
+then, after ``shutdown`` ended that session, the collective synchronizer's order
+(``prepare_refit_info`` and ``get_collective_sender_spec`` first) refits once more over a new session.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import ray
+import torch
+
+from helpers import nemo_collector, nemo_trainer, refit_e2e, refit_harness
+from megafleet.sdk import nemo
+from megafleet_dev import kube
+from megafleet_engine.models import tiny
+
+WAIT = refit_e2e.WAIT
+TRAINER_RANKS = 2
+FLEET_RANKS = 2  # two shards of one rank
+WORLD = TRAINER_RANKS + FLEET_RANKS
+GPU_MEMORY = 7_500_000  # a "trainer GPU" whose NeMo bucket target (x 0.02) splits the tiny model in ~3 buckets
+MAX_TOKENS = 8
+PROMPTS = [[1, 50], [1, 60, 61], [1, 41, 43, 42, 44], [1, 70, 71, 72]]
+
+
+def sessions(namespace: str) -> str:
+    return f"/apis/megafleet.dev/v1alpha1/namespaces/{namespace}/refitsessions"
+
+
+@pytest.fixture
+def local_ray() -> Iterator[None]:
+    with nemo_collector.local_ray():
+        yield
+
+
+def batch() -> dict[str, torch.Tensor]:
+    width = max(len(prompt) for prompt in PROMPTS)
+    return {
+        "input_ids": torch.tensor([prompt + [0] * (width - len(prompt)) for prompt in PROMPTS]),
+        "input_lengths": torch.tensor([len(prompt) for prompt in PROMPTS]),
+    }
+
+
+def expected(step: int) -> tuple[list[list[int]], list[list[float]]]:
+    """Greedy tokens and their logprobs from a local transformers copy holding step ``step``'s tensors."""
+    model, _ = tiny.build_tiny(nemo_trainer.step_source(step))
+    tokens, logprobs = [], []
+    for prompt in PROMPTS:
+        inputs = torch.tensor([prompt])
+        with torch.inference_mode():
+            output = model.generate(
+                inputs, attention_mask=torch.ones_like(inputs), do_sample=False, max_new_tokens=MAX_TOKENS
+            )
+            generated = output[0, len(prompt) :]
+            logits = model(output[:, :-1]).logits[0, len(prompt) - 1 :]
+        tokens.append([int(token) for token in generated])
+        chosen = torch.log_softmax(logits.float(), dim=-1).gather(1, generated.unsqueeze(1)).squeeze(1)
+        logprobs.append([float(value) for value in chosen])
+    return tokens, logprobs
+
+
+def check_serves(generation: nemo.MegafleetGeneration, step: int, version: int) -> None:
+    out = generation.generate(batch(), greedy=True)
+    tokens, logprobs = expected(step)
+    assert out["weight_versions"].tolist() == [version] * len(PROMPTS)
+    for i, prompt in enumerate(PROMPTS):
+        length = int(out["generation_lengths"][i])
+        assert out["output_ids"][i, len(prompt) : len(prompt) + length].tolist() == tokens[i], (step, i)
+        served = out["logprobs"][i, len(prompt) : len(prompt) + length]
+        assert torch.allclose(served, torch.tensor(logprobs[i]), atol=1e-4), (step, i, served, logprobs[i])
+
+
+def adapter(namespace: str, kubeconfig: Path, **options: Any) -> nemo.MegafleetGeneration:
+    factory = nemo.nemo_factory(
+        "tiny", namespace, kubeconfig=kubeconfig, addressing="pod", ready_timeout_s=WAIT, **options
+    )
+    config = {"generation": {"max_new_tokens": MAX_TOKENS, "temperature": 1.0, "_pad_token_id": 0}}
+    return factory(config=config)
+
+
+def test_nemos_own_trainer_refits_the_fleet_in_vllms_order_and_the_collective_synchronizers(
+    operator: Path, kube_admin: kube.Kube, namespace: str, kubeconfig: Path, local_ray: None
+) -> None:
+    kube_admin.create(refit_e2e.fleets(namespace), refit_e2e.tiny_fleet(refit={"bucketSizeMiB": 1}))
+    generation = adapter(namespace, kubeconfig, trainer_gpu_memory_bytes=GPU_MEMORY)
+    assert generation.handle.refit_wire == "nemo"
+    policy: Any = ray.remote(num_cpus=0)(nemo_trainer.PolicyWorkers).remote(gpu_memory_bytes=GPU_MEMORY)
+    try:
+        assert generation.prepare_for_generation()
+        assert generation.weight_version == 0
+
+        # a world the fleet cannot field: refused before anything exists
+        with pytest.raises(ValueError, match=r"inference world is 3 ranks .* 2 shards x 1 ranks = 2"):
+            generation.init_collective(nemo_trainer.ADDRESS, 29400, WORLD + 1, train_world_size=TRAINER_RANKS)
+        assert kube_admin.list(sessions(namespace))["items"] == []
+
+        # GRPO's setup, vLLM's legacy order
+        port = refit_harness.free_port(nemo_trainer.ADDRESS)
+        futures_train = [policy.init_collective.remote(nemo_trainer.ADDRESS, port, WORLD, train_world_size=2)]
+        futures_inference = generation.init_collective(nemo_trainer.ADDRESS, port, WORLD, train_world_size=2)
+        assert all(ray.get(futures_train + futures_inference, timeout=WAIT))
+        generation.prepare_refit_info(ray.get(policy.prepare_refit_info.remote()))
+        [session] = kube_admin.list(sessions(namespace))["items"]
+        assert session["status"]["phase"] == "Joined"
+        assert session["spec"]["nemoCollective"]["bucketBytes"] == int(GPU_MEMORY * 0.02)
+        assert session["spec"]["refitInfo"]["tensors"] == len(ray.get(policy.prepare_refit_info.remote()))
+
+        for step in (1, 2, 3):  # refit_policy_generation, non-colocated: broadcast + update, then ray.get
+            futures_train = [policy.broadcast_weights_for_collective.remote(step)]
+            futures_inference = generation.update_weights_from_collective()
+            assert ray.get(futures_train, timeout=WAIT)[0] >= 3  # several buckets
+            assert all(ray.get(futures_inference))
+            assert generation.weight_version == step
+            check_serves(generation, step, version=step)
+        generation.shutdown()
+        kube_admin.wait_items(
+            sessions(namespace), lambda items: not items, timeout=WAIT, what="the session deleted at shutdown"
+        )
+    finally:
+        generation.shutdown()
+        failures = ray.get(policy.shutdown.remote(), timeout=WAIT)
+        ray.kill(policy)
+    assert failures == []
+
+    # the collective synchronizer's order, on a new session: info and sender spec first
+    generation = adapter(namespace, kubeconfig)  # no bucket option: the sender spec hands B out
+    generation.prepare_refit_info(nemo_trainer.PolicyWorkers(bucket_bytes=1).prepare_refit_info())
+    assert generation.get_inference_world_size() == FLEET_RANKS
+    spec = generation.get_collective_sender_spec()
+    assert spec.nccl_peer == "nemo" and spec.buffer_size_bytes == 1024 * 1024  # the fleet's bucketSizeMiB
+    policy = ray.remote(num_cpus=0)(nemo_trainer.PolicyWorkers).remote(bucket_bytes=spec.buffer_size_bytes)
+    try:
+        port = refit_harness.free_port(nemo_trainer.ADDRESS)
+        futures_train = [policy.init_collective.remote(nemo_trainer.ADDRESS, port, WORLD, train_world_size=2)]
+        futures_inference = generation.init_collective(nemo_trainer.ADDRESS, port, WORLD, train_world_size=2)
+        assert all(ray.get(futures_train + futures_inference, timeout=WAIT))
+        # sync_weights
+        spec = generation.get_collective_sender_spec()
+        futures_train = [policy.broadcast_weights_for_collective.remote(4, buffer_size_bytes=spec.buffer_size_bytes)]
+        futures_inference = generation.update_weights_from_collective()
+        ray.get(futures_train, timeout=WAIT)
+        assert all(ray.get(futures_inference))
+        check_serves(generation, 4, version=4)
+    finally:
+        generation.shutdown()
+        failures = ray.get(policy.shutdown.remote(), timeout=WAIT)
+        ray.kill(policy)
+    assert failures == []
+    refits = kube_admin.list(refit_e2e.refits(namespace))["items"]
+    assert sorted((r["spec"]["version"], r["status"]["phase"]) for r in refits) == [
+        (version, "Succeeded") for version in (1, 2, 3, 4)
+    ]
+    assert all("session" in r["spec"]["source"] for r in refits)
