@@ -45,6 +45,8 @@ import time
 from collections.abc import AsyncGenerator, Callable, Sequence
 from typing import Any, TypeVar
 
+import msgspec
+
 from megafleet_engine.backends import base
 from megafleet_protocol import vocabulary
 
@@ -91,9 +93,12 @@ class Handle:
     cancelled: threading.Event = dataclasses.field(default_factory=threading.Event)
     key: str = ""  # the id the backend sees: the request's own, or an alias if that is taken
     done: bool = False  # ended (finished, failed or aborted): its sink got its last item or gets it now
+    reap: collections.deque[Handle] | None = None  # the engine's cancellations, read once per step
 
     def cancel(self) -> None:
         self.cancelled.set()
+        if self.reap is not None:
+            self.reap.append(self)  # deque appends are atomic: any thread may cancel
 
 
 @dataclasses.dataclass
@@ -169,6 +174,9 @@ class Engine:
         self.admissions = 0
         self.generated_tokens = 0
         self._outbox: list[tuple[Handle, base.TokenStep | BaseException]] = []  # backend thread only
+        # Handles cancelled since the backend thread last looked (any thread appends; the backend
+        # thread closes them once per step), so no step scans every open sequence for a flag.
+        self._cancelled: collections.deque[Handle] = collections.deque()
         self._thread = threading.Thread(target=self._run, name="megafleet-engine", daemon=True)
         self._thread.start()
 
@@ -229,7 +237,8 @@ class Engine:
         suspended for a refit, as :meth:`submit`); their tokens go to ``sink`` once per step, tagged.
 
         Raises :class:`NotServing` for all of them at the gate; nothing is queued then."""
-        handles = [Handle(request, sink, tag) for tag, request in entries]
+        reap = self._cancelled
+        handles = [Handle(request, sink, tag, reap=reap) for tag, request in entries]
         await self._enter(handles)
         return handles
 
@@ -409,6 +418,8 @@ class Engine:
             key = f"{key}#megafleet-{next(self._aliases)}"
         pending.key = key
         self._open[key] = pending
+        if pending.cancelled.is_set():  # cancelled while queued: its reap may have passed already
+            self._cancelled.append(pending)
         if key == pending.request.request_id:
             return pending.request
         return dataclasses.replace(pending.request, request_id=key)
@@ -416,11 +427,7 @@ class Engine:
     def _admit(self, capacity: int) -> base.Admission:
         """Between two steps of a running batch: close what was cancelled or aborted, and hand the
         backend up to ``capacity`` waiting sequences unless admission is stopped."""
-        for pending in list(self._open.values()):
-            if pending.cancelled.is_set():
-                self._close(pending, Aborted("request cancelled"))
-            elif self._abort_all:
-                self._close(pending, Aborted("request aborted by a suspend for refit"))
+        self._reap()
         leave, self._leaving = self._leaving, set()
         room = min(capacity, self.max_batch_size - len(self._open))
         joining: list[Handle] = []
@@ -463,25 +470,46 @@ class Engine:
         self._flush()
         self._leaving = set()
 
+    def _reap(self) -> None:
+        """Close the open sequences cancelled since the last look, or every open one while a
+        suspend aborts (backend thread, once per step: no per-sequence scan)."""
+        reap = self._cancelled
+        while reap:
+            pending = reap.popleft()
+            if self._open.get(pending.key) is pending:
+                self._close(pending, Aborted("request cancelled"))
+        if self._abort_all:
+            for pending in list(self._open.values()):
+                self._close(pending, Aborted("request aborted by a suspend for refit"))
+
     def _take(self, steps: list[base.TokenStep]) -> None:
-        """Deliver one decode step's tokens to their open sequences: one sink call per sink."""
+        """Deliver one decode step's tokens to their open sequences: one sink call per sink.
+
+        Per token this is one dict lookup and one append; cancellations and aborts are settled
+        once for the whole step (:meth:`_reap`) before any token of it is handed over."""
+        self._reap()
+        opened = self._open
+        outbox = self._outbox
+        delivered = 0
         for step in steps:
-            pending = self._open.get(step.request_id)
+            pending = opened.get(step.request_id)
             if pending is None:
                 continue  # closed early; the backend learns it at the next admit
-            if pending.cancelled.is_set():
-                self._close(pending, Aborted("request cancelled"))
-            elif self._abort_all:
-                self._close(pending, Aborted("request aborted by a suspend for refit"))
-            elif step.finish_reason == "abort" and step.token_id == base.NO_TOKEN:
+            finish = step.finish_reason
+            if finish is None:
+                if pending.key is not pending.request.request_id:  # an alias: the client's id back
+                    step = msgspec.structs.replace(step, request_id=pending.request.request_id)
+                outbox.append((pending, step))
+                delivered += 1
+            elif finish == "abort" and step.token_id == base.NO_TOKEN:
                 self._close(pending, EngineError("the backend could not run this sequence"), told=True)
             else:
-                if pending.key != pending.request.request_id:
-                    step = dataclasses.replace(step, request_id=pending.request.request_id)
-                self._deliver(pending, step)
-                self.generated_tokens += 1
-                if step.finish_reason is not None:
-                    self._close(pending, None, told=True)
+                if pending.key is not pending.request.request_id:
+                    step = msgspec.structs.replace(step, request_id=pending.request.request_id)
+                outbox.append((pending, step))
+                delivered += 1
+                self._close(pending, None, told=True)
+        self.generated_tokens += delivered
         self._flush()
 
     def _deliver(self, pending: Handle, item: base.TokenStep | BaseException) -> None:
@@ -509,13 +537,21 @@ class Engine:
 
 
 def _send(items: list[tuple[Handle, base.TokenStep | BaseException]]) -> None:
-    """Call each sink once with its sequences' items, in order; a failing sink is logged and skipped."""
+    """Call each sink once with its sequences' items, in order; a failing sink is logged and skipped.
+
+    Consecutive items mostly share a sink (one request's sequences, one API server's), so the
+    grouping looks a sink up only when it changes."""
     grouped: dict[int, tuple[Sink, list[Item]]] = {}
+    last: Sink | None = None
+    batch: list[Item] = []
     for handle, item in items:
-        entry = grouped.get(id(handle.sink))
-        if entry is None:
-            entry = grouped[id(handle.sink)] = (handle.sink, [])
-        entry[1].append((handle.tag, item))
+        sink = handle.sink
+        if sink is not last:
+            entry = grouped.get(id(sink))
+            if entry is None:
+                entry = grouped[id(sink)] = (sink, [])
+            last, batch = sink, entry[1]
+        batch.append((handle.tag, item))
     for sink, batch in grouped.values():
         try:
             sink(batch)

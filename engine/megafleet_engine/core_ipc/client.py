@@ -177,28 +177,39 @@ class CoreClient:
     def _deliver(self, outputs: messages.Outputs) -> None:
         """Split one engine step by request; each batch gets its part in one piece."""
         parts: dict[int, tuple[engine_client.Batch, list[engine_client.StepItem]]] = {}
-        for token in outputs.tokens:
-            entry = self._open.get(token.seq)
+        opened = self._open
+        finishes = dict(outputs.finished)
+        logprobs, tops = outputs.logprobs, outputs.tops
+        last: engine_client.Batch | None = None
+        part: list[engine_client.StepItem] = []
+        for position, (seq, token_id) in enumerate(zip(outputs.seqs, outputs.token_ids, strict=True)):
+            entry = opened.get(seq)
             if entry is None:
                 continue  # aborted here already
             batch, index, request_id = entry
-            top = tuple(token.top) if token.top else ()
-            step = base.TokenStep(request_id, token.token_id, token.logprob, top, token.finish)  # type: ignore[arg-type]
-            if token.finish is not None:
-                del self._open[token.seq]
-            part = parts.get(id(batch))
-            if part is None:
-                part = parts[id(batch)] = (batch, [])
-            part[1].append((index, step))
+            finish = finishes.get(position) if finishes else None
+            if logprobs is None:
+                step = base.TokenStep(request_id, token_id, None, (), finish)  # type: ignore[arg-type]
+            else:
+                top = tops[position] if tops is not None else None
+                step = base.TokenStep(request_id, token_id, logprobs[position], tuple(top) if top else (), finish)  # type: ignore[arg-type]
+            if finish is not None:
+                del opened[seq]
+            if batch is not last:
+                found = parts.get(id(batch))
+                if found is None:
+                    found = parts[id(batch)] = (batch, [])
+                last, part = batch, found[1]
+            part.append((index, step))
         for failed in outputs.failures:
-            entry = self._open.pop(failed.seq, None)
+            entry = opened.pop(failed.seq, None)
             if entry is None:
                 continue
             batch, index, _ = entry
-            part = parts.get(id(batch))
-            if part is None:
-                part = parts[id(batch)] = (batch, [])
-            part[1].append((index, error_of(failed)))
+            found = parts.get(id(batch))
+            if found is None:
+                found = parts[id(batch)] = (batch, [])
+            found[1].append((index, error_of(failed)))
         for batch, items in parts.values():
             batch.push(items, outputs.weight_version)
 

@@ -76,19 +76,35 @@ class _Client:
         self._engine = engine
 
     def sink(self, items: list[engine_module.Item]) -> None:
-        """One engine step's items for this API server (backend thread): one message."""
-        tokens: list[messages.Token] = []
+        """One engine step's items for this API server (backend thread): one message, its tokens
+        as arrays (a few list appends per token, no object per token)."""
+        seqs: list[int] = []
+        token_ids: list[int] = []
+        logprobs: list[float | None] = []
+        tops: list[list[tuple[int, float]] | None] = []
+        finished: list[tuple[int, str]] = []
         failures: list[messages.Failure] = []
+        any_logprobs = False
+        handles = self.handles
         for seq, item in items:
             if isinstance(item, base.TokenStep):
-                top = list(item.top_logprobs) if item.top_logprobs else None
-                tokens.append(messages.Token(seq, item.token_id, item.logprob, top, item.finish_reason))
+                if item.logprob is not None or item.top_logprobs:
+                    any_logprobs = True
                 if item.finish_reason is not None:
-                    self.handles.pop(seq, None)
+                    finished.append((len(seqs), item.finish_reason))
+                    handles.pop(seq, None)
+                seqs.append(seq)
+                token_ids.append(item.token_id)
+                logprobs.append(item.logprob)
+                tops.append(list(item.top_logprobs) if item.top_logprobs else None)
             else:
                 failures.append(failure(seq, item))
-                self.handles.pop(seq, None)
-        self.send(messages.Outputs(self._engine.weight_version, tokens, failures))
+                handles.pop(seq, None)
+        version = self._engine.weight_version
+        if any_logprobs:
+            self.send(messages.Outputs(version, seqs, token_ids, logprobs, tops, finished, failures))
+        else:
+            self.send(messages.Outputs(version, seqs, token_ids, None, None, finished, failures))
 
     def send(self, message: messages.ToApiServer) -> None:
         data = messages.encoder.encode(message)
@@ -346,7 +362,7 @@ class CoreServer:
         except engine_module.NotServing as error:
             client.dropped.difference_update(sequence.seq for sequence in message.sequences)
             failures = [failure(sequence.seq, error) for sequence in message.sequences]
-            client.send(messages.Outputs(self._engine.weight_version, [], failures))
+            client.send(messages.no_tokens(self._engine.weight_version, failures))
             return
         for handle in handles:
             if handle.tag in client.dropped:

@@ -4,7 +4,7 @@ API server → core (one PUSH socket per API server, one PULL socket in the core
 (the sequences of every request that arrived in one event-loop turn), :class:`Abort` (sequences
 whose client went away or whose stop string matched), :class:`Report` (the frontend's metric
 observations). Core → API server (one PUSH socket per API server): :class:`Outputs`, once per
-engine step with every token of that API server's sequences, and :class:`Status` when the engine's
+engine step with every token of that API server's sequences (as arrays), and :class:`Status` when the engine's
 state or weight version changes (and as a heartbeat).
 
 Sequences are named by an integer the API server picks (unique within its ``epoch``, the number of
@@ -27,10 +27,10 @@ __all__ = [
     "Submit",
     "ToApiServer",
     "ToCore",
-    "Token",
     "api_decoder",
     "core_decoder",
     "encoder",
+    "no_tokens",
 ]
 
 
@@ -64,14 +64,6 @@ class Report(msgspec.Struct, tag="report", array_like=True):
 ToCore = Submit | Abort | Report
 
 
-class Token(msgspec.Struct, array_like=True):
-    seq: int
-    token_id: int
-    logprob: float | None
-    top: list[tuple[int, float]] | None
-    finish: str | None
-
-
 class Failure(msgspec.Struct, array_like=True):
     """A sequence the engine ended with an error: ``kind`` names the engine error (``not_serving``,
     ``aborted``, ``error``); ``state`` and ``waited`` are :class:`~megafleet_engine.engine.NotServing`'s."""
@@ -84,11 +76,26 @@ class Failure(msgspec.Struct, array_like=True):
 
 
 class Outputs(msgspec.Struct, tag="outputs", array_like=True):
-    """One engine step for one API server: every new token and every failure of its sequences."""
+    """One engine step for one API server: every new token and every failure of its sequences.
+
+    The tokens travel as parallel arrays (one entry per token, in step order), not as one struct
+    per token: ``seqs`` and ``token_ids`` always; ``logprobs`` (``None`` where a sequence asked for
+    none) and ``tops`` (each token's alternatives, ``None`` where it asked for none) only when at
+    least one token of the step has them, else ``None``; ``finished``: ``(position, reason)`` for
+    the tokens that end their sequence (few per step)."""
 
     weight_version: int | None
-    tokens: list[Token]
+    seqs: list[int]
+    token_ids: list[int]
+    logprobs: list[float | None] | None
+    tops: list[list[tuple[int, float]] | None] | None
+    finished: list[tuple[int, str]]
     failures: list[Failure]
+
+
+def no_tokens(weight_version: int | None, failures: list[Failure]) -> Outputs:
+    """An :class:`Outputs` with failures only."""
+    return Outputs(weight_version, [], [], None, None, [], failures)
 
 
 class Status(msgspec.Struct, tag="status", array_like=True):

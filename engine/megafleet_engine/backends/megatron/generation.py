@@ -216,56 +216,59 @@ class Runner:
         return rejected
 
     def collect(self, result: dict[str, Any]) -> list[base.TokenStep]:
-        """The tokens one step produced for the running sequences."""
+        """The tokens one step produced for the running sequences (one list for the step; per
+        sequence one dict lookup, its record's last request, and one :class:`~.base.TokenStep`
+        per new token)."""
         steps: list[base.TokenStep] = []
+        sequences = self._sequences
+        requests = self.engine.requests
         for request_id in result["active_request_ids"]:
-            sequence = self._sequences.get(request_id)
+            sequence = sequences.get(request_id)
             if sequence is not None and not sequence.done:
-                record = self.engine.requests[request_id].record
+                record = requests[request_id].record
                 request = record.requests[-1] if len(record.requests) == 1 else record.merge()
-                steps.extend(self._new_steps(sequence, request_id, request, False))
+                self._new_steps(steps, sequence, request_id, request, False)
         for record in result["finished_request_records"]:
             merged = record.requests[-1] if len(record.requests) == 1 else record.merge()
-            sequence = self._sequences.pop(merged.request_id, None)
+            sequence = sequences.pop(merged.request_id, None)
             if sequence is None:
                 continue
             self._by_key.pop(sequence.request.request_id, None)
             if not sequence.done:
-                steps.extend(self._new_steps(sequence, merged.request_id, merged, True))
+                self._new_steps(steps, sequence, merged.request_id, merged, True)
             if not sequence.done:  # ended without a token: megatron failed it
                 log.warning("megatron request for %s ended with status %s", sequence.request.request_id, merged.status)
                 steps.append(_no_token(sequence.request.request_id))
                 sequence.done = True
         return steps
 
-    def _new_steps(self, sequence: _Sequence, request_id: int, request: Any, finished: bool) -> list[base.TokenStep]:
+    def _new_steps(
+        self, steps: list[base.TokenStep], sequence: _Sequence, request_id: int, request: Any, finished: bool
+    ) -> None:
+        """Append ``sequence``'s tokens that megatron produced since the last call to ``steps``."""
         generated = request.generated_tokens
+        count = len(generated)
         params = sequence.request.params
-        steps = []
-        for index in range(sequence.emitted, len(generated)):
+        key = sequence.request.request_id
+        eos = None if params.ignore_eos else self.info.eos_token_id
+        for index in range(sequence.emitted, count):
             token = int(generated[index])
-            last = finished and index == len(generated) - 1
             finish: base.FinishReason | None = None
-            if token in sequence.stops or (not params.ignore_eos and token == self.info.eos_token_id):
+            if token == eos or token in sequence.stops:
                 finish = "stop"
-            elif last or index + 1 >= params.max_tokens:
+            elif (finished and index == count - 1) or index + 1 >= params.max_tokens:
                 finish = "length"
-            steps.append(
-                base.TokenStep(
-                    request_id=sequence.request.request_id,
-                    token_id=token,
-                    logprob=_logprob(request, index) if params.logprobs is not None else None,
-                    top_logprobs=_top_logprobs(request, index) if params.logprobs else (),
-                    finish_reason=finish,
-                )
-            )
+            if params.logprobs is None:
+                steps.append(base.TokenStep(key, token, None, (), finish))
+            else:
+                top = _top_logprobs(request, index) if params.logprobs else ()
+                steps.append(base.TokenStep(key, token, _logprob(request, index), top, finish))
             if finish is not None:
                 sequence.done = True
                 if not finished:  # megatron would go on (a stop id it does not know): end it
                     self._stops.add(request_id)
                 break
-        sequence.emitted = len(generated)
-        return steps
+        sequence.emitted = count
 
 
 def _no_token(request_id: str) -> base.TokenStep:
