@@ -450,4 +450,7 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    code = main()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)  # the JSON is written: skip interpreter teardown (process groups, CUDA) that can hang
