@@ -1,0 +1,148 @@
+"""The tiny CPU fleet in real containers on the real node, through the operator's unchanged pod
+spec: Ready, greedy completions from a client pod through the shard's ClusterIP Service (kube-proxy)
+and its DNS name (CoreDNS), and a killed engine container healing behind the same Service."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from megafleet_dev import images, kube, realnode
+
+pytestmark = [pytest.mark.realnode, pytest.mark.e2e]
+
+ROOT = Path(__file__).resolve().parents[2]
+WAIT = 240  # the first engine start imports torch on two shared cores
+
+CLIENT = """
+import json, sys, urllib.request
+answers = []
+for base in sys.argv[1:]:
+    body = json.dumps({"model": "tiny", "prompt": "hello", "max_tokens": 8, "temperature": 0}).encode()
+    request = urllib.request.Request(base + "/completions", body, {"Content-Type": "application/json"})
+    answers.append(json.load(urllib.request.urlopen(request, timeout=60))["choices"][0]["text"])
+open("/dev/termination-log", "w").write(json.dumps(answers))
+"""
+
+
+def fleets(namespace: str) -> str:
+    return f"/apis/megafleet.dev/v1alpha1/namespaces/{namespace}/megatrongenerations"
+
+
+def is_ready(obj: dict[str, Any] | None) -> bool:
+    return (kube.condition(obj, "Ready") or {}).get("status") == "True"
+
+
+def restricted() -> dict[str, Any]:
+    return {"allowPrivilegeEscalation": False, "capabilities": {"drop": ["ALL"]}, "readOnlyRootFilesystem": True}
+
+
+def client_pod(name: str, urls: list[str]) -> dict[str, Any]:
+    """A pod on the real node that asks each URL for a greedy completion and reports the answers
+    as its termination message (no log access needed)."""
+    return {
+        "apiVersion": "v1",
+        "kind": "Pod",
+        "metadata": {"name": name},
+        "spec": {
+            "restartPolicy": "Never",
+            "nodeSelector": {realnode.REAL_NODE_LABEL: "true"},
+            "automountServiceAccountToken": False,
+            "securityContext": {"runAsNonRoot": True, "runAsUser": 65532, "seccompProfile": {"type": "RuntimeDefault"}},
+            "containers": [
+                {
+                    "name": "client",
+                    "image": images.reference("engine"),
+                    "imagePullPolicy": "IfNotPresent",
+                    "command": ["python", "-c", CLIENT, *urls],
+                    "securityContext": restricted(),
+                }
+            ],
+        },
+    }
+
+
+def ask(client: kube.Kube, namespace: str, name: str, urls: list[str]) -> list[str]:
+    """Run a client pod to completion; its answers, one per URL."""
+    client.create(f"/api/v1/namespaces/{namespace}/pods", client_pod(name, urls))
+    done = client.wait(
+        f"/api/v1/namespaces/{namespace}/pods/{name}",
+        lambda pod: (pod or {}).get("status", {}).get("phase") in ("Succeeded", "Failed"),
+        timeout=WAIT,
+        what=f"client pod {name} to finish",
+    )
+    assert done is not None
+    state = done["status"]["containerStatuses"][0]["state"]["terminated"]
+    assert done["status"]["phase"] == "Succeeded", state
+    answers: list[str] = json.loads(state["message"])
+    return answers
+
+
+@pytest.fixture(scope="module")
+def fleet(operator: Path, kube_admin: kube.Kube) -> Iterator[tuple[str, dict[str, Any]]]:
+    """The tiny example fleet placed on the real node; yields (namespace, its Ready object)."""
+    namespace = kube_admin.create_namespace("t")
+    manifest = yaml.safe_load((ROOT / "examples" / "tiny-cpu.yaml").read_text())
+    manifest["spec"]["placement"]["nodeSelector"] = {realnode.REAL_NODE_LABEL: "true"}
+    manifest["spec"]["resources"]["cpu"] = "500m"  # the node has 2 cores; leave room for clients
+    kube_admin.create(fleets(namespace), manifest)
+    ready = kube_admin.wait(f"{fleets(namespace)}/tiny", is_ready, timeout=WAIT, what="the tiny fleet Ready")
+    assert ready is not None
+    try:
+        yield namespace, ready
+    finally:
+        kube_admin.delete(f"/api/v1/namespaces/{namespace}", missing_ok=True)
+
+
+def test_the_fleet_runs_in_real_containers_on_the_real_node(
+    fleet: tuple[str, dict[str, Any]], kube_admin: kube.Kube, real_node: realnode.RealNode
+) -> None:
+    namespace, ready = fleet
+    assert [shard["phase"] for shard in ready["status"]["shards"]] == ["Ready", "Ready"]
+    for shard in ready["status"]["shards"]:
+        pod = kube_admin.get(f"/api/v1/namespaces/{namespace}/pods/{shard['pods'][0]}")
+        assert pod is not None
+        assert pod["spec"]["nodeName"] == realnode.NODE_NAME
+        assert pod["status"]["podIP"] in {str(ip) for ip in real_node.addresses.pods.hosts()}
+        status = pod["status"]["containerStatuses"][0]
+        assert status["ready"] and status["containerID"].startswith("containerd://")
+        assert status["imageID"]  # resolved by containerd from the imported engine image
+
+
+def test_a_client_pod_gets_greedy_completions_through_the_service_ip_and_its_dns_name(
+    fleet: tuple[str, dict[str, Any]], kube_admin: kube.Kube
+) -> None:
+    namespace, ready = fleet
+    urls = [url for endpoint in ready["status"]["endpoints"] for url in (endpoint["url"], endpoint["dnsURL"])]
+    assert all(".svc:" in url for url in urls[1::2])
+    answers = ask(kube_admin, namespace, "client-services", urls)
+    assert len(answers) == 4 and answers[0]
+    assert len(set(answers)) == 1  # same weights, greedy: every shard and every route agrees
+
+
+def test_a_killed_engine_container_heals_behind_the_same_service(
+    fleet: tuple[str, dict[str, Any]], kube_admin: kube.Kube, real_node: realnode.RealNode
+) -> None:
+    namespace, ready = fleet
+    pod_path = f"/api/v1/namespaces/{namespace}/pods/{ready['status']['shards'][0]['pods'][0]}"
+    pod = kube_admin.get(pod_path)
+    assert pod is not None
+    container_id = pod["status"]["containerStatuses"][0]["containerID"].removeprefix("containerd://")
+    restarts = pod["status"]["containerStatuses"][0]["restartCount"]
+    real_node.ctr("tasks", "kill", "--signal", "SIGKILL", container_id)
+
+    def restarted_and_ready(obj: dict[str, Any] | None) -> bool:
+        status = ((obj or {}).get("status", {}).get("containerStatuses") or [{}])[0]
+        return status.get("restartCount", 0) > restarts and bool(status.get("ready"))
+
+    assert kube_admin.wait(pod_path, restarted_and_ready, timeout=WAIT, what="the killed container back") is not None
+    healed = kube_admin.wait(f"{fleets(namespace)}/tiny", is_ready, timeout=WAIT, what="the fleet Ready again")
+    assert healed is not None
+    endpoint = healed["status"]["endpoints"][0]
+    assert endpoint == ready["status"]["endpoints"][0]  # the same Service, the same addresses
+    assert ask(kube_admin, namespace, "client-healed", [endpoint["url"]])[0]
