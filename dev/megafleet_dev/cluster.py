@@ -255,6 +255,8 @@ class LocalCluster:
                 f"--kubelet-client-key={self.state_dir / 'pki' / 'apiserver-kubelet-client.key'}",
                 "--authorization-mode=Node,RBAC",
                 "--enable-admission-plugins=NodeRestriction",
+                # Reach kubelets (the real node's) by their InternalIP, never by a DNS lookup.
+                "--kubelet-preferred-address-types=InternalIP",
                 "--allow-privileged=true",
                 # Endpoints may not hold loopback addresses, so the 'kubernetes' Service has none.
                 "--endpoint-reconciler-type=none",

@@ -7,10 +7,10 @@ Used by :mod:`megafleet_dev.realnode` to build the node and by :meth:`cluster.Lo
 after a failed start) finds it.
 
 Invariants (the network rule of these machines): traffic goes only to loopback or into the node's
-own namespace; the node's netns has no route out (its default route is a dummy link that drops
-everything); no machine-wide kernel setting is changed: the three global sysctls the kubelet
-insists on are bind-mounted files inside the node's private mount namespace, and the only sysctl
-written (``net.ipv4.ip_forward``) is the node netns's own.
+own namespace; the node's netns has no route out (no default route: only its pods, Services, its
+own addresses and the host end of its link); no machine-wide kernel setting is changed: the three
+global sysctls the kubelet insists on are bind-mounted files inside the node's private mount
+namespace, and the only sysctl written (``net.ipv4.ip_forward``) is the node netns's own.
 """
 
 from __future__ import annotations
@@ -41,6 +41,10 @@ CLONE_NEWNET = 0x40000000
 _MS_BIND = 4096
 _MS_REC = 16384
 _MS_PRIVATE = 1 << 18
+
+
+class NodeCommandError(RuntimeError):
+    """A command run inside the node's namespaces failed; the message holds its stderr."""
 
 
 @dataclasses.dataclass
@@ -114,12 +118,12 @@ def netns_inode(pid: int) -> int:
 
 def in_node(holder_pid: int, *argv: str, check: bool = True) -> subprocess.CompletedProcess[str]:
     """Run a short command inside the node's namespaces (``ip``, ``sysctl``, ``ctr``)."""
-    return subprocess.run(
-        ["nsenter", "-t", str(holder_pid), "-n", "-m", "--", *argv],
-        capture_output=True,
-        text=True,
-        check=check,
+    result = subprocess.run(
+        ["nsenter", "-t", str(holder_pid), "-n", "-m", "--", *argv], capture_output=True, text=True, check=False
     )
+    if check and result.returncode != 0:
+        raise NodeCommandError(f"{' '.join(argv)} failed in the node (exit {result.returncode}): {result.stderr.strip()}")
+    return result
 
 
 def _ip(*args: str) -> None:
@@ -128,8 +132,8 @@ def _ip(*args: str) -> None:
 
 def connect(holder_pid: int, host_link: str, node_link: str, host_ip: str, node_ip: str, routed: str) -> None:
     """The veth pair host <-> node (a /30), a host route to the pod network ``routed`` through the
-    node, and in the node: loopback up, forwarding on, and a default route into a dummy link (the
-    kubelet wants a default route; nothing leaves through it)."""
+    node, and in the node: loopback up and forwarding on. The node has no default route: what is
+    not for a pod, a Service, the node or the host end of the link is unreachable."""
     _ip("link", "add", host_link, "type", "veth", "peer", "name", node_link)
     try:
         _ip("link", "set", node_link, "netns", str(holder_pid))
@@ -139,14 +143,11 @@ def connect(holder_pid: int, host_link: str, node_link: str, host_ip: str, node_
             ("ip", "link", "set", "lo", "up"),
             ("ip", "addr", "add", f"{node_ip}/30", "dev", node_link),
             ("ip", "link", "set", node_link, "up"),
-            ("ip", "link", "add", "nowhere0", "type", "dummy"),
-            ("ip", "link", "set", "nowhere0", "up"),
-            ("ip", "route", "add", "default", "dev", "nowhere0"),
             ("sysctl", "-qw", "net.ipv4.ip_forward=1"),
         ):
             in_node(holder_pid, *argv)
         _ip("route", "add", routed, "via", node_ip, "dev", host_link)
-    except (subprocess.CalledProcessError, OSError):
+    except (subprocess.CalledProcessError, NodeCommandError, OSError):
         with contextlib.suppress(subprocess.CalledProcessError):
             _ip("link", "del", host_link)
         raise
