@@ -1,5 +1,5 @@
 """The Dockerfile's images, built without Docker: a Debian base made with mmdebstrap, the
-``operator`` and ``engine`` targets built by buildah (daemonless), exported as OCI archives that
+``operator`` and ``engine`` targets built by buildah (daemonless), exported as image archives that
 containerd imports.
 
 Called by ``megafleet dev images`` and by the real node (:mod:`megafleet_dev.realnode`), which
@@ -35,6 +35,9 @@ DEBIAN_MIRROR = "http://deb.debian.org/debian"
 BASE_PACKAGES = ("python3", "python3-venv", "passwd", "ca-certificates")
 BASE_NAME = "localhost/megafleet/debian-python"
 CONTEXT_ENTRIES = ("Dockerfile", "pyproject.toml", "README.md", "protocol", "operator", "engine", "dev")
+# Copied (the wheel lists the dev package) but not hashed: both images delete it after the install,
+# so editing the dev tooling does not rebuild them.
+UNHASHED_ENTRIES = ("dev",)
 TARGETS = ("operator", "engine")
 PAUSE_REFERENCE = "localhost/megafleet/pause:catatonit"
 _SKIPPED_PARTS = {"__pycache__", ".mypy_cache", ".pytest_cache", ".ruff_cache"}
@@ -46,7 +49,8 @@ class ImageError(RuntimeError):
 
 @dataclasses.dataclass(frozen=True)
 class Image:
-    """A built image: ``reference`` is the name pods use, ``archive`` the OCI archive holding it."""
+    """A built image: ``reference`` is the name pods use, ``archive`` the docker-archive holding it
+    (tagged ``reference`` and ``localhost/megafleet/<target>:<key>``)."""
 
     target: str
     reference: str
@@ -220,10 +224,12 @@ def host_trust_volumes() -> list[str]:
 
 
 def _export(image: str, archive: Path, ref: str, *, log: Path, report: progress.Progress, what: str) -> None:
-    """Write ``image`` as an uncompressed OCI archive named ``ref`` (what ``ctr images import`` reads)."""
+    """Write ``image`` as a docker-archive named ``ref`` (and its local tag), which ``ctr images
+    import`` reads. Its layers are plain tars by the format: no compression pass over gigabytes
+    (buildah 1.28 compresses OCI archives even with ``-D``)."""
     partial = archive.with_suffix(".partial")
     partial.unlink(missing_ok=True)
-    _run(_buildah("push", "-D", "-q", image, f"oci-archive:{partial}:{ref}"), log=log, report=report, what=what)
+    _run(_buildah("push", "-q", image, f"docker-archive:{partial}:{ref}"), log=log, report=report, what=what)
     partial.rename(archive)
 
 
@@ -231,9 +237,10 @@ def ensure_image(target: str, report: progress.Progress = progress.print_progres
     """Build one Dockerfile target from the local base unless its archive for these inputs exists."""
     base = ensure_base(report)
     files = context_files(REPO_ROOT)
-    key = content_key(REPO_ROOT, files, target, base)
+    hashed = context_files(REPO_ROOT, [entry for entry in CONTEXT_ENTRIES if entry not in UNHASHED_ENTRIES])
+    key = content_key(REPO_ROOT, hashed, target, base)
     folder = images_dir()
-    archive = folder / f"{target}-{key}.oci.tar"
+    archive = folder / f"{target}-{key}.image.tar"
     ref = reference(target)
     if archive.is_file():
         return Image(target, ref, archive, key)
@@ -266,7 +273,7 @@ def ensure_image(target: str, report: progress.Progress = progress.print_progres
         )
         _run(cmd, log=log, report=report, what=f"building {target}")
     _export(tag, archive, ref, log=log, report=report, what=f"exporting {target}")
-    for stale in folder.glob(f"{target}-*.oci.tar"):
+    for stale in folder.glob(f"{target}-*.image.tar"):
         if stale != archive:
             stale.unlink()
     report(f"built the {target} image in {time.monotonic() - started:.0f} s ({archive.stat().st_size >> 20} MiB)")
@@ -281,7 +288,7 @@ def ensure_pause(report: progress.Progress = progress.print_progress) -> Image:
     key = hashlib.sha256(Path(catatonit).read_bytes()).hexdigest()[:16]
     folder = images_dir()
     folder.mkdir(parents=True, exist_ok=True)
-    archive = folder / f"pause-{key}.oci.tar"
+    archive = folder / f"pause-{key}.image.tar"
     if archive.is_file():
         return Image("pause", PAUSE_REFERENCE, archive, key)
     log = folder / "pause.log"

@@ -430,15 +430,14 @@ def _wait_namespaced(pid: int) -> None:
 
 
 def _import_images(node: RealNode, built: list[images.Image], report: progress.Progress) -> None:
-    """Import each OCI archive into the node's containerd (skipped when the same image is there)."""
+    """Import each image archive into the node's containerd (skipped when the same image is there)."""
     present = node.ctr("images", "ls", "-q").stdout.split()
     for image in built:
         marker = f"localhost/megafleet/{image.target}:{image.key}"
         if marker in present:
             continue
         started = time.monotonic()
-        node.ctr("images", "import", str(image.archive))
-        node.ctr("images", "tag", "--force", image.reference, marker)
+        node.ctr("images", "import", str(image.archive))  # names: the reference and the marker
         report(f"imported the {image.target} image into the node's containerd in {time.monotonic() - started:.0f} s")
 
 

@@ -29,6 +29,8 @@ from pathlib import Path
 SANDBOX_FILE = Path("realnode") / "sandbox.json"
 CGROUP_ROOT = Path("/sys/fs/cgroup")
 CGROUP_CONTROLLERS = ("cpu", "cpuacct", "cpuset", "memory", "devices", "freezer", "blkio", "pids", "systemd")
+# Hierarchies the node's programs may add cgroups to besides (the hybrid layout's cgroup2 mount).
+CGROUP_CLEANED = (*CGROUP_CONTROLLERS, "unified")
 # The global sysctls the kubelet checks (and would set): their values as the node sees them.
 FAKE_SYSCTLS = {"vm/overcommit_memory": "1", "kernel/panic": "10", "kernel/panic_on_oops": "1"}
 # Host folders that containerd, runc, CNI and the kubelet write to by fixed paths: inside the node
@@ -122,7 +124,8 @@ def in_node(holder_pid: int, *argv: str, check: bool = True) -> subprocess.Compl
         ["nsenter", "-t", str(holder_pid), "-n", "-m", "--", *argv], capture_output=True, text=True, check=False
     )
     if check and result.returncode != 0:
-        raise NodeCommandError(f"{' '.join(argv)} failed in the node (exit {result.returncode}): {result.stderr.strip()}")
+        what = " ".join(argv)
+        raise NodeCommandError(f"{what} failed in the node (exit {result.returncode}): {result.stderr.strip()}")
     return result
 
 
@@ -168,7 +171,7 @@ def make_cgroups(cgroup: str) -> None:
 
 def _cgroup_dirs(cgroup: str) -> Iterator[Path]:
     """Every cgroup under the node's parent, deepest first, in every hierarchy."""
-    for controller in CGROUP_CONTROLLERS:
+    for controller in CGROUP_CLEANED:
         top = CGROUP_ROOT / controller / cgroup.lstrip("/")
         if top.is_dir():
             yield from sorted((p for p in top.rglob("*") if p.is_dir()), key=lambda p: -len(p.parts))
@@ -193,10 +196,18 @@ def _pids_in_netns(inode: int) -> set[int]:
     return found
 
 
+def _alive(pid: int) -> bool:
+    """False for a zombie (dead, waiting for its parent to reap it) or a process that is gone."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
 def _kill_all(pids: Callable[[], set[int]], timeout: float = 10.0) -> None:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        left = pids() - {os.getpid()}
+        left = {pid for pid in pids() - {os.getpid()} if _alive(pid)}
         if not left:
             return
         for pid in left:
@@ -233,7 +244,8 @@ def teardown(state_dir: Path) -> None:
 
 def leftovers(box: Sandbox) -> list[str]:
     """What of ``box`` still exists (empty after a teardown): for ``dev down``'s check and the tests."""
-    left = [f"process {pid}" for pid in sorted(_pids_in_cgroups(box.cgroup) | _pids_in_netns(box.netns_inode))]
+    pids = _pids_in_cgroups(box.cgroup) | _pids_in_netns(box.netns_inode)
+    left = [f"process {pid}" for pid in sorted(pids) if _alive(pid)]
     left += [f"cgroup {folder}" for folder in _cgroup_dirs(box.cgroup)]
     if Path(f"/sys/class/net/{box.host_link}").exists():
         left.append(f"link {box.host_link}")

@@ -1,10 +1,13 @@
 """The tiny CPU fleet in real containers on the real node, through the operator's unchanged pod
 spec: Ready, greedy completions from a client pod through the shard's ClusterIP Service (kube-proxy)
-and its DNS name (CoreDNS), and a killed engine container healing behind the same Service."""
+and its DNS name (CoreDNS), a refit through a Refit object from a trainer inside the node's
+network, and a killed engine container healing behind the same Service."""
 
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -12,7 +15,9 @@ from typing import Any
 import pytest
 import yaml
 
-from megafleet_dev import images, kube, realnode
+from helpers import refit_e2e
+from megafleet_dev import images, kube, realnode, sandbox
+from megafleet_protocol import ports
 
 pytestmark = [pytest.mark.realnode, pytest.mark.e2e]
 
@@ -146,3 +151,62 @@ def test_a_killed_engine_container_heals_behind_the_same_service(
     endpoint = healed["status"]["endpoints"][0]
     assert endpoint == ready["status"]["endpoints"][0]  # the same Service, the same addresses
     assert ask(kube_admin, namespace, "client-healed", [endpoint["url"]])[0]
+
+
+def test_a_refit_object_moves_the_containers_to_the_trainers_weights(
+    fleet: tuple[str, dict[str, Any]], kube_admin: kube.Kube, real_node: realnode.RealNode, tmp_path: Path
+) -> None:
+    namespace, ready = fleet
+    trainer = refit_e2e.TrainerModel()
+    port = 29400  # inside the node's own netns: nothing else listens there
+    name = "tiny-v1"
+    kube_admin.create(
+        refit_e2e.refits(namespace),
+        {
+            "apiVersion": "megafleet.dev/v1alpha1",
+            "kind": "Refit",
+            "metadata": {"name": name},
+            "spec": {
+                "fleetRef": {"name": "tiny"},
+                "version": 1,
+                "source": {"rendezvous": {"address": real_node.addresses.node_ip, "port": port, "trainerWorldSize": 1}},
+            },
+        },
+    )
+    running = kube_admin.wait(
+        f"{refit_e2e.refits(namespace)}/{name}",
+        lambda r: (r or {}).get("status", {}).get("phase") == "Running",
+        timeout=WAIT,
+        what="the refit's membership",
+    )
+    assert running is not None
+    argv = [
+        sys.executable,
+        str(Path(__file__).with_name("trainer_process.py")),
+        real_node.addresses.node_ip,
+        str(ports.attempt_port(port, running["status"]["attempts"])),
+        str(running["status"]["membership"]["worldSize"]),
+        "1",
+        refit_e2e.TRAINER_SOURCE,
+    ]
+    log = tmp_path / "trainer.log"
+    enter = sandbox.enter_preexec(real_node.holder_pid, tmp_path)
+    with log.open("wb") as sink:
+        process = subprocess.Popen(argv, stdout=sink, stderr=subprocess.STDOUT, preexec_fn=enter)
+    try:
+        done = kube_admin.wait(
+            f"{refit_e2e.refits(namespace)}/{name}",
+            lambda r: (r or {}).get("status", {}).get("phase") in ("Succeeded", "Failed"),
+            timeout=WAIT,
+            what="the refit to finish",
+        )
+        assert process.wait(timeout=WAIT) == 0, log.read_text()
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.wait()
+    assert done is not None and done["status"]["phase"] == "Succeeded", done
+    expected = trainer.greedy(12)
+    for shard in ready["status"]["shards"]:
+        tokens, version = refit_e2e.served(kube_admin, namespace, shard["pods"][0])
+        assert (tokens, version) == (expected, "1")

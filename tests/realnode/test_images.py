@@ -15,20 +15,16 @@ pytestmark = [pytest.mark.realnode, pytest.mark.e2e]
 
 
 def image_config(image: images.Image) -> dict[str, Any]:
-    """The OCI image config inside an archive (index -> manifest -> config)."""
+    """The image config inside a docker-archive (manifest.json -> config)."""
     with tarfile.open(image.archive) as archive:
-
-        def blob(digest: str) -> dict[str, Any]:
-            member = archive.extractfile(f"blobs/sha256/{digest.split(':', 1)[1]}")
-            assert member is not None
-            loaded: dict[str, Any] = json.load(member)
-            return loaded
-
-        index_file = archive.extractfile("index.json")
-        assert index_file is not None
-        index = json.load(index_file)
-        manifest = blob(index["manifests"][0]["digest"])
-        return blob(manifest["config"]["digest"])
+        manifest_file = archive.extractfile("manifest.json")
+        assert manifest_file is not None
+        manifest = json.load(manifest_file)[0]
+        assert image.reference in manifest["RepoTags"]
+        config_file = archive.extractfile(manifest["Config"])
+        assert config_file is not None
+        config: dict[str, Any] = json.load(config_file)
+        return config
 
 
 def run_in_container(node: realnode.RealNode, image: images.Image, name: str, *argv: str) -> str:
