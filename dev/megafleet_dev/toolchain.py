@@ -102,11 +102,13 @@ COMPONENTS: tuple[Component, ...] = (
         programs=("kubelet", "kube-proxy"),
         ldflags=_kubernetes_ldflags(),
     ),
+    # CoreDNS with the four plugins the real node's cluster DNS uses (gomod/coredns/main.go), not
+    # its full plugin set: a third of the dependencies and minutes less to build cold.
     Component(
         name="coredns",
         version=COREDNS_VERSION,
         module="coredns",
-        packages=("github.com/coredns/coredns",),
+        packages=("megafleet.invalid/controlplane/coredns",),
         programs=("coredns",),
     ),
     Component(

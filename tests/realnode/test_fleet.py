@@ -19,7 +19,8 @@ from helpers import refit_e2e
 from megafleet_dev import images, kube, realnode, sandbox
 from megafleet_protocol import ports
 
-pytestmark = [pytest.mark.realnode, pytest.mark.e2e]
+# The first test of a session starts the cluster and the node (and builds what is missing).
+pytestmark = [pytest.mark.realnode, pytest.mark.e2e, pytest.mark.timeout(1800)]
 
 ROOT = Path(__file__).resolve().parents[2]
 WAIT = 240  # the first engine start imports torch on two shared cores
@@ -65,6 +66,7 @@ def client_pod(name: str, urls: list[str]) -> dict[str, Any]:
                     "image": images.reference("engine"),
                     "imagePullPolicy": "IfNotPresent",
                     "command": ["python", "-c", CLIENT, *urls],
+                    "terminationMessagePolicy": "FallbackToLogsOnError",  # a traceback when it fails
                     "securityContext": restricted(),
                 }
             ],
@@ -94,7 +96,6 @@ def fleet(operator: Path, kube_admin: kube.Kube) -> Iterator[tuple[str, dict[str
     namespace = kube_admin.create_namespace("t")
     manifest = yaml.safe_load((ROOT / "examples" / "tiny-cpu.yaml").read_text())
     manifest["spec"]["placement"]["nodeSelector"] = {realnode.REAL_NODE_LABEL: "true"}
-    manifest["spec"]["resources"]["cpu"] = "500m"  # the node has 2 cores; leave room for clients
     kube_admin.create(fleets(namespace), manifest)
     ready = kube_admin.wait(f"{fleets(namespace)}/tiny", is_ready, timeout=WAIT, what="the tiny fleet Ready")
     assert ready is not None
@@ -110,12 +111,17 @@ def test_the_fleet_runs_in_real_containers_on_the_real_node(
     namespace, ready = fleet
     assert [shard["phase"] for shard in ready["status"]["shards"]] == ["Ready", "Ready"]
     for shard in ready["status"]["shards"]:
-        pod = kube_admin.get(f"/api/v1/namespaces/{namespace}/pods/{shard['pods'][0]}")
+        pod = kube_admin.wait(
+            f"/api/v1/namespaces/{namespace}/pods/{shard['pods'][0]}",
+            lambda obj: bool(((obj or {}).get("status", {}).get("containerStatuses") or [{}])[0].get("ready")),
+            timeout=WAIT,
+            what="the engine container ready",
+        )
         assert pod is not None
         assert pod["spec"]["nodeName"] == realnode.NODE_NAME
         assert pod["status"]["podIP"] in {str(ip) for ip in real_node.addresses.pods.hosts()}
         status = pod["status"]["containerStatuses"][0]
-        assert status["ready"] and status["containerID"].startswith("containerd://")
+        assert status["containerID"].startswith("containerd://")
         assert status["imageID"]  # resolved by containerd from the imported engine image
 
 

@@ -11,7 +11,8 @@ import pytest
 
 from megafleet_dev import images, realnode
 
-pytestmark = [pytest.mark.realnode, pytest.mark.e2e]
+# The first test of a session starts the cluster and the node (and builds what is missing).
+pytestmark = [pytest.mark.realnode, pytest.mark.e2e, pytest.mark.timeout(1800)]
 
 
 def image_config(image: images.Image) -> dict[str, Any]:
@@ -35,7 +36,7 @@ def run_in_container(node: realnode.RealNode, image: images.Image, name: str, *a
 @pytest.mark.parametrize(
     ("target", "entrypoint", "argv", "expected"),
     [
-        ("operator", ["megafleet"], ["--version"], "0.1.0"),
+        ("operator", ["megafleet"], ["version"], "0.1.0"),
         ("engine", ["megafleet-engine"], ["--help"], "usage: megafleet-engine"),
     ],
 )
