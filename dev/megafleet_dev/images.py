@@ -35,9 +35,9 @@ DEBIAN_MIRROR = "http://deb.debian.org/debian"
 BASE_PACKAGES = ("python3", "python3-venv", "passwd", "ca-certificates")
 BASE_NAME = "localhost/megafleet/debian-python"
 CONTEXT_ENTRIES = ("Dockerfile", "pyproject.toml", "README.md", "protocol", "operator", "engine", "dev")
-# Copied (the wheel lists the dev package) but not hashed: both images delete it after the install,
-# so editing the dev tooling does not rebuild them.
-UNHASHED_ENTRIES = ("dev",)
+# Copied but not hashed: the wheel lists the dev package (both images delete it after the install)
+# and takes README.md as its long description; editing either does not rebuild the images.
+UNHASHED_ENTRIES = ("dev", "README.md")
 TARGETS = ("operator", "engine")
 PAUSE_REFERENCE = "localhost/megafleet/pause:catatonit"
 _SKIPPED_PARTS = {"__pycache__", ".mypy_cache", ".pytest_cache", ".ruff_cache"}

@@ -25,13 +25,23 @@ pytestmark = [pytest.mark.realnode, pytest.mark.e2e, pytest.mark.timeout(1800)]
 ROOT = Path(__file__).resolve().parents[2]
 WAIT = 240  # the first engine start imports torch on two shared cores
 
+# A client as a user writes one: a few bounded retries (a Service briefly without a Ready endpoint
+# refuses), every error on stderr (the pod's termination message on failure).
 CLIENT = """
-import json, sys, urllib.request
+import json, sys, time, urllib.request
 answers = []
 for base in sys.argv[1:]:
     body = json.dumps({"model": "tiny", "prompt": "hello", "max_tokens": 8, "temperature": 0}).encode()
-    request = urllib.request.Request(base + "/completions", body, {"Content-Type": "application/json"})
-    answers.append(json.load(urllib.request.urlopen(request, timeout=60))["choices"][0]["text"])
+    for attempt in range(10):
+        try:
+            request = urllib.request.Request(base + "/completions", body, {"Content-Type": "application/json"})
+            answers.append(json.load(urllib.request.urlopen(request, timeout=60))["choices"][0]["text"])
+            break
+        except OSError as error:
+            print(base, attempt, repr(error), file=sys.stderr, flush=True)
+            time.sleep(1)
+    else:
+        sys.exit(1)
 open("/dev/termination-log", "w").write(json.dumps(answers))
 """
 
