@@ -72,16 +72,25 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     commands.add_parser("runner", help="run the local pod runner in the foreground (started by 'up')")
     commands.add_parser("status", help="say what is running and where the kubeconfig is")
-    commands.add_parser("build", help="build the pinned control-plane programs into the cache if missing")
+    build = commands.add_parser("build", help="build the pinned control-plane programs into the cache if missing")
+    build.add_argument(
+        "--real-node",
+        action="store_true",
+        help="also the real node's programs (kubelet, kube-proxy, CoreDNS) and the operator and engine images",
+    )
 
 
 def run(args: argparse.Namespace) -> int:
     state_dir: Path = args.state_dir or default_state_dir()
     try:
         if args.dev_command == "build":
-            toolchain.ensure_built()
+            names = toolchain.CONTROL_PLANE + (realnode.PROGRAMS if args.real_node else ())
+            toolchain.ensure_built(names)
             for component in toolchain.COMPONENTS:
-                print(f"{component.name} {component.version}: {toolchain.component_dir(component)}")
+                if component.name in names:
+                    print(f"{component.name} {component.version}: {toolchain.component_dir(component)}")
+            for image in images.ensure_all() if args.real_node else []:
+                print(f"{image.reference}: {image.archive}")
             return 0
         if args.dev_command == "images":
             unknown = set(args.targets) - set(images.TARGETS)

@@ -143,7 +143,7 @@ def _run(cmd: list[str], *, log: Path, report: progress.Progress, what: str) -> 
     with log.open("a") as sink:
         sink.write(f"$ {' '.join(cmd)}\n")
         sink.flush()
-        proc = subprocess.Popen(
+        with subprocess.Popen(
             cmd,
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,
@@ -151,15 +151,15 @@ def _run(cmd: list[str], *, log: Path, report: progress.Progress, what: str) -> 
             text=True,
             errors="replace",
             env=dict(os.environ, BUILDAH_ISOLATION="chroot"),
-        )
-        assert proc.stdout is not None
-        for line in proc.stdout:
-            sink.write(line)
-            if line.startswith("STEP ") or time.monotonic() >= next_beat:
-                shown = line.strip()[:110] if line.startswith("STEP ") else "still running"
-                report(f"{what} ({time.monotonic() - started:.0f} s): {shown}")
-                next_beat = time.monotonic() + 30.0
-        code = proc.wait()
+        ) as proc:
+            assert proc.stdout is not None
+            for line in proc.stdout:
+                sink.write(line)
+                if line.startswith("STEP ") or time.monotonic() >= next_beat:
+                    shown = line.strip()[:110] if line.startswith("STEP ") else "still running"
+                    report(f"{what} ({time.monotonic() - started:.0f} s): {shown}")
+                    next_beat = time.monotonic() + 30.0
+            code = proc.wait()
     if code != 0:
         tail = log.read_text(errors="replace").splitlines()[-25:]
         raise ImageError(f"{what} failed (exit {code}); the last lines of {log}:\n" + "\n".join(tail))

@@ -38,6 +38,10 @@ DEFAULT_NETWORK = "10.213.0.0/16"
 API_PORT_IN_NODE = 6443
 CLUSTER_DOMAIN = "cluster.local"
 CTR_NAMESPACE = "k8s.io"
+# In the node's private /run (a tmpfs of its mount namespace): short (unix socket paths are limited
+# to about 100 bytes, and a test's state folder is long), and invisible on the host.
+CONTAINERD_SOCKET = Path("/run/containerd/containerd.sock")
+PROGRAMS = ("node", "coredns")  # toolchain components the real node runs
 
 
 @dataclasses.dataclass(frozen=True)
@@ -102,7 +106,7 @@ def _kubeconfig(path: Path, *, server: str, ca: Path, cert: Path) -> None:
     path.write_text(json.dumps(config, indent=2))
 
 
-def containerd_config(folder: Path, *, pause_image: str) -> str:
+def containerd_config(folder: Path, *, socket: Path, pause_image: str) -> str:
     """containerd 1.6's configuration: own root, state and socket; runc; CNI from Debian's plugins;
     ``restrict_oom_score_adj`` (no CAP_SYS_RESOURCE here: sandboxes cannot get -998)."""
     cri = 'plugins."io.containerd.grpc.v1.cri"'
@@ -112,7 +116,7 @@ state = "{folder / "state"}"
 disabled_plugins = ["io.containerd.snapshotter.v1.btrfs", "io.containerd.snapshotter.v1.zfs",
   "io.containerd.snapshotter.v1.aufs", "io.containerd.snapshotter.v1.devmapper"]
 [grpc]
-  address = "{folder / "containerd.sock"}"
+  address = "{socket}"
 [{cri}]
   sandbox_image = "{pause_image}"
   restrict_oom_score_adj = true
@@ -293,7 +297,7 @@ def start(
 ) -> RealNode:
     """Build what is missing, start the node's programs in a fresh sandbox, import the images,
     wait until the node is Ready. On failure everything made so far is torn down."""
-    toolchain.ensure_built(("node", "coredns"), report=report)
+    toolchain.ensure_built(PROGRAMS, report=report)
     built = images.ensure_all(targets, report)
     started = time.monotonic()
     addresses = Addresses.from_network(network)
@@ -374,10 +378,11 @@ def _start(
     runtime = folder / "containerd"
     (runtime / "cni").mkdir(parents=True, exist_ok=True)
     (runtime / "cni" / "10-megafleet.conflist").write_text(json.dumps(cni_config(addresses, runtime / "ipam")))
-    (runtime / "config.toml").write_text(containerd_config(runtime, pause_image=images.PAUSE_REFERENCE))
-    socket = runtime / "containerd.sock"
+    socket = CONTAINERD_SOCKET
+    config = containerd_config(runtime, socket=socket, pause_image=images.PAUSE_REFERENCE)
+    (runtime / "config.toml").write_text(config)
     local.spawn("containerd", ["containerd", "--config", str(runtime / "config.toml")], preexec_fn=enter)
-    local.wait_for("containerd", lambda: None if socket.exists() else "no socket yet")
+    local.wait_for("containerd", lambda: None if _node_has(holder.pid, socket) else "no socket yet")
     node = RealNode(NODE_NAME, addresses, holder.pid, socket, cgroup)
 
     (folder / "kubelet.yaml").write_text(
@@ -414,6 +419,11 @@ def _start(
         "coredns", [str(toolchain.program_path("coredns")), "-conf", str(folder / "Corefile")], preexec_fn=enter
     )
     return node
+
+
+def _node_has(holder_pid: int, path: Path) -> bool:
+    """Whether ``path`` exists in the node's mount namespace (through the holder's root)."""
+    return Path(f"/proc/{holder_pid}/root{path}").exists()
 
 
 def _wait_namespaced(pid: int) -> None:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -26,9 +27,10 @@ def read_settings() -> dict[str, str]:
     return {path: Path(path).read_text() for path in GLOBAL_SETTINGS}
 
 
-def test_dev_down_removes_every_trace_of_the_real_node(tmp_path: Path) -> None:
+def test_dev_down_removes_every_trace_of_the_real_node() -> None:
     before = read_settings()
-    state = tmp_path / "state"
+    # A short folder: the kubelet's unix sockets live under it (about 100 bytes at most).
+    state = Path(tempfile.mkdtemp(prefix="mf-down-"))
     local = cluster.LocalCluster(state, pools=(), pod_network="127.176.0.0/12")
     local.start()
     try:
