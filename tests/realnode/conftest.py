@@ -3,8 +3,10 @@ kube-proxy, CoreDNS in a network namespace) and the images built with buildah.
 
 One cluster per test session, apart from the e2e tier's (whose fleets must never land on a real
 node): its own state folder, KWOK pod network and real-node network. The fixtures here override
-the root ``local_cluster`` and ``operator`` for the tests in this folder; the operator runs on the
-host as a user runs it and reaches the pods through the route to the node.
+the root ``local_cluster``, ``kube_admin``, ``kubeconfig``, ``crds`` and ``operator`` for the tests
+in this folder (every one that touches a cluster: a session fixture of the root conftest would be
+cached with the e2e cluster); the operator runs on the host as a user runs it and reaches the pods
+through the route to the node.
 """
 
 from __future__ import annotations
@@ -16,9 +18,11 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+import yaml
 
 from megafleet_dev import cluster, kube, realnode
 
+ROOT = Path(__file__).resolve().parents[2]
 OPERATOR_NAMESPACES = "t-*"
 # Apart from the dev cluster's (127.64.0.0/12, 10.213.0.0/16) and the e2e tier's (127.128.0.0/12).
 KWOK_POD_NETWORK = "127.144.0.0/12"
@@ -37,6 +41,23 @@ def local_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[cluster.
         yield local
     finally:
         local.stop()
+
+
+@pytest.fixture(scope="session")
+def kube_admin(local_cluster: cluster.LocalCluster) -> Iterator[kube.Kube]:
+    with local_cluster.kube() as client:
+        yield client
+
+
+@pytest.fixture(scope="session")
+def kubeconfig(local_cluster: cluster.LocalCluster) -> Path:
+    return local_cluster.kubeconfig
+
+
+@pytest.fixture(scope="session")
+def crds(kube_admin: kube.Kube) -> None:
+    for path in sorted((ROOT / "crds").glob("*.yaml")):
+        kube_admin.install_crd(yaml.safe_load(path.read_text()))
 
 
 @pytest.fixture(scope="session")
@@ -66,8 +87,3 @@ def operator(
         except subprocess.TimeoutExpired:
             process.kill()
             process.wait()
-
-
-def pod_phase(client: kube.Kube, namespace: str, name: str) -> str | None:
-    pod = client.get(f"/api/v1/namespaces/{namespace}/pods/{name}")
-    return None if pod is None else pod.get("status", {}).get("phase")
