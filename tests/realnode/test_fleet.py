@@ -1,7 +1,8 @@
 """The tiny CPU fleet in real containers on the real node, through the operator's unchanged pod
-spec: Ready, greedy completions from a client pod through the shard's ClusterIP Service (kube-proxy)
-and its DNS name (CoreDNS), a refit through a Refit object from a trainer inside the node's
-network, and a killed engine container healing behind the same Service."""
+spec, in a namespace that enforces the restricted Pod Security Standard: Ready, greedy completions
+from a client pod through the shard's ClusterIP Service (kube-proxy) and its DNS name (CoreDNS), a
+refit through a Refit object from a trainer inside the node's network, and a killed engine
+container healing behind the same Service."""
 
 from __future__ import annotations
 
@@ -24,6 +25,7 @@ pytestmark = [pytest.mark.realnode, pytest.mark.e2e, pytest.mark.timeout(1800)]
 
 ROOT = Path(__file__).resolve().parents[2]
 WAIT = 240  # the first engine start imports torch on two shared cores
+RESTRICTED = "pod-security.kubernetes.io/enforce"
 
 # A client as a user writes one: a few bounded retries (a Service briefly without a Ready endpoint
 # refuses), every error on stderr (the pod's termination message on failure).
@@ -104,6 +106,9 @@ def ask(client: kube.Kube, namespace: str, name: str, urls: list[str]) -> list[s
 def fleet(operator: Path, kube_admin: kube.Kube) -> Iterator[tuple[str, dict[str, Any]]]:
     """The tiny example fleet placed on the real node; yields (namespace, its Ready object)."""
     namespace = kube_admin.create_namespace("t")
+    # The restricted Pod Security Standard, enforced by the API server's admission for every pod
+    # here: the engine pods and the client pods must pass it as they are.
+    kube_admin.patch(f"/api/v1/namespaces/{namespace}", {"metadata": {"labels": {RESTRICTED: "restricted"}}})
     manifest = yaml.safe_load((ROOT / "examples" / "tiny-cpu.yaml").read_text())
     manifest["spec"]["placement"]["nodeSelector"] = {realnode.REAL_NODE_LABEL: "true"}
     kube_admin.create(fleets(namespace), manifest)
@@ -119,6 +124,8 @@ def test_the_fleet_runs_in_real_containers_on_the_real_node(
     fleet: tuple[str, dict[str, Any]], kube_admin: kube.Kube, real_node: realnode.RealNode
 ) -> None:
     namespace, ready = fleet
+    labels = (kube_admin.get(f"/api/v1/namespaces/{namespace}") or {})["metadata"]["labels"]
+    assert labels[RESTRICTED] == "restricted"
     assert [shard["phase"] for shard in ready["status"]["shards"]] == ["Ready", "Ready"]
     for shard in ready["status"]["shards"]:
         pod = kube_admin.wait(
