@@ -4,19 +4,31 @@
 #   docker build --target engine   -t megafleet/engine .     (CUDA base, torch, megatron-core; ENTRYPOINT megafleet-engine)
 # Both run as the non-root user 65532:65532 (the uid/gid the chart and the engine pods set) with a
 # read-only root filesystem: HOME and caches point at /tmp, an emptyDir in every pod.
-# tests/unit/test_dockerfile.py checks stages, entrypoints against [project.scripts], and no torch here.
+# The bases are build arguments: real users keep the public ones; `megafleet dev images` builds the
+# same targets with buildah from a Debian base made locally with mmdebstrap (no registry needed).
+# Each image installs into a venv at /opt/megafleet, so any base with python3 (>= 3.11) and venv works.
+# The dependencies come first, in a layer keyed by pyproject.toml alone, so a source change rebuilds
+# only the small layer that installs the project itself.
+# tests/unit/test_dockerfile.py checks stages, entrypoints against [project.scripts], and no torch here;
+# tests/realnode/test_images.py builds both and runs their entrypoints in containers.
+ARG OPERATOR_BASE=python:3.12-slim
+ARG ENGINE_BASE=nvidia/cuda:13.0.1-cudnn-runtime-ubuntu24.04
 
-FROM python:3.12-slim AS operator
+FROM ${OPERATOR_BASE} AS operator
 ENV PYTHONDONTWRITEBYTECODE=1 PYTHONUNBUFFERED=1 PIP_NO_CACHE_DIR=1 PIP_DISABLE_PIP_VERSION_CHECK=1 HOME=/tmp
+RUN python3 -m venv /opt/megafleet
+ENV PATH=/opt/megafleet/bin:$PATH
 WORKDIR /src
 COPY pyproject.toml README.md ./
+# The base dependencies only (kopf, lightkube, pydantic, httpx, ...): no extras, so no torch.
+RUN python3 -c "import sys, tomllib; p = tomllib.load(open('pyproject.toml', 'rb'))['project']; \
+print('\n'.join(p['dependencies']))" > /tmp/requirements.txt && pip install -r /tmp/requirements.txt
 COPY protocol ./protocol
 COPY operator ./operator
 COPY engine ./engine
 COPY dev ./dev
-# The base dependencies only (kopf, lightkube, pydantic, httpx, ...): no extras, so no torch. The dev
-# tooling and the engine package are removed: the operator imports neither (import-linter contracts).
-RUN pip install . && rm -rf /src \
+# The dev tooling and the engine package are removed: the operator imports neither (import-linter contracts).
+RUN pip install . && rm -rf /src /tmp/requirements.txt \
     && python -c "import importlib.util as u, pathlib as p, shutil; \
 [shutil.rmtree(p.Path(u.find_spec(m).origin).parent) for m in ('megafleet_dev', 'megafleet_engine')]"
 RUN groupadd --gid 65532 megafleet \
@@ -26,20 +38,26 @@ WORKDIR /tmp
 ENTRYPOINT ["megafleet"]
 CMD ["operator"]
 
-FROM nvidia/cuda:13.0.1-cudnn-runtime-ubuntu24.04 AS engine
+FROM ${ENGINE_BASE} AS engine
 ENV PYTHONDONTWRITEBYTECODE=1 PYTHONUNBUFFERED=1 PIP_NO_CACHE_DIR=1 PIP_DISABLE_PIP_VERSION_CHECK=1 \
-    DEBIAN_FRONTEND=noninteractive HOME=/tmp HF_HOME=/tmp/huggingface TRITON_CACHE_DIR=/tmp/triton
-# Ubuntu 24.04's python3 is 3.12, which megatron-core 0.19 needs.
-RUN apt-get update && apt-get install -y --no-install-recommends python3 python3-venv \
-    && rm -rf /var/lib/apt/lists/* && python3 -m venv /opt/megafleet
+    DEBIAN_FRONTEND=noninteractive HOME=/tmp XDG_CACHE_HOME=/tmp/.cache HF_HOME=/tmp/huggingface \
+    TRITON_CACHE_DIR=/tmp/triton TORCHINDUCTOR_CACHE_DIR=/tmp/torchinductor
+# Ubuntu 24.04's python3 is 3.12, which megatron-core 0.19 needs (on an older Python the megatron
+# extra installs nothing, by its marker). A base that already has python3 and venv skips apt.
+RUN (python3 -c "import venv, ensurepip" 2>/dev/null || (apt-get update \
+    && apt-get install -y --no-install-recommends python3 python3-venv && rm -rf /var/lib/apt/lists/*)) \
+    && python3 -m venv /opt/megafleet
 ENV PATH=/opt/megafleet/bin:$PATH
 WORKDIR /src
 COPY pyproject.toml README.md ./
+RUN python3 -c "import sys, tomllib; p = tomllib.load(open('pyproject.toml', 'rb'))['project']; \
+print('\n'.join(p['dependencies'] + p['optional-dependencies']['engine'] + p['optional-dependencies']['megatron']))" \
+    > /tmp/requirements.txt && pip install -r /tmp/requirements.txt
 COPY protocol ./protocol
 COPY operator ./operator
 COPY engine ./engine
 COPY dev ./dev
-RUN pip install '.[engine,megatron]' && rm -rf /src \
+RUN pip install '.[engine,megatron]' && rm -rf /src /tmp/requirements.txt \
     && python -c "import shutil, megafleet_dev, pathlib; shutil.rmtree(pathlib.Path(megafleet_dev.__file__).parent)"
 RUN groupadd --gid 65532 megafleet \
     && useradd --uid 65532 --gid 65532 --no-create-home --home-dir /tmp --shell /usr/sbin/nologin megafleet

@@ -14,7 +14,7 @@ import sys
 import threading
 from pathlib import Path
 
-from megafleet_dev import cluster, demo, kube, nodes, runner, toolchain
+from megafleet_dev import cluster, demo, images, kube, nodes, realnode, runner, sandbox, toolchain
 
 
 def default_state_dir() -> Path:
@@ -52,34 +52,72 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         action="store_true",
         help="start only the control plane and nodes (no operator, pod runner or sample fleet)",
     )
+    up.add_argument(
+        "--real-node",
+        action="store_true",
+        help="add a real CPU node (containerd, kubelet, kube-proxy, CoreDNS in a network namespace); "
+        "the sample fleet then runs in containers from the engine image built with buildah",
+    )
+    up.add_argument(
+        "--real-node-network",
+        default=realnode.DEFAULT_NETWORK,
+        help="the /16 the real node's pods and host link use (use another one for a second cluster)",
+    )
     commands.add_parser("down", help="stop every process of the local cluster and delete its files")
+    built = commands.add_parser(
+        "images", help="build the operator and engine images with buildah if their inputs changed"
+    )
+    built.add_argument(
+        "targets", nargs="*", metavar="TARGET", help=f"Dockerfile targets (default: {' '.join(images.TARGETS)})"
+    )
     commands.add_parser("runner", help="run the local pod runner in the foreground (started by 'up')")
     commands.add_parser("status", help="say what is running and where the kubeconfig is")
-    commands.add_parser("build", help="build the pinned control-plane programs into the cache if missing")
+    build = commands.add_parser("build", help="build the pinned control-plane programs into the cache if missing")
+    build.add_argument(
+        "--real-node",
+        action="store_true",
+        help="also the real node's programs (kubelet, kube-proxy, CoreDNS) and the operator and engine images",
+    )
 
 
 def run(args: argparse.Namespace) -> int:
     state_dir: Path = args.state_dir or default_state_dir()
     try:
         if args.dev_command == "build":
-            toolchain.ensure_built()
+            names = toolchain.CONTROL_PLANE + (realnode.PROGRAMS if args.real_node else ())
+            toolchain.ensure_built(names)
             for component in toolchain.COMPONENTS:
-                print(f"{component.name} {component.version}: {toolchain.component_dir(component)}")
+                if component.name in names:
+                    print(f"{component.name} {component.version}: {toolchain.component_dir(component)}")
+            for image in images.ensure_all() if args.real_node else []:
+                print(f"{image.reference}: {image.archive}")
+            return 0
+        if args.dev_command == "images":
+            unknown = set(args.targets) - set(images.TARGETS)
+            if unknown:
+                raise images.ImageError(f"unknown targets {sorted(unknown)}; choose from {list(images.TARGETS)}")
+            for image in images.ensure_all(tuple(args.targets) or images.TARGETS):
+                print(f"{image.reference} ({image.key}): {image.archive}")
             return 0
         if args.dev_command == "up":
             pools = tuple(args.pool) if args.pool else nodes.DEFAULT_POOLS
-            return _up(state_dir, pools, full=not args.control_plane_only, pod_network=args.pod_network)
+            real_network = args.real_node_network if args.real_node else None
+            return _up(
+                state_dir, pools, full=not args.control_plane_only, pod_network=args.pod_network, real_node=real_network
+            )
         if args.dev_command == "runner":
             return _runner(state_dir)
         if args.dev_command == "down":
             return _down(state_dir)
         return _status(state_dir)
-    except (toolchain.ToolchainError, cluster.ClusterError) as error:
+    except (toolchain.ToolchainError, cluster.ClusterError, images.ImageError) as error:
         print(f"megafleet dev {args.dev_command}: {error}", file=sys.stderr)
         return 1
 
 
-def _up(state_dir: Path, pools: tuple[nodes.NodePool, ...], *, full: bool, pod_network: str) -> int:
+def _up(
+    state_dir: Path, pools: tuple[nodes.NodePool, ...], *, full: bool, pod_network: str, real_node: str | None
+) -> int:
     if list(cluster.running_processes(state_dir)):
         print(f"the local cluster is already running from {state_dir}")
         return _status(state_dir)
@@ -87,12 +125,14 @@ def _up(state_dir: Path, pools: tuple[nodes.NodePool, ...], *, full: bool, pod_n
         shutil.rmtree(state_dir)
     local = cluster.LocalCluster(state_dir, pools=pools, pod_network=pod_network)
     state = local.start()
-    if full:
-        try:
-            demo.start(local)
-        except BaseException:
-            local.stop()
-            raise
+    try:
+        if real_node is not None:
+            realnode.start(local, network=real_node)
+        if full:
+            demo.start(local, real_node=real_node is not None)
+    except BaseException:
+        local.stop()
+        raise
     print(f"\nAPI server:  {state.api_server}")
     print(f"kubeconfig:  {state.kubeconfig}")
     print(f"\n  export KUBECONFIG={state.kubeconfig}")
@@ -124,10 +164,15 @@ def _down(state_dir: Path) -> int:
     if state is None:
         print(f"no local cluster in {state_dir}")
         return 0
+    box = sandbox.Sandbox.load(state_dir)
     cluster.LocalCluster(state_dir).stop()
     left = list(cluster.running_processes(state_dir))
     if left:
         print("still running: " + ", ".join(f"{record.name} (pid {record.pid})" for record in left), file=sys.stderr)
+        return 1
+    leftovers = sandbox.leftovers(box) if box is not None else []
+    if leftovers:
+        print("the real node left: " + ", ".join(leftovers), file=sys.stderr)
         return 1
     shutil.rmtree(state_dir)
     print(f"stopped {len(state.processes)} processes and removed {state_dir}")

@@ -27,9 +27,10 @@ import httpx
 from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric import rsa
 
-from megafleet_dev import kube, nodes, progress, toolchain
+from megafleet_dev import kube, nodes, pki, progress, sandbox, toolchain
 
 ADMIN_TOKEN_USER = "megafleet-admin"
+KUBELET_CLIENT_USER = "megafleet:apiserver-kubelet-client"  # bound to system:kubelet-api-admin by the real node
 SERVICE_CIDR = "10.96.0.0/16"  # ClusterIPs are data only: nothing ever connects to them.
 START_TIMEOUT_SECONDS = 120.0  # generous: two shared cores also run the test suite
 STOP_TIMEOUT_SECONDS = 15.0
@@ -135,6 +136,18 @@ class LocalCluster:
     def token_file(self) -> Path:
         return self.state_dir / "admin-token"
 
+    @property
+    def client_ca(self) -> Path:
+        """The CA (``.crt``/``.key``) whose client certificates the API server accepts (the real node's)."""
+        return self.state_dir / "pki" / "client-ca"
+
+    @property
+    def api_port(self) -> int:
+        state = ClusterState.load(self.state_dir)
+        if state is None or not state.api_server:
+            raise ClusterError(f"no running cluster in {self.state_dir}")
+        return int(state.api_server.rsplit(":", 1)[1])
+
     # -- lifecycle -----------------------------------------------------------------------------
 
     def start(self) -> ClusterState:
@@ -163,7 +176,9 @@ class LocalCluster:
         return state
 
     def stop(self) -> None:
-        """Stop every process this cluster started (in reverse start order), by PID."""
+        """Stop every process this cluster started (in reverse start order), by PID; a real node's
+        containers, namespace, network links and cgroups go first (:func:`sandbox.teardown`)."""
+        sandbox.teardown(self.state_dir)
         state = ClusterState.load(self.state_dir)
         records = list(self._records) or (state.processes if state else [])
         for record in reversed(records):
@@ -192,6 +207,10 @@ class LocalCluster:
         self.token_file.write_text(token)
         os.chmod(self.token_file, 0o600)
         (self.state_dir / "tokens.csv").write_text(f'{token},{ADMIN_TOKEN_USER},{ADMIN_TOKEN_USER},"system:masters"\n')
+        # Client certificates, as a real cluster's nodes use: the API server trusts this CA, and
+        # calls kubelets with a certificate of its own (the real node's kubelet trusts the CA too).
+        pki.make_ca(self.client_ca)
+        pki.issue(self.client_ca, self.state_dir / "pki" / "apiserver-kubelet-client", KUBELET_CLIENT_USER)
 
     def _start_etcd_and_apiserver(self) -> int:
         client_port, peer_port = free_port(), free_port()
@@ -231,7 +250,13 @@ class LocalCluster:
                 f"--service-account-key-file={sa_key}",
                 f"--service-account-signing-key-file={sa_key}",
                 f"--token-auth-file={self.state_dir / 'tokens.csv'}",
+                f"--client-ca-file={self.client_ca.with_suffix('.crt')}",
+                f"--kubelet-client-certificate={self.state_dir / 'pki' / 'apiserver-kubelet-client.crt'}",
+                f"--kubelet-client-key={self.state_dir / 'pki' / 'apiserver-kubelet-client.key'}",
                 "--authorization-mode=Node,RBAC",
+                "--enable-admission-plugins=NodeRestriction",
+                # Reach kubelets (the real node's) by their InternalIP, never by a DNS lookup.
+                "--kubelet-preferred-address-types=InternalIP",
                 "--allow-privileged=true",
                 # Endpoints may not hold loopback addresses, so the 'kubernetes' Service has none.
                 "--endpoint-reconciler-type=none",
@@ -344,9 +369,18 @@ class LocalCluster:
         state.save()
         return state
 
-    def spawn(self, name: str, argv: list[str], *, env: dict[str, str] | None = None) -> ProcessRecord:
+    def spawn(
+        self,
+        name: str,
+        argv: list[str],
+        *,
+        env: dict[str, str] | None = None,
+        preexec_fn: Callable[[], None] | None = None,
+    ) -> ProcessRecord:
         """Start another long-running process that belongs to this cluster (the operator, the pod
-        runner); ``stop`` and ``megafleet dev down`` stop it with the rest."""
+        runner, the real node's programs); ``stop`` and ``megafleet dev down`` stop it with the rest.
+        ``preexec_fn`` runs in the child before exec (the real node enters its namespaces there, so
+        ``argv[0]`` stays the program that runs and the PID check in :meth:`ProcessRecord.alive` holds)."""
         log = self.state_dir / "logs" / f"{name}.log"
         self.report(f"starting {name}")
         with log.open("ab") as sink:
@@ -358,6 +392,7 @@ class LocalCluster:
                 start_new_session=True,
                 cwd=self.state_dir,
                 env=env,
+                preexec_fn=preexec_fn,
             )
         self._children[proc.pid] = proc
         record = ProcessRecord(name=name, pid=proc.pid, argv=argv, log=str(log))

@@ -20,14 +20,16 @@ EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "tiny-cpu.yaml"
 NAMESPACE = "default"
 READY_TIMEOUT_SECONDS = 300.0
 PEERING = "megafleet"
+REAL_NODE_LABEL = "megafleet.dev/real-node"  # realnode.REAL_NODE_LABEL (demo stays free of realnode)
 
 
 def _fleet_path() -> str:
     return f"/apis/{v1alpha1.API_VERSION}/namespaces/{NAMESPACE}/megatrongenerations/tiny"
 
 
-def start(local: cluster.LocalCluster) -> None:
-    """Install the CRDs, start the operator and the runner, apply the tiny fleet, wait until Ready."""
+def start(local: cluster.LocalCluster, *, real_node: bool = False) -> None:
+    """Install the CRDs, start the operator and the runner, apply the tiny fleet, wait until Ready.
+    With ``real_node`` the fleet is placed on the real node (containers from the engine image)."""
     with local.kube() as client:
         for definition in [*(crd.definition(info) for info in v1alpha1.KINDS), crd.peering_definition()]:
             client.install_crd(definition)
@@ -47,6 +49,8 @@ def start(local: cluster.LocalCluster) -> None:
             env=env,
         )
         manifest: dict[str, Any] = yaml.safe_load(EXAMPLE.read_text())
+        if real_node:
+            manifest["spec"]["placement"]["nodeSelector"] = {REAL_NODE_LABEL: "true"}
         client.create(_fleet_path().rsplit("/", 1)[0], manifest)
         local.report("applied examples/tiny-cpu.yaml; waiting for the fleet to become Ready (engines start on CPU)")
         client.wait(
@@ -69,6 +73,8 @@ def usage(local: cluster.LocalCluster) -> list[str]:
     if pod is not None:
         url = f"http://{pod['status']['podIP']}:8000/v1/chat/completions"
         body = '{"model": "tiny", "messages": [{"role": "user", "content": "Hello"}], "max_tokens": 16}'
-        lines.append("\nThe frontends listen on their pod IPs (loopback addresses here). Send a chat completion:")
+        lines.append(
+            "\nThe frontends listen on their pod IPs (loopback, or routed to the real node). Send a chat completion:"
+        )
         lines.append(f"\n  curl -s {url} -H 'Content-Type: application/json' -d '{body}'")
     return lines

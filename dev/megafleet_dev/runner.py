@@ -5,7 +5,8 @@ anything; this runner watches pods labelled ``megafleet.dev/component=engine`` t
 and, once such a pod is Running with a (loopback) pod IP, starts its container command as a local process with the pod's
 environment: ``fieldRef`` values are resolved, Secret volumes and ``secretKeyRef`` values are read
 from the API and written to a private folder, and the shard's master address (a headless-Service
-DNS name) is mapped to pod 0's IP. A deleted pod's process is stopped. Started by
+DNS name) is mapped to pod 0's IP. A deleted pod's process is stopped. Pods of the real node (routable pod IPs)
+are left to its kubelet. Started by
 ``megafleet dev up`` and by the end-to-end test fixtures.
 """
 
@@ -13,6 +14,7 @@ from __future__ import annotations
 
 import base64
 import dataclasses
+import ipaddress
 import logging
 import os
 import shutil
@@ -86,6 +88,9 @@ class Runner:
         for pod in pods:
             uid = pod["metadata"]["uid"]
             running = pod.get("status", {}).get("phase") == "Running" and pod["status"].get("podIP")
+            # A pod of the real node (a routable pod IP) runs in a real container: not ours.
+            if running and not ipaddress.ip_address(pod["status"]["podIP"]).is_loopback:
+                continue
             if pod["metadata"].get("deletionTimestamp") or not running or _wants_gpus(pod):
                 continue
             live[uid] = pod

@@ -23,6 +23,7 @@ KUBERNETES_VERSION = "v1.36.3"
 ETCD_VERSION = "v3.6.16"
 KWOK_VERSION = "v0.8.0"
 HELM_VERSION = "v3.22.0"
+COREDNS_VERSION = "v1.14.7"
 
 GOMOD_DIR = Path(__file__).with_name("gomod")
 
@@ -89,6 +90,26 @@ COMPONENTS: tuple[Component, ...] = (
         ),
         programs=("kube-apiserver", "kube-controller-manager", "kube-scheduler"),
         ldflags=_kubernetes_ldflags(),
+    ),
+    # The real node's programs (``megafleet dev up --real-node``): the same kubernetes version and
+    # replace block as the control plane, in a module of their own so the control-plane build and
+    # its cache folder do not change.
+    Component(
+        name="node",
+        version=KUBERNETES_VERSION,
+        module="node",
+        packages=("k8s.io/kubernetes/cmd/kubelet", "k8s.io/kubernetes/cmd/kube-proxy"),
+        programs=("kubelet", "kube-proxy"),
+        ldflags=_kubernetes_ldflags(),
+    ),
+    # CoreDNS with the four plugins the real node's cluster DNS uses (gomod/coredns/main.go), not
+    # its full plugin set: a third of the dependencies and minutes less to build cold.
+    Component(
+        name="coredns",
+        version=COREDNS_VERSION,
+        module="coredns",
+        packages=("megafleet.invalid/controlplane/coredns",),
+        programs=("coredns",),
     ),
     Component(
         name="kwok",
@@ -242,10 +263,15 @@ def _write_kwok_stages(module_dir: Path, target: Path, *, log: Path) -> None:
     target.write_text("\n---\n".join(documents) + "\n")
 
 
+CONTROL_PLANE = ("etcd", "kubernetes", "kwok", "helm")
+"""The components ``megafleet dev build`` builds by default; the real node's are built on demand."""
+
+
 def ensure_built(names: tuple[str, ...] | None = None, *, report: progress.Progress = progress.print_progress) -> None:
-    """Build every named component (all when ``None``) whose cache folder is missing."""
+    """Build every named component (:data:`CONTROL_PLANE` when ``None``) whose cache folder is missing."""
+    names = CONTROL_PLANE if names is None else names
     for component in COMPONENTS:
-        if names is not None and component.name not in names:
+        if component.name not in names:
             continue
         if not is_built(component):
             _build(component, report)

@@ -52,7 +52,13 @@ class Stage:
                     command.append(word)
                     continue
                 if command[:2] in (["pip", "install"], ["pip3", "install"]):
-                    targets += [item for item in command[2:] if not item.startswith("-")]
+                    words = command[2:]
+                    # ``-r FILE`` installs the dependencies first (their own layer), not a target.
+                    targets += [
+                        item
+                        for i, item in enumerate(words)
+                        if not item.startswith("-") and (i == 0 or words[i - 1] != "-r")
+                    ]
                 command = []
         return targets
 
@@ -61,16 +67,21 @@ def parse(text: str) -> dict[str, Stage]:
     joined = re.sub(r"\\\n", " ", text)
     stages: dict[str, Stage] = {}
     current: Stage | None = None
+    build_args: dict[str, str] = {}  # ARGs before the first FROM: the bases' defaults
     for raw in joined.splitlines():
         line = raw.strip()
         if not line or line.startswith("#"):
             continue
         keyword, _, argument = line.partition(" ")
         keyword = keyword.upper()
-        if keyword == "FROM":
+        if keyword == "ARG" and current is None:
+            name, _, default = argument.strip().partition("=")
+            build_args[name] = default
+        elif keyword == "FROM":
             match = re.fullmatch(r"(?:--\S+\s+)*(\S+)\s+AS\s+(\S+)", argument.strip(), flags=re.IGNORECASE)
             assert match, f"every stage is named: {line}"
-            current = stages[match.group(2)] = Stage(match.group(2), match.group(1))
+            base = re.sub(r"\$\{(\w+)\}", lambda m: build_args[m.group(1)], match.group(1))
+            current = stages[match.group(2)] = Stage(match.group(2), base)
         else:
             assert current is not None, f"instruction before FROM: {line}"
             current.instructions.append((keyword, argument.strip()))
@@ -106,6 +117,9 @@ def test_the_parser_reads_stages_and_exec_forms() -> None:
     assert list(parsed) == ["one", "two"]
     assert parsed["one"].base == "a:1"
     assert parsed["one"].pip_targets() == [".[x]"]
+    with_args = parse("ARG B=img:2\nFROM ${B} AS s\nRUN pip install -r req.txt && pip install .\n")["s"]
+    assert with_args.base == "img:2"
+    assert with_args.pip_targets() == ["."]
     assert parsed["one"].exec_form("ENTRYPOINT") == ["p", "q"]
     assert parsed["two"].exec_form("ENTRYPOINT") is None
     with pytest.raises(json.JSONDecodeError):

@@ -1,0 +1,65 @@
+"""``megafleet dev down`` leaves nothing of a real node: no process in its cgroups or netns, no
+host link or route, no cgroup; and the host's global sysctls and forwarding are untouched."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import pytest
+
+from megafleet_dev import cluster, realnode, sandbox
+
+pytestmark = [pytest.mark.realnode, pytest.mark.e2e, pytest.mark.timeout(900)]
+
+GLOBAL_SETTINGS = (
+    "/proc/sys/vm/overcommit_memory",
+    "/proc/sys/kernel/panic",
+    "/proc/sys/kernel/panic_on_oops",
+    "/proc/sys/net/ipv4/ip_forward",
+)
+
+
+def read_settings() -> dict[str, str]:
+    return {path: Path(path).read_text() for path in GLOBAL_SETTINGS}
+
+
+def test_dev_down_removes_every_trace_of_the_real_node() -> None:
+    before = read_settings()
+    # A short folder: the kubelet's unix sockets live under it (about 100 bytes at most).
+    state = Path(tempfile.mkdtemp(prefix="mf-down-"))
+    local = cluster.LocalCluster(state, pools=(), pod_network="127.176.0.0/12")
+    local.start()
+    try:
+        # Only the pause image: this test is about the node's sandbox, not the engine.
+        node = realnode.start(local, network="10.216.0.0/16", targets=())
+        box = sandbox.Sandbox.load(state)
+        assert box is not None and box.holder_pid == node.holder_pid
+        assert sandbox.leftovers(box)  # the node exists: processes, cgroups, the host link
+        assert read_settings() == before  # the node's own forwarding and fake sysctls only
+        routes = subprocess.run(["ip", "route"], capture_output=True, text=True, check=True).stdout
+        assert str(node.addresses.pods) in routes and "default" not in _node_routes(node)
+    except BaseException:
+        local.stop()
+        raise
+    down = subprocess.run(
+        [sys.executable, "-m", "megafleet.cli", "dev", "--state-dir", str(state), "down"],
+        capture_output=True,
+        text=True,
+        env=dict(os.environ),
+        check=False,
+    )
+    assert down.returncode == 0, down.stderr
+    local.stop()  # finds nothing running; only collects the exit status of this process's children
+    assert sandbox.leftovers(box) == []
+    assert not state.exists()
+    routes = subprocess.run(["ip", "route"], capture_output=True, text=True, check=True).stdout
+    assert str(node.addresses.pods) not in routes
+    assert read_settings() == before
+
+
+def _node_routes(node: realnode.RealNode) -> str:
+    return sandbox.in_node(node.holder_pid, "ip", "route").stdout
