@@ -456,6 +456,31 @@ def test_cfg_reads_as_an_async_megatron_backend_and_unsupported_paths_refuse_lou
     assert not generation_.connected  # nothing above needed the clients
 
 
+RESHARD_CALLS = {
+    "init_nccl_reshard_comm_group": lambda g: g.init_nccl_reshard_comm_group(
+        pp_ips=["a"], pp_ports=[1], pp_size=1, train_ranks_per_stage=2, sub_world_size=4
+    ),
+    "rebuild_nccl_reshard_comm_group": lambda g: g.rebuild_nccl_reshard_comm_group(
+        object(), pp_ips=["a"], pp_ports=[1], pp_size=1, train_ranks_per_stage=2, sub_world_size=4
+    ),
+    "prepare_nccl_reshard_refit_info": lambda g: g.prepare_nccl_reshard_refit_info({}),
+    "nccl_reshard_refit": lambda g: g.nccl_reshard_refit(refit_timeout_s=5.0),
+}
+
+
+@pytest.mark.parametrize("call", sorted(RESHARD_CALLS))
+def test_the_seeds_nccl_reshard_calls_refuse_naming_the_collective_path_and_the_trainers_store_timeout(
+    call: str,
+) -> None:
+    generation_ = nemo.MegafleetGeneration(MODEL, frontends=[URL])
+    with pytest.raises(NotImplementedError) as refused:
+        RESHARD_CALLS[call](generation_)
+    message = str(refused.value)
+    assert "use the collective path" in message and "update_weights_from_collective" in message
+    assert "time out" in message and "store" in message
+    assert not generation_.connected
+
+
 # -- point 4: versions never go backwards, whatever NeMo RL's call order -----------------------------
 
 
