@@ -237,13 +237,16 @@ class Generator:
         """Every prompt at once as batched requests (:meth:`batch_requests`), spread over the
         frontends; answers in prompt order. Token prompts whose ``max_tokens`` must be clamped
         differently go in different requests (one request has one ``max_tokens``)."""
-        fitted = [await self._fitted(prompt, sampling) for prompt in prompts]
-        requests = self.batch_requests(prompts, fitted)
-        answers: list[Answer | None] = [None] * len(prompts)
+        return await self.complete_fitted(prompts, [await self._fitted(prompt, sampling) for prompt in prompts])
+
+    async def complete_fitted(self, prompts: Sequence[Prompt], samplings: Sequence[Sampling]) -> list[Answer]:
+        """Every prompt with its own already fitted sampling, as :meth:`batch_requests` all in flight
+        at once; answers in prompt order."""
+        requests = self.batch_requests(prompts, samplings)
+        answers: dict[int, Answer] = {}
         for (members, _), got in zip(requests, await asyncio.gather(*(work for _, work in requests)), strict=True):
-            for index, answer in zip(members, got, strict=True):
-                answers[index] = answer
-        return [answer for answer in answers if answer is not None]
+            answers.update(zip(members, got, strict=True))
+        return [answers[index] for index in range(len(prompts))]
 
     def batch_requests(
         self, prompts: Sequence[Prompt], samplings: Sequence[Sampling]

@@ -345,12 +345,7 @@ class MegafleetGeneration(unsupported.Unsupported):
         self, clients: connection.Clients, prompts: list[list[int]], samplings: list[generation.Sampling]
     ) -> list[generation.Answer]:
         """Every sample's answer, in order, from batched requests (one per frontend per chunk)."""
-        fitted = await self._fit(clients, prompts, samplings)
-        requests = clients.generator.batch_requests(prompts, fitted)
-        answers: dict[int, generation.Answer] = {}
-        for (members, _), got in zip(requests, await asyncio.gather(*(work for _, work in requests)), strict=True):
-            answers.update(zip(members, got, strict=True))
-        return [answers[index] for index in range(len(prompts))]
+        return await clients.generator.complete_fitted(prompts, await self._fit(clients, prompts, samplings))
 
     async def _fit(
         self, clients: connection.Clients, prompts: list[list[int]], samplings: list[generation.Sampling]
