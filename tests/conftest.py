@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 import yaml
 
+from helpers import operator_env
 from megafleet_dev import cluster, kube, runner
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -83,7 +84,7 @@ def operator(
     with log.open("wb") as sink:
         process = subprocess.Popen(
             [sys.executable, "-m", "megafleet.cli", "operator", "--namespace", OPERATOR_NAMESPACES],
-            env=dict(os.environ, KUBECONFIG=str(kubeconfig)),
+            env=dict(os.environ, KUBECONFIG=str(kubeconfig), **operator_env.ENVIRONMENT),
             stdout=sink,
             stderr=subprocess.STDOUT,
         )

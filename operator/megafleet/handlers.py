@@ -30,8 +30,9 @@ log = logging.getLogger(__name__)
 RESOURCE = (v1alpha1.GROUP, v1alpha1.VERSION, "megatrongenerations")
 REFITS = (v1alpha1.GROUP, v1alpha1.VERSION, "refits")
 SESSIONS = (v1alpha1.GROUP, v1alpha1.VERSION, "refitsessions")
-SETTINGS = operator_settings.OperatorSettings()
-"""The operator's settings; the decorators below read their intervals at import."""
+SETTINGS = operator_settings.OperatorSettings.from_environ()
+"""The operator's settings (defaults, with ``MEGAFLEET_<GROUP>_<FIELD>`` overrides); the decorators below
+read their intervals at import."""
 _TRIGGERS = SETTINGS.triggers
 
 

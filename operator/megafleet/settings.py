@@ -1,15 +1,20 @@
 """Every tuning value of the operator, in one frozen object.
 
 Built once by :mod:`megafleet.handlers` (its Kopf decorators read it at import, its startup handler
-keeps it in Kopf's ``memo``) and read by the reconcile steps and the Refit driver. Nothing here is
-read from the environment: a value changes by changing its default, with the reason beside it.
+keeps it in Kopf's ``memo``) and read by the reconcile steps and the Refit driver. A value changes by
+changing its default, with the reason beside it; :meth:`OperatorSettings.from_environ` lets a deployment
+(or a test) override one as ``MEGAFLEET_<GROUP>_<FIELD>``, e.g. ``MEGAFLEET_SESSION_TRAINER_GONE_SECONDS``.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import os
+from collections.abc import Mapping
+from typing import Any
 
 __all__ = [
+    "ENV_PREFIX",
     "AgentSettings",
     "CatchUpSettings",
     "OperatorSettings",
@@ -17,7 +22,12 @@ __all__ = [
     "SessionSettings",
     "ShardSettings",
     "TriggerSettings",
+    "env_name",
 ]
+
+
+ENV_PREFIX = "MEGAFLEET_"
+"""Environment names of the overrides: ``MEGAFLEET_<GROUP>_<FIELD>`` in upper case."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -85,7 +95,8 @@ class SessionSettings:
     trainer_gone_seconds: float = 60.0
     """Seconds every member must report the trainer's store unreachable before the session is
     ``Closed`` with ``TrainerGone`` (default 60: six of the agents' 10 s probes, so one slow probe
-    never ends a run)."""
+    never ends a run; ``MEGAFLEET_SESSION_TRAINER_GONE_SECONDS``). The session ends within this
+    plus one probe (10 s) plus one poll of the members after the trainer is gone."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -107,3 +118,36 @@ class OperatorSettings:
     refit: RefitSettings = dataclasses.field(default_factory=RefitSettings)
     session: SessionSettings = dataclasses.field(default_factory=SessionSettings)
     agents: AgentSettings = dataclasses.field(default_factory=AgentSettings)
+
+    @classmethod
+    def from_environ(cls, environ: Mapping[str, str] | None = None) -> OperatorSettings:
+        """The defaults, with every ``MEGAFLEET_<GROUP>_<FIELD>`` of ``environ`` (default: this
+        process's) applied, e.g. ``MEGAFLEET_SESSION_TRAINER_GONE_SECONDS=15``. Read once at import by
+        :mod:`megafleet.handlers`.
+
+        Raises:
+            ValueError: an override is not a number of its field's type.
+        """
+        environ = os.environ if environ is None else environ
+        defaults = cls()
+        groups: dict[str, Any] = {}
+        for group in dataclasses.fields(cls):
+            current = getattr(defaults, group.name)
+            changes: dict[str, Any] = {}
+            for field in dataclasses.fields(current):
+                name = env_name(group.name, field.name)
+                raw = environ.get(name)
+                if raw is None:
+                    continue
+                kind = type(getattr(current, field.name))
+                try:
+                    changes[field.name] = kind(raw)
+                except ValueError:
+                    raise ValueError(f"{name}={raw!r} is not a valid {kind.__name__}") from None
+            groups[group.name] = dataclasses.replace(current, **changes)
+        return cls(**groups)
+
+
+def env_name(group: str, field: str) -> str:
+    """The environment name that overrides ``field`` of settings group ``group``."""
+    return f"{ENV_PREFIX}{group}_{field}".upper()

@@ -13,6 +13,7 @@ then, after ``shutdown`` ended that session, the collective synchronizer's order
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -21,8 +22,8 @@ import pytest
 import ray
 import torch
 
-from helpers import nemo_collector, nemo_trainer, refit_e2e, refit_harness
-from megafleet.sdk import nemo
+from helpers import nemo_collector, nemo_trainer, operator_env, refit_e2e, refit_harness
+from megafleet.sdk import errors, nemo
 from megafleet_dev import kube
 from megafleet_engine.models import tiny
 
@@ -33,10 +34,16 @@ WORLD = TRAINER_RANKS + FLEET_RANKS
 GPU_MEMORY = 7_500_000  # a "trainer GPU" whose NeMo bucket target (x 0.02) splits the tiny model in ~3 buckets
 MAX_TOKENS = 8
 PROMPTS = [[1, 50], [1, 60, 61], [1, 41, 43, 42, 44], [1, 70, 71, 72]]
+REFIT_DEADLINE = 20  # spec.refit.timeoutSeconds of the wrong-bucket fleet
+PROBE_SECONDS = 10  # the agents' probe of the trainer's store
 
 
 def sessions(namespace: str) -> str:
     return f"/apis/megafleet.dev/v1alpha1/namespaces/{namespace}/refitsessions"
+
+
+def phase_in(*phases: str) -> Any:
+    return lambda obj: (obj or {}).get("status", {}).get("phase") in phases
 
 
 @pytest.fixture
@@ -163,3 +170,69 @@ def test_nemos_own_trainer_refits_the_fleet_in_vllms_order_and_the_collective_sy
         (version, "Succeeded") for version in (1, 2, 3, 4)
     ]
     assert all("session" in r["spec"]["source"] for r in refits)
+
+
+def test_a_wrong_bucket_size_breaks_the_refit_by_its_deadline_and_a_killed_trainer_closes_the_session(
+    operator: Path, kube_admin: kube.Kube, namespace: str, kubeconfig: Path, local_ray: None
+) -> None:
+    fleets = refit_e2e.fleets(namespace)
+    kube_admin.create(fleets, refit_e2e.tiny_fleet(refit={"bucketSizeMiB": 1, "timeoutSeconds": REFIT_DEADLINE}))
+    told = int(GPU_MEMORY * 0.02) // 4  # the adapter's B: 7 buckets of the tiny model
+    generation = adapter(namespace, kubeconfig, trainer_bucket_bytes=told)
+    # the trainer packs with 4x the target (another ratio in its Ray runtime env): 3 buckets, so the
+    # fleet waits for a 4th that never comes (the other way round, see docs/nemo-rl.md)
+    policy: Any = ray.remote(num_cpus=0)(nemo_trainer.PolicyWorkers).remote(bucket_bytes=told * 4, timeout=WAIT)
+    try:
+        assert generation.prepare_for_generation()
+        port = refit_harness.free_port(nemo_trainer.ADDRESS)
+        futures_train = [policy.init_collective.remote(nemo_trainer.ADDRESS, port, WORLD, train_world_size=2)]
+        futures_inference = generation.init_collective(nemo_trainer.ADDRESS, port, WORLD, train_world_size=2)
+        assert all(ray.get(futures_train + futures_inference, timeout=WAIT))
+        generation.prepare_refit_info(ray.get(policy.prepare_refit_info.remote()))
+        [session] = kube_admin.list(sessions(namespace))["items"]
+        name = session["metadata"]["name"]
+        policy.broadcast_weights_for_collective.remote(1)  # its futures are the trainer's problem
+        started = time.monotonic()
+        with pytest.raises(errors.RefitFailed, match=rf"bucketBytes {told}") as failed:
+            generation.update_weights_from_collective(refit_timeout_s=WAIT)
+        elapsed = time.monotonic() - started
+        assert elapsed < REFIT_DEADLINE + 30, elapsed  # the Refit's own deadline ended it, nothing hung
+        assert "restart the job" in str(failed.value), failed.value
+        broken = kube_admin.wait(f"{sessions(namespace)}/{name}", phase_in("Broken"), timeout=WAIT, what="Broken")
+        assert broken is not None and (kube.condition(broken, "Broken") or {}).get("reason") == "RefitFailed"
+        assert generation.weight_version == 0
+    finally:
+        generation.shutdown()
+        ray.kill(policy)
+
+    # a fresh world; a held kubectl scale; the trainer process dies: TrainerGone within the setting
+    generation = adapter(namespace, kubeconfig, trainer_bucket_bytes=told)
+    policy = ray.remote(num_cpus=0)(nemo_trainer.PolicyWorkers).remote(bucket_bytes=told)
+    try:
+        port = refit_harness.free_port(nemo_trainer.ADDRESS)
+        futures_train = [policy.init_collective.remote(nemo_trainer.ADDRESS, port, WORLD, train_world_size=2)]
+        futures_inference = generation.init_collective(nemo_trainer.ADDRESS, port, WORLD, train_world_size=2)
+        assert all(ray.get(futures_train + futures_inference, timeout=WAIT))
+        [session] = [s for s in kube_admin.list(sessions(namespace))["items"] if s["status"]["phase"] == "Joined"]
+        name = session["metadata"]["name"]
+        kube_admin.patch(f"{fleets}/tiny/scale", {"spec": {"replicas": 3}})
+        assert kube_admin.wait(
+            f"{fleets}/tiny",
+            lambda o: "spec.replicas 3 waits" in (kube.condition(o, "RefitSessionHeld") or {}).get("message", ""),
+            timeout=WAIT,
+            what="RefitSessionHeld naming the scale",
+        )
+        ray.kill(policy)  # SIGKILL of the trainer's process: its store goes with it
+        killed = time.monotonic()
+        bound = operator_env.TRAINER_GONE_SECONDS + PROBE_SECONDS + 15  # + one probe + polls and writes
+        closed = kube_admin.wait(
+            f"{sessions(namespace)}/{name}", phase_in("Closed", "Broken"), timeout=bound, what="TrainerGone"
+        )
+        assert closed is not None and closed["status"]["phase"] == "Closed", closed
+        assert (kube.condition(closed, "Joined") or {}).get("reason") == "TrainerGone", closed
+        assert operator_env.TRAINER_GONE_SECONDS <= time.monotonic() - killed < bound
+        assert kube_admin.wait(
+            f"/api/v1/namespaces/{namespace}/pods/tiny-s2-p0", lambda o: o is not None, timeout=WAIT
+        ), "the held scale is applied once the session closed"
+    finally:
+        generation.shutdown()

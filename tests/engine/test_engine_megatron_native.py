@@ -7,6 +7,7 @@ megatron-core's does, so greedy tokens show which version the engine serves."""
 
 from __future__ import annotations
 
+import socket
 import sys
 import threading
 import time
@@ -24,6 +25,7 @@ from helpers import megatron_trainer, refit_harness
 from megafleet_engine.backends import transformers_backend
 from megafleet_engine.backends.megatron import native_refit
 from megafleet_engine.models import tiny
+from megafleet_engine.refit_runner import controller
 
 SOURCE = "tiny://llama"
 PROMPT = [40, 41, 42, 43, 44]
@@ -110,6 +112,17 @@ def versions() -> list[dict[str, torch.Tensor]]:
 
 @pytest.fixture
 def swapping(tmp_path: Path) -> Iterator[tuple[harness.Served, FakeReceiver]]:
+    yield from _swapping(tmp_path)
+
+
+@pytest.fixture
+def probing(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[tuple[harness.Served, FakeReceiver]]:
+    """:func:`swapping` with the store probed every 0.2 s (10 s in production)."""
+    monkeypatch.setattr(controller, "STORE_PROBE_SECONDS", 0.2)
+    yield from _swapping(tmp_path)
+
+
+def _swapping(tmp_path: Path) -> Iterator[tuple[harness.Served, FakeReceiver]]:
     model, tokenizer = tiny.build_tiny(SOURCE)
     backend = SwappingBackend(model, tokenizer, name=harness.MODEL, max_sequence_length=harness.MAX_SEQUENCE_LENGTH)
     group = FakeGroup(model, versions())
@@ -269,6 +282,35 @@ def test_join_prepares_on_the_backend_thread_while_the_engine_serves(
     }
     assert receiver.group.prepared == ["megafleet-engine"]
     assert served.engine.state == "ready"
+
+
+def test_a_joined_membership_probes_the_trainers_store_at_port_plus_one(
+    probing: tuple[harness.Served, FakeReceiver],
+) -> None:
+    served, _ = probing
+    store = socket.create_server(("127.0.0.1", 0))  # megatron-core's refit store listens at port + 1
+    port = store.getsockname()[1] - 1
+    rendezvous = {"address": "127.0.0.1", "port": port, "worldSize": 2, "rankOffset": 1, "trainerWorldSize": 1}
+    try:
+        response = post(served, "/v1/refit/megatron/join", join_body(rendezvous=rendezvous))
+        assert response.status_code == 202, response.text
+        assert response.json().get("storeReachable") is None, "not probed before it joined"
+        wait_world(served, "joined")
+        assert wait_store(served, True)["session"] == SESSION
+    finally:
+        store.close()  # the trainer is gone: its store with it
+    gone = wait_store(served, False)
+    assert gone["phase"] == "joined", "the probe reports; the operator decides"
+
+
+def wait_store(served: harness.Served, reachable: bool) -> dict[str, Any]:
+    deadline = time.monotonic() + WAIT_SECONDS
+    while True:
+        current = world(served)
+        if current.get("storeReachable") is reachable:
+            return current
+        assert time.monotonic() < deadline, f"the store probe did not report {reachable}: {current}"
+        time.sleep(0.05)  # polling the agent's status with a deadline, as the operator does
 
 
 def test_a_failed_join_reports_why_and_refits_stay_refused(swapping: tuple[harness.Served, FakeReceiver]) -> None:

@@ -300,18 +300,24 @@ class Frontend:
         body = json.loads(request.content)
         with self.lock:
             self.bodies.append(body)
-        prompt = body["prompt"]
-        if len(prompt) + body["max_tokens"] > LIMIT:  # the engine's 400 for plain OpenAI clients
+        batched = bool(body["prompt"]) and isinstance(body["prompt"][0], list)
+        prompts = body["prompt"] if batched else [body["prompt"]]
+        too_long = any(len(prompt) + body["max_tokens"] > LIMIT for prompt in prompts)
+        if too_long:  # the engine's 400 for plain OpenAI clients
             return httpx.Response(400, json={"error": {"message": "too long", "code": "context_length_exceeded"}})
         tokens = [7] * body["max_tokens"]
         version = self.weight_version[0]
-        choice = {
-            "text": "",
-            "token_ids": tokens,
-            "logprobs": {"token_logprobs": [-0.5] * len(tokens)},
-            "finish_reason": "length",
-        }
-        return httpx.Response(200, json={"choices": [choice], "weight_version": version})
+        choices = [
+            {
+                "index": index,
+                "text": "",
+                "token_ids": tokens,
+                "logprobs": {"token_logprobs": [-0.5] * len(tokens)},
+                "finish_reason": "length",
+            }
+            for index in range(len(prompts))
+        ]
+        return httpx.Response(200, json={"choices": choices, "weight_version": version})
 
 
 class FakeFleet(fleet.Fleet):
@@ -450,6 +456,31 @@ def test_cfg_reads_as_an_async_megatron_backend_and_unsupported_paths_refuse_lou
     assert not generation_.connected  # nothing above needed the clients
 
 
+RESHARD_CALLS = {
+    "init_nccl_reshard_comm_group": lambda g: g.init_nccl_reshard_comm_group(
+        pp_ips=["a"], pp_ports=[1], pp_size=1, train_ranks_per_stage=2, sub_world_size=4
+    ),
+    "rebuild_nccl_reshard_comm_group": lambda g: g.rebuild_nccl_reshard_comm_group(
+        object(), pp_ips=["a"], pp_ports=[1], pp_size=1, train_ranks_per_stage=2, sub_world_size=4
+    ),
+    "prepare_nccl_reshard_refit_info": lambda g: g.prepare_nccl_reshard_refit_info({}),
+    "nccl_reshard_refit": lambda g: g.nccl_reshard_refit(refit_timeout_s=5.0),
+}
+
+
+@pytest.mark.parametrize("call", sorted(RESHARD_CALLS))
+def test_the_seeds_nccl_reshard_calls_refuse_naming_the_collective_path_and_the_trainers_store_timeout(
+    call: str,
+) -> None:
+    generation_ = nemo.MegafleetGeneration(MODEL, frontends=[URL])
+    with pytest.raises(NotImplementedError) as refused:
+        RESHARD_CALLS[call](generation_)
+    message = str(refused.value)
+    assert "use the collective path" in message and "update_weights_from_collective" in message
+    assert "time out" in message and "store" in message
+    assert not generation_.connected
+
+
 # -- point 4: versions never go backwards, whatever NeMo RL's call order -----------------------------
 
 
@@ -558,6 +589,28 @@ def test_with_fixed_frontends_the_limit_comes_from_v1_models_once(
         generation_.shutdown()
     assert [body["max_tokens"] for body in frontend.bodies] == [4, LIMIT - 10]
     assert frontend.models_requests == 1
+
+
+def test_a_batch_is_one_token_ids_only_request_per_frontend_and_stop_strings_split_it(
+    monkeypatch: pytest.MonkeyPatch, frontend: Frontend
+) -> None:
+    install(monkeypatch, frontend, [])
+    generation_ = adapter(frontends=[URL], config={"max_new_tokens": 4})
+    prompts = [[1, 2, 3], [4, 5], [6], [7, 8, 9]]
+    data = {
+        "input_ids": torch.tensor([prompt + [0] * (3 - len(prompt)) for prompt in prompts]),
+        "input_lengths": torch.tensor([len(prompt) for prompt in prompts]),
+        "stop_strings": [None, ["</answer>"], None, None],
+    }
+    try:
+        out = generation_.generate(data)
+    finally:
+        generation_.shutdown()
+    assert [body["prompt"] for body in frontend.bodies] == [[[1, 2, 3], [6], [7, 8, 9]], [[4, 5]]]
+    assert [body.get("detokenize") for body in frontend.bodies] == [False, None]  # text only for stop strings
+    assert frontend.bodies[1]["stop"] == ["</answer>"]
+    assert out["generation_lengths"].tolist() == [4, 4, 4, 4]
+    assert out["output_ids"][1, :6].tolist() == [4, 5, 7, 7, 7, 7]  # right-padded, in sample order
 
 
 # -- point 8: bad input, bad_words, ignore_eos, invalidate_kv_cache ---------------------------------

@@ -11,6 +11,7 @@ The engine's length limit (128 tokens) is hit as vLLM's: truncated, not an error
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Iterator
 from typing import Any
 
@@ -100,3 +101,38 @@ def test_asking_for_more_tokens_than_the_model_length_leaves_stops_there_as_trun
         generation.shutdown()
     assert out["generation_lengths"].tolist() == [LIMIT - 5] and out["truncated"].tolist() == [True]
     assert out["unpadded_sequence_lengths"].tolist() == [LIMIT]
+
+
+def test_a_batch_goes_to_the_engine_as_one_request_sync_and_async(engine: engine_command.EngineProcess) -> None:
+    """Counted at the engine's own metrics: a fall-back to one request per prompt fails this."""
+    reference = engine_command.Reference()
+    width = max(len(prompt) for prompt in PROMPTS) + 2
+    data = {
+        "input_ids": torch.tensor([prompt + [0] * (width - len(prompt)) for prompt in PROMPTS]),
+        "input_lengths": torch.tensor([len(prompt) for prompt in PROMPTS]),
+    }
+    generation = adapter(engine)
+
+    async def stream() -> dict[int, list[int]]:
+        got = {}
+        async for index, single in generation.generate_async(data, greedy=True):
+            length = len(PROMPTS[index])
+            got[index] = single["output_ids"][0, length : length + int(single["generation_lengths"][0])].tolist()
+        return got
+
+    try:
+        before = engine.requests()
+        out = generation.generate(data, greedy=True)
+        after_sync = engine.requests()
+        streamed = asyncio.run(stream())
+        after_async = engine.requests()
+    finally:
+        generation.shutdown()
+    expected = [reference.greedy(prompt, 8) for prompt in PROMPTS]
+    assert [
+        out["output_ids"][i, len(prompt) : len(prompt) + int(out["generation_lengths"][i])].tolist()
+        for i, prompt in enumerate(PROMPTS)
+    ] == expected
+    assert out["logprobs"][:, : len(PROMPTS[0])].abs().sum() == 0 and (out["logprobs"][0, 4:12] < 0).all()
+    assert [streamed[i] for i in range(len(PROMPTS))] == expected
+    assert (after_sync - before, after_async - after_sync) == (1, 1)

@@ -17,9 +17,11 @@ import gzip
 import hashlib
 import json
 import pickle
+import re
 import sys
 import threading
 import time
+import warnings
 from collections.abc import Callable, Iterator
 from typing import Any, cast
 
@@ -350,6 +352,11 @@ def test_a_failed_session_refit_raises_with_the_broken_reason_and_the_restart_ad
     message = str(raised.value)
     assert "is Broken (MemberLost: shard 1, pod tiny-s1-p0 restarted)" in message
     assert "restart the job from its last checkpoint" in message
+    assert (
+        f"likely cause: the trainer packs its buckets with another target than the session's bucketBytes {MIB}"
+        in message
+    )
+    assert "NRL_REFIT_BUFFER_MEMORY_RATIO" in message and "trainer_bucket_bytes" in message
     assert generation_.weight_version != 5
     with pytest.raises(errors.RefitFailed, match="is Broken"):  # the next update, too: the session is lost
         generation_.update_weights_from_collective()
@@ -454,6 +461,66 @@ def test_b_from_the_trainer_gpu_memory_and_nemos_ratio(
     generation_ = adapter_factory(trainer_gpu_memory_bytes=memory)
     generation_.init_collective("10.0.0.1", 29500, 3, train_world_size=1)
     assert session_bucket(operator) == expected == nemo_protocol.nemo_bucket_bytes(memory, float(ratio or 0.02))
+
+
+@pytest.mark.parametrize(
+    ("runtime_env", "warned"),
+    [
+        (None, None),  # Ray not initialised
+        ({"env_vars": {"OTHER": "1"}}, None),
+        ({"env_vars": {buckets.RATIO_VARIABLE: "0.02"}}, None),
+        ({"env_vars": {buckets.RATIO_VARIABLE: "0.05"}}, "NRL_REFIT_BUFFER_MEMORY_RATIO=0.05 .* computes .* with 0.02"),
+        ({"env_vars": {buckets.RATIO_VARIABLE: "lots"}}, "'lots', which is not a number"),
+    ],
+)
+def test_the_ratio_check_compares_the_ray_runtime_env_with_the_drivers(
+    runtime_env: dict[str, Any] | None, warned: str | None
+) -> None:
+    found = buckets.ratio_mismatch(0.02, runtime_env)
+    if warned is None:
+        assert found is None
+    else:
+        assert found is not None and re.search(warned, found), found
+
+
+def test_a_computed_b_warns_when_the_ray_runtime_env_sets_another_ratio_and_an_exact_b_does_not(
+    operator: FakeOperator,
+    adapter_factory: Callable[..., nemo.MegafleetGeneration],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.delenv(buckets.RATIO_VARIABLE, raising=False)
+    monkeypatch.setattr(buckets, "ray_runtime_env", lambda: {"env_vars": {buckets.RATIO_VARIABLE: "0.04"}})
+    generation_ = adapter_factory(trainer_gpu_memory_bytes=80 * 1024**3)
+    with pytest.warns(RuntimeWarning, match=r"Ray runtime env sets NRL_REFIT_BUFFER_MEMORY_RATIO=0\.04"):
+        generation_.init_collective("10.0.0.1", 29500, 3, train_world_size=1)
+    assert session_bucket(operator) == int(80 * 1024**3 * 0.02)  # B still follows the driver's ratio
+    exact = adapter_factory(trainer_bucket_bytes=MIB)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        exact.init_collective("10.0.0.1", 29600, 3, train_world_size=1)
+
+
+def test_ray_runtime_env_is_none_without_an_initialised_ray(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delitem(sys.modules, "ray", raising=False)
+    assert buckets.ray_runtime_env() is None
+
+    class Context:
+        runtime_env = {"env_vars": {buckets.RATIO_VARIABLE: "0.1"}}
+
+    class Ray:
+        initialised = False
+
+        def is_initialized(self) -> bool:
+            return self.initialised
+
+        def get_runtime_context(self) -> Context:
+            return Context()
+
+    fake = Ray()
+    monkeypatch.setitem(sys.modules, "ray", fake)
+    assert buckets.ray_runtime_env() is None
+    fake.initialised = True
+    assert buckets.ray_runtime_env() == {"env_vars": {buckets.RATIO_VARIABLE: "0.1"}}
 
 
 def test_an_unknown_b_raises_naming_both_options_before_any_object_exists(

@@ -632,3 +632,13 @@ def test_engines_without_weights_can_join_failed_ones_cannot(world: World, state
     if phase == "Pending":
         assert status["message"].startswith("waiting for shard 0: the engine of tiny-s0-p0 failed")
         assert world.agents.joins == []
+
+
+def test_the_trainer_gone_bound_is_an_operator_setting_overridable_from_the_environment() -> None:
+    name = operator_settings.env_name("session", "trainer_gone_seconds")
+    assert name == "MEGAFLEET_SESSION_TRAINER_GONE_SECONDS"
+    found = operator_settings.OperatorSettings.from_environ({name: "15", "MEGAFLEET_REFIT_MAX_ATTEMPTS": "3"})
+    assert found.session.trainer_gone_seconds == 15.0 and found.refit.max_attempts == 3
+    assert operator_settings.OperatorSettings.from_environ({}) == operator_settings.OperatorSettings()
+    with pytest.raises(ValueError, match="MEGAFLEET_SESSION_TRAINER_GONE_SECONDS='soon'"):
+        operator_settings.OperatorSettings.from_environ({name: "soon"})

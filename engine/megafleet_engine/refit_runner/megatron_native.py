@@ -10,7 +10,10 @@ per engine process, next to its :class:`~megafleet_engine.refit_runner.controlle
   trainer's store at ``port + 1`` and build its refit group (the backend's
   :meth:`~megafleet_engine.backends.megatron.native_refit.NativeRefit.connect`), then run
   ``prepare_swap_model_weights`` on the backend thread between batches (the engine keeps serving).
-  The membership is kept for the refits of its session.
+  The membership is kept for the refits of its session; while it is joined, a thread probes the
+  trainer's store at ``port + 1`` as the NeMo world's probe does (a TCP connect every
+  ``store_probe_seconds`` of the controller: ``world.storeReachable``, from which the operator
+  closes a session whose trainer is gone).
 * **Refit**: a controller attempt (:class:`~megafleet_engine.refit_runner.controller.SwapRequest`)
   with the controller's phases, status and watchdog: suspend, one ``swap_model_weights`` on the
   backend thread, check the parameters' storage did not move, resume with the new version.
@@ -160,10 +163,25 @@ class _Membership:
         self.group: RefitGroup | None = None
         self.swapping = False
         self.aborted = threading.Event()
+        self.store_reachable: bool | None = None  # the last probe of the trainer's store; None: not probed yet
 
     def snapshot(self) -> controller.WorldSnapshot:
         with self.lock:
-            return controller.WorldSnapshot(self.request.session, self.phase, self.rank, None, self.error)
+            return controller.WorldSnapshot(
+                self.request.session, self.phase, self.rank, None, self.error, self.store_reachable
+            )
+
+    def probe_store(self, every_seconds: float) -> None:
+        """The store probe's thread, while this membership is joined: every ``every_seconds``, whether
+        the trainer's store (``port + 1``, megatron-core's refit store) still accepts a connection.
+        A plain connect, never a call on the store the group was built over."""
+        address, port = self.request.address, self.request.port + 1
+        while self.snapshot().phase == "joined":
+            reachable = controller.store_listening(address, port, timeout=controller.STORE_PROBE_TIMEOUT_SECONDS)
+            with self.lock:
+                self.store_reachable = reachable
+            if self.aborted.wait(every_seconds):
+                return
 
     def swap(self) -> tuple[int, int]:
         """The attempt's swap, on the backend thread."""
@@ -290,12 +308,16 @@ class NativeRefits:
             membership.end("failed", message)
             return
         with membership.lock:
-            if membership.phase == "joining":
+            joined = membership.phase == "joining"
+            if joined:
                 membership.phase = "joined"
+        if not joined:
+            return
         log.info(
             "joined the refit group of session %s as rank %d of %d (%s copy service)",
             request.session, membership.rank, request.world_size, request.copy_backend,
         )  # fmt: skip
+        membership.probe_store(self.refits.store_probe_seconds)  # this thread probes until the membership ends
 
     def world(self) -> controller.WorldSnapshot | None:
         """The last join, if any."""

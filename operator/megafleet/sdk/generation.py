@@ -35,7 +35,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import itertools
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Coroutine, Mapping, Sequence
 from types import TracebackType
 from typing import Any, TypeVar
 
@@ -234,35 +234,41 @@ class Generator:
         return await self._send("/chat/completions", body, _chat_answer)
 
     async def complete_batch(self, prompts: Sequence[Prompt], sampling: Sampling = DEFAULT_SAMPLING) -> list[Answer]:
-        """Every prompt at once as batched requests (:func:`chunks`), spread over the frontends;
-        answers in prompt order. Token prompts whose ``max_tokens`` must be clamped differently go
-        in different requests (one request has one ``max_tokens``)."""
-        fitted = [
-            sampling
-            if isinstance(prompt, str) or sampling.max_tokens is None
-            else await self.fit(len(prompt), sampling)
-            for prompt in prompts
-        ]
+        """Every prompt at once as batched requests (:meth:`batch_requests`), spread over the
+        frontends; answers in prompt order. Token prompts whose ``max_tokens`` must be clamped
+        differently go in different requests (one request has one ``max_tokens``)."""
+        return await self.complete_fitted(prompts, [await self._fitted(prompt, sampling) for prompt in prompts])
+
+    async def complete_fitted(self, prompts: Sequence[Prompt], samplings: Sequence[Sampling]) -> list[Answer]:
+        """Every prompt with its own already fitted sampling, as :meth:`batch_requests` all in flight
+        at once; answers in prompt order."""
+        requests = self.batch_requests(prompts, samplings)
+        answers: dict[int, Answer] = {}
+        for (members, _), got in zip(requests, await asyncio.gather(*(work for _, work in requests)), strict=True):
+            answers.update(zip(members, got, strict=True))
+        return [answers[index] for index in range(len(prompts))]
+
+    def batch_requests(
+        self, prompts: Sequence[Prompt], samplings: Sequence[Sampling]
+    ) -> list[tuple[list[int], Coroutine[Any, Any, list[Answer]]]]:
+        """The batched completion requests for ``prompts``, each with its own (already fitted:
+        :meth:`fit`) sampling: prompts of equal sampling share requests, split by :func:`chunks` (one
+        per frontend at least); each entry is (the prompt indexes it carries, in order; the request,
+        not yet awaited, which returns one answer per index). Callers that stream (the NeMo adapter's
+        ``generate_async``) await each request on its own; :meth:`complete_batch` gathers them."""
         groups: dict[Sampling, list[int]] = {}
-        for index, chosen in enumerate(fitted):
+        for index, chosen in enumerate(samplings):
             groups.setdefault(chosen, []).append(index)
         frontends = max(len(self.router.frontends), 1)
-        requests: list[tuple[list[int], Any]] = []
+        requests: list[tuple[list[int], Coroutine[Any, Any, list[Answer]]]] = []
         for chosen, indexes in groups.items():
             for piece in chunks(len(indexes), frontends):
                 members = [indexes[position] for position in piece]
-                batch = [
-                    prompts[index] if isinstance(prompts[index], str) else list(prompts[index]) for index in members
-                ]
-                body = {**chosen.body(), "model": self.model, "prompt": batch}
+                body = {**chosen.body(), "model": self.model, "prompt": [_wire(prompts[index]) for index in members]}
                 if chosen.logprobs:
                     body["logprobs"] = 0
                 requests.append((members, self._send("/completions", body, _completion_answers)))
-        answers: list[Answer | None] = [None] * len(prompts)
-        for (members, _), got in zip(requests, await asyncio.gather(*(work for _, work in requests)), strict=True):
-            for index, answer in zip(members, got, strict=True):
-                answers[index] = answer
-        return [answer for answer in answers if answer is not None]
+        return requests
 
     async def chat_batch(
         self, conversations: Sequence[Sequence[Message]], sampling: Sampling = DEFAULT_SAMPLING

@@ -319,31 +319,33 @@ class MegafleetGeneration(unsupported.Unsupported):
         return batching.like(data, batching.pack_outputs(input_ids, input_lengths, answers, self._pad_token_id))
 
     async def generate_async(self, data: Mapping[str, Any], greedy: bool = False) -> AsyncIterator[tuple[int, Any]]:
-        """``(index, single-sample output)`` for every sample, as each answer arrives; usable from any
-        event loop on any thread, many at once."""
+        """``(index, single-sample output)`` for every sample, as each batched request's answers
+        arrive; usable from any event loop on any thread, many at once."""
         input_ids, input_lengths, samplings = self._requests(data, greedy)
         clients = self._connect()
         prompts = batching.prompts(input_ids, input_lengths)
         fitted = await asyncio.wrap_future(clients.loop.submit(self._fit(clients, prompts, samplings)))
 
-        async def indexed(index: int, pending: concurrent.futures.Future[generation.Answer]) -> Any:
-            return index, await asyncio.wrap_future(pending)
+        async def answered(
+            members: list[int], pending: concurrent.futures.Future[list[generation.Answer]]
+        ) -> list[tuple[int, generation.Answer]]:
+            got: list[generation.Answer] = await asyncio.wrap_future(pending)
+            return list(zip(members, got, strict=True))
 
-        pending = [clients.loop.submit(clients.generator.complete(p, s)) for p, s in zip(prompts, fitted, strict=True)]
-        for done in asyncio.as_completed([indexed(index, future) for index, future in enumerate(pending)]):
-            index, answer = await done
-            self._metrics.add([answer])
-            one = slice(index, index + 1)
-            packed = batching.pack_outputs(input_ids[one], input_lengths[one], [answer], self._pad_token_id)
-            yield index, batching.like(data, packed)
+        requests = clients.generator.batch_requests(prompts, fitted)
+        waiting = [answered(members, clients.loop.submit(request)) for members, request in requests]
+        for done in asyncio.as_completed(waiting):
+            for index, answer in await done:
+                self._metrics.add([answer])
+                one = slice(index, index + 1)
+                packed = batching.pack_outputs(input_ids[one], input_lengths[one], [answer], self._pad_token_id)
+                yield index, batching.like(data, packed)
 
     async def _answers(
         self, clients: connection.Clients, prompts: list[list[int]], samplings: list[generation.Sampling]
     ) -> list[generation.Answer]:
-        fitted = await self._fit(clients, prompts, samplings)
-        return list(
-            await asyncio.gather(*(clients.generator.complete(p, s) for p, s in zip(prompts, fitted, strict=True)))
-        )
+        """Every sample's answer, in order, from batched requests (one per frontend per chunk)."""
+        return await clients.generator.complete_fitted(prompts, await self._fit(clients, prompts, samplings))
 
     async def _fit(
         self, clients: connection.Clients, prompts: list[list[int]], samplings: list[generation.Sampling]
@@ -386,6 +388,7 @@ class MegafleetGeneration(unsupported.Unsupported):
             stop_token_ids=tuple(cfg.get("stop_token_ids") or ()),
             ignore_eos=bool(cfg.get("ignore_eos", False)),
             logprobs=True,
+            text=bool(stops),  # token ids only, unless stop strings need the engine to make text
         )
 
     @property

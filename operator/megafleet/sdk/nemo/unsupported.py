@@ -175,5 +175,8 @@ class Unsupported:
 def _no_reshard() -> NotImplementedError:
     return NotImplementedError(
         "refit_transport='nccl_reshard' (NCCL M-to-N resharding) is not supported by megafleet: every shard "
-        "receives full tensors and re-shards them itself; use init_collective + update_weights_from_collective"
+        "receives full tensors and re-shards them itself; use the collective path (init_collective + "
+        "update_weights_from_collective; refit_transport='collective'). The fleet never joins the reshard "
+        "group, so the trainer's own futures of this call (its pipeline stages' init_nccl_reshard_comm_group "
+        "and nccl_reshard_refit) will wait on their store and time out there: do not ray.get them"
     )

@@ -26,6 +26,7 @@ import dataclasses
 import logging
 import secrets
 import time
+import warnings
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -71,6 +72,7 @@ class NemoWire:
         self._info_stored = False
         self._pending: tuple[int, str] | None = None  # (version, Refit) made by begin
         self._native = False  # the session is megatronNative (megatron-core plans the transfer: no refit info)
+        self._bucket_bytes: int | None = None  # the nemoCollective session's B
 
     @property
     def session(self) -> str | None:
@@ -125,12 +127,15 @@ class NemoWire:
             raise ValueError(problem)
         world: _World
         if backend is None:
+            ratio = buckets.memory_ratio()
             bucket = buckets.resolve(
-                self._handed_out,
-                self._options.trainer_bucket_bytes,
-                self._options.trainer_gpu_memory_bytes,
-                buckets.memory_ratio(),
+                self._handed_out, self._options.trainer_bucket_bytes, self._options.trainer_gpu_memory_bytes, ratio
             )
+            if self._handed_out is None and self._options.trainer_bucket_bytes is None:  # computed: check the ratio
+                mismatch = buckets.ratio_mismatch(ratio, buckets.ray_runtime_env())
+                if mismatch is not None:
+                    log.warning("%s", mismatch)
+                    warnings.warn(mismatch, RuntimeWarning, stacklevel=3)
             world = v1alpha1.NemoCollectiveSpec(
                 address=ip, port=port, world_size=world_size, trainer_world_size=train_world_size, bucket_bytes=bucket
             )
@@ -230,6 +235,7 @@ class NemoWire:
         await api.create(sessions.session(name, namespace, found, world, self._options.join_timeout_s))
         self._session, self._info_stored = name, False
         self._native = isinstance(world, v1alpha1.MegatronNativeSpec)
+        self._bucket_bytes = world.bucket_bytes if isinstance(world, v1alpha1.NemoCollectiveSpec) else None
         log.info("RefitSession %s/%s: %s", namespace, name, world)
         if self._info is not None and isinstance(world, v1alpha1.NemoCollectiveSpec):
             await self._store_info(name)
@@ -285,9 +291,19 @@ class NemoWire:
             if state == "done":
                 return
             if state == "failed":
-                raise errors.RefitFailed(name, message)
+                raise errors.RefitFailed(name, self._with_bucket_hint(message))
             if time.monotonic() > deadline:
                 raise errors.RefitFailed(
-                    name, f"did not finish within {timeout:.0f} s ({message}); {sessions.RESTART_ADVICE}"
+                    name,
+                    self._with_bucket_hint(
+                        f"did not finish within {timeout:.0f} s ({message}); {sessions.RESTART_ADVICE}"
+                    ),
                 )
             await asyncio.sleep(POLL_SECONDS)
+
+    def _with_bucket_hint(self, message: str) -> str:
+        """``message`` plus the likely cause of a nemoCollective refit that fails while receiving:
+        a bucket target other than the session's (NeMo's packed buckets carry no sizes)."""
+        if self._bucket_bytes is None:
+            return message
+        return f"{message}; {buckets.mismatch_hint(self._bucket_bytes)}"
