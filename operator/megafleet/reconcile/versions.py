@@ -50,6 +50,7 @@ async def catch_up(ctx: context.FleetContext, *, clock: Callable[[], float] = ti
     died mid-refit) does not leave the fleet Stale. Without a current checkpoint a shard stays
     Stale, not routed, until the next refit."""
     current, path = current_source(ctx)
+    starting = ctx.refit.get("currentVersion") is None
     fleet_key = (ctx.fleet.namespace, ctx.fleet.name)
 
     def applies(key: Hashable) -> bool:
@@ -61,6 +62,8 @@ async def catch_up(ctx: context.FleetContext, *, clock: Callable[[], float] = ti
     for shard, answers in sorted(ctx.reports.items()):
         if any(a is None or a.error is not None or a.state in ("failed", "loading") for a in answers):
             continue  # not every pod of the shard can take it yet
+        if starting and not any(a is not None and a.state == "stale" for a in answers):
+            continue  # before any refit only a shard a failed refit left Stale reloads
         if all(a is not None and a.weight_version == current and a.state != "stale" for a in answers):
             continue
         await _catch_up_shard(ctx, shard, current, path, now=clock())
