@@ -60,7 +60,7 @@ async def catch_up(ctx: context.FleetContext, *, clock: Callable[[], float] = ti
     if current is None or path is None or ctx.refitting:
         return
     for shard, answers in sorted(ctx.reports.items()):
-        if any(a is None or a.error is not None or a.state in ("failed", "loading") for a in answers):
+        if any(a is None or a.error is not None or a.state == "failed" for a in answers):
             continue  # not every pod of the shard can take it yet
         if starting and not any(a is not None and a.state == "stale" for a in answers):
             continue  # before any refit only a shard a failed refit left Stale reloads
