@@ -182,7 +182,7 @@ def test_an_operator_killed_while_no_trainer_sends_fails_the_refit_and_resumes_e
 
 @pytest.mark.timeout(900)
 @pytest.mark.xfail(
-    strict=True,
+    strict=False,  # a race: it shows in about one start in two on a loaded machine
     reason=(
         "open defect: Kopf peering resumes a replica whose first peering event shows only itself, so "
         "two replicas started within a second both act (the standby ran on_fleet_change and created "
