@@ -7,7 +7,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: up down status build test lint check
+.PHONY: up down status build test lint check chaos
 
 $(STAMP): pyproject.toml
 	@echo "[megafleet] installing the project and its dependencies into $(VENV) (torch is ~3 GB on a cold pip cache)"
@@ -39,3 +39,10 @@ check: lint
 
 test: build lint
 	$(BIN)/pytest
+
+# The operator chaos drill at full strength (issue 16): CHAOS_KILLS SIGKILLs of the operator at
+# seeded random points (CHAOS_SEED); `make test` runs the same drill with 5.
+CHAOS_KILLS ?= 20
+CHAOS_SEED ?= 16
+chaos: build
+	MEGAFLEET_CHAOS_KILLS=$(CHAOS_KILLS) MEGAFLEET_CHAOS_SEED=$(CHAOS_SEED) $(BIN)/pytest -m chaos -s tests/chaos

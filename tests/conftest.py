@@ -23,7 +23,8 @@ ROOT = Path(__file__).resolve().parents[1]
 OPERATOR_NAMESPACES = "t-*"  # the operator of the test session watches only these namespaces
 
 # Apart from the dev cluster's 127.64.0.0/12, so a running 'megafleet dev up' never collides.
-TEST_POD_NETWORK = "127.128.0.0/12"
+# MEGAFLEET_TEST_POD_NETWORK moves it, so two test sessions on one machine never share pod IPs.
+TEST_POD_NETWORK = os.environ.get("MEGAFLEET_TEST_POD_NETWORK", "127.128.0.0/12")
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:

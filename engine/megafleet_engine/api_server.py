@@ -29,7 +29,7 @@ import uvicorn
 from megafleet_engine.backends import base
 from megafleet_engine.core_ipc import client as client_module
 from megafleet_engine.openai import app as app_module
-from megafleet_engine.openai import serving
+from megafleet_engine.openai import protocol, serving
 
 __all__ = ["main"]
 
@@ -39,9 +39,20 @@ GRACEFUL_SHUTDOWN_SECONDS = 10
 """How long a stopping API server waits for its responses in flight (as the core's own servers)."""
 
 
+class OneLineFormatter(logging.Formatter):
+    """Writes every record's message as one line (:func:`~megafleet_engine.openai.protocol.printable`):
+    whatever a request put in a message cannot forge a log line. Tracebacks stay as they are."""
+
+    def formatMessage(self, record: logging.LogRecord) -> str:
+        record.message = protocol.printable(record.message, limit=None)
+        return super().formatMessage(record)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = list(sys.argv[1:] if argv is None else argv)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr)
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(OneLineFormatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+    logging.basicConfig(level=logging.INFO, handlers=[handler])
     config: dict[str, Any] = json.loads(Path(args[0]).read_text())
     # Unpickling the tokenizer imports transformers, which imports torch (and CUDA's libraries)
     # when it finds it; marked missing, transformers runs tokenizer-only and any other import fails.

@@ -228,7 +228,11 @@ def from_validation(exc: fastapi.exceptions.RequestValidationError) -> InvalidRe
 
 
 def _param(problem: Mapping[str, Any]) -> str | None:
-    """The dotted field path of one validation problem, without "body" and union branch names."""
+    """The dotted field path of one validation problem, without "body" and union branch names; a
+    whole-body check names the field in its context's ``param``."""
+    param = (problem.get("ctx") or {}).get("param")
+    if isinstance(param, str):
+        return param
     loc = [str(part) for part in problem.get("loc", ()) if part != "body"]
     return ".".join(part for part in loc if not _is_union_branch(part)) or None
 

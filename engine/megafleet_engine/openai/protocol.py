@@ -16,6 +16,7 @@ import logging
 from typing import Any, Literal
 
 import pydantic
+import pydantic_core
 from pydantic import Field
 
 from megafleet_engine.backends import base
@@ -33,6 +34,66 @@ GREEDY_BELOW = 1e-5
 """Temperatures below this sample greedily: dividing logits by less overflows float32 (NaN samples)."""
 SEED_MODULUS = 2**64
 """Seeds are taken modulo this: torch generators take unsigned 64-bit seeds."""
+LOGGED_NAMES = 8
+"""Most ignored field names one log line lists (the rest are counted)."""
+LOGGED_CHARACTERS = 64
+"""Longest piece of request text a log line shows (longer ones are cut, marked ``...``)."""
+LONE_SURROGATE = "lone_surrogate"
+"""Validation error type of text that is not Unicode; its context's ``param`` names the field."""
+
+
+def printable(text: str, *, limit: int | None = LOGGED_CHARACTERS) -> str:
+    """``text`` safe for one log line: control characters, line and paragraph separators and
+    lone surrogates escaped as Python writes them (``\\n``, ``\\x1b``, ``\\ud800``), cut to
+    ``limit`` characters (``None``: never cut). Every log call that shows request data passes it
+    through this, so a client cannot forge or split log lines; the API servers' log formatter
+    applies it to every message as well."""
+    cut = limit is not None and len(text) > limit
+    shown = text[:limit] if cut else text
+    if not shown.isprintable():
+        shown = "".join(char if char.isprintable() else repr(char)[1:-1] for char in shown)
+    return shown + "..." if cut else shown
+
+
+def find_lone_surrogate(data: object) -> str | None:
+    """The dotted path (``messages.0.content``) of the first string in ``data`` (parsed JSON: keys
+    included; a bad key names its object, ``body`` at the top) holding a lone UTF-16 surrogate, else
+    ``None``. JSON's ``\\ud800`` escape decodes to such a string, which no tokenizer or UTF-8
+    encoder takes; paired surrogates decode to one character and pass. Iterative, with each path
+    kept as a link to its parent's, so deep nesting costs neither stack nor quadratic memory."""
+    pending: list[tuple[object, _Path]] = [(data, None)]
+    while pending:
+        value, path = pending.pop()
+        if isinstance(value, str):
+            if not _is_unicode(value):
+                return _dotted(path)
+        elif isinstance(value, dict):
+            if not all(_is_unicode(key) for key in value if isinstance(key, str)):
+                return _dotted(path)
+            pending.extend((item, (str(key), path)) for key, item in value.items())
+        elif isinstance(value, list):
+            pending.extend((item, (str(index), path)) for index, item in enumerate(value))
+    return None
+
+
+_Path = tuple[str, "_Path"] | None
+"""A path in parsed JSON as (last key, parent's path); ``None`` is the body itself."""
+
+
+def _dotted(path: _Path) -> str:
+    parts: list[str] = []
+    while path is not None:
+        parts.append(path[0])
+        path = path[1]
+    return ".".join(reversed(parts)) or "body"
+
+
+def _is_unicode(text: str) -> bool:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
 
 
 class OpenAIBaseModel(pydantic.BaseModel):
@@ -43,7 +104,10 @@ class OpenAIBaseModel(pydantic.BaseModel):
     @pydantic.model_validator(mode="after")
     def _log_ignored(self) -> OpenAIBaseModel:
         if self.model_extra:
-            log.info("ignoring unsupported %s fields: %s", type(self).__name__, ", ".join(sorted(self.model_extra)))
+            names = sorted(self.model_extra)
+            shown = ", ".join(printable(name) for name in names[:LOGGED_NAMES])
+            more = f" and {len(names) - LOGGED_NAMES} more" if len(names) > LOGGED_NAMES else ""
+            log.info("ignoring unsupported %s fields: %s%s", type(self).__name__, shown, more)
         return self
 
 
@@ -88,6 +152,20 @@ class SamplingRequest(OpenAIBaseModel):
         ),
     )
     user: str | None = None
+
+    @pydantic.model_validator(mode="before")
+    @classmethod
+    def _unicode_only(cls, data: Any) -> Any:
+        """Refuse text that is not Unicode (a 400 naming the field) before anything reads it: the
+        tokenizer, the model-name check and the JSON encoder of any answer would fail on it (a 500)."""
+        param = find_lone_surrogate(data)
+        if param is not None:
+            raise pydantic_core.PydanticCustomError(
+                LONE_SURROGATE,
+                "holds a lone UTF-16 surrogate (an unpaired \\ud800-\\udfff escape); text must be valid Unicode",
+                {"param": param},
+            )
+        return data
 
     @pydantic.field_validator("stop")
     @classmethod

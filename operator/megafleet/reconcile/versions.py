@@ -14,6 +14,8 @@ from collections.abc import Callable, Hashable
 from megafleet.reconcile import context
 from megafleet_protocol import agent_api
 
+STARTING_VERSION = 0
+"""The weight version of an engine that loaded ``spec.model.source`` at start."""
 _SETTLED = ("idle", "succeeded", "failed")
 """Refit phases an agent reports when no attempt runs."""
 
@@ -43,8 +45,12 @@ async def catch_up(ctx: context.FleetContext, *, clock: Callable[[], float] = ti
     """Start a checkpoint load on each whole shard behind the current version (restarted or added
     after a refit, or left Stale by a failed attempt). A failed catch-up is tried again after the
     delays of ``ctx.runtime.catch_up``, each failure reported once as a ``CatchUpFailed`` Warning.
-    Without a current checkpoint a shard stays Stale, not routed, until the next refit."""
-    current, path = ctx.refit.get("currentVersion"), ctx.refit.get("currentCheckpoint")
+    Before any Refit succeeded the current version is the checkpoint the engines started from
+    (``spec.model.source`` at version 0), so a first refit that failed (a trainer or operator that
+    died mid-refit) does not leave the fleet Stale. Without a current checkpoint a shard stays
+    Stale, not routed, until the next refit."""
+    current, path = current_source(ctx)
+    starting = ctx.refit.get("currentVersion") is None
     fleet_key = (ctx.fleet.namespace, ctx.fleet.name)
 
     def applies(key: Hashable) -> bool:
@@ -56,9 +62,21 @@ async def catch_up(ctx: context.FleetContext, *, clock: Callable[[], float] = ti
     for shard, answers in sorted(ctx.reports.items()):
         if any(a is None or a.error is not None or a.state == "failed" for a in answers):
             continue  # not every pod of the shard can take it yet
+        if starting and not any(a is not None and a.state == "stale" for a in answers):
+            continue  # before any refit only a shard a failed refit left Stale reloads
         if all(a is not None and a.weight_version == current and a.state != "stale" for a in answers):
             continue
         await _catch_up_shard(ctx, shard, current, path, now=clock())
+
+
+def current_source(ctx: context.FleetContext) -> tuple[int | None, str | None]:
+    """The fleet's current version and the checkpoint it came from: the last successful Refit's,
+    or before any, version 0 from ``spec.model.source`` (what engines that start from the checkpoint
+    load, :mod:`megafleet_engine.cli`); ``None`` where no checkpoint holds it."""
+    current = ctx.refit.get("currentVersion")
+    if current is None and ctx.fleet.spec.weights.initial == "checkpoint":
+        return STARTING_VERSION, ctx.fleet.spec.model.source
+    return current, ctx.refit.get("currentCheckpoint")
 
 
 async def _catch_up_shard(ctx: context.FleetContext, shard: int, current: int, path: str, *, now: float) -> None:
