@@ -261,7 +261,7 @@ async def refit_nemo_leave(body: agent_api.NemoLeaveRequest, agent: AgentDep) ->
     try:
         others = await agent.siblings.post(agent_api.REFIT_NEMO_LEAVE, body.model_dump(mode="json", by_alias=True))
     except siblings_module.SiblingError as error:
-        log.warning("forwarding the leave of session %s: %s", body.session, error)
+        log.warning("forwarding the leave of session %r: %s", body.session, error)
         return responses.JSONResponse(own)
     return responses.JSONResponse(siblings_module.combine_world([own, *others]))
 
