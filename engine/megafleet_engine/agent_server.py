@@ -58,7 +58,7 @@ import ipaddress
 import logging
 from collections.abc import Callable, Coroutine, Iterator
 from pathlib import Path
-from typing import Annotated, Any
+from typing import Annotated, Any, TypedDict
 
 import fastapi
 import pydantic
@@ -194,6 +194,25 @@ async def resume(body: agent_api.ResumeRequest, agent: AgentDep) -> responses.JS
     return _state(agent)
 
 
+class _TrainerWorld(TypedDict):
+    address: str
+    port: int
+    world_size: int
+    rank_offset: int
+    trainer_world_size: int
+
+
+def _trainer_world(rendezvous: agent_api.RendezvousBody) -> _TrainerWorld:
+    """The rendezvous fields every refit and join request of the controller takes, by their names."""
+    return _TrainerWorld(
+        address=rendezvous.address,
+        port=rendezvous.port,
+        world_size=rendezvous.world_size,
+        rank_offset=rendezvous.rank_offset,
+        trainer_world_size=rendezvous.trainer_world_size,
+    )
+
+
 @refit_router.post("/prepare", status_code=202)
 async def refit_prepare(
     body: agent_api.PrepareRequest, request: fastapi.Request, agent: AgentDep
@@ -201,11 +220,7 @@ async def refit_prepare(
     rendezvous = body.rendezvous
     refit = refit_controller.RendezvousRequest(
         version=body.version,
-        address=rendezvous.address,
-        port=rendezvous.port,
-        world_size=rendezvous.world_size,
-        rank_offset=rendezvous.rank_offset,
-        trainer_world_size=rendezvous.trainer_world_size,
+        **_trainer_world(rendezvous),
         transport=body.transport,
         bucket_size_mib=body.bucket_size_mib,
         timeout_seconds=body.timeout_seconds,
@@ -235,11 +250,7 @@ async def refit_nemo_join(
     rendezvous = body.rendezvous
     join = refit_controller.NemoJoinRequest(
         session=body.session,
-        address=rendezvous.address,
-        port=rendezvous.port,
-        world_size=rendezvous.world_size,
-        rank_offset=rendezvous.rank_offset,
-        trainer_world_size=rendezvous.trainer_world_size,
+        **_trainer_world(rendezvous),
         generation=body.generation,
         timeout_seconds=body.timeout_seconds,
         local_address=agent.transfer_address or _pod_address(request),
@@ -288,11 +299,7 @@ async def refit_nemo(
         return await _start_refit(agent, session_refit, agent_api.REFIT_NEMO, body)
     refit = refit_controller.NemoRequest(
         version=body.version,
-        address=rendezvous.address,
-        port=rendezvous.port,
-        world_size=rendezvous.world_size,
-        rank_offset=rendezvous.rank_offset,
-        trainer_world_size=rendezvous.trainer_world_size,
+        **_trainer_world(rendezvous),
         refit_info=info,
         bucket_bytes=body.bucket_bytes,
         generation=body.generation,
@@ -335,11 +342,7 @@ async def refit_megatron_join(body: agent_api.MegatronJoinRequest, agent: AgentD
     rendezvous = body.rendezvous
     join = megatron_native.JoinRequest(
         session=body.session,
-        address=rendezvous.address,
-        port=rendezvous.port,
-        world_size=rendezvous.world_size,
-        rank_offset=rendezvous.rank_offset,
-        trainer_world_size=rendezvous.trainer_world_size,
+        **_trainer_world(rendezvous),
         copy_backend=body.copy_backend,
         timeout_seconds=body.timeout_seconds,
     )
