@@ -128,9 +128,12 @@ def endpoints_configmap(fleet: ParsedFleet, endpoints: list[v1alpha1.Endpoint]) 
 
 
 def template_hash(fleet: ParsedFleet) -> str:
-    """A hash of every spec field that shapes a pod; pods with another hash are rolled."""
+    """A hash of every spec field that shapes a pod; pods with another hash are rolled.
+
+    Fields added after the first release enter only when set (:data:`_ADDED_LATER`, and ``pod`` when
+    not its default), so an operator upgrade never rolls a fleet that does not use them."""
     spec = fleet.spec
-    shaping = {
+    shaping: dict[str, object] = {
         "model": spec.model,
         "weights": spec.weights,
         "parallelism": spec.parallelism,
@@ -140,10 +143,32 @@ def template_hash(fleet: ParsedFleet) -> str:
         "tolerations": spec.placement.tolerations,
         "nodeSelector": spec.placement.node_selector,
     }
+    if spec.pod != v1alpha1.PodSpec():
+        shaping["pod"] = spec.pod
     text = json.dumps(
-        {key: value if isinstance(value, dict) else _dump(value) for key, value in shaping.items()}, sort_keys=True
+        {
+            key: value if isinstance(value, dict) else _without_added_defaults(_dump(value))
+            for key, value in shaping.items()
+        },
+        sort_keys=True,
     )
     return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+_ADDED_LATER: dict[str, object] = {"extra": {}, "envFrom": [], "valueFrom": None}
+"""Fields of ``resources``, ``engine`` and ``engine.env[]`` added after the first release, at their defaults."""
+
+
+def _without_added_defaults(value: object) -> object:
+    if isinstance(value, dict):
+        return {
+            key: _without_added_defaults(item)
+            for key, item in value.items()
+            if key not in _ADDED_LATER or item != _ADDED_LATER[key]
+        }
+    if isinstance(value, list):
+        return [_without_added_defaults(item) for item in value]
+    return value
 
 
 def _dump(value: object) -> object:
@@ -181,9 +206,10 @@ def _pod(
     spec = fleet.spec
     name = names.pod(fleet.name, shard, index)
     metadata = _meta(fleet, name, "engine", shard)
-    metadata["labels"][names.LABEL_POD_INDEX] = str(index)
-    metadata["annotations"] = {names.ANNOTATION_TEMPLATE_HASH: template_hash(fleet)}
-    resources: Object = {"cpu": spec.resources.cpu, "memory": spec.resources.memory}
+    # The user's labels and annotations first: the operator's own keys win on conflict.
+    metadata["labels"] = {**spec.pod.labels, **metadata["labels"], names.LABEL_POD_INDEX: str(index)}
+    metadata["annotations"] = {**spec.pod.annotations, names.ANNOTATION_TEMPLATE_HASH: template_hash(fleet)}
+    resources: Object = {**spec.resources.extra, "cpu": spec.resources.cpu, "memory": spec.resources.memory}
     if layout.gpus_per_pod:
         resources[spec.resources.gpu_resource] = str(layout.gpus_per_pod)
     container_ports = [
@@ -211,7 +237,7 @@ def _pod(
             "restartPolicy": "Always",
             "terminationGracePeriodSeconds": 30,
             "enableServiceLinks": False,
-            "automountServiceAccountToken": False,
+            **_pod_identity(spec.pod),
             "affinity": _affinity(fleet, placement, index),
             "nodeSelector": dict(spec.placement.node_selector),
             "tolerations": [
@@ -232,6 +258,16 @@ def _pod(
                     "command": ["megafleet-engine"],
                     "args": list(spec.engine.args),
                     "env": _env(fleet, shard, index, layout, defer_weights=defer_weights),
+                    **(
+                        {
+                            "envFrom": [
+                                item.model_dump(mode="json", by_alias=True, exclude_none=True)
+                                for item in spec.engine.env_from
+                            ]
+                        }
+                        if spec.engine.env_from
+                        else {}
+                    ),
                     "ports": container_ports,
                     **container,
                     "resources": {"requests": resources, "limits": resources},
@@ -240,18 +276,73 @@ def _pod(
                         "readOnlyRootFilesystem": True,
                         "capabilities": {"drop": ["ALL"]},
                     },
-                    "volumeMounts": [
-                        {"name": "agent-token", "mountPath": names.AGENT_TOKEN_MOUNT, "readOnly": True},
-                        {"name": "tmp", "mountPath": "/tmp"},
-                    ],
+                    "volumeMounts": _mounts(spec.pod),
                 }
             ],
-            "volumes": [
-                {"name": "agent-token", "secret": {"secretName": names.agent_secret(fleet.name), "defaultMode": 0o440}},
-                {"name": "tmp", "emptyDir": {}},
-            ],
+            "volumes": _volumes(fleet),
         },
     }
+
+
+def _pod_identity(pod: v1alpha1.PodSpec) -> Object:
+    """The pod-level fields ``spec.pod`` sets: service account, token, classes, pull secrets."""
+    fields: Object = {"automountServiceAccountToken": pod.automount_service_account_token}
+    if pod.service_account_name:
+        fields["serviceAccountName"] = pod.service_account_name
+    if pod.priority_class_name:
+        fields["priorityClassName"] = pod.priority_class_name
+    if pod.runtime_class_name:
+        fields["runtimeClassName"] = pod.runtime_class_name
+    if pod.image_pull_secrets:
+        fields["imagePullSecrets"] = [{"name": secret.name} for secret in pod.image_pull_secrets]
+    return fields
+
+
+def _volumes(fleet: ParsedFleet) -> list[Object]:
+    """The operator's volumes (agent token, /tmp, /dev/shm, the cache unless a user volume holds it),
+    then the user's; validation keeps their names apart (``v1alpha1.PodSpec``)."""
+    pod = fleet.spec.pod
+    shm: Object = {"medium": "Memory"}
+    if pod.shm_size:
+        shm["sizeLimit"] = pod.shm_size
+    volumes: list[Object] = [
+        {
+            "name": names.VOLUME_AGENT_TOKEN,
+            "secret": {"secretName": names.agent_secret(fleet.name), "defaultMode": 0o440},
+        },
+        {"name": names.VOLUME_TMP, "emptyDir": {}},
+        {"name": names.VOLUME_SHM, "emptyDir": shm},
+    ]
+    if pod.cache.volume is None:
+        cache = {"sizeLimit": pod.cache.size_limit} if pod.cache.size_limit else {}
+        volumes.append({"name": names.VOLUME_CACHE, "emptyDir": cache})
+    return volumes + [volume.source() for volume in pod.volumes]
+
+
+def _mounts(pod: v1alpha1.PodSpec) -> list[Object]:
+    """The engine container's mounts: the operator's, then the user's (never at or over the operator's)."""
+    return [
+        {"name": names.VOLUME_AGENT_TOKEN, "mountPath": names.AGENT_TOKEN_MOUNT, "readOnly": True},
+        {"name": names.VOLUME_TMP, "mountPath": names.TMP_MOUNT},
+        {"name": names.VOLUME_SHM, "mountPath": names.SHM_MOUNT},
+        {"name": pod.cache.volume or names.VOLUME_CACHE, "mountPath": names.CACHE_MOUNT},
+        *(mount.model_dump(mode="json", by_alias=True, exclude_none=True) for mount in pod.volume_mounts),
+    ]
+
+
+CACHE_ENV = {
+    "HOME": names.TMP_MOUNT,
+    "XDG_CACHE_HOME": names.CACHE_MOUNT,
+    "HF_HOME": f"{names.CACHE_MOUNT}/huggingface",
+    "TRITON_CACHE_DIR": f"{names.CACHE_MOUNT}/triton",
+    "TORCHINDUCTOR_CACHE_DIR": f"{names.CACHE_MOUNT}/torchinductor",
+    "TORCH_EXTENSIONS_DIR": f"{names.CACHE_MOUNT}/torch_extensions",
+    "CUDA_CACHE_PATH": f"{names.CACHE_MOUNT}/nv/ComputeCache",
+    "CUTE_DSL_CACHE_DIR": f"{names.CACHE_MOUNT}/cute_dsl",
+}
+"""Where the engine's libraries write (Hugging Face, Triton, torch inductor and extensions, the CUDA JIT,
+the CUTLASS DSL): the root filesystem is read-only, so each points into a writable volume. Set on every
+engine pod whatever its image; a variable of the same name in ``engine.env`` replaces it."""
 
 
 def _affinity(fleet: ParsedFleet, placement: planner.ShardPlacement, index: int) -> Object:
@@ -305,9 +396,17 @@ def _env(fleet: ParsedFleet, shard: int, index: int, layout: planner.PodLayout, 
                 },
             }
         )
+    user = {item.name for item in spec.engine.env}
+    items += [{"name": key, "value": value} for key, value in CACHE_ENV.items() if key not in user]
     # The user's own variables keep Kubernetes' meaning: $(NAME) in them refers to another variable.
-    items += [{"name": item.name, "value": item.value} for item in spec.engine.env]
+    items += [_user_variable(item) for item in spec.engine.env]
     return items
+
+
+def _user_variable(item: v1alpha1.EnvVar) -> Object:
+    if item.value_from is None:
+        return {"name": item.name, "value": item.value}
+    return {"name": item.name, "valueFrom": item.value_from.model_dump(mode="json", by_alias=True, exclude_none=True)}
 
 
 def literal(value: str) -> str:

@@ -22,6 +22,17 @@ ANNOTATION_TEMPLATE_HASH = f"{PREFIX}/template-hash"
 
 AGENT_TOKEN_KEY = "token"
 AGENT_TOKEN_MOUNT = "/var/run/megafleet/agent"
+TMP_MOUNT = "/tmp"
+"""A per-pod emptyDir: HOME and scratch space (the root filesystem is read-only)."""
+SHM_MOUNT = "/dev/shm"
+"""A memory-backed emptyDir (``spec.pod.shmSize``): NCCL and torch need more than the runtime's 64 MiB."""
+CACHE_MOUNT = "/var/cache/megafleet"
+"""Where every library cache of the engine points (``spec.pod.cache``): an emptyDir or the user's volume."""
+VOLUME_AGENT_TOKEN, VOLUME_TMP, VOLUME_SHM, VOLUME_CACHE = "agent-token", "tmp", "megafleet-shm", "megafleet-cache"
+OPERATOR_VOLUMES = (VOLUME_AGENT_TOKEN, VOLUME_TMP, VOLUME_SHM, VOLUME_CACHE)
+"""The volume names the operator gives engine pods; a user volume may not take them (nor any ``megafleet-`` name)."""
+OPERATOR_MOUNTS = (AGENT_TOKEN_MOUNT, TMP_MOUNT, SHM_MOUNT, CACHE_MOUNT)
+"""The engine container's mount paths the operator owns; a user mount may not take or cover one."""
 
 
 def frontend_service(fleet: str, shard: int) -> str:

@@ -104,7 +104,7 @@ def test_the_operator_sets_exactly_the_env_a_spec_may_not_set() -> None:
 
     written = {item["name"] for item in desired.shard_pods(parsed, 0, PLACEMENT)[0]["spec"]["containers"][0]["env"]}
 
-    assert written == set(pod_env.SET_BY_OPERATOR)
+    assert written - set(desired.CACHE_ENV) == set(pod_env.SET_BY_OPERATOR)
 
 
 def test_the_dev_runner_expands_env_as_the_kubelet_does() -> None:
@@ -114,3 +114,146 @@ def test_the_dev_runner_expands_env_as_the_kubelet_does() -> None:
 
     assert runner.expand("$(A)-$$(A)-$(B)-$$-$-$(", defined) == "x-$(A)-$(B)-$-$-$("
     assert runner.expand(desired.literal("/m/$(A)$$"), defined) == "/m/$(A)$$"
+
+
+POD_ADDITIONS: dict[str, object] = {
+    "labels": {"team": "rl", names.LABEL_FLEET: "spoofed"},
+    "annotations": {"example.com/owner": "alice", names.ANNOTATION_TEMPLATE_HASH: "spoofed"},
+    "serviceAccountName": "engine-sa",
+    "automountServiceAccountToken": True,
+    "priorityClassName": "rl-high",
+    "runtimeClassName": "nvidia",
+    "imagePullSecrets": [{"name": "regcred"}],
+    "volumes": [
+        {"name": "models", "persistentVolumeClaim": {"claimName": "llama", "readOnly": True}},
+        {"name": "kernels", "persistentVolumeClaim": {"claimName": "kernel-cache"}},
+        {"name": "host-data", "hostPath": {"path": "/data/ckpt", "type": "Directory"}},
+    ],
+    "volumeMounts": [
+        {"name": "models", "mountPath": "/models", "readOnly": True},
+        {"name": "host-data", "mountPath": "/tmp/ckpt", "subPath": "v1"},
+    ],
+    "shmSize": "16Gi",
+    "cache": {"volume": "kernels"},
+}
+
+
+def test_the_pod_template_carries_the_users_volumes_identity_and_metadata() -> None:
+    parsed = fleet(
+        pod=POD_ADDITIONS,
+        resources={"gpusPerNode": 4, "extra": {"rdma/ib": "1", "ephemeral-storage": "200Gi"}},
+        engine={
+            "env": [{"name": "HF_TOKEN", "valueFrom": {"secretKeyRef": {"name": "hf", "key": "token"}}}],
+            "envFrom": [{"configMapRef": {"name": "nccl-tuning"}, "prefix": "NCCL_"}],
+        },
+    )
+
+    pod = desired.shard_pods(parsed, 1, PLACEMENT)[1]
+    spec, container = pod["spec"], pod["spec"]["containers"][0]
+
+    labels, annotations = pod["metadata"]["labels"], pod["metadata"]["annotations"]
+    assert labels["team"] == "rl" and labels[names.LABEL_FLEET] == "big"  # the operator's keys win
+    assert labels[names.LABEL_SHARD] == "1" and labels[names.LABEL_POD_INDEX] == "1"
+    assert annotations == {"example.com/owner": "alice", names.ANNOTATION_TEMPLATE_HASH: desired.template_hash(parsed)}
+    assert spec["serviceAccountName"] == "engine-sa" and spec["automountServiceAccountToken"] is True
+    assert spec["priorityClassName"] == "rl-high" and spec["runtimeClassName"] == "nvidia"
+    assert spec["imagePullSecrets"] == [{"name": "regcred"}]
+    volumes = {volume["name"]: volume for volume in spec["volumes"]}
+    assert volumes["models"] == {"name": "models", "persistentVolumeClaim": {"claimName": "llama", "readOnly": True}}
+    assert volumes["host-data"]["hostPath"] == {"path": "/data/ckpt", "type": "Directory"}
+    assert volumes[names.VOLUME_SHM]["emptyDir"] == {"medium": "Memory", "sizeLimit": "16Gi"}
+    assert names.VOLUME_CACHE not in volumes  # the user's volume holds the caches
+    mounts = {mount["mountPath"]: mount for mount in container["volumeMounts"]}
+    assert mounts[names.CACHE_MOUNT]["name"] == "kernels"
+    assert mounts[names.SHM_MOUNT]["name"] == names.VOLUME_SHM
+    assert mounts["/models"] == {"name": "models", "mountPath": "/models", "readOnly": True}
+    assert mounts["/tmp/ckpt"]["subPath"] == "v1"
+    assert mounts[names.AGENT_TOKEN_MOUNT]["readOnly"] is True
+    assert len({mount["mountPath"] for mount in container["volumeMounts"]}) == len(container["volumeMounts"])
+    limits = container["resources"]["limits"]
+    assert limits["rdma/ib"] == "1" and limits["ephemeral-storage"] == "200Gi" and limits["nvidia.com/gpu"] == "4"
+    assert container["resources"]["requests"] == limits
+    assert container["envFrom"] == [{"prefix": "NCCL_", "configMapRef": {"name": "nccl-tuning"}}]
+    token = next(item for item in container["env"] if item["name"] == "HF_TOKEN")
+    assert token == {"name": "HF_TOKEN", "valueFrom": {"secretKeyRef": {"name": "hf", "key": "token"}}}
+
+
+def test_by_default_every_cache_points_into_a_per_pod_emptydir_and_shm_is_memory_backed() -> None:
+    pod = desired.shard_pods(fleet(), 0, PLACEMENT)[0]
+    spec, container = pod["spec"], pod["spec"]["containers"][0]
+
+    volumes = {volume["name"]: volume for volume in spec["volumes"]}
+    assert volumes[names.VOLUME_CACHE] == {"name": names.VOLUME_CACHE, "emptyDir": {}}
+    assert volumes[names.VOLUME_SHM]["emptyDir"] == {"medium": "Memory"}  # bounded by the memory limit
+    assert spec["automountServiceAccountToken"] is False
+    assert "serviceAccountName" not in spec and "imagePullSecrets" not in spec and "envFrom" not in container
+    values = env(pod)
+    for variable in ("XDG_CACHE_HOME", "HF_HOME", "TRITON_CACHE_DIR", "TORCHINDUCTOR_CACHE_DIR", "CUTE_DSL_CACHE_DIR"):
+        assert values[variable].startswith(names.CACHE_MOUNT), variable
+    assert values["HOME"] == names.TMP_MOUNT
+    writable = {mount["mountPath"] for mount in container["volumeMounts"] if not mount.get("readOnly")}
+    assert writable >= {names.TMP_MOUNT, names.CACHE_MOUNT, names.SHM_MOUNT}
+
+
+def test_a_cache_variable_in_engine_env_replaces_the_operators() -> None:
+    pod = desired.shard_pods(fleet(engine={"env": [{"name": "HF_HOME", "value": "/models/hf"}]}), 0, PLACEMENT)[0]
+
+    names_written = [item["name"] for item in pod["spec"]["containers"][0]["env"]]
+
+    assert names_written.count("HF_HOME") == 1
+    assert env(pod)["HF_HOME"] == "/models/hf"
+
+
+def test_the_cache_emptydir_takes_its_size_limit() -> None:
+    pod = desired.shard_pods(fleet(pod={"cache": {"sizeLimit": "50Gi"}}), 0, PLACEMENT)[0]
+    volumes = {volume["name"]: volume for volume in pod["spec"]["volumes"]}
+    assert volumes[names.VOLUME_CACHE]["emptyDir"] == {"sizeLimit": "50Gi"}
+
+
+def test_every_pod_template_field_rolls_the_fleet() -> None:
+    base = desired.template_hash(fleet())
+    changed = [
+        {"pod": {"labels": {"team": "rl"}}},
+        {"pod": {"annotations": {"a": "b"}}},
+        {"pod": {"serviceAccountName": "sa"}},
+        {"pod": {"priorityClassName": "high"}},
+        {"pod": {"imagePullSecrets": [{"name": "regcred"}]}},
+        {"pod": {"shmSize": "8Gi"}},
+        {"pod": {"cache": {"sizeLimit": "1Gi"}}},
+        {"pod": {"volumes": [{"name": "m", "emptyDir": {}}], "volumeMounts": [{"name": "m", "mountPath": "/m"}]}},
+        {"resources": {"gpusPerNode": 4, "extra": {"rdma/ib": "1"}}},
+        {"engine": {"envFrom": [{"secretRef": {"name": "s"}}]}},
+        {"engine": {"env": [{"name": "T", "valueFrom": {"secretKeyRef": {"name": "s", "key": "k"}}}]}},
+    ]
+    hashes = {desired.template_hash(fleet(**spec)) for spec in changed}
+    assert base not in hashes and len(hashes) == len(changed)
+
+
+def test_an_operator_upgrade_does_not_roll_fleets_that_leave_the_new_fields_unset() -> None:
+    """The hashes the operator computed before spec.pod, resources.extra, engine.envFrom and env
+    valueFrom existed (main at b8c7848): unchanged, so upgrading the operator rolls no shard."""
+    with_env = fleet(engine={"env": [{"name": "A", "value": "b"}]})
+    cpu = desired.ParsedFleet(
+        "big",
+        "rl",
+        "u",
+        1,
+        v1alpha1.MegatronGenerationSpec.model_validate(
+            {
+                "model": {"source": "tiny://"},
+                "resources": {"gpusPerNode": 0, "cpu": "1", "memory": "2Gi"},
+                "engine": {"backend": "transformers"},
+            }
+        ),
+    )
+    assert desired.template_hash(with_env) == "f7eba6d1285fa1b8"
+    assert desired.template_hash(cpu) == "f2c324051a1f41ad"
+
+
+def test_user_mounts_may_not_take_or_cover_the_operators() -> None:
+    assert v1alpha1.mount_problem("/models") is None
+    assert v1alpha1.mount_problem("/tmp/checkpoint") is None  # inside the scratch emptyDir is fine
+    assert v1alpha1.mount_problem(f"{names.CACHE_MOUNT}/hub") is None
+    for path in ("/tmp", "/dev", "/var", "/var/run", names.AGENT_TOKEN_MOUNT, f"{names.AGENT_TOKEN_MOUNT}/x"):
+        assert v1alpha1.mount_problem(path) is not None, path
+    assert v1alpha1.mount_problem("/models/../tmp") is not None

@@ -78,7 +78,10 @@ def constants() -> set[str]:
 
 def test_every_variable_the_operator_writes_is_one_the_engine_reads() -> None:
     for index, pod in enumerate(sample_pods()):
-        written = pod_env(pod)
+        everything = pod_env(pod)
+        # Beside the protocol, the operator points the libraries' caches at writable volumes.
+        assert {name for name in everything if not name.startswith(env.PREFIX)} == set(desired.CACHE_ENV)
+        written = {name: value for name, value in everything.items() if name.startswith(env.PREFIX)}
         environ = Recording(written)
         read = settings.from_env(environ)
         assert set(written) - set(env.INFORMATIONAL) <= environ.asked, "written but never read by the engine"

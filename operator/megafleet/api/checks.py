@@ -7,6 +7,7 @@ adds the planner's cross-field rules, so one call returns every problem with its
 
 from __future__ import annotations
 
+import decimal
 import re
 from typing import Any
 
@@ -25,7 +26,7 @@ def parse_spec(
         spec = v1alpha1.MegatronGenerationSpec.model_validate(raw)
     except pydantic.ValidationError as error:
         return None, [_problem(item) for item in error.errors()]
-    problems = planner.validate(fleet_settings(spec))
+    problems = planner.validate(fleet_settings(spec)) + pod_problems(spec)
     if name is not None:
         problems += name_problems(name, spec)
     return spec, problems
@@ -45,6 +46,35 @@ def name_problems(name: str, spec: v1alpha1.MegatronGenerationSpec) -> list[plan
     if len(longest) > v1alpha1.NAME_MAX:
         return [planner.Problem("metadata.name", f"{v1alpha1.NAME_TOO_LONG} ({longest!r} has {len(longest)})")]
     return []
+
+
+def pod_problems(spec: v1alpha1.MegatronGenerationSpec) -> list[planner.Problem]:
+    """The pod template's cross-field rule (also a CEL rule): /dev/shm is memory the pod's limit counts."""
+    shm = spec.pod.shm_size
+    if shm is not None and quantity(shm) > quantity(spec.resources.memory):
+        message = f"{v1alpha1.SHM_OVER_MEMORY} ({shm} > {spec.resources.memory})"
+        return [planner.Problem("spec.pod.shmSize", message)]
+    return []
+
+
+_SUFFIXES = {
+    **{suffix: decimal.Decimal(1024) ** power for power, suffix in enumerate(("", "Ki", "Mi", "Gi", "Ti", "Pi", "Ei"))},
+    **{suffix: decimal.Decimal(1000) ** power for power, suffix in enumerate(("", "k", "M", "G", "T", "P", "E"))},
+    "n": decimal.Decimal("1e-9"),
+    "u": decimal.Decimal("1e-6"),
+    "m": decimal.Decimal("1e-3"),
+}
+
+
+def quantity(text: str) -> decimal.Decimal:
+    """The value of a Kubernetes quantity that matched the API's pattern (``64Gi``, ``500m``, ``1e3``)."""
+    match = re.fullmatch(r"\+?([0-9.]+)([eE][-+]?[0-9]+|[A-Za-z]*)", text)
+    if match is None:
+        raise ValueError(f"not a quantity: {text!r}")
+    number, suffix = match.groups()
+    if suffix[:1] in ("e", "E"):
+        return decimal.Decimal(number + suffix)
+    return decimal.Decimal(number) * _SUFFIXES[suffix]
 
 
 def fleet_settings(spec: v1alpha1.MegatronGenerationSpec) -> planner.FleetSettings:

@@ -37,6 +37,8 @@ def _collect(root: type[pydantic.BaseModel], seen: list[type[pydantic.BaseModel]
 def _type_name(annotation: Any) -> str:
     origin = typing.get_origin(annotation)
     args = typing.get_args(annotation)
+    if origin is typing.Annotated:
+        return _type_name(args[0])
     if origin is typing.Literal:
         return " \\| ".join(f"`{value}`" for value in args)
     if origin in (typing.Union, types.UnionType):
