@@ -15,7 +15,8 @@ import lightkube
 from lightkube import codecs
 from lightkube.core.exceptions import ApiError
 from lightkube.generic_resource import create_namespaced_resource
-from lightkube.resources.core_v1 import ConfigMap, Node, Pod, Secret, Service
+from lightkube.resources.core_v1 import ConfigMap, Node, Pod, Secret, Service, ServiceAccount
+from lightkube.resources.scheduling_v1 import PriorityClass
 from lightkube.types import PatchType
 
 from megafleet import metrics, names
@@ -34,6 +35,8 @@ KINDS: dict[str, Any] = {
     "Service": Service,
     "ConfigMap": ConfigMap,
     "Secret": Secret,
+    "ServiceAccount": ServiceAccount,
+    "PriorityClass": PriorityClass,
     "Node": Node,
     "MegatronGeneration": MegatronGeneration,
     "Refit": Refit,

@@ -33,7 +33,16 @@ async def fleet(api: kube.Api, body: Object, notify: context.Notify) -> desired.
 
 
 async def _missing_references(api: kube.Api, fleet: desired.ParsedFleet) -> str | None:
-    """What the schema cannot check: objects the spec names must exist."""
+    """What the schema cannot check: objects the spec names must exist (those whose absence makes
+    the API server refuse the pods; a missing PVC or pull Secret only keeps them waiting)."""
+    pod = fleet.spec.pod
+    if pod.service_account_name and await api.get("ServiceAccount", pod.service_account_name, fleet.namespace) is None:
+        return (
+            f"spec.pod.serviceAccountName: ServiceAccount {pod.service_account_name!r} does not exist in namespace "
+            f"{fleet.namespace}"
+        )
+    if pod.priority_class_name and await api.get("PriorityClass", pod.priority_class_name) is None:
+        return f"spec.pod.priorityClassName: PriorityClass {pod.priority_class_name!r} does not exist"
     ref = fleet.spec.frontend.api_key_secret
     if ref is None:
         return None
