@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 from megafleet import desired, names, planner
 from megafleet.api import v1alpha1
 
@@ -212,7 +214,7 @@ def test_the_cache_emptydir_takes_its_size_limit() -> None:
 
 def test_every_pod_template_field_rolls_the_fleet() -> None:
     base = desired.template_hash(fleet())
-    changed = [
+    changed: list[dict[str, Any]] = [
         {"pod": {"labels": {"team": "rl"}}},
         {"pod": {"annotations": {"a": "b"}}},
         {"pod": {"serviceAccountName": "sa"}},

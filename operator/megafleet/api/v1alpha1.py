@@ -936,7 +936,8 @@ class PodSpec(ApiModel):
             if problem:
                 raise ValueError(f"{problem}: {mount.mount_path!r}")
         known = {volume.name for volume in self.volumes}
-        unknown = sorted({m.name for m in self.volume_mounts} - known | ({self.cache.volume} - known - {None}))
+        referenced = {m.name for m in self.volume_mounts} | ({self.cache.volume} if self.cache.volume else set())
+        unknown = sorted(referenced - known)
         if unknown:
             raise ValueError(f"{_UNKNOWN_VOLUME}: {unknown}")
         _unique("volumes", [volume.name for volume in self.volumes])
