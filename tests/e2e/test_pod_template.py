@@ -1,8 +1,8 @@
 """``spec.pod`` and its siblings (``engine.envFrom``, env ``valueFrom``) on the real local control
 plane: the operator's pods carry the user's volumes, mounts, /dev/shm, caches, service account,
 priority class, pull secrets, labels and annotations; the API server accepts them; a change of the
-template rolls the running fleet; a ServiceAccount that does not exist is InvalidSpec, not pods the
-API server refuses."""
+template rolls the running fleet; a ServiceAccount or PriorityClass that does not exist is InvalidSpec
+(until it exists), not pods the API server refuses."""
 
 from __future__ import annotations
 
@@ -115,21 +115,42 @@ def test_the_pods_carry_the_users_template_and_a_change_rolls_them(
         kube_admin.delete(f"/apis/scheduling.k8s.io/v1/priorityclasses/{priority}", missing_ok=True)
 
 
-def test_a_missing_service_account_is_invalid_spec_and_no_pod_is_created(
+def test_a_missing_service_account_or_priority_class_is_invalid_spec_until_it_exists(
     operator: Path, kube_admin: kube.Kube, namespace: str
 ) -> None:
+    priority = f"rl-{uuid.uuid4().hex[:8]}"
     manifest: dict[str, Any] = yaml.safe_load((ROOT / "examples" / "tiny-cpu.yaml").read_text())
-    manifest["spec"]["pod"] = {"serviceAccountName": "nobody"}
+    manifest["spec"]["pod"] = {"serviceAccountName": "nobody", "priorityClassName": priority}
     kube_admin.create(fleets(namespace), manifest)
+    path = f"{fleets(namespace)}/tiny"
 
-    invalid = kube_admin.wait(
-        f"{fleets(namespace)}/tiny",
-        lambda obj: (kube.condition(obj or {}, "InvalidSpec") or {}).get("status") == "True",
-        timeout=WAIT,
-        what="InvalidSpec",
-    )
+    def invalid_naming(text: str) -> kube.Predicate:
+        def check(obj: kube.Object | None) -> bool:
+            condition = kube.condition(obj or {}, "InvalidSpec") or {}
+            return condition.get("status") == "True" and text in condition.get("message", "")
 
-    assert invalid is not None
-    message = (kube.condition(invalid, "InvalidSpec") or {})["message"]
-    assert "spec.pod.serviceAccountName" in message and "nobody" in message
-    assert kube_admin.list(f"/api/v1/namespaces/{namespace}/pods")["items"] == []
+        return check
+
+    try:
+        kube_admin.wait(path, invalid_naming("spec.pod.serviceAccountName"), timeout=WAIT, what="no ServiceAccount")
+        assert kube_admin.list(f"/api/v1/namespaces/{namespace}/pods")["items"] == []
+
+        kube_admin.create(f"/api/v1/namespaces/{namespace}/serviceaccounts", {"metadata": {"name": "nobody"}})
+        invalid = kube_admin.wait(path, invalid_naming("spec.pod.priorityClassName"), timeout=WAIT, what="no class")
+        assert invalid is not None and priority in (kube.condition(invalid, "InvalidSpec") or {})["message"]
+        assert kube_admin.list(f"/api/v1/namespaces/{namespace}/pods")["items"] == []
+
+        kube_admin.create(
+            "/apis/scheduling.k8s.io/v1/priorityclasses",
+            {"apiVersion": "scheduling.k8s.io/v1", "kind": "PriorityClass", "metadata": {"name": priority}, "value": 7},
+        )
+        placed = kube_admin.wait(
+            path,
+            lambda obj: (kube.condition(obj or {}, "Placed") or {}).get("status") == "True",
+            timeout=WAIT,
+            what="the fleet placed once both exist",
+        )
+        assert placed is not None
+        assert (kube.condition(placed, "InvalidSpec") or {}).get("status") != "True"
+    finally:
+        kube_admin.delete(f"/apis/scheduling.k8s.io/v1/priorityclasses/{priority}", missing_ok=True)
