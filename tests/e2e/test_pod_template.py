@@ -154,3 +154,53 @@ def test_a_missing_service_account_or_priority_class_is_invalid_spec_until_it_ex
         assert (kube.condition(placed, "InvalidSpec") or {}).get("status") != "True"
     finally:
         kube_admin.delete(f"/apis/scheduling.k8s.io/v1/priorityclasses/{priority}", missing_ok=True)
+
+
+def test_every_volume_source_and_field_yields_a_pod_the_api_server_accepts(
+    kube_admin: kube.Kube, namespace: str
+) -> None:
+    """The typed subset of the core API serializes to what the API server validates (server-side dry run)."""
+    from megafleet import desired, planner
+    from megafleet.api import v1alpha1
+
+    suffix = uuid.uuid4().hex[:8]
+    raw = yaml.safe_load((ROOT / "examples" / "llama-8b-model-volume.yaml").read_text())["spec"]
+    raw["pod"]["runtimeClassName"] = f"nvidia-{suffix}"
+    raw["pod"]["priorityClassName"] = f"rl-{suffix}"
+    kube_admin.create(f"/api/v1/namespaces/{namespace}/serviceaccounts", {"metadata": {"name": "rl-engines"}})
+    classes: list[tuple[str, dict[str, Any]]] = [
+        ("/apis/node.k8s.io/v1/runtimeclasses", {"metadata": {"name": f"nvidia-{suffix}"}, "handler": "nvidia"}),
+        ("/apis/scheduling.k8s.io/v1/priorityclasses", {"metadata": {"name": f"rl-{suffix}"}, "value": 10}),
+    ]
+    raw["pod"]["volumes"] += [
+        {"name": "host", "hostPath": {"path": "/data", "type": "DirectoryOrCreate"}},
+        {"name": "scratch", "emptyDir": {"medium": "Memory", "sizeLimit": "1Gi"}},
+        {"name": "settings", "configMap": {"name": "settings", "defaultMode": 0o444, "optional": True}},
+        {"name": "keys", "secret": {"secretName": "keys", "defaultMode": 0o400}},
+        {"name": "blob", "csi": {"driver": "blob.csi.azure.com", "readOnly": True, "volumeAttributes": {"a": "b"}}},
+        {"name": "weights", "image": {"reference": "registry.example.com/models/llama:8b", "pullPolicy": "Always"}},
+        {"name": "share", "nfs": {"server": "10.0.0.2", "path": "/exports/models", "readOnly": True}},
+    ]
+    raw["pod"]["volumeMounts"] += [
+        {"name": volume["name"], "mountPath": f"/mnt/{volume['name']}", "subPath": "x"}
+        for volume in raw["pod"]["volumes"][2:]
+    ]
+    raw["engine"]["env"].append({"name": "NODE", "valueFrom": {"fieldRef": {"fieldPath": "spec.nodeName"}}})
+    parsed = desired.ParsedFleet("llama", namespace, "uid-1", 1, v1alpha1.MegatronGenerationSpec.model_validate(raw))
+    placement = planner.ShardPlacement(clique=None, pods=(planner.PodPlacement("gpu-node", 8),))
+    pod = desired.shard_pods(parsed, 0, placement)[0]
+    pod["metadata"].pop("ownerReferences")  # the fleet does not exist here
+
+    for collection, body in classes:
+        kube_admin.create(collection, body)
+    try:
+        accepted = kube_admin.create(f"/api/v1/namespaces/{namespace}/pods?dryRun=All", pod)
+    finally:
+        for collection, body in classes:
+            kube_admin.delete(f"{collection}/{body['metadata']['name']}", missing_ok=True)
+
+    volumes = {volume["name"]: volume for volume in accepted["spec"]["volumes"]}
+    assert set(volumes) >= {"models", "kernel-cache", "host", "scratch", "settings", "keys", "blob", "weights", "share"}
+    assert volumes["weights"]["image"]["reference"] == "registry.example.com/models/llama:8b"
+    assert accepted["spec"]["containers"][0]["resources"]["limits"]["rdma/ib"] == "1"
+    assert accepted["spec"]["priority"] == 10 and accepted["spec"]["runtimeClassName"] == f"nvidia-{suffix}"
