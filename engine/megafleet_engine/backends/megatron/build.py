@@ -14,7 +14,7 @@ import dataclasses
 import importlib
 import socket
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, Literal
 
 import torch
 
@@ -22,7 +22,15 @@ from megafleet_engine.backends import base, weight_maps
 from megafleet_engine.backends.weight_maps import Layout, LlamaShape
 from megafleet_protocol import vocabulary
 
-__all__ = ["EngineOptions", "IdTokenizer", "build_engine", "build_model", "init_parallel", "megatron_core"]
+__all__ = [
+    "EngineOptions",
+    "IdTokenizer",
+    "build_engine",
+    "build_model",
+    "init_parallel",
+    "megatron_core",
+    "schedule_mode",
+]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -38,7 +46,19 @@ class EngineOptions:
     """Most tokens in one forward pass (prefill chunks included; megatron's ``max_tokens``)."""
     block_size_tokens: int = 256
     cuda_graphs: bool = True
-    """Capture decode CUDA graphs (per layer) at start; eager decode is host-bound."""
+    """Capture decode CUDA graphs at start (one per batch size megatron pads to: 1, 8, 16, ... up to
+    ``max_batch_size``); eager decode is host-bound."""
+    graph_scope: Literal["layer", "block"] = "layer"
+    """What one decode CUDA graph covers (megatron's ``inference_cuda_graph_scope``): ``layer``,
+    one graph per transformer layer (replayed one after another from Python), or ``block``, one
+    graph for every layer of the model (the embedding, final norm, output layer and sampling stay
+    eager). Fixed when the model is built."""
+    async_schedule: bool = False
+    """megatron's asynchronous scheduling (``AsyncScheduleMode.ASYNC``): in a decode-only step it
+    launches step N+1's forward before it reads step N's tokens back and does their bookkeeping, so
+    the host's per-step work overlaps the GPU's. Falls back to the ordinary order itself in steps
+    with prefills or paused requests. Can be switched between batches
+    (:meth:`.backend.MegatronBackend.set_step_options`)."""
     seed: int = 0
     """Seed of megatron's RNG trackers (sampling)."""
     kv_cache_mode: vocabulary.KvCacheMode = "persist"
@@ -150,6 +170,7 @@ def build_model(
         perform_initialization=False,  # every parameter is written by load()
         cuda_graph_impl="local" if options.cuda_graphs else "none",
         inference_rng_tracker=True,
+        **({"inference_cuda_graph_scope": options.graph_scope} if options.cuda_graphs else {}),
     )
     model = gpt.GPTModel(
         config=config,
@@ -187,6 +208,12 @@ def _one_kv_split_on_hopper(model: Any) -> None:
             module.batch_invariant_mode = True
 
 
+def schedule_mode(async_schedule: bool) -> Any:
+    """megatron's ``AsyncScheduleMode`` for :attr:`EngineOptions.async_schedule`."""
+    modes = megatron_core("inference.config").AsyncScheduleMode
+    return modes.ASYNC if async_schedule else modes.LEGACY
+
+
 def build_engine(model: Any, tokenizer: IdTokenizer, max_sequence_length: int, options: EngineOptions) -> Any:
     """Megatron's ``DynamicInferenceEngine`` over ``model``, with its paged KV cache (and, with
     ``options.cuda_graphs``, decode CUDA graphs) sized by ``options``. Its log-probabilities are
@@ -205,6 +232,7 @@ def build_engine(model: Any, tokenizer: IdTokenizer, max_sequence_length: int, o
         kv_cache_management_mode=config_module.KVCacheManagementMode(options.kv_cache_mode),
         sampling_backend="torch",  # replaced by NeMo's filter (.sampling.install), which also computes
         logprobs_mode="processed_logprobs",  # the log-probabilities megatron returns
+        async_sched_mode=schedule_mode(options.async_schedule),
     )
     context = megatron_core("inference.contexts.dynamic_context").DynamicInferenceContext(model.config, config)
     wrapper = megatron_core("inference.model_inference_wrappers.gpt.gpt_inference_wrapper").GPTInferenceWrapper(
