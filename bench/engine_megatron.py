@@ -109,6 +109,8 @@ class Backends:
     def close(self) -> None:
         for scheduler in self.schedulers.values():
             scheduler.close()
+        for backend in self.built.values():
+            backend.close()
 
 
 def measure_variant(
@@ -225,7 +227,11 @@ def run_profiles(backends: Backends, targets: list[str], batches: list[int], res
                 backend = backends.get(scope)
                 backend.set_step_options(**options)
                 profiled = profile_decode.profile_decode(
-                    backend, batch=batch, path=path or "backend", prompt_tokens=backends.args.prompt_tokens
+                    backend,
+                    batch=batch,
+                    path=path or "backend",
+                    prompt_tokens=backends.args.prompt_tokens,
+                    steps=backends.args.profile_steps,
                 )
             except Exception as error:
                 profiled = {"batch": batch, "path": path, "options": {}, "error": f"{type(error).__name__}: {error}"}
@@ -255,6 +261,7 @@ def main() -> int:
     parser.add_argument(
         "--profile", default="baseline:backend,baseline:direct,fast-async:backend,block-fast-async:backend"
     )
+    parser.add_argument("--profile-steps", type=int, default=32)
     parser.add_argument("--deadline-s", type=float, default=1e9)
     parser.add_argument("--wait-for", type=Path, default=None)
     parser.add_argument("--wait-timeout", type=float, default=120.0)

@@ -204,11 +204,11 @@ def gpu_timeline(trace: dict[str, Any], steps: int) -> dict[str, Any]:
     marks = [event for event in events if event.get("name") == "decode_steps"]
     if marks:
         window_start = marks[0]["ts"]
-        window_end = max(marks[0]["ts"] + marks[0]["dur"], *(event["ts"] + event["dur"] for event in gpu))
+        window_end = max([marks[0]["ts"] + marks[0]["dur"], *(event["ts"] + event["dur"] for event in gpu)])
     else:
-        everything = gpu + runtime
-        window_start = min(event["ts"] for event in everything)
-        window_end = max(event["ts"] + event["dur"] for event in everything)
+        everything = gpu + runtime or events
+        window_start = min((event["ts"] for event in everything), default=0.0)
+        window_end = max((event["ts"] + event["dur"] for event in everything), default=0.0)
     window = window_end - window_start
     busy = busy_union([(event["ts"], event["ts"] + event["dur"]) for event in gpu])
     kernels: dict[str, list[float]] = collections.defaultdict(lambda: [0.0, 0.0])
@@ -245,11 +245,11 @@ def profile_gpu(stepper: Stepper, steps: int, sync: Callable[[], None]) -> dict[
     from torch.profiler import ProfilerActivity, profile, record_function
 
     sync()
-    activities = [ProfilerActivity.CUDA, ProfilerActivity.CPU]
+    activities = [ProfilerActivity.CPU, *([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])]
     with profile(activities=activities, record_shapes=False) as prof, record_function("decode_steps"):
         for _ in range(steps):
             stepper.step()
-        torch.cuda.synchronize()
+        sync()
     with tempfile.TemporaryDirectory() as folder:
         path = Path(folder) / "trace.json"
         prof.export_chrome_trace(str(path))
@@ -261,10 +261,12 @@ def profile_gpu(stepper: Stepper, steps: int, sync: Callable[[], None]) -> dict[
 
 def profile_gpu_only(stepper: Stepper, steps: int, sync: Callable[[], None]) -> dict[str, Any]:
     """The GPU timeline with CUDA activity only (no host-op recording slowing the host down)."""
+    import torch
     from torch.profiler import ProfilerActivity, profile
 
+    activity = ProfilerActivity.CUDA if torch.cuda.is_available() else ProfilerActivity.CPU  # CPU: smoke test
     sync()
-    with profile(activities=[ProfilerActivity.CUDA], record_shapes=False) as prof:
+    with profile(activities=[activity], record_shapes=False) as prof:
         for _ in range(steps):
             stepper.step()
         sync()
@@ -282,6 +284,8 @@ def profile_decode(
     sync = benchkit.cuda_sync()
     prompt_ids = benchkit.prompts(backend.info.vocab_size, batch, prompt_tokens, seed=1)
     new_tokens = warm_steps + 4 * steps + 8
+    if new_tokens > backend.info.max_sequence_length - prompt_tokens:
+        raise ValueError(f"{new_tokens} decode steps do not fit in the model's sequence length: fewer --steps")
     stepper = Stepper(backend, path, prompt_ids, new_tokens)
     result: dict[str, Any] = {"batch": batch, "path": path, "options": backend.step_options()}
     try:

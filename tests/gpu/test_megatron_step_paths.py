@@ -12,14 +12,19 @@ token budget, is in ``finished_request_ids`` and in the step's finished records;
 
 from __future__ import annotations
 
+import asyncio
+import dataclasses
+import itertools
+import sys
 import types
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
 
-from megafleet_engine.backends import base
+from megafleet_engine.backends import base, megatron
 from megafleet_engine.backends.megatron import generation, lockstep
 from megafleet_engine.backends.megatron.sampling import NemoSampling
 
@@ -114,6 +119,25 @@ class FakeEngine:
     def has_unfinished_requests(self) -> bool:
         return bool(self._order)
 
+    # megatron's own driving (engine.generate / step_modern), as the benchmark's direct path uses it
+
+    request_counter = itertools.count()
+    _loop: asyncio.AbstractEventLoop  # set by the runner, as on megatron's engine
+
+    def step_modern(self) -> dict[str, Any]:
+        async def step() -> dict[str, Any]:
+            return await self.async_bookkeep(*await self.async_forward())
+
+        return self._loop.run_until_complete(step())
+
+    def generate(self, prompts: list[list[int]], params: Any) -> list[FakeRecord]:
+        records: list[FakeRecord] = []
+        for prompt in prompts:
+            self.add_request(int(next(self.request_counter)), prompt, params)
+        while self.has_unfinished_requests():
+            records.extend(self.step_modern()["finished_request_records"])
+        return sorted(records, key=lambda record: record.requests[-1].request_id)
+
     async def async_forward(self) -> tuple[dict[str, Any] | None, dict[str, Any], float]:
         ids, tokens, finished = [], [], []
         for request_id in self._order:
@@ -162,6 +186,7 @@ def no_megatron(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
     """The runner's megatron imports answered by plain stand-ins."""
     sampling_params = types.SimpleNamespace(SamplingParams=lambda **kwargs: types.SimpleNamespace(**kwargs))
     monkeypatch.setattr(generation.build, "megatron_core", lambda module: sampling_params)
+    monkeypatch.setattr(megatron, "megatron_core", lambda module: sampling_params)
     monkeypatch.setattr(generation.sampling, "install", lambda controller: NemoSampling(torch.Generator(), VOCAB))
     monkeypatch.setattr(torch.cuda, "set_device", lambda device: None)
     yield
@@ -240,3 +265,106 @@ def test_the_runner_step_reads_arrays_only_with_array_collect(no_megatron: None)
         assert runner._arrays is None
     finally:
         runner.close()
+
+
+# -- the benchmark's code path on the fake engine ----------------------------------------------------
+
+
+@dataclasses.dataclass
+class FakeShape:
+    layers: int = 1
+
+
+class FakeBackend:
+    """What ``bench/engine_megatron.py`` and ``bench/profile_decode.py`` use of a megatron backend,
+    over :class:`FakeEngine` and the real :class:`~.generation.Runner`."""
+
+    def __init__(self, graph_scope: str = "layer", **options: Any) -> None:
+        self.info = base.ModelInfo(name="fake", max_sequence_length=64, vocab_size=VOCAB, eos_token_id=EOS)
+        self.shape = FakeShape()
+        self.engine = FakeEngine()
+        self._batch = generation.Runner(
+            self.engine,
+            self.info,
+            lockstep.Lockstep(None, leader=True, device=0),
+            max_requests=8,
+            other_eos=frozenset(),
+        )
+        self.graph_scope = graph_scope
+        self.async_schedule = False
+
+    def generate(self, batch: list[base.SequenceRequest], admit: Any = None) -> Any:
+        return self._batch.lead(list(batch), admit)
+
+    def set_step_options(
+        self,
+        *,
+        async_schedule: bool | None = None,
+        sync_free_sampling: bool | None = None,
+        array_collect: bool | None = None,
+    ) -> None:
+        self.async_schedule = self.async_schedule if async_schedule is None else async_schedule
+        if sync_free_sampling is not None:
+            self._batch.sampler.sync_free = sync_free_sampling
+        if array_collect is not None:
+            self._batch.array_collect = array_collect
+
+    def close(self) -> None:
+        self._batch.close()
+
+    def step_options(self) -> dict[str, Any]:
+        return {
+            "async_schedule": self.async_schedule,
+            "sync_free_sampling": self._batch.sampler.sync_free,
+            "array_collect": self._batch.array_collect,
+            "graph_scope": self.graph_scope,
+        }
+
+
+def test_the_engine_benchmark_runs_every_setting_path_and_profile(
+    no_megatron: None, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """``bench/engine_megatron.py`` end to end on the fake engine (CPU), so a broken script shows
+    here rather than in the GPU machine's minutes: every setting and path at two batch sizes, the
+    pruning of the larger one, token equality, the profile summary."""
+    bench = Path(__file__).resolve().parents[2] / "bench"
+    monkeypatch.syspath_prepend(str(bench))
+    import benchkit
+    import engine_megatron
+
+    monkeypatch.setattr(
+        benchkit,
+        "load_megatron",
+        lambda source, **options: FakeBackend(**{key: value for key, value in options.items() if key == "graph_scope"}),
+    )
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda: None)
+    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda: 0)
+    monkeypatch.setattr(benchkit, "cuda_sync", lambda: lambda: None)
+    out = tmp_path / "engine.json"
+    argv = ["engine_megatron.py", "--batches", "1,3", "--prune-above", "1", "--prompt-tokens", "4"]
+    argv += ["--new-tokens", "6", "--max-sequence-length", "64", "--repeats", "2", "--out", str(out)]
+    argv += ["--profile", "baseline:backend,baseline:direct,fast-async:backend", "--profile-steps", "8"]
+    monkeypatch.setattr(sys, "argv", argv)
+
+    assert engine_megatron.main() == 0
+
+    import json
+
+    result = json.loads(out.read_text())
+    assert set(result["errors"]) <= {"write_weights"}, result["errors"]
+    first = result["figures"]["batch_1"]
+    assert set(first) == {"baseline", "fast", "fast-async", "block-fast-async"}
+    for variant, row in first.items():
+        assert row["direct"]["tokens"] == row["backend"]["tokens"] == 6, variant
+        assert len(row["backend"]["runs_s"]) == 2 and row["backend"]["tokens_equal_direct"], variant
+        assert row["backend"]["tokens_equal_baseline_direct"], variant
+    assert first["fast"]["options"]["array_collect"] and not first["baseline"]["options"]["array_collect"]
+    assert set(result["figures"]["batch_3"]) <= set(first) and "baseline" in result["figures"]["batch_3"]
+    assert len(result["figures"]["batch_3"]) == 2
+    assert [(item["variant"], item["path"]) for item in result["profiles"]] == [
+        ("baseline", "backend"),
+        ("baseline", "direct"),
+        ("fast-async", "backend"),
+    ]
+    text = (tmp_path / "engine-profile.txt").read_text()
+    assert "runner.collect (ours: token steps)" in text and "wall per step" in text
