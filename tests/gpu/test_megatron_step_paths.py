@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import importlib
 import itertools
 import sys
 import types
@@ -25,7 +26,9 @@ import pytest
 import torch
 
 from megafleet_engine.backends import base, megatron
+from megafleet_engine.backends.megatron import build as megatron_build
 from megafleet_engine.backends.megatron import generation, lockstep
+from megafleet_engine.backends.megatron import sampling as megatron_sampling
 from megafleet_engine.backends.megatron.sampling import NemoSampling
 
 VOCAB = 64
@@ -185,9 +188,9 @@ class FakeEngine:
 def no_megatron(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
     """The runner's megatron imports answered by plain stand-ins."""
     sampling_params = types.SimpleNamespace(SamplingParams=lambda **kwargs: types.SimpleNamespace(**kwargs))
-    monkeypatch.setattr(generation.build, "megatron_core", lambda module: sampling_params)
+    monkeypatch.setattr(megatron_build, "megatron_core", lambda module: sampling_params)
     monkeypatch.setattr(megatron, "megatron_core", lambda module: sampling_params)
-    monkeypatch.setattr(generation.sampling, "install", lambda controller: NemoSampling(torch.Generator(), VOCAB))
+    monkeypatch.setattr(megatron_sampling, "install", lambda controller: NemoSampling(torch.Generator(), VOCAB))
     monkeypatch.setattr(torch.cuda, "set_device", lambda device: None)
     yield
 
@@ -329,8 +332,8 @@ def test_the_engine_benchmark_runs_every_setting_path_and_profile(
     pruning of the larger one, token equality, the profile summary."""
     bench = Path(__file__).resolve().parents[2] / "bench"
     monkeypatch.syspath_prepend(str(bench))
-    import benchkit
-    import engine_megatron
+    benchkit = importlib.import_module("benchkit")
+    engine_megatron = importlib.import_module("engine_megatron")
 
     monkeypatch.setattr(
         benchkit,
