@@ -122,18 +122,19 @@ def measure_variant(
     warmup: bool,
     deadline: float,
     errors: dict[str, str],
-) -> tuple[dict[str, Any], dict[str, benchkit.Tokens]]:
-    """Every path of one setting at one batch size."""
+    row: dict[str, Any],
+    save: Callable[[], None],
+) -> dict[str, benchkit.Tokens]:
+    """Every path of one setting at one batch size, into ``row`` (saved after each path)."""
     args = backends.args
     scope, options = VARIANTS[variant]
-    row: dict[str, Any] = {}
     outputs: dict[str, benchkit.Tokens] = {}
     try:
         backend = backends.get(scope)
         backend.set_step_options(**options)
     except Exception as error:
         errors[f"{variant}_b{len(prompt_ids)}"] = f"{type(error).__name__}: {error}\n{traceback.format_exc(limit=8)}"
-        return row, outputs
+        return outputs
     row["options"] = backend.step_options()
     runs: dict[str, Callable[[], benchkit.Tokens]] = {
         "direct": lambda: benchkit.direct(backend, prompt_ids, args.new_tokens),
@@ -150,7 +151,8 @@ def measure_variant(
             errors[f"{variant}_{path}_b{len(prompt_ids)}"] = (
                 f"{type(error).__name__}: {error}\n{traceback.format_exc(limit=8)}"
             )
-    return row, outputs
+        save()
+    return outputs
 
 
 def compare(rows: dict[str, dict[str, Any]], outputs: dict[str, dict[str, benchkit.Tokens]]) -> None:
@@ -312,9 +314,11 @@ def main() -> int:
                 chosen = [variant for variant in variants if variant in ("baseline", best)]
             rows: dict[str, dict[str, Any]] = {}
             outputs: dict[str, dict[str, benchkit.Tokens]] = {}
+            result["figures"][f"batch_{batch}"] = rows
             for variant in chosen:
                 scope = VARIANTS[variant][0]
-                rows[variant], outputs[variant] = measure_variant(
+                rows[variant] = {}
+                outputs[variant] = measure_variant(
                     backends,
                     variant,
                     prompt_ids,
@@ -322,10 +326,11 @@ def main() -> int:
                     warmup=(scope, batch) not in warmed,
                     deadline=deadline,
                     errors=result["errors"],
+                    row=rows[variant],
+                    save=save,
                 )
                 warmed.add((scope, batch))
                 compare(rows, outputs)
-                result["figures"][f"batch_{batch}"] = rows
                 save()
             previous = rows
         if time.monotonic() < deadline:

@@ -271,7 +271,7 @@ def main() -> int:
     parser.add_argument("--prompt-tokens", type=int, default=128)
     parser.add_argument("--new-tokens", type=int, default=256)
     parser.add_argument("--max-sequence-length", type=int, default=512)
-    parser.add_argument("--repeats", type=int, default=1)
+    parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--latency-batch", type=int, default=64)
     parser.add_argument("--api-servers", type=int, default=0, help="0: the pod default for this machine's CPUs")
     parser.add_argument("--client-processes", type=int, default=4)
