@@ -27,7 +27,9 @@ submitting the batch to its last token; the median of ``--repeats`` runs (and th
 fastest and the spread), after one warm-up run (the first setting measured at a batch size only:
 the others run the same kernels). ``vs_direct`` = path tok/s / direct tok/s of the same setting;
 ``vs_baseline_direct`` = path tok/s / the baseline's direct tok/s. Batches above ``--prune-above``
-run only the baseline and the fastest setting (backend path) of the previous batch size.
+run only the fastest setting (backend path) of the previous batch size, then the baseline; batches
+above ``--warmup-max-batch`` get no warm-up run (their decode graphs were captured at build time
+and their kernels compiled at the smaller batches).
 ``--deadline-s``: no new measurement starts after that many seconds (the JSON says what was skipped).
 """
 
@@ -258,6 +260,7 @@ def main() -> int:
     parser.add_argument("--variants", default="baseline,fast,fast-async,block-fast-async")
     parser.add_argument("--paths", default="direct,backend")
     parser.add_argument("--prune-above", type=int, default=64)
+    parser.add_argument("--warmup-max-batch", type=int, default=1 << 30, help="larger batches: no warm-up run")
     parser.add_argument("--kv-cache-gib", type=float, default=24.0)
     parser.add_argument("--profile-batches", default="1", help="empty: no profile")
     parser.add_argument(
@@ -310,8 +313,8 @@ def main() -> int:
             prompt_ids = benchkit.prompts(backends.get("layer").info.vocab_size, batch, args.prompt_tokens)
             chosen = variants
             if batch > args.prune_above and previous:
-                best = fastest(previous)
-                chosen = [variant for variant in variants if variant in ("baseline", best)]
+                best = fastest(previous)  # first: if the deadline cuts the batch short, the baseline goes
+                chosen = list(dict.fromkeys(variant for variant in (best, "baseline") if variant in variants))
             rows: dict[str, dict[str, Any]] = {}
             outputs: dict[str, dict[str, benchkit.Tokens]] = {}
             result["figures"][f"batch_{batch}"] = rows
@@ -323,7 +326,7 @@ def main() -> int:
                     variant,
                     prompt_ids,
                     paths,
-                    warmup=(scope, batch) not in warmed,
+                    warmup=(scope, batch) not in warmed and batch <= args.warmup_max_batch,
                     deadline=deadline,
                     errors=result["errors"],
                     row=rows[variant],

@@ -19,6 +19,7 @@ rm -f /tmp/gpu-tests.done
   touch /tmp/gpu-tests.done
 ) &
 timeout $((deadline + 45)) python3 bench/engine_megatron.py --out "$out/engine-megatron-h200.json" \
-  --wait-for /tmp/gpu-tests.done --wait-timeout 150 --deadline-s "$deadline" >"$out/bench.log" 2>&1
+  --wait-for /tmp/gpu-tests.done --wait-timeout 150 --deadline-s "$deadline" --warmup-max-batch 64 \
+  >"$out/bench.log" 2>&1
 echo "bench exit $?" >>"$out/bench.log"
 wait
