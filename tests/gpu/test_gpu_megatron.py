@@ -488,13 +488,18 @@ class TestStepPaths:
         asynchronous: bool,
     ) -> None:
         reference = tokens(run(backend, greedy_requests(prompts)))  # the build's settings
+        built = backend.step_options()
         backend.set_step_options(async_schedule=asynchronous, sync_free_sampling=sync_free, array_collect=arrays)
         try:
             produced = run(backend, greedy_requests(prompts))
             direct = direct_tokens(backend, prompts)
             with_logprobs = run(backend, greedy_requests(prompts, logprobs=2))
         finally:
-            backend.set_step_options(async_schedule=False, sync_free_sampling=True, array_collect=True)
+            backend.set_step_options(
+                async_schedule=built["async_schedule"],
+                sync_free_sampling=built["sync_free_sampling"],
+                array_collect=built["array_collect"],
+            )
         assert tokens(produced) == direct == reference
         assert tokens(with_logprobs) == reference  # sequences with log-probabilities read their records
         for steps in produced.values():
@@ -533,50 +538,52 @@ class TestStepPaths:
             sampler.sync_free = True
         assert torch.equal(output[:3], logits[:3].argmax(dim=-1))
 
-    def test_block_graphs_with_async_scheduling(
-        self, backend: megatron.MegatronBackend, prompts: list[list[int]]
-    ) -> None:
-        """A second model of the same weights with one decode graph for the whole block and
-        megatron's asynchronous scheduling: greedy tokens equal the per-layer model's (up to a bf16
-        near-tie) and its own direct run; sequences join a running batch; a persist refit (in place,
-        no recapture) changes the tokens and restoring the weights restores them."""
-        reference = [run(backend, greedy_requests([prompt], logprobs=2))["0"] for prompt in prompts]
-        block = megatron.load(
+    def test_layer_and_block_graphs_agree(self, backend: megatron.MegatronBackend, prompts: list[list[int]]) -> None:
+        """The module's backend (the defaults: one decode graph for the whole block, megatron's
+        asynchronous scheduling) against a second model of the same weights with per-layer graphs
+        and the ordinary step order: greedy tokens agree (up to a bf16 near-tie) and equal each
+        one's own direct run; on the block model, sequences join a running batch and a persist
+        refit (in place, no recapture) changes the tokens, and restoring the weights restores them."""
+        options = backend.step_options()
+        assert options["async_schedule"] and "block" in options["graph_scope"]
+        layer = megatron.load(
             gpu.SOURCE,
-            name="tiny-block",
+            name="tiny-layer",
             max_sequence_length=gpu.MAX_SEQUENCE_LENGTH,
             dtype="bfloat16",
             device="cuda",
             load_weights=True,
             options=megatron.EngineOptions(
-                max_batch_size=8, kv_buffer_gb=1.0, max_step_tokens=2048, graph_scope="block", async_schedule=True
+                max_batch_size=8, kv_buffer_gb=1.0, max_step_tokens=2048, graph_scope="layer", async_schedule=False
             ),
         )
         try:
-            block.write_weights(gpu.scaled_reference_weights())
-            assert block.step_options()["async_schedule"] and "block" in block.step_options()["graph_scope"]
-            produced = tokens(run(block, greedy_requests(prompts)))
-            assert produced == direct_tokens(block, prompts)
-            agreed = [agreed_prefix(ref, produced[str(i)]) for i, ref in enumerate(reference)]
-            gpu.report("block_async_vs_layer", agreed=agreed, of=gpu.NEW_TOKENS)
-            assert sum(agreed) >= 0.75 * gpu.NEW_TOKENS * len(prompts), agreed
-
-            joined, scheduler = staggered(block, greedy_requests(prompts))
-            assert (scheduler.batches, scheduler.admitted, scheduler.batch_sizes) == (1, 3, [4])
-            agreed = [agreed_prefix(ref, row) for ref, row in zip(reference, joined, strict=True)]
-            assert sum(agreed) >= 0.75 * gpu.NEW_TOKENS * len(prompts), agreed
-
-            block.begin_weight_update("persist")
-            block.write_weights(gpu.scaled_reference_weights(seed=1))
-            block.finish_weight_update("persist")
-            changed = tokens(run(block, greedy_requests(prompts)))
-            block.begin_weight_update("persist")
-            block.write_weights(gpu.scaled_reference_weights())
-            block.finish_weight_update("persist")
-            assert sum(changed[key] != produced[key] for key in produced) >= 3
-            assert tokens(run(block, greedy_requests(prompts))) == produced
+            layer.write_weights(gpu.scaled_reference_weights())
+            assert "layer" in layer.step_options()["graph_scope"] and not layer.step_options()["async_schedule"]
+            reference = [run(layer, greedy_requests([prompt], logprobs=2))["0"] for prompt in prompts]
+            assert tokens(run(layer, greedy_requests(prompts))) == direct_tokens(layer, prompts)
         finally:
-            block.close()
+            layer.close()
+        produced = tokens(run(backend, greedy_requests(prompts)))
+        assert produced == direct_tokens(backend, prompts)
+        agreed = [agreed_prefix(ref, produced[str(i)]) for i, ref in enumerate(reference)]
+        gpu.report("block_async_vs_layer", agreed=agreed, of=gpu.NEW_TOKENS)
+        assert sum(agreed) >= 0.75 * gpu.NEW_TOKENS * len(prompts), agreed
+
+        joined, scheduler = staggered(backend, greedy_requests(prompts))
+        assert (scheduler.batches, scheduler.admitted, scheduler.batch_sizes) == (1, 3, [4])
+        agreed = [agreed_prefix(ref, row) for ref, row in zip(reference, joined, strict=True)]
+        assert sum(agreed) >= 0.75 * gpu.NEW_TOKENS * len(prompts), agreed
+
+        backend.begin_weight_update("persist")
+        backend.write_weights(gpu.scaled_reference_weights(seed=1))
+        backend.finish_weight_update("persist")
+        changed = tokens(run(backend, greedy_requests(prompts)))
+        backend.begin_weight_update("persist")
+        backend.write_weights(gpu.scaled_reference_weights())
+        backend.finish_weight_update("persist")
+        assert sum(changed[key] != produced[key] for key in produced) >= 3
+        assert tokens(run(backend, greedy_requests(prompts))) == produced
 
 
 class TestTensorParallel:

@@ -371,3 +371,18 @@ def test_the_engine_benchmark_runs_every_setting_path_and_profile(
     ]
     text = (tmp_path / "engine-profile.txt").read_text()
     assert "runner.collect (ours: token steps)" in text and "wall per step" in text
+
+
+def test_model_parallel_shards_keep_per_layer_graphs_and_the_ordinary_step_order(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """Block graphs and asynchronous scheduling (the defaults) are single-GPU only: a shard of
+    several ranks falls back, with a log line."""
+    defaults = megatron.EngineOptions()
+    assert (defaults.graph_scope, defaults.async_schedule) == ("block", True)
+    assert megatron_build.effective_options(defaults, 1) == defaults
+    with caplog.at_level("INFO", logger=megatron_build.__name__):
+        shard = megatron_build.effective_options(defaults, 2)
+    assert (shard.graph_scope, shard.async_schedule) == ("layer", False)
+    assert dataclasses.replace(shard, graph_scope="block", async_schedule=True) == defaults
+    assert "single-GPU only" in caplog.text

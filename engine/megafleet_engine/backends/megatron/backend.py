@@ -323,7 +323,7 @@ def load(
     if not device.startswith("cuda"):
         raise ValueError(f"the megatron backend needs a CUDA device, not {device!r}")
     parallel = parallel or base.Parallel()
-    options = options or build.EngineOptions()
+    options = build.effective_options(options or build.EngineOptions(), parallel.world_size)
     parsed = sources.parse_source(source)
     torch_dtype: torch.dtype = getattr(torch, dtype)
     index = torch.device(device).index
