@@ -1,19 +1,36 @@
-"""Generation throughput of the megatron backend: megatron-core's engine called directly vs through
-our backend, our scheduler (:class:`megafleet_engine.engine.Engine`, continuous batching: requests
-that arrive while a batch runs join it between steps) and the OpenAI HTTP frontend. One GPU, random
-weights, greedy, every sequence generates exactly ``--new-tokens``.
+"""Generation throughput of the megatron backend, megatron-core's engine called directly vs through
+our backend (and optionally our scheduler), under several settings of the per-step path compared
+in the same run (issue 19), with a decode-step profile (``profile_decode.py``) of chosen settings.
+One GPU, random weights, greedy, every sequence generates exactly ``--new-tokens``.
 
 Run on a GPU machine with megatron-core and a flash-attention kernel installed::
 
-    PYTHONPATH=engine:protocol python3 bench/engine_megatron.py --out bench/results/engine-megatron.json
+    PYTHONPATH=engine:protocol python3 bench/engine_megatron.py --out bench/results/engine-megatron-<machine>.json
 
-Each figure is output tokens per second, end to end (prefill included): batch x new tokens over the
-wall time from submitting the batch to its last token, median of ``--repeats`` runs after one
-warm-up run per path. ``overhead`` = direct tok/s / path tok/s (1.0 = no overhead).
+Settings (``--variants``; each is a graph scope, fixed when a model is built, and per-step options
+switched between batches on the same engine, :meth:`MegatronBackend.set_step_options`):
 
-Two HTTP paths: ``http`` runs the client in this process (its JSON and socket work shares the GIL
-with the engine's thread and the server), ``http_client_process`` in a separate process, as an RL
-job's client runs against a pod: the server and the engine share this process, as in a pod.
+* ``baseline``: per-layer decode graphs, megatron's ordinary step order, the sampler's per-bucket
+  index tensors (a blocking copy per step), tokens read from megatron's request records (the
+  backend as it was before issue 19);
+* ``fast``: the sampler without host synchronisation and the step arrays;
+* ``fast-async``: ``fast`` with megatron's asynchronous scheduling (step N+1's forward is launched
+  before step N's tokens are read back);
+* ``block-fast``, ``block-fast-async``: the same with one decode graph for the whole transformer
+  block (a second model, same weights).
+
+Paths: ``direct`` (megatron-core's ``engine.generate()``: the same engine, the same sampler and
+scheduling mode, none of our per-step code), ``backend`` (``MegatronBackend.generate()``),
+``engine`` (:class:`megafleet_engine.engine.Engine`, the batch submitted at once). Each figure is
+output tokens per second end to end (prefill included): batch x new tokens over the wall time from
+submitting the batch to its last token; the median of ``--repeats`` runs (and the slowest, the
+fastest and the spread), after one warm-up run (the first setting measured at a batch size only:
+the others run the same kernels). ``vs_direct`` = path tok/s / direct tok/s of the same setting;
+``vs_baseline_direct`` = path tok/s / the baseline's direct tok/s. Batches above ``--prune-above``
+run only the fastest setting (backend path) of the previous batch size, then the baseline; batches
+above ``--warmup-max-batch`` get no warm-up run (their decode graphs were captured at build time
+and their kernels compiled at the smaller batches).
+``--deadline-s``: no new measurement starts after that many seconds (the JSON says what was skipped).
 """
 
 from __future__ import annotations
@@ -21,14 +38,8 @@ from __future__ import annotations
 import argparse
 import asyncio
 import dataclasses
-import datetime
-import importlib.metadata
 import json
-import multiprocessing
-import multiprocessing.connection
-import platform
 import statistics
-import subprocess
 import sys
 import time
 import traceback
@@ -36,227 +47,145 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import benchkit
+import profile_decode
 import torch
 
 from megafleet_engine import engine as engine_module
-from megafleet_engine.backends import base, megatron, weight_maps
+from megafleet_engine.backends import base, weight_maps
+
+FAST = {"sync_free_sampling": True, "array_collect": True}
+VARIANTS: dict[str, tuple[str, dict[str, bool]]] = {
+    "baseline": ("layer", {"async_schedule": False, "sync_free_sampling": False, "array_collect": False}),
+    "fast": ("layer", {"async_schedule": False, **FAST}),
+    "fast-async": ("layer", {"async_schedule": True, **FAST}),
+    "block-fast": ("block", {"async_schedule": False, **FAST}),
+    "block-fast-async": ("block", {"async_schedule": True, **FAST}),
+}
 
 
-def versions() -> dict[str, Any]:
-    def version(name: str) -> str | None:
-        try:
-            return importlib.metadata.version(name)
-        except importlib.metadata.PackageNotFoundError:
-            return None
-
-    try:
-        smi = subprocess.run(
-            ["nvidia-smi", "--query-gpu=name,driver_version,memory.total", "--format=csv,noheader"],
-            capture_output=True,
-            text=True,
-            check=True,
-            timeout=30,
-        ).stdout.strip()
-    except (OSError, subprocess.SubprocessError) as error:
-        smi = f"nvidia-smi failed: {error}"
-    return {
-        "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
-        "gpu": torch.cuda.get_device_name(),
-        "nvidia_smi": smi,
-        "python": platform.python_version(),
-        "torch": torch.__version__,
-        "cuda": torch.version.cuda,
-        "megatron_core": version("megatron-core"),
-        "flash_attn_4": version("flash-attn-4"),
-        "nvidia_cutlass_dsl": version("nvidia-cutlass-dsl"),
-        "transformers": version("transformers"),
-    }
-
-
-def timed(fn: Callable[[], int], repeats: int) -> dict[str, Any]:
-    """Run ``fn`` (returns tokens produced) once to warm up, then ``repeats`` times."""
-    fn()
-    runs = []
-    for _ in range(repeats):
-        torch.cuda.synchronize()
-        start = time.perf_counter()
-        produced = fn()
-        torch.cuda.synchronize()
-        runs.append((time.perf_counter() - start, produced))
-    seconds = statistics.median(elapsed for elapsed, _ in runs)
-    produced = runs[0][1]
-    return {
-        "tokens": produced,
-        "seconds_median": round(seconds, 4),
-        "tok_per_s": round(produced / seconds, 1),
-        "runs_s": [round(elapsed, 4) for elapsed, _ in runs],
-    }
-
-
-def requests(prompts: list[list[int]], new_tokens: int) -> list[base.SequenceRequest]:
-    params = base.SamplingParams(max_tokens=new_tokens, temperature=0.0, ignore_eos=True)
-    return [base.SequenceRequest(f"r{index}", tuple(prompt), params) for index, prompt in enumerate(prompts)]
-
-
-def direct(backend: megatron.MegatronBackend, prompts: list[list[int]], new_tokens: int) -> list[list[int]]:
-    sampling = megatron.megatron_core("inference.sampling_params")
-    params = sampling.SamplingParams(top_k=1, num_tokens_to_generate=new_tokens, termination_id=-1)
-    records = backend.engine.generate(prompts, params)
-    return [list(record.merge().generated_tokens) for record in records]
-
-
-def through_backend(backend: megatron.MegatronBackend, prompts: list[list[int]], new_tokens: int) -> list[list[int]]:
-    produced: dict[str, list[int]] = {}
-    for steps in backend.generate(requests(prompts, new_tokens)):
-        for step in steps:
-            produced.setdefault(step.request_id, []).append(step.token_id)
-    return [produced[f"r{index}"] for index in range(len(prompts))]
-
-
-def through_engine(scheduler: engine_module.Engine, prompts: list[list[int]], new_tokens: int) -> list[list[int]]:
+def through_engine(scheduler: engine_module.Engine, prompt_ids: benchkit.Tokens, new_tokens: int) -> benchkit.Tokens:
     async def one(request: base.SequenceRequest) -> list[int]:
         return [step.token_id async for step in scheduler.submit(request)]
 
-    async def run() -> list[list[int]]:
-        return list(await asyncio.gather(*(one(request) for request in requests(prompts, new_tokens))))
+    async def run() -> benchkit.Tokens:
+        return list(
+            await asyncio.gather(*(one(request) for request in benchkit.greedy_requests(prompt_ids, new_tokens)))
+        )
 
     return asyncio.run(run())
 
 
-class HttpBench:
-    """The OpenAI frontend on a local port, in a background event loop thread, and a client."""
+class Backends:
+    """One backend per graph scope, built on first use; a scheduler per backend when asked."""
 
-    def __init__(self, scheduler: engine_module.Engine, backend: megatron.MegatronBackend) -> None:
-        import threading
+    def __init__(self, args: argparse.Namespace, max_batch: int, result: dict[str, Any]) -> None:
+        self.args = args
+        self.max_batch = max_batch
+        self.result = result
+        self.built: dict[str, Any] = {}
+        self.schedulers: dict[str, engine_module.Engine] = {}
 
-        from megafleet_engine import metrics, server
+    def get(self, scope: str) -> Any:
+        if scope not in self.built:
+            start = time.perf_counter()
+            self.built[scope] = benchkit.load_megatron(
+                self.args.source,
+                max_sequence_length=self.args.max_sequence_length,
+                max_batch_size=self.max_batch,
+                kv_cache_gib=self.args.kv_cache_gib,
+                cuda_graphs=not self.args.no_cuda_graphs,
+                graph_scope=scope,
+            )
+            self.result.setdefault("build_s", {})[scope] = round(time.perf_counter() - start, 2)
+            self.result.setdefault("gpu_memory_allocated_gb", {})[scope] = round(
+                torch.cuda.memory_allocated() / 2**30, 2
+            )
+        return self.built[scope]
 
-        self.loop = asyncio.new_event_loop()
-        self.servers = server.EngineServers(
-            scheduler,
-            server.tokenizer_of(backend),
-            metrics.Metrics(scheduler),
-            host="127.0.0.1",
-            frontend_port=0,
-            agent_port=None,
-            metrics_port=None,
-        )
-        self.url = f"http://{self.servers.address('frontend')}"
-        self.model = backend.info.name
-        self.thread = threading.Thread(target=self.loop.run_until_complete, args=(self.servers.serve(),), daemon=True)
-        self.thread.start()
-        deadline = time.monotonic() + 30
-        while not self.servers.started:
-            if time.monotonic() > deadline:
-                raise RuntimeError("the HTTP frontend did not start in 30 s")
-            time.sleep(0.05)
-
-        context = multiprocessing.get_context("spawn")
-        self.pipe, child = context.Pipe()
-        self.client = context.Process(target=_client_process, args=(child, self.url, self.model), daemon=True)
-        self.client.start()
-
-    def run(self, prompts: list[list[int]], new_tokens: int) -> list[list[int]]:
-        return asyncio.run(_completions(self.url, self.model, prompts, new_tokens))
-
-    def run_in_client_process(self, prompts: list[list[int]], new_tokens: int) -> list[list[int]]:
-        self.pipe.send((prompts, new_tokens))
-        answer: list[list[int]] | str = self.pipe.recv()
-        if isinstance(answer, str):
-            raise RuntimeError(f"the client process failed: {answer}")
-        return answer
+    def scheduler(self, scope: str) -> engine_module.Engine:
+        if scope not in self.schedulers:
+            self.schedulers[scope] = engine_module.Engine(self.get(scope), max_batch_size=self.max_batch)
+        return self.schedulers[scope]
 
     def close(self) -> None:
-        self.pipe.send(None)
-        self.client.join(timeout=30)
-        self.servers.stop()
-        self.thread.join(timeout=30)
+        for scheduler in self.schedulers.values():
+            scheduler.close()
+        for backend in self.built.values():
+            backend.close()
 
 
-async def _completions(url: str, model: str, prompts: list[list[int]], new_tokens: int) -> list[list[int]]:
-    """Every prompt as one ``/v1/completions`` request, all at once; the completion token ids."""
-    import httpx
-
-    async def one(client: httpx.AsyncClient, prompt: list[int]) -> list[int]:
-        body = {
-            "model": model,
-            "prompt": prompt,
-            "max_tokens": new_tokens,
-            "temperature": 0.0,
-            "ignore_eos": True,
-            "return_token_ids": True,
-        }
-        response = await client.post("/v1/completions", json=body)
-        response.raise_for_status()
-        choice = response.json()["choices"][0]
-        token_ids = choice.get("token_ids")
-        if token_ids is None:  # the frontend does not return ids: count from usage
-            token_ids = [-1] * response.json()["usage"]["completion_tokens"]
-        return list(token_ids)
-
-    limits = httpx.Limits(max_connections=len(prompts) + 8)
-    async with httpx.AsyncClient(base_url=url, timeout=600, limits=limits) as client:
-        return list(await asyncio.gather(*(one(client, prompt) for prompt in prompts)))
-
-
-def _client_process(pipe: multiprocessing.connection.Connection, url: str, model: str) -> None:
-    """The HTTP client in a process of its own: one batch per message until ``None``."""
-    while (work := pipe.recv()) is not None:
-        prompts, new_tokens = work
-        try:
-            pipe.send(asyncio.run(_completions(url, model, prompts, new_tokens)))
-        except Exception as error:
-            pipe.send(f"{type(error).__name__}: {error}")
-
-
-def measure_batch(
-    backend: megatron.MegatronBackend,
-    scheduler: engine_module.Engine,
-    http: HttpBench | None,
-    prompts: list[list[int]],
-    new_tokens: int,
-    repeats: int,
+def measure_variant(
+    backends: Backends,
+    variant: str,
+    prompt_ids: benchkit.Tokens,
+    paths: list[str],
+    *,
+    warmup: bool,
+    deadline: float,
     errors: dict[str, str],
-) -> dict[str, Any]:
-    """Every path at one batch size; the overhead of each path over megatron's engine alone."""
-    paths: dict[str, Callable[[], list[list[int]]]] = {
-        "direct": lambda: direct(backend, prompts, new_tokens),
-        "backend": lambda: through_backend(backend, prompts, new_tokens),
-        "engine": lambda: through_engine(scheduler, prompts, new_tokens),
+    row: dict[str, Any],
+    save: Callable[[], None],
+) -> dict[str, benchkit.Tokens]:
+    """Every path of one setting at one batch size, into ``row`` (saved after each path)."""
+    args = backends.args
+    scope, options = VARIANTS[variant]
+    outputs: dict[str, benchkit.Tokens] = {}
+    try:
+        backend = backends.get(scope)
+        backend.set_step_options(**options)
+    except Exception as error:
+        errors[f"{variant}_b{len(prompt_ids)}"] = f"{type(error).__name__}: {error}\n{traceback.format_exc(limit=8)}"
+        return outputs
+    row["options"] = backend.step_options()
+    runs: dict[str, Callable[[], benchkit.Tokens]] = {
+        "direct": lambda: benchkit.direct(backend, prompt_ids, args.new_tokens),
+        "backend": lambda: benchkit.through_backend(backend, prompt_ids, args.new_tokens),
+        "engine": lambda: through_engine(backends.scheduler(scope), prompt_ids, args.new_tokens),
     }
-    if http is not None:
-        paths["http"] = lambda: http.run(prompts, new_tokens)
-        paths["http_client_process"] = lambda: http.run_in_client_process(prompts, new_tokens)
-    row: dict[str, Any] = {}
-    outputs: dict[str, list[list[int]]] = {}
-    for path, fn in paths.items():
-
-        def produce(fn: Callable[[], list[list[int]]] = fn, path: str = path) -> int:
-            produced = fn()
-            outputs[path] = produced
-            return sum(len(tokens) for tokens in produced)
-
-        batches_before = len(scheduler.batch_sizes)
-        admitted_before, admissions_before = scheduler.admitted, scheduler.admissions
-        try:
-            row[path] = timed(produce, repeats)
-        except Exception as error:
-            errors[f"{path}_b{len(prompts)}"] = f"{type(error).__name__}: {error}\n{traceback.format_exc(limit=6)}"
+    for path in paths:
+        if time.monotonic() > deadline:
+            row[path] = {"skipped": "deadline"}
             continue
-        if path in ("engine", "http", "http_client_process"):
-            row[path]["scheduler_batch_sizes"] = scheduler.batch_sizes[batches_before:]
-            row[path]["scheduler_admitted"] = scheduler.admitted - admitted_before
-            row[path]["scheduler_admission_steps"] = scheduler.admissions - admissions_before
-    for path in ("backend", "engine", "http", "http_client_process"):
-        if path in row and "direct" in row:
-            row[path]["overhead_vs_direct"] = round(row["direct"]["tok_per_s"] / row[path]["tok_per_s"], 3)
-            ids = outputs.get(path)
-            if ids and ids[0] and ids[0][0] != -1:
-                row[path]["tokens_equal_direct"] = ids == outputs["direct"]
-    return row
+        try:
+            row[path], outputs[path] = benchkit.timed(runs[path], args.repeats, torch.cuda.synchronize, warmup=warmup)
+        except Exception as error:
+            errors[f"{variant}_{path}_b{len(prompt_ids)}"] = (
+                f"{type(error).__name__}: {error}\n{traceback.format_exc(limit=8)}"
+            )
+        save()
+    return outputs
 
 
-def measure_write(backend: megatron.MegatronBackend, result: dict[str, Any]) -> None:
+def compare(rows: dict[str, dict[str, Any]], outputs: dict[str, dict[str, benchkit.Tokens]]) -> None:
+    """``vs_direct``, ``vs_baseline_direct`` and token equality, in place."""
+    baseline = rows.get("baseline", {}).get("direct", {}).get("tok_per_s")
+    reference = outputs.get("baseline", {}).get("direct")
+    for variant, row in rows.items():
+        direct = row.get("direct", {}).get("tok_per_s")
+        for path, figure in row.items():
+            if not isinstance(figure, dict) or "tok_per_s" not in figure:
+                continue
+            if direct and path != "direct":
+                figure["vs_direct"] = round(figure["tok_per_s"] / direct, 3)
+                figure["tokens_equal_direct"] = outputs[variant][path] == outputs[variant].get("direct")
+            if baseline:
+                figure["vs_baseline_direct"] = round(figure["tok_per_s"] / baseline, 3)
+            if reference is not None:
+                figure["tokens_equal_baseline_direct"] = outputs[variant][path] == reference
+
+
+def fastest(row: dict[str, dict[str, Any]]) -> str | None:
+    """The setting whose backend path was fastest at one batch size."""
+    speeds = {
+        variant: figures["backend"]["tok_per_s"]
+        for variant, figures in row.items()
+        if "tok_per_s" in figures.get("backend", {})
+    }
+    return max(speeds, key=lambda variant: speeds[variant]) if speeds else None
+
+
+def measure_write(backend: Any, result: dict[str, Any]) -> None:
     """In-place refit of every parameter from HF-named GPU tensors, through the weight maps."""
     try:
         live = {name: parameter.data for name, parameter in backend.model.named_parameters()}
@@ -280,81 +209,147 @@ def measure_write(backend: megatron.MegatronBackend, result: dict[str, Any]) -> 
         result["errors"]["write_weights"] = f"{type(error).__name__}: {error}"
 
 
+def wait_for(path: Path | None, timeout: float, result: dict[str, Any]) -> None:
+    """Wait (up to ``timeout`` s) for ``path`` to exist: another GPU job of the same machine
+    (the GPU tests) ends before anything is timed."""
+    if path is None:
+        return
+    start = time.monotonic()
+    while not path.exists() and time.monotonic() - start < timeout:
+        time.sleep(0.5)  # polling a file another process writes, with a deadline
+    result["waited_for_other_job_s"] = round(time.monotonic() - start, 1)
+
+
+def run_profiles(backends: Backends, targets: list[str], batches: list[int], result: dict[str, Any], out: Path) -> None:
+    """``variant:path`` targets at each of ``batches``; text summary next to the JSON."""
+    profiles: list[dict[str, Any]] = []
+    for batch in batches:
+        for target in targets:
+            variant, _, path = target.partition(":")
+            scope, options = VARIANTS[variant]
+            try:
+                backend = backends.get(scope)
+                backend.set_step_options(**options)
+                profiled = profile_decode.profile_decode(
+                    backend,
+                    batch=batch,
+                    path=path or "backend",
+                    prompt_tokens=backends.args.prompt_tokens,
+                    steps=backends.args.profile_steps,
+                )
+            except Exception as error:
+                profiled = {"batch": batch, "path": path, "options": {}, "error": f"{type(error).__name__}: {error}"}
+                result["errors"][f"profile_{target}_b{batch}"] = traceback.format_exc(limit=8)
+            profiled["variant"] = variant
+            profiles.append(profiled)
+            result["profiles"] = [{k: v for k, v in item.items() if k != "host_ops_table"} for item in profiles]
+            header = (
+                f"decode profile: {backends.args.source}, prompt {backends.args.prompt_tokens}; {result['machine']}"
+            )
+            out.with_name(out.stem + "-profile.txt").write_text(profile_decode.summary(profiles, header))
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--source", default="random://llama-8b")
-    parser.add_argument("--batches", default="1,64")
+    parser.add_argument("--batches", default="1,64,256")
     parser.add_argument("--prompt-tokens", type=int, default=128)
-    parser.add_argument("--new-tokens", type=int, default=64)
-    parser.add_argument("--max-sequence-length", type=int, default=256)
+    parser.add_argument("--new-tokens", type=int, default=256)
+    parser.add_argument("--max-sequence-length", type=int, default=512)
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--variants", default="baseline,fast,fast-async,block-fast-async")
+    parser.add_argument("--paths", default="direct,backend")
+    parser.add_argument("--prune-above", type=int, default=64)
+    parser.add_argument("--warmup-max-batch", type=int, default=1 << 30, help="larger batches: no warm-up run")
+    parser.add_argument("--kv-cache-gib", type=float, default=24.0)
+    parser.add_argument("--profile-batches", default="1", help="empty: no profile")
+    parser.add_argument(
+        "--profile", default="baseline:backend,baseline:direct,fast-async:backend,block-fast-async:backend"
+    )
+    parser.add_argument("--profile-steps", type=int, default=32)
+    parser.add_argument("--deadline-s", type=float, default=1e9)
+    parser.add_argument("--wait-for", type=Path, default=None)
+    parser.add_argument("--wait-timeout", type=float, default=120.0)
     parser.add_argument("--no-cuda-graphs", action="store_true")
-    parser.add_argument("--no-http", action="store_true")
     parser.add_argument("--out", type=Path, required=True)
     args = parser.parse_args()
+    started = time.monotonic()
+    deadline = started + args.deadline_s
     batches = [int(batch) for batch in args.batches.split(",")]
+    variants = args.variants.split(",")
+    paths = args.paths.split(",")
     result: dict[str, Any] = {
         "benchmark": "engine-megatron",
-        "machine": versions(),
+        "machine": benchkit.machine(),
         "config": {
-            "source": args.source,
+            **{key: str(value) if isinstance(value, Path) else value for key, value in vars(args).items()},
             "dtype": "bfloat16",
-            "prompt_tokens": args.prompt_tokens,
-            "new_tokens": args.new_tokens,
-            "max_sequence_length": args.max_sequence_length,
-            "cuda_graphs": not args.no_cuda_graphs,
             "sampling": "greedy, ignore_eos",
-            "repeats": args.repeats,
-            "scheduler": "continuous batching (admission between decode steps)",
+            "variants_defined": {
+                name: {"graph_scope": scope, **options} for name, (scope, options) in VARIANTS.items()
+            },
         },
+        "figures": {},
         "errors": {},
     }
-
-    def save() -> None:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(json.dumps(result, indent=2) + "\n")
-
-    start = time.perf_counter()
-    backend = megatron.load(
-        args.source,
-        name="bench",
-        max_sequence_length=args.max_sequence_length,
-        dtype="bfloat16",
-        device="cuda",
-        load_weights=True,
-        options=megatron.EngineOptions(max_batch_size=max(batches), cuda_graphs=not args.no_cuda_graphs),
-    )
-    result["build_s"] = round(time.perf_counter() - start, 2)
-    result["shape"] = dataclasses.asdict(backend.shape)
-    result["gpu_memory_allocated_gb"] = round(torch.cuda.memory_allocated() / 2**30, 2)
-    save()
-
-    generator = torch.Generator().manual_seed(0)
-    vocab = backend.info.vocab_size
-    all_prompts = torch.randint(0, vocab, (max(batches), args.prompt_tokens), generator=generator).tolist()
-    scheduler = engine_module.Engine(backend, max_batch_size=max(batches))
-    http: HttpBench | None = None
-    if not args.no_http:
-        try:
-            http = HttpBench(scheduler, backend)
-        except Exception as error:
-            result["errors"]["http_start"] = f"{type(error).__name__}: {error}\n{traceback.format_exc(limit=4)}"
-    figures: dict[str, dict[str, Any]] = {}
-    result["figures"] = figures
-    for batch in batches:
-        figures[f"batch_{batch}"] = measure_batch(
-            backend, scheduler, http, all_prompts[:batch], args.new_tokens, args.repeats, result["errors"]
-        )
+    save = benchkit.saver(args.out, result)
+    backends = Backends(args, max(batches), result)
+    try:
+        for scope in dict.fromkeys(VARIANTS[variant][0] for variant in variants):  # build every model first
+            try:
+                backends.get(scope)
+            except Exception as error:
+                result["errors"][f"build_{scope}"] = f"{type(error).__name__}: {error}\n{traceback.format_exc(limit=8)}"
+        result["shape"] = dataclasses.asdict(backends.get("layer").shape)
         save()
-
-    measure_write(backend, result)
-    save()
-    if http is not None:
-        http.close()
-    scheduler.close()
-    sys.stdout.write(json.dumps(result, indent=2) + "\n")
+        wait_for(args.wait_for, args.wait_timeout, result)
+        if args.profile_batches:
+            targets = [target for target in args.profile.split(",") if target.split(":")[0] in variants]
+            run_profiles(backends, targets, [int(b) for b in args.profile_batches.split(",")], result, args.out)
+            save()
+        previous: dict[str, dict[str, Any]] = {}
+        warmed: set[tuple[str, int]] = set()  # (graph scope, batch): one warm-up run per model and batch
+        for batch in batches:
+            prompt_ids = benchkit.prompts(backends.get("layer").info.vocab_size, batch, args.prompt_tokens)
+            chosen = variants
+            if batch > args.prune_above and previous:
+                best = fastest(previous)  # first: if the deadline cuts the batch short, the baseline goes
+                chosen = list(dict.fromkeys(variant for variant in (best, "baseline") if variant in variants))
+            rows: dict[str, dict[str, Any]] = {}
+            outputs: dict[str, dict[str, benchkit.Tokens]] = {}
+            result["figures"][f"batch_{batch}"] = rows
+            for variant in chosen:
+                scope = VARIANTS[variant][0]
+                rows[variant] = {}
+                outputs[variant] = measure_variant(
+                    backends,
+                    variant,
+                    prompt_ids,
+                    paths,
+                    warmup=(scope, batch) not in warmed and batch <= args.warmup_max_batch,
+                    deadline=deadline,
+                    errors=result["errors"],
+                    row=rows[variant],
+                    save=save,
+                )
+                warmed.add((scope, batch))
+                compare(rows, outputs)
+                save()
+            previous = rows
+        if time.monotonic() < deadline:
+            measure_write(backends.get("layer"), result)
+    finally:
+        result["wall_s"] = round(time.monotonic() - started, 1)
+        save()
+        backends.close()
+    sys.stdout.write(json.dumps({k: v for k, v in result.items() if k != "profiles"}, indent=2) + "\n")
     return 0
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    code = main()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    import os
+
+    os._exit(code)  # the JSON is written: skip interpreter teardown (process groups, CUDA) that can hang

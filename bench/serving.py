@@ -32,15 +32,10 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import datetime
-import importlib.metadata
 import json
 import multiprocessing
 import multiprocessing.connection
 import os
-import platform
-import statistics
-import subprocess
 import sys
 import threading
 import time
@@ -48,6 +43,8 @@ import traceback
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
+
+import benchkit
 
 from megafleet_engine import engine as engine_module
 from megafleet_engine import metrics as metrics_module
@@ -78,41 +75,6 @@ def percentiles(values: list[float]) -> dict[str, float | None]:
         return round(ordered[min(len(ordered) - 1, int(q * len(ordered)))] * 1000, 2)
 
     return {"p50_ms": at(0.5), "p99_ms": at(0.99), "count": len(ordered)}
-
-
-def machine() -> dict[str, Any]:
-    def version(name: str) -> str | None:
-        try:
-            return importlib.metadata.version(name)
-        except importlib.metadata.PackageNotFoundError:
-            return None
-
-    import torch
-
-    try:
-        smi = subprocess.run(
-            ["nvidia-smi", "--query-gpu=name,driver_version,memory.total", "--format=csv,noheader"],
-            capture_output=True,
-            text=True,
-            check=True,
-            timeout=30,
-        ).stdout.strip()
-    except (OSError, subprocess.SubprocessError) as error:
-        smi = f"none ({type(error).__name__})"
-    return {
-        "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
-        "host_cpus": os.cpu_count(),
-        "usable_cpus": settings_module.usable_cpus(),
-        "cpu": platform.processor() or platform.machine(),
-        "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else None,
-        "nvidia_smi": smi,
-        "python": platform.python_version(),
-        "torch": torch.__version__,
-        "megatron_core": version("megatron-core"),
-        "pyzmq": version("pyzmq"),
-        "msgspec": version("msgspec"),
-        "uvicorn": version("uvicorn"),
-    }
 
 
 # -- clients (separate processes) ------------------------------------------------------------------
@@ -213,32 +175,13 @@ class Clients:
 # -- the engine-side paths -------------------------------------------------------------------------
 
 
-def requests_of(prompts: list[list[int]], new_tokens: int) -> list[base.SequenceRequest]:
-    params = base.SamplingParams(max_tokens=new_tokens, temperature=0.0, ignore_eos=True)
-    return [base.SequenceRequest(f"r{index}", tuple(prompt), params) for index, prompt in enumerate(prompts)]
-
-
-def direct(backend: Any, prompts: list[list[int]], new_tokens: int) -> list[list[int]]:
-    if hasattr(backend, "engine") and hasattr(backend.engine, "generate"):  # megatron-core's engine alone
-        from megafleet_engine.backends import megatron
-
-        sampling = megatron.megatron_core("inference.sampling_params")
-        params = sampling.SamplingParams(top_k=1, num_tokens_to_generate=new_tokens, termination_id=-1)
-        return [list(record.merge().generated_tokens) for record in backend.engine.generate(prompts, params)]
-    produced: dict[str, list[int]] = {}
-    for steps in backend.generate(requests_of(prompts, new_tokens)):
-        for step in steps:
-            produced.setdefault(step.request_id, []).append(step.token_id)
-    return [produced[f"r{index}"] for index in range(len(prompts))]
-
-
 def through_engine(
     scheduler: engine_module.Engine, prompts: list[list[int]], new_tokens: int, latency: dict[str, list[float]]
 ) -> list[list[int]]:
     async def run() -> list[list[int]]:
         client = engine_client.LocalClient(scheduler)
         started = time.perf_counter()
-        batch = await client.submit(requests_of(prompts, new_tokens))
+        batch = await client.submit(benchkit.greedy_requests(prompts, new_tokens))
         tokens: list[list[int]] = [[] for _ in prompts]
         last: dict[int, float] = {}
         first: list[float] = []
@@ -299,25 +242,7 @@ class Frontend:
         self.thread.join(timeout=60)
 
 
-Tokens = list[list[int]]
-
-
-def timed(fn: Callable[[], Tokens], repeats: int, sync: Callable[[], None]) -> tuple[dict[str, Any], Tokens]:
-    fn()  # warm-up
-    runs: list[float] = []
-    produced: list[list[int]] = []
-    for _ in range(repeats):
-        sync()
-        start = time.perf_counter()
-        produced = fn()
-        sync()
-        runs.append(time.perf_counter() - start)
-    seconds = statistics.median(runs)
-    count = sum(len(tokens) for tokens in produced)
-    figure: dict[str, Any] = {"tokens": count, "seconds_median": round(seconds, 4)}
-    figure["tok_per_s"] = round(count / seconds, 1)
-    figure["runs_s"] = [round(run, 4) for run in runs]
-    return figure, produced
+Tokens = benchkit.Tokens
 
 
 def path_runs(
@@ -330,7 +255,7 @@ def path_runs(
 ) -> dict[str, Callable[[], Tokens]]:
     """One batch's run of every path."""
     return {
-        "direct": lambda: direct(backend, prompts, new_tokens),
+        "direct": lambda: benchkit.direct(backend, prompts, new_tokens),
         "engine": lambda: through_engine(scheduler, prompts, new_tokens, latency),
         "http": lambda: clients.run("http", prompts, new_tokens),
         "http_stream": lambda: clients.run("http_stream", prompts, new_tokens),
@@ -346,7 +271,7 @@ def main() -> int:
     parser.add_argument("--prompt-tokens", type=int, default=128)
     parser.add_argument("--new-tokens", type=int, default=256)
     parser.add_argument("--max-sequence-length", type=int, default=512)
-    parser.add_argument("--repeats", type=int, default=1)
+    parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--latency-batch", type=int, default=64)
     parser.add_argument("--api-servers", type=int, default=0, help="0: the pod default for this machine's CPUs")
     parser.add_argument("--client-processes", type=int, default=4)
@@ -360,15 +285,13 @@ def main() -> int:
     api_servers = args.api_servers or settings_module.default_api_servers(settings_module.usable_cpus())
     result: dict[str, Any] = {
         "benchmark": "serving",
-        "machine": machine(),
+        "machine": benchkit.machine(),
         "config": {**{key: value for key, value in vars(args).items() if key != "out"}, "api_servers": api_servers},
         "figures": {},
         "errors": {},
     }
 
-    def save() -> None:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(json.dumps(result, indent=2) + "\n")
+    save = benchkit.saver(args.out, result)
 
     import torch
 
@@ -376,18 +299,13 @@ def main() -> int:
     sync = torch.cuda.synchronize if cuda else (lambda: None)
     started = time.perf_counter()
     if args.backend == "megatron":
-        from megafleet_engine.backends import megatron
-
-        backend: Any = megatron.load(
+        backend: Any = benchkit.load_megatron(
             args.source,
-            name="bench",
             max_sequence_length=args.max_sequence_length,
+            max_batch_size=max(batches),
+            kv_cache_gib=args.kv_cache_gib,
+            cuda_graphs=not args.no_cuda_graphs,
             dtype=args.dtype,
-            device="cuda",
-            load_weights=True,
-            options=megatron.EngineOptions(
-                max_batch_size=max(batches), kv_buffer_gb=args.kv_cache_gib, cuda_graphs=not args.no_cuda_graphs
-            ),
         )
     else:
         from megafleet_engine import backends
@@ -398,9 +316,7 @@ def main() -> int:
     result["build_s"] = round(time.perf_counter() - started, 2)
     save()
 
-    generator = torch.Generator().manual_seed(0)
-    vocab = backend.info.vocab_size
-    all_prompts = torch.randint(0, vocab, (max(batches), args.prompt_tokens), generator=generator).tolist()
+    all_prompts = benchkit.prompts(backend.info.vocab_size, max(batches), args.prompt_tokens)
     scheduler = engine_module.Engine(backend, max_batch_size=max(batches))
     frontend = Frontend(scheduler, server.tokenizer_of(backend), api_servers)
     clients = Clients(args.client_processes, frontend.url, backend.info.name)
@@ -414,7 +330,7 @@ def main() -> int:
             runs = path_runs(backend, scheduler, clients, prompts, args.new_tokens, latency)
             for path in paths:
                 try:
-                    row[path], outputs[path] = timed(runs[path], args.repeats, sync)
+                    row[path], outputs[path] = benchkit.timed(runs[path], args.repeats, sync)
                 except Exception as error:
                     result["errors"][f"{path}_b{batch}"] = (
                         f"{type(error).__name__}: {error}\n{traceback.format_exc(limit=6)}"

@@ -25,6 +25,7 @@ import subprocess
 import sys
 import threading
 import traceback
+import types
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -454,6 +455,135 @@ class TestOnGpu:
         assert not backend.engine.has_unfinished_requests()
         gpu.report("cancel_tp1", generated_by_the_cancelled=finished.get(len(prompts[1])))
         assert finished[len(prompts[1])] < gpu.NEW_TOKENS, finished
+
+
+def direct_tokens(backend: megatron.MegatronBackend, prompts: list[list[int]]) -> dict[str, list[int]]:
+    """megatron-core's ``engine.generate()`` alone, greedy, :data:`gpu.NEW_TOKENS` each."""
+    sampling = megatron.megatron_core("inference.sampling_params")
+    params = sampling.SamplingParams(top_k=1, num_tokens_to_generate=gpu.NEW_TOKENS, termination_id=-1)
+    return {
+        str(index): list(record.merge().generated_tokens)
+        for index, record in enumerate(backend.engine.generate(prompts, params))
+    }
+
+
+class TestStepPaths:
+    """Issue 19's per-step settings on megatron itself: the sampler without host synchronisation,
+    the step arrays, asynchronous scheduling and one decode graph for the whole block keep greedy
+    tokens, continuous batching and in-place refits as they were."""
+
+    pytestmark = ON_GPU
+
+    @pytest.mark.parametrize(
+        ("sync_free", "arrays", "asynchronous"),
+        [(False, False, False), (True, True, False), (True, True, True)],
+        ids=["baseline", "fast", "fast-async"],
+    )
+    def test_settings_keep_greedy_tokens_equal_to_direct(
+        self,
+        backend: megatron.MegatronBackend,
+        prompts: list[list[int]],
+        sync_free: bool,
+        arrays: bool,
+        asynchronous: bool,
+    ) -> None:
+        reference = tokens(run(backend, greedy_requests(prompts)))  # the build's settings
+        built = backend.step_options()
+        backend.set_step_options(async_schedule=asynchronous, sync_free_sampling=sync_free, array_collect=arrays)
+        try:
+            produced = run(backend, greedy_requests(prompts))
+            direct = direct_tokens(backend, prompts)
+            with_logprobs = run(backend, greedy_requests(prompts, logprobs=2))
+        finally:
+            backend.set_step_options(
+                async_schedule=built["async_schedule"],
+                sync_free_sampling=built["sync_free_sampling"],
+                array_collect=built["array_collect"],
+            )
+        assert tokens(produced) == direct == reference
+        assert tokens(with_logprobs) == reference  # sequences with log-probabilities read their records
+        for steps in produced.values():
+            assert [step.finish_reason for step in steps] == [None] * (gpu.NEW_TOKENS - 1) + ["length"]
+        assert all(
+            step.logprob is not None and len(step.top_logprobs) == 2
+            for steps in with_logprobs.values()
+            for step in steps
+        )
+
+    def test_the_greedy_sampler_does_not_synchronise_the_host(self, backend: megatron.MegatronBackend) -> None:
+        """CUDA's sync-debug mode raises on any host synchronisation: the fast path passes, the
+        old per-bucket path (a blocking index copy) trips it, which shows the check works."""
+        sampler = backend.engine.controller._sampling
+        context = types.SimpleNamespace(
+            total_request_count=3,
+            paused_request_count=0,
+            active_request_metadata={
+                "temperature": torch.ones(3).pin_memory(),
+                "top_k": torch.ones(3, dtype=torch.int32).pin_memory(),
+                "top_p": torch.zeros(3).pin_memory(),
+            },
+        )
+        logits = torch.randn(8, backend.info.vocab_size, device="cuda")
+        output = torch.empty(8, dtype=torch.int64, device="cuda")
+        torch.cuda.synchronize()
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            sampler.sync_free = True
+            sampler.sample_kernel(logits, 3, context, no_top_k=False, no_top_p=True, output=output[:3])
+            sampler.sync_free = False
+            with pytest.raises(RuntimeError, match="synchroniz"):
+                sampler.sample_kernel(logits, 3, context, no_top_k=False, no_top_p=True, output=output[:3])
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+            sampler.sync_free = True
+        assert torch.equal(output[:3], logits[:3].argmax(dim=-1))
+
+    def test_layer_and_block_graphs_agree(self, backend: megatron.MegatronBackend, prompts: list[list[int]]) -> None:
+        """The module's backend (the defaults: one decode graph for the whole block, megatron's
+        asynchronous scheduling) against a second model of the same weights with per-layer graphs
+        and the ordinary step order: greedy tokens agree (up to a bf16 near-tie) and equal each
+        one's own direct run; on the block model, sequences join a running batch and a persist
+        refit (in place, no recapture) changes the tokens, and restoring the weights restores them."""
+        options = backend.step_options()
+        assert options["async_schedule"] and "block" in options["graph_scope"]
+        layer = megatron.load(
+            gpu.SOURCE,
+            name="tiny-layer",
+            max_sequence_length=gpu.MAX_SEQUENCE_LENGTH,
+            dtype="bfloat16",
+            device="cuda",
+            load_weights=True,
+            options=megatron.EngineOptions(
+                max_batch_size=8, kv_buffer_gb=1.0, max_step_tokens=2048, graph_scope="layer", async_schedule=False
+            ),
+        )
+        try:
+            layer.write_weights(gpu.scaled_reference_weights())
+            assert "layer" in layer.step_options()["graph_scope"] and not layer.step_options()["async_schedule"]
+            reference = [run(layer, greedy_requests([prompt], logprobs=2))["0"] for prompt in prompts]
+            assert tokens(run(layer, greedy_requests(prompts))) == direct_tokens(layer, prompts)
+        finally:
+            layer.close()
+        produced = tokens(run(backend, greedy_requests(prompts)))
+        assert produced == direct_tokens(backend, prompts)
+        agreed = [agreed_prefix(ref, produced[str(i)]) for i, ref in enumerate(reference)]
+        gpu.report("block_async_vs_layer", agreed=agreed, of=gpu.NEW_TOKENS)
+        assert sum(agreed) >= 0.75 * gpu.NEW_TOKENS * len(prompts), agreed
+
+        joined, scheduler = staggered(backend, greedy_requests(prompts))
+        assert (scheduler.batches, scheduler.admitted, scheduler.batch_sizes) == (1, 3, [4])
+        agreed = [agreed_prefix(ref, row) for ref, row in zip(reference, joined, strict=True)]
+        assert sum(agreed) >= 0.75 * gpu.NEW_TOKENS * len(prompts), agreed
+
+        backend.begin_weight_update("persist")
+        backend.write_weights(gpu.scaled_reference_weights(seed=1))
+        backend.finish_weight_update("persist")
+        changed = tokens(run(backend, greedy_requests(prompts)))
+        backend.begin_weight_update("persist")
+        backend.write_weights(gpu.scaled_reference_weights())
+        backend.finish_weight_update("persist")
+        assert sum(changed[key] != produced[key] for key in produced) >= 3
+        assert tokens(run(backend, greedy_requests(prompts))) == produced
 
 
 class TestTensorParallel:

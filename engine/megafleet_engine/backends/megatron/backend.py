@@ -232,6 +232,41 @@ class MegatronBackend:
             raise RuntimeError("the backend is suspended for a weight update (finish_weight_update first)")
         return self._batch.lead(list(batch), admit)
 
+    def set_step_options(
+        self,
+        *,
+        async_schedule: bool | None = None,
+        sync_free_sampling: bool | None = None,
+        array_collect: bool | None = None,
+    ) -> None:
+        """Switch the per-step options that need no rebuild, between batches (nothing in flight;
+        ``None`` leaves one as it is): megatron's asynchronous scheduling
+        (:attr:`.build.EngineOptions.async_schedule`), the sampler's host-sync-free path
+        (:attr:`.sampling.NemoSampling.sync_free`) and the step arrays of
+        :attr:`.generation.Runner.array_collect`. Called by the benchmark to compare them on one
+        engine; the first rank of a model-parallel shard only (the others keep their build's
+        scheduling mode, so keep ``async_schedule`` as built there)."""
+        if self.engine.has_unfinished_requests():
+            raise RuntimeError("step options change between batches only")
+        if async_schedule is not None:
+            if self._lockstep.spans_ranks:
+                raise RuntimeError("the scheduling mode of a model-parallel shard is fixed when it is built")
+            self.engine.context.config.async_sched_mode = build.schedule_mode(async_schedule)
+        if sync_free_sampling is not None:
+            self._batch.sampler.sync_free = sync_free_sampling
+        if array_collect is not None:
+            self._batch.array_collect = array_collect
+
+    def step_options(self) -> dict[str, Any]:
+        """The per-step options in force (what :meth:`set_step_options` sets) and the graph scope."""
+        config = self.engine.context.config
+        return {
+            "async_schedule": str(getattr(config.async_sched_mode, "value", config.async_sched_mode)) == "async",
+            "sync_free_sampling": self._batch.sampler.sync_free,
+            "array_collect": self._batch.array_collect,
+            "graph_scope": str(getattr(self.model.config, "inference_cuda_graph_scope", None)),
+        }
+
     def serve_followers(self) -> None:
         """On model-parallel ranks other than the first: apply every message the first rank
         broadcasts (sequences joining and leaving, suspend, resume) and step in lockstep with it,
@@ -288,7 +323,7 @@ def load(
     if not device.startswith("cuda"):
         raise ValueError(f"the megatron backend needs a CUDA device, not {device!r}")
     parallel = parallel or base.Parallel()
-    options = options or build.EngineOptions()
+    options = build.effective_options(options or build.EngineOptions(), parallel.world_size)
     parsed = sources.parse_source(source)
     torch_dtype: torch.dtype = getattr(torch, dtype)
     index = torch.device(device).index

@@ -12,9 +12,10 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import importlib
+import logging
 import socket
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, Literal
 
 import torch
 
@@ -22,7 +23,16 @@ from megafleet_engine.backends import base, weight_maps
 from megafleet_engine.backends.weight_maps import Layout, LlamaShape
 from megafleet_protocol import vocabulary
 
-__all__ = ["EngineOptions", "IdTokenizer", "build_engine", "build_model", "init_parallel", "megatron_core"]
+__all__ = [
+    "EngineOptions",
+    "IdTokenizer",
+    "build_engine",
+    "build_model",
+    "effective_options",
+    "init_parallel",
+    "megatron_core",
+    "schedule_mode",
+]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -38,7 +48,21 @@ class EngineOptions:
     """Most tokens in one forward pass (prefill chunks included; megatron's ``max_tokens``)."""
     block_size_tokens: int = 256
     cuda_graphs: bool = True
-    """Capture decode CUDA graphs (per layer) at start; eager decode is host-bound."""
+    """Capture decode CUDA graphs at start (one per batch size megatron pads to: 1, 8, 16, ... up to
+    ``max_batch_size``); eager decode is host-bound."""
+    graph_scope: Literal["layer", "block"] = "block"
+    """What one decode CUDA graph covers (megatron's ``inference_cuda_graph_scope``): ``layer``,
+    one graph per transformer layer (replayed one after another from Python: on an H200 launching
+    the 32 layer graphs of an 8B model took 5.6-6.8 ms of host time per step, more than the GPU's
+    6.3 ms), or ``block``, one graph for every layer of the model (the embedding, final norm, output
+    layer and sampling stay eager). Fixed when the model is built. ``block`` on one rank only
+    (:func:`effective_options`)."""
+    async_schedule: bool = True
+    """megatron's asynchronous scheduling (``AsyncScheduleMode.ASYNC``): in a decode-only step it
+    launches step N+1's forward before it reads step N's tokens back and does their bookkeeping, so
+    the host's per-step work overlaps the GPU's. megatron itself falls back to the ordinary order in
+    steps with prefills or paused requests. Can be switched between batches
+    (:meth:`.backend.MegatronBackend.set_step_options`). On one rank only (:func:`effective_options`)."""
     seed: int = 0
     """Seed of megatron's RNG trackers (sampling)."""
     kv_cache_mode: vocabulary.KvCacheMode = "persist"
@@ -60,6 +84,9 @@ class IdTokenizer:
 
     def detokenize(self, tokens: Sequence[int]) -> str:
         return " ".join(str(int(token)) for token in tokens)
+
+
+log = logging.getLogger(__name__)
 
 
 def megatron_core(module: str) -> Any:
@@ -150,6 +177,7 @@ def build_model(
         perform_initialization=False,  # every parameter is written by load()
         cuda_graph_impl="local" if options.cuda_graphs else "none",
         inference_rng_tracker=True,
+        **({"inference_cuda_graph_scope": options.graph_scope} if options.cuda_graphs else {}),
     )
     model = gpt.GPTModel(
         config=config,
@@ -187,6 +215,26 @@ def _one_kv_split_on_hopper(model: Any) -> None:
             module.batch_invariant_mode = True
 
 
+def effective_options(options: EngineOptions, world_size: int) -> EngineOptions:
+    """``options`` as a shard of ``world_size`` rank processes runs them: with more than one rank,
+    per-layer graphs and megatron's ordinary step order (block graphs and asynchronous scheduling
+    were measured on one GPU only; issue 19 point 5), with a log line when that changes them."""
+    if world_size == 1 or (options.graph_scope == "layer" and not options.async_schedule):
+        return options
+    log.info(
+        "model-parallel shard of %d ranks: per-layer decode graphs and megatron's ordinary step order "
+        "(block graphs and asynchronous scheduling are single-GPU only)",
+        world_size,
+    )
+    return dataclasses.replace(options, graph_scope="layer", async_schedule=False)
+
+
+def schedule_mode(async_schedule: bool) -> Any:
+    """megatron's ``AsyncScheduleMode`` for :attr:`EngineOptions.async_schedule`."""
+    modes = megatron_core("inference.config").AsyncScheduleMode
+    return modes.ASYNC if async_schedule else modes.LEGACY
+
+
 def build_engine(model: Any, tokenizer: IdTokenizer, max_sequence_length: int, options: EngineOptions) -> Any:
     """Megatron's ``DynamicInferenceEngine`` over ``model``, with its paged KV cache (and, with
     ``options.cuda_graphs``, decode CUDA graphs) sized by ``options``. Its log-probabilities are
@@ -205,6 +253,7 @@ def build_engine(model: Any, tokenizer: IdTokenizer, max_sequence_length: int, o
         kv_cache_management_mode=config_module.KVCacheManagementMode(options.kv_cache_mode),
         sampling_backend="torch",  # replaced by NeMo's filter (.sampling.install), which also computes
         logprobs_mode="processed_logprobs",  # the log-probabilities megatron returns
+        async_sched_mode=schedule_mode(options.async_schedule),
     )
     context = megatron_core("inference.contexts.dynamic_context").DynamicInferenceContext(model.config, config)
     wrapper = megatron_core("inference.model_inference_wrappers.gpt.gpt_inference_wrapper").GPTInferenceWrapper(

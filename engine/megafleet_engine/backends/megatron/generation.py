@@ -14,6 +14,13 @@ together allowed. EOS stops through megatron's ``termination_id``. Log-probabili
 ones (those of the distribution the token was drawn from; raw when greedy), or ``log_softmax`` of
 the raw logits for sequences that ask for ``raw``: the runner keeps their megatron ids in the
 sampler's :attr:`~.sampling.NemoSampling.raw_request_ids` on every rank while they run.
+
+Step outputs as arrays (issue 14): a step's request ids, sampled tokens and finished ids are read
+from megatron's step result (host tensors megatron already copied back) with one ``tolist()`` each,
+between megatron's forward and its bookkeeping; sequences without log-probabilities (the RL
+rollout's case) take their token from those lists, with no lookup of megatron's request record.
+Sequences that asked for log-probabilities read them from their record as before.
+:attr:`Runner.array_collect` ``False`` reads every sequence from its record (the benchmark's A/B).
 """
 
 from __future__ import annotations
@@ -63,6 +70,10 @@ def to_megatron_sampling(params: base.SamplingParams, *, budget: int, terminatio
 class _Sequence:
     request: base.SequenceRequest
     stops: frozenset[int]
+    ends: frozenset[int] = frozenset()
+    """``stops`` and the EOS id unless ``ignore_eos``: a token in it finishes with ``stop``."""
+    plain: bool = False
+    """No log-probabilities asked: the step's token arrays carry all it needs."""
     emitted: int = 0
     done: bool = False
 
@@ -93,7 +104,12 @@ class Runner:
         self._loop = asyncio.new_event_loop()  # megatron's engine runs its coroutines on this loop
         engine._loop = self._loop
         self._ids = itertools.count(_FIRST_REQUEST_ID)
-        self._raw = sampling.install(engine.controller).raw_request_ids  # on every rank alike
+        self.sampler = sampling.install(engine.controller)
+        self._raw = self.sampler.raw_request_ids  # on every rank alike
+        self.array_collect = True
+        """Read plain sequences' tokens from the step's arrays (see the module's docstring)."""
+        self._arrays: tuple[list[int], list[int], list[int]] | None = None
+        self._detailed = 0  # running sequences that are not plain
 
     def close(self) -> None:
         """Close the event loop."""
@@ -103,14 +119,32 @@ class Runner:
         """First rank: send ``tick`` to the followers and apply it here."""
         if self._lockstep.spans_ranks:
             self._lockstep.broadcast(tick)
+        elif not tick.join and not tick.leave:
+            return []  # nothing joins or leaves this step
         return self.apply(tick)
 
     def step(self) -> dict[str, Any]:
-        """One step of megatron's engine (every rank); finished requests leave the raw set."""
-        result: dict[str, Any] = self._loop.run_until_complete(self.engine.async_step())
+        """One step of megatron's engine (every rank); finished requests leave the raw set. On the
+        first rank with :attr:`array_collect`, the step's arrays are kept for :meth:`collect`."""
+        result: dict[str, Any] = self._loop.run_until_complete(self._step())
         if self._raw:
             for record in result["finished_request_records"]:
                 self._raw.discard(record.requests[-1].request_id)
+        return result
+
+    async def _step(self) -> dict[str, Any]:
+        """megatron's ``async_step`` (its forward, then its bookkeeping), reading the step's ids,
+        tokens and finished ids in between."""
+        forward = await self.engine.async_forward()
+        output = forward[0]
+        self._arrays = None
+        if output is not None and self.array_collect and self._lockstep.leader:
+            self._arrays = (
+                output["active_request_ids"].tolist(),
+                output["sample"].tolist(),
+                output["finished_request_ids"].tolist(),
+            )
+        result: dict[str, Any] = await self.engine.async_bookkeep(*forward)
         return result
 
     def lead(
@@ -151,6 +185,8 @@ class Runner:
             self._sequences.clear()
             self._by_key.clear()
             self._stops.clear()
+            self._detailed = 0
+            self._arrays = None
 
     def wind_down(self) -> None:
         """The scheduler closed the batch early: stop every request megatron still runs."""
@@ -205,8 +241,11 @@ class Runner:
             if self._lockstep.leader:
                 params = request.params
                 stops = frozenset(params.stop_token_ids) | (frozenset() if params.ignore_eos else self._other_eos)
-                self._sequences[request_id] = _Sequence(request, stops)
+                ends = stops if params.ignore_eos or eos is None else stops | {eos}
+                plain = params.logprobs is None
+                self._sequences[request_id] = _Sequence(request, stops, ends, plain)
                 self._by_key[request.request_id] = request_id
+                self._detailed += not plain
         for request_id in tick.leave:
             sequence = self._sequences.get(request_id)
             if sequence is not None:
@@ -216,31 +255,64 @@ class Runner:
         return rejected
 
     def collect(self, result: dict[str, Any]) -> list[base.TokenStep]:
-        """The tokens one step produced for the running sequences (one list for the step; per
-        sequence one dict lookup, its record's last request, and one :class:`~.base.TokenStep`
-        per new token)."""
+        """The tokens one step produced for the running sequences, in one list for the step.
+
+        With the step's arrays (:meth:`_step`), a plain sequence costs one dict lookup and one
+        :class:`~.base.TokenStep`; the others (and all of them without arrays) read their new
+        tokens from megatron's request record."""
         steps: list[base.TokenStep] = []
         sequences = self._sequences
         requests = self.engine.requests
-        for request_id in result["active_request_ids"]:
-            sequence = sequences.get(request_id)
-            if sequence is not None and not sequence.done:
-                record = requests[request_id].record
-                request = record.requests[-1] if len(record.requests) == 1 else record.merge()
-                self._new_steps(steps, sequence, request_id, request, False)
+        arrays, self._arrays = self._arrays, None
+        if arrays is not None:
+            self._plain_steps(steps, *arrays)
+        if arrays is None or self._detailed:
+            for request_id in result["active_request_ids"]:
+                sequence = sequences.get(request_id)
+                if sequence is not None and not sequence.done and (arrays is None or not sequence.plain):
+                    record = requests[request_id].record
+                    request = record.requests[-1] if len(record.requests) == 1 else record.merge()
+                    self._new_steps(steps, sequence, request_id, request, False)
         for record in result["finished_request_records"]:
             merged = record.requests[-1] if len(record.requests) == 1 else record.merge()
             sequence = sequences.pop(merged.request_id, None)
             if sequence is None:
                 continue
             self._by_key.pop(sequence.request.request_id, None)
-            if not sequence.done:
+            self._detailed -= not sequence.plain
+            if not sequence.done and (arrays is None or not sequence.plain):
                 self._new_steps(steps, sequence, merged.request_id, merged, True)
             if not sequence.done:  # ended without a token: megatron failed it
                 log.warning("megatron request for %s ended with status %s", sequence.request.request_id, merged.status)
                 steps.append(_no_token(sequence.request.request_id))
                 sequence.done = True
         return steps
+
+    def _plain_steps(
+        self, steps: list[base.TokenStep], request_ids: list[int], tokens: list[int], finished_ids: list[int]
+    ) -> None:
+        """Append the step's token of every running plain sequence (one token per sequence per
+        step: chunked prefill and speculative decoding are off). A sequence megatron finished this
+        step ends with ``length`` unless its token is a stop; one that sampled a stop megatron
+        does not know is ended at the next tick."""
+        sequences = self._sequences
+        finished = set(finished_ids)
+        for request_id, token in zip(request_ids, tokens, strict=True):
+            sequence = sequences.get(request_id)
+            if sequence is None or sequence.done or not sequence.plain:
+                continue
+            index = sequence.emitted
+            sequence.emitted = index + 1
+            finish: base.FinishReason | None = None
+            if token in sequence.ends:
+                finish = "stop"
+            elif request_id in finished or index + 1 >= sequence.request.params.max_tokens:
+                finish = "length"
+            steps.append(base.TokenStep(sequence.request.request_id, token, None, (), finish))
+            if finish is not None:
+                sequence.done = True
+                if request_id not in finished:  # megatron would go on (a stop id it does not know)
+                    self._stops.add(request_id)
 
     def _new_steps(
         self, steps: list[base.TokenStep], sequence: _Sequence, request_id: int, request: Any, finished: bool

@@ -16,6 +16,15 @@ the argmax with raw log-probabilities. Requests whose megatron id is in
 :attr:`NemoSampling.raw_request_ids` (kept by the runner on every rank) get raw log-probabilities
 (``log_softmax`` of the logits) whatever they sample with. Imports no megatron: it only reads the
 context megatron hands it.
+
+No host synchronisation (issue 19): megatron calls the sampler between launching a forward pass and
+reading its tokens back, and with asynchronous scheduling it launches the next forward right after
+it, so a sampler that waits for the GPU stalls the launch queue. The request metadata megatron
+hands over is in pinned host memory (reading it waits for nothing); when every active request
+samples alike (the common case: a greedy or uniformly sampled RL batch) the rows are the first
+``n`` of the logits, taken as a slice, with no index tensor; otherwise each bucket's row index
+travels from pinned memory without blocking. :attr:`NemoSampling.sync_free` turns both off (the
+benchmark's A/B baseline: per-bucket index tensors copied with a blocking host-to-device copy).
 """
 
 from __future__ import annotations
@@ -44,6 +53,9 @@ class NemoSampling:
         self._vocab_size = vocab_size
         self.raw_request_ids: set[int] = set()
         """megatron request ids whose log-probabilities are raw; the runner adds and removes them."""
+        self.sync_free = True
+        """Sample without host synchronisation (see the module's docstring); ``False`` is the old
+        per-bucket path, kept for the benchmark's A/B."""
 
     def sample_kernel(
         self,
@@ -67,11 +79,19 @@ class NemoSampling:
             logits = logits[gather_indices[:n], :]
         if output is None:
             output = torch.empty(n, device=logits.device, dtype=torch.int64)
+        knobs = _knobs(context)
+        if self.sync_free and token_to_request_index is None and knobs and knobs.count(knobs[0]) == len(knobs):
+            temperature, top_k, top_p = knobs[0]
+            drawn = sampling.sample(
+                logits[: len(knobs), :], temperature=temperature, top_k=top_k, top_p=top_p, generator=self._rng
+            )
+            torch.clamp(drawn, 0, self._vocab_size - 1, out=output[: len(knobs)])
+            return output
         buckets: defaultdict[tuple[float, int, float], list[int]] = defaultdict(list)
-        for request, knobs in enumerate(_knobs(context)):
-            buckets[knobs].append(request)
+        for request, request_knobs in enumerate(knobs):
+            buckets[request_knobs].append(request)
         for (temperature, top_k, top_p), requests in buckets.items():
-            index = torch.tensor(requests, device=logits.device, dtype=torch.long)
+            index = self._index(requests, logits.device)
             if token_to_request_index is None:
                 rows = index
             else:
@@ -96,14 +116,25 @@ class NemoSampling:
         buckets: defaultdict[tuple[bool, float, int, float], list[int]] = defaultdict(list)
         for row, request in enumerate(owners):
             buckets[(int(request_ids[request]) in self.raw_request_ids, *knobs[request])].append(row)
+        if self.sync_free and len(buckets) == 1:  # every row alike: no index tensor
+            ((raw, temperature, top_k, top_p),) = buckets
+            mode: base.LogprobsMode = "raw" if raw else "processed"
+            return sampling.logprobs(logits, temperature=temperature, top_k=top_k, top_p=top_p, mode=mode).float()
         result = torch.empty_like(logits, dtype=torch.float32)
         for (raw, temperature, top_k, top_p), rows in buckets.items():
-            index = torch.tensor(rows, device=logits.device, dtype=torch.long)
-            mode: base.LogprobsMode = "raw" if raw else "processed"
+            index = self._index(rows, logits.device)
+            mode = "raw" if raw else "processed"
             result[index] = sampling.logprobs(
                 logits[index], temperature=temperature, top_k=top_k, top_p=top_p, mode=mode
             )
         return result
+
+    def _index(self, rows: list[int], device: torch.device) -> torch.Tensor:
+        """``rows`` as a device index tensor: through pinned memory without blocking when
+        :attr:`sync_free`, else with a blocking copy (the old path)."""
+        if not self.sync_free or device.type != "cuda":
+            return torch.tensor(rows, device=device, dtype=torch.long)
+        return torch.tensor(rows, dtype=torch.long).pin_memory().to(device, non_blocking=True)
 
     def sample_speculative(self, *args: Any, **kwargs: Any) -> torch.Tensor:
         """Never called: the engine is built without speculative decoding."""
