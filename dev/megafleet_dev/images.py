@@ -126,8 +126,13 @@ def base_key() -> str:
 
 
 def _buildah(*args: str) -> list[str]:
+    """A buildah command on the cache's storage. Its temporary files (a commit's diff, an export's
+    blobs: gigabytes) go to the cache's ``tmp``, which a build under :func:`_build_lock` empties
+    first: a killed buildah leaves them behind (it did, in ``/var/tmp``)."""
     root = images_dir() / "storage"
     return [
+        "env",
+        f"TMPDIR={images_dir() / 'tmp'}",
         "unshare",
         "-m",
         "--propagation",
@@ -241,7 +246,7 @@ def prune_storage(names: Iterable[str], *, log: Path) -> None:
 def _build_lock() -> Iterator[None]:
     """One build or prune of the shared cache at a time, across processes (CI, checkouts)."""
     folder = images_dir()
-    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "tmp").mkdir(parents=True, exist_ok=True)
     with (folder / "build.lock").open("a") as handle:
         fcntl.flock(handle, fcntl.LOCK_EX)
         try:
@@ -278,18 +283,23 @@ def ensure_base(report: progress.Progress = progress.print_progress) -> str:
         report(f"made the base rootfs in {time.monotonic() - started:.0f} s ({rootfs.stat().st_size >> 20} MiB)")
     if not _has_image(name):
         _require("buildah", "buildah")
-        container = f"megafleet-base-{key}"
-        subprocess.run(_buildah("rm", container), capture_output=True, check=False)
-        _run(_buildah("from", "--name", container, "scratch"), log=log, report=report, what="base image")
-        try:
-            _run(_buildah("add", container, str(rootfs), "/"), log=log, report=report, what="base image")
-            path = "PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
-            _run(_buildah("config", "--env", path, "--cmd", "python3", container), log=log, report=report, what="base")
-            _run(_buildah("commit", "--rm", container, name), log=log, report=report, what="base image")
-        except BaseException:
-            subprocess.run(_buildah("rm", container), capture_output=True, check=False)
-            raise
+        with _build_lock():
+            _import_base(rootfs, name, key, log=log, report=report)
     return name
+
+
+def _import_base(rootfs: Path, name: str, key: str, *, log: Path, report: progress.Progress) -> None:
+    container = f"megafleet-base-{key}"
+    subprocess.run(_buildah("rm", container), capture_output=True, check=False)
+    _run(_buildah("from", "--name", container, "scratch"), log=log, report=report, what="base image")
+    try:
+        _run(_buildah("add", container, str(rootfs), "/"), log=log, report=report, what="base image")
+        path = "PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
+        _run(_buildah("config", "--env", path, "--cmd", "python3", container), log=log, report=report, what="base")
+        _run(_buildah("commit", "--rm", container, name), log=log, report=report, what="base image")
+    except BaseException:
+        subprocess.run(_buildah("rm", container), capture_output=True, check=False)
+        raise
 
 
 def host_trust_volumes() -> list[str]:
@@ -336,6 +346,8 @@ def _build(target: str, key: str, base: str, archive: Path, report: progress.Pro
     log.write_text("")
     for stale in folder.glob(f"{target}-*.image.tar"):
         stale.unlink()
+    shutil.rmtree(folder / "tmp", ignore_errors=True)  # what killed builds left
+    (folder / "tmp").mkdir()
     # Untagged layers of a failed build stay (the next build resumes from them) unless space is short.
     subprocess.run(_buildah("rm", "--all"), capture_output=True, check=False)
     # Warm: the storage holds an image of this target, whose layers the build may reuse.
@@ -392,7 +404,14 @@ def ensure_pause(report: progress.Progress = progress.print_progress) -> Image:
     archive = folder / f"pause-{key}.image.tar"
     if archive.is_file():
         return Image("pause", PAUSE_REFERENCE, archive, key)
-    log = folder / "pause.log"
+    with _build_lock():
+        if not archive.is_file():  # another process may have built it while this one waited
+            _build_pause(catatonit, key, archive, report)
+    return Image("pause", PAUSE_REFERENCE, archive, key)
+
+
+def _build_pause(catatonit: str, key: str, archive: Path, report: progress.Progress) -> None:
+    log = images_dir() / "pause.log"
     container = f"megafleet-pause-{key}"
     subprocess.run(_buildah("rm", container), capture_output=True, check=False)
     _run(_buildah("from", "--name", container, "scratch"), log=log, report=report, what="pause image")
@@ -409,7 +428,6 @@ def ensure_pause(report: progress.Progress = progress.print_progress) -> Image:
         subprocess.run(_buildah("rm", container), capture_output=True, check=False)
         raise
     _export(f"localhost/megafleet/pause:{key}", archive, PAUSE_REFERENCE, log=log, report=report, what="pause image")
-    return Image("pause", PAUSE_REFERENCE, archive, key)
 
 
 def ensure_all(targets: Iterable[str] = TARGETS, report: progress.Progress = progress.print_progress) -> list[Image]:
