@@ -7,8 +7,10 @@
 # The bases are build arguments: real users keep the public ones; `megafleet dev images` builds the
 # same targets with buildah from a Debian base made locally with mmdebstrap (no registry needed).
 # Each image installs into a venv at /opt/megafleet, so any base with python3 (>= 3.11) and venv works.
-# The dependencies come first, in a layer keyed by pyproject.toml alone, so a source change rebuilds
-# only the small layer that installs the project itself.
+# The dependencies come first, in layers keyed by pyproject.toml and docker/deps.py alone, so a source
+# change rebuilds only the small layer that installs the project itself. The engine's ~6 GB of
+# dependencies are resolved once and installed in four layers of 0.5-2.2 GB (docker/deps.py): a
+# builder needs about three times a layer's size at once to commit it.
 # tests/unit/test_dockerfile.py checks stages, entrypoints against [project.scripts], and no torch here;
 # tests/realnode/test_images.py builds both and runs their entrypoints in containers.
 ARG OPERATOR_BASE=python:3.12-slim
@@ -19,10 +21,10 @@ ENV PYTHONDONTWRITEBYTECODE=1 PYTHONUNBUFFERED=1 PIP_NO_CACHE_DIR=1 PIP_DISABLE_
 RUN python3 -m venv /opt/megafleet
 ENV PATH=/opt/megafleet/bin:$PATH
 WORKDIR /src
-COPY pyproject.toml README.md ./
+COPY pyproject.toml docker/deps.py ./
 # The base dependencies only (kopf, lightkube, pydantic, httpx, ...): no extras, so no torch.
-RUN python3 -c "import sys, tomllib; p = tomllib.load(open('pyproject.toml', 'rb'))['project']; \
-print('\n'.join(p['dependencies']))" > /tmp/requirements.txt && pip install -r /tmp/requirements.txt
+RUN python3 deps.py requirements pyproject.toml > /tmp/requirements.txt && pip install -r /tmp/requirements.txt
+COPY README.md ./
 COPY protocol ./protocol
 COPY operator ./operator
 COPY engine ./engine
@@ -49,15 +51,19 @@ RUN (python3 -c "import venv, ensurepip" 2>/dev/null || (apt-get update \
     && python3 -m venv /opt/megafleet
 ENV PATH=/opt/megafleet/bin:$PATH
 WORKDIR /src
-COPY pyproject.toml README.md ./
-RUN python3 -c "import sys, tomllib; p = tomllib.load(open('pyproject.toml', 'rb'))['project']; \
-print('\n'.join(p['dependencies'] + p['optional-dependencies']['engine'] + p['optional-dependencies']['megatron']))" \
-    > /tmp/requirements.txt && pip install -r /tmp/requirements.txt
+COPY pyproject.toml docker/deps.py ./
+# One resolution, pinned per group in pins.json, then one layer per group (the order of deps.GROUPS).
+RUN python3 deps.py resolve pyproject.toml pins.json engine megatron
+RUN python3 deps.py install pins.json cuda-comm
+RUN python3 deps.py install pins.json cuda
+RUN python3 deps.py install pins.json torch
+RUN python3 deps.py install pins.json rest
+COPY README.md ./
 COPY protocol ./protocol
 COPY operator ./operator
 COPY engine ./engine
 COPY dev ./dev
-RUN pip install '.[engine,megatron]' && rm -rf /src /tmp/requirements.txt \
+RUN pip install '.[engine,megatron]' && rm -rf /src \
     && python -c "import shutil, megafleet_dev, pathlib; shutil.rmtree(pathlib.Path(megafleet_dev.__file__).parent)"
 RUN groupadd --gid 65532 megafleet \
     && useradd --uid 65532 --gid 65532 --no-create-home --home-dir /tmp --shell /usr/sbin/nologin megafleet

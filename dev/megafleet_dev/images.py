@@ -9,21 +9,30 @@ only when an input changes; a build writes to a temporary name renamed into plac
 interrupted build never looks finished. buildah runs in a private mount namespace
 (``unshare -m``): the overlay mounts it makes vanish with it, whatever happens.
 
+Disk: the engine image is ~6 GB and the cache is shared by every checkout and CI on the machine, so
+one build at a time (a file lock), a clear error before a build the free space cannot hold
+(:data:`BUILD_NEEDS_GB`), and after each build buildah's storage keeps only the current image of
+each target (its layers are the cache of the next build), or none when free space is short
+(:data:`KEEP_STORAGE_FREE_GB`: the archive is then the only cache).
+
 Development tooling only: real users build the same Dockerfile with their own builder and the
 public bases (the bases are build arguments).
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import fcntl
 import hashlib
+import json
 import os
 import shutil
 import subprocess
 import tempfile
 import time
 import tomllib
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 
 from megafleet_dev import progress, toolchain
@@ -34,12 +43,19 @@ DEBIAN_MIRROR = "http://deb.debian.org/debian"
 # python3 and venv for the images' venv, passwd for useradd, CA certificates for pip.
 BASE_PACKAGES = ("python3", "python3-venv", "passwd", "ca-certificates")
 BASE_NAME = "localhost/megafleet/debian-python"
-CONTEXT_ENTRIES = ("Dockerfile", "pyproject.toml", "README.md", "protocol", "operator", "engine", "dev")
+CONTEXT_ENTRIES = ("Dockerfile", "pyproject.toml", "README.md", "docker", "protocol", "operator", "engine", "dev")
 # Copied but not hashed: the wheel lists the dev package (both images delete it after the install)
 # and takes README.md as its long description; editing either does not rebuild the images.
 UNHASHED_ENTRIES = ("dev", "README.md")
 TARGETS = ("operator", "engine")
 PAUSE_REFERENCE = "localhost/megafleet/pause:catatonit"
+# Free GB a build needs on the cache's filesystem, measured (README, "Real containers"): ``cold``
+# when buildah's storage holds no image of the target (every layer is built), ``warm`` when it
+# does (the dependency layers are usually reused; the export still writes the whole archive).
+BUILD_NEEDS_GB = {"engine": {"cold": 16.0, "warm": 8.0}, "operator": {"cold": 2.0, "warm": 1.0}}
+# After an export, the storage copy of the image (its layer cache) is kept only while this much stays
+# free: a real node then imports the archive (twice its size: containerd's content and snapshot).
+KEEP_STORAGE_FREE_GB = 25.0
 _SKIPPED_PARTS = {"__pycache__", ".mypy_cache", ".pytest_cache", ".ruff_cache"}
 
 
@@ -110,8 +126,13 @@ def base_key() -> str:
 
 
 def _buildah(*args: str) -> list[str]:
+    """A buildah command on the cache's storage. Its temporary files (a commit's diff, an export's
+    blobs: gigabytes) go to the cache's ``tmp``, which a build under :func:`_build_lock` empties
+    first: a killed buildah leaves them behind (it did, in ``/var/tmp``)."""
     root = images_dir() / "storage"
     return [
+        "env",
+        f"TMPDIR={images_dir() / 'tmp'}",
         "unshare",
         "-m",
         "--propagation",
@@ -170,6 +191,70 @@ def _has_image(name: str) -> bool:
     return result.returncode == 0
 
 
+# -- disk ----------------------------------------------------------------------------------------
+
+
+def free_gb(path: Path) -> float:
+    """Free space, in GB (10^9 bytes, as ``df -H`` says), on the filesystem of ``path``."""
+    return shutil.disk_usage(path).free / 1e9
+
+
+def require_free(needed_gb: float, what: str, folder: Path | None = None) -> None:
+    """Fail clearly when the filesystem of ``folder`` (default: the images cache) has less than
+    ``needed_gb`` free, instead of a builder's "no space left on device" halfway through."""
+    folder = folder or images_dir()
+    folder.mkdir(parents=True, exist_ok=True)
+    free = free_gb(folder)
+    if free < needed_gb:
+        raise ImageError(
+            f"{what} needs about {needed_gb:.0f} GB free on the filesystem of {folder}, and {free:.1f} GB "
+            f"are free. Free some space: the images cache {images_dir()} can be deleted as a whole (it is "
+            "rebuilt), and `megafleet dev down` deletes a cluster's real node with its containerd store."
+        )
+
+
+def stale_names(names: Iterable[str], target: str, keep: str | None) -> list[str]:
+    """The image names of ``target`` in buildah's storage other than its ``keep`` key (all of them
+    when ``keep`` is None) (pure)."""
+    prefix = f"localhost/megafleet/{target}:"
+    return sorted(name for name in names if name.startswith(prefix) and name != f"{prefix}{keep}")
+
+
+def _stored_names() -> list[str]:
+    listed = subprocess.run(_buildah("images", "--json"), capture_output=True, text=True, check=False)
+    if listed.returncode != 0 or not listed.stdout.strip():
+        return []
+    return [name for image in json.loads(listed.stdout) for name in image.get("names") or []]
+
+
+def prune_storage(names: Iterable[str], *, log: Path) -> None:
+    """Remove from buildah's storage the images ``names`` (with the layer images only they used),
+    then the untagged ones left (layers of failed or replaced builds) and the working containers
+    of interrupted builds. Called under :func:`_build_lock`: no build of this tooling is running."""
+    with log.open("a") as sink:
+        for cmd in (
+            _buildah("rm", "--all"),
+            *(_buildah("rmi", name) for name in names),
+            _buildah("rmi", "--prune"),
+        ):
+            sink.write(f"$ {' '.join(cmd)}\n")
+            sink.flush()
+            subprocess.run(cmd, stdout=sink, stderr=subprocess.STDOUT, check=False)
+
+
+@contextlib.contextmanager
+def _build_lock() -> Iterator[None]:
+    """One build or prune of the shared cache at a time, across processes (CI, checkouts)."""
+    folder = images_dir()
+    (folder / "tmp").mkdir(parents=True, exist_ok=True)
+    with (folder / "build.lock").open("a") as handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
+
+
 def ensure_base(report: progress.Progress = progress.print_progress) -> str:
     """The local Debian base in buildah's storage (mmdebstrap rootfs, cached); returns its name."""
     key = base_key()
@@ -198,18 +283,23 @@ def ensure_base(report: progress.Progress = progress.print_progress) -> str:
         report(f"made the base rootfs in {time.monotonic() - started:.0f} s ({rootfs.stat().st_size >> 20} MiB)")
     if not _has_image(name):
         _require("buildah", "buildah")
-        container = f"megafleet-base-{key}"
-        subprocess.run(_buildah("rm", container), capture_output=True, check=False)
-        _run(_buildah("from", "--name", container, "scratch"), log=log, report=report, what="base image")
-        try:
-            _run(_buildah("add", container, str(rootfs), "/"), log=log, report=report, what="base image")
-            path = "PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
-            _run(_buildah("config", "--env", path, "--cmd", "python3", container), log=log, report=report, what="base")
-            _run(_buildah("commit", "--rm", container, name), log=log, report=report, what="base image")
-        except BaseException:
-            subprocess.run(_buildah("rm", container), capture_output=True, check=False)
-            raise
+        with _build_lock():
+            _import_base(rootfs, name, key, log=log, report=report)
     return name
+
+
+def _import_base(rootfs: Path, name: str, key: str, *, log: Path, report: progress.Progress) -> None:
+    container = f"megafleet-base-{key}"
+    subprocess.run(_buildah("rm", container), capture_output=True, check=False)
+    _run(_buildah("from", "--name", container, "scratch"), log=log, report=report, what="base image")
+    try:
+        _run(_buildah("add", container, str(rootfs), "/"), log=log, report=report, what="base image")
+        path = "PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
+        _run(_buildah("config", "--env", path, "--cmd", "python3", container), log=log, report=report, what="base")
+        _run(_buildah("commit", "--rm", container, name), log=log, report=report, what="base image")
+    except BaseException:
+        subprocess.run(_buildah("rm", container), capture_output=True, check=False)
+        raise
 
 
 def host_trust_volumes() -> list[str]:
@@ -236,29 +326,50 @@ def _export(image: str, archive: Path, ref: str, *, log: Path, report: progress.
 def ensure_image(target: str, report: progress.Progress = progress.print_progress) -> Image:
     """Build one Dockerfile target from the local base unless its archive for these inputs exists."""
     base = ensure_base(report)
-    files = context_files(REPO_ROOT)
     hashed = context_files(REPO_ROOT, [entry for entry in CONTEXT_ENTRIES if entry not in UNHASHED_ENTRIES])
     key = content_key(REPO_ROOT, hashed, target, base)
-    folder = images_dir()
-    archive = folder / f"{target}-{key}.image.tar"
-    ref = reference(target)
+    archive = images_dir() / f"{target}-{key}.image.tar"
     if archive.is_file():
-        return Image(target, ref, archive, key)
+        return Image(target, reference(target), archive, key)
     _require("buildah", "buildah")
+    with _build_lock():
+        if not archive.is_file():  # another process may have built it while this one waited
+            _build(target, key, base, archive, report)
+    return Image(target, reference(target), archive, key)
+
+
+def _build(target: str, key: str, base: str, archive: Path, report: progress.Progress) -> None:
+    """Build, export and prune (under the build lock): stale archives of the target go first, and
+    its older images in the storage too when the free space is short for a build that reuses them."""
+    folder = images_dir()
     log = folder / f"{target}.log"
     log.write_text("")
+    for stale in folder.glob(f"{target}-*.image.tar"):
+        stale.unlink()
+    shutil.rmtree(folder / "tmp", ignore_errors=True)  # what killed builds left
+    (folder / "tmp").mkdir()
+    # Untagged layers of a failed build stay (the next build resumes from them) unless space is short.
+    subprocess.run(_buildah("rm", "--all"), capture_output=True, check=False)
+    # Warm: the storage holds an image of this target, whose layers the build may reuse.
+    older = stale_names(_stored_names(), target, None)
+    needs = BUILD_NEEDS_GB[target]["warm" if older else "cold"]
+    if free_gb(folder) < needs:
+        prune_storage(older, log=log)
+        needs = BUILD_NEEDS_GB[target]["cold"]
+    require_free(needs, f"building the {target} image", folder)
     started = time.monotonic()
     report(f"building the {target} image with buildah ({target} {key}); log: {log}")
+    tag = f"localhost/megafleet/{target}:{key}"
     with tempfile.TemporaryDirectory(prefix=f"megafleet-{target}-context-") as context:
-        for relative in files:  # only the inputs travel (no .venv, .git or caches)
+        for relative in context_files(REPO_ROOT):  # only the inputs travel (no .venv, .git or caches)
             (Path(context) / relative).parent.mkdir(parents=True, exist_ok=True)
             shutil.copy2(REPO_ROOT / relative, Path(context) / relative)
-        tag = f"localhost/megafleet/{target}:{key}"
         cmd = _buildah(
             "bud",
             "--isolation",
             "chroot",
             "--layers",
+            "--force-rm",  # a failed step leaves no working container (its upper folder: gigabytes)
             "--pull=never",
             *host_trust_volumes(),
             "--target",
@@ -272,12 +383,14 @@ def ensure_image(target: str, report: progress.Progress = progress.print_progres
             context,
         )
         _run(cmd, log=log, report=report, what=f"building {target}")
-    _export(tag, archive, ref, log=log, report=report, what=f"exporting {target}")
-    for stale in folder.glob(f"{target}-*.image.tar"):
-        if stale != archive:
-            stale.unlink()
-    report(f"built the {target} image in {time.monotonic() - started:.0f} s ({archive.stat().st_size >> 20} MiB)")
-    return Image(target, ref, archive, key)
+    _export(tag, archive, reference(target), log=log, report=report, what=f"exporting {target}")
+    short = free_gb(folder) < KEEP_STORAGE_FREE_GB
+    prune_storage(stale_names(_stored_names(), target, None if short else key), log=log)
+    kept = "the archive only: free space is short" if short else "the archive and the layer cache"
+    report(
+        f"built the {target} image in {time.monotonic() - started:.0f} s "
+        f"({archive.stat().st_size >> 20} MiB; kept {kept}; {free_gb(folder):.1f} GB free)"
+    )
 
 
 def ensure_pause(report: progress.Progress = progress.print_progress) -> Image:
@@ -291,7 +404,14 @@ def ensure_pause(report: progress.Progress = progress.print_progress) -> Image:
     archive = folder / f"pause-{key}.image.tar"
     if archive.is_file():
         return Image("pause", PAUSE_REFERENCE, archive, key)
-    log = folder / "pause.log"
+    with _build_lock():
+        if not archive.is_file():  # another process may have built it while this one waited
+            _build_pause(catatonit, key, archive, report)
+    return Image("pause", PAUSE_REFERENCE, archive, key)
+
+
+def _build_pause(catatonit: str, key: str, archive: Path, report: progress.Progress) -> None:
+    log = images_dir() / "pause.log"
     container = f"megafleet-pause-{key}"
     subprocess.run(_buildah("rm", container), capture_output=True, check=False)
     _run(_buildah("from", "--name", container, "scratch"), log=log, report=report, what="pause image")
@@ -308,7 +428,6 @@ def ensure_pause(report: progress.Progress = progress.print_progress) -> Image:
         subprocess.run(_buildah("rm", container), capture_output=True, check=False)
         raise
     _export(f"localhost/megafleet/pause:{key}", archive, PAUSE_REFERENCE, log=log, report=report, what="pause image")
-    return Image("pause", PAUSE_REFERENCE, archive, key)
 
 
 def ensure_all(targets: Iterable[str] = TARGETS, report: progress.Progress = progress.print_progress) -> list[Image]:

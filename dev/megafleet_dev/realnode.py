@@ -6,7 +6,9 @@ mount namespace this module makes (:mod:`megafleet_dev.sandbox`).
 Called by ``megafleet dev up --real-node`` and the ``realnode`` test tier, after
 :meth:`cluster.LocalCluster.start`. Every program is a process of the cluster (stopped by
 ``megafleet dev down``); the containers, namespaces, link and cgroups are removed by
-:func:`sandbox.teardown`, which ``LocalCluster.stop`` runs first.
+:func:`sandbox.teardown`, which ``LocalCluster.stop`` runs first. The node's containerd store (the
+imported images, about twice the engine image's 6 GB) lives in the state folder: ``dev down``
+deletes the folder, :func:`stop` (the test tier) deletes the store and keeps the logs.
 
 Network (``network``, a /16 of which two parts are used; the defaults are 10.213.0.0/16):
 pods get the first /24 behind a bridge; the host and the node share a /30 at the end of the range
@@ -25,6 +27,7 @@ import hashlib
 import ipaddress
 import json
 import os
+import shutil
 import subprocess
 import sys
 import time
@@ -310,13 +313,34 @@ def start(
     folder.mkdir(parents=True, exist_ok=True)
     try:
         node = _start(local, folder, addresses, host_link, node_link, cgroup, report)
-        _import_images(node, built, report)
+        _import_images(node, built, folder / "containerd", report)
         _wait_ready(local, report)
     except BaseException:
         sandbox.teardown(local.state_dir)
         raise
     report(f"real node {NODE_NAME} Ready in {time.monotonic() - started:.1f} s (pods {addresses.pods})")
     return node
+
+
+def runtime_dirs(state_dir: Path) -> list[Path]:
+    """The node's bulky data under a cluster's state folder: containerd's store (content and
+    snapshots of the imported images) and the kubelet's pod folders."""
+    folder = state_dir / "realnode"
+    return [folder / "containerd", folder / "kubelet"]
+
+
+def stop(local: cluster.LocalCluster) -> None:
+    """Stop the cluster with its real node (``LocalCluster.stop``), then delete the node's
+    :func:`runtime_dirs` (12 GB with the engine image), which would otherwise stay in the state
+    folder; the configuration and logs stay. Called by the realnode test tier."""
+    local.stop()
+    mounts = Path("/proc/self/mountinfo").read_text().split("\n")
+    for folder in runtime_dirs(local.state_dir):
+        # The node's mounts lived in its own mount namespace, gone with its last process; a mount
+        # seen here would be deleted through, so it stops the removal instead.
+        if any(f" {folder}/" in line or f" {folder} " in line for line in mounts):
+            raise cluster.ClusterError(f"{folder} still has mounts; not deleting it")
+        shutil.rmtree(folder, ignore_errors=True)
 
 
 def _certificates(local: cluster.LocalCluster, folder: Path, addresses: Addresses) -> dict[str, Path]:
@@ -439,13 +463,20 @@ def _wait_namespaced(pid: int) -> None:
     raise cluster.ClusterError("the real node's namespace holder did not start")
 
 
-def _import_images(node: RealNode, built: list[images.Image], report: progress.Progress) -> None:
-    """Import each image archive into the node's containerd (skipped when the same image is there)."""
+def import_needs_gb(archive_bytes: int) -> float:
+    """Free GB importing an archive of this size needs: containerd keeps the layers twice, in its
+    content store and unpacked as snapshots (measured: README, "Real containers") (pure)."""
+    return 2 * archive_bytes / 1e9 + 1.0
+
+
+def _import_images(node: RealNode, built: list[images.Image], store: Path, report: progress.Progress) -> None:
+    """Import each image archive into the node's containerd, whose store is ``store`` (skipped
+    when the same image is there; a clear error first when the disk cannot hold them)."""
     present = node.ctr("images", "ls", "-q").stdout.split()
-    for image in built:
-        marker = f"localhost/megafleet/{image.target}:{image.key}"
-        if marker in present:
-            continue
+    missing = [image for image in built if f"localhost/megafleet/{image.target}:{image.key}" not in present]
+    needs = import_needs_gb(sum(image.archive.stat().st_size for image in missing))
+    images.require_free(needs, "importing the images into the real node's containerd", store)
+    for image in missing:
         started = time.monotonic()
         node.ctr("images", "import", str(image.archive))  # names: the reference and the marker
         report(f"imported the {image.target} image into the node's containerd in {time.monotonic() - started:.0f} s")

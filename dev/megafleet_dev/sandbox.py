@@ -174,7 +174,10 @@ def _cgroup_dirs(cgroup: str) -> Iterator[Path]:
     for controller in CGROUP_CLEANED:
         top = CGROUP_ROOT / controller / cgroup.lstrip("/")
         if top.is_dir():
-            yield from sorted((p for p in top.rglob("*") if p.is_dir()), key=lambda p: -len(p.parts))
+            # os.walk passes over folders that vanish while it walks (the kubelet removing a pod's
+            # cgroup during a teardown); Path.rglob raised FileNotFoundError there.
+            below = [Path(folder) for folder, _, _ in os.walk(top)][1:]
+            yield from sorted(below, key=lambda p: -len(p.parts))
             yield top
 
 

@@ -1,11 +1,13 @@
 """The tiny CPU fleet in real containers on the real node, through the operator's unchanged pod
 spec, in a namespace that enforces the restricted Pod Security Standard: Ready, greedy completions
 from a client pod through the shard's ClusterIP Service (kube-proxy) and its DNS name (CoreDNS), a
-refit through a Refit object from a trainer inside the node's network, and a killed engine
-container healing behind the same Service."""
+refit through a Refit object from a trainer inside the node's network, a killed engine
+container healing behind the same Service, and the agent token read inside the container from the
+mounted Secret (the agent takes that token and refuses another)."""
 
 from __future__ import annotations
 
+import base64
 import json
 import subprocess
 import sys
@@ -13,12 +15,13 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import httpx
 import pytest
 import yaml
 
 from helpers import refit_e2e
 from megafleet_dev import images, kube, realnode, sandbox
-from megafleet_protocol import ports
+from megafleet_protocol import agent_api, ports
 
 # The first test of a session starts the cluster and the node (and builds what is missing).
 pytestmark = [pytest.mark.realnode, pytest.mark.e2e, pytest.mark.timeout(1800)]
@@ -233,3 +236,36 @@ def test_a_refit_object_moves_the_containers_to_the_trainers_weights(
     for shard in ready["status"]["shards"]:
         tokens, version = refit_e2e.served(kube_admin, namespace, shard["pods"][0])
         assert (tokens, version) == (expected, "1")
+
+
+# Run inside the engine container as its own user: where the token file is, what it holds, its mode.
+TOKEN_PROBE = """
+import json, os, stat
+path = os.environ["MEGAFLEET_AGENT_TOKEN_FILE"]
+print(json.dumps({"path": path, "token": open(path).read(), "mode": oct(stat.S_IMODE(os.stat(path).st_mode)),
+                  "uid": os.getuid(), "writable": os.access(path, os.W_OK)}))
+"""
+
+
+def test_the_agent_token_is_mounted_from_its_secret_and_the_agent_requires_it(
+    fleet: tuple[str, dict[str, Any]], kube_admin: kube.Kube, real_node: realnode.RealNode
+) -> None:
+    namespace, ready = fleet
+    pod = kube_admin.get(f"/api/v1/namespaces/{namespace}/pods/{ready['status']['shards'][1]['pods'][0]}")
+    assert pod is not None
+    volume = next(v for v in pod["spec"]["volumes"] if v["name"] == "agent-token")
+    secret = kube_admin.get(f"/api/v1/namespaces/{namespace}/secrets/{volume['secret']['secretName']}")
+    assert secret is not None
+    token = base64.b64decode(secret["data"]["token"]).decode()
+    assert len(token) >= 32
+
+    container_id = pod["status"]["containerStatuses"][0]["containerID"].removeprefix("containerd://")
+    probe = real_node.ctr("tasks", "exec", "--exec-id", "token-probe", container_id, "python", "-c", TOKEN_PROBE)
+    seen = json.loads(probe.stdout)
+    assert seen["path"].startswith("/var/run/megafleet/agent/")
+    assert seen["token"] == token  # the Secret's bytes, through the kubelet's volume, in the container
+    assert seen["uid"] == 65532 and seen["mode"] == "0o440" and not seen["writable"]
+
+    agent = f"http://{pod['status']['podIP']}:{ports.AGENT_PORT}{agent_api.STATE}"
+    assert httpx.get(agent, headers={"Authorization": f"Bearer {token}"}, timeout=30).status_code == 200
+    assert httpx.get(agent, headers={"Authorization": "Bearer not-the-token"}, timeout=30).status_code == 401

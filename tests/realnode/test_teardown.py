@@ -1,9 +1,11 @@
 """``megafleet dev down`` leaves nothing of a real node: no process in its cgroups or netns, no
-host link or route, no cgroup; and the host's global sysctls and forwarding are untouched."""
+host link or route, no cgroup; and the host's global sysctls and forwarding are untouched. The test
+tier's own stop (:func:`realnode.stop`) deletes the node's containerd store and keeps the logs."""
 
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -59,6 +61,32 @@ def test_dev_down_removes_every_trace_of_the_real_node() -> None:
     routes = subprocess.run(["ip", "route"], capture_output=True, text=True, check=True).stdout
     assert str(node.addresses.pods) not in routes
     assert read_settings() == before
+
+
+def test_the_tier_stop_deletes_the_containerd_store_and_keeps_the_logs() -> None:
+    state = Path(tempfile.mkdtemp(prefix="mf-stop-"))
+    local = cluster.LocalCluster(state, pools=(), pod_network="127.176.0.0/12")
+    local.start()
+    try:
+        node = realnode.start(local, network="10.216.0.0/16", targets=())
+        assert "localhost/megafleet/pause:catatonit" in node.ctr("images", "ls", "-q").stdout.split()
+        store = state / "realnode" / "containerd" / "root"
+        assert _size(store) > 0  # the imported pause image: content and snapshot
+        box = sandbox.Sandbox.load(state)
+        assert box is not None
+    finally:
+        realnode.stop(local)
+    try:
+        assert sandbox.leftovers(box) == []
+        for folder in realnode.runtime_dirs(state):
+            assert not folder.exists()
+        assert any((state / "logs").iterdir())  # what a failed run needs to read stays
+    finally:
+        shutil.rmtree(state)
+
+
+def _size(folder: Path) -> int:
+    return sum(path.stat().st_size for path in folder.rglob("*") if path.is_file() and not path.is_symlink())
 
 
 def _node_routes(node: realnode.RealNode) -> str:

@@ -2,17 +2,22 @@
 image installs, the operator image holds no torch, and both images run as a non-root user.
 
 A small parser: stages from ``FROM image AS name``, continuation lines joined, ENTRYPOINT/CMD in
-JSON (exec) form, ``pip install`` targets with their extras resolved through pyproject.toml.
+JSON (exec) form, ``pip install`` targets with their extras resolved through pyproject.toml. The
+engine's dependencies are installed by ``docker/deps.py`` in one layer per group: its grouping is
+tested here too (loaded from its file: it is a build script, not a package).
 """
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import re
 import shlex
+import sys
 import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
+from types import ModuleType
 from typing import Any
 
 import pytest
@@ -86,6 +91,18 @@ def parse(text: str) -> dict[str, Stage]:
             assert current is not None, f"instruction before FROM: {line}"
             current.instructions.append((keyword, argument.strip()))
     return stages
+
+
+def load_deps() -> ModuleType:
+    spec = importlib.util.spec_from_file_location("megafleet_docker_deps", ROOT / "docker" / "deps.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclass-free, but keep the usual import invariants
+    spec.loader.exec_module(module)
+    return module
+
+
+deps = load_deps()
 
 
 @pytest.fixture(scope="module")
@@ -182,3 +199,80 @@ def test_images_run_as_the_non_root_user_of_the_pods(stages: dict[str, Stage], s
     # A read-only root filesystem: HOME (and caches) live on the /tmp emptyDir of every pod.
     environment = " ".join(a for k, a in stages[stage].instructions if k == "ENV")
     assert "HOME=/tmp" in environment
+
+
+def deps_runs(stage: Stage) -> list[list[str]]:
+    """The ``python3 deps.py ...`` RUN steps of a stage, as argument lists (one per instruction)."""
+    found = []
+    for keyword, argument in stage.instructions:
+        words = shlex.split(argument) if keyword == "RUN" else []
+        if words[:2] == ["python3", "deps.py"]:
+            found.append(words[2 : words.index(">")] if ">" in words else words[2:])
+    return found
+
+
+def test_the_engine_installs_its_dependencies_one_group_per_layer(stages: dict[str, Stage]) -> None:
+    engine = stages["engine"]
+    copied = [argument.split() for keyword, argument in engine.instructions if keyword == "COPY"]
+    assert ["pyproject.toml", "docker/deps.py", "./"] in copied  # deps.py sits next to pyproject.toml
+    runs = deps_runs(engine)
+    final_extras = re.fullmatch(r"\.\[([\w,-]+)\]", engine.pip_targets()[-1])
+    assert final_extras, "the project is installed last, with its extras"
+    # One resolution of exactly the extras the project is installed with, then each group in its
+    # own RUN (its own layer), in the order of deps.GROUPS.
+    assert runs[0] == ["resolve", "pyproject.toml", "pins.json", *final_extras.group(1).split(",")]
+    assert runs[1:] == [["install", "pins.json", group] for group, _ in deps.GROUPS]
+
+
+def test_the_operator_lists_its_requirements_with_the_same_script(stages: dict[str, Stage]) -> None:
+    assert deps_runs(stages["operator"]) == [["requirements", "pyproject.toml"]]
+
+
+def test_the_readme_is_copied_after_the_dependencies(stages: dict[str, Stage]) -> None:
+    """The layer cache of the dependencies is keyed by what was copied before them: pyproject.toml
+    and deps.py, not the README (a documentation edit must not reinstall gigabytes)."""
+    for stage in stages.values():
+        steps = [(keyword, argument.split()[0]) for keyword, argument in stage.instructions]
+        dependencies = next(i for i, (k, a) in enumerate(stage.instructions) if k == "RUN" and "deps.py" in a)
+        assert ("COPY", "README.md") in steps[dependencies:]
+        assert ("COPY", "README.md") not in steps[:dependencies]
+
+
+@pytest.mark.parametrize(
+    ("name", "group"),
+    [
+        ("nvidia-cudnn-cu13", "cuda-comm"),
+        ("nvidia_nccl_cu13", "cuda-comm"),
+        ("nvidia-cusparselt-cu13", "cuda-comm"),
+        ("nvidia-nvshmem-cu13", "cuda-comm"),
+        ("nvidia-cublas", "cuda"),
+        ("NVIDIA-cuda-runtime", "cuda"),
+        ("cuda-toolkit", "cuda"),
+        ("torch", "torch"),
+        ("triton", "torch"),
+        ("torchvision", "rest"),
+        ("transformers", "rest"),
+        ("kopf", "rest"),
+    ],
+)
+def test_each_distribution_goes_to_the_first_group_that_matches(name: str, group: str) -> None:
+    assert deps.group_of(name) == group
+
+
+def test_the_pins_install_every_resolved_distribution_exactly_once() -> None:
+    names = ["nvidia-nccl-cu13", "nvidia-cufft", "torch", "triton", "Jinja2", "pydantic_core", "cuda-bindings"]
+    report = {"install": [{"metadata": {"name": name, "version": f"1.{i}"}} for i, name in enumerate(names)]}
+    pins = deps.pins(report)
+    assert list(pins) == [group for group, _ in deps.GROUPS]
+    assert pins["cuda-comm"] == ["nvidia-nccl-cu13==1.0"]
+    assert pins["cuda"] == ["cuda-bindings==1.6", "nvidia-cufft==1.1"]
+    assert pins["torch"] == ["torch==1.2", "triton==1.3"]
+    assert pins["rest"] == ["jinja2==1.4", "pydantic-core==1.5"]
+    flat = [pin for group in pins.values() for pin in group]
+    assert len(flat) == len(set(flat)) == len(names)
+
+
+def test_the_requirements_are_the_dependencies_and_the_extras(project: dict[str, Any]) -> None:
+    listed = deps.requirements({"project": project}, ["engine"])
+    assert listed == project["dependencies"] + project["optional-dependencies"]["engine"]
+    assert deps.requirements({"project": project}, []) == project["dependencies"]
