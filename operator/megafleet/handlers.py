@@ -1,15 +1,18 @@
 """Kopf handlers: every trigger runs the same level-based :func:`megafleet.reconcile.reconcile`.
 
 Imported by ``megafleet operator`` (:mod:`megafleet.operator_main`). Triggers: the fleet is created,
-its spec changes, the operator resumes, a periodic poll (observation), and any event of a pod
-the fleet owns. Refits are advanced by :mod:`megafleet.refit_driver` on create and a poll, and
-RefitSessions by :mod:`megafleet.session_driver` on create, resume and a poll. The polls are daemons
-that end once their object is gone, so no fleet or Refit carries a finalizer
-(:mod:`megafleet.persistence`): deleting one never waits for an operator. A RefitSession has one on
-purpose (Kopf's, for its delete handler): its members leave the trainer's world and the fleet's hold
-is released before it goes. The
-operator's runtime (clients, locks, delays, settings) is made at startup and kept in Kopf's
-``memo`` as ``memo.runtime``; a per-fleet lock keeps reconciles and Refit steps of one fleet sequential.
+its spec changes, the operator resumes, any event of a pod the fleet owns, and the observation daemon
+(:mod:`megafleet.reconcile.pacing`: a reconcile every few seconds while the fleet changes, a slow
+agent probe once it is settled). Reconciles read pods, Services and nodes from Kopf indexes
+(:mod:`megafleet.reconcile.cache`), which Kopf fills before it runs any handler. Refits are
+advanced by :mod:`megafleet.refit_driver` on create and a poll, and RefitSessions by
+:mod:`megafleet.session_driver` on create, resume and a poll. The polls are daemons that end once
+their object is gone, so no fleet or Refit carries a finalizer (:mod:`megafleet.persistence`):
+deleting one never waits for an operator. A RefitSession has one on purpose (Kopf's, for its delete
+handler): its members leave the trainer's world and the fleet's hold is released before it goes.
+The operator's runtime (clients, locks, delays, settings, cache) is made at startup and kept in
+Kopf's ``memo`` as ``memo.runtime``; a per-fleet lock keeps reconciles and Refit steps of one fleet
+sequential.
 """
 
 from __future__ import annotations
@@ -23,7 +26,8 @@ import kopf
 from megafleet import agent_client, kube, metrics, names, persistence, reconcile, refit_driver, session_driver
 from megafleet import settings as operator_settings
 from megafleet.api import v1alpha1
-from megafleet.reconcile import context
+from megafleet.reconcile import cache as watch_cache
+from megafleet.reconcile import context, pacing
 
 log = logging.getLogger(__name__)
 
@@ -38,6 +42,7 @@ _TRIGGERS = SETTINGS.triggers
 
 @kopf.on.startup()
 def configure(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) -> None:
+    """``memo.clusterwide`` (set by :mod:`megafleet.operator_main`): the operator watches every namespace."""
     # Kopf's own bookkeeping goes to annotations under our prefix, never into our status contract.
     # Bounded and tolerant of malformed records; see megafleet.persistence (issue 16).
     settings.persistence.progress_storage = persistence.TolerantProgress(prefix=names.PREFIX)
@@ -50,7 +55,8 @@ def configure(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) -> Non
     settings.peering.lifetime = _TRIGGERS.peering_lifetime_seconds
     settings.watching.server_timeout = 60
     agents = agent_client.AgentClient(timeout_seconds=SETTINGS.agents.timeout_seconds)
-    memo.runtime = context.Runtime.of(kube.Api(), agents, SETTINGS)
+    cache = watch_cache.Cache(clusterwide=bool(memo.get("clusterwide", False)))
+    memo.runtime = context.Runtime.of(kube.Api(), agents, SETTINGS, cache=cache)
 
 
 @kopf.on.cleanup()
@@ -58,8 +64,48 @@ async def close(memo: kopf.Memo, **_: Any) -> None:
     await _runtime(memo).close()
 
 
-def _runtime(memo: kopf.Memo) -> context.Runtime:
-    return cast(context.Runtime, memo.runtime)
+def _runtime(memo: kopf.Memo, indexes: Mapping[str, Any] | None = None) -> context.Runtime:
+    """The operator's runtime; ``indexes`` (a handler's keyword arguments) hand Kopf's indexes to its cache."""
+    runtime = cast(context.Runtime, memo.runtime)
+    if indexes is not None and runtime.cache is not None and not runtime.cache.ready:
+        runtime.cache.attach(indexes)
+    return runtime
+
+
+def _confirm(memo: kopf.Memo, kind: str, body: kopf.Body) -> None:
+    runtime = memo.get("runtime")
+    if isinstance(runtime, context.Runtime) and runtime.cache is not None:
+        runtime.cache.confirm(kind, body)
+
+
+def _raw(body: kopf.Body) -> dict[str, Any]:
+    """The object as the watch delivered it (Kopf's raw dicts; never changed in place)."""
+    return dict(body)
+
+
+@kopf.index("v1", "pods", labels={names.LABEL_FLEET: kopf.PRESENT}, id=watch_cache.FLEET_PODS)
+def megafleet_fleet_pods(body: kopf.Body, memo: kopf.Memo, **_: Any) -> dict[Any, Any]:
+    _confirm(memo, "Pod", body)
+    key = watch_cache.fleet_key(body)
+    return {key: _raw(body)} if key is not None else {}
+
+
+@kopf.index("v1", "services", labels={names.LABEL_FLEET: kopf.PRESENT}, id=watch_cache.FLEET_SERVICES)
+def megafleet_fleet_services(body: kopf.Body, memo: kopf.Memo, **_: Any) -> dict[Any, Any]:
+    _confirm(memo, "Service", body)
+    key = watch_cache.fleet_key(body)
+    return {key: _raw(body)} if key is not None else {}
+
+
+@kopf.index("v1", "pods", id=watch_cache.LIVE_PODS)
+def megafleet_live_pods(body: kopf.Body, **_: Any) -> dict[Any, Any]:
+    slim = watch_cache.slim_pod(body)
+    return {None: slim} if slim is not None else {}
+
+
+@kopf.index("v1", "nodes", id=watch_cache.NODES)
+def megafleet_nodes(body: kopf.Body, **_: Any) -> dict[Any, Any]:
+    return {None: watch_cache.slim_node(body)}
 
 
 async def _reconcile(runtime: context.Runtime, namespace: str, name: str) -> bool:
@@ -93,19 +139,47 @@ async def poll(stopped: kopf.DaemonStopped, interval: float, step: Callable[[], 
 @kopf.on.create(*RESOURCE, backoff=_TRIGGERS.retry_seconds)
 @kopf.on.update(*RESOURCE, field="spec", backoff=_TRIGGERS.retry_seconds)
 @kopf.on.resume(*RESOURCE, backoff=_TRIGGERS.retry_seconds)
-async def on_fleet_change(namespace: str | None, name: str, memo: kopf.Memo, **_: Any) -> None:
-    await _reconcile(_runtime(memo), namespace or "default", name)
+async def on_fleet_change(namespace: str | None, name: str, memo: kopf.Memo, **kwargs: Any) -> None:
+    await _reconcile(_runtime(memo, kwargs), namespace or "default", name)
 
 
 @kopf.daemon(*RESOURCE, backoff=_TRIGGERS.retry_seconds)
-async def observe(namespace: str | None, name: str, memo: kopf.Memo, stopped: kopf.DaemonStopped, **_: Any) -> None:
-    runtime = _runtime(memo)
-    await poll(stopped, _TRIGGERS.observe_interval_seconds, lambda: _reconcile(runtime, namespace or "default", name))
+async def observe(
+    namespace: str | None, name: str, body: kopf.Body, memo: kopf.Memo, stopped: kopf.DaemonStopped, **kwargs: Any
+) -> None:
+    runtime = _runtime(memo, kwargs)
+    await pace(stopped, runtime, body, lambda: _reconcile(runtime, namespace or "default", name))
+
+
+async def pace(
+    stopped: kopf.DaemonStopped, runtime: context.Runtime, body: Mapping[str, Any], step: Callable[[], Awaitable[bool]]
+) -> None:
+    """Observe one fleet until ``step`` (its reconcile) reports it gone: a reconcile every
+    ``observe_interval_seconds`` while it is not settled; once settled, agent probes with a growing
+    delay, and a reconcile only when a probe sees a change (:mod:`megafleet.reconcile.pacing`).
+    ``body`` is Kopf's live view of the fleet. A reconcile by any other trigger resets the delay."""
+    metadata = body["metadata"]
+    key = (metadata.get("namespace") or "default", metadata["name"])
+    delay: float | None = None
+    reconciled: context.Observation | None = None
+    while not stopped:
+        changed = reconciled is None or await pacing.probe(runtime, dict(body))
+        if changed and not await step():
+            return
+        last = runtime.observed.get(key)
+        if last is None or not last.settled:
+            reconciled, delay = None, None
+            await stopped.wait(_TRIGGERS.observe_interval_seconds)
+            continue
+        if last is not reconciled:  # a reconcile (this loop's or an event's) since the last probe
+            reconciled, delay = last, None
+        delay = pacing.next_delay(delay, first=_TRIGGERS.probe_first_seconds, most=_TRIGGERS.probe_most_seconds)
+        await stopped.wait(delay)
 
 
 @kopf.on.event("v1", "pods", labels={names.LABEL_FLEET: kopf.PRESENT})
-async def on_pod_event(namespace: str | None, labels: Mapping[str, str], memo: kopf.Memo, **_: Any) -> None:
-    await _reconcile(_runtime(memo), namespace or "default", labels[names.LABEL_FLEET])
+async def on_pod_event(namespace: str | None, labels: Mapping[str, str], memo: kopf.Memo, **kwargs: Any) -> None:
+    await _reconcile(_runtime(memo, kwargs), namespace or "default", labels[names.LABEL_FLEET])
 
 
 def _unfinished(status: Mapping[str, Any], **_: Any) -> bool:

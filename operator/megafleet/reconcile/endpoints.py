@@ -13,7 +13,7 @@ import secrets
 
 from megafleet import conditions, desired, kube, names
 from megafleet.api import v1alpha1
-from megafleet.reconcile import context, ownership, status
+from megafleet.reconcile import context, ownership, pods, status
 
 
 async def agent_token(ctx: context.FleetContext) -> str:
@@ -46,7 +46,7 @@ async def reserve(ctx: context.FleetContext) -> None:
 
 async def _services(ctx: context.FleetContext) -> list[v1alpha1.Endpoint]:
     fleet, api = ctx.fleet, ctx.api
-    labelled = await api.list("Service", namespace=fleet.namespace, labels={names.LABEL_FLEET: fleet.name})
+    labelled = await pods.labelled_objects(api, ctx.runtime.cache, "Service", fleet)
     services = {service["metadata"]["name"]: service for service in ownership.only_owned(labelled, fleet)}
     endpoints = []
     for shard in range(fleet.spec.replicas):

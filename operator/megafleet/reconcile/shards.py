@@ -130,11 +130,15 @@ def existing(members: list[pods.Pod]) -> planner.ShardPlacement:
 
 
 async def _inventory(ctx: context.FleetContext) -> list[planner.NodeInfo]:
-    live = await ctx.api.list("Pod", fields={"status.phase": operators.not_in(["Succeeded", "Failed"])})
+    """Nodes and the pods not ended, from the watch-fed cache where it covers them (see
+    :mod:`.cache` for how fresh), else LISTed."""
+    cache = ctx.runtime.cache if ctx.runtime.cache is not None and ctx.runtime.cache.ready else None
+    live = cache.live_pods() if cache is not None else None
+    if live is None:
+        live = await ctx.api.list("Pod", fields={"status.phase": operators.not_in(["Succeeded", "Failed"])})
+    found = cache.nodes() if cache is not None else await ctx.api.list("Node")
     spec = ctx.fleet.spec
-    return inventory.nodes(
-        await ctx.api.list("Node"), live, resource=spec.resources.gpu_resource, tolerations=spec.placement.tolerations
-    )
+    return inventory.nodes(found, live, resource=spec.resources.gpu_resource, tolerations=spec.placement.tolerations)
 
 
 async def _drain_and_remove(ctx: context.FleetContext, shard: int) -> None:
