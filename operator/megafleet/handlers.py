@@ -158,7 +158,7 @@ async def pace(
     ``observe_interval_seconds`` while it is not settled; once settled, agent probes with a growing
     delay, and a reconcile only when a probe sees a change (:mod:`megafleet.reconcile.pacing`).
     ``body`` is Kopf's live view of the fleet. A reconcile by any other trigger resets the delay."""
-    metadata = body["metadata"]
+    metadata, triggers = body["metadata"], runtime.settings.triggers
     key = (metadata.get("namespace") or "default", metadata["name"])
     delay: float | None = None
     reconciled: context.Observation | None = None
@@ -169,11 +169,11 @@ async def pace(
         last = runtime.observed.get(key)
         if last is None or not last.settled:
             reconciled, delay = None, None
-            await stopped.wait(_TRIGGERS.observe_interval_seconds)
+            await stopped.wait(triggers.observe_interval_seconds)
             continue
         if last is not reconciled:  # a reconcile (this loop's or an event's) since the last probe
             reconciled, delay = last, None
-        delay = pacing.next_delay(delay, first=_TRIGGERS.probe_first_seconds, most=_TRIGGERS.probe_most_seconds)
+        delay = pacing.next_delay(delay, first=triggers.probe_first_seconds, most=triggers.probe_most_seconds)
         await stopped.wait(delay)
 
 
