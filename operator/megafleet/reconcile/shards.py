@@ -24,11 +24,13 @@ async def scale_down(ctx: context.FleetContext) -> None:
 
 async def heal(ctx: context.FleetContext) -> None:
     """Count a restart for each shard whose pods went away or broke, and delete what is left of a
-    broken one; ``ctx.restarts`` starts from the counts in the status."""
+    broken one; ``ctx.restarts`` starts from the counts in the status. A shard whose pods someone
+    else deleted counts once, as soon as their deletion shows (terminating or gone): the status entry
+    of a shard the operator removes itself, or that already counted, lists no pods."""
     previous = {item["index"]: item for item in ctx.status.get("shards", [])}
     ctx.restarts = {index: (int(item.get("restarts", 0)), item.get("lastError")) for index, item in previous.items()}
     for shard, item in sorted(previous.items()):
-        gone = shard not in ctx.shards.pods and shard not in ctx.shards.terminating
+        gone = shard not in ctx.shards.pods
         if item.get("pods") and gone and shard < ctx.fleet.spec.replicas:
             count = _restart(ctx, shard, f"pods gone: {', '.join(item['pods'])}")
             ctx.notify("Warning", "ShardRestarting", f"shard {shard} is re-placed (restart {count}): its pods are gone")

@@ -148,3 +148,28 @@ def test_confirmation_by_the_watch_ends_the_overlay() -> None:
         if kind in ("Pod", "Service"):
             runtime.cache.confirm(kind, obj)
     assert runtime.cache.pending == {}
+
+
+def test_a_pod_deleted_by_someone_else_counts_one_restart_although_seen_terminating_first() -> None:
+    api = kube_fakes.Api(gpu_fleet("a"), gpu_node("n0"))
+    indexes = kube_fakes.Indexes(api)
+    runtime = cached_runtime(api, indexes)
+
+    def restarts() -> int:
+        reconcile_fleet(runtime, api, "a")
+        indexes.sync()
+        status = (asyncio.run(api.get("MegatronGeneration", "a", "rl")) or {})["status"]
+        return int(status["shards"][0]["restarts"])
+
+    assert restarts() == 0
+    api.run_pods("n0")
+    indexes.sync()
+    assert restarts() == 0
+    key = next(key for key in api.objects if key[0] == "Pod")
+    api.objects[key]["metadata"]["deletionTimestamp"] = "2026-12-01T00:00:00Z"  # the watch shows it going
+    indexes.sync()
+    assert [restarts(), restarts()] == [1, 1]
+    del api.objects[key]
+    indexes.sync()
+    assert [restarts(), restarts()] == [1, 1]  # placed again, counted once
+    assert api.writes["create Pod"] == 2
