@@ -14,6 +14,9 @@ API_WRITES = prometheus_client.Counter(
 API_READS = prometheus_client.Counter(
     "megafleet_operator_api_reads_total", "Kubernetes API reads (get, list) by the operator.", ["verb", "kind"]
 )
+AGENT_CALLS = prometheus_client.Counter(
+    "megafleet_operator_agent_calls_total", "HTTP calls from the operator to pod agents.", ["method"]
+)
 RECONCILES = prometheus_client.Counter(
     "megafleet_operator_reconciles_total", "Reconciles of MegatronGeneration objects.", ["outcome"]
 )
