@@ -109,8 +109,21 @@ def megafleet_nodes(body: kopf.Body, **_: Any) -> dict[Any, Any]:
 
 
 async def _reconcile(runtime: context.Runtime, namespace: str, name: str) -> bool:
-    """One reconcile of the fleet; False when it is gone or going."""
-    async with runtime.fleet_lock(namespace, name):
+    """One reconcile of the fleet; False when it is gone or going. A trigger that finds another
+    reconcile of the fleet already waiting for its lock leaves the work to that one (it reads the
+    fleet, and the cache Kopf updated before this trigger ran, once it holds the lock): a burst of
+    pod events costs one reconcile, not one each."""
+    key = (namespace, name)
+    if key in runtime.waiting:
+        metrics.RECONCILES.labels(outcome="coalesced").inc()
+        return True
+    lock = runtime.fleet_lock(namespace, name)
+    runtime.waiting.add(key)
+    try:
+        await lock.acquire()
+    finally:
+        runtime.waiting.discard(key)
+    try:
         fresh = await runtime.api.get("MegatronGeneration", name, namespace)  # the latest state, not the event's
         if fresh is None or fresh["metadata"].get("deletionTimestamp"):
             return False
@@ -126,6 +139,8 @@ async def _reconcile(runtime: context.Runtime, namespace: str, name: str) -> boo
                 raise
         metrics.RECONCILES.labels(outcome="ok").inc()
         return True
+    finally:
+        lock.release()
 
 
 async def poll(stopped: kopf.DaemonStopped, interval: float, step: Callable[[], Awaitable[bool]]) -> None:

@@ -56,6 +56,9 @@ class Runtime:
     """When (monotonic seconds) every member of a joined RefitSession, keyed by (namespace, name),
     first reported the trainer's store unreachable; kept in memory only (an operator restart starts
     the wait again, which only delays ``TrainerGone``)."""
+    waiting: set[tuple[str, str]] = dataclasses.field(default_factory=set)
+    """Fleets, keyed by (namespace, name), whose next reconcile waits for the fleet's lock: a further
+    trigger is folded into it (:func:`megafleet.handlers._reconcile`)."""
     cache: watch_cache.Cache | None = None
     """Watch-fed pods, Services and nodes (the operator's); None: the steps LIST (in-process tests)."""
     observed: dict[tuple[str, str], Observation] = dataclasses.field(default_factory=dict)
