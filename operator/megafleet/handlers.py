@@ -72,10 +72,10 @@ def _runtime(memo: kopf.Memo, indexes: Mapping[str, Any] | None = None) -> conte
     return runtime
 
 
-def _confirm(memo: kopf.Memo, kind: str, body: kopf.Body) -> None:
+def _forget(memo: kopf.Memo, kind: str, body: kopf.Body) -> None:
     runtime = memo.get("runtime")
     if isinstance(runtime, context.Runtime) and runtime.cache is not None:
-        runtime.cache.confirm(kind, body)
+        runtime.cache.forget(kind, body)
 
 
 def _raw(body: kopf.Body) -> dict[str, Any]:
@@ -83,29 +83,37 @@ def _raw(body: kopf.Body) -> dict[str, Any]:
     return dict(body)
 
 
+# The index functions are coroutines: Kopf runs them in its event loop (a plain function would run in
+# a thread), and fills every index of one event at once after they all ran.
+
+
 @kopf.index("v1", "pods", labels={names.LABEL_FLEET: kopf.PRESENT}, id=watch_cache.FLEET_PODS)
-def megafleet_fleet_pods(body: kopf.Body, memo: kopf.Memo, **_: Any) -> dict[Any, Any]:
-    _confirm(memo, "Pod", body)
+async def megafleet_fleet_pods(body: kopf.Body, **_: Any) -> dict[Any, Any]:
     key = watch_cache.fleet_key(body)
     return {key: _raw(body)} if key is not None else {}
 
 
 @kopf.index("v1", "services", labels={names.LABEL_FLEET: kopf.PRESENT}, id=watch_cache.FLEET_SERVICES)
-def megafleet_fleet_services(body: kopf.Body, memo: kopf.Memo, **_: Any) -> dict[Any, Any]:
-    _confirm(memo, "Service", body)
+async def megafleet_fleet_services(body: kopf.Body, **_: Any) -> dict[Any, Any]:
     key = watch_cache.fleet_key(body)
     return {key: _raw(body)} if key is not None else {}
 
 
 @kopf.index("v1", "pods", id=watch_cache.LIVE_PODS)
-def megafleet_live_pods(body: kopf.Body, **_: Any) -> dict[Any, Any]:
+async def megafleet_live_pods(body: kopf.Body, **_: Any) -> dict[Any, Any]:
     slim = watch_cache.slim_pod(body)
     return {None: slim} if slim is not None else {}
 
 
 @kopf.index("v1", "nodes", id=watch_cache.NODES)
-def megafleet_nodes(body: kopf.Body, **_: Any) -> dict[Any, Any]:
+async def megafleet_nodes(body: kopf.Body, **_: Any) -> dict[Any, Any]:
     return {None: watch_cache.slim_node(body)}
+
+
+@kopf.on.event("v1", "services", labels={names.LABEL_FLEET: kopf.PRESENT})
+async def on_service_event(type: str | None, body: kopf.Body, memo: kopf.Memo, **_: Any) -> None:
+    if type == "DELETED":
+        _forget(memo, "Service", body)
 
 
 async def _reconcile(runtime: context.Runtime, namespace: str, name: str) -> bool:
@@ -193,7 +201,11 @@ async def pace(
 
 
 @kopf.on.event("v1", "pods", labels={names.LABEL_FLEET: kopf.PRESENT})
-async def on_pod_event(namespace: str | None, labels: Mapping[str, str], memo: kopf.Memo, **kwargs: Any) -> None:
+async def on_pod_event(
+    type: str | None, body: kopf.Body, namespace: str | None, labels: Mapping[str, str], memo: kopf.Memo, **kwargs: Any
+) -> None:
+    if type == "DELETED":
+        _forget(memo, "Pod", body)
     await _reconcile(_runtime(memo, kwargs), namespace or "default", labels[names.LABEL_FLEET])
 
 

@@ -14,7 +14,8 @@ Freshness, what a reader can count on:
   from the moment the create returns until the watch delivers it; an object it deleted is shown
   deleting (a pod) or gone (a Service) until the watch shows it so. A write the watch has not
   confirmed after :data:`PENDING_SECONDS` is dropped from the overlay (the watch lost it: the object
-  was changed again by someone else, whose event then counts).
+  was changed again by someone else, whose event then counts); one whose deletion the watch
+  delivered is dropped at once (:meth:`Cache.forget`).
 - The GPU inventory counts pods of every namespace only when the operator watches every namespace
   (``clusterwide``); an operator limited to some namespaces LISTs the cluster's pods at placement,
   as GPUs other namespaces' pods hold must still count.
@@ -129,9 +130,11 @@ class Cache:
             uid = shown["metadata"].get("uid") if shown is not None else None
             self.pending[key] = _Pending(kind, namespace, name, None, uid, deadline)
 
-    def confirm(self, kind: str, body: Mapping[str, Any]) -> None:
-        """The watch delivered ``body``: an own creation of it is no longer pending (called by the
-        index functions, so a created object deleted again before any read is not shown)."""
+    def forget(self, kind: str, body: Mapping[str, Any]) -> None:
+        """The watch delivered the deletion of ``body`` (called by the handlers of DELETED events, which
+        Kopf runs after it took the object out of every index): an own creation of it is no longer
+        shown. A creation is otherwise confirmed only by a read that finds it in the index it reads:
+        Kopf fills all indexes of one event at once, after every index function ran."""
         metadata = body.get("metadata") or {}
         key = (kind, metadata.get("namespace") or "default", metadata.get("name", ""))
         write = self.pending.get(key)
@@ -172,10 +175,12 @@ class Cache:
             return None
         found = {(pod["metadata"]["namespace"], pod["metadata"]["name"]): pod for pod in self._store(LIVE_PODS, None)}
         self._expire()
-        for (kind, namespace, name), write in self.pending.items():
+        for (kind, namespace, name), write in list(self.pending.items()):
             if kind == "Pod" and write.created is not None:
                 current = found.get((namespace, name))
-                if current is None or current["metadata"].get("uid") != write.uid:
+                if current is not None and current["metadata"].get("uid") == write.uid:
+                    del self.pending[(kind, namespace, name)]  # the watch has it
+                else:
                     found[(namespace, name)] = write.created
         return list(found.values())
 

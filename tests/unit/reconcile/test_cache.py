@@ -138,16 +138,28 @@ def test_an_operator_watching_some_namespaces_lists_the_clusters_pods_at_placeme
     assert api.reads["list Pod"] == 1 and "list Node" not in api.reads and "list Service" not in api.reads
 
 
-def test_confirmation_by_the_watch_ends_the_overlay() -> None:
-    api = kube_fakes.Api(gpu_fleet("a"), gpu_node("n0"))
+def test_an_own_creation_is_confirmed_by_the_index_it_is_read_from_or_forgotten_on_deletion() -> None:
+    api = kube_fakes.Api(gpu_fleet("a"), gpu_fleet("b"), gpu_node("n0"), gpu_node("n1"))
     indexes = kube_fakes.Indexes(api)
     runtime = cached_runtime(api, indexes)
     reconcile_fleet(runtime, api, "a")
-    assert runtime.cache is not None and runtime.cache.pending
-    for (kind, _, _), obj in api.objects.items():
-        if kind in ("Pod", "Service"):
-            runtime.cache.confirm(kind, obj)
-    assert runtime.cache.pending == {}
+    assert runtime.cache is not None
+    (pod,) = [obj for (kind, _, _), obj in api.objects.items() if kind == "Pod"]
+    key = ("Pod", "rl", pod["metadata"]["name"])
+    assert key in runtime.cache.pending
+
+    indexes.sync()
+    assert runtime.cache.live_pods() == [cache.slim_pod(pod)]  # the index has it: the overlay ends
+    assert key not in runtime.cache.pending
+
+    reconcile_fleet(runtime, api, "b")  # b's pod: created, then deleted by someone else
+    (other,) = [obj for (kind, _, name), obj in api.objects.items() if kind == "Pod" and name.startswith("b-")]
+    del api.objects[("Pod", "rl", other["metadata"]["name"])]
+    indexes.sync()  # the watch delivered both events: the index never shows it
+    assert len(runtime.cache.fleet_objects("Pod", "rl", "b")) == 1  # still the overlay ...
+    runtime.cache.forget("Pod", other)  # ... until the DELETED event's handler runs
+    assert runtime.cache.fleet_objects("Pod", "rl", "b") == []
+    assert runtime.cache.live_pods() == [cache.slim_pod(pod)]
 
 
 def test_a_pod_deleted_by_someone_else_counts_one_restart_although_seen_terminating_first() -> None:
