@@ -7,6 +7,8 @@ nodes the planner chose) only once the old ones are gone. Restarts are counted a
 
 from __future__ import annotations
 
+import asyncio
+
 from lightkube import operators
 
 from megafleet import desired, planner
@@ -91,12 +93,18 @@ async def place(ctx: context.FleetContext) -> None:
     defer_weights = ctx.refit.get("currentVersion") is not None
     async with ctx.runtime.placement_lock:  # fleets place one at a time, each seeing what the others took
         plan = planner.plan_placement(request, await _inventory(ctx))
+        wanted = {
+            shard: desired.shard_pods(ctx.fleet, shard, placement, defer_weights=defer_weights)
+            for shard, placement in plan.placed.items()
+        }
+        # Every planned pod at once (one round trip): the watch cache counts each as it is created.
+        made = await asyncio.gather(
+            *(ownership.create(ctx.api, ctx.fleet, pod) for shard in sorted(wanted) for pod in wanted[shard])
+        )
+        created = iter(made)
         for shard, placement in sorted(plan.placed.items()):
-            created = [
-                await ownership.create(ctx.api, ctx.fleet, pod)
-                for pod in desired.shard_pods(ctx.fleet, shard, placement, defer_weights=defer_weights)
-            ]
-            ctx.shards.pods[shard] = [pods.parse(pod, clique_label=request.clique_label) for pod in created]
+            members = [next(created) for _ in wanted[shard]]
+            ctx.shards.pods[shard] = [pods.parse(pod, clique_label=request.clique_label) for pod in members]
             where = f"clique {placement.clique}" if placement.clique else "nodes"
             ctx.notify("Normal", "ShardPlaced", f"shard {shard} placed on {where}: {_nodes(placement)}")
     for _shard, reason in sorted(plan.unplaced.items()):
