@@ -179,8 +179,9 @@ def audit_counts(log: Path, offset: int, namespace: str, controller: str) -> dic
 
 
 def summarize(counts: dict[str, Any], pods: int, controller: str) -> dict[str, Any]:
-    """Per-pod figures: the controllers' writes (the system's own, plus kube-controller-manager's on
-    its behalf: LWS's StatefulSets, both systems' EndpointSlices), Events apart, and every write."""
+    """Per-pod figures: the system's own writes (the operator's, or LWS's controller's), the
+    controllers' writes (those plus kube-controller-manager's on its behalf: LWS's StatefulSets'
+    pods, both systems' Endpoints and EndpointSlices), Events apart, and every write."""
 
     def total(table: dict[str, int], keep: Callable[[str, str, str], bool]) -> int:
         found = 0
@@ -195,7 +196,9 @@ def summarize(counts: dict[str, Any], pods: int, controller: str) -> dict[str, A
     own = total(writes, lambda who, _v, res: who in controllers and res != "events")
     events = total(writes, lambda who, _v, res: who in controllers and res == "events")
     every = total(writes, lambda who, _v, _r: who != "bench")
+    alone = total(writes, lambda who, _v, res: who == controller and res != "events")
     return {
+        "own_writes_per_pod": round(alone / pods, 2),
         "controller_writes": own,
         "controller_writes_per_pod": round(own / pods, 2),
         "controller_event_writes": events,
