@@ -9,6 +9,7 @@ write observers (:class:`megafleet.reconcile.cache.Cache`) learn of every create
 
 from __future__ import annotations
 
+import asyncio
 import collections
 from collections.abc import Callable
 from typing import Any
@@ -49,8 +50,11 @@ WriteObserver = Callable[[str, str, str | None, str, Object | None], None]
 class Api:
     """Async access to the API server, with a per-verb count of writes and reads."""
 
-    def __init__(self, client: lightkube.AsyncClient | None = None) -> None:
+    def __init__(self, client: lightkube.AsyncClient | None = None, *, concurrency: int = 32) -> None:
+        """``concurrency``: requests in flight at once; more wait here, not in the HTTP client's
+        connection pool (whose wait times out: reconciles create a fleet's objects together)."""
         self._client = client or lightkube.AsyncClient(field_manager=names.FIELD_MANAGER)
+        self._slots = asyncio.Semaphore(concurrency)
         self.writes: collections.Counter[str] = collections.Counter()
         self.reads: collections.Counter[str] = collections.Counter()
         self.observers: list[WriteObserver] = []
@@ -73,7 +77,8 @@ class Api:
     async def get(self, kind: str, name: str, namespace: str | None = None) -> Object | None:
         self._count_read("get", kind)
         try:
-            found = await self._client.get(KINDS[kind], name, namespace=namespace)
+            async with self._slots:
+                found = await self._client.get(KINDS[kind], name, namespace=namespace)
         except ApiError as error:
             if error.status.code == 404:
                 return None
@@ -94,13 +99,15 @@ class Api:
             listing = self._client.list(Node, labels=labels, fields=fields)
         else:
             listing = self._client.list(KINDS[kind], namespace=namespace_arg, labels=labels, fields=fields)
-        return [_plain(item) async for item in listing]
+        async with self._slots:
+            return [_plain(item) async for item in listing]
 
     async def create(self, obj: Object) -> Object:
         """Create ``obj``; an object that already exists is returned as it is (idempotent)."""
         self._count("create", obj["kind"])
         try:
-            created = await self._client.create(codecs.from_dict(obj))
+            async with self._slots:
+                created = await self._client.create(codecs.from_dict(obj))
         except ApiError as error:
             if error.status.code == 409:
                 existing = await self.get(obj["kind"], obj["metadata"]["name"], obj["metadata"].get("namespace"))
@@ -117,7 +124,8 @@ class Api:
     async def delete(self, kind: str, name: str, namespace: str | None = None) -> None:
         self._count("delete", kind)
         try:
-            await self._client.delete(KINDS[kind], name, namespace=namespace)
+            async with self._slots:
+                await self._client.delete(KINDS[kind], name, namespace=namespace)
         except ApiError as error:
             if error.status.code != 404:
                 raise
@@ -125,15 +133,19 @@ class Api:
 
     async def patch(self, kind: str, name: str, namespace: str | None, patch: Object) -> Object:
         self._count("patch", kind)
-        patched = await self._client.patch(KINDS[kind], name, patch, namespace=namespace, patch_type=PatchType.MERGE)
+        async with self._slots:
+            patched = await self._client.patch(
+                KINDS[kind], name, patch, namespace=namespace, patch_type=PatchType.MERGE
+            )
         return _plain(patched)
 
     async def patch_status(self, kind: str, name: str, namespace: str, status: Object) -> None:
         """Merge-patch the status subresource (lists such as conditions are replaced whole)."""
         self._count("status", kind)
-        await self._client.patch(
-            KINDS[kind].Status, name, {"status": status}, namespace=namespace, patch_type=PatchType.MERGE
-        )
+        async with self._slots:
+            await self._client.patch(
+                KINDS[kind].Status, name, {"status": status}, namespace=namespace, patch_type=PatchType.MERGE
+            )
 
 
 def _plain(obj: Any) -> Object:
