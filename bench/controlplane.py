@@ -534,7 +534,12 @@ def main() -> int:
         state = Path(tmp)
         policy, audit_log = state / "audit-policy.yaml", state / "audit.log"
         policy.write_text(yaml.safe_dump(AUDIT_POLICY))
-        audit_args = (f"--audit-policy-file={policy}", f"--audit-log-path={audit_log}", "--audit-log-format=json")
+        audit_args = (
+            f"--audit-policy-file={policy}",
+            f"--audit-log-path={audit_log}",
+            "--audit-log-format=json",
+            "--audit-log-maxsize=1000000",  # MB: never rotated (0 means 100 MB, which cut a 1,000-pod run's log)
+        )
         cluster.START_TIMEOUT_SECONDS = 600.0  # 1,000 KWOK nodes take minutes to turn Ready on 2 busy cores
         local = cluster.LocalCluster(
             state / "cluster", pools=pools, pod_network=args.pod_network, report=say, apiserver_args=audit_args
