@@ -1,41 +1,66 @@
-"""Control-plane benchmark: apply N fleets and time endpoints published, shards placed, shards Ready.
+"""Control-plane benchmark, megafleet head to head with LeaderWorkerSet, on simulated H200 nodes.
 
-Runs a fresh local control plane (KWOK nodes), the operator as a separate process (as a user runs
-it) and, for the Ready scenario, the local pod runner with real tiny engines on CPU. Reports, per
-scenario: seconds from the first apply until every fleet has its endpoints in status, until every
-shard's pods are placed and Running, (Ready scenario) until every shard answers Ready; API writes
-per pod (the operator's own counter); the operator's resident memory. Writes JSON with the machine.
+One run starts a fresh local control plane (KWOK nodes, 8 GPUs each) with the API server's audit
+log on, and runs the same workload through both systems in turn: N groups of 8 pods of 8 GPUs
+(``tp8``: 8 shards of one TP=8 pod per group; ``tp16``: 4 shards of two TP=16 pods, leader and
+worker, per group). megafleet: N MegatronGenerations, the operator as a separate process (as a user
+runs it); LeaderWorkerSet: N LeaderWorkerSets, its controller (built from pinned Go modules, see
+``megafleet_dev.toolchain``) with its webhooks served on 127.0.0.1 with a certificate this script
+issues (the pod webhook labels every group's pods: LWS does not work without it). Each controller is
+started fresh for each scenario and stopped after it.
 
-    .venv/bin/python bench/controlplane.py --placed 10,100 --ready 10 \
-        --out bench/results/controlplane-<machine>-<date>.json
+Per scenario: seconds from the first apply until every pod is bound and Running (and, for megafleet,
+until every fleet's endpoints are in its status); API writes and reads from the audit log, the same
+source for both, by actor (the controller itself, kube-controller-manager, scheduler, KWOK) with
+Events counted apart; the controller's CPU seconds and peak RSS. The ``ready`` scenario runs real
+tiny engines (CPU) and then measures a settled fleet's idle cost: API writes, reads and agent calls
+per minute. Writes JSON with the machine details.
+
+    .venv/bin/python bench/controlplane.py --groups 10,100,125 --variants tp8,tp16 \
+        --ready 10 --out bench/results/controlplane-<machine>-<date>.json
 """
 
 from __future__ import annotations
 
 import argparse
+import base64
+import collections
 import datetime
 import json
 import os
 import platform
 import signal
+import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import httpx
+import yaml
 
 from megafleet.api import crd, v1alpha1
-from megafleet_dev import cluster, kube, nodes, runner, toolchain
+from megafleet_dev import cluster, kube, nodes, pki, runner, toolchain
 
-GPU_FLEET = {
-    "model": {"source": "/models/llama-8b"},
-    "replicas": 1,
-    "parallelism": {"tensor": 8},
-    "resources": {"gpusPerNode": 8},
-    "placement": {"nodeSelector": {nodes.POOL_LABEL: "h200"}},
+PODS_PER_GROUP = 8
+LWS_API = "leaderworkerset.x-k8s.io/v1"
+LWS_NAME_LABEL = "leaderworkerset.sigs.k8s.io/name"
+BENCH_AGENT = "megafleet-bench"
+AUDIT_POLICY = {
+    "apiVersion": "audit.k8s.io/v1",
+    "kind": "Policy",
+    "omitStages": ["RequestReceived"],
+    "rules": [
+        {"level": "None", "verbs": ["watch"]},
+        {"level": "None", "resources": [{"group": "coordination.k8s.io", "resources": ["leases"]}]},
+        {"level": "Metadata"},
+    ],
 }
+WRITES = {"create", "update", "patch", "delete", "deletecollection"}
+READS = {"get", "list"}
+GPU_TOLERATION = {"key": nodes.GPU_TAINT_KEY, "operator": "Exists", "effect": "NoSchedule"}
 CPU_FLEET = {
     "model": {"source": "tiny://llama", "dtype": "float32", "maxSequenceLength": 256},
     "replicas": 1,
@@ -49,100 +74,410 @@ def say(message: str) -> None:
     print(f"[bench] {message}", file=sys.stderr, flush=True)
 
 
-def operator_writes(port: int) -> float:
-    text = httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=10).text
-    return sum(
-        float(line.rsplit(" ", 1)[1])
-        for line in text.splitlines()
-        if line.startswith("megafleet_operator_api_writes_total{")
-    )
+# -- workloads ---------------------------------------------------------------------------------
 
 
-def rss_mib(pid: int) -> float:
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith("VmRSS:"):
-            return int(line.split()[1]) / 1024
-    return 0.0
+def fleet_spec(variant: str) -> dict[str, Any]:
+    """A megafleet group: 8 pods of 8 GPUs (TP=16 over two H200s: NVLink only inside a node)."""
+    tensor, replicas = (8, 8) if variant == "tp8" else (16, 4)
+    placement: dict[str, Any] = {"nodeSelector": {nodes.POOL_LABEL: "h200"}}
+    if tensor > 8:
+        placement["nvlink"] = "Preferred"
+    return {
+        "model": {"source": "/models/llama-70b"},
+        "replicas": replicas,
+        "parallelism": {"tensor": tensor},
+        "resources": {"gpusPerNode": 8},
+        "placement": placement,
+    }
+
+
+def lws_object(name: str, variant: str) -> dict[str, Any]:
+    """The same group as a LeaderWorkerSet: ``replicas`` groups of ``size`` pods of 8 GPUs."""
+    replicas, size = (8, 1) if variant == "tp8" else (4, 2)
+    pod = {
+        "spec": {
+            "containers": [
+                {
+                    "name": "engine",
+                    "image": "megafleet/engine:bench",
+                    "resources": {"limits": {nodes.GPU_RESOURCE: "8"}, "requests": {nodes.GPU_RESOURCE: "8"}},
+                }
+            ],
+            "nodeSelector": {nodes.POOL_LABEL: "h200"},
+            "tolerations": [GPU_TOLERATION],
+        }
+    }
+    return {
+        "apiVersion": LWS_API,
+        "kind": "LeaderWorkerSet",
+        "metadata": {"name": name},
+        "spec": {"replicas": replicas, "leaderWorkerTemplate": {"size": size, "workerTemplate": pod}},
+    }
 
 
 def fleets_path(namespace: str) -> str:
     return f"/apis/{v1alpha1.API_VERSION}/namespaces/{namespace}/megatrongenerations"
 
 
-def all_fleets(count: int, check: Any) -> Any:
-    return lambda items: len(items) == count and all(check(item) for item in items)
+def lws_path(namespace: str) -> str:
+    return f"/apis/{LWS_API}/namespaces/{namespace}/leaderworkersets"
 
 
-def has_endpoints(item: dict[str, Any]) -> bool:
-    return len(item.get("status", {}).get("endpoints", [])) == item["spec"]["replicas"]
+# -- measuring ---------------------------------------------------------------------------------
 
 
-def is_placed(item: dict[str, Any]) -> bool:
-    return (kube.condition(item, "Placed") or {}).get("status") == "True"
+def cpu_seconds(pid: int) -> float:
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
-def is_ready(item: dict[str, Any]) -> bool:
-    return (kube.condition(item, "Ready") or {}).get("status") == "True"
+def peak_rss_mib(pid: int) -> float:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1]) / 1024
+    return 0.0
 
 
-def pods_running(client: kube.Kube, namespace: str, count: int) -> Any:
-    def check(_: list[Any]) -> bool:
+def actor(user_agent: str, controller: str) -> str:
+    for prefix, name in (
+        ("kube-scheduler", "scheduler"),
+        ("kube-controller-manager", "kube-controller-manager"),
+        ("kwok", "kwok"),
+        (BENCH_AGENT, "bench"),
+        ("lws-controller", "lws-controller"),
+    ):
+        if user_agent.startswith(prefix):
+            return name
+    return controller  # the operator: Kopf (aiohttp) and lightkube (httpx)
+
+
+def audit_counts(log: Path, offset: int, namespace: str, controller: str) -> dict[str, Any]:
+    """Successful writes and reads in ``namespace`` (and cluster-scoped ones by the controller) since
+    ``offset``, keyed ``"<actor> <verb> <resource>"``. Refused requests do not count: on this
+    control plane kube-controller-manager's Endpoints updates are refused (pod IPs are loopback
+    addresses) and retried, for both systems' Services."""
+    writes: collections.Counter[str] = collections.Counter()
+    reads: collections.Counter[str] = collections.Counter()
+    with log.open("rb") as stream:
+        stream.seek(offset)
+        for line in stream:
+            event = json.loads(line)
+            ref = event.get("objectRef") or {}
+            who = actor(event.get("userAgent", ""), controller)
+            if ref.get("namespace") != namespace and not (who == controller and not ref.get("namespace")):
+                continue
+            if (event.get("responseStatus") or {}).get("code", 200) >= 400 or ref.get("resource") == "ipaddresses":
+                continue  # refused requests, and the ClusterIP records the API server writes itself
+            resource = ref.get("resource", "") + (f"/{ref['subresource']}" if ref.get("subresource") else "")
+            key = f"{who} {event['verb']} {resource}"
+            if event["verb"] in WRITES:
+                writes[key] += 1
+            elif event["verb"] in READS:
+                reads[key] += 1
+    return {"writes": dict(sorted(writes.items())), "reads": dict(sorted(reads.items()))}
+
+
+def summarize(counts: dict[str, Any], pods: int, controller: str) -> dict[str, Any]:
+    """Per-pod figures: the system's own writes (the operator's, or LWS's controller's), the
+    controllers' writes (those plus kube-controller-manager's on its behalf: LWS's StatefulSets'
+    pods, both systems' Endpoints and EndpointSlices), Events apart, and every write."""
+
+    def total(table: dict[str, int], keep: Callable[[str, str, str], bool]) -> int:
+        found = 0
+        for key, count in table.items():
+            who, verb, resource = key.split(" ", 2)
+            if keep(who, verb, resource):
+                found += count
+        return found
+
+    controllers = (controller, "kube-controller-manager")
+    writes = counts["writes"]
+    own = total(writes, lambda who, _v, res: who in controllers and res != "events")
+    events = total(writes, lambda who, _v, res: who in controllers and res == "events")
+    every = total(writes, lambda who, _v, _r: who != "bench")
+    alone = total(writes, lambda who, _v, res: who == controller and res != "events")
+    return {
+        "own_writes_per_pod": round(alone / pods, 2),
+        "controller_writes": own,
+        "controller_writes_per_pod": round(own / pods, 2),
+        "controller_event_writes": events,
+        "all_writes_per_pod": round(every / pods, 2),
+        "controller_reads": total(counts["reads"], lambda who, _v, _r: who == controller),
+        "controller_lists": total(counts["reads"], lambda who, verb, _r: who == controller and verb == "list"),
+    }
+
+
+def wait_until(what: str, check: Callable[[], bool], *, timeout: float, poll: float = 0.5) -> float:
+    """Poll ``check`` until it holds; the monotonic time it first held."""
+    deadline = time.monotonic() + timeout
+    while not check():
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"timed out after {timeout:.0f} s waiting for {what}")
+        time.sleep(poll)
+    return time.monotonic()
+
+
+def pods_running(client: kube.Kube, namespace: str, count: int) -> Callable[[], bool]:
+    def check() -> bool:
         pods = client.list(f"/api/v1/namespaces/{namespace}/pods")["items"]
-        return len(pods) == count and all(p.get("status", {}).get("phase") == "Running" for p in pods)
+        running = [p for p in pods if p["spec"].get("nodeName") and p.get("status", {}).get("phase") == "Running"]
+        return len(pods) == count and len(running) == count
 
     return check
 
 
-def scenario(
-    client: kube.Kube, metrics_port: int, operator_pid: int, *, count: int, spec: dict[str, Any], ready: bool
-) -> dict[str, Any]:
-    namespace = client.create_namespace(f"bench{count}")
-    before = operator_writes(metrics_port)
-    say(f"applying {count} fleets into {namespace}")
-    started = time.monotonic()
-    for index in range(count):
-        client.create(
-            fleets_path(namespace),
-            {
+def endpoints_published(client: kube.Kube, namespace: str, count: int) -> Callable[[], bool]:
+    def check() -> bool:
+        items = client.list(fleets_path(namespace))["items"]
+        return len(items) == count and all(
+            len(item.get("status", {}).get("endpoints", [])) == item["spec"]["replicas"] for item in items
+        )
+
+    return check
+
+
+def fleets_ready(client: kube.Kube, namespace: str, count: int) -> Callable[[], bool]:
+    def check() -> bool:
+        items = client.list(fleets_path(namespace))["items"]
+        return len(items) == count and all(
+            (kube.condition(item, "Ready") or {}).get("status") == "True" for item in items
+        )
+
+    return check
+
+
+# -- the two systems ---------------------------------------------------------------------------
+
+
+class Bench:
+    """The cluster, its audit log, and how each system's controller is started."""
+
+    def __init__(self, local: cluster.LocalCluster, client: kube.Kube, audit_log: Path, state: Path) -> None:
+        self.local, self.client, self.audit_log, self.state = local, client, audit_log, state
+        self.lws_dir = toolchain.component_dir(next(c for c in toolchain.COMPONENTS if c.name == "lws"))
+        self.webhook_port = cluster.free_port()
+        self.webhook_ca = state / "lws-pki" / "ca"
+        self.warm_namespace: str | None = None
+        self.canaries = 0
+
+    def start_operator(self) -> tuple[subprocess.Popen[bytes] | None, int, int]:
+        """The operator watching every namespace; (record, pid, metrics port)."""
+        port = cluster.free_port()
+        record = self.local.spawn(
+            f"operator-{port}",
+            [sys.executable, "-m", "megafleet.cli", "operator", "--metrics-port", str(port)],
+            env=dict(os.environ, KUBECONFIG=str(self.local.kubeconfig)),
+        )
+        self.local.wait_for("operator", lambda: None if _up(f"http://127.0.0.1:{port}/metrics") else "not serving")
+        return None, record.pid, port
+
+    def prepare_lws(self) -> None:
+        """LWS's CRD, and a serving certificate for its webhooks on 127.0.0.1."""
+        bases = self.lws_dir / "config" / "crd" / "bases" / "leaderworkerset.x-k8s.io_leaderworkersets.yaml"
+        self.client.install_crd(yaml.safe_load(bases.read_text()))
+        certs = self.state / "lws-pki"
+        certs.mkdir(exist_ok=True)
+        pki.make_ca(self.webhook_ca, "lws-webhook-ca")
+        pki.issue(self.webhook_ca, certs / "tls", "lws-webhook", server_ips=("127.0.0.1",))
+        config = {
+            "apiVersion": "config.lws.x-k8s.io/v1alpha1",
+            "kind": "Configuration",
+            "leaderElection": {"leaderElect": False},
+            "internalCertManagement": {"enable": False},
+            "webhook": {"port": self.webhook_port, "host": "127.0.0.1", "certDir": str(certs)},
+            "metrics": {"bindAddress": "0"},
+            "health": {"healthProbeBindAddress": f"127.0.0.1:{cluster.free_port()}"},
+            "clientConnection": {"qps": 500, "burst": 500},
+        }
+        (self.state / "lws-config.yaml").write_text(yaml.safe_dump(config))
+
+    def start_lws(self) -> int:
+        """LWS's controller, then its webhook configurations pointing at it; the controller's pid."""
+        record = self.local.spawn(
+            f"lws-{cluster.free_port()}",
+            [
+                str(self.lws_dir / "lws-controller"),
+                f"--config={self.state / 'lws-config.yaml'}",
+            ],
+            env=dict(os.environ, KUBECONFIG=str(self.local.kubeconfig)),
+        )
+        url = f"https://127.0.0.1:{self.webhook_port}/"
+        self.local.wait_for("lws webhooks", lambda: None if _up(url, verify=False, any_status=True) else "not serving")
+        ca = base64.b64encode(self.webhook_ca.with_suffix(".crt").read_bytes()).decode()
+        for document in yaml.safe_load_all((self.lws_dir / "config" / "webhook" / "manifests.yaml").read_text()):
+            if not document:
+                continue
+            for hook in document["webhooks"]:
+                path = hook["clientConfig"]["service"]["path"]
+                hook["clientConfig"] = {"url": f"https://127.0.0.1:{self.webhook_port}{path}", "caBundle": ca}
+                if path.endswith("-v1-pod"):  # as LWS's own kustomize patch: only LWS's pods
+                    hook["objectSelector"] = {"matchExpressions": [{"key": LWS_NAME_LABEL, "operator": "Exists"}]}
+            plural = (
+                "mutatingwebhookconfigurations"
+                if document["kind"].startswith("Mutating")
+                else "validatingwebhookconfigurations"
+            )
+            self.client.delete(
+                f"/apis/admissionregistration.k8s.io/v1/{plural}/{document['metadata']['name']}", missing_ok=True
+            )
+            self.client.create(f"/apis/admissionregistration.k8s.io/v1/{plural}", document)
+        return record.pid
+
+    def stop_lws_webhooks(self) -> None:
+        for plural, name in (
+            ("mutatingwebhookconfigurations", "mutating-webhook-configuration"),
+            ("validatingwebhookconfigurations", "validating-webhook-configuration"),
+        ):
+            self.client.delete(f"/apis/admissionregistration.k8s.io/v1/{plural}/{name}", missing_ok=True)
+
+    def stop(self, pid: int) -> None:
+        os.kill(pid, signal.SIGTERM)
+        deadline = time.monotonic() + 20
+        while time.monotonic() < deadline and Path(f"/proc/{pid}").exists() and not _zombie(pid):
+            time.sleep(0.2)
+        if Path(f"/proc/{pid}").exists() and not _zombie(pid):
+            os.kill(pid, signal.SIGKILL)
+
+    def warm(self, system: str) -> None:
+        """Wait until the fresh controller answers a canary object (replicas 0, in a namespace of its
+        own that is not measured): its caches are filled (Kopf fills its indexes, 1,000 nodes
+        among them, before it runs any handler), so the timed apply finds it listening."""
+        if self.warm_namespace is None:
+            self.warm_namespace = self.client.create_namespace("warm")
+        self.canaries += 1
+        name = f"canary-{self.canaries}"
+        if system == "megafleet":
+            path = fleets_path(self.warm_namespace)
+            spec = {**fleet_spec("tp8"), "replicas": 0}
+            body = {
+                "apiVersion": v1alpha1.API_VERSION,
+                "kind": "MegatronGeneration",
+                "metadata": {"name": name},
+                "spec": spec,
+            }
+            self.client.create(path, body)
+        else:
+            path = lws_path(self.warm_namespace)
+            body = lws_object(name, "tp8")
+            body["spec"]["replicas"] = 0
+            self.client.create(path, body)
+        started = time.monotonic()
+        self.client.wait(
+            f"{path}/{name}", lambda obj: bool((obj or {}).get("status")), timeout=600, what=f"{system} warm"
+        )
+        say(f"{system}: answered a canary {time.monotonic() - started:.1f} s after it was applied")
+        self.client.delete(f"{path}/{name}")
+
+    def cleanup(self, namespace: str) -> None:
+        self.client.delete(f"/api/v1/namespaces/{namespace}")
+        self.client.wait(f"/api/v1/namespaces/{namespace}", lambda obj: obj is None, timeout=600, what="cleanup")
+
+    def placed(self, system: str, variant: str, groups: int) -> dict[str, Any]:
+        """One scenario: ``groups`` groups through ``system``; every pod bound and Running."""
+        namespace = self.client.create_namespace(f"{system}-{variant}-{groups}")
+        pods = groups * PODS_PER_GROUP
+        if system == "megafleet":
+            _, pid, _ = self.start_operator()
+        else:
+            pid = self.start_lws()
+        self.warm(system)
+        offset, cpu_before = self.audit_log.stat().st_size, cpu_seconds(pid)
+        say(f"{system} {variant}: applying {groups} groups ({pods} pods) into {namespace}")
+        started = time.monotonic()
+        for index in range(groups):
+            if system == "megafleet":
+                body = {
+                    "apiVersion": v1alpha1.API_VERSION,
+                    "kind": "MegatronGeneration",
+                    "metadata": {"name": f"g{index}"},
+                    "spec": fleet_spec(variant),
+                }
+                self.client.create(fleets_path(namespace), body)
+            else:
+                self.client.create(lws_path(namespace), lws_object(f"g{index}", variant))
+        result: dict[str, Any] = {"system": system, "variant": variant, "groups": groups, "pods": pods}
+        result["apply_seconds"] = round(time.monotonic() - started, 2)
+        timeout = 900.0
+        if system == "megafleet":
+            at = wait_until("endpoints", endpoints_published(self.client, namespace, groups), timeout=timeout)
+            result["endpoints_published_seconds"] = round(at - started, 2)
+        at = wait_until("pods Running", pods_running(self.client, namespace, pods), timeout=timeout, poll=1.0)
+        result["all_running_seconds"] = round(at - started, 2)
+        result["controller_cpu_seconds"] = round(cpu_seconds(pid) - cpu_before, 2)
+        result["controller_peak_rss_mib"] = round(peak_rss_mib(pid), 1)
+        say(f"{system} {variant} {groups} groups: every pod Running after {result['all_running_seconds']:.1f} s")
+        time.sleep(3)  # let the audit log catch the last writes of the burst (it is written in batches)
+        controller = "operator" if system == "megafleet" else "lws-controller"
+        counts = audit_counts(self.audit_log, offset, namespace, controller)
+        result.update(summarize(counts, pods, controller))
+        result["audit"] = counts
+        if system == "lws":
+            self.stop_lws_webhooks()
+        self.stop(pid)
+        self.cleanup(namespace)
+        return result
+
+    def ready(self, count: int, idle_seconds: float) -> dict[str, Any]:
+        """``count`` one-shard fleets of real tiny engines: time to all Ready, then one idle window."""
+        namespace = self.client.create_namespace(f"ready-{count}")
+        _, pid, port = self.start_operator()
+        self.warm("megafleet")
+        say(f"ready: applying {count} tiny CPU fleets into {namespace}")
+        started = time.monotonic()
+        for index in range(count):
+            body = {
                 "apiVersion": v1alpha1.API_VERSION,
                 "kind": "MegatronGeneration",
                 "metadata": {"name": f"f{index}"},
-                "spec": spec,
-            },
-        )
-    applied = time.monotonic() - started
-    timeout = 600
-    client.wait_items(fleets_path(namespace), all_fleets(count, has_endpoints), timeout=timeout, what="endpoints")
-    endpoints = time.monotonic() - started
-    say(f"{count} fleets: endpoints published after {endpoints:.1f} s")
-    client.wait_items(fleets_path(namespace), all_fleets(count, is_placed), timeout=timeout, what="placed")
-    client.wait_items(
-        f"/api/v1/namespaces/{namespace}/pods",
-        pods_running(client, namespace, count),
-        timeout=timeout,
-        what="pods Running",
+                "spec": CPU_FLEET,
+            }
+            self.client.create(fleets_path(namespace), body)
+        at = wait_until("Ready", fleets_ready(self.client, namespace, count), timeout=900.0, poll=1.0)
+        result: dict[str, Any] = {"fleets": count, "engines": count, "all_ready_seconds": round(at - started, 2)}
+        say(f"ready: {count} fleets Ready after {result['all_ready_seconds']:.1f} s")
+        time.sleep(20)  # past the probe delay's growth to its longest
+        offset, calls = self.audit_log.stat().st_size, _agent_calls(port)
+        time.sleep(idle_seconds)
+        counts = audit_counts(self.audit_log, offset, namespace, "operator")
+        minutes = idle_seconds / 60
+        idle = summarize(counts, count, "operator")
+        result["idle"] = {
+            "seconds": idle_seconds,
+            "operator_writes_per_minute": round(idle["controller_writes"] / minutes, 2),
+            "operator_reads_per_minute": round(idle["controller_reads"] / minutes, 2),
+            "operator_lists_per_minute": round(idle["controller_lists"] / minutes, 2),
+            "agent_calls_per_pod_minute": round((_agent_calls(port) - calls) / count / minutes, 2),
+            "audit": counts,
+        }
+        result["operator_peak_rss_mib"] = round(peak_rss_mib(pid), 1)
+        self.stop(pid)
+        self.cleanup(namespace)
+        return result
+
+
+def _agent_calls(port: int) -> float:
+    text = httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=10).text
+    return sum(
+        float(line.rsplit(" ", 1)[1])
+        for line in text.splitlines()
+        if line.startswith("megafleet_operator_agent_calls_total{")
     )
-    placed = time.monotonic() - started
-    say(f"{count} fleets: every shard placed and Running after {placed:.1f} s")
-    result: dict[str, Any] = {
-        "fleets": count,
-        "shards": count,
-        "pods": count,
-        "apply_seconds": round(applied, 2),
-        "endpoints_published_seconds": round(endpoints, 2),
-        "placed_running_seconds": round(placed, 2),
-    }
-    if ready:
-        client.wait_items(fleets_path(namespace), all_fleets(count, is_ready), timeout=timeout, what="Ready")
-        result["all_ready_seconds"] = round(time.monotonic() - started, 2)
-        say(f"{count} fleets: every shard Ready (real engines) after {result['all_ready_seconds']:.1f} s")
-    result["api_writes"] = operator_writes(metrics_port) - before
-    result["api_writes_per_pod"] = round(result["api_writes"] / count, 2)
-    result["operator_rss_mib"] = round(rss_mib(operator_pid), 1)
-    say(f"deleting {namespace}")
-    client.delete(f"/api/v1/namespaces/{namespace}")
-    client.wait(f"/api/v1/namespaces/{namespace}", lambda obj: obj is None, timeout=timeout, what="cleanup")
-    return result
+
+
+def _up(url: str, *, verify: bool = True, any_status: bool = False) -> bool:
+    try:
+        response = httpx.get(url, timeout=2, verify=verify)
+    except httpx.HTTPError:
+        return False
+    return any_status or response.status_code == 200
+
+
+def _zombie(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "Z"
+    except OSError:
+        return True
 
 
 def machine() -> dict[str, Any]:
@@ -163,69 +498,86 @@ def machine() -> dict[str, Any]:
         "cpu": cpu,
         "cores": os.cpu_count(),
         "memory_mib": memory,
+        "load_average_at_start": os.getloadavg()[0],
         "python": platform.python_version(),
         "kubernetes": toolchain.KUBERNETES_VERSION,
         "etcd": toolchain.ETCD_VERSION,
         "kwok": toolchain.KWOK_VERSION,
+        "lws": toolchain.LWS_VERSION,
         "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
     }
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--placed", default="10,100", help="fleet counts for the placement scenario (GPU nodes)")
+    parser.add_argument("--groups", default="10,100,125", help="group counts (8 pods of 8 GPUs each)")
+    parser.add_argument("--variants", default="tp8,tp16")
+    parser.add_argument("--systems", default="megafleet,lws")
     parser.add_argument("--ready", default="10", help="fleet counts for the Ready scenario (tiny CPU engines)")
+    parser.add_argument("--idle-seconds", type=float, default=60.0)
+    parser.add_argument("--pod-network", default="127.160.0.0/12", help="a /12 no other cluster here uses")
     parser.add_argument("--out", type=Path, required=True)
     args = parser.parse_args()
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # run the clean-up below on SIGTERM too
-    placed_counts = [int(n) for n in args.placed.split(",") if n]
+    group_counts = [int(n) for n in args.groups.split(",") if n]
     ready_counts = [int(n) for n in args.ready.split(",") if n]
+    systems = [s for s in args.systems.split(",") if s]
+    variants = [v for v in args.variants.split(",") if v]
+    if "lws" in systems:
+        toolchain.ensure_built(("lws",), report=say)
     pools = (
-        nodes.NodePool("h200", max([*placed_counts, 1]), 1, 8),
+        nodes.NodePool("h200", max([*group_counts, 1]) * PODS_PER_GROUP, 1, 8),
         nodes.NodePool("cpu", 1, max([*ready_counts, 1]), 0, "none", cpu="64", memory="256Gi"),
     )
     results: dict[str, Any] = {"benchmark": "controlplane", "machine": machine(), "placed": [], "ready": []}
-    with tempfile.TemporaryDirectory() as state:
-        local = cluster.LocalCluster(Path(state) / "cluster", pools=pools, pod_network="127.160.0.0/12", report=say)
+    with tempfile.TemporaryDirectory() as tmp:
+        state = Path(tmp)
+        policy, audit_log = state / "audit-policy.yaml", state / "audit.log"
+        policy.write_text(yaml.safe_dump(AUDIT_POLICY))
+        audit_args = (
+            f"--audit-policy-file={policy}",
+            f"--audit-log-path={audit_log}",
+            "--audit-log-format=json",
+            "--audit-log-maxsize=1000000",  # MB: never rotated (0 means 100 MB, which cut a 1,000-pod run's log)
+        )
+        cluster.START_TIMEOUT_SECONDS = 600.0  # 1,000 KWOK nodes take minutes to turn Ready on 2 busy cores
+        local = cluster.LocalCluster(
+            state / "cluster", pools=pools, pod_network=args.pod_network, report=say, apiserver_args=audit_args
+        )
         local.start()
         try:
             with local.kube() as client:
+                client._http.headers["User-Agent"] = BENCH_AGENT  # its own writes are told apart in the audit log
                 for info in v1alpha1.KINDS:
                     client.install_crd(crd.definition(info))
-                port = cluster.free_port()
-                operator = local.spawn(
-                    "operator",
-                    [sys.executable, "-m", "megafleet.cli", "operator", "--metrics-port", str(port)],
-                    env=dict(os.environ, KUBECONFIG=str(local.kubeconfig)),
-                )
-                local.wait_for("operator", lambda: None if _up(port) else "metrics not served yet")
-                for count in placed_counts:  # no engines run here: GPU pods on simulated nodes
-                    results["placed"].append(
-                        scenario(client, port, operator.pid, count=count, spec=GPU_FLEET, ready=False)
-                    )
-                pod_runner = runner.Runner(client, Path(state) / "pods")
-                pod_runner.start()
-                try:
-                    for count in ready_counts:
-                        results["ready"].append(
-                            scenario(client, port, operator.pid, count=count, spec=CPU_FLEET, ready=True)
-                        )
-                finally:
-                    pod_runner.stop()
+                bench = Bench(local, client, audit_log, state)
+                if "lws" in systems:
+                    bench.prepare_lws()
+                for groups in group_counts:  # in the order given: the largest first keeps what matters most
+                    for variant in variants:
+                        for system in systems:
+                            results["placed"].append(bench.placed(system, variant, groups))
+                            _write(args.out, results)
+                if ready_counts:
+                    pod_runner = runner.Runner(client, state / "pods")
+                    pod_runner.start()
+                    try:
+                        for count in ready_counts:
+                            results["ready"].append(bench.ready(count, args.idle_seconds))
+                            _write(args.out, results)
+                    finally:
+                        pod_runner.stop()
         finally:
             local.stop()
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(results, indent=2) + "\n")
+    _write(args.out, results)
     say(f"wrote {args.out}")
-    print(json.dumps(results, indent=2))
     return 0
 
 
-def _up(port: int) -> bool:
-    try:
-        return httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=2).status_code == 200
-    except httpx.HTTPError:
-        return False
+def _write(path: Path, results: dict[str, Any]) -> None:
+    """Written after every scenario, so a run cut short keeps what it measured."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(results, indent=2) + "\n")
 
 
 if __name__ == "__main__":

@@ -113,8 +113,11 @@ class LocalCluster:
         pools: tuple[nodes.NodePool, ...] = nodes.DEFAULT_POOLS,
         pod_network: str = "127.64.0.0/12",
         report: progress.Progress = progress.print_progress,
+        apiserver_args: tuple[str, ...] = (),
     ) -> None:
+        """``apiserver_args``: more kube-apiserver flags (the control-plane benchmark's audit log)."""
         self.state_dir = state_dir
+        self.apiserver_args = apiserver_args
         self.pools = pools
         self.pod_network = ipaddress.IPv4Network(pod_network)
         self.report = report
@@ -261,6 +264,7 @@ class LocalCluster:
                 # Endpoints may not hold loopback addresses, so the 'kubernetes' Service has none.
                 "--endpoint-reconciler-type=none",
                 "--profiling=false",
+                *self.apiserver_args,
             ],
         )
         self._wait(

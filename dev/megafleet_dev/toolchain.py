@@ -24,6 +24,7 @@ ETCD_VERSION = "v3.6.16"
 KWOK_VERSION = "v0.8.0"
 HELM_VERSION = "v3.22.0"
 COREDNS_VERSION = "v1.14.7"
+LWS_VERSION = "v0.9.0"
 
 GOMOD_DIR = Path(__file__).with_name("gomod")
 
@@ -34,6 +35,12 @@ KWOK_STAGE_FILES = (
     "kustomize/stage/pod/fast/pod-ready.yaml",
     "kustomize/stage/pod/fast/pod-complete.yaml",
     "kustomize/stage/pod/fast/pod-delete.yaml",
+)
+
+# LeaderWorkerSet's CRD and webhook configuration, copied from its module next to the controller.
+LWS_MANIFESTS = (
+    "config/crd/bases/leaderworkerset.x-k8s.io_leaderworkersets.yaml",
+    "config/webhook/manifests.yaml",
 )
 
 
@@ -126,6 +133,17 @@ COMPONENTS: tuple[Component, ...] = (
         packages=("helm.sh/helm/v3/cmd/helm",),
         programs=("helm",),
         ldflags=f"-s -w -X helm.sh/helm/v3/internal/version.version={HELM_VERSION}",
+    ),
+    # LeaderWorkerSet's controller, for the head-to-head control-plane benchmark (bench/controlplane.py);
+    # built on demand, with its CRDs and webhook manifests copied from the module beside it.
+    Component(
+        name="lws",
+        version=LWS_VERSION,
+        module="lws",
+        packages=("sigs.k8s.io/lws/cmd",),
+        programs=("lws-controller",),
+        ldflags=f"-s -w -X sigs.k8s.io/lws/pkg/version.GitVersion={LWS_VERSION}",
+        extras=LWS_MANIFESTS,
     ),
 )
 
@@ -238,16 +256,18 @@ def _build(component: Component, report: progress.Progress) -> None:
         _run_logged(cmd, cwd=module_dir, log=log, report=report, what=f"building {component.name}")
         if component.name == "kwok":
             _write_kwok_stages(module_dir, out_dir / "kwok.yaml", log=log)
+        if component.name == "lws":
+            _copy_module_files(module_dir, "sigs.k8s.io/lws", LWS_MANIFESTS, out_dir, log=log)
         out_dir.rename(final)
         report(f"built {component.name} {component.version} in {time.monotonic() - started:.0f} s")
     finally:
         shutil.rmtree(staging, ignore_errors=True)
 
 
-def _write_kwok_stages(module_dir: Path, target: Path, *, log: Path) -> None:
-    """Concatenate KWOK's own stage files (from the module cache) into one kwok config."""
+def _module_source(module_dir: Path, module: str, *, log: Path) -> Path:
+    """Where ``module``'s source lies in the Go module cache."""
     result = subprocess.run(
-        [_go_binary(), "list", "-m", "-f", "{{.Dir}}", "sigs.k8s.io/kwok"],
+        [_go_binary(), "list", "-m", "-f", "{{.Dir}}", module],
         cwd=module_dir,
         env=_go_env(),
         capture_output=True,
@@ -257,10 +277,23 @@ def _write_kwok_stages(module_dir: Path, target: Path, *, log: Path) -> None:
     if result.returncode != 0:
         with log.open("a") as sink:
             sink.write(result.stderr)
-        raise ToolchainError(f"could not locate the KWOK module source: {result.stderr.strip()}")
-    source = Path(result.stdout.strip())
+        raise ToolchainError(f"could not locate the {module} module source: {result.stderr.strip()}")
+    return Path(result.stdout.strip())
+
+
+def _write_kwok_stages(module_dir: Path, target: Path, *, log: Path) -> None:
+    """Concatenate KWOK's own stage files (from the module cache) into one kwok config."""
+    source = _module_source(module_dir, "sigs.k8s.io/kwok", log=log)
     documents = [(source / name).read_text().strip() for name in KWOK_STAGE_FILES]
     target.write_text("\n---\n".join(documents) + "\n")
+
+
+def _copy_module_files(module_dir: Path, module: str, files: tuple[str, ...], out_dir: Path, *, log: Path) -> None:
+    """Copy ``files`` (paths inside ``module``) into ``out_dir`` under the same relative paths."""
+    source = _module_source(module_dir, module, log=log)
+    for name in files:
+        (out_dir / name).parent.mkdir(parents=True, exist_ok=True)
+        shutil.copyfile(source / name, out_dir / name)
 
 
 CONTROL_PLANE = ("etcd", "kubernetes", "kwok", "helm")

@@ -18,6 +18,7 @@ from typing import Any, Literal
 import httpx
 import pydantic
 
+from megafleet import metrics
 from megafleet_protocol import agent_api, ports, vocabulary
 
 log = logging.getLogger(__name__)
@@ -49,6 +50,7 @@ class AgentClient:
         """One call, sent again once if a kept-alive connection turned out closed (the agent's server
         drops idle connections after a few seconds, about as often as the operator observes): every
         agent call is idempotent, and a live agent must never look unreachable because of it."""
+        metrics.AGENT_CALLS.labels(method=method).inc()
         try:
             return await self._http.request(method, url, **kwargs)
         except (httpx.ReadError, httpx.RemoteProtocolError, httpx.WriteError):

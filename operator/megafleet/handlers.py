@@ -1,15 +1,18 @@
 """Kopf handlers: every trigger runs the same level-based :func:`megafleet.reconcile.reconcile`.
 
 Imported by ``megafleet operator`` (:mod:`megafleet.operator_main`). Triggers: the fleet is created,
-its spec changes, the operator resumes, a periodic poll (observation), and any event of a pod
-the fleet owns. Refits are advanced by :mod:`megafleet.refit_driver` on create and a poll, and
-RefitSessions by :mod:`megafleet.session_driver` on create, resume and a poll. The polls are daemons
-that end once their object is gone, so no fleet or Refit carries a finalizer
-(:mod:`megafleet.persistence`): deleting one never waits for an operator. A RefitSession has one on
-purpose (Kopf's, for its delete handler): its members leave the trainer's world and the fleet's hold
-is released before it goes. The
-operator's runtime (clients, locks, delays, settings) is made at startup and kept in Kopf's
-``memo`` as ``memo.runtime``; a per-fleet lock keeps reconciles and Refit steps of one fleet sequential.
+its spec changes, the operator resumes, any event of a pod the fleet owns, and the observation daemon
+(:mod:`megafleet.reconcile.pacing`: a reconcile every few seconds while the fleet changes, a slow
+agent probe once it is settled). Reconciles read pods, Services and nodes from Kopf indexes
+(:mod:`megafleet.reconcile.cache`), which Kopf fills before it runs any handler. Refits are
+advanced by :mod:`megafleet.refit_driver` on create and a poll, and RefitSessions by
+:mod:`megafleet.session_driver` on create, resume and a poll. The polls are daemons that end once
+their object is gone, so no fleet or Refit carries a finalizer (:mod:`megafleet.persistence`):
+deleting one never waits for an operator. A RefitSession has one on purpose (Kopf's, for its delete
+handler): its members leave the trainer's world and the fleet's hold is released before it goes.
+The operator's runtime (clients, locks, delays, settings, cache) is made at startup and kept in
+Kopf's ``memo`` as ``memo.runtime``; a per-fleet lock keeps reconciles and Refit steps of one fleet
+sequential.
 """
 
 from __future__ import annotations
@@ -23,7 +26,8 @@ import kopf
 from megafleet import agent_client, kube, metrics, names, persistence, reconcile, refit_driver, session_driver
 from megafleet import settings as operator_settings
 from megafleet.api import v1alpha1
-from megafleet.reconcile import context
+from megafleet.reconcile import cache as watch_cache
+from megafleet.reconcile import context, pacing
 
 log = logging.getLogger(__name__)
 
@@ -38,6 +42,7 @@ _TRIGGERS = SETTINGS.triggers
 
 @kopf.on.startup()
 def configure(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) -> None:
+    """``memo.clusterwide`` (set by :mod:`megafleet.operator_main`): the operator watches every namespace."""
     # Kopf's own bookkeeping goes to annotations under our prefix, never into our status contract.
     # Bounded and tolerant of malformed records; see megafleet.persistence (issue 16).
     settings.persistence.progress_storage = persistence.TolerantProgress(prefix=names.PREFIX)
@@ -50,7 +55,8 @@ def configure(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) -> Non
     settings.peering.lifetime = _TRIGGERS.peering_lifetime_seconds
     settings.watching.server_timeout = 60
     agents = agent_client.AgentClient(timeout_seconds=SETTINGS.agents.timeout_seconds)
-    memo.runtime = context.Runtime.of(kube.Api(), agents, SETTINGS)
+    cache = watch_cache.Cache(clusterwide=bool(memo.get("clusterwide", False)))
+    memo.runtime = context.Runtime.of(kube.Api(), agents, SETTINGS, cache=cache)
 
 
 @kopf.on.cleanup()
@@ -58,13 +64,74 @@ async def close(memo: kopf.Memo, **_: Any) -> None:
     await _runtime(memo).close()
 
 
-def _runtime(memo: kopf.Memo) -> context.Runtime:
-    return cast(context.Runtime, memo.runtime)
+def _runtime(memo: kopf.Memo, indexes: Mapping[str, Any] | None = None) -> context.Runtime:
+    """The operator's runtime; ``indexes`` (a handler's keyword arguments) hand Kopf's indexes to its cache."""
+    runtime = cast(context.Runtime, memo.runtime)
+    if indexes is not None and runtime.cache is not None and not runtime.cache.ready:
+        runtime.cache.attach(indexes)
+    return runtime
+
+
+def _forget(memo: kopf.Memo, kind: str, body: kopf.Body) -> None:
+    runtime = memo.get("runtime")
+    if isinstance(runtime, context.Runtime) and runtime.cache is not None:
+        runtime.cache.forget(kind, body)
+
+
+def _raw(body: kopf.Body) -> dict[str, Any]:
+    """The object as the watch delivered it (Kopf's raw dicts; never changed in place)."""
+    return dict(body)
+
+
+# The index functions are coroutines: Kopf runs them in its event loop (a plain function would run in
+# a thread), and fills every index of one event at once after they all ran.
+
+
+@kopf.index("v1", "pods", labels={names.LABEL_FLEET: kopf.PRESENT}, id=watch_cache.FLEET_PODS)
+async def megafleet_fleet_pods(body: kopf.Body, **_: Any) -> dict[Any, Any]:
+    key = watch_cache.fleet_key(body)
+    return {key: _raw(body)} if key is not None else {}
+
+
+@kopf.index("v1", "services", labels={names.LABEL_FLEET: kopf.PRESENT}, id=watch_cache.FLEET_SERVICES)
+async def megafleet_fleet_services(body: kopf.Body, **_: Any) -> dict[Any, Any]:
+    key = watch_cache.fleet_key(body)
+    return {key: _raw(body)} if key is not None else {}
+
+
+@kopf.index("v1", "pods", id=watch_cache.LIVE_PODS)
+async def megafleet_live_pods(body: kopf.Body, **_: Any) -> dict[Any, Any]:
+    slim = watch_cache.slim_pod(body)
+    return {None: slim} if slim is not None else {}
+
+
+@kopf.index("v1", "nodes", id=watch_cache.NODES)
+async def megafleet_nodes(body: kopf.Body, **_: Any) -> dict[Any, Any]:
+    return {None: watch_cache.slim_node(body)}
+
+
+@kopf.on.event("v1", "services", labels={names.LABEL_FLEET: kopf.PRESENT})
+async def on_service_event(type: str | None, body: kopf.Body, memo: kopf.Memo, **_: Any) -> None:
+    if type == "DELETED":
+        _forget(memo, "Service", body)
 
 
 async def _reconcile(runtime: context.Runtime, namespace: str, name: str) -> bool:
-    """One reconcile of the fleet; False when it is gone or going."""
-    async with runtime.fleet_lock(namespace, name):
+    """One reconcile of the fleet; False when it is gone or going. A trigger that finds another
+    reconcile of the fleet already waiting for its lock leaves the work to that one (it reads the
+    fleet, and the cache Kopf updated before this trigger ran, once it holds the lock): a burst of
+    pod events costs one reconcile, not one each."""
+    key = (namespace, name)
+    if key in runtime.waiting:
+        metrics.RECONCILES.labels(outcome="coalesced").inc()
+        return True
+    lock = runtime.fleet_lock(namespace, name)
+    runtime.waiting.add(key)
+    try:
+        await lock.acquire()
+    finally:
+        runtime.waiting.discard(key)
+    try:
         fresh = await runtime.api.get("MegatronGeneration", name, namespace)  # the latest state, not the event's
         if fresh is None or fresh["metadata"].get("deletionTimestamp"):
             return False
@@ -80,6 +147,8 @@ async def _reconcile(runtime: context.Runtime, namespace: str, name: str) -> boo
                 raise
         metrics.RECONCILES.labels(outcome="ok").inc()
         return True
+    finally:
+        lock.release()
 
 
 async def poll(stopped: kopf.DaemonStopped, interval: float, step: Callable[[], Awaitable[bool]]) -> None:
@@ -93,19 +162,51 @@ async def poll(stopped: kopf.DaemonStopped, interval: float, step: Callable[[], 
 @kopf.on.create(*RESOURCE, backoff=_TRIGGERS.retry_seconds)
 @kopf.on.update(*RESOURCE, field="spec", backoff=_TRIGGERS.retry_seconds)
 @kopf.on.resume(*RESOURCE, backoff=_TRIGGERS.retry_seconds)
-async def on_fleet_change(namespace: str | None, name: str, memo: kopf.Memo, **_: Any) -> None:
-    await _reconcile(_runtime(memo), namespace or "default", name)
+async def on_fleet_change(namespace: str | None, name: str, memo: kopf.Memo, **kwargs: Any) -> None:
+    await _reconcile(_runtime(memo, kwargs), namespace or "default", name)
 
 
 @kopf.daemon(*RESOURCE, backoff=_TRIGGERS.retry_seconds)
-async def observe(namespace: str | None, name: str, memo: kopf.Memo, stopped: kopf.DaemonStopped, **_: Any) -> None:
-    runtime = _runtime(memo)
-    await poll(stopped, _TRIGGERS.observe_interval_seconds, lambda: _reconcile(runtime, namespace or "default", name))
+async def observe(
+    namespace: str | None, name: str, body: kopf.Body, memo: kopf.Memo, stopped: kopf.DaemonStopped, **kwargs: Any
+) -> None:
+    runtime = _runtime(memo, kwargs)
+    await pace(stopped, runtime, body, lambda: _reconcile(runtime, namespace or "default", name))
+
+
+async def pace(
+    stopped: kopf.DaemonStopped, runtime: context.Runtime, body: Mapping[str, Any], step: Callable[[], Awaitable[bool]]
+) -> None:
+    """Observe one fleet until ``step`` (its reconcile) reports it gone: a reconcile every
+    ``observe_interval_seconds`` while it is not settled; once settled, agent probes with a growing
+    delay, and a reconcile only when a probe sees a change (:mod:`megafleet.reconcile.pacing`).
+    ``body`` is Kopf's live view of the fleet. A reconcile by any other trigger resets the delay."""
+    metadata, triggers = body["metadata"], runtime.settings.triggers
+    key = (metadata.get("namespace") or "default", metadata["name"])
+    delay: float | None = None
+    reconciled: context.Observation | None = None
+    while not stopped:
+        changed = reconciled is None or await pacing.probe(runtime, dict(body))
+        if changed and not await step():
+            return
+        last = runtime.observed.get(key)
+        if last is None or not last.settled:
+            reconciled, delay = None, None
+            await stopped.wait(triggers.observe_interval_seconds)
+            continue
+        if last is not reconciled:  # a reconcile (this loop's or an event's) since the last probe
+            reconciled, delay = last, None
+        delay = pacing.next_delay(delay, first=triggers.probe_first_seconds, most=triggers.probe_most_seconds)
+        await stopped.wait(delay)
 
 
 @kopf.on.event("v1", "pods", labels={names.LABEL_FLEET: kopf.PRESENT})
-async def on_pod_event(namespace: str | None, labels: Mapping[str, str], memo: kopf.Memo, **_: Any) -> None:
-    await _reconcile(_runtime(memo), namespace or "default", labels[names.LABEL_FLEET])
+async def on_pod_event(
+    type: str | None, body: kopf.Body, namespace: str | None, labels: Mapping[str, str], memo: kopf.Memo, **kwargs: Any
+) -> None:
+    if type == "DELETED":
+        _forget(memo, "Pod", body)
+    await _reconcile(_runtime(memo, kwargs), namespace or "default", labels[names.LABEL_FLEET])
 
 
 def _unfinished(status: Mapping[str, Any], **_: Any) -> bool:

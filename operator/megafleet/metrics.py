@@ -1,6 +1,6 @@
 """Prometheus metrics of the operator, served on ``megafleet operator --metrics-port``.
 
-Updated by :mod:`megafleet.kube` (every API write) and :mod:`megafleet.handlers` (every
+Updated by :mod:`megafleet.kube` (every API write and read) and :mod:`megafleet.handlers` (every
 reconcile); read by Prometheus, the chart's ServiceMonitor and the control-plane benchmark.
 """
 
@@ -10,6 +10,12 @@ import prometheus_client
 
 API_WRITES = prometheus_client.Counter(
     "megafleet_operator_api_writes_total", "Kubernetes API writes by the operator.", ["verb", "kind"]
+)
+API_READS = prometheus_client.Counter(
+    "megafleet_operator_api_reads_total", "Kubernetes API reads (get, list) by the operator.", ["verb", "kind"]
+)
+AGENT_CALLS = prometheus_client.Counter(
+    "megafleet_operator_agent_calls_total", "HTTP calls from the operator to pod agents.", ["method"]
 )
 RECONCILES = prometheus_client.Counter(
     "megafleet_operator_reconciles_total", "Reconciles of MegatronGeneration objects.", ["outcome"]

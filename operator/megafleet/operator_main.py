@@ -41,5 +41,6 @@ def run(
             priority=priority,
             clusterwide=not namespaces,
             namespaces=list(namespaces),
+            memo=kopf.Memo(clusterwide=not namespaces),  # the GPU inventory's pod index covers every pod
         )
     )

@@ -35,8 +35,14 @@ class TriggerSettings:
     """When the Kopf handlers run a reconcile."""
 
     observe_interval_seconds: float = 5.0
-    """Seconds between observations of every fleet even when nothing announces a change (default 5):
-    agent state (Ready, Stale, served address) changes without any Kubernetes event."""
+    """Seconds between reconciles of a fleet that is not settled, even when nothing announces a change
+    (default 5): agent state (Ready, Stale, served address) changes without any Kubernetes event."""
+    probe_first_seconds: float = 2.0
+    """Seconds before the first agent probe of a settled fleet after any change (default 2); the delay
+    doubles while nothing changes (:mod:`megafleet.reconcile.pacing`)."""
+    probe_most_seconds: float = 8.0
+    """The longest delay in seconds between agent probes of a settled fleet (default 8): the slow health
+    probe, so an agent that goes stale or silent is noticed within 8 s plus one agent timeout (2 s)."""
     retry_seconds: float = 5.0
     """Seconds before a failed reconcile or Refit step is retried (default 5): Kopf's own 60 s is too
     slow for fleets that a trainer waits on."""

@@ -251,6 +251,8 @@ def test_the_operator_reconciles_a_fleet_with_only_the_chart_rbac(
         ("patch", "clusterkopfpeerings.kopf.dev", None, True),
         ("patch", "refits.megafleet.dev/status", "rl-a", True),
         ("watch", "refitsessions.megafleet.dev", "rl-a", True),
+        ("watch", "nodes", None, True),  # the watch-fed GPU inventory (Kopf index)
+        ("watch", "services", "rl-a", True),
         ("patch", "refitsessions.megafleet.dev", "rl-a", True),
         ("patch", "refitsessions.megafleet.dev/status", "rl-a", True),
         ("update", "refitsessions.megafleet.dev/finalizers", "rl-a", True),

@@ -1,7 +1,8 @@
 """Shared test helper (it holds no tests): an in-memory stand-in for :class:`megafleet.kube.Api`.
 
 For the fast tier only: it stores plain JSON objects by (kind, namespace, name) and counts writes
-as the real one does (``writes``, keyed ``"<verb> <kind>"``), so a unit test can drive reconcile
+and reads as the real one does (``writes``, ``reads``, keyed ``"<verb> <kind>"``) and tells its
+``observers`` of creates and deletes, so a unit test can drive reconcile
 steps and check what they wrote. It is no API server: no admission, no garbage collection,
 deletion is immediate, and pods run only when the test says so (:meth:`Api.run_pods`). Every e2e
 test still runs against the real control plane.
@@ -25,6 +26,8 @@ class Api:
     def __init__(self, *objects: Object) -> None:
         self.objects: dict[tuple[str, str | None, str], Object] = {}
         self.writes: collections.Counter[str] = collections.Counter()
+        self.reads: collections.Counter[str] = collections.Counter()
+        self.observers: list[Any] = []
         self._addresses = itertools.count(10)
         for obj in objects:
             self._store(copy.deepcopy(obj))
@@ -42,6 +45,7 @@ class Api:
         pass
 
     async def get(self, kind: str, name: str, namespace: str | None = None) -> Object | None:
+        self.reads[f"get {kind}"] += 1
         found = self.objects.get((kind, namespace, name))
         return copy.deepcopy(found) if found is not None else None
 
@@ -53,6 +57,7 @@ class Api:
         labels: dict[str, Any] | None = None,
         fields: dict[str, Any] | None = None,
     ) -> list[Object]:
+        self.reads[f"list {kind}"] += 1
         return [
             copy.deepcopy(obj)
             for (found_kind, found_namespace, _), obj in sorted(self.objects.items())
@@ -65,11 +70,16 @@ class Api:
     async def create(self, obj: Object) -> Object:
         self.writes[f"create {obj['kind']}"] += 1
         existing = await self.get(obj["kind"], obj["metadata"]["name"], obj["metadata"].get("namespace"))
-        return existing if existing is not None else copy.deepcopy(self._store(copy.deepcopy(obj)))
+        created = existing if existing is not None else copy.deepcopy(self._store(copy.deepcopy(obj)))
+        for observer in self.observers:
+            observer("create", obj["kind"], obj["metadata"].get("namespace"), obj["metadata"]["name"], created)
+        return created
 
     async def delete(self, kind: str, name: str, namespace: str | None = None) -> None:
         self.writes[f"delete {kind}"] += 1
         self.objects.pop((kind, namespace, name), None)
+        for observer in self.observers:
+            observer("delete", kind, namespace, name, None)
 
     async def patch(self, kind: str, name: str, namespace: str | None, patch: Object) -> Object:
         self.writes[f"patch {kind}"] += 1
@@ -88,6 +98,47 @@ class Api:
             if kind == "Pod" and not obj.get("status", {}).get("podIP"):
                 obj["spec"]["nodeName"] = node
                 obj["status"] = {"phase": "Running", "podIP": f"127.0.0.{next(self._addresses)}"}
+
+
+class Indexes(dict[str, Any]):
+    """Kopf indexes as :class:`megafleet.reconcile.cache.Cache` reads them, filled from an :class:`Api`'s
+    objects only when :meth:`sync` is called (a watch that delivered nothing since then)."""
+
+    def __init__(self, api: Api) -> None:
+        super().__init__()
+        self.api = api
+        self.sync()
+
+    def sync(self) -> None:
+        from megafleet.reconcile import cache
+
+        fleet_pods: dict[Any, list[Object]] = {}
+        fleet_services: dict[Any, list[Object]] = {}
+        live: list[Object] = []
+        nodes: list[Object] = []
+        for (kind, _, _), obj in sorted(self.api.objects.items()):
+            snapshot = copy.deepcopy(obj)
+            key = cache.fleet_key(snapshot)
+            if kind == "Pod":
+                if key is not None:
+                    fleet_pods.setdefault(key, []).append(snapshot)
+                slim = cache.slim_pod(snapshot)
+                if slim is not None:
+                    live.append(slim)
+            elif kind == "Service" and key is not None:
+                fleet_services.setdefault(key, []).append(snapshot)
+            elif kind == "Node":
+                nodes.append(cache.slim_node(snapshot))
+        found = {
+            cache.FLEET_PODS: fleet_pods,
+            cache.FLEET_SERVICES: fleet_services,
+            cache.LIVE_PODS: {None: live} if live else {},
+            cache.NODES: {None: nodes} if nodes else {},
+        }
+        for name, values in found.items():  # in place: a cache keeps the inner mappings, as Kopf's
+            index = self.setdefault(name, {})
+            index.clear()
+            index.update(values)
 
 
 def _field_matches(obj: Object, path: str, selector: Any) -> bool:

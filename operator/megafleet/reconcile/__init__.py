@@ -10,6 +10,7 @@ but broken shards are still healed.
 
 Steps, each in the module named for it: :mod:`.validate`, :mod:`.endpoints`, :mod:`.pods` (observe),
 :mod:`.shards` (scale down, heal, roll, place), :mod:`.versions` (fence, catch up), :mod:`.status`.
+Pods, Services and nodes are read from the watch-fed :mod:`.cache` when the operator runs one.
 An object under a derived name that the fleet does not own stops the sequence (:mod:`.ownership`):
 NameConflict, nothing adopted or published.
 """
@@ -19,13 +20,16 @@ from __future__ import annotations
 from typing import Any
 
 from megafleet import conditions
-from megafleet.reconcile import context, endpoints, hold, ownership, pods, shards, status, validate, versions
+from megafleet.reconcile import context, endpoints, hold, ownership, pacing, pods, shards, status, validate, versions
 
 __all__ = ["reconcile"]
 
 
 async def reconcile(runtime: context.Runtime, body: dict[str, Any], *, notify: context.Notify = context.ignore) -> None:
-    """Bring the objects and status of one fleet in line with its spec."""
+    """Bring the objects and status of one fleet in line with its spec; what it saw is kept for the
+    observation daemon's probes (:mod:`.pacing`) only when every step ran."""
+    metadata = body["metadata"]
+    runtime.observed.pop((metadata.get("namespace") or "default", metadata["name"]), None)
     fleet = await validate.fleet(runtime.api, body, notify)
     if fleet is None:
         return
@@ -41,7 +45,7 @@ async def _steps(ctx: context.FleetContext) -> None:
     await hold.verify(ctx)
     await endpoints.reserve(ctx)
     await status.write(ctx.api, ctx.body, ctx.status)  # published before any pod is created
-    ctx.shards = await pods.observe(ctx.api, ctx.fleet)
+    ctx.shards = await pods.observe(ctx.api, ctx.fleet, ctx.runtime.cache)
     frozen = ctx.refitting or ctx.held is not None
     if not frozen:
         await shards.scale_down(ctx)
@@ -54,6 +58,7 @@ async def _steps(ctx: context.FleetContext) -> None:
     if ctx.held is None:  # a checkpoint load would drop the members' place in the trainer's world
         await versions.catch_up(ctx)
     await _write_observed(ctx)
+    pacing.record(ctx)
 
 
 async def _report_conflict(ctx: context.FleetContext, message: str) -> None:

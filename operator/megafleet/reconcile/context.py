@@ -14,6 +14,7 @@ from typing import Any
 
 from megafleet import agent_client, backoff, desired, kube
 from megafleet import settings as operator_settings
+from megafleet.reconcile import cache as watch_cache
 from megafleet.reconcile import pods
 
 Object = dict[str, Any]
@@ -23,6 +24,18 @@ Notify = Callable[[str, str, str], None]
 
 def ignore(kind: str, reason: str, message: str) -> None:
     """A :data:`Notify` that emits nothing (in-process tests)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Observation:
+    """What one reconcile saw of a fleet: its pods and agents (a fingerprint to compare probes with),
+    and whether it left the fleet settled (every shard Ready, nothing placed, rolled or refitted)."""
+
+    fleet: desired.ParsedFleet
+    token: str
+    """The fleet's agent token, so a probe reads no Secret."""
+    seen: tuple[Any, ...]
+    settled: bool
 
 
 @dataclasses.dataclass(frozen=True)
@@ -43,15 +56,30 @@ class Runtime:
     """When (monotonic seconds) every member of a joined RefitSession, keyed by (namespace, name),
     first reported the trainer's store unreachable; kept in memory only (an operator restart starts
     the wait again, which only delays ``TrainerGone``)."""
+    waiting: set[tuple[str, str]] = dataclasses.field(default_factory=set)
+    """Fleets, keyed by (namespace, name), whose next reconcile waits for the fleet's lock: a further
+    trigger is folded into it (:func:`megafleet.handlers._reconcile`)."""
+    cache: watch_cache.Cache | None = None
+    """Watch-fed pods, Services and nodes (the operator's); None: the steps LIST (in-process tests)."""
+    observed: dict[tuple[str, str], Observation] = dataclasses.field(default_factory=dict)
+    """What the last reconcile of each fleet, keyed by (namespace, name), saw of its pods and agents,
+    and whether it left the fleet settled (:mod:`megafleet.reconcile.pacing` compares probes with it)."""
 
     @classmethod
     def of(
-        cls, api: kube.Api, agents: agent_client.AgentClient, settings: operator_settings.OperatorSettings
+        cls,
+        api: kube.Api,
+        agents: agent_client.AgentClient,
+        settings: operator_settings.OperatorSettings,
+        *,
+        cache: watch_cache.Cache | None = None,
     ) -> Runtime:
         delays = backoff.Backoff(
             first_seconds=settings.catch_up.first_seconds, most_seconds=settings.catch_up.most_seconds
         )
-        return cls(api, agents, settings, {}, asyncio.Lock(), delays)
+        if cache is not None:
+            api.observers.append(cache.written)  # own writes are seen before the watch delivers them
+        return cls(api, agents, settings, {}, asyncio.Lock(), delays, cache=cache)
 
     def fleet_lock(self, namespace: str, name: str) -> asyncio.Lock:
         return self.fleet_locks.setdefault((namespace, name), asyncio.Lock())

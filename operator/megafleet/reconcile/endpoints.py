@@ -8,12 +8,14 @@ objects the fleet owns are read, published or deleted (:mod:`.ownership`).
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import secrets
+from typing import Any
 
 from megafleet import conditions, desired, kube, names
 from megafleet.api import v1alpha1
-from megafleet.reconcile import context, ownership, status
+from megafleet.reconcile import context, ownership, pods, status
 
 
 async def agent_token(ctx: context.FleetContext) -> str:
@@ -45,23 +47,33 @@ async def reserve(ctx: context.FleetContext) -> None:
 
 
 async def _services(ctx: context.FleetContext) -> list[v1alpha1.Endpoint]:
+    """The missing Services are created together (one round trip, not one per Service), frontends
+    and ranks alike; the endpoints are in shard order."""
     fleet, api = ctx.fleet, ctx.api
-    labelled = await api.list("Service", namespace=fleet.namespace, labels={names.LABEL_FLEET: fleet.name})
+    labelled = await pods.labelled_objects(api, ctx.runtime.cache, "Service", fleet)
     services = {service["metadata"]["name"]: service for service in ownership.only_owned(labelled, fleet)}
+    missing = [
+        wanted
+        for shard in range(fleet.spec.replicas)
+        for wanted in (desired.frontend_service(fleet, shard), desired.ranks_service(fleet, shard))
+        if wanted["metadata"]["name"] not in services
+    ]
+    for created in await asyncio.gather(*(ownership.create(api, fleet, wanted) for wanted in missing)):
+        services[created["metadata"]["name"]] = created
+        if created["metadata"]["name"] == names.frontend_service(fleet.name, _shard(created)):
+            ctx.notify("Normal", "EndpointReserved", f"shard {_shard(created)}: {created['spec']['clusterIP']}")
     endpoints = []
     for shard in range(fleet.spec.replicas):
-        frontend = services.get(names.frontend_service(fleet.name, shard))
-        if frontend is None:
-            frontend = await ownership.create(api, fleet, desired.frontend_service(fleet, shard))
-            ctx.notify("Normal", "EndpointReserved", f"shard {shard}: {frontend['spec']['clusterIP']}")
-        if names.ranks_service(fleet.name, shard) not in services:
-            await ownership.create(api, fleet, desired.ranks_service(fleet, shard))
+        frontend = services[names.frontend_service(fleet.name, shard)]
         endpoints.append(desired.endpoint(fleet, shard, frontend["spec"]["clusterIP"]))
     for name, service in services.items():  # shards removed by scaling down
-        shard = int(service["metadata"]["labels"].get(names.LABEL_SHARD, "-1"))
-        if shard >= fleet.spec.replicas:
+        if _shard(service) >= fleet.spec.replicas:
             await api.delete("Service", name, fleet.namespace)
     return endpoints
+
+
+def _shard(service: dict[str, Any]) -> int:
+    return int(service["metadata"]["labels"].get(names.LABEL_SHARD, "-1"))
 
 
 async def _configmap(ctx: context.FleetContext, endpoints: list[v1alpha1.Endpoint]) -> None:

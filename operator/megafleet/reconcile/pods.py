@@ -12,6 +12,7 @@ import dataclasses
 from typing import Any
 
 from megafleet import agent_client, desired, kube, names
+from megafleet.reconcile import cache as watch_cache
 from megafleet.reconcile import inventory, ownership
 
 Object = dict[str, Any]
@@ -107,12 +108,22 @@ class Shards:
         return self.pods.pop(shard, [])
 
 
-async def observe(api: kube.Api, fleet: desired.ParsedFleet) -> Shards:
-    """List the fleet's pods and parse each once. A pod that carries the fleet's label but is not
-    the fleet's own is ignored: it is never given the agent token nor counted as a shard."""
-    labelled = await api.list("Pod", namespace=fleet.namespace, labels={names.LABEL_FLEET: fleet.name})
+async def observe(api: kube.Api, fleet: desired.ParsedFleet, cache: watch_cache.Cache | None = None) -> Shards:
+    """The fleet's pods, from the watch-fed ``cache`` when there is one (else a LIST), each parsed
+    once. A pod that carries the fleet's label but is not the fleet's own is ignored: it is never
+    given the agent token nor counted as a shard."""
+    labelled = await labelled_objects(api, cache, "Pod", fleet)
     clique_label = fleet.spec.placement.clique_label
     return Shards.of([parse(pod, clique_label=clique_label) for pod in ownership.only_owned(labelled, fleet)])
+
+
+async def labelled_objects(
+    api: kube.Api, cache: watch_cache.Cache | None, kind: str, fleet: desired.ParsedFleet
+) -> list[Object]:
+    """The pods or Services carrying the fleet's label: from ``cache`` when it is filled, else a LIST."""
+    if cache is not None and cache.ready:
+        return cache.fleet_objects(kind, fleet.namespace, fleet.name)
+    return await api.list(kind, namespace=fleet.namespace, labels={names.LABEL_FLEET: fleet.name})
 
 
 async def ask_agents(agents: agent_client.AgentClient, shards: Shards, token: str) -> Reports:

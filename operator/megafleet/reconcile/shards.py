@@ -7,6 +7,8 @@ nodes the planner chose) only once the old ones are gone. Restarts are counted a
 
 from __future__ import annotations
 
+import asyncio
+
 from lightkube import operators
 
 from megafleet import desired, planner
@@ -24,11 +26,13 @@ async def scale_down(ctx: context.FleetContext) -> None:
 
 async def heal(ctx: context.FleetContext) -> None:
     """Count a restart for each shard whose pods went away or broke, and delete what is left of a
-    broken one; ``ctx.restarts`` starts from the counts in the status."""
+    broken one; ``ctx.restarts`` starts from the counts in the status. A shard whose pods someone
+    else deleted counts once, as soon as their deletion shows (terminating or gone): the status entry
+    of a shard the operator removes itself, or that already counted, lists no pods."""
     previous = {item["index"]: item for item in ctx.status.get("shards", [])}
     ctx.restarts = {index: (int(item.get("restarts", 0)), item.get("lastError")) for index, item in previous.items()}
     for shard, item in sorted(previous.items()):
-        gone = shard not in ctx.shards.pods and shard not in ctx.shards.terminating
+        gone = shard not in ctx.shards.pods
         if item.get("pods") and gone and shard < ctx.fleet.spec.replicas:
             count = _restart(ctx, shard, f"pods gone: {', '.join(item['pods'])}")
             ctx.notify("Warning", "ShardRestarting", f"shard {shard} is re-placed (restart {count}): its pods are gone")
@@ -89,12 +93,18 @@ async def place(ctx: context.FleetContext) -> None:
     defer_weights = ctx.refit.get("currentVersion") is not None
     async with ctx.runtime.placement_lock:  # fleets place one at a time, each seeing what the others took
         plan = planner.plan_placement(request, await _inventory(ctx))
+        wanted = {
+            shard: desired.shard_pods(ctx.fleet, shard, placement, defer_weights=defer_weights)
+            for shard, placement in plan.placed.items()
+        }
+        # Every planned pod at once (one round trip): the watch cache counts each as it is created.
+        made = await asyncio.gather(
+            *(ownership.create(ctx.api, ctx.fleet, pod) for shard in sorted(wanted) for pod in wanted[shard])
+        )
+        created = iter(made)
         for shard, placement in sorted(plan.placed.items()):
-            created = [
-                await ownership.create(ctx.api, ctx.fleet, pod)
-                for pod in desired.shard_pods(ctx.fleet, shard, placement, defer_weights=defer_weights)
-            ]
-            ctx.shards.pods[shard] = [pods.parse(pod, clique_label=request.clique_label) for pod in created]
+            members = [next(created) for _ in wanted[shard]]
+            ctx.shards.pods[shard] = [pods.parse(pod, clique_label=request.clique_label) for pod in members]
             where = f"clique {placement.clique}" if placement.clique else "nodes"
             ctx.notify("Normal", "ShardPlaced", f"shard {shard} placed on {where}: {_nodes(placement)}")
     for _shard, reason in sorted(plan.unplaced.items()):
@@ -130,11 +140,15 @@ def existing(members: list[pods.Pod]) -> planner.ShardPlacement:
 
 
 async def _inventory(ctx: context.FleetContext) -> list[planner.NodeInfo]:
-    live = await ctx.api.list("Pod", fields={"status.phase": operators.not_in(["Succeeded", "Failed"])})
+    """Nodes and the pods not ended, from the watch-fed cache where it covers them (see
+    :mod:`.cache` for how fresh), else LISTed."""
+    cache = ctx.runtime.cache if ctx.runtime.cache is not None and ctx.runtime.cache.ready else None
+    live = cache.live_pods() if cache is not None else None
+    if live is None:
+        live = await ctx.api.list("Pod", fields={"status.phase": operators.not_in(["Succeeded", "Failed"])})
+    found = cache.nodes() if cache is not None else await ctx.api.list("Node")
     spec = ctx.fleet.spec
-    return inventory.nodes(
-        await ctx.api.list("Node"), live, resource=spec.resources.gpu_resource, tolerations=spec.placement.tolerations
-    )
+    return inventory.nodes(found, live, resource=spec.resources.gpu_resource, tolerations=spec.placement.tolerations)
 
 
 async def _drain_and_remove(ctx: context.FleetContext, shard: int) -> None:

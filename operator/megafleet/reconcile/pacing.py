@@ -1,0 +1,71 @@
+"""When a fleet is observed again: full reconciles while it changes, a slow agent probe once settled.
+
+Called by the observation daemon in :mod:`megafleet.handlers`. Kubernetes events (the fleet's spec,
+its pods) reconcile at once through their own handlers; what only the agents know (Ready, Stale,
+an agent gone silent) is found by polling. A fleet the last reconcile left *settled* (every shard
+Ready and nothing to place, roll, fence or refit) is not reconciled on a timer any more: a probe
+reads its pods from the watch-fed cache (no API call) and asks each agent its state, and only a
+difference from what that reconcile saw starts a reconcile. The probe's delay starts at
+``probe_first_seconds`` after any change and doubles while nothing changes, up to
+``probe_most_seconds``; so a settled fleet costs no API reads or writes, and one agent call per pod
+per ``probe_most_seconds``, and an agent that goes stale or silent is noticed within
+``probe_most_seconds`` plus one agent timeout. A fleet that is not settled is reconciled every
+``observe_interval_seconds``, as always.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from megafleet.reconcile import context, pods
+
+Object = dict[str, Any]
+
+
+def fingerprint(shards: pods.Shards, reports: pods.Reports) -> tuple[Any, ...]:
+    """What a reconcile acts on of the pods and agents, as a comparable value."""
+    seen = tuple(
+        (shard, pod.name, pod.phase, pod.ip, pod.node, pod.template_hash)
+        for shard, members in sorted(shards.pods.items())
+        for pod in members
+    )
+    answered = tuple((shard, tuple(reports[shard])) for shard in sorted(reports))
+    return seen, tuple(sorted(shards.terminating)), answered
+
+
+def settled(ctx: context.FleetContext) -> bool:
+    """The reconcile left nothing to do that only time would bring: every shard up to ``replicas``
+    is placed and Ready, none terminates or waits for GPUs, no refit runs or session holds it."""
+    replicas = ctx.fleet.spec.replicas
+    if ctx.refitting or ctx.held is not None or ctx.unplaced or ctx.shards.terminating:
+        return False
+    if set(ctx.shards.pods) != set(range(replicas)):
+        return False
+    return int(ctx.status.get("readyReplicas") or 0) == replicas
+
+
+def record(ctx: context.FleetContext) -> None:
+    """Keep what this reconcile saw, for the probes that follow it."""
+    key = (ctx.fleet.namespace, ctx.fleet.name)
+    seen = fingerprint(ctx.shards, ctx.reports)
+    ctx.runtime.observed[key] = context.Observation(ctx.fleet, ctx.token, seen, settled(ctx))
+
+
+async def probe(runtime: context.Runtime, body: Object) -> bool:
+    """Whether the settled fleet ``body`` looks different now than at its last reconcile (pods from
+    the cache, agents asked); True also when there is nothing to compare with."""
+    metadata = body["metadata"]
+    last = runtime.observed.get((metadata.get("namespace") or "default", metadata["name"]))
+    if last is None or not last.settled or runtime.cache is None or not runtime.cache.ready:
+        return True
+    if (metadata.get("uid"), metadata.get("generation")) != (last.fleet.uid, last.fleet.generation):
+        return True  # the spec changed (its own handler reconciles too)
+    shards = await pods.observe(runtime.api, last.fleet, runtime.cache)
+    reports = await pods.ask_agents(runtime.agents, shards, last.token)
+    return fingerprint(shards, reports) != last.seen
+
+
+def next_delay(previous: float | None, *, first: float, most: float) -> float:
+    """The next probe delay of a settled fleet: ``first`` after a change (``previous`` None), then
+    doubled up to ``most``."""
+    return first if previous is None else min(previous * 2, most)

@@ -1,0 +1,187 @@
+"""The watch-fed cache (megafleet.reconcile.cache): reconciles read pods, Services and nodes from
+Kopf indexes, see their own writes before the watch delivers them, and LIST nothing."""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+from typing import Any
+
+from helpers import kube_fakes
+from megafleet import agent_client, reconcile, settings
+from megafleet.reconcile import cache, context
+
+ROOT = Path(__file__).resolve().parents[3]
+GPU = "nvidia.com/gpu"
+
+
+class ReadyAgents:
+    async def states(self, pod_ips: list[str], token: str) -> list[agent_client.AgentState]:
+        return [agent_client.AgentState(state="ready", weight_version=1, served_address=f"{ip}:8000") for ip in pod_ips]
+
+    async def close(self) -> None:
+        pass
+
+
+def gpu_fleet(name: str) -> dict[str, Any]:
+    return {
+        "apiVersion": "megafleet.dev/v1alpha1",
+        "kind": "MegatronGeneration",
+        "metadata": {"name": name, "namespace": "rl"},
+        "spec": {
+            "model": {"source": "/models/llama-8b"},
+            "replicas": 1,
+            "parallelism": {"tensor": 8},
+            "resources": {"gpusPerNode": 8},
+        },
+    }
+
+
+def gpu_node(name: str) -> dict[str, Any]:
+    return {"kind": "Node", "metadata": {"name": name, "labels": {}}, "spec": {}, "status": {"allocatable": {GPU: "8"}}}
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def cached_runtime(api: kube_fakes.Api, indexes: kube_fakes.Indexes, clock: Clock | None = None) -> context.Runtime:
+    watched = cache.Cache(clusterwide=True, clock=clock or Clock())
+    watched.attach(indexes)
+    return context.Runtime.of(api, ReadyAgents(), settings.OperatorSettings(), cache=watched)  # type: ignore[arg-type]
+
+
+def reconcile_fleet(runtime: context.Runtime, api: kube_fakes.Api, name: str) -> None:
+    body = asyncio.run(api.get("MegatronGeneration", name, "rl")) or {}
+    asyncio.run(reconcile.reconcile(runtime, body))
+
+
+def test_placement_counts_pods_the_watch_has_not_delivered_and_lists_nothing() -> None:
+    api = kube_fakes.Api(gpu_fleet("a"), gpu_fleet("b"), gpu_node("n0"), gpu_node("n1"))
+    indexes = kube_fakes.Indexes(api)  # the watch delivers nothing more during this test
+    runtime = cached_runtime(api, indexes)
+
+    reconcile_fleet(runtime, api, "a")
+    reconcile_fleet(runtime, api, "b")
+
+    pods = [obj for (kind, _, _), obj in api.objects.items() if kind == "Pod"]
+    pinned = sorted(
+        pod["spec"]["affinity"]["nodeAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"]["nodeSelectorTerms"][
+            0
+        ]["matchExpressions"][-1]["values"][0]
+        for pod in pods
+    )
+    assert pinned == ["n0", "n1"]  # b did not get a's node although the watch never showed a's pod
+    assert not any(verb.startswith("list") for verb in api.reads)
+    assert api.writes["create Pod"] == 2
+
+
+def test_a_reconcile_sees_its_own_creations_and_does_not_create_twice() -> None:
+    api = kube_fakes.Api(gpu_fleet("a"), gpu_node("n0"))
+    runtime = cached_runtime(api, kube_fakes.Indexes(api))
+
+    reconcile_fleet(runtime, api, "a")
+    api.writes.clear()
+    reconcile_fleet(runtime, api, "a")  # the watch still shows no pod and no Service
+
+    assert api.writes == {}
+
+
+def test_an_own_deletion_shows_the_pod_deleting_until_the_watch_shows_it() -> None:
+    api = kube_fakes.Api(gpu_fleet("a"), gpu_node("n0"))
+    indexes = kube_fakes.Indexes(api)
+    clock = Clock()
+    runtime = cached_runtime(api, indexes, clock)
+    reconcile_fleet(runtime, api, "a")
+    indexes.sync()
+    assert runtime.cache is not None
+    (pod,) = runtime.cache.fleet_objects("Pod", "rl", "a")
+
+    asyncio.run(api.delete("Pod", pod["metadata"]["name"], "rl"))
+
+    (shown,) = runtime.cache.fleet_objects("Pod", "rl", "a")
+    assert shown["metadata"].get("deletionTimestamp")
+    indexes.sync()  # the watch delivers the deletion
+    assert runtime.cache.fleet_objects("Pod", "rl", "a") == []
+    assert not [key for key in runtime.cache.pending if key[0] == "Pod"]
+
+
+def test_an_own_creation_the_watch_never_confirms_expires() -> None:
+    api = kube_fakes.Api(gpu_fleet("a"), gpu_node("n0"))
+    indexes = kube_fakes.Indexes(api)
+    clock = Clock()
+    runtime = cached_runtime(api, indexes, clock)
+    reconcile_fleet(runtime, api, "a")
+    assert runtime.cache is not None
+    assert len(runtime.cache.fleet_objects("Pod", "rl", "a")) == 1
+    live = runtime.cache.live_pods()
+    assert live is not None and len(live) == 1
+
+    clock.now += cache.PENDING_SECONDS + 1
+
+    assert runtime.cache.fleet_objects("Pod", "rl", "a") == []
+    assert runtime.cache.live_pods() == []
+
+
+def test_an_operator_watching_some_namespaces_lists_the_clusters_pods_at_placement() -> None:
+    api = kube_fakes.Api(gpu_fleet("a"), gpu_node("n0"))
+    watched = cache.Cache(clusterwide=False)
+    watched.attach(kube_fakes.Indexes(api))
+    runtime = context.Runtime.of(api, ReadyAgents(), settings.OperatorSettings(), cache=watched)  # type: ignore[arg-type]
+
+    reconcile_fleet(runtime, api, "a")
+
+    assert api.reads["list Pod"] == 1 and "list Node" not in api.reads and "list Service" not in api.reads
+
+
+def test_an_own_creation_is_confirmed_by_the_index_it_is_read_from_or_forgotten_on_deletion() -> None:
+    api = kube_fakes.Api(gpu_fleet("a"), gpu_fleet("b"), gpu_node("n0"), gpu_node("n1"))
+    indexes = kube_fakes.Indexes(api)
+    runtime = cached_runtime(api, indexes)
+    reconcile_fleet(runtime, api, "a")
+    assert runtime.cache is not None
+    (pod,) = [obj for (kind, _, _), obj in api.objects.items() if kind == "Pod"]
+    key = ("Pod", "rl", pod["metadata"]["name"])
+    assert key in runtime.cache.pending
+
+    indexes.sync()
+    assert runtime.cache.live_pods() == [cache.slim_pod(pod)]  # the index has it: the overlay ends
+    assert key not in runtime.cache.pending
+
+    reconcile_fleet(runtime, api, "b")  # b's pod: created, then deleted by someone else
+    (other,) = [obj for (kind, _, name), obj in api.objects.items() if kind == "Pod" and name.startswith("b-")]
+    del api.objects[("Pod", "rl", other["metadata"]["name"])]
+    indexes.sync()  # the watch delivered both events: the index never shows it
+    assert len(runtime.cache.fleet_objects("Pod", "rl", "b")) == 1  # still the overlay ...
+    runtime.cache.forget("Pod", other)  # ... until the DELETED event's handler runs
+    assert runtime.cache.fleet_objects("Pod", "rl", "b") == []
+    assert runtime.cache.live_pods() == [cache.slim_pod(pod)]
+
+
+def test_a_pod_deleted_by_someone_else_counts_one_restart_although_seen_terminating_first() -> None:
+    api = kube_fakes.Api(gpu_fleet("a"), gpu_node("n0"))
+    indexes = kube_fakes.Indexes(api)
+    runtime = cached_runtime(api, indexes)
+
+    def restarts() -> int:
+        reconcile_fleet(runtime, api, "a")
+        indexes.sync()
+        status = (asyncio.run(api.get("MegatronGeneration", "a", "rl")) or {})["status"]
+        return int(status["shards"][0]["restarts"])
+
+    assert restarts() == 0
+    api.run_pods("n0")
+    indexes.sync()
+    assert restarts() == 0
+    key = next(key for key in api.objects if key[0] == "Pod")
+    api.objects[key]["metadata"]["deletionTimestamp"] = "2026-12-01T00:00:00Z"  # the watch shows it going
+    indexes.sync()
+    assert [restarts(), restarts()] == [1, 1]
+    del api.objects[key]
+    indexes.sync()
+    assert [restarts(), restarts()] == [1, 1]  # placed again, counted once
+    assert api.writes["create Pod"] == 2

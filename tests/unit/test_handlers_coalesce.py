@@ -1,0 +1,35 @@
+"""Triggers of one fleet that arrive while a reconcile of it waits for the fleet's lock are folded
+into that reconcile (megafleet.handlers._reconcile): a burst of pod events costs one reconcile."""
+
+from __future__ import annotations
+
+import asyncio
+
+from helpers import kube_fakes
+from megafleet import handlers, settings
+from megafleet.reconcile import context
+
+
+def test_triggers_waiting_for_the_lock_are_folded_into_one_reconcile() -> None:
+    going = {
+        "apiVersion": "megafleet.dev/v1alpha1",
+        "kind": "MegatronGeneration",
+        "metadata": {"name": "a", "namespace": "rl", "deletionTimestamp": "2026-12-01T00:00:00Z"},
+        "spec": {},
+    }
+    api = kube_fakes.Api(going)
+    runtime = context.Runtime.of(api, None, settings.OperatorSettings())  # type: ignore[arg-type]
+
+    async def scenario() -> list[bool]:
+        lock = runtime.fleet_lock("rl", "a")
+        await lock.acquire()  # a reconcile (or Refit step) of the fleet is running
+        triggers = [asyncio.create_task(handlers._reconcile(runtime, "rl", "a")) for _ in range(5)]
+        await asyncio.sleep(0)
+        lock.release()
+        return await asyncio.gather(*triggers)
+
+    outcomes = asyncio.run(scenario())
+
+    assert api.reads["get MegatronGeneration"] == 1  # one reconcile read the fleet
+    assert outcomes.count(False) == 1 and outcomes.count(True) == 4  # it found the fleet going
+    assert runtime.waiting == set()
