@@ -29,6 +29,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import httpx
+import openai
 import torch
 
 from helpers import operators as operators_module
@@ -92,6 +93,8 @@ class Client:
         self.expected = expected
         self.outcomes: list[Outcome] = []
         self._kube = kube.Kube.from_kubeconfig(kubeconfig)
+        self._last_targets: list[str] = []
+        self._openai: dict[str, openai.OpenAI] = {}
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="chaos-client", daemon=True)
 
@@ -108,40 +111,54 @@ class Client:
         return collections.Counter(o.status for o in list(self.outcomes) if start <= o.at <= end)
 
     def _targets(self) -> list[str]:
-        """Frontend addresses of the shards the fleet's status calls Ready (what an RL client routes to)."""
-        fleet = self._kube.get(f"{base.fleets(self.namespace)}/{FLEET}") or {}
+        """Frontend addresses of the shards the fleet's status calls Ready (what an RL client routes to);
+        while the API server cannot answer (a control-plane drill), the last ones it gave."""
+        try:
+            fleet = self._kube.get(f"{base.fleets(self.namespace)}/{FLEET}") or {}
+            pods = self._kube.list(f"/api/v1/namespaces/{self.namespace}/pods")["items"]
+        except (httpx.HTTPError, kube.KubeError):
+            return self._last_targets
         ready = {s["pods"][0] for s in fleet.get("status", {}).get("shards", []) if s.get("phase") == "Ready"}
-        pods = self._kube.list(f"/api/v1/namespaces/{self.namespace}/pods")["items"]
-        return [
+        self._last_targets = [
             f"http://{p['status']['podIP']}:8000"
             for p in pods
             if p["metadata"]["name"] in ready and p["status"].get("podIP")
         ]
+        return self._last_targets
 
     def _run(self) -> None:
-        with httpx.Client(timeout=60) as http:
+        try:
             while not self._stop.is_set():
                 for target in self._targets():
-                    self.outcomes.append(Outcome(time.monotonic(), self._ask(http, target)))
+                    self.outcomes.append(Outcome(time.monotonic(), self._ask(target)))
                 self._stop.wait(0.1)  # pacing of the load, not synchronisation
+        finally:
+            for client in self._openai.values():
+                client.close()
 
-    def _ask(self, http: httpx.Client, target: str) -> str:
-        body = {
-            "model": FLEET,
-            "prompt": base.PROMPT,
-            "max_tokens": MAX_TOKENS,
-            "temperature": 0,
-            "return_token_ids": True,
-        }
+    def _ask(self, target: str) -> str:
+        """One completion through the official ``openai`` client, retried on another Ready shard
+        until the deadline; served, mixed (tokens not those of the stamped version) or failed."""
         deadline = time.monotonic() + REQUEST_DEADLINE_SECONDS
         while time.monotonic() < deadline:
+            client = self._openai.get(target)
+            if client is None:
+                client = self._openai[target] = openai.OpenAI(
+                    base_url=f"{target}/v1", api_key="unused", max_retries=0, timeout=60
+                )
             try:
-                answer = http.post(f"{target}/v1/completions", json=body)
-            except httpx.HTTPError:
-                answer = None
-            if answer is not None and answer.status_code == 200:
-                version = int(answer.headers["X-Megafleet-Weight-Version"])
-                tokens = answer.json()["choices"][0]["token_ids"]
+                raw = client.completions.with_raw_response.create(
+                    model=FLEET,
+                    prompt=base.PROMPT,
+                    max_tokens=MAX_TOKENS,
+                    temperature=0,
+                    extra_body={"return_token_ids": True},
+                )
+            except openai.OpenAIError:
+                raw = None
+            if raw is not None:
+                version = int(raw.headers["X-Megafleet-Weight-Version"])
+                tokens = (raw.parse().choices[0].model_extra or {})["token_ids"]
                 return "served" if tokens == self.expected.get(version) else "mixed"
             time.sleep(0.2)  # back-off before the retry on another Ready shard
             targets = self._targets()
@@ -171,6 +188,7 @@ class Drill:
         operators: operators_module.Operators,
         namespace: str,
         points: dict[str, list[float]],
+        fault: Callable[[], None] | None = None,
     ) -> None:
         self.kube = kube_admin
         self.kubeconfig = kubeconfig
@@ -179,11 +197,17 @@ class Drill:
         self.namespace = namespace
         self.points = points
         self.operator = operators.start()
+        self.fault = fault or self.restart_operator
+        """What happens at each point of the schedule (default: the operator SIGKILLed and restarted)."""
         self.reports: list[StepReport] = []
         self.fleet_path = f"{base.fleets(namespace)}/{FLEET}"
         self.refits_made: list[str] = []
 
     # -- the frame of every step -------------------------------------------------------------
+
+    def restart_operator(self) -> None:
+        self.operators.kill(self.operator)
+        self.operator = self.operators.start()
 
     def step(
         self,
@@ -192,18 +216,17 @@ class Drill:
         converged: Callable[[], bool],
         client: Client | None,
     ) -> None:
-        """Run ``action`` (it may return a function to join, e.g. a trainer thread), kill the operator
-        at the step's points, and wait until ``converged``."""
+        """Run ``action`` (it may return a function to join, e.g. a trainer thread), inject the fault at
+        the step's points, and wait until ``converged`` (an API error while polling counts as not yet)."""
         started = time.monotonic()
         finish = action()
         for delay in self.points[name]:
             time.sleep(max(0.0, started + delay - time.monotonic()))  # the chaos schedule itself
-            self.operators.kill(self.operator)
-            self.operator = self.operators.start()
+            self.fault()
         if finish is not None:
             finish()
         deadline = started + STEP_TIMEOUT_SECONDS
-        while not converged():
+        while not holds(converged):
             assert time.monotonic() < deadline, f"step {name} did not converge in {STEP_TIMEOUT_SECONDS} s"
             time.sleep(0.25)  # polling the declared state, with a deadline
         ended = time.monotonic()
@@ -274,9 +297,13 @@ class Drill:
             done = 0
             try:
                 while True:
-                    refit = trainer_kube.wait(
-                        path, functools.partial(_moved_on, after=done), timeout=STEP_TIMEOUT_SECONDS
-                    )
+                    try:
+                        refit = trainer_kube.wait(
+                            path, functools.partial(_moved_on, after=done), timeout=STEP_TIMEOUT_SECONDS
+                        )
+                    except (httpx.HTTPError, kube.KubeError):
+                        time.sleep(0.5)  # the API server is restarting (a control-plane drill): ask again
+                        continue
                     if refit is None or _phase(refit) != "Running":
                         return
                     done = _attempts(refit)
@@ -336,7 +363,7 @@ class Drill:
         def catch_up() -> None:
             self.refit_checkpoint(2, SOURCES[2])
             deadline = time.monotonic() + STEP_TIMEOUT_SECONDS
-            while _phase(self.kube.get(f"{base.refits(ns)}/{FLEET}-v2")) != "Succeeded":
+            while not holds(lambda: _phase(self.kube.get(f"{base.refits(ns)}/{FLEET}-v2")) == "Succeeded"):
                 assert time.monotonic() < deadline, "the checkpoint refit did not succeed"
                 time.sleep(0.25)  # polling the Refit, with a deadline
             self.kill_engine(f"{FLEET}-s1-p0")
@@ -388,6 +415,14 @@ class Drill:
         return problems
 
 
+def holds(check: Callable[[], bool]) -> bool:
+    """``check()``, False while the API server cannot answer it (a control-plane drill)."""
+    try:
+        return check()
+    except (httpx.HTTPError, kube.KubeError):
+        return False
+
+
 def _action(function: Callable[[], None]) -> Callable[[], Callable[[], None] | None]:
     """A step action with nothing to join afterwards."""
 
@@ -420,6 +455,6 @@ def _restarts(fleet: kube.Object) -> int:
 
 
 def table(reports: list[StepReport]) -> Iterator[str]:
-    yield f"{'step':<14}{'kills':>6}{'converge s':>12}{'served':>8}{'failed':>8}{'mixed':>7}"
+    yield f"{'step':<14}{'faults':>7}{'converge s':>12}{'served':>8}{'failed':>8}{'mixed':>7}"
     for r in reports:
-        yield f"{r.step:<14}{r.kills:>6}{r.converge_seconds:>12}{r.served:>8}{r.failed:>8}{r.mixed:>7}"
+        yield f"{r.step:<14}{r.kills:>7}{r.converge_seconds:>12}{r.served:>8}{r.failed:>8}{r.mixed:>7}"
