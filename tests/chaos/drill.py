@@ -79,10 +79,28 @@ def schedule(kills: int, seed: int) -> dict[str, list[float]]:
     return {step: sorted(delays) for step, delays in points.items()}
 
 
+SPREAD_ORDER = ("create", "refit", "scale-up", "catch-up", "scale-down", "template-roll")
+"""The steps :func:`spread` visits in turn, so a short drill still covers create, refit and scale."""
+
+
+def spread(faults: int, seed: int) -> dict[str, list[float]]:
+    """Fault points visiting the steps in :data:`SPREAD_ORDER` in turn (the control-plane drills,
+    where each fault is slow), each at a seeded random delay within the kill window."""
+    rng = random.Random(seed)
+    points: dict[str, list[float]] = {step: [] for step in STEPS}
+    for index in range(faults):
+        points[SPREAD_ORDER[index % len(SPREAD_ORDER)]].append(round(rng.uniform(0.0, KILL_WINDOW_SECONDS), 2))
+    return {step: sorted(delays) for step, delays in points.items()}
+
+
 @dataclasses.dataclass(frozen=True)
 class Outcome:
     at: float
     status: str  # served | failed | mixed
+    target: str = ""
+    """The frontend that answered (empty when none did)."""
+    version: int | None = None
+    """The weight version the answer was stamped with."""
 
 
 class Client:
@@ -130,13 +148,13 @@ class Client:
         try:
             while not self._stop.is_set():
                 for target in self._targets():
-                    self.outcomes.append(Outcome(time.monotonic(), self._ask(target)))
+                    self.outcomes.append(self._ask(target))
                 self._stop.wait(0.1)  # pacing of the load, not synchronisation
         finally:
             for client in self._openai.values():
                 client.close()
 
-    def _ask(self, target: str) -> str:
+    def _ask(self, target: str) -> Outcome:
         """One completion through the official ``openai`` client, retried on another Ready shard
         until the deadline; served, mixed (tokens not those of the stamped version) or failed."""
         deadline = time.monotonic() + REQUEST_DEADLINE_SECONDS
@@ -159,12 +177,13 @@ class Client:
             if raw is not None:
                 version = int(raw.headers["X-Megafleet-Weight-Version"])
                 tokens = (raw.parse().choices[0].model_extra or {})["token_ids"]
-                return "served" if tokens == self.expected.get(version) else "mixed"
+                status = "served" if tokens == self.expected.get(version) else "mixed"
+                return Outcome(time.monotonic(), status, target, version)
             time.sleep(0.2)  # back-off before the retry on another Ready shard
             targets = self._targets()
             if targets:
                 target = random.choice(targets)
-        return "failed"
+        return Outcome(time.monotonic(), "failed")
 
 
 @dataclasses.dataclass
@@ -304,9 +323,9 @@ class Drill:
                     except (httpx.HTTPError, kube.KubeError):
                         time.sleep(0.5)  # the API server is restarting (a control-plane drill): ask again
                         continue
-                    if refit is None or _phase(refit) != "Running":
+                    if refit is None or refit_phase(refit) != "Running":
                         return
-                    done = _attempts(refit)
+                    done = refit_attempts(refit)
                     membership = refit["status"]["membership"]
                     sender = sdk.WeightSender(
                         ports.attempt_port(port, done),
@@ -342,10 +361,14 @@ class Drill:
             },
         )
 
-    def kill_engine(self, pod: str) -> None:
+    def engine_pid(self, pod: str) -> int:
+        """The PID of ``pod``'s engine core (its API servers are its children, in its process group)."""
         folder = self.pod_runner.workdir / self.namespace / pod
         process = next(p for p in list(self.pod_runner.processes.values()) if p.log.parent == folder)
-        os.killpg(process.popen.pid, signal.SIGKILL)
+        return process.popen.pid
+
+    def kill_engine(self, pod: str) -> None:
+        os.killpg(self.engine_pid(pod), signal.SIGKILL)
 
     def run(self, expected: dict[int, list[int]]) -> None:
         ns = self.namespace
@@ -355,7 +378,7 @@ class Drill:
             self.kube.create(base.fleets(ns), base.tiny_fleet(replicas=2, refit={"timeoutSeconds": 30}))
 
         def scale_to(replicas: int) -> Callable[[], None]:
-            return lambda: _ignore(self.kube.patch(scale, {"spec": {"replicas": replicas}}))
+            return lambda: ignore(self.kube.patch(scale, {"spec": {"replicas": replicas}}))
 
         def roll() -> None:
             self.kube.patch(self.fleet_path, {"spec": {"engine": {"maxBatchSize": 4}}})
@@ -363,22 +386,24 @@ class Drill:
         def catch_up() -> None:
             self.refit_checkpoint(2, SOURCES[2])
             deadline = time.monotonic() + STEP_TIMEOUT_SECONDS
-            while not holds(lambda: _phase(self.kube.get(f"{base.refits(ns)}/{FLEET}-v2")) == "Succeeded"):
+            while not holds(lambda: refit_phase(self.kube.get(f"{base.refits(ns)}/{FLEET}-v2")) == "Succeeded"):
                 assert time.monotonic() < deadline, "the checkpoint refit did not succeed"
                 time.sleep(0.25)  # polling the Refit, with a deadline
             self.kill_engine(f"{FLEET}-s1-p0")
 
-        self.step("create", _action(create), lambda: self.settled(2, 0), None)
+        self.step("create", simple_action(create), lambda: self.settled(2, 0), None)
         with Client(self.kubeconfig, ns, expected) as client:
-            self.step("scale-up", _action(scale_to(3)), lambda: self.settled(3, 0), client)
-            self.step("scale-down", _action(scale_to(2)), lambda: self.settled(2, 0), client)
+            self.step("scale-up", simple_action(scale_to(3)), lambda: self.settled(3, 0), client)
+            self.step("scale-down", simple_action(scale_to(2)), lambda: self.settled(2, 0), client)
             before = self.hashes()
-            self.step("template-roll", _action(roll), lambda: self.settled(2, 0) and not self.hashes() & before, client)
+            self.step(
+                "template-roll", simple_action(roll), lambda: self.settled(2, 0) and not self.hashes() & before, client
+            )
             self.step("refit", lambda: self.refit_rendezvous(1, SOURCES[1]), lambda: self.settled(2, 1), client)
             restarts = _restarts(self.fleet())
             self.step(
                 "catch-up",
-                _action(catch_up),
+                simple_action(catch_up),
                 lambda: self.settled(2, 2) and _restarts(self.fleet()) > restarts,
                 client,
             )
@@ -406,7 +431,7 @@ class Drill:
         refits = self.kube.list(base.refits(self.namespace))["items"]
         if sorted(r["metadata"]["name"] for r in refits) != sorted(self.refits_made):
             problems.append(f"Refits {[r['metadata']['name'] for r in refits]}, made {self.refits_made}")
-        problems += [f"Refit {r['metadata']['name']} {_phase(r)}" for r in refits if _phase(r) != "Succeeded"]
+        problems += [f"Refit {r['metadata']['name']} {refit_phase(r)}" for r in refits if refit_phase(r) != "Succeeded"]
         status = fleet.get("status", {})
         if not base.ready(fleet) or status.get("readyReplicas") != fleet["spec"]["replicas"]:
             problems.append(f"fleet not Ready at its replicas: {status.get('conditions')}")
@@ -423,7 +448,7 @@ def holds(check: Callable[[], bool]) -> bool:
         return False
 
 
-def _action(function: Callable[[], None]) -> Callable[[], Callable[[], None] | None]:
+def simple_action(function: Callable[[], object]) -> Callable[[], Callable[[], None] | None]:
     """A step action with nothing to join afterwards."""
 
     def run() -> None:
@@ -432,22 +457,22 @@ def _action(function: Callable[[], None]) -> Callable[[], Callable[[], None] | N
     return run
 
 
-def _ignore(value: object) -> None:
+def ignore(value: object) -> None:
     del value
 
 
-def _phase(obj: kube.Object | None) -> str | None:
+def refit_phase(obj: kube.Object | None) -> str | None:
     phase = (obj or {}).get("status", {}).get("phase")
     return None if phase is None else str(phase)
 
 
-def _attempts(obj: kube.Object | None) -> int:
+def refit_attempts(obj: kube.Object | None) -> int:
     return int((obj or {}).get("status", {}).get("attempts", 0))
 
 
 def _moved_on(refit: kube.Object | None, *, after: int) -> bool:
     """The Refit ended, or the operator published an attempt after ``after``."""
-    return _phase(refit) in ("Succeeded", "Failed") or _attempts(refit) > after
+    return refit_phase(refit) in ("Succeeded", "Failed") or refit_attempts(refit) > after
 
 
 def _restarts(fleet: kube.Object) -> int:

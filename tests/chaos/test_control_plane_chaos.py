@@ -3,7 +3,8 @@ create, scale up and down, a template roll, a refit and a catch-up) with the API
 etcd SIGKILLed and restarted (its data kept) at seeded random points instead of operator kills. The
 operator, the engines and the client ride through the outages: every step converges, nothing is
 orphaned or duplicated, and no client request fails or gets a mixed-version answer.
-``MEGAFLEET_CHAOS_CP_FAULTS`` sets the number of restarts (default 4; ``make chaos`` runs 12)."""
+``MEGAFLEET_CHAOS_CP_FAULTS`` sets the number of restarts (default 4: the API server during create
+and the refit, etcd during scale-up and the catch-up; ``make chaos`` runs 12, two in every step)."""
 
 from __future__ import annotations
 
@@ -36,6 +37,13 @@ def operators(
         started.close()
 
 
+def test_the_spread_visits_create_refit_and_scale_first() -> None:
+    points = drill_module.spread(4, seed=16)
+    assert points == drill_module.spread(4, seed=16)
+    assert {step for step, delays in points.items() if delays} == {"create", "refit", "scale-up", "catch-up"}
+    assert all(len(delays) == 2 for delays in drill_module.spread(12, seed=3).values())
+
+
 class Restarts:
     """The drill's fault: restart the next control-plane program in turn; records (program, outage s)."""
 
@@ -59,7 +67,7 @@ def test_api_server_and_etcd_restarts_converge_with_no_failed_or_mixed_request(
 ) -> None:
     faults = int(os.environ.get("MEGAFLEET_CHAOS_CP_FAULTS", "4"))
     _, seed = drill_module.knobs()
-    points = drill_module.schedule(faults, seed)
+    points = drill_module.spread(faults, seed)
     expected = {version: drill_module.greedy(source) for version, source in drill_module.SOURCES.items()}
     namespace = kube_admin.create_namespace("c")
     restarts = Restarts(local_cluster)
