@@ -92,7 +92,8 @@ def test_agent_cut_during_a_refit_ends_the_refit_cleanly_and_the_fleet_converges
                 lambda: drill_module.refit_phase(kube_admin.get(refit_v1)) in ("Succeeded", "Failed"),
                 client,
             )
-            outcome = drill_module.refit_phase(kube_admin.get(refit_v1))
+            ended = kube_admin.get(refit_v1) or {}
+            outcome = f"{drill_module.refit_phase(ended)} ({ended.get('status', {}).get('message')})"
             drill.step(
                 "converge",
                 drill_module.simple_action(lambda: drill.refit_checkpoint(2, drill_module.SOURCES[2])),

@@ -100,7 +100,7 @@ def test_node_not_ready_then_deleted_replaces_its_shards_with_no_failed_or_mixed
                 client,
             )
             scale = drill_module.simple_action(
-                lambda: drill_module.ignore(kube_admin.patch(f"{drill.fleet_path}/scale", {"spec": {"replicas": 3}}))
+                lambda: kube_admin.patch(f"{drill.fleet_path}/scale", {"spec": {"replicas": 3}})
             )
             drill.step("scale-up", scale, lambda: drill.settled(3, 0), client)
             placed = _nodes_of(drill.fleet())
