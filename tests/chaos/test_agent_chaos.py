@@ -12,7 +12,7 @@ import os
 import signal
 import sys
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -27,17 +27,6 @@ pytestmark = [pytest.mark.chaos, pytest.mark.e2e]
 CUT_SECONDS = 20.0
 """How long the agent does not answer: several of the operator's 2 s agent timeouts and 5 s polls."""
 CUT_POD = f"{drill_module.FLEET}-s1-p0"
-
-
-@pytest.fixture
-def operators(
-    crds: None, pod_runner: runner.Runner, kubeconfig: Path, tmp_path: Path
-) -> Iterator[operators_module.Operators]:
-    started = operators_module.Operators(kubeconfig, tmp_path, "c-*")
-    try:
-        yield started
-    finally:
-        started.close()
 
 
 def _cut_reported(fleet: kube.Object) -> bool:

@@ -11,7 +11,6 @@ from __future__ import annotations
 import os
 import sys
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -24,17 +23,6 @@ pytestmark = [pytest.mark.chaos, pytest.mark.e2e]
 
 PROGRAMS = ("kube-apiserver", "etcd")
 """Restarted in turn, starting with the API server."""
-
-
-@pytest.fixture
-def operators(
-    crds: None, pod_runner: runner.Runner, kubeconfig: Path, tmp_path: Path
-) -> Iterator[operators_module.Operators]:
-    started = operators_module.Operators(kubeconfig, tmp_path, "c-*")
-    try:
-        yield started
-    finally:
-        started.close()
 
 
 def test_the_spread_visits_create_refit_and_scale_first() -> None:

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import sys
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -27,17 +26,6 @@ pytestmark = [pytest.mark.chaos, pytest.mark.e2e]
 FLEET = drill_module.FLEET
 NODE_GONE_SECONDS = 240
 """The pod garbage collector waits 40 s (its quarantine) before removing the pods of a deleted node."""
-
-
-@pytest.fixture
-def operators(
-    crds: None, pod_runner: runner.Runner, kubeconfig: Path, tmp_path: Path
-) -> Iterator[operators_module.Operators]:
-    started = operators_module.Operators(kubeconfig, tmp_path, "c-*")
-    try:
-        yield started
-    finally:
-        started.close()
 
 
 def _not_ready(kube_admin: kube.Kube, node: str) -> None:

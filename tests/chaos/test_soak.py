@@ -10,7 +10,6 @@ import json
 import os
 import sys
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -24,17 +23,6 @@ from megafleet_dev import kube, runner
 pytestmark = [pytest.mark.chaos, pytest.mark.e2e]
 
 SHORT_MINUTES = 1.5
-
-
-@pytest.fixture
-def operators(
-    crds: None, pod_runner: runner.Runner, kubeconfig: Path, tmp_path: Path
-) -> Iterator[operators_module.Operators]:
-    started = operators_module.Operators(kubeconfig, tmp_path, "c-*")
-    try:
-        yield started
-    finally:
-        started.close()
 
 
 def test_growth_flags_memory_descriptors_and_threads_but_not_replaced_engines() -> None:
