@@ -51,7 +51,7 @@ chaos: build
 		$(BIN)/pytest -m chaos -s tests/chaos
 
 # The soak (issue 16, point 2): SOAK_MINUTES of client load, a Refit every 10 s and a scale change
-# every 2 minutes on a 3-shard fleet; its figures go to bench/results/ (`make test` runs 1.5 minutes).
+# every 2 minutes on a 3-shard fleet; its figures go to bench/results/ (`make test` runs 1 minute).
 SOAK_MINUTES ?= 30
 soak: build
 	MEGAFLEET_SOAK_MINUTES=$(SOAK_MINUTES) MEGAFLEET_SOAK_RESULTS=bench/results/soak-cpu$$(nproc)-$$(date -u +%F).json \

@@ -221,6 +221,8 @@ class Drill:
         self.reports: list[StepReport] = []
         self.fleet_path = f"{base.fleets(namespace)}/{FLEET}"
         self.refits_made: list[str] = []
+        self.replicas = 2
+        """The shards the fleet should end with (:meth:`run` keeps it)."""
 
     # -- the frame of every step -------------------------------------------------------------
 
@@ -370,7 +372,9 @@ class Drill:
     def kill_engine(self, pod: str) -> None:
         os.killpg(self.engine_pid(pod), signal.SIGKILL)
 
-    def run(self, expected: dict[int, list[int]]) -> None:
+    def run(self, expected: dict[int, list[int]], steps: tuple[str, ...] = STEPS) -> None:
+        """The steps in :data:`STEPS` order; ``steps`` may leave some out (create always runs, the
+        catch-up needs the refit), and the replicas expected afterwards follow the scale steps run."""
         ns = self.namespace
         scale = f"{self.fleet_path}/scale"
 
@@ -393,19 +397,29 @@ class Drill:
 
         self.step("create", simple_action(create), lambda: self.settled(2, 0), None)
         with Client(self.kubeconfig, ns, expected) as client:
-            self.step("scale-up", simple_action(scale_to(3)), lambda: self.settled(3, 0), client)
-            self.step("scale-down", simple_action(scale_to(2)), lambda: self.settled(2, 0), client)
+
+            def run_step(
+                name: str, act: Callable[[], Callable[[], None] | None], converged: Callable[[], bool]
+            ) -> None:
+                if name in steps:
+                    self.step(name, act, converged, client)
+
+            run_step("scale-up", simple_action(scale_to(3)), lambda: self.settled(3, 0))
+            self.replicas = 3 if "scale-up" in steps else 2
+            run_step("scale-down", simple_action(scale_to(2)), lambda: self.settled(2, 0))
+            self.replicas = 2 if "scale-down" in steps else self.replicas
             before = self.hashes()
-            self.step(
-                "template-roll", simple_action(roll), lambda: self.settled(2, 0) and not self.hashes() & before, client
+            run_step(
+                "template-roll",
+                simple_action(roll),
+                lambda: self.settled(self.replicas, 0) and not self.hashes() & before,
             )
-            self.step("refit", lambda: self.refit_rendezvous(1, SOURCES[1]), lambda: self.settled(2, 1), client)
+            run_step("refit", lambda: self.refit_rendezvous(1, SOURCES[1]), lambda: self.settled(self.replicas, 1))
             restarts = _restarts(self.fleet())
-            self.step(
+            run_step(
                 "catch-up",
                 simple_action(catch_up),
-                lambda: self.settled(2, 2) and _restarts(self.fleet()) > restarts,
-                client,
+                lambda: self.settled(self.replicas, 2) and _restarts(self.fleet()) > restarts,
             )
 
     def leftovers(self) -> list[str]:
@@ -413,7 +427,7 @@ class Drill:
         problems: list[str] = []
         fleet = self.fleet()
         uid = fleet["metadata"]["uid"]
-        expected = {"pods": 2, "services": 4, "configmaps": 1, "secrets": 1}
+        expected = {"pods": self.replicas, "services": 2 * self.replicas, "configmaps": 1, "secrets": 1}
         for kind, count in expected.items():
             items = self.kube.list(
                 f"/api/v1/namespaces/{self.namespace}/{kind}", label_selector=f"megafleet.dev/fleet={FLEET}"
@@ -426,7 +440,7 @@ class Drill:
                 if [o["uid"] for o in i["metadata"].get("ownerReferences", [])] != [uid]
             ]
         pods = self.kube.list(f"/api/v1/namespaces/{self.namespace}/pods")["items"]
-        if len(pods) != 2:
+        if len(pods) != self.replicas:
             problems.append(f"{len(pods)} pods in the namespace")
         refits = self.kube.list(base.refits(self.namespace))["items"]
         if sorted(r["metadata"]["name"] for r in refits) != sorted(self.refits_made):

@@ -22,7 +22,7 @@ from megafleet_dev import kube, runner
 
 pytestmark = [pytest.mark.chaos, pytest.mark.e2e]
 
-SHORT_MINUTES = 1.5
+SHORT_MINUTES = 1.0
 
 
 def test_growth_flags_memory_descriptors_and_threads_but_not_replaced_engines() -> None:
