@@ -14,7 +14,7 @@ from typing import Any, cast
 
 import kopf
 
-from megafleet import metrics, settings
+from megafleet import metrics, settings, supervision
 from megafleet import peering as megafleet_peering
 
 
@@ -30,7 +30,8 @@ def run(
     operator: the highest priority acts, the others pause until its heartbeat expires. Without a
     given priority each replica draws a random one, so two replicas never tie (a tie pauses both).
     A peering replica first announces itself and settles (:mod:`megafleet.peering`), so replicas
-    started together never both act."""
+    started together never both act. Kopf runs under :func:`megafleet.supervision.supervise`, which
+    restarts it when it lost its resources to an API server in mid-start."""
     logging.basicConfig(level=logging.DEBUG if verbose else logging.INFO, format="%(asctime)s %(name)s %(message)s")
     from megafleet import handlers  # registers the handlers on import
 
@@ -57,11 +58,16 @@ async def _run(
             lifetime=triggers.peering_lifetime_seconds,
             settle_seconds=triggers.peering_settle_seconds,
         )
-    await kopf.operator(
-        standalone=peering is None,
-        peering_name=peering,
-        priority=priority,
-        identity=cast(Any, identity),  # Kopf's Identity is a NewType of str it does not export
-        clusterwide=not namespaces,
-        namespaces=list(namespaces),
-    )
+
+    async def run_kopf(stop: asyncio.Event) -> None:
+        await kopf.operator(
+            standalone=peering is None,
+            peering_name=peering,
+            priority=priority,
+            identity=cast(Any, identity),  # Kopf's Identity is a NewType of str it does not export
+            clusterwide=not namespaces,
+            namespaces=list(namespaces),
+            stop_flag=stop,
+        )
+
+    await supervision.supervise(run_kopf)
