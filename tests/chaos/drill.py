@@ -248,7 +248,9 @@ class Drill:
             finish()
         deadline = started + STEP_TIMEOUT_SECONDS
         while not holds(converged):
-            assert time.monotonic() < deadline, f"step {name} did not converge in {STEP_TIMEOUT_SECONDS} s"
+            assert time.monotonic() < deadline, (
+                f"step {name} did not converge in {STEP_TIMEOUT_SECONDS} s; shards: {self.shards_seen()}"
+            )
             time.sleep(0.25)  # polling the declared state, with a deadline
         ended = time.monotonic()
         counts = client.count(started, ended) if client is not None else collections.Counter[str]()
@@ -262,6 +264,13 @@ class Drill:
                 counts["mixed"],
             )
         )
+
+    def shards_seen(self) -> object:
+        """The fleet's ``status.shards`` for a failure message (the API error if it cannot be read)."""
+        try:
+            return self.fleet().get("status", {}).get("shards")
+        except (httpx.HTTPError, kube.KubeError) as error:
+            return repr(error)
 
     # -- declared states ----------------------------------------------------------------------
 
