@@ -7,7 +7,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: up down status build test lint check chaos
+.PHONY: up down status build test lint check chaos soak
 
 $(STAMP): pyproject.toml
 	@echo "[megafleet] installing the project and its dependencies into $(VENV) (torch is ~3 GB on a cold pip cache)"
@@ -40,9 +40,19 @@ check: lint
 test: build lint
 	$(BIN)/pytest
 
-# The operator chaos drill at full strength (issue 16): CHAOS_KILLS SIGKILLs of the operator at
-# seeded random points (CHAOS_SEED); `make test` runs the same drill with 5.
+# The chaos drills at full strength (issue 16): CHAOS_KILLS SIGKILLs of the operator at seeded random
+# points (CHAOS_SEED) and CHAOS_CP_FAULTS restarts of the API server and etcd; the node-loss, agent-cut
+# drills and a short soak run as they do in `make test` (which runs 5 kills and 4 restarts).
 CHAOS_KILLS ?= 20
+CHAOS_CP_FAULTS ?= 12
 CHAOS_SEED ?= 16
 chaos: build
-	MEGAFLEET_CHAOS_KILLS=$(CHAOS_KILLS) MEGAFLEET_CHAOS_SEED=$(CHAOS_SEED) $(BIN)/pytest -m chaos -s tests/chaos
+	MEGAFLEET_CHAOS_KILLS=$(CHAOS_KILLS) MEGAFLEET_CHAOS_CP_FAULTS=$(CHAOS_CP_FAULTS) MEGAFLEET_CHAOS_SEED=$(CHAOS_SEED) \
+		$(BIN)/pytest -m chaos -s tests/chaos
+
+# The soak (issue 16, point 2): SOAK_MINUTES of client load, a Refit every 10 s and a scale change
+# every 2 minutes on a 3-shard fleet; its figures go to bench/results/ (`make test` runs 1 minute).
+SOAK_MINUTES ?= 30
+soak: build
+	MEGAFLEET_SOAK_MINUTES=$(SOAK_MINUTES) MEGAFLEET_SOAK_RESULTS=bench/results/soak-cpu$$(nproc)-$$(date -u +%F).json \
+		$(BIN)/pytest -s tests/chaos/test_soak.py -k soak_refits

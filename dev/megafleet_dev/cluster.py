@@ -122,6 +122,8 @@ class LocalCluster:
         self.pod_network = ipaddress.IPv4Network(pod_network)
         self.report = report
         self._records: list[ProcessRecord] = []
+        # How to tell each control-plane program is serving again, for :meth:`restart`.
+        self._ready_checks: dict[str, Callable[[], str | None]] = {}
         # Our own children, kept so they are reaped by wait() rather than left to the GC.
         self._children: dict[int, subprocess.Popen[bytes]] = {}
 
@@ -192,6 +194,24 @@ class LocalCluster:
                 _terminate(record)
         self._records = []
 
+    def restart(self, name: str, *, down_seconds: float = 0.0) -> float:
+        """Kill control-plane program ``name`` (``etcd``, ``kube-apiserver``) with SIGKILL, keep it down
+        ``down_seconds``, start it again with the same arguments (same ports, etcd's data kept) and
+        wait until it serves; returns the seconds it was unavailable. For the chaos drills
+        (``tests/chaos``); only a cluster this object started can be restarted."""
+        record = next(r for r in reversed(self._records) if r.name == name)
+        child = self._children.pop(record.pid)
+        killed = time.monotonic()
+        child.kill()
+        child.wait()
+        index = self._records.index(record)
+        self._records.remove(record)
+        time.sleep(down_seconds)  # the outage the caller asked for
+        self.spawn(name, record.argv)
+        self._records.insert(index, self._records.pop())  # keep the stop order (reverse start order)
+        self._wait(name, self._ready_checks[name])
+        return time.monotonic() - killed
+
     # -- components ----------------------------------------------------------------------------
 
     def _prepare_state_dir(self) -> None:
@@ -235,7 +255,8 @@ class LocalCluster:
                 "--log-level=warn",
             ],
         )
-        self._wait("etcd", functools.partial(_http_not_ok, f"http://127.0.0.1:{client_port}/health"))
+        self._ready_checks["etcd"] = functools.partial(_http_not_ok, f"http://127.0.0.1:{client_port}/health")
+        self._wait("etcd", self._ready_checks["etcd"])
 
         api_port = free_port()
         sa_key = self.state_dir / "sa.key"
@@ -267,10 +288,10 @@ class LocalCluster:
                 *self.apiserver_args,
             ],
         )
-        self._wait(
-            "kube-apiserver",
-            functools.partial(_http_not_ok, f"https://127.0.0.1:{api_port}/readyz?verbose", verify=str(self.ca_file)),
+        self._ready_checks["kube-apiserver"] = functools.partial(
+            _http_not_ok, f"https://127.0.0.1:{api_port}/readyz?verbose", verify=str(self.ca_file)
         )
+        self._wait("kube-apiserver", self._ready_checks["kube-apiserver"])
         self._write_kubeconfig(api_port)
         return api_port
 

@@ -10,10 +10,12 @@ import asyncio
 import logging
 import random
 from collections.abc import Sequence
+from typing import Any, cast
 
 import kopf
 
-from megafleet import metrics
+from megafleet import metrics, settings, supervision
+from megafleet import peering as megafleet_peering
 
 
 def run(
@@ -26,21 +28,47 @@ def run(
 ) -> None:
     """Run until interrupted. With ``peering`` (a ClusterKopfPeering name) replicas elect one active
     operator: the highest priority acts, the others pause until its heartbeat expires. Without a
-    given priority each replica draws a random one, so two replicas never tie (a tie pauses both)."""
+    given priority each replica draws a random one, so two replicas never tie (a tie pauses both).
+    A peering replica first announces itself and settles (:mod:`megafleet.peering`), so replicas
+    started together never both act. Kopf runs under :func:`megafleet.supervision.supervise`, which
+    restarts it when it lost its resources to an API server in mid-start."""
     logging.basicConfig(level=logging.DEBUG if verbose else logging.INFO, format="%(asctime)s %(name)s %(message)s")
-    from megafleet import handlers  # noqa: F401  (registers the handlers)
+    from megafleet import handlers  # registers the handlers on import
 
     if metrics_port is not None:
         metrics.serve(metrics_port)
     if peering is not None and priority is None:
         priority = random.SystemRandom().randint(1, 2**31 - 1)
-    asyncio.run(
-        kopf.operator(
+    identity = megafleet_peering.new_identity()
+    asyncio.run(_run(namespaces, peering, priority, identity, handlers.SETTINGS.triggers))
+
+
+async def _run(
+    namespaces: Sequence[str],
+    peering: str | None,
+    priority: int | None,
+    identity: str,
+    triggers: settings.TriggerSettings,
+) -> None:
+    if peering is not None:
+        await megafleet_peering.announce(
+            peering,
+            identity,
+            priority=priority or 0,
+            lifetime=triggers.peering_lifetime_seconds,
+            settle_seconds=triggers.peering_settle_seconds,
+        )
+
+    async def run_kopf(stop: asyncio.Event) -> None:
+        await kopf.operator(
             standalone=peering is None,
             peering_name=peering,
             priority=priority,
+            identity=cast(Any, identity),  # Kopf's Identity is a NewType of str it does not export
             clusterwide=not namespaces,
             namespaces=list(namespaces),
             memo=kopf.Memo(clusterwide=not namespaces),  # the GPU inventory's pod index covers every pod
+            stop_flag=stop,
         )
-    )
+
+    await supervision.supervise(run_kopf)

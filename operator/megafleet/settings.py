@@ -49,6 +49,10 @@ class TriggerSettings:
     peering_lifetime_seconds: int = 20
     """Seconds a silent operator replica still counts as alive (default 20); a standby takes over
     after that."""
+    peering_settle_seconds: float = 5.0
+    """Seconds a replica started with peering waits, announced in the peering object, before Kopf
+    starts (default 5): a replica started at the same moment has announced itself by then, so the
+    lower priority never acts, not even briefly (:mod:`megafleet.peering`)."""
 
 
 @dataclasses.dataclass(frozen=True)

@@ -29,6 +29,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import httpx
+import openai
 import torch
 
 from helpers import operators as operators_module
@@ -78,10 +79,28 @@ def schedule(kills: int, seed: int) -> dict[str, list[float]]:
     return {step: sorted(delays) for step, delays in points.items()}
 
 
+SPREAD_ORDER = ("create", "refit", "scale-up", "catch-up", "scale-down", "template-roll")
+"""The steps :func:`spread` visits in turn, so a short drill still covers create, refit and scale."""
+
+
+def spread(faults: int, seed: int) -> dict[str, list[float]]:
+    """Fault points visiting the steps in :data:`SPREAD_ORDER` in turn (the control-plane drills,
+    where each fault is slow), each at a seeded random delay within the kill window."""
+    rng = random.Random(seed)
+    points: dict[str, list[float]] = {step: [] for step in STEPS}
+    for index in range(faults):
+        points[SPREAD_ORDER[index % len(SPREAD_ORDER)]].append(round(rng.uniform(0.0, KILL_WINDOW_SECONDS), 2))
+    return {step: sorted(delays) for step, delays in points.items()}
+
+
 @dataclasses.dataclass(frozen=True)
 class Outcome:
     at: float
     status: str  # served | failed | mixed
+    target: str = ""
+    """The frontend that answered (empty when none did)."""
+    version: int | None = None
+    """The weight version the answer was stamped with."""
 
 
 class Client:
@@ -92,6 +111,8 @@ class Client:
         self.expected = expected
         self.outcomes: list[Outcome] = []
         self._kube = kube.Kube.from_kubeconfig(kubeconfig)
+        self._last_targets: list[str] = []
+        self._openai: dict[str, openai.OpenAI] = {}
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="chaos-client", daemon=True)
 
@@ -108,46 +129,61 @@ class Client:
         return collections.Counter(o.status for o in list(self.outcomes) if start <= o.at <= end)
 
     def _targets(self) -> list[str]:
-        """Frontend addresses of the shards the fleet's status calls Ready (what an RL client routes to)."""
-        fleet = self._kube.get(f"{base.fleets(self.namespace)}/{FLEET}") or {}
+        """Frontend addresses of the shards the fleet's status calls Ready (what an RL client routes to);
+        while the API server cannot answer (a control-plane drill), the last ones it gave."""
+        try:
+            fleet = self._kube.get(f"{base.fleets(self.namespace)}/{FLEET}") or {}
+            pods = self._kube.list(f"/api/v1/namespaces/{self.namespace}/pods")["items"]
+        except (httpx.HTTPError, kube.KubeError):
+            return self._last_targets
         ready = {s["pods"][0] for s in fleet.get("status", {}).get("shards", []) if s.get("phase") == "Ready"}
-        pods = self._kube.list(f"/api/v1/namespaces/{self.namespace}/pods")["items"]
-        return [
+        self._last_targets = [
             f"http://{p['status']['podIP']}:8000"
             for p in pods
             if p["metadata"]["name"] in ready and p["status"].get("podIP")
         ]
+        return self._last_targets
 
     def _run(self) -> None:
-        with httpx.Client(timeout=60) as http:
+        try:
             while not self._stop.is_set():
                 for target in self._targets():
-                    self.outcomes.append(Outcome(time.monotonic(), self._ask(http, target)))
+                    self.outcomes.append(self._ask(target))
                 self._stop.wait(0.1)  # pacing of the load, not synchronisation
+        finally:
+            for client in self._openai.values():
+                client.close()
 
-    def _ask(self, http: httpx.Client, target: str) -> str:
-        body = {
-            "model": FLEET,
-            "prompt": base.PROMPT,
-            "max_tokens": MAX_TOKENS,
-            "temperature": 0,
-            "return_token_ids": True,
-        }
+    def _ask(self, target: str) -> Outcome:
+        """One completion through the official ``openai`` client, retried on another Ready shard
+        until the deadline; served, mixed (tokens not those of the stamped version) or failed."""
         deadline = time.monotonic() + REQUEST_DEADLINE_SECONDS
         while time.monotonic() < deadline:
+            client = self._openai.get(target)
+            if client is None:
+                client = self._openai[target] = openai.OpenAI(
+                    base_url=f"{target}/v1", api_key="unused", max_retries=0, timeout=60
+                )
             try:
-                answer = http.post(f"{target}/v1/completions", json=body)
-            except httpx.HTTPError:
-                answer = None
-            if answer is not None and answer.status_code == 200:
-                version = int(answer.headers["X-Megafleet-Weight-Version"])
-                tokens = answer.json()["choices"][0]["token_ids"]
-                return "served" if tokens == self.expected.get(version) else "mixed"
+                raw = client.completions.with_raw_response.create(
+                    model=FLEET,
+                    prompt=base.PROMPT,
+                    max_tokens=MAX_TOKENS,
+                    temperature=0,
+                    extra_body={"return_token_ids": True},
+                )
+            except openai.OpenAIError:
+                raw = None
+            if raw is not None:
+                version = int(raw.headers["X-Megafleet-Weight-Version"])
+                tokens = (raw.parse().choices[0].model_extra or {})["token_ids"]
+                status = "served" if tokens == self.expected.get(version) else "mixed"
+                return Outcome(time.monotonic(), status, target, version)
             time.sleep(0.2)  # back-off before the retry on another Ready shard
             targets = self._targets()
             if targets:
                 target = random.choice(targets)
-        return "failed"
+        return Outcome(time.monotonic(), "failed")
 
 
 @dataclasses.dataclass
@@ -171,6 +207,7 @@ class Drill:
         operators: operators_module.Operators,
         namespace: str,
         points: dict[str, list[float]],
+        fault: Callable[[], None] | None = None,
     ) -> None:
         self.kube = kube_admin
         self.kubeconfig = kubeconfig
@@ -179,11 +216,19 @@ class Drill:
         self.namespace = namespace
         self.points = points
         self.operator = operators.start()
+        self.fault = fault or self.restart_operator
+        """What happens at each point of the schedule (default: the operator SIGKILLed and restarted)."""
         self.reports: list[StepReport] = []
         self.fleet_path = f"{base.fleets(namespace)}/{FLEET}"
         self.refits_made: list[str] = []
+        self.replicas = 2
+        """The shards the fleet should end with (:meth:`run` keeps it)."""
 
     # -- the frame of every step -------------------------------------------------------------
+
+    def restart_operator(self) -> None:
+        self.operators.kill(self.operator)
+        self.operator = self.operators.start()
 
     def step(
         self,
@@ -192,19 +237,20 @@ class Drill:
         converged: Callable[[], bool],
         client: Client | None,
     ) -> None:
-        """Run ``action`` (it may return a function to join, e.g. a trainer thread), kill the operator
-        at the step's points, and wait until ``converged``."""
+        """Run ``action`` (it may return a function to join, e.g. a trainer thread), inject the fault at
+        the step's points, and wait until ``converged`` (an API error while polling counts as not yet)."""
         started = time.monotonic()
         finish = action()
         for delay in self.points[name]:
             time.sleep(max(0.0, started + delay - time.monotonic()))  # the chaos schedule itself
-            self.operators.kill(self.operator)
-            self.operator = self.operators.start()
+            self.fault()
         if finish is not None:
             finish()
         deadline = started + STEP_TIMEOUT_SECONDS
-        while not converged():
-            assert time.monotonic() < deadline, f"step {name} did not converge in {STEP_TIMEOUT_SECONDS} s"
+        while not holds(converged):
+            assert time.monotonic() < deadline, (
+                f"step {name} did not converge in {STEP_TIMEOUT_SECONDS} s; shards: {self.shards_seen()}"
+            )
             time.sleep(0.25)  # polling the declared state, with a deadline
         ended = time.monotonic()
         counts = client.count(started, ended) if client is not None else collections.Counter[str]()
@@ -218,6 +264,13 @@ class Drill:
                 counts["mixed"],
             )
         )
+
+    def shards_seen(self) -> object:
+        """The fleet's ``status.shards`` for a failure message (the API error if it cannot be read)."""
+        try:
+            return self.fleet().get("status", {}).get("shards")
+        except (httpx.HTTPError, kube.KubeError) as error:
+            return repr(error)
 
     # -- declared states ----------------------------------------------------------------------
 
@@ -274,12 +327,16 @@ class Drill:
             done = 0
             try:
                 while True:
-                    refit = trainer_kube.wait(
-                        path, functools.partial(_moved_on, after=done), timeout=STEP_TIMEOUT_SECONDS
-                    )
-                    if refit is None or _phase(refit) != "Running":
+                    try:
+                        refit = trainer_kube.wait(
+                            path, functools.partial(_moved_on, after=done), timeout=STEP_TIMEOUT_SECONDS
+                        )
+                    except (httpx.HTTPError, kube.KubeError):
+                        time.sleep(0.5)  # the API server is restarting (a control-plane drill): ask again
+                        continue
+                    if refit is None or refit_phase(refit) != "Running":
                         return
-                    done = _attempts(refit)
+                    done = refit_attempts(refit)
                     membership = refit["status"]["membership"]
                     sender = sdk.WeightSender(
                         ports.attempt_port(port, done),
@@ -315,12 +372,18 @@ class Drill:
             },
         )
 
-    def kill_engine(self, pod: str) -> None:
+    def engine_pid(self, pod: str) -> int:
+        """The PID of ``pod``'s engine core (its API servers are its children, in its process group)."""
         folder = self.pod_runner.workdir / self.namespace / pod
         process = next(p for p in list(self.pod_runner.processes.values()) if p.log.parent == folder)
-        os.killpg(process.popen.pid, signal.SIGKILL)
+        return process.popen.pid
 
-    def run(self, expected: dict[int, list[int]]) -> None:
+    def kill_engine(self, pod: str) -> None:
+        os.killpg(self.engine_pid(pod), signal.SIGKILL)
+
+    def run(self, expected: dict[int, list[int]], steps: tuple[str, ...] = STEPS) -> None:
+        """The steps in :data:`STEPS` order; ``steps`` may leave some out (create always runs, the
+        catch-up needs the refit), and the replicas expected afterwards follow the scale steps run."""
         ns = self.namespace
         scale = f"{self.fleet_path}/scale"
 
@@ -328,7 +391,7 @@ class Drill:
             self.kube.create(base.fleets(ns), base.tiny_fleet(replicas=2, refit={"timeoutSeconds": 30}))
 
         def scale_to(replicas: int) -> Callable[[], None]:
-            return lambda: _ignore(self.kube.patch(scale, {"spec": {"replicas": replicas}}))
+            return lambda: ignore(self.kube.patch(scale, {"spec": {"replicas": replicas}}))
 
         def roll() -> None:
             self.kube.patch(self.fleet_path, {"spec": {"engine": {"maxBatchSize": 4}}})
@@ -336,24 +399,36 @@ class Drill:
         def catch_up() -> None:
             self.refit_checkpoint(2, SOURCES[2])
             deadline = time.monotonic() + STEP_TIMEOUT_SECONDS
-            while _phase(self.kube.get(f"{base.refits(ns)}/{FLEET}-v2")) != "Succeeded":
+            while not holds(lambda: refit_phase(self.kube.get(f"{base.refits(ns)}/{FLEET}-v2")) == "Succeeded"):
                 assert time.monotonic() < deadline, "the checkpoint refit did not succeed"
                 time.sleep(0.25)  # polling the Refit, with a deadline
             self.kill_engine(f"{FLEET}-s1-p0")
 
-        self.step("create", _action(create), lambda: self.settled(2, 0), None)
+        self.step("create", simple_action(create), lambda: self.settled(2, 0), None)
         with Client(self.kubeconfig, ns, expected) as client:
-            self.step("scale-up", _action(scale_to(3)), lambda: self.settled(3, 0), client)
-            self.step("scale-down", _action(scale_to(2)), lambda: self.settled(2, 0), client)
+
+            def run_step(
+                name: str, act: Callable[[], Callable[[], None] | None], converged: Callable[[], bool]
+            ) -> None:
+                if name in steps:
+                    self.step(name, act, converged, client)
+
+            run_step("scale-up", simple_action(scale_to(3)), lambda: self.settled(3, 0))
+            self.replicas = 3 if "scale-up" in steps else 2
+            run_step("scale-down", simple_action(scale_to(2)), lambda: self.settled(2, 0))
+            self.replicas = 2 if "scale-down" in steps else self.replicas
             before = self.hashes()
-            self.step("template-roll", _action(roll), lambda: self.settled(2, 0) and not self.hashes() & before, client)
-            self.step("refit", lambda: self.refit_rendezvous(1, SOURCES[1]), lambda: self.settled(2, 1), client)
+            run_step(
+                "template-roll",
+                simple_action(roll),
+                lambda: self.settled(self.replicas, 0) and not self.hashes() & before,
+            )
+            run_step("refit", lambda: self.refit_rendezvous(1, SOURCES[1]), lambda: self.settled(self.replicas, 1))
             restarts = _restarts(self.fleet())
-            self.step(
+            run_step(
                 "catch-up",
-                _action(catch_up),
-                lambda: self.settled(2, 2) and _restarts(self.fleet()) > restarts,
-                client,
+                simple_action(catch_up),
+                lambda: self.settled(self.replicas, 2) and _restarts(self.fleet()) > restarts,
             )
 
     def leftovers(self) -> list[str]:
@@ -361,7 +436,7 @@ class Drill:
         problems: list[str] = []
         fleet = self.fleet()
         uid = fleet["metadata"]["uid"]
-        expected = {"pods": 2, "services": 4, "configmaps": 1, "secrets": 1}
+        expected = {"pods": self.replicas, "services": 2 * self.replicas, "configmaps": 1, "secrets": 1}
         for kind, count in expected.items():
             items = self.kube.list(
                 f"/api/v1/namespaces/{self.namespace}/{kind}", label_selector=f"megafleet.dev/fleet={FLEET}"
@@ -374,12 +449,12 @@ class Drill:
                 if [o["uid"] for o in i["metadata"].get("ownerReferences", [])] != [uid]
             ]
         pods = self.kube.list(f"/api/v1/namespaces/{self.namespace}/pods")["items"]
-        if len(pods) != 2:
+        if len(pods) != self.replicas:
             problems.append(f"{len(pods)} pods in the namespace")
         refits = self.kube.list(base.refits(self.namespace))["items"]
         if sorted(r["metadata"]["name"] for r in refits) != sorted(self.refits_made):
             problems.append(f"Refits {[r['metadata']['name'] for r in refits]}, made {self.refits_made}")
-        problems += [f"Refit {r['metadata']['name']} {_phase(r)}" for r in refits if _phase(r) != "Succeeded"]
+        problems += [f"Refit {r['metadata']['name']} {refit_phase(r)}" for r in refits if refit_phase(r) != "Succeeded"]
         status = fleet.get("status", {})
         if not base.ready(fleet) or status.get("readyReplicas") != fleet["spec"]["replicas"]:
             problems.append(f"fleet not Ready at its replicas: {status.get('conditions')}")
@@ -388,7 +463,15 @@ class Drill:
         return problems
 
 
-def _action(function: Callable[[], None]) -> Callable[[], Callable[[], None] | None]:
+def holds(check: Callable[[], bool]) -> bool:
+    """``check()``, False while the API server cannot answer it (a control-plane drill)."""
+    try:
+        return check()
+    except (httpx.HTTPError, kube.KubeError):
+        return False
+
+
+def simple_action(function: Callable[[], object]) -> Callable[[], Callable[[], None] | None]:
     """A step action with nothing to join afterwards."""
 
     def run() -> None:
@@ -397,22 +480,22 @@ def _action(function: Callable[[], None]) -> Callable[[], Callable[[], None] | N
     return run
 
 
-def _ignore(value: object) -> None:
+def ignore(value: object) -> None:
     del value
 
 
-def _phase(obj: kube.Object | None) -> str | None:
+def refit_phase(obj: kube.Object | None) -> str | None:
     phase = (obj or {}).get("status", {}).get("phase")
     return None if phase is None else str(phase)
 
 
-def _attempts(obj: kube.Object | None) -> int:
+def refit_attempts(obj: kube.Object | None) -> int:
     return int((obj or {}).get("status", {}).get("attempts", 0))
 
 
 def _moved_on(refit: kube.Object | None, *, after: int) -> bool:
     """The Refit ended, or the operator published an attempt after ``after``."""
-    return _phase(refit) in ("Succeeded", "Failed") or _attempts(refit) > after
+    return refit_phase(refit) in ("Succeeded", "Failed") or refit_attempts(refit) > after
 
 
 def _restarts(fleet: kube.Object) -> int:
@@ -420,6 +503,6 @@ def _restarts(fleet: kube.Object) -> int:
 
 
 def table(reports: list[StepReport]) -> Iterator[str]:
-    yield f"{'step':<14}{'kills':>6}{'converge s':>12}{'served':>8}{'failed':>8}{'mixed':>7}"
+    yield f"{'step':<14}{'faults':>7}{'converge s':>12}{'served':>8}{'failed':>8}{'mixed':>7}"
     for r in reports:
-        yield f"{r.step:<14}{r.kills:>6}{r.converge_seconds:>12}{r.served:>8}{r.failed:>8}{r.mixed:>7}"
+        yield f"{r.step:<14}{r.kills:>7}{r.converge_seconds:>12}{r.served:>8}{r.failed:>8}{r.mixed:>7}"

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import sys
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -17,17 +16,6 @@ from helpers import operators as operators_module
 from megafleet_dev import kube, runner
 
 pytestmark = [pytest.mark.chaos, pytest.mark.e2e]
-
-
-@pytest.fixture
-def operators(
-    crds: None, pod_runner: runner.Runner, kubeconfig: Path, tmp_path: Path
-) -> Iterator[operators_module.Operators]:
-    started = operators_module.Operators(kubeconfig, tmp_path, "c-*")
-    try:
-        yield started
-    finally:
-        started.close()
 
 
 def test_the_schedule_is_seeded_and_spread_over_the_steps() -> None:

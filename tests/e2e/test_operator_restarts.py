@@ -181,19 +181,12 @@ def test_an_operator_killed_while_no_trainer_sends_fails_the_refit_and_resumes_e
 
 
 @pytest.mark.timeout(900)
-@pytest.mark.xfail(
-    strict=False,  # a race: it shows in about one start in two on a loaded machine
-    reason=(
-        "open defect: Kopf peering resumes a replica whose first peering event shows only itself, so "
-        "two replicas started within a second both act (the standby ran on_fleet_change and created "
-        "Services before it paused); needs a settle delay before the first resume"
-    ),
-)
 def test_two_operators_started_together_keep_one_acting_and_the_other_takes_over(
     operators: operators_module.Operators, kube_admin: kube.Kube, own_namespace: str, tmp_path: Path
 ) -> None:
     """Both replicas start at the same moment with a fleet already waiting (the race a rolling
-    upgrade or a double start gives): only the higher priority ever acts; the lower one logs no
+    upgrade or a double start gives): only the higher priority ever acts (each replica announces
+    itself and settles before Kopf's first look at the peering, :mod:`megafleet.peering`); the lower one logs no
     handler or daemon until the active one is SIGKILLed, then it takes over (a scale change)."""
     namespace = own_namespace
     peering = f"peering-{tmp_path.name[-12:].lower().replace('_', '-')}"

@@ -1,0 +1,139 @@
+"""A node lost under a serving fleet (issue 16, point 1): the simulated node that holds shard 1 goes
+NotReady (KWOK stops managing it and its Ready condition turns False), then is deleted.
+
+While it is NotReady its engines still run (the node is simulated), so the fleet keeps serving, and a
+scale-up must place the new shard elsewhere (the node lifecycle controller tainted it). Once the node
+is deleted, Kubernetes' pod garbage collector removes its pods and the fleet re-places their shards
+on the remaining node, behind the same Services. No client request fails or is mixed, and the fleet
+converges with nothing orphaned. The node is re-created at the end (the control plane is shared by
+the test session)."""
+
+from __future__ import annotations
+
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from chaos import drill as drill_module
+from helpers import operators as operators_module
+from helpers import refit_e2e as base
+from megafleet_dev import cluster, kube, nodes, runner
+
+pytestmark = [pytest.mark.chaos, pytest.mark.e2e]
+
+FLEET = drill_module.FLEET
+NODE_GONE_SECONDS = 240
+"""The pod garbage collector waits 40 s (its quarantine) before removing the pods of a deleted node."""
+
+
+def _not_ready(kube_admin: kube.Kube, node: str) -> None:
+    """Take ``node`` from KWOK (its annotation no longer matches) and report it NotReady, as the
+    node lifecycle controller sees a kubelet that stopped posting a healthy status."""
+    kube_admin.patch(f"/api/v1/nodes/{node}", {"metadata": {"annotations": {nodes.KWOK_ANNOTATION: "chaos-lost"}}})
+    now = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+    condition = {
+        "type": "Ready",
+        "status": "False",
+        "reason": "ChaosDrill",
+        "message": "the chaos drill took this node away",
+        "lastHeartbeatTime": now,
+        "lastTransitionTime": now,
+    }
+    kube_admin.patch(f"/api/v1/nodes/{node}/status", {"status": {"conditions": [condition]}}, merge=False)
+
+
+def _tainted(node: kube.Object | None) -> bool:
+    return any(t["key"].startswith("node.kubernetes.io/") for t in (node or {}).get("spec", {}).get("taints") or [])
+
+
+def _services(kube_admin: kube.Kube, namespace: str) -> dict[str, str]:
+    items = kube_admin.list(f"/api/v1/namespaces/{namespace}/services", label_selector=f"megafleet.dev/fleet={FLEET}")
+    return {s["metadata"]["name"]: s["metadata"]["uid"] for s in items["items"]}
+
+
+def _nodes_of(fleet: kube.Object) -> dict[int, list[str]]:
+    return {s["index"]: s.get("nodes", []) for s in fleet.get("status", {}).get("shards", [])}
+
+
+@pytest.mark.timeout(900)
+def test_node_not_ready_then_deleted_replaces_its_shards_with_no_failed_or_mixed_request(
+    operators: operators_module.Operators,
+    local_cluster: cluster.LocalCluster,
+    kube_admin: kube.Kube,
+    kubeconfig: Path,
+    pod_runner: runner.Runner,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    expected = {0: drill_module.greedy(drill_module.SOURCES[0])}
+    namespace = kube_admin.create_namespace("c")
+    steps = ("create", "not-ready", "scale-up", "deleted")
+    drill = drill_module.Drill(kube_admin, kubeconfig, pod_runner, operators, namespace, {step: [] for step in steps})
+    lost: str | None = None
+    placed: dict[int, list[str]] = {}
+    started = time.monotonic()
+    try:
+        create = drill_module.simple_action(
+            lambda: kube_admin.create(base.fleets(namespace), base.tiny_fleet(replicas=2))
+        )
+        drill.step("create", create, lambda: drill.settled(2, 0), None)
+        lost = _nodes_of(drill.fleet())[1][0]
+        services = _services(kube_admin, namespace)
+        with drill_module.Client(kubeconfig, namespace, expected) as client:
+            drill.step(
+                "not-ready",
+                drill_module.simple_action(lambda: _not_ready(kube_admin, lost or "")),
+                lambda: _tainted(kube_admin.get(f"/api/v1/nodes/{lost}")) and drill.settled(2, 0),
+                client,
+            )
+            scale = drill_module.simple_action(
+                lambda: kube_admin.patch(f"{drill.fleet_path}/scale", {"spec": {"replicas": 3}})
+            )
+            drill.step("scale-up", scale, lambda: drill.settled(3, 0), client)
+            placed = _nodes_of(drill.fleet())
+            on_lost = sorted(shard for shard, where in placed.items() if lost in where)
+            delete = drill_module.simple_action(lambda: kube_admin.delete(f"/api/v1/nodes/{lost}"))
+            drill.step(
+                "deleted",
+                delete,
+                lambda: drill.settled(3, 0) and all(lost not in where for where in _nodes_of(drill.fleet()).values()),
+                client,
+            )
+        with capsys.disabled():
+            sys.stdout.write(
+                f"\nnode drill: {lost} NotReady then deleted, its shards {on_lost} re-placed, "
+                f"{time.monotonic() - started:.0f} s\n"
+            )
+            sys.stdout.write("\n".join(drill_module.table(drill.reports)) + "\n")
+        assert lost not in placed[2], "the new shard was placed on the NotReady node"
+        assert 1 in on_lost
+        fleet = drill.fleet()
+        assert all(restarts >= 1 for shard, restarts in _restarts(fleet).items() if shard in on_lost)
+        assert {name: uid for name, uid in _services(kube_admin, namespace).items() if name in services} == services
+        assert sum(r.failed for r in drill.reports) == 0 and sum(r.mixed for r in drill.reports) == 0
+        assert sum(r.served for r in drill.reports) > 0, "the client was served nothing"
+    finally:
+        kube_admin.delete(f"/api/v1/namespaces/{namespace}", missing_ok=True)
+        if lost is not None:
+            _restore(kube_admin, local_cluster, lost)
+
+
+def _restarts(fleet: kube.Object) -> dict[int, int]:
+    return {s["index"]: int(s.get("restarts", 0)) for s in fleet.get("status", {}).get("shards", [])}
+
+
+def _restore(kube_admin: kube.Kube, local_cluster: cluster.LocalCluster, name: str) -> None:
+    """Give the node back as the cluster created it, and wait until KWOK reports it Ready."""
+    kube_admin.delete(f"/api/v1/nodes/{name}", missing_ok=True)
+    kube_admin.wait(f"/api/v1/nodes/{name}", lambda n: n is None, timeout=60)
+    manifest = next(
+        m for m in nodes.node_manifests(local_cluster.pools, local_cluster.pod_network) if m["metadata"]["name"] == name
+    )
+    kube_admin.create("/api/v1/nodes", manifest)
+    kube_admin.wait(
+        f"/api/v1/nodes/{name}",
+        lambda n: (kube.condition(n, "Ready") or {}).get("status") == "True" and not _tainted(n),
+        timeout=120,
+        what=f"node {name} Ready again",
+    )
