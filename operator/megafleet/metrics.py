@@ -8,6 +8,7 @@ ServiceMonitor, the control-plane benchmark and autoscaling dashboards (README, 
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Mapping
 from typing import Any
 
@@ -79,10 +80,8 @@ def forget_fleet(namespace: str, name: str) -> None:
 
 
 def _forget(gauge: prometheus_client.Gauge, labels: tuple[str, ...]) -> None:
-    try:
+    with contextlib.suppress(KeyError):  # never recorded
         gauge.remove(*labels)
-    except KeyError:  # never recorded
-        pass
 
 
 def serve(port: int, host: str = "0.0.0.0") -> None:
