@@ -175,7 +175,10 @@ def _start_keda(local: cluster.LocalCluster, folder: Path, started: list[cluster
     certs = folder / "certs"
     certs.mkdir()
     pki.make_ca(folder / "keda-ca", common_name="megafleet-dev-keda-ca")
-    pki.issue(folder / "keda-ca", folder / "keda", "keda", server_ips=("127.0.0.1",))
+    # The API server checks the adapter's certificate against the Service's DNS name, gRPC against
+    # the address it dials.
+    service_name = f"{METRICS_SERVICE}.{KEDA_NAMESPACE}.svc"
+    pki.issue(folder / "keda-ca", folder / "keda", "keda", server_ips=("127.0.0.1",), server_names=(service_name,))
     # KEDA reads these three names from its certificate folder (gRPC mutual TLS, adapter serving).
     shutil.copy(folder / "keda-ca.crt", certs / "ca.crt")
     shutil.copy(folder / "keda.crt", certs / "tls.crt")
