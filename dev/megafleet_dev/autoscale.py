@@ -189,7 +189,8 @@ def _start_keda(local: cluster.LocalCluster, folder: Path, started: list[cluster
         if client.get(f"/api/v1/namespaces/{KEDA_NAMESPACE}") is None:
             client.create("/api/v1/namespaces", {"metadata": {"name": KEDA_NAMESPACE}})
         for definition in yaml.safe_load_all(toolchain.program_path("keda-crds.yaml").read_text()):
-            client.install_crd(definition)
+            if definition:  # KEDA's files start with '---': empty documents between them
+                client.install_crd(definition)
 
     env = dict(
         os.environ,
