@@ -363,8 +363,8 @@ def test_load_scales_the_fleet_out_and_back_in_with_new_shards_caught_up_first(
 
         # Load ends: a trickle of one shard's worth keeps requests in flight on every shard while the
         # fleet scales back to one, drained shard by shard.
+        load_ended = time.monotonic()  # stopping a worker waits for its request to end
         client.scale(TRICKLE)
-        load_ended = time.monotonic()
 
         def back_to_one(obj: kube.Object | None) -> bool:
             now = time.monotonic()
