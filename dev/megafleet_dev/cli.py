@@ -14,7 +14,7 @@ import sys
 import threading
 from pathlib import Path
 
-from megafleet_dev import cluster, demo, images, kube, nodes, realnode, runner, sandbox, toolchain
+from megafleet_dev import autoscale, cluster, demo, images, kube, nodes, realnode, runner, sandbox, toolchain
 
 
 def default_state_dir() -> Path:
@@ -63,6 +63,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=realnode.DEFAULT_NETWORK,
         help="the /16 the real node's pods and host link use (use another one for a second cluster)",
     )
+    up.add_argument(
+        "--autoscale",
+        action="store_true",
+        help="also Prometheus (scraping every engine pod) and KEDA (operator, external metrics API), "
+        "built on first use; README, 'Autoscaling'",
+    )
     commands.add_parser("down", help="stop every process of the local cluster and delete its files")
     built = commands.add_parser(
         "images", help="build the operator and engine images with buildah if their inputs changed"
@@ -78,6 +84,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         action="store_true",
         help="also the real node's programs (kubelet, kube-proxy, CoreDNS) and the operator and engine images",
     )
+    build.add_argument("--autoscale", action="store_true", help="also Prometheus and KEDA")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -85,6 +92,7 @@ def run(args: argparse.Namespace) -> int:
     try:
         if args.dev_command == "build":
             names = toolchain.CONTROL_PLANE + (realnode.PROGRAMS if args.real_node else ())
+            names += toolchain.AUTOSCALE if args.autoscale else ()
             toolchain.ensure_built(names)
             for component in toolchain.COMPONENTS:
                 if component.name in names:
@@ -103,7 +111,12 @@ def run(args: argparse.Namespace) -> int:
             pools = tuple(args.pool) if args.pool else nodes.DEFAULT_POOLS
             real_network = args.real_node_network if args.real_node else None
             return _up(
-                state_dir, pools, full=not args.control_plane_only, pod_network=args.pod_network, real_node=real_network
+                state_dir,
+                pools,
+                full=not args.control_plane_only,
+                pod_network=args.pod_network,
+                real_node=real_network,
+                autoscaling=args.autoscale,
             )
         if args.dev_command == "runner":
             return _runner(state_dir)
@@ -116,7 +129,13 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _up(
-    state_dir: Path, pools: tuple[nodes.NodePool, ...], *, full: bool, pod_network: str, real_node: str | None
+    state_dir: Path,
+    pools: tuple[nodes.NodePool, ...],
+    *,
+    full: bool,
+    pod_network: str,
+    real_node: str | None,
+    autoscaling: bool = False,
 ) -> int:
     if list(cluster.running_processes(state_dir)):
         print(f"the local cluster is already running from {state_dir}")
@@ -130,6 +149,7 @@ def _up(
             realnode.start(local, network=real_node)
         if full:
             demo.start(local, real_node=real_node is not None)
+        scaling = autoscale.start(local) if autoscaling else None
     except BaseException:
         local.stop()
         raise
@@ -139,6 +159,9 @@ def _up(
     print(f"  {toolchain.kubectl_path()} get nodes -L {nodes.CLIQUE_LABEL}")
     if full:
         print("\n".join(demo.usage(local)))
+    if scaling is not None:
+        print(f"\nPrometheus:  {scaling.prometheus_url} (serverAddress of a ScaledObject's prometheus trigger)")
+        print("KEDA:        operator and external metrics API (kubectl get apiservice v1beta1.external.metrics.k8s.io)")
     print("\nStop it with: megafleet dev down")
     return 0
 

@@ -31,6 +31,7 @@ from megafleet_dev import kube, nodes, pki, progress, sandbox, toolchain
 
 ADMIN_TOKEN_USER = "megafleet-admin"
 KUBELET_CLIENT_USER = "megafleet:apiserver-kubelet-client"  # bound to system:kubelet-api-admin by the real node
+FRONT_PROXY_USER = "front-proxy-client"
 SERVICE_CIDR = "10.96.0.0/16"  # ClusterIPs are data only: nothing ever connects to them.
 START_TIMEOUT_SECONDS = 120.0  # generous: two shared cores also run the test suite
 STOP_TIMEOUT_SECONDS = 15.0
@@ -147,6 +148,11 @@ class LocalCluster:
         return self.state_dir / "pki" / "client-ca"
 
     @property
+    def front_proxy_ca(self) -> Path:
+        """The CA (``.crt``/``.key``) of the aggregation layer's front-proxy client certificate."""
+        return self.state_dir / "pki" / "front-proxy-ca"
+
+    @property
     def api_port(self) -> int:
         state = ClusterState.load(self.state_dir)
         if state is None or not state.api_server:
@@ -212,6 +218,22 @@ class LocalCluster:
         self._wait(name, self._ready_checks[name])
         return time.monotonic() - killed
 
+    def stop_processes(self, records: list[ProcessRecord]) -> None:
+        """Stop some of this cluster's processes before the rest (Prometheus and KEDA at the end of
+        their tests, :mod:`megafleet_dev.autoscale`), last started first, and forget them."""
+        for record in reversed(records):
+            child = self._children.pop(record.pid, None)
+            if child is not None:
+                _stop_child(child)
+            else:
+                _terminate(record)
+        pids = {record.pid for record in records}
+        self._records = [record for record in self._records if record.pid not in pids]
+        saved = ClusterState.load(self.state_dir)
+        if saved is not None:
+            saved.processes = [record for record in saved.processes if record.pid not in pids]
+            saved.save()
+
     # -- components ----------------------------------------------------------------------------
 
     def _prepare_state_dir(self) -> None:
@@ -234,6 +256,11 @@ class LocalCluster:
         # calls kubelets with a certificate of its own (the real node's kubelet trusts the CA too).
         pki.make_ca(self.client_ca)
         pki.issue(self.client_ca, self.state_dir / "pki" / "apiserver-kubelet-client", KUBELET_CLIENT_USER)
+        # The aggregation layer's front proxy: the API server forwards requests for aggregated APIs
+        # (KEDA's external.metrics.k8s.io, megafleet_dev.autoscale) with this certificate and the
+        # user in headers, which the extension server trusts through this CA.
+        pki.make_ca(self.front_proxy_ca, common_name="megafleet-dev-front-proxy-ca")
+        pki.issue(self.front_proxy_ca, self.state_dir / "pki" / "front-proxy-client", FRONT_PROXY_USER)
 
     def _start_etcd_and_apiserver(self) -> int:
         client_port, peer_port = free_port(), free_port()
@@ -277,6 +304,13 @@ class LocalCluster:
                 f"--client-ca-file={self.client_ca.with_suffix('.crt')}",
                 f"--kubelet-client-certificate={self.state_dir / 'pki' / 'apiserver-kubelet-client.crt'}",
                 f"--kubelet-client-key={self.state_dir / 'pki' / 'apiserver-kubelet-client.key'}",
+                f"--requestheader-client-ca-file={self.front_proxy_ca.with_suffix('.crt')}",
+                f"--requestheader-allowed-names={FRONT_PROXY_USER}",
+                "--requestheader-username-headers=X-Remote-User",
+                "--requestheader-group-headers=X-Remote-Group",
+                "--requestheader-extra-headers-prefix=X-Remote-Extra-",
+                f"--proxy-client-cert-file={self.state_dir / 'pki' / 'front-proxy-client.crt'}",
+                f"--proxy-client-key-file={self.state_dir / 'pki' / 'front-proxy-client.key'}",
                 "--authorization-mode=Node,RBAC",
                 "--enable-admission-plugins=NodeRestriction",
                 # Reach kubelets (the real node's) by their InternalIP, never by a DNS lookup.

@@ -74,15 +74,17 @@ def issue(
     organizations: tuple[str, ...] = (),
     *,
     server_ips: tuple[str, ...] = (),
+    server_names: tuple[str, ...] = (),
 ) -> None:
     """Write ``<path>.crt``/``.key`` signed by the CA at ``<ca>.crt``/``.key``: a client
-    certificate, and a serving one too when ``server_ips`` are given."""
+    certificate, and a serving one too when ``server_ips`` or ``server_names`` (DNS) are given."""
     ca_key = serialization.load_pem_private_key(ca.with_suffix(".key").read_bytes(), password=None)
     assert isinstance(ca_key, ec.EllipticCurvePrivateKey)
     ca_cert = x509.load_pem_x509_certificate(ca.with_suffix(".crt").read_bytes())
     key = ec.generate_private_key(ec.SECP256R1())
     now = datetime.datetime.now(datetime.UTC)
-    usages = [ExtendedKeyUsageOID.CLIENT_AUTH] + ([ExtendedKeyUsageOID.SERVER_AUTH] if server_ips else [])
+    serving = bool(server_ips or server_names)
+    usages = [ExtendedKeyUsageOID.CLIENT_AUTH] + ([ExtendedKeyUsageOID.SERVER_AUTH] if serving else [])
     builder = (
         x509.CertificateBuilder()
         .subject_name(_name(common_name, organizations))
@@ -93,7 +95,8 @@ def issue(
         .not_valid_after(now + VALIDITY)
         .add_extension(x509.ExtendedKeyUsage(usages), critical=False)
     )
-    if server_ips:
-        names = [x509.IPAddress(ipaddress.ip_address(ip)) for ip in server_ips]
+    if serving:
+        names: list[x509.GeneralName] = [x509.IPAddress(ipaddress.ip_address(ip)) for ip in server_ips]
+        names += [x509.DNSName(name) for name in server_names]
         builder = builder.add_extension(x509.SubjectAlternativeName(names), critical=False)
     _write(path, key, builder.sign(ca_key, hashes.SHA256()))

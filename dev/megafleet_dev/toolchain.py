@@ -25,6 +25,10 @@ KWOK_VERSION = "v0.8.0"
 HELM_VERSION = "v3.22.0"
 COREDNS_VERSION = "v1.14.7"
 LWS_VERSION = "v0.9.0"
+# Prometheus's Go module is versioned v0.3XX.Y for release 3.XX.Y.
+PROMETHEUS_VERSION = "v0.316.0"
+PROMETHEUS_RELEASE = "3.16.0"
+KEDA_VERSION = "v2.21.0"
 
 GOMOD_DIR = Path(__file__).with_name("gomod")
 
@@ -43,6 +47,25 @@ LWS_MANIFESTS = (
     "config/webhook/manifests.yaml",
 )
 
+# KEDA's CRDs, as its module ships them (megafleet_dev.autoscale applies them).
+KEDA_CRD_FILES = tuple(
+    f"config/crd/bases/{name}.yaml"
+    for name in (
+        "keda.sh_scaledobjects",
+        "keda.sh_scaledjobs",
+        "keda.sh_triggerauthentications",
+        "keda.sh_clustertriggerauthentications",
+        "eventing.keda.sh_cloudeventsources",
+        "eventing.keda.sh_clustercloudeventsources",
+    )
+)
+
+MODULE_FILES: dict[str, tuple[str, tuple[str, ...]]] = {
+    "kwok.yaml": ("sigs.k8s.io/kwok", KWOK_STAGE_FILES),
+    "keda-crds.yaml": ("github.com/kedacore/keda/v2", KEDA_CRD_FILES),
+}
+"""Extras a build writes: target name -> (module, files of its source concatenated into it)."""
+
 
 class ToolchainError(RuntimeError):
     """A control-plane program is missing and cannot be built; the message says what to do."""
@@ -60,6 +83,8 @@ class Component:
     ldflags: str = "-s -w"
     extras: tuple[str, ...] = ()
     """Other files the build leaves beside the programs (KWOK's stage config)."""
+    tags: tuple[str, ...] = ()
+    """Go build tags (Prometheus: only the Kubernetes service discovery)."""
 
 
 def _kubernetes_ldflags() -> str:
@@ -144,6 +169,30 @@ COMPONENTS: tuple[Component, ...] = (
         programs=("lws-controller",),
         ldflags=f"-s -w -X sigs.k8s.io/lws/pkg/version.GitVersion={LWS_VERSION}",
         extras=LWS_MANIFESTS,
+    ),
+    # The autoscale tier's programs (megafleet_dev.autoscale), built only when it runs. Prometheus
+    # with one service discovery (Kubernetes) of its two dozen and no embedded web UI (the
+    # ``builtinassets`` tag is left out: the UI is not served, the API is).
+    Component(
+        name="prometheus",
+        version=PROMETHEUS_VERSION,
+        module="prometheus",
+        packages=("github.com/prometheus/prometheus/cmd/prometheus",),
+        programs=("prometheus",),
+        ldflags=f"-s -w -X github.com/prometheus/common/version.Version={PROMETHEUS_RELEASE}",
+        tags=("remove_all_sd", "enable_kubernetes_sd"),
+    ),
+    # KEDA's operator (the ScaledObject controller, which owns an HPA) and its metrics API server
+    # (external.metrics.k8s.io, read by kube-controller-manager's HPA controller). Every scaler KEDA
+    # knows is linked in: its build is the largest of the cache after kubernetes.
+    Component(
+        name="keda",
+        version=KEDA_VERSION,
+        module="keda",
+        packages=("github.com/kedacore/keda/v2/cmd/operator", "github.com/kedacore/keda/v2/cmd/adapter"),
+        programs=("operator", "adapter"),
+        extras=("keda-crds.yaml",),
+        ldflags=f"-s -w -X github.com/kedacore/keda/v2/version.Version={KEDA_VERSION.lstrip('v')}",
     ),
 )
 
@@ -247,6 +296,7 @@ def _build(component: Component, report: progress.Progress) -> None:
             str(os.cpu_count() or 2),
             "-ldflags",
             component.ldflags,
+            *(["-tags", ",".join(component.tags)] if component.tags else []),
             "-o",
             str(out_dir) + os.sep,
             *component.packages,
@@ -254,8 +304,9 @@ def _build(component: Component, report: progress.Progress) -> None:
         if len(component.packages) == 1:
             cmd[cmd.index("-o") + 1] = str(out_dir / component.programs[0])
         _run_logged(cmd, cwd=module_dir, log=log, report=report, what=f"building {component.name}")
-        if component.name == "kwok":
-            _write_kwok_stages(module_dir, out_dir / "kwok.yaml", log=log)
+        for extra in component.extras:
+            if extra in MODULE_FILES:
+                _write_module_files(module_dir, MODULE_FILES[extra], out_dir / extra, log=log)
         if component.name == "lws":
             _copy_module_files(module_dir, "sigs.k8s.io/lws", LWS_MANIFESTS, out_dir, log=log)
         out_dir.rename(final)
@@ -281,10 +332,11 @@ def _module_source(module_dir: Path, module: str, *, log: Path) -> Path:
     return Path(result.stdout.strip())
 
 
-def _write_kwok_stages(module_dir: Path, target: Path, *, log: Path) -> None:
-    """Concatenate KWOK's own stage files (from the module cache) into one kwok config."""
-    source = _module_source(module_dir, "sigs.k8s.io/kwok", log=log)
-    documents = [(source / name).read_text().strip() for name in KWOK_STAGE_FILES]
+def _write_module_files(module_dir: Path, files: tuple[str, tuple[str, ...]], target: Path, *, log: Path) -> None:
+    """Concatenate files of a module's source (from the module cache) into one YAML stream."""
+    module, names = files
+    source = _module_source(module_dir, module, log=log)
+    documents = [(source / name).read_text().strip() for name in names]
     target.write_text("\n---\n".join(documents) + "\n")
 
 
@@ -298,6 +350,9 @@ def _copy_module_files(module_dir: Path, module: str, files: tuple[str, ...], ou
 
 CONTROL_PLANE = ("etcd", "kubernetes", "kwok", "helm")
 """The components ``megafleet dev build`` builds by default; the real node's are built on demand."""
+
+AUTOSCALE = ("prometheus", "keda")
+"""The autoscale tier's components (:mod:`megafleet_dev.autoscale`), built on demand."""
 
 
 def ensure_built(names: tuple[str, ...] | None = None, *, report: progress.Progress = progress.print_progress) -> None:

@@ -205,7 +205,7 @@ def _servers(
     return server.EngineServers(
         engine,
         server.tokenizer_of(engine.backend),
-        metrics_module.Metrics(engine),
+        metrics_module.Metrics(engine, max_sequence_length=settings.max_sequence_length),
         host=settings.host,
         frontend_port=_frontend_port(settings, rank),
         agent_port=siblings_module.sibling_port(settings.agent_port, local_rank) if settings.agent_port else 0,

@@ -206,6 +206,21 @@ class Engine:
         with self._lock:
             return len(self._waiters)
 
+    @property
+    def waiting(self) -> int:
+        """Sequences accepted and not yet in the running batch, plus requests held at the gate
+        (what an autoscaler reads as queue pressure; read at scrape time, never exact)."""
+        with self._lock:
+            queued = self._in_flight
+            held = len(self._waiters)
+        return max(queued - len(self._open), 0) + held
+
+    def reserved_tokens(self) -> int:
+        """Tokens the running batch may hold in its KV cache: each open sequence's prompt plus its
+        ``max_tokens`` (read without the backend thread's cooperation, at scrape time only)."""
+        handles = list(self._open.values())  # one C-level copy under the GIL; the thread may move on
+        return sum(len(h.request.prompt_token_ids) + h.request.params.max_tokens for h in handles)
+
     async def submit(self, request: base.SequenceRequest) -> AsyncGenerator[base.TokenStep, None]:
         """Stream the generated tokens of one sequence; raises :class:`NotServing` at the gate
         (after holding it up to ``refit_wait_seconds`` while suspended for a refit).

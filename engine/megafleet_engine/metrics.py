@@ -5,8 +5,14 @@ with the engine (in the engine core process). It is fed by the frontend through
 :class:`FrontendMetrics` (the :class:`RequestMetrics` middleware: requests, latency; serving: prompt
 tokens, time to first token), directly in process or forwarded by the API-server processes
 (:mod:`megafleet_engine.core_ipc`), and by the refit code (:meth:`Metrics.observe_refit`); queue
-depth, running sequences, generated tokens, weight version and engine state are read from the
-engine at scrape time. :func:`build_app` is called by :mod:`megafleet_engine.server`.
+depth, waiting and running sequences, KV-cache use, generated tokens, weight version and engine
+state are read from the engine at scrape time. :func:`build_app` is called by
+:mod:`megafleet_engine.server`.
+
+Names follow Prometheus's conventions (``megafleet_`` prefix, base units, ``_total`` counters,
+``_ratio`` for 0..1): tokens per second is ``rate(megafleet_generated_tokens_total[1m])``, not a
+gauge. What an autoscaler reads (README, "Autoscaling"): ``megafleet_waiting_sequences`` and
+``megafleet_running_sequences`` per pod, summed per fleet by the ``fleet`` label Prometheus adds.
 """
 
 from __future__ import annotations
@@ -46,7 +52,9 @@ class FrontendMetrics(Protocol):
 class Metrics:
     """The metric families of one engine process (:class:`FrontendMetrics` included)."""
 
-    def __init__(self, engine: engine_module.Engine) -> None:
+    def __init__(self, engine: engine_module.Engine, *, max_sequence_length: int | None = None) -> None:
+        """``max_sequence_length`` sizes the KV-cache capacity (times the engine's batch size);
+        without it ``megafleet_kv_cache_usage_ratio`` is not exported."""
         self.registry = registry.CollectorRegistry()
         self.requests = prometheus_client.Counter(
             "megafleet_requests",
@@ -77,7 +85,7 @@ class Metrics:
             buckets=REFIT_BUCKETS,
             registry=self.registry,
         )
-        self.registry.register(_EngineCollector(engine))
+        self.registry.register(_EngineCollector(engine, max_sequence_length))
 
     def observe_request(self, endpoint: str, status: int, seconds: float) -> None:
         self.requests.labels(endpoint=endpoint, status=str(status)).inc()
@@ -101,8 +109,9 @@ class Metrics:
 class _EngineCollector(registry.Collector):
     """Gauges read from the engine when Prometheus scrapes, so they are never stale."""
 
-    def __init__(self, engine: engine_module.Engine) -> None:
+    def __init__(self, engine: engine_module.Engine, max_sequence_length: int | None) -> None:
         self._engine = engine
+        self._capacity = None if max_sequence_length is None else max_sequence_length * engine.max_batch_size
 
     def collect(self) -> Iterator[core.Metric]:
         engine = self._engine
@@ -112,6 +121,18 @@ class _EngineCollector(registry.Collector):
         yield core.GaugeMetricFamily(
             "megafleet_running_sequences", "Sequences in the running batch.", value=engine.running
         )
+        yield core.GaugeMetricFamily(
+            "megafleet_waiting_sequences",
+            "Sequences accepted and not yet running, plus requests held at the gate during a refit.",
+            value=engine.waiting,
+        )
+        if self._capacity:
+            yield core.GaugeMetricFamily(
+                "megafleet_kv_cache_usage_ratio",
+                "KV-cache tokens the running batch may hold (each sequence's prompt plus max_tokens) "
+                "over the capacity, max batch size times max sequence length.",
+                value=min(engine.reserved_tokens() / self._capacity, 1.0),
+            )
         yield core.CounterMetricFamily(
             "megafleet_generated_tokens",
             "Tokens generated (counted by the engine core).",

@@ -134,6 +134,7 @@ async def _reconcile(runtime: context.Runtime, namespace: str, name: str) -> boo
     try:
         fresh = await runtime.api.get("MegatronGeneration", name, namespace)  # the latest state, not the event's
         if fresh is None or fresh["metadata"].get("deletionTimestamp"):
+            metrics.forget_fleet(namespace, name)
             return False
 
         def notify(kind: str, reason: str, message: str) -> None:
@@ -141,11 +142,13 @@ async def _reconcile(runtime: context.Runtime, namespace: str, name: str) -> boo
 
         with metrics.RECONCILE_SECONDS.time():
             try:
-                await reconcile.reconcile(runtime, fresh, notify=notify)
+                written = await reconcile.reconcile(runtime, fresh, notify=notify)
             except Exception:
                 metrics.RECONCILES.labels(outcome="error").inc()
                 raise
         metrics.RECONCILES.labels(outcome="ok").inc()
+        replicas = int((fresh.get("spec") or {}).get("replicas", 1))
+        metrics.record_fleet(namespace, name, replicas, written if written is not None else fresh.get("status") or {})
         return True
     finally:
         lock.release()

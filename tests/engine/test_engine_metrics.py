@@ -3,7 +3,9 @@ the gauges read the engine's state at scrape time."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+import asyncio
+import threading
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 import httpx
@@ -11,6 +13,9 @@ import pytest
 from prometheus_client import parser
 
 from helpers import engine_harness as harness
+from megafleet_engine import engine, metrics
+from megafleet_engine.backends import base
+from megafleet_protocol import vocabulary
 
 
 @pytest.fixture
@@ -69,3 +74,64 @@ def test_metrics_count_requests_tokens_and_read_engine_state(served: harness.Ser
     after = _scrape(served)
     assert after[("megafleet_weight_version", ())] == 4
     assert after[("megafleet_engine_state", (("state", "suspended"),))] == 1
+
+
+class _HeldBackend:
+    """A backend double that holds its batch until the test lets it go, then gives each sequence
+    one token: what is queued meanwhile waits (no continuous batching)."""
+
+    supports_admission = False
+    kv_cache_mode: vocabulary.KvCacheMode = "offload"
+    tokenizer = None
+    follows = False
+    spans_ranks = False
+
+    def __init__(self) -> None:
+        self.info = base.ModelInfo(name="double", max_sequence_length=64, vocab_size=100, eos_token_id=None)
+        self.release = threading.Event()
+
+    def generate(self, batch: Sequence[base.SequenceRequest], admit: object = None) -> Iterator[list[base.TokenStep]]:
+        self.release.wait(30)
+        yield [base.TokenStep(request.request_id, 7, None, finish_reason="length") for request in batch]
+
+    def close(self) -> None:
+        self.release.set()
+
+
+def test_waiting_sequences_and_kv_cache_use_are_read_from_the_engine_at_scrape_time() -> None:
+    double = _HeldBackend()
+    core = engine.Engine(double, max_batch_size=2)  # type: ignore[arg-type]
+    scraped = metrics.Metrics(core, max_sequence_length=64)
+
+    def sample(name: str) -> float:
+        families = parser.text_string_to_metric_families(scraped.exposition().decode())
+        return next(s.value for f in families for s in f.samples if s.name == name)
+
+    async def scenario() -> tuple[float, float, float]:
+        requests = [
+            base.SequenceRequest(f"r{i}", (1, 2, 3), base.SamplingParams(max_tokens=13, temperature=0.0))
+            for i in range(5)
+        ]
+
+        async def run(request: base.SequenceRequest) -> list[int]:
+            return [step.token_id async for step in core.submit(request)]
+
+        tasks = [asyncio.ensure_future(run(request)) for request in requests]
+        for _ in range(5000):
+            if core.running == 2 and core.queue_depth == 5:
+                break
+            await asyncio.sleep(0.002)
+        seen = sample("megafleet_running_sequences"), sample("megafleet_waiting_sequences")
+        kv = sample("megafleet_kv_cache_usage_ratio")
+        double.release.set()
+        assert [await task for task in tasks] == [[7]] * 5
+        return seen[0], seen[1], kv
+
+    try:
+        running, waiting, kv = asyncio.run(scenario())
+    finally:
+        double.close()
+        core.close()
+    assert (running, waiting) == (2, 3)
+    assert kv == pytest.approx(2 * (3 + 13) / (2 * 64))  # two running sequences' prompt + max_tokens
+    assert sample("megafleet_waiting_sequences") == 0 and sample("megafleet_kv_cache_usage_ratio") == 0

@@ -100,4 +100,17 @@ app.kubernetes.io/component: operator
 {{- fail (printf "operator.watchNamespaces: %q is not a namespace name or glob" .) }}
 {{- end }}
 {{- end }}
+{{- range .Values.autoscaling.fleets }}
+{{- if not .name }}
+{{- fail "autoscaling.fleets: every entry needs the fleet's name" }}
+{{- end }}
+{{- $min := ternary .minReplicas $.Values.autoscaling.minReplicas (hasKey . "minReplicas") }}
+{{- $max := ternary .maxReplicas $.Values.autoscaling.maxReplicas (hasKey . "maxReplicas") }}
+{{- if lt (int $max) (int $min) }}
+{{- fail (printf "autoscaling.fleets %s: maxReplicas is below minReplicas" .name) }}
+{{- end }}
+{{- end }}
+{{- if and .Values.autoscaling.fleets (not .Values.autoscaling.prometheusAddress) }}
+{{- fail "autoscaling.fleets needs autoscaling.prometheusAddress (the Prometheus that scrapes the engines)" }}
+{{- end }}
 {{- end }}

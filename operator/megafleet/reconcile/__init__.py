@@ -25,19 +25,23 @@ from megafleet.reconcile import context, endpoints, hold, ownership, pacing, pod
 __all__ = ["reconcile"]
 
 
-async def reconcile(runtime: context.Runtime, body: dict[str, Any], *, notify: context.Notify = context.ignore) -> None:
-    """Bring the objects and status of one fleet in line with its spec; what it saw is kept for the
-    observation daemon's probes (:mod:`.pacing`) only when every step ran."""
+async def reconcile(
+    runtime: context.Runtime, body: dict[str, Any], *, notify: context.Notify = context.ignore
+) -> dict[str, Any] | None:
+    """Bring the objects and status of one fleet in line with its spec; returns the status the
+    sequence ended with (``None`` for an invalid spec), which the handlers' metrics read. What it
+    saw is kept for the observation daemon's probes (:mod:`.pacing`) only when every step ran."""
     metadata = body["metadata"]
     runtime.observed.pop((metadata.get("namespace") or "default", metadata["name"]), None)
     fleet = await validate.fleet(runtime.api, body, notify)
     if fleet is None:
-        return
+        return None
     ctx = context.FleetContext(runtime, body, fleet, notify, status=dict(body.get("status") or {}))
     try:
         await _steps(ctx)
     except ownership.NameConflict as conflict:
         await _report_conflict(ctx, str(conflict))
+    return ctx.status
 
 
 async def _steps(ctx: context.FleetContext) -> None:
