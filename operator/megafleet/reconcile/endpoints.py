@@ -34,8 +34,12 @@ async def agent_token(ctx: context.FleetContext) -> str:
 
 
 async def read_token(api: kube.Api, fleet: desired.ParsedFleet) -> str:
-    """The fleet's agent token as the Refit and RefitSession drivers read it ('' before it exists)."""
-    secret = await api.get("Secret", names.agent_secret(fleet.name), fleet.namespace) or {}
+    """The fleet's agent token as the Refit and RefitSession drivers read it: '' before it exists or
+    when the Secret of that name is not the fleet's own (a squatter's token is never sent to agents;
+    the reconcile reports the name conflict)."""
+    secret = await api.get("Secret", names.agent_secret(fleet.name), fleet.namespace)
+    if secret is None or not ownership.owned(secret, fleet):
+        return ""
     return base64.b64decode((secret.get("data") or {}).get(names.AGENT_TOKEN_KEY, "")).decode()
 
 

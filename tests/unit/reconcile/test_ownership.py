@@ -6,13 +6,13 @@ from __future__ import annotations
 
 import asyncio
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import yaml
 
 from helpers import kube_fakes
-from megafleet import agent_client, conditions, reconcile, settings
-from megafleet.reconcile import context
+from megafleet import agent_client, conditions, kube, names, reconcile, settings
+from megafleet.reconcile import context, endpoints, validate
 
 ROOT = Path(__file__).resolve().parents[3]
 NODE = {"kind": "Node", "metadata": {"name": "n0", "labels": {}}, "spec": {}, "status": {"allocatable": {}}}
@@ -138,3 +138,25 @@ def test_the_fleets_own_token_secret_emptied_by_hand_gets_a_new_token() -> None:
 
     assert condition(fleet, "NameConflict")["status"] == "False"
     assert api.objects[("Secret", "rl", "tiny-agent-token")]["data"]["token"]
+
+
+def driver_token(api: kube_fakes.Api) -> str:
+    """The agent token as the Refit and RefitSession drivers read it."""
+
+    async def read() -> str:
+        real = cast(kube.Api, api)  # the fake has the methods the two calls use
+        fleet = await validate.fleet(real, await api.get("MegatronGeneration", "tiny", "rl") or {}, context.ignore)
+        assert fleet is not None
+        return await endpoints.read_token(real, fleet)
+
+    return asyncio.run(read())
+
+
+def test_the_refit_drivers_read_only_the_fleets_own_token_secret() -> None:
+    squatted = kube_fakes.Api(
+        tiny(), foreign("Secret", names.agent_secret("tiny"), data={names.AGENT_TOKEN_KEY: "c3RvbGVu"})
+    )
+    assert driver_token(squatted) == ""  # "stolen" is never sent to an agent
+    owned = kube_fakes.Api(tiny())
+    reconciled(owned)  # the operator creates the fleet's own Secret
+    assert len(driver_token(owned)) >= 32
