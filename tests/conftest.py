@@ -8,8 +8,6 @@ them first) and stopped at the end of the session, by PID.
 from __future__ import annotations
 
 import os
-import subprocess
-import sys
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -17,6 +15,7 @@ import pytest
 import yaml
 
 from helpers import operator_env
+from helpers.operators import Operators
 from megafleet_dev import cluster, kube, runner
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -81,23 +80,14 @@ def operator(
     crds: None, kubeconfig: Path, pod_runner: runner.Runner, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[Path]:
     """The operator as a user runs it: a separate ``megafleet operator`` process; yields its log."""
-    log = tmp_path_factory.mktemp("operator") / "operator.log"
-    with log.open("wb") as sink:
-        process = subprocess.Popen(
-            [sys.executable, "-m", "megafleet.cli", "operator", "--namespace", OPERATOR_NAMESPACES],
-            env=dict(os.environ, KUBECONFIG=str(kubeconfig), **operator_env.ENVIRONMENT),
-            stdout=sink,
-            stderr=subprocess.STDOUT,
-        )
+    operators = Operators(
+        kubeconfig, tmp_path_factory.mktemp("operator"), OPERATOR_NAMESPACES, env=operator_env.ENVIRONMENT
+    )
+    operators.start()
     try:
-        yield log
+        yield operators.logs[0]
     finally:
-        process.terminate()
-        try:
-            process.wait(timeout=20)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            process.wait()
+        operators.close()
 
 
 @pytest.fixture(scope="session")

@@ -21,12 +21,14 @@ from megafleet_protocol import ports
 
 
 class Operators:
-    """Operator processes watching ``namespaces`` (a glob), logging to ``folder``."""
+    """Operator processes watching ``namespaces`` (a glob), logging to ``folder``, with ``env`` added
+    to their environment (settings overrides, :mod:`helpers.operator_env`)."""
 
-    def __init__(self, kubeconfig: Path, folder: Path, namespaces: str) -> None:
+    def __init__(self, kubeconfig: Path, folder: Path, namespaces: str, env: dict[str, str] | None = None) -> None:
         self.kubeconfig = kubeconfig
         self.folder = folder
         self.namespaces = namespaces
+        self.env = dict(env or {})
         self.processes: list[subprocess.Popen[bytes]] = []
         self.logs: list[Path] = []
 
@@ -40,7 +42,7 @@ class Operators:
         with log.open("wb") as sink:
             process = subprocess.Popen(
                 command,
-                env=dict(os.environ, KUBECONFIG=str(self.kubeconfig)),
+                env=dict(os.environ, KUBECONFIG=str(self.kubeconfig), **self.env),
                 stdout=sink,
                 stderr=subprocess.STDOUT,
             )

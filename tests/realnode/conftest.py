@@ -11,15 +11,13 @@ through the route to the node.
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 import yaml
 
+from helpers.operators import Operators
 from megafleet_dev import cluster, kube, realnode
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -70,20 +68,9 @@ def operator(
     crds: None, real_node: realnode.RealNode, kubeconfig: Path, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[Path]:
     """``megafleet operator`` on the host, watching the tests' namespaces; yields its log."""
-    log = tmp_path_factory.mktemp("operator") / "operator.log"
-    with log.open("wb") as sink:
-        process = subprocess.Popen(
-            [sys.executable, "-m", "megafleet.cli", "operator", "--namespace", OPERATOR_NAMESPACES],
-            env=dict(os.environ, KUBECONFIG=str(kubeconfig)),
-            stdout=sink,
-            stderr=subprocess.STDOUT,
-        )
+    operators = Operators(kubeconfig, tmp_path_factory.mktemp("operator"), OPERATOR_NAMESPACES)
+    operators.start()
     try:
-        yield log
+        yield operators.logs[0]
     finally:
-        process.terminate()
-        try:
-            process.wait(timeout=20)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            process.wait()
+        operators.close()
