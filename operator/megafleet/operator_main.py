@@ -14,7 +14,7 @@ from typing import Any, cast
 
 import kopf
 
-from megafleet import metrics, settings, supervision
+from megafleet import kopf_readiness, metrics, settings, supervision
 from megafleet import peering as megafleet_peering
 
 
@@ -31,9 +31,12 @@ def run(
     given priority each replica draws a random one, so two replicas never tie (a tie pauses both).
     A peering replica first announces itself and settles (:mod:`megafleet.peering`), so replicas
     started together never both act. Kopf runs under :func:`megafleet.supervision.supervise`, which
-    restarts it when it lost its resources to an API server in mid-start."""
+    restarts it when it lost its resources to an API server in mid-start, with Kopf's index
+    readiness fixed by :mod:`megafleet.kopf_readiness`."""
     logging.basicConfig(level=logging.DEBUG if verbose else logging.INFO, format="%(asctime)s %(name)s %(message)s")
     from megafleet import handlers  # registers the handlers on import
+
+    kopf_readiness.install()
 
     if metrics_port is not None:
         metrics.serve(metrics_port)
