@@ -105,6 +105,18 @@ async def create_chat_completion(
     return result if isinstance(result, responses.Response) else _json(result, result.weight_version)
 
 
+@router.post("/chat/completions/batch")
+async def create_chat_completion_batch(
+    body: protocol.ChatBatchRequest, request: fastapi.Request, frontend: FrontendDep
+) -> responses.Response:
+    """Extension: several conversations in one request (``messages`` is a list of conversations),
+    answered as one chat completion whose choice ``i * n + k`` is conversation ``i``'s ``k``-th."""
+    if body.stream:
+        return _sse(await frontend.chat.stream(body))
+    result = await _cancel_on_disconnect(request, frontend.chat.create(body))
+    return result if isinstance(result, responses.Response) else _json(result, result.weight_version)
+
+
 def _json(body: protocol.OpenAIBaseModel, version: int | None) -> responses.JSONResponse:
     return responses.JSONResponse(protocol.dump(body), headers={WEIGHT_VERSION_HEADER: weight_version_header(version)})
 
