@@ -69,6 +69,12 @@ SURROGATES = [
         b"{" + CHAT + b'[{"role":"user","content":[{"type":"text","text":"x\\udfff"}]}]}',
         "messages.0.content.0.text",
     ),
+    (
+        "chat-batch-content",
+        "/v1/chat/completions/batch",
+        b"{" + CHAT + b'[[{"role":"user","content":"ok"}],[{"role":"user","content":"\\ud800"}]]}',
+        "messages.1.0.content",
+    ),
     ("model-completion", "/v1/completions", b'{"model":"ti\\ud800ny","prompt":"a"}', "model"),
     ("model-chat", "/v1/chat/completions", b'{"model":"\\udbff","messages":[{"role":"user","content":"a"}]}', "model"),
     ("stop", "/v1/completions", b"{" + COMPLETION + b',"prompt":"a","stop":["\\ud800"]}', "stop.0"),

@@ -96,12 +96,12 @@ def test_a_batch_spreads_over_every_ready_frontend_and_never_reaches_stale_or_st
         assert len(answer.token_ids) == MAX_TOKENS and answer.finish_reason == "length"
 
 
-def test_chat_answers_are_the_models_greedy_continuation_of_the_templated_prompt(
+def test_a_chat_batch_is_one_batched_request_per_ready_frontend_answering_the_templated_prompts(
     engines: list[engine_command.EngineProcess], reference: engine_command.Reference
 ) -> None:
     router = routed(engines)
-    conversations = [[{"role": "user", "content": f"count to {n}"}] for n in range(4)]
-    before = counts(engines, "/v1/chat/completions")
+    conversations = [[{"role": "user", "content": f"count to {n}"}] for n in range(8)]
+    before_batch, before_single = counts(engines, "/v1/chat/completions/batch"), counts(engines, "/v1/chat/completions")
 
     async def run() -> list[generation.Answer]:
         async with generation.Generator(router, model=engine_command.MODEL) as generator:
@@ -109,13 +109,20 @@ def test_chat_answers_are_the_models_greedy_continuation_of_the_templated_prompt
 
     answers = asyncio.run(run())
 
-    served = [after - then for after, then in zip(counts(engines, "/v1/chat/completions"), before, strict=True)]
-    assert served[0] > 0 and served[1] > 0 and served[2] == 0, served
-    for answer in answers:
-        assert answer.prompt_token_ids is not None
+    batched = [
+        after - then for after, then in zip(counts(engines, "/v1/chat/completions/batch"), before_batch, strict=True)
+    ]
+    single = [after - then for after, then in zip(counts(engines, "/v1/chat/completions"), before_single, strict=True)]
+    # one batched request (a list of conversations) per ready frontend, none per conversation
+    assert batched == [1, 1, 0] and single == [0, 0, 0], (batched, single)
+    for conversation, answer in zip(conversations, answers, strict=True):
+        templated = reference.tokenizer.apply_chat_template(
+            conversation, add_generation_prompt=True, tokenize=True, return_dict=False
+        )
+        assert answer.prompt_token_ids == list(templated)  # in order: each answer is its own conversation's
         assert answer.token_ids == reference.greedy(answer.prompt_token_ids, MAX_TOKENS)
         assert answer.logprobs is not None and len(answer.logprobs) == len(answer.token_ids)
-        assert answer.weight_version == 0
+        assert answer.weight_version == 0 and answer.shard in (0, 1)
 
 
 def test_a_frontend_that_cannot_be_reached_is_skipped(engines: list[engine_command.EngineProcess]) -> None:

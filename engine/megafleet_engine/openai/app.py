@@ -16,7 +16,9 @@ from megafleet_engine.openai import errors, router, serving
 
 __all__ = ["FRONTEND_PATHS", "build_frontend_app"]
 
-FRONTEND_PATHS = frozenset({"/v1/models", "/v1/completions", "/v1/chat/completions", "/health"})
+FRONTEND_PATHS = frozenset(
+    {"/v1/models", "/v1/completions", "/v1/chat/completions", "/v1/chat/completions/batch", "/health"}
+)
 """Endpoint label values of the request metrics; anything else counts as ``other``."""
 
 

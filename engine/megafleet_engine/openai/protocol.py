@@ -7,13 +7,15 @@ Imports only pydantic and the backend's plain dataclasses (no torch).
 
 RL extensions beyond OpenAI: ``top_k``, ``ignore_eos``, ``stop_token_ids``, ``return_token_ids``,
 ``detokenize`` (``false``: token ids only), ``logprobs_mode`` (requests); ``token_ids`` and
-``prompt_token_ids`` per choice and ``weight_version`` on every response and stream chunk.
+``prompt_token_ids`` per choice and ``weight_version`` on every response and stream chunk; and
+:class:`ChatBatchRequest`, several conversations in one request (``/v1/chat/completions/batch``).
 """
 
 from __future__ import annotations
 
+import abc
 import logging
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 import pydantic
 import pydantic_core
@@ -326,16 +328,19 @@ class ChatMessage(OpenAIBaseModel):
         return self.content or ""
 
 
-class ChatCompletionRequest(SamplingRequest):
-    """``POST /v1/chat/completions``: messages rendered with the tokenizer's chat template."""
+Conversation = Annotated[list[ChatMessage], Field(min_length=1)]
+"""One conversation of a batch: at least one message."""
 
-    messages: list[ChatMessage] = Field(min_length=1)
+
+class ChatSamplingRequest(SamplingRequest):
+    """Fields both chat endpoints share; each says which conversations it carries."""
+
     max_completion_tokens: int | None = Field(default=None, ge=1)
     logprobs: bool = False
     top_logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
 
     @pydantic.model_validator(mode="after")
-    def _top_needs_logprobs(self) -> ChatCompletionRequest:
+    def _top_needs_logprobs(self) -> ChatSamplingRequest:
         if self.top_logprobs and not self.logprobs:
             raise ValueError("top_logprobs needs logprobs set to true")
         return self
@@ -346,9 +351,34 @@ class ChatCompletionRequest(SamplingRequest):
     def requested_logprobs(self) -> int | None:
         return (self.top_logprobs or 0) if self.logprobs else None
 
-    def conversation(self) -> list[dict[str, str]]:
-        """The messages as the chat template expects them."""
-        return [{"role": message.role, "content": message.text} for message in self.messages]
+    @abc.abstractmethod
+    def conversations(self) -> list[list[dict[str, str]]]:
+        """Every conversation, in order, each as the chat template expects its messages."""
+
+
+class ChatCompletionRequest(ChatSamplingRequest):
+    """``POST /v1/chat/completions``: messages rendered with the tokenizer's chat template."""
+
+    messages: list[ChatMessage] = Field(min_length=1)
+
+    def conversations(self) -> list[list[dict[str, str]]]:
+        return [_conversation(self.messages)]
+
+
+class ChatBatchRequest(ChatSamplingRequest):
+    """``POST /v1/chat/completions/batch`` (extension; vLLM's path and shape): ``messages`` is a list of
+    conversations, each rendered with the chat template on its own and all admitted as one batch,
+    with one sampling for all. Choice ``i * n + k`` is conversation ``i``'s ``k``-th (as a
+    multi-prompt completion's). At most :data:`MAX_N` conversations (times ``n``)."""
+
+    messages: list[Conversation] = Field(min_length=1, max_length=MAX_N)
+
+    def conversations(self) -> list[list[dict[str, str]]]:
+        return [_conversation(conversation) for conversation in self.messages]
+
+
+def _conversation(messages: list[ChatMessage]) -> list[dict[str, str]]:
+    return [{"role": message.role, "content": message.text} for message in messages]
 
 
 class TopLogprob(OpenAIBaseModel):

@@ -99,6 +99,19 @@ async def create_completion(
 async def create_chat_completion(
     body: protocol.ChatCompletionRequest, request: fastapi.Request, frontend: FrontendDep
 ) -> responses.Response:
+    return await _chat(body, request, frontend)
+
+
+@router.post("/chat/completions/batch")
+async def create_chat_completion_batch(
+    body: protocol.ChatBatchRequest, request: fastapi.Request, frontend: FrontendDep
+) -> responses.Response:
+    """Extension: several conversations in one request (``messages`` is a list of conversations),
+    answered as one chat completion whose choice ``i * n + k`` is conversation ``i``'s ``k``-th."""
+    return await _chat(body, request, frontend)
+
+
+async def _chat(body: protocol.ChatSamplingRequest, request: fastapi.Request, frontend: Frontend) -> responses.Response:
     if body.stream:
         return _sse(await frontend.chat.stream(body))
     result = await _cancel_on_disconnect(request, frontend.chat.create(body))

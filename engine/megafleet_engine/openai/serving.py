@@ -1,4 +1,4 @@
-"""The logic behind ``/v1/models``, ``/v1/completions`` and ``/v1/chat/completions``.
+"""The logic behind ``/v1/models``, ``/v1/completions``, ``/v1/chat/completions`` and its batch extension.
 
 Called by the thin router (:mod:`megafleet_engine.openai.router`), which picks the streaming or the
 non-streaming method from ``request.stream``. Serving raises typed errors
@@ -116,20 +116,27 @@ class _Pipeline:
         self.context = context
 
     def prepare(
-        self, request: protocol.SamplingRequest, prompts: Sequence[Sequence[int]], *, prefix: str, param: str
+        self,
+        request: protocol.SamplingRequest,
+        prompts: Sequence[Sequence[int]],
+        *,
+        prefix: str,
+        param: str,
+        each: str | None = None,
     ) -> _Prepared:
+        """Validate ``prompts`` (token ids) against the model and build their choices, ``n`` each.
+
+        Errors name ``param``; with ``each`` (a batch of conversations: ``"conversation"``) they name
+        the prompt at fault, ``param.<index>``, and their message says ``conversation <index>``."""
         info = self.context.info
         check_model(info, request.model)
-        if len(prompts) * request.n > protocol.MAX_N:
-            raise errors.InvalidRequest(
-                f"{len(prompts)} prompts x n={request.n} is {len(prompts) * request.n} sequences; "
-                f"one request may ask for at most {protocol.MAX_N}",
-                param="n",
-            )
+        check_sequences(len(prompts), request.n, noun=each or "prompt")
         specs: list[generation.SequenceSpec] = []
         for prompt_index, prompt in enumerate(prompts):
-            _check_token_ids(prompt, info.vocab_size, param=param)
-            max_tokens = _max_tokens(len(prompt), request, info.max_sequence_length, param=param)
+            where = param if each is None else f"{param}.{prompt_index}"
+            subject = "the prompt" if each is None else f"the prompt of {each} {prompt_index}"
+            _check_token_ids(prompt, info.vocab_size, param=where, subject=subject)
+            max_tokens = _max_tokens(len(prompt), request, info.max_sequence_length, param=where, subject=subject)
             for sample in range(request.n):
                 index = prompt_index * request.n + sample
                 params = request.to_sampling_params(max_tokens=max_tokens, choice=index)
@@ -248,30 +255,41 @@ def engine_error(error: engine_module.EngineError) -> errors.HTTPError:
     return errors.InternalError(str(error))
 
 
-def _check_token_ids(prompt: Sequence[int], vocab_size: int, *, param: str) -> None:
+def check_sequences(prompts: int, n: int, *, noun: str) -> None:
+    """Refuse a request whose ``prompts`` (of kind ``noun``) times ``n`` exceed the per-request
+    bound (a 400 naming ``n``); cheap, so callers run it before any tokenising."""
+    if prompts * n > protocol.MAX_N:
+        raise errors.InvalidRequest(
+            f"{prompts} {noun}s x n={n} is {prompts * n} sequences; one request may ask for at most {protocol.MAX_N}",
+            param="n",
+        )
+
+
+def _check_token_ids(prompt: Sequence[int], vocab_size: int, *, param: str, subject: str) -> None:
     if not prompt:
-        raise errors.InvalidRequest("the prompt is empty", param=param)
+        raise errors.InvalidRequest(f"{subject} is empty", param=param)
     bad = [token for token in prompt if not 0 <= token < vocab_size]
     if bad:
-        raise errors.InvalidRequest(f"token id {bad[0]} is outside the vocabulary (0 to {vocab_size - 1})", param=param)
+        raise errors.InvalidRequest(
+            f"token id {bad[0]} of {subject} is outside the vocabulary (0 to {vocab_size - 1})", param=param
+        )
 
 
-def _max_tokens(prompt_length: int, request: protocol.SamplingRequest, limit: int, *, param: str) -> int:
+def _max_tokens(prompt_length: int, request: protocol.SamplingRequest, limit: int, *, param: str, subject: str) -> int:
     room = limit - prompt_length
     if room < 1:
         raise errors.ContextLengthExceeded(
-            f"the prompt is {prompt_length} tokens; the maximum sequence length is {limit}", param=param
+            f"{subject} is {prompt_length} tokens; the maximum sequence length is {limit}", param=param
         )
     requested = request.requested_max_tokens()
     if requested is None:
         default = DEFAULT_COMPLETION_TOKENS if isinstance(request, protocol.CompletionRequest) else room
         return min(default, room)
     if prompt_length + requested > limit:
-        chat_limit = isinstance(request, protocol.ChatCompletionRequest) and request.max_completion_tokens is not None
+        chat_limit = isinstance(request, protocol.ChatSamplingRequest) and request.max_completion_tokens is not None
         name = "max_completion_tokens" if chat_limit else "max_tokens"
         raise errors.ContextLengthExceeded(
-            f"the prompt ({prompt_length} tokens) plus {name} ({requested}) exceeds the maximum sequence length "
-            f"{limit}",
+            f"{subject} ({prompt_length} tokens) plus {name} ({requested}) exceeds the maximum sequence length {limit}",
             param=name,
         )
     return requested
@@ -418,13 +436,16 @@ class CompletionServing:
 
 
 class ChatServing:
-    """``POST /v1/chat/completions``: the messages through the tokenizer's chat template."""
+    """``POST /v1/chat/completions``: the messages through the tokenizer's chat template; and
+    ``POST /v1/chat/completions/batch`` (extension): several conversations, each rendered on its own,
+    all admitted as one batch and answered in one response (choice ``i * n + k`` is conversation
+    ``i``'s ``k``-th)."""
 
     def __init__(self, context: ServingContext) -> None:
         self._pipeline = _Pipeline(context)
         self._context = context
 
-    async def create(self, request: protocol.ChatCompletionRequest) -> protocol.ChatCompletionResponse:
+    async def create(self, request: protocol.ChatSamplingRequest) -> protocol.ChatCompletionResponse:
         prepared = self._prepare(request)
         states, weight_version = await self._pipeline.complete(prepared)
         ids = request.wants_token_ids
@@ -448,27 +469,42 @@ class ChatServing:
             weight_version=weight_version,
         )
 
-    async def stream(self, request: protocol.ChatCompletionRequest) -> Stream:
+    async def stream(self, request: protocol.ChatSamplingRequest) -> Stream:
         prepared = self._prepare(request)
         batch, first = await self._pipeline.start(prepared)
         weight_version = batch.weight_version
         chunks = self._chunks(request, prepared, batch, first, weight_version)
         return Stream(weight_version, self._pipeline.sse(batch, chunks, weight_version), batch.close)
 
-    def _prepare(self, request: protocol.ChatCompletionRequest) -> _Prepared:
+    def _prepare(self, request: protocol.ChatSamplingRequest) -> _Prepared:
+        check_model(self._context.info, request.model)
+        conversations = request.conversations()
+        batched = isinstance(request, protocol.ChatBatchRequest)
+        check_sequences(len(conversations), request.n, noun="conversation")
+        prompts = [
+            self._render(conversation, index if batched else None) for index, conversation in enumerate(conversations)
+        ]
+        each = "conversation" if batched else None
+        return self._pipeline.prepare(request, prompts, prefix="chatcmpl", param="messages", each=each)
+
+    def _render(self, conversation: list[dict[str, str]], index: int | None) -> list[int]:
+        """One conversation's prompt: its messages through the chat template, as token ids; errors
+        name the conversation's ``index`` in a batch (``None``: the request's only one)."""
         try:
             prompt = self._context.tokenizer.apply_chat_template(
-                request.conversation(), add_generation_prompt=True, tokenize=True, return_dict=False
+                conversation, add_generation_prompt=True, tokenize=True, return_dict=False
             )
         except (jinja2.TemplateError, ValueError) as error:
-            raise errors.InvalidRequest(f"the chat template rejected the messages: {error}", param="messages") from None
+            param, label = ("messages", "") if index is None else (f"messages.{index}", f"conversation {index}: ")
+            message = f"{label}the chat template rejected the messages: {error}"
+            raise errors.InvalidRequest(message, param=param) from None
         if not isinstance(prompt, list) or not all(isinstance(token, int) for token in prompt):
             raise errors.InternalError("the chat template did not produce token ids")
-        return self._pipeline.prepare(request, [prompt], prefix="chatcmpl", param="messages")
+        return prompt
 
     async def _chunks(
         self,
-        request: protocol.ChatCompletionRequest,
+        request: protocol.ChatSamplingRequest,
         prepared: _Prepared,
         batch: engine_client.Batch,
         first: Step,

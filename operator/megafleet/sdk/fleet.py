@@ -267,7 +267,8 @@ class Fleet:
         conversations: Sequence[Sequence[generation.Message]],
         sampling: generation.Sampling = generation.DEFAULT_SAMPLING,
     ) -> list[generation.Answer]:
-        """Every conversation at once, spread over all routable frontends; answers in order."""
+        """Every conversation at once as batched requests (the engine's ``/v1/chat/completions/batch``:
+        one per routable frontend at least), spread over all of them; answers in order."""
         await self._ensure_routed()
         return await self.generator.chat_batch(conversations, sampling)
 

@@ -12,7 +12,9 @@ Every request goes to the frontend with the fewest outstanding requests (:class:
 A completion batch is sent as few batched requests (``prompt`` as a list: OpenAI's batch form, which
 the engine admits as one batch): one chunk per frontend at least, each of at most
 :data:`~megafleet_protocol.frontend.MAX_SEQUENCES_PER_REQUEST` prompts (:func:`chunks`), all in
-flight at once. A chat batch is one request per conversation (chat has no batch form).
+flight at once. A chat batch goes the same way to the engine's ``/v1/chat/completions/batch``
+extension (``messages`` as a list of conversations, each rendered with the chat template by the
+engine: the client needs no tokenizer); OpenAI's chat API has no batch form.
 ``Sampling(text=False)`` asks for token ids only (the engine's ``detokenize: false``: no text is
 made). The engine's RL extensions are always asked for:
 ``return_token_ids`` (the completion's token ids) and the weight version (``weight_version`` in the
@@ -242,11 +244,7 @@ class Generator:
     async def complete_fitted(self, prompts: Sequence[Prompt], samplings: Sequence[Sampling]) -> list[Answer]:
         """Every prompt with its own already fitted sampling, as :meth:`batch_requests` all in flight
         at once; answers in prompt order."""
-        requests = self.batch_requests(prompts, samplings)
-        answers: dict[int, Answer] = {}
-        for (members, _), got in zip(requests, await asyncio.gather(*(work for _, work in requests)), strict=True):
-            answers.update(zip(members, got, strict=True))
-        return [answers[index] for index in range(len(prompts))]
+        return await _gathered(len(prompts), self.batch_requests(prompts, samplings))
 
     def batch_requests(
         self, prompts: Sequence[Prompt], samplings: Sequence[Sampling]
@@ -256,6 +254,46 @@ class Generator:
         per frontend at least); each entry is (the prompt indexes it carries, in order; the request,
         not yet awaited, which returns one answer per index). Callers that stream (the NeMo adapter's
         ``generate_async``) await each request on its own; :meth:`complete_batch` gathers them."""
+
+        def request(sampling: Sampling, members: list[int]) -> Coroutine[Any, Any, list[Answer]]:
+            body = {**sampling.body(), "model": self.model, "prompt": [_wire(prompts[index]) for index in members]}
+            if sampling.logprobs:
+                body["logprobs"] = 0
+            return self._send("/completions", body, _completion_answers)
+
+        return self._grouped(samplings, request)
+
+    async def chat_batch(
+        self, conversations: Sequence[Sequence[Message]], sampling: Sampling = DEFAULT_SAMPLING
+    ) -> list[Answer]:
+        """Every conversation at once as batched requests to the engine's
+        ``/v1/chat/completions/batch`` (one per frontend at least, each of at most
+        :data:`~megafleet_protocol.frontend.MAX_SEQUENCES_PER_REQUEST` conversations, all in flight
+        at once); answers in conversation order."""
+        return await _gathered(
+            len(conversations), self.chat_batch_requests(conversations, [sampling] * len(conversations))
+        )
+
+    def chat_batch_requests(
+        self, conversations: Sequence[Sequence[Message]], samplings: Sequence[Sampling]
+    ) -> list[tuple[list[int], Coroutine[Any, Any, list[Answer]]]]:
+        """The batched chat requests for ``conversations``, each with its own sampling, shaped as
+        :meth:`batch_requests`' (conversations of equal sampling share requests)."""
+
+        def request(sampling: Sampling, members: list[int]) -> Coroutine[Any, Any, list[Answer]]:
+            messages = [[dict(message) for message in conversations[index]] for index in members]
+            body = {**sampling.body(), "model": self.model, "messages": messages}
+            if sampling.logprobs:
+                body["logprobs"] = True
+            return self._send("/chat/completions/batch", body, _chat_answers)
+
+        return self._grouped(samplings, request)
+
+    def _grouped(
+        self, samplings: Sequence[Sampling], request: Callable[[Sampling, list[int]], Coroutine[Any, Any, list[Answer]]]
+    ) -> list[tuple[list[int], Coroutine[Any, Any, list[Answer]]]]:
+        """``request(sampling, members)`` for every chunk (:func:`chunks`, one per frontend at least)
+        of the indexes that share a sampling; with the indexes each carries, in order."""
         groups: dict[Sampling, list[int]] = {}
         for index, chosen in enumerate(samplings):
             groups.setdefault(chosen, []).append(index)
@@ -264,17 +302,8 @@ class Generator:
         for chosen, indexes in groups.items():
             for piece in chunks(len(indexes), frontends):
                 members = [indexes[position] for position in piece]
-                body = {**chosen.body(), "model": self.model, "prompt": [_wire(prompts[index]) for index in members]}
-                if chosen.logprobs:
-                    body["logprobs"] = 0
-                requests.append((members, self._send("/completions", body, _completion_answers)))
+                requests.append((members, request(chosen, members)))
         return requests
-
-    async def chat_batch(
-        self, conversations: Sequence[Sequence[Message]], sampling: Sampling = DEFAULT_SAMPLING
-    ) -> list[Answer]:
-        """Every conversation at once, spread over the frontends; answers in order."""
-        return list(await asyncio.gather(*(self.chat(messages, sampling) for messages in conversations)))
 
     async def _send(self, path: str, body: dict[str, Any], parse: Callable[[httpx.Response, routing.Frontend], T]) -> T:
         failures: dict[str, str] = {}
@@ -297,6 +326,14 @@ class Generator:
             failures[frontend.url] = f"HTTP {response.status_code}: {_error_message(response)}"
             if response.status_code < 500:
                 raise errors.GenerationFailed(failures)  # the request itself is wrong: same answer anywhere
+
+
+async def _gathered(count: int, requests: list[tuple[list[int], Coroutine[Any, Any, list[Answer]]]]) -> list[Answer]:
+    """Await every request at once; the ``count`` answers in index order."""
+    answers: dict[int, Answer] = {}
+    for (members, _), got in zip(requests, await asyncio.gather(*(work for _, work in requests)), strict=True):
+        answers.update(zip(members, got, strict=True))
+    return [answers[index] for index in range(count)]
 
 
 def _wire(prompt: Prompt) -> str | list[int]:
@@ -341,8 +378,21 @@ def _completion_choice(
 
 
 def _chat_answer(response: httpx.Response, frontend: routing.Frontend) -> Answer:
+    return _chat_answers(response, frontend)[0]
+
+
+def _chat_answers(response: httpx.Response, frontend: routing.Frontend) -> list[Answer]:
+    """Every choice of a chat completion, in choice order (a batch: one per conversation)."""
     body = response.json()
-    choice = body["choices"][0]
+    return [
+        _chat_choice(choice, response, body, frontend)
+        for choice in sorted(body["choices"], key=lambda choice: int(choice.get("index", 0)))
+    ]
+
+
+def _chat_choice(
+    choice: Mapping[str, Any], response: httpx.Response, body: Mapping[str, Any], frontend: routing.Frontend
+) -> Answer:
     content = (choice.get("logprobs") or {}).get("content")
     return Answer(
         text=(choice.get("message") or {}).get("content") or "",
