@@ -27,7 +27,7 @@ from megafleet import agent_client, kube, metrics, names, persistence, reconcile
 from megafleet import settings as operator_settings
 from megafleet.api import v1alpha1
 from megafleet.reconcile import cache as watch_cache
-from megafleet.reconcile import context, pacing
+from megafleet.reconcile import context, nodes, pacing
 
 log = logging.getLogger(__name__)
 
@@ -210,6 +210,18 @@ async def on_pod_event(
     if type == "DELETED":
         _forget(memo, "Pod", body)
     await _reconcile(_runtime(memo, kwargs), namespace or "default", labels[names.LABEL_FLEET])
+
+
+@kopf.on.event("v1", "nodes")
+async def on_node_event(type: str | None, name: str, memo: kopf.Memo, **kwargs: Any) -> None:
+    """A deleted node: reconcile at once every fleet with a pod on it (Kopf took the node out of the
+    index first), which releases its shards (:mod:`megafleet.reconcile.nodes`). A node that turns
+    unreachable is lost only once the pods' toleration runs out: the probes of the fleets notice."""
+    if type != "DELETED":
+        return
+    runtime = _runtime(memo, kwargs)
+    for namespace, fleet in nodes.fleets_on(runtime.cache, name):
+        await _reconcile(runtime, namespace, fleet)
 
 
 def _unfinished(status: Mapping[str, Any], **_: Any) -> bool:

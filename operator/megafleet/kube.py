@@ -124,11 +124,15 @@ class Api:
         self._tell("create", obj["kind"], obj["metadata"].get("namespace"), obj["metadata"]["name"], plain)
         return plain
 
-    async def delete(self, kind: str, name: str, namespace: str | None = None) -> None:
+    async def delete(
+        self, kind: str, name: str, namespace: str | None = None, *, grace_seconds: int | None = None
+    ) -> None:
+        """Delete the object (a missing one is not an error); ``grace_seconds=0`` removes a pod at
+        once, without waiting for its kubelet to confirm (a lost node's pods)."""
         self._count("delete", kind)
         try:
             async with self._slots:
-                await self._client.delete(KINDS[kind], name, namespace=namespace)
+                await self._client.delete(KINDS[kind], name, namespace=namespace, grace_period=grace_seconds)
         except ApiError as error:
             if error.status.code != 404:
                 raise

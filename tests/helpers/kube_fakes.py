@@ -75,8 +75,10 @@ class Api:
             observer("create", obj["kind"], obj["metadata"].get("namespace"), obj["metadata"]["name"], created)
         return created
 
-    async def delete(self, kind: str, name: str, namespace: str | None = None) -> None:
-        self.writes[f"delete {kind}"] += 1
+    async def delete(
+        self, kind: str, name: str, namespace: str | None = None, *, grace_seconds: int | None = None
+    ) -> None:
+        self.writes[f"delete {kind}" if grace_seconds is None else f"delete {kind} grace={grace_seconds}"] += 1
         self.objects.pop((kind, namespace, name), None)
         for observer in self.observers:
             observer("delete", kind, namespace, name, None)

@@ -9,7 +9,8 @@ RefitSession holds the fleet (:mod:`.hold`), nothing is scaled, rolled, placed o
 but broken shards are still healed.
 
 Steps, each in the module named for it: :mod:`.validate`, :mod:`.endpoints`, :mod:`.pods` (observe),
-:mod:`.shards` (scale down, heal, roll, place), :mod:`.versions` (fence, catch up), :mod:`.status`.
+:mod:`.shards` (scale down, heal, roll, place; :mod:`.nodes` releases shards on lost nodes after
+healing), :mod:`.versions` (fence, catch up), :mod:`.status`.
 Pods, Services and nodes are read from the watch-fed :mod:`.cache` when the operator runs one.
 An object under a derived name that the fleet does not own stops the sequence (:mod:`.ownership`):
 NameConflict, nothing adopted or published.
@@ -20,7 +21,19 @@ from __future__ import annotations
 from typing import Any
 
 from megafleet import conditions
-from megafleet.reconcile import context, endpoints, hold, ownership, pacing, pods, shards, status, validate, versions
+from megafleet.reconcile import (
+    context,
+    endpoints,
+    hold,
+    nodes,
+    ownership,
+    pacing,
+    pods,
+    shards,
+    status,
+    validate,
+    versions,
+)
 
 __all__ = ["reconcile"]
 
@@ -54,6 +67,7 @@ async def _steps(ctx: context.FleetContext) -> None:
     if not frozen:
         await shards.scale_down(ctx)
     await shards.heal(ctx)
+    await nodes.release(ctx)
     if not frozen:
         await shards.roll(ctx)
         await shards.place(ctx)
