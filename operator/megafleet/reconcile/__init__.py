@@ -21,19 +21,8 @@ from __future__ import annotations
 from typing import Any
 
 from megafleet import conditions
-from megafleet.reconcile import (
-    context,
-    endpoints,
-    hold,
-    nodes,
-    ownership,
-    pacing,
-    pods,
-    shards,
-    status,
-    validate,
-    versions,
-)
+from megafleet.reconcile import context, endpoints, hold, ownership, pacing, pods, shards, status, validate, versions
+from megafleet.reconcile import nodes as lost_nodes
 
 __all__ = ["reconcile"]
 
@@ -67,7 +56,7 @@ async def _steps(ctx: context.FleetContext) -> None:
     if not frozen:
         await shards.scale_down(ctx)
     await shards.heal(ctx)
-    await nodes.release(ctx)
+    await lost_nodes.release(ctx)
     if not frozen:
         await shards.roll(ctx)
         await shards.place(ctx)

@@ -17,7 +17,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from megafleet.reconcile import context, nodes, pods
+from megafleet.reconcile import context, pods
+from megafleet.reconcile import nodes as lost_nodes
 
 Object = dict[str, Any]
 
@@ -60,7 +61,7 @@ async def probe(runtime: context.Runtime, body: Object) -> bool:
         return True
     if (metadata.get("uid"), metadata.get("generation")) != (last.fleet.uid, last.fleet.generation):
         return True  # the spec changed (its own handler reconciles too)
-    if nodes.due(runtime.cache, last.fleet):
+    if lost_nodes.due(runtime.cache, last.fleet):
         return True  # a node of its pods is lost (deleted, or unreachable past the pods' toleration)
     shards = await pods.observe(runtime.api, last.fleet, runtime.cache)
     reports = await pods.ask_agents(runtime.agents, shards, last.token)
