@@ -4,7 +4,10 @@ and KWOK simulating GPU nodes.
 Used by ``megafleet dev up|down|status`` (:mod:`megafleet_dev.cli`) and by the pytest fixtures in
 ``tests/conftest.py``. Every process listens on 127.0.0.1 on a free port, is started in its own
 process session (so ``dev up`` can return and leave it running) and is stopped by the PID recorded in
-``state.json``, after checking that the PID still runs the program we started.
+``state.json``, after checking that the PID still runs the program we started. kube-scheduler and
+kube-controller-manager run under :mod:`megafleet_dev.supervise`, which restarts them when they exit
+(as a kubelet restarts a real control plane's static pods); the chaos drills restart etcd and
+kube-apiserver themselves (:meth:`LocalCluster.restart`).
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ import signal
 import socket
 import ssl
 import subprocess
+import sys
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -339,9 +343,14 @@ class LocalCluster:
             "--leader-elect=false",
         ]
         kcm_port, scheduler_port = free_port(), free_port()
+        # Both run under a supervisor that restarts them when they exit, as a kubelet restarts the
+        # static pods of a real control plane: kube-scheduler exits on purpose when an event
+        # contradicts its cache (after a watch gap across an etcd restart, see megafleet_dev.supervise).
+        supervised = [sys.executable, "-m", "megafleet_dev.supervise"]
         self.spawn(
             "kube-controller-manager",
             [
+                *supervised,
                 str(toolchain.program_path("kube-controller-manager")),
                 *common,
                 f"--secure-port={kcm_port}",
@@ -357,6 +366,7 @@ class LocalCluster:
         self.spawn(
             "kube-scheduler",
             [
+                *supervised,
                 str(toolchain.program_path("kube-scheduler")),
                 *common,
                 f"--secure-port={scheduler_port}",
