@@ -88,9 +88,11 @@ class FakeOperator(kube_fakes.Api):
         with self.lock:
             return await super().create(obj)
 
-    async def delete(self, kind: str, name: str, namespace: str | None = None) -> None:
+    async def delete(
+        self, kind: str, name: str, namespace: str | None = None, *, grace_seconds: int | None = None
+    ) -> None:
         with self.lock:
-            await super().delete(kind, name, namespace)
+            await super().delete(kind, name, namespace, grace_seconds=grace_seconds)
 
     async def patch(self, kind: str, name: str, namespace: str | None, patch: dict[str, Any]) -> dict[str, Any]:
         with self.lock:

@@ -13,7 +13,7 @@ from megafleet import agent_client, reconcile, settings
 from megafleet.reconcile import cache, context, inventory, nodes
 
 NOW = datetime.datetime(2026, 12, 2, 1, 0, 0, tzinfo=datetime.UTC)
-DEFAULT = [
+DEFAULT: list[dict[str, Any]] = [
     {"key": nodes.UNREACHABLE, "operator": "Exists", "effect": "NoExecute", "tolerationSeconds": 300},
     {"key": "node.kubernetes.io/not-ready", "operator": "Exists", "effect": "NoExecute", "tolerationSeconds": 300},
 ]
@@ -52,9 +52,12 @@ def test_an_unreachable_node_is_lost_when_the_pods_toleration_runs_out() -> None
 def test_no_toleration_means_at_once_and_one_without_seconds_means_never() -> None:
     fresh = by_name(node("n0", taint(nodes.UNREACHABLE, 0)))
     assert nodes.loss("n0", fresh, [], NOW) is not None
-    forever = [{"operator": "Exists"}]  # an empty key with Exists tolerates every taint, for ever
+    forever: list[dict[str, Any]] = [{"operator": "Exists"}]  # an empty key with Exists tolerates every taint, for ever
     assert nodes.loss("n0", by_name(node("n0", taint(nodes.UNREACHABLE, 10**6))), forever, NOW) is None
-    longest = [{**DEFAULT[0], "tolerationSeconds": 30}, {"key": nodes.UNREACHABLE, "operator": "Exists"}]
+    longest: list[dict[str, Any]] = [
+        {**DEFAULT[0], "tolerationSeconds": 30},
+        {"key": nodes.UNREACHABLE, "operator": "Exists"},
+    ]
     assert nodes.loss("n0", by_name(node("n0", taint(nodes.UNREACHABLE, 10**6))), longest, NOW) is None
 
 
@@ -145,7 +148,8 @@ def test_a_deleted_nodes_shard_is_force_deleted_and_re_placed_behind_the_same_se
         asyncio.run(reconcile.reconcile(runtime, body, notify=lambda *event: events.append(event)))
         run_pinned(api)
         indexes.sync()  # the watch catches up
-        return (asyncio.run(api.get("MegatronGeneration", "a", "rl")) or {})["status"]
+        status: dict[str, Any] = (asyncio.run(api.get("MegatronGeneration", "a", "rl")) or {})["status"]
+        return status
 
     reconcile_once()
     settled = reconcile_once()
