@@ -48,6 +48,17 @@ class Restarts:
         self.outages.append((program, round(self.local.restart(program), 1)))
 
 
+def supervised_restarts(local: cluster.LocalCluster) -> dict[str, int]:
+    """How often kube-scheduler and kube-controller-manager exited and were started again by
+    :mod:`megafleet_dev.supervise` (the scheduler exits when a watch gap corrupted its cache)."""
+    counts = {}
+    for name in ("kube-scheduler", "kube-controller-manager"):
+        log = local.state_dir / "logs" / f"{name}.log"
+        text = log.read_text(errors="replace") if log.exists() else ""
+        counts[name] = text.count("[supervise]")
+    return counts
+
+
 @pytest.mark.timeout(1500)
 def test_api_server_and_etcd_restarts_converge_with_no_failed_or_mixed_request(
     operators: operators_module.Operators,
@@ -72,7 +83,8 @@ def test_api_server_and_etcd_restarts_converge_with_no_failed_or_mixed_request(
             with capsys.disabled():  # the drill's report, shown whether it passed or not
                 sys.stdout.write(
                     f"\ncontrol-plane drill: {faults} restarts {restarts.outages}, seed {seed}, "
-                    f"{time.monotonic() - started:.0f} s\n"
+                    f"{time.monotonic() - started:.0f} s; restarted by their supervisor: "
+                    f"{supervised_restarts(local_cluster)}\n"
                 )
                 sys.stdout.write("\n".join(drill_module.table(drill.reports)) + "\n")
         assert drill.leftovers() == []
