@@ -128,8 +128,11 @@ def _time(text: object) -> datetime.datetime | None:
 
 def lost_shards(pods: Iterable[Object], nodes: Iterable[Object], now: datetime.datetime) -> list[LostShard]:
     """The shards of ``pods`` (one fleet's, terminating ones included) with a pod on a lost node,
-    by shard index. A pod bound to no node and pinned to none is on no node yet."""
+    by shard index. A pod bound to no node and pinned to none is on no node yet. No nodes at all is
+    read as an index not filled, never as every node deleted: nothing is lost then."""
     by_name = {node["metadata"]["name"]: node for node in nodes}
+    if not by_name:
+        return []
     members: dict[int, list[Object]] = {}
     for pod in pods:
         labels = pod["metadata"].get("labels") or {}

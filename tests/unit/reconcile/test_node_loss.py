@@ -103,6 +103,7 @@ def test_lost_shards_names_the_pods_on_lost_nodes_and_the_others() -> None:
         (3, ["a-s3-p0"], []),
     ]
     assert nodes.lost_shards(pods[:1], [node("n0")], NOW) == []
+    assert nodes.lost_shards(pods, [], NOW) == [], "an empty node index is no proof that every node is gone"
 
 
 class Agents:
