@@ -212,13 +212,15 @@ async def on_pod_event(
     await _reconcile(_runtime(memo, kwargs), namespace or "default", labels[names.LABEL_FLEET])
 
 
-@kopf.on.event("v1", "nodes")
-async def on_node_event(type: str | None, name: str, memo: kopf.Memo, **kwargs: Any) -> None:
+def _deleted(type: str | None, **_: Any) -> bool:
+    return type == "DELETED"
+
+
+@kopf.on.event("v1", "nodes", when=_deleted)  # the filter: no handler call (nor log line) per heartbeat
+async def on_node_event(name: str, memo: kopf.Memo, **kwargs: Any) -> None:
     """A deleted node: reconcile at once every fleet with a pod on it (Kopf took the node out of the
     index first), which releases its shards (:mod:`megafleet.reconcile.nodes`). A node that turns
     unreachable is lost only once the pods' toleration runs out: the probes of the fleets notice."""
-    if type != "DELETED":
-        return
     runtime = _runtime(memo, kwargs)
     for namespace, fleet in nodes.fleets_on(runtime.cache, name):
         await _reconcile(runtime, namespace, fleet)
