@@ -461,12 +461,43 @@ async def _finish(
         update["phases"] = phases
     if duration is not None:
         update["durationMilliseconds"] = duration
+    # The fleet first, then the Refit: a write lost in between (an API server restart, an operator
+    # killed) leaves the Refit unfinished, so its poll runs again and finishes it. The other order
+    # left the fleet locked by a Succeeded Refit that nothing polls any more (docs/incidents.md).
+    released = fleet_body is not None and await _release_fleet(
+        api,
+        name,
+        fleet_body,
+        now,
+        version=version,
+        duration=duration,
+        phases=phases,
+        checkpoint=checkpoint,
+        serving=serving,
+    )
     await _set_status(api, name, namespace, update)
-    if fleet_body is None:
-        return
+    if released and fleet_body is not None:
+        await _prune(api, namespace, fleet_body)
+
+
+async def _release_fleet(
+    api: kube.Api,
+    name: str,
+    fleet_body: Object,
+    now: str,
+    *,
+    version: int | None,
+    duration: int | None,
+    phases: list[Object] | None,
+    checkpoint: str | None,
+    serving: Sequence[int],
+) -> bool:
+    """Clear the fleet's ``status.refit.active`` (when Refit ``name`` holds it) and, on success, move
+    its current version on; False when another Refit holds the fleet (nothing written)."""
+    namespace = fleet_body["metadata"]["namespace"]
     fleet_refit = dict(((fleet_body.get("status") or {}).get("refit")) or {})
     if fleet_refit.get("active") not in (None, name):
-        return
+        return False
     fleet_refit["active"] = None
     if version is not None:
         fleet_refit.update({"currentVersion": version, "lastDurationMilliseconds": duration, "lastPhases": phases})
@@ -482,7 +513,7 @@ async def _finish(
             settled_status(fleet_status, serving, version, replicas=replicas, generation=generation, now=now)
         )
     await api.patch_status("MegatronGeneration", fleet_body["metadata"]["name"], namespace, fleet_update)
-    await _prune(api, namespace, fleet_body)
+    return True
 
 
 def settled_status(

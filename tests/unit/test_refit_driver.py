@@ -186,3 +186,33 @@ def test_a_refit_admitted_by_an_older_crd_with_a_rendezvous_address_not_a_host_f
 
     status = api.objects[("Refit", "rl", "tiny-v6")]["status"]
     assert status["phase"] == "Failed" and "spec.source.rendezvous.address" in status["message"]
+
+
+class LostRefitWrite(kube_fakes.Api):
+    """An API server that goes away right before the Refit's final status write (a control-plane
+    restart in the drill)."""
+
+    async def patch_status(self, kind: str, name: str, namespace: str, status: Object) -> None:
+        if kind == "Refit" and status.get("phase") in ("Succeeded", "Failed"):
+            raise ConnectionError("server disconnected")
+        await super().patch_status(kind, name, namespace, status)
+
+
+def test_a_lost_final_write_leaves_the_refit_unfinished_never_the_fleet_locked() -> None:
+    """The 12-restart drill: the Refit was written Succeeded, then the fleet's write was lost, and the
+    fleet stayed locked by a finished Refit (nothing polls it): no shard was placed again. Now the
+    fleet is released first; the Refit stays Running, so its poll finishes it."""
+    fleet: Object = yaml.safe_load((ROOT / "examples" / "tiny-cpu.yaml").read_text())
+    fleet["metadata"].update(namespace="rl", uid="uid-1")
+    fleet["status"] = {"refit": {"active": "tiny-v2", "currentVersion": 1}, "shards": [{"index": 0}]}
+    running = refit("tiny-v2", 2, "Running", f"{T}01Z")
+    api = LostRefitWrite(fleet, running)
+
+    with pytest.raises(ConnectionError):
+        asyncio.run(
+            refit_driver._finish(cast(kube.Api, api), running, fleet, "Succeeded", "done", version=2, serving=[0])
+        )
+
+    fleet_refit = api.objects[("MegatronGeneration", "rl", "tiny")]["status"]["refit"]
+    assert (fleet_refit["active"], fleet_refit["currentVersion"]) == (None, 2)
+    assert api.objects[("Refit", "rl", "tiny-v2")]["status"]["phase"] == "Running"
