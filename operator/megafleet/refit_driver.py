@@ -498,6 +498,9 @@ async def _release_fleet(
     fleet_refit = dict(((fleet_body.get("status") or {}).get("refit")) or {})
     if fleet_refit.get("active") not in (None, name):
         return False
+    current = fleet_refit.get("currentVersion")
+    if version is not None and isinstance(current, int) and current > version:
+        version = None  # a retried finish after a later Refit ended: the version never goes back
     fleet_refit["active"] = None
     if version is not None:
         fleet_refit.update({"currentVersion": version, "lastDurationMilliseconds": duration, "lastPhases": phases})

@@ -216,3 +216,19 @@ def test_a_lost_final_write_leaves_the_refit_unfinished_never_the_fleet_locked()
     fleet_refit = api.objects[("MegatronGeneration", "rl", "tiny")]["status"]["refit"]
     assert (fleet_refit["active"], fleet_refit["currentVersion"]) == (None, 2)
     assert api.objects[("Refit", "rl", "tiny-v2")]["status"]["phase"] == "Running"
+
+
+def test_a_finish_retried_after_a_later_refit_ended_never_moves_the_version_back() -> None:
+    """The fleet write of Refit v2 landed, its own final write was lost, and Refit v3 ran and ended
+    before v2's poll finished it again: v2's retry leaves the fleet at version 3."""
+    fleet: Object = yaml.safe_load((ROOT / "examples" / "tiny-cpu.yaml").read_text())
+    fleet["metadata"].update(namespace="rl", uid="uid-1")
+    fleet["status"] = {"refit": {"active": None, "currentVersion": 3}, "shards": [{"index": 0, "weightVersion": 3}]}
+    retried = refit("tiny-v2", 2, "Running", f"{T}01Z")
+    api = kube_fakes.Api(fleet, retried)
+
+    asyncio.run(refit_driver._finish(cast(kube.Api, api), retried, fleet, "Succeeded", "done", version=2, serving=[0]))
+
+    status = api.objects[("MegatronGeneration", "rl", "tiny")]["status"]
+    assert status["refit"]["currentVersion"] == 3 and status["shards"][0]["weightVersion"] == 3
+    assert api.objects[("Refit", "rl", "tiny-v2")]["status"]["phase"] == "Succeeded"
