@@ -456,6 +456,24 @@ def test_cfg_reads_as_an_async_megatron_backend_and_unsupported_paths_refuse_lou
     assert not generation_.connected  # nothing above needed the clients
 
 
+def test_grpos_deferred_vllm_start_for_nemo_gym_lists_the_frontends_before_load_and_start(
+    monkeypatch: pytest.MonkeyPatch, frontend: Frontend
+) -> None:
+    """GRPO with NeMo Gym: ``VllmGeneration(cluster=..., config=..., defer_model_load=True)``, then its
+    ``dp_openai_server_base_urls`` go to NeMo Gym, then ``load_and_start()``."""
+    install(monkeypatch, frontend, [], current=0)
+    build = nemo.nemo_factory(MODEL, "ns")
+    deferred = build(cluster=object(), config={"max_new_tokens": 4, "_pad_token_id": 0}, defer_model_load=True)
+    try:
+        assert deferred.dp_openai_server_base_urls == [URL]
+        deferred.load_and_start()
+        assert deferred.finish_generation()
+        out = deferred.generate(one_row([1, 2, 3]))
+    finally:
+        deferred.shutdown()
+    assert out["generation_lengths"].tolist() == [4]
+
+
 RESHARD_CALLS = {
     "init_nccl_reshard_comm_group": lambda g: g.init_nccl_reshard_comm_group(
         pp_ips=["a"], pp_ports=[1], pp_size=1, train_ranks_per_stage=2, sub_world_size=4
