@@ -148,14 +148,14 @@ def test_sampled_logprobs_are_the_trainers_processed_logprobs_of_nemos_sampling_
     engine and each returned logprob equals NeMo's trainer-side recomputation (a fresh forward pass
     over prompt + generated tokens, then :func:`nemo_processed_logprobs`) within 1e-4; raw
     logprobs, or the sampling knobs dropped on the way, would differ by more."""
-    knobs = {"temperature": 0.7, "top_k": 5, "top_p": 0.9}
+    temperature, top_k, top_p = 0.7, 5, 0.9
     reference = engine_command.Reference()
     width = max(len(prompt) for prompt in PROMPTS)
     data = {
         "input_ids": torch.tensor([prompt + [0] * (width - len(prompt)) for prompt in PROMPTS]),
         "input_lengths": torch.tensor([len(prompt) for prompt in PROMPTS]),
     }
-    generation = adapter(engine, max_new_tokens=16, ignore_eos=True, **knobs)
+    generation = adapter(engine, max_new_tokens=16, ignore_eos=True, temperature=temperature, top_k=top_k, top_p=top_p)
     try:
         out = generation.generate(data)
     finally:
@@ -170,11 +170,11 @@ def test_sampled_logprobs_are_the_trainers_processed_logprobs_of_nemos_sampling_
             logits = reference.model(torch.tensor([prompt + tokens])).logits[0].float()
         rows = logits[len(prompt) - 1 : len(prompt) - 1 + length]
         picked = torch.arange(length), torch.tensor(tokens)
-        expected = nemo_processed_logprobs(rows, **knobs)[picked]
+        expected = nemo_processed_logprobs(rows, temperature=temperature, top_k=top_k, top_p=top_p)[picked]
         assert torch.isfinite(expected).all(), "every sampled token is inside NeMo's kept set"
         worst = max(worst, float((served - expected).abs().max()))
         worst_raw = min(worst_raw, float((served - torch.log_softmax(rows, dim=-1)[picked]).abs().max()))
-        t1 = nemo_processed_logprobs(rows, temperature=1.0, top_k=5, top_p=0.9)[picked]
+        t1 = nemo_processed_logprobs(rows, temperature=1.0, top_k=top_k, top_p=top_p)[picked]
         worst_t1 = max(worst_t1, float((served - t1).abs().max()))
     assert worst < 1e-4, worst
     assert worst_raw > 1e-2 and worst_t1 > 1e-4, (worst_raw, worst_t1)  # the comparison can tell them apart
