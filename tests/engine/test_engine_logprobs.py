@@ -4,8 +4,8 @@ trainer recomputes for it (``TrainingSamplingParams``: temperature, then top-k, 
 ``log_softmax``), within 1e-4; the per-request ``raw`` mode gives ``log_softmax`` of the logits;
 greedy gives raw log-probabilities. Plus the shared filter on hand-computed rows.
 
-The reference (:func:`nemo_processed_logprobs`) is written here from NeMo's algorithm, not imported
-from the engine, and is applied to a fresh full forward pass of the same weights over prompt and
+The reference (:func:`helpers.nemo_reference.nemo_processed_logprobs`) is written from NeMo's algorithm,
+not imported from the engine, and is applied to a fresh full forward pass of the same weights over prompt and
 generated tokens (no KV cache, no padding).
 """
 
@@ -16,6 +16,7 @@ import math
 import pytest
 import torch
 
+from helpers.nemo_reference import nemo_processed_logprobs
 from megafleet_engine.backends import base, load_backend, sampling, transformers_backend
 
 PROMPTS = ["hello", "the quick brown fox jumps over", "a", "RL needs token log-probabilities"]
@@ -24,36 +25,6 @@ TOLERANCE = 1e-4
 LOGIT_SCALE = 15.0
 """The tiny model's logits are nearly uniform; scaling its output layer peaks them, so top-p cuts
 inside the top-k set (kept sets of 1 to 5 tokens) and the test sees every branch of the filter."""
-
-
-def nemo_processed_logprobs(
-    logits: torch.Tensor, *, temperature: float, top_k: int | None, top_p: float
-) -> torch.Tensor:
-    """NeMo RL's trainer-side processed log-probabilities of ``logits`` ``[rows, vocab]``, written
-    after its ``TrainingSamplingParams`` path: scale by the temperature unless it is 1; top-k on
-    when ``top_k > 0`` (keep values ``>=`` the k-th largest), top-p on when ``top_p != 1`` (sort
-    ascending, top-k mask, ``cumsum(softmax) > 1 - top_p`` kept, the largest always kept, scatter
-    back); then float32 ``log_softmax``."""
-    z = logits.float().clone()
-    if temperature != 1.0:
-        z.div_(temperature)
-    k_on = top_k is not None and top_k > 0
-    if top_p == 1.0:
-        if k_on:
-            assert top_k is not None
-            kth = torch.topk(z, top_k, dim=-1).values[..., -1:].expand_as(z)
-            z = torch.where(z >= kth, z, torch.tensor(-float("inf"), dtype=z.dtype))
-        return torch.log_softmax(z, dim=-1)
-    values, index = z.sort(dim=-1, descending=False)
-    if k_on:
-        assert top_k is not None
-        at = torch.full(values.shape[:-1], values.size(-1) - top_k, dtype=torch.long).unsqueeze(-1)
-        values.masked_fill_(~(values >= values.gather(-1, at)), -float("inf"))
-    mass = torch.cumsum(values.softmax(dim=-1), dim=-1)
-    kept = mass > 1 - top_p
-    kept[..., -1] = True
-    values.masked_fill_(~kept, -float("inf"))
-    return torch.log_softmax(values.scatter(dim=-1, index=index, src=values), dim=-1)
 
 
 @pytest.fixture(scope="module")

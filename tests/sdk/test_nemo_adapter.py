@@ -424,10 +424,14 @@ def test_object_ref_methods_return_plain_booleans_without_ray(
 
 def test_cfg_reads_as_an_async_megatron_backend_and_unsupported_paths_refuse_loudly(frontend: Frontend) -> None:
     generation_ = nemo.MegafleetGeneration(
-        MODEL, frontends=[URL], config={"backend": "vllm", "max_new_tokens": 4}, kv_cache_mode="recompute"
+        MODEL,
+        frontends=[URL],
+        config={"backend": "vllm", "max_new_tokens": 4, "vllm_cfg": {"max_model_len": 4096, "async_engine": True}},
+        kv_cache_mode="recompute",
     )
     assert generation_.cfg["backend"] == "megatron" and generation_.cfg["colocated"]["enabled"] is False
     assert generation_.cfg["mcore_generation_config"]["kv_cache_management_mode"] == "recompute"
+    assert "vllm_cfg" not in generation_.cfg  # NeMo Gym's rollouts would read its max_model_len first
     assert generation_.weight_synchronizer is None and generation_.dp_openai_server_base_urls == [URL]
     assert generation_.blocks_training() is False and generation_.wake_carries_weight_updates() is False
     assert generation_.get_collective_sender_spec().nccl_peer == "nemo"
@@ -454,6 +458,24 @@ def test_cfg_reads_as_an_async_megatron_backend_and_unsupported_paths_refuse_lou
     with pytest.raises(RuntimeError, match="different addresses"):
         nemo.MegafleetGeneration.verify_served_addresses([URL, None], ["http://other/v1"])
     assert not generation_.connected  # nothing above needed the clients
+
+
+def test_grpos_deferred_vllm_start_for_nemo_gym_lists_the_frontends_before_load_and_start(
+    monkeypatch: pytest.MonkeyPatch, frontend: Frontend
+) -> None:
+    """GRPO with NeMo Gym: ``VllmGeneration(cluster=..., config=..., defer_model_load=True)``, then its
+    ``dp_openai_server_base_urls`` go to NeMo Gym, then ``load_and_start()``."""
+    install(monkeypatch, frontend, [], current=0)
+    build = nemo.nemo_factory(MODEL, "ns")
+    deferred = build(cluster=object(), config={"max_new_tokens": 4, "_pad_token_id": 0}, defer_model_load=True)
+    try:
+        assert deferred.dp_openai_server_base_urls == [URL]
+        deferred.load_and_start()
+        assert deferred.finish_generation()
+        out = deferred.generate(one_row([1, 2, 3]))
+    finally:
+        deferred.shutdown()
+    assert out["generation_lengths"].tolist() == [4]
 
 
 RESHARD_CALLS = {

@@ -5,7 +5,9 @@ the actor runs every batch under ``asyncio.run`` in fresh threads. Here a local 
 (``ray.init``, no cluster) runs such a collector (:mod:`helpers.nemo_collector`) over an adapter
 with fixed frontends; the actor's copy reconnects on first use and its answers are the model's own
 greedy tokens. On the driver, the methods NeMo RL passes to ``ray.get`` return real object refs.
-The engine's length limit (128 tokens) is hit as vLLM's: truncated, not an error.
+The engine's length limit (128 tokens) is hit as vLLM's: truncated, not an error. Sampled
+generation logprobs (T=0.7, top_k=5, top_p=0.9 in NeMo's generation config) are NeMo's processed
+logprobs of the trainer's own forward pass.
 (The actor seeing a driver's refit is proven against the real control plane in tests/e2e/test_sdk.py.)
 """
 
@@ -20,6 +22,7 @@ import ray
 import torch
 
 from helpers import engine_command, nemo_collector
+from helpers.nemo_reference import nemo_processed_logprobs
 from megafleet.sdk import nemo
 
 HOST = "127.0.13.9"
@@ -136,3 +139,42 @@ def test_a_batch_goes_to_the_engine_as_one_request_sync_and_async(engine: engine
     assert out["logprobs"][:, : len(PROMPTS[0])].abs().sum() == 0 and (out["logprobs"][0, 4:12] < 0).all()
     assert [streamed[i] for i in range(len(PROMPTS))] == expected
     assert (after_sync - before, after_async - after_sync) == (1, 1)
+
+
+def test_sampled_logprobs_are_the_trainers_processed_logprobs_of_nemos_sampling_config(
+    engine: engine_command.EngineProcess,
+) -> None:
+    """Issue 13 point 2 through the adapter: NeMo's ``temperature``/``top_k``/``top_p`` reach the
+    engine and each returned logprob equals NeMo's trainer-side recomputation (a fresh forward pass
+    over prompt + generated tokens, then :func:`nemo_processed_logprobs`) within 1e-4; raw
+    logprobs, or the sampling knobs dropped on the way, would differ by more."""
+    temperature, top_k, top_p = 0.7, 5, 0.9
+    reference = engine_command.Reference()
+    width = max(len(prompt) for prompt in PROMPTS)
+    data = {
+        "input_ids": torch.tensor([prompt + [0] * (width - len(prompt)) for prompt in PROMPTS]),
+        "input_lengths": torch.tensor([len(prompt) for prompt in PROMPTS]),
+    }
+    generation = adapter(engine, max_new_tokens=16, ignore_eos=True, temperature=temperature, top_k=top_k, top_p=top_p)
+    try:
+        out = generation.generate(data)
+    finally:
+        generation.shutdown()
+    worst, worst_raw, worst_t1 = 0.0, float("inf"), 0.0
+    for i, prompt in enumerate(PROMPTS):
+        length = int(out["generation_lengths"][i])
+        assert length == 16
+        tokens = out["output_ids"][i, len(prompt) : len(prompt) + length].tolist()
+        served = out["logprobs"][i, len(prompt) : len(prompt) + length]
+        with torch.no_grad():
+            logits = reference.model(torch.tensor([prompt + tokens])).logits[0].float()
+        rows = logits[len(prompt) - 1 : len(prompt) - 1 + length]
+        picked = torch.arange(length), torch.tensor(tokens)
+        expected = nemo_processed_logprobs(rows, temperature=temperature, top_k=top_k, top_p=top_p)[picked]
+        assert torch.isfinite(expected).all(), "every sampled token is inside NeMo's kept set"
+        worst = max(worst, float((served - expected).abs().max()))
+        worst_raw = min(worst_raw, float((served - torch.log_softmax(rows, dim=-1)[picked]).abs().max()))
+        t1 = nemo_processed_logprobs(rows, temperature=1.0, top_k=top_k, top_p=top_p)[picked]
+        worst_t1 = max(worst_t1, float((served - t1).abs().max()))
+    assert worst < 1e-4, worst
+    assert worst_raw > 1e-2 and worst_t1 > 1e-4, (worst_raw, worst_t1)  # the comparison can tell them apart

@@ -232,6 +232,12 @@ class MegafleetGeneration(unsupported.Unsupported):
         self._prepared = True
         return True
 
+    def load_and_start(self) -> None:
+        """``VllmGeneration``'s second half of a deferred start (GRPO with NeMo Gym): the fleet already
+        serves, so this is :meth:`prepare_for_generation` (the frontends end up in
+        :attr:`dp_openai_server_base_urls`)."""
+        self.prepare_for_generation()
+
     def finish_generation(self, *args: Any, release_gpu: bool = True, **kwargs: Any) -> bool:
         """Nothing to release: the fleet runs in its own pods and keeps serving (non-colocated)."""
         return True

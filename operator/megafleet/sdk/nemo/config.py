@@ -31,11 +31,15 @@ def nemo_cfg(
     max_sequence_length: int | None,
 ) -> dict[str, Any]:
     """``config`` as NeMo RL reads it from a MegatronGeneration: not colocated, backend ``megatron``,
-    ``mcore_generation_config`` filled in from what the adapter knows."""
+    ``mcore_generation_config`` filled in from what the adapter knows, no ``vllm_cfg`` (a vLLM
+    generation config given to the adapter keeps everything else)."""
     cfg = dict(config)
     if cfg.get("backend") not in (None, "megatron"):
         log.info("MegafleetGeneration reads as backend 'megatron' (was %r): NeMo RL's async path", cfg["backend"])
     cfg["backend"] = "megatron"
+    # NeMo's rollouts read a length limit from cfg["vllm_cfg"] before mcore_generation_config: a vLLM
+    # config's own max_model_len must not hide the fleet's
+    cfg.pop("vllm_cfg", None)
     cfg["colocated"] = {**(cfg.get("colocated") or {}), "enabled": False}
     cfg["mcore_generation_config"] = {
         **(cfg.get("mcore_generation_config") or {}),

@@ -19,7 +19,8 @@ def nemo_factory(
     ``setup`` builds the backend by name): called with their keyword arguments, it returns a
     :class:`~megafleet.sdk.nemo.adapter.MegafleetGeneration` of ``fleet_name`` with
     ``config["generation"]`` (or ``config`` itself when it has no ``generation`` key); ``options`` go
-    to the adapter's constructor.
+    to the adapter's constructor. With ``defer_model_load`` (``VllmGeneration``'s, GRPO with NeMo Gym)
+    it waits until the fleet is Ready, so ``dp_openai_server_base_urls`` lists its frontends at once.
 
     Raises (when called):
         NotImplementedError: a colocated setup (``policy=`` given): the fleet has its own GPUs.
@@ -35,6 +36,7 @@ def nemo_factory(
         weights_path: str | None = None,
         skip_weight_load: bool = False,
         reserved_http_server_ports: dict[int, int] | None = None,
+        defer_model_load: bool = False,
     ) -> adapter.MegafleetGeneration:
         if policy is not None:
             raise NotImplementedError(
@@ -43,6 +45,9 @@ def nemo_factory(
         generation_cfg = dict((config or {}).get("generation", config or {}))
         if tokenizer is not None and "_pad_token_id" not in generation_cfg:
             generation_cfg["_pad_token_id"] = tokenizer.pad_token_id
-        return adapter.MegafleetGeneration(fleet_name, namespace, config=generation_cfg, **options)
+        generation = adapter.MegafleetGeneration(fleet_name, namespace, config=generation_cfg, **options)
+        if defer_model_load:  # GRPO with NeMo Gym reads the frontend URLs before load_and_start()
+            generation.prepare_for_generation()
+        return generation
 
     return build
