@@ -90,6 +90,21 @@ def ranks_service(fleet: ParsedFleet, shard: int) -> Object:
     }
 
 
+def shard_services(fleet: ParsedFleet, shard: int) -> list[Object]:
+    """The Services a shard needs: its frontend, and the ranks Service only when the shard has
+    several pods (a one-pod shard's ranks meet on the pod itself: nothing to resolve)."""
+    frontend = frontend_service(fleet, shard)
+    return [frontend, ranks_service(fleet, shard)] if fleet.layout.pods_per_shard > 1 else [frontend]
+
+
+def master_address(fleet: ParsedFleet, shard: int) -> str:
+    """Where a shard's ranks rendezvous: pod 0's name under the ranks Service, or the loopback
+    address for a one-pod shard (every rank runs in that pod)."""
+    if fleet.layout.pods_per_shard == 1:
+        return LOOPBACK
+    return f"{names.pod(fleet.name, shard, 0)}.{names.ranks_service(fleet.name, shard)}.{fleet.namespace}.svc"
+
+
 def agent_secret(fleet: ParsedFleet, token: str) -> Object:
     """The per-fleet bearer token agents require from the operator."""
     return {
@@ -233,7 +248,7 @@ def _pod(
         "metadata": metadata,
         "spec": {
             "hostname": name,
-            "subdomain": names.ranks_service(fleet.name, shard),
+            **({"subdomain": names.ranks_service(fleet.name, shard)} if layout.pods_per_shard > 1 else {}),
             "restartPolicy": "Always",
             "terminationGracePeriodSeconds": 30,
             "enableServiceLinks": False,
@@ -330,6 +345,10 @@ def _mounts(pod: v1alpha1.PodSpec) -> list[Object]:
     ]
 
 
+NODE_NAME_FIELD = "metadata.name"
+"""The node field a pod's affinity pins it by (:func:`_affinity`)."""
+LOOPBACK = "127.0.0.1"
+
 CACHE_ENV = {
     "HOME": names.TMP_MOUNT,
     "XDG_CACHE_HOME": names.CACHE_MOUNT,
@@ -347,20 +366,22 @@ engine pod whatever its image; a variable of the same name in ``engine.env`` rep
 
 def _affinity(fleet: ParsedFleet, placement: planner.ShardPlacement, index: int) -> Object:
     """Pin pod ``index`` to the node the planner chose for it (and the shard's clique), so a
-    placement is exactly what the planner decided and its GPUs count before the pod is bound."""
-    expressions = [{"key": "kubernetes.io/hostname", "operator": "In", "values": [placement.pods[index].node]}]
+    placement is exactly what the planner decided and its GPUs count before the pod is bound.
+
+    The node is named by a ``metadata.name`` field selector, not the hostname label: the scheduler
+    then filters that one node instead of every node of the cluster (its node-affinity pre-filter
+    narrows a ``metadata.name`` term to the named nodes), and a node whose hostname label differs
+    from its name is still the one the planner meant."""
+    term: Object = {"matchFields": [{"key": NODE_NAME_FIELD, "operator": "In", "values": [placement.pods[index].node]}]}
     if placement.clique is not None:
-        expressions.append({"key": fleet.spec.placement.clique_label, "operator": "In", "values": [placement.clique]})
-    return {
-        "nodeAffinity": {
-            "requiredDuringSchedulingIgnoredDuringExecution": {"nodeSelectorTerms": [{"matchExpressions": expressions}]}
-        }
-    }
+        clique = {"key": fleet.spec.placement.clique_label, "operator": "In", "values": [placement.clique]}
+        term["matchExpressions"] = [clique]
+    return {"nodeAffinity": {"requiredDuringSchedulingIgnoredDuringExecution": {"nodeSelectorTerms": [term]}}}
 
 
 def _env(fleet: ParsedFleet, shard: int, index: int, layout: planner.PodLayout, *, defer_weights: bool) -> list[Object]:
     spec = fleet.spec
-    master = f"{names.pod(fleet.name, shard, 0)}.{names.ranks_service(fleet.name, shard)}.{fleet.namespace}.svc"
+    master = master_address(fleet, shard)
     values = {
         env.FLEET: fleet.name,
         env.SHARD: str(shard),

@@ -17,6 +17,7 @@ sequential.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from collections.abc import Awaitable, Callable, Mapping
 from typing import Any, cast
@@ -72,10 +73,14 @@ def _runtime(memo: kopf.Memo, indexes: Mapping[str, Any] | None = None) -> conte
     return runtime
 
 
-def _forget(memo: kopf.Memo, kind: str, body: kopf.Body) -> None:
+def _delivered(memo: kopf.Memo, kind: str, type: str | None, body: kopf.Body) -> None:
+    """Tell the cache what the watch delivered of an own pod or Service (:mod:`.reconcile.cache`)."""
     runtime = memo.get("runtime")
     if isinstance(runtime, context.Runtime) and runtime.cache is not None:
-        runtime.cache.forget(kind, body)
+        if type == "DELETED":
+            runtime.cache.forget(kind, body)
+        else:
+            runtime.cache.delivered(kind, body)
 
 
 def _raw(body: kopf.Body) -> dict[str, Any]:
@@ -112,15 +117,17 @@ async def megafleet_nodes(body: kopf.Body, **_: Any) -> dict[Any, Any]:
 
 @kopf.on.event("v1", "services", labels={names.LABEL_FLEET: kopf.PRESENT})
 async def on_service_event(type: str | None, body: kopf.Body, memo: kopf.Memo, **_: Any) -> None:
-    if type == "DELETED":
-        _forget(memo, "Service", body)
+    _delivered(memo, "Service", type, body)
 
 
-async def _reconcile(runtime: context.Runtime, namespace: str, name: str) -> bool:
+async def _reconcile(runtime: context.Runtime, namespace: str, name: str, *, gather: float = 0.0) -> bool:
     """One reconcile of the fleet; False when it is gone or going. A trigger that finds another
     reconcile of the fleet already waiting for its lock leaves the work to that one (it reads the
     fleet, and the cache Kopf updated before this trigger ran, once it holds the lock): a burst of
-    pod events costs one reconcile, not one each."""
+    pod events costs one reconcile, not one each. ``gather``: seconds the trigger waits before it
+    takes the lock (pod events: their pods change in bursts, scheduled then started, and what
+    arrives meanwhile is folded in), so a settling fleet is reconciled, and its status written, a
+    few times, not once per pod event."""
     key = (namespace, name)
     if key in runtime.waiting:
         metrics.RECONCILES.labels(outcome="coalesced").inc()
@@ -128,6 +135,8 @@ async def _reconcile(runtime: context.Runtime, namespace: str, name: str) -> boo
     lock = runtime.fleet_lock(namespace, name)
     runtime.waiting.add(key)
     try:
+        if gather > 0:
+            await asyncio.sleep(gather)
         await lock.acquire()
     finally:
         runtime.waiting.discard(key)
@@ -207,9 +216,10 @@ async def pace(
 async def on_pod_event(
     type: str | None, body: kopf.Body, namespace: str | None, labels: Mapping[str, str], memo: kopf.Memo, **kwargs: Any
 ) -> None:
-    if type == "DELETED":
-        _forget(memo, "Pod", body)
-    await _reconcile(_runtime(memo, kwargs), namespace or "default", labels[names.LABEL_FLEET])
+    _delivered(memo, "Pod", type, body)
+    runtime = _runtime(memo, kwargs)
+    gather = runtime.settings.triggers.pod_event_gather_seconds
+    await _reconcile(runtime, namespace or "default", labels[names.LABEL_FLEET], gather=gather)
 
 
 def _deleted(type: str | None, **_: Any) -> bool:

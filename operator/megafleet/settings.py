@@ -43,6 +43,11 @@ class TriggerSettings:
     probe_most_seconds: float = 8.0
     """The longest delay in seconds between agent probes of a settled fleet (default 8): the slow health
     probe, so an agent that goes stale or silent is noticed within 8 s plus one agent timeout (2 s)."""
+    pod_event_gather_seconds: float = 0.5
+    """Seconds a reconcile triggered by a pod event waits before it starts (default 0.5); the fleet's
+    further pod events meanwhile are folded into it: at hundreds of pods a fleet is reconciled (and its
+    status written) a few times while its pods are bound and started, not once per event; a pod
+    killed is still acted on within a second."""
     retry_seconds: float = 5.0
     """Seconds before a failed reconcile or Refit step is retried (default 5): Kopf's own 60 s is too
     slow for fleets that a trainer waits on."""

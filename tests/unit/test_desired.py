@@ -28,11 +28,11 @@ def test_a_tp16_shard_becomes_four_pods_pinned_to_its_clique_and_nodes() -> None
     assert [pod["metadata"]["name"] for pod in pods] == ["big-s2-p0", "big-s2-p1", "big-s2-p2", "big-s2-p3"]
     for index, pod in enumerate(pods):
         terms = pod["spec"]["affinity"]["nodeAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"]
-        expressions = {e["key"]: e["values"] for e in terms["nodeSelectorTerms"][0]["matchExpressions"]}
-        assert expressions == {
-            "kubernetes.io/hostname": [f"gb-{index}"],
-            "nvidia.com/gpu.clique": ["uuid.1"],
-        }
+        term = terms["nodeSelectorTerms"][0]
+        # By node name (the scheduler's pre-filter then looks at that node only) and clique label.
+        assert term["matchFields"] == [{"key": "metadata.name", "operator": "In", "values": [f"gb-{index}"]}]
+        assert {e["key"]: e["values"] for e in term["matchExpressions"]} == {"nvidia.com/gpu.clique": ["uuid.1"]}
+        assert pod["spec"]["subdomain"] == "big-s2-ranks"
         limits = pod["spec"]["containers"][0]["resources"]["limits"]
         assert limits["nvidia.com/gpu"] == "4"
         values = env(pod)
@@ -74,6 +74,21 @@ def test_frontend_service_selects_only_pod_zero_of_its_shard() -> None:
     service = desired.frontend_service(fleet(), 3)
     assert service["spec"]["selector"] == {names.LABEL_FLEET: "big", names.LABEL_SHARD: "3", names.LABEL_POD_INDEX: "0"}
     assert desired.ranks_service(fleet(), 3)["spec"]["clusterIP"] == "None"
+    assert [s["metadata"]["name"] for s in desired.shard_services(fleet(), 3)] == ["big-s3", "big-s3-ranks"]
+
+
+def test_a_one_pod_shard_has_no_ranks_service_and_meets_on_loopback() -> None:
+    one = fleet(parallelism={"tensor": 8}, resources={"gpusPerNode": 8})
+    assert one.layout.pods_per_shard == 1
+    assert [s["metadata"]["name"] for s in desired.shard_services(one, 0)] == ["big-s0"]
+    placement = planner.ShardPlacement(clique=None, pods=(planner.PodPlacement(node="n5", gpus=8),))
+    (pod,) = desired.shard_pods(one, 0, placement)
+    assert env(pod)["MEGAFLEET_MASTER_ADDR"] == "127.0.0.1"
+    assert "subdomain" not in pod["spec"]
+    terms = pod["spec"]["affinity"]["nodeAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"]
+    assert terms["nodeSelectorTerms"] == [
+        {"matchFields": [{"key": "metadata.name", "operator": "In", "values": ["n5"]}]}
+    ]
 
 
 def test_tolerations_match_taints_as_the_scheduler_does() -> None:

@@ -33,3 +33,27 @@ def test_triggers_waiting_for_the_lock_are_folded_into_one_reconcile() -> None:
     assert api.reads["get MegatronGeneration"] == 1  # one reconcile read the fleet
     assert outcomes.count(False) == 1 and outcomes.count(True) == 4  # it found the fleet going
     assert runtime.waiting == set()
+
+
+def test_pod_event_triggers_within_the_gather_window_are_one_reconcile() -> None:
+    going = {
+        "apiVersion": "megafleet.dev/v1alpha1",
+        "kind": "MegatronGeneration",
+        "metadata": {"name": "a", "namespace": "rl", "deletionTimestamp": "2026-12-01T00:00:00Z"},
+        "spec": {},
+    }
+    api = kube_fakes.Api(going)
+    runtime = context.Runtime.of(api, None, settings.OperatorSettings())  # type: ignore[arg-type]
+
+    async def scenario() -> list[bool]:
+        # No reconcile runs: the first trigger waits out its window, the rest arrive within it.
+        first = asyncio.create_task(handlers._reconcile(runtime, "rl", "a", gather=0.2))
+        await asyncio.sleep(0)
+        later = [asyncio.create_task(handlers._reconcile(runtime, "rl", "a", gather=0.2)) for _ in range(4)]
+        return await asyncio.gather(first, *later)
+
+    outcomes = asyncio.run(scenario())
+
+    assert api.reads["get MegatronGeneration"] == 1
+    assert outcomes == [False, True, True, True, True]
+    assert runtime.waiting == set()

@@ -26,6 +26,25 @@ def ignore(kind: str, reason: str, message: str) -> None:
     """A :data:`Notify` that emits nothing (in-process tests)."""
 
 
+SUMMARY_CHARACTERS = 1000
+"""The longest Event message :func:`summary` makes (Kopf cuts Event messages at 1,024 characters)."""
+
+
+def summary(items: list[str]) -> str:
+    """One Event message for several shards (``items`` each say one shard's part), cut to
+    :data:`SUMMARY_CHARACTERS` with the count of the items left out: one Event per reconcile step
+    instead of one per shard, which at hundreds of shards were most of the operator's writes."""
+    message = "; ".join(items)
+    if len(message) <= SUMMARY_CHARACTERS:
+        return message
+    shown: list[str] = []
+    for item in items:
+        if len("; ".join([*shown, item])) > SUMMARY_CHARACTERS - 24:
+            break
+        shown.append(item)
+    return "; ".join(shown) + f"; and {len(items) - len(shown)} more"
+
+
 @dataclasses.dataclass(frozen=True)
 class Observation:
     """What one reconcile saw of a fleet: its pods and agents (a fingerprint to compare probes with),

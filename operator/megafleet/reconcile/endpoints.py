@@ -2,7 +2,10 @@
 endpoints ConfigMap and ``status.endpoints``.
 
 Called by :func:`megafleet.reconcile.reconcile`. A frontend Service's ClusterIP is the shard's
-published endpoint for the fleet's whole life; Services of shards removed by scaling down go. Only
+published endpoint for the fleet's whole life; a shard of several pods also gets a headless ranks
+Service (a one-pod shard needs none: :func:`megafleet.desired.shard_services`; one made by an older
+operator is kept while its shard lives, as its pods' rendezvous address may name it); Services of
+shards removed by scaling down go. Only
 objects the fleet owns are read, published or deleted (:mod:`.ownership`).
 """
 
@@ -59,13 +62,16 @@ async def _services(ctx: context.FleetContext) -> list[v1alpha1.Endpoint]:
     missing = [
         wanted
         for shard in range(fleet.spec.replicas)
-        for wanted in (desired.frontend_service(fleet, shard), desired.ranks_service(fleet, shard))
+        for wanted in desired.shard_services(fleet, shard)
         if wanted["metadata"]["name"] not in services
     ]
+    reserved = []
     for created in await asyncio.gather(*(ownership.create(api, fleet, wanted) for wanted in missing)):
         services[created["metadata"]["name"]] = created
         if created["metadata"]["name"] == names.frontend_service(fleet.name, _shard(created)):
-            ctx.notify("Normal", "EndpointReserved", f"shard {_shard(created)}: {created['spec']['clusterIP']}")
+            reserved.append(f"shard {_shard(created)}: {created['spec']['clusterIP']}")
+    if reserved:  # one Event per reconcile, not one per shard
+        ctx.notify("Normal", "EndpointsReserved", context.summary(reserved))
     endpoints = []
     for shard in range(fleet.spec.replicas):
         frontend = services[names.frontend_service(fleet.name, shard)]

@@ -1,8 +1,8 @@
 """Node inventory for placement, from raw Node and Pod JSON: free GPUs, taints, cordons.
 
 Pure; called by :mod:`megafleet.reconcile.shards` (placement) and :mod:`megafleet.reconcile.pods`
-(a pod's pinned node). GPUs count as taken on a pod's bound node, else on the node its hostname
-affinity pins it to, so GPUs promised to pods the scheduler has not bound yet are not handed out twice.
+(a pod's pinned node). GPUs count as taken on a pod's bound node, else on the node its affinity
+pins it to, so GPUs promised to pods the scheduler has not bound yet are not handed out twice.
 """
 
 from __future__ import annotations
@@ -15,6 +15,7 @@ from megafleet.api import v1alpha1
 Object = dict[str, Any]
 
 HOSTNAME_LABEL = "kubernetes.io/hostname"
+NODE_NAME_FIELD = "metadata.name"
 
 
 def nodes(
@@ -50,13 +51,16 @@ def allocated_gpus(pod_objects: list[Object], resource: str) -> dict[str, int]:
 
 
 def pinned_node(pod: Object) -> str | None:
-    """The node a pod is pinned to by a one-node hostname affinity (the operator's pods are)."""
+    """The node a pod is pinned to by a one-node affinity (the operator's pods are): a
+    ``metadata.name`` field term, or the hostname label term pods created before it carry."""
     affinity = pod.get("spec", {}).get("affinity") or {}
     required = (affinity.get("nodeAffinity") or {}).get("requiredDuringSchedulingIgnoredDuringExecution") or {}
     for term in required.get("nodeSelectorTerms", []):
-        for expression in term.get("matchExpressions", []):
+        for key, expression in [(NODE_NAME_FIELD, e) for e in term.get("matchFields", [])] + [
+            (HOSTNAME_LABEL, e) for e in term.get("matchExpressions", [])
+        ]:
             values = expression.get("values", [])
-            if expression.get("key") == HOSTNAME_LABEL and expression.get("operator") == "In":
+            if expression.get("key") == key and expression.get("operator") == "In":
                 return str(values[0]) if len(values) == 1 else None
     return None
 

@@ -102,13 +102,16 @@ async def place(ctx: context.FleetContext) -> None:
             *(ownership.create(ctx.api, ctx.fleet, pod) for shard in sorted(wanted) for pod in wanted[shard])
         )
         created = iter(made)
+        placed = []
         for shard, placement in sorted(plan.placed.items()):
             members = [next(created) for _ in wanted[shard]]
             ctx.shards.pods[shard] = [pods.parse(pod, clique_label=request.clique_label) for pod in members]
             where = f"clique {placement.clique}" if placement.clique else "nodes"
-            ctx.notify("Normal", "ShardPlaced", f"shard {shard} placed on {where}: {_nodes(placement)}")
-    for _shard, reason in sorted(plan.unplaced.items()):
-        ctx.notify("Warning", "Unschedulable", reason)
+            placed.append(f"shard {shard} on {where}: {_nodes(placement)}")
+    if placed:  # one Event per placement, not one per shard
+        ctx.notify("Normal", "ShardsPlaced", context.summary(placed))
+    if plan.unplaced:
+        ctx.notify("Warning", "Unschedulable", context.summary([plan.unplaced[s] for s in sorted(plan.unplaced)]))
     ctx.unplaced = dict(plan.unplaced)
 
 

@@ -9,7 +9,7 @@ from typing import Any
 
 from helpers import kube_fakes
 from megafleet import agent_client, reconcile, settings
-from megafleet.reconcile import cache, context
+from megafleet.reconcile import cache, context, inventory
 
 ROOT = Path(__file__).resolve().parents[3]
 GPU = "nvidia.com/gpu"
@@ -69,12 +69,7 @@ def test_placement_counts_pods_the_watch_has_not_delivered_and_lists_nothing() -
     reconcile_fleet(runtime, api, "b")
 
     pods = [obj for (kind, _, _), obj in api.objects.items() if kind == "Pod"]
-    pinned = sorted(
-        pod["spec"]["affinity"]["nodeAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"]["nodeSelectorTerms"][
-            0
-        ]["matchExpressions"][-1]["values"][0]
-        for pod in pods
-    )
+    pinned = sorted(inventory.pinned_node(pod) or "" for pod in pods)
     assert pinned == ["n0", "n1"]  # b did not get a's node although the watch never showed a's pod
     assert not any(verb.startswith("list") for verb in api.reads)
     assert api.writes["create Pod"] == 2
@@ -160,6 +155,30 @@ def test_an_own_creation_is_confirmed_by_the_index_it_is_read_from_or_forgotten_
     runtime.cache.forget("Pod", other)  # ... until the DELETED event's handler runs
     assert runtime.cache.fleet_objects("Pod", "rl", "b") == []
     assert runtime.cache.live_pods() == [cache.slim_pod(pod)]
+
+
+def test_the_watch_delivering_an_own_write_takes_it_out_of_the_overlay_without_a_read() -> None:
+    api = kube_fakes.Api(gpu_fleet("a"), gpu_node("n0"))
+    indexes = kube_fakes.Indexes(api)
+    runtime = cached_runtime(api, indexes)
+    reconcile_fleet(runtime, api, "a")
+    assert runtime.cache is not None
+    (pod,) = [obj for (kind, _, _), obj in api.objects.items() if kind == "Pod"]
+    (service,) = [obj for (kind, _, _), obj in api.objects.items() if kind == "Service"]
+    assert len(runtime.cache.pending) == 2  # the pod and the frontend Service (no ranks Service: one pod)
+
+    runtime.cache.delivered("Pod", {**pod, "metadata": {**pod["metadata"], "uid": "someone-elses"}})
+    assert len(runtime.cache.pending) == 2  # another object of that name confirms nothing
+    runtime.cache.delivered("Pod", pod)
+    runtime.cache.delivered("Service", service)
+    assert runtime.cache.pending == {}
+
+    asyncio.run(api.delete("Pod", pod["metadata"]["name"], "rl"))  # an own deletion ...
+    api.objects[("Pod", "rl", pod["metadata"]["name"])] = pod  # ... that the API server has not begun
+    runtime.cache.delivered("Pod", pod)  # an event of the pod from before the deletion
+    assert len(runtime.cache.pending) == 1
+    runtime.cache.delivered("Pod", {**pod, "metadata": {**pod["metadata"], "deletionTimestamp": "now"}})
+    assert runtime.cache.pending == {}
 
 
 def test_a_pod_deleted_by_someone_else_counts_one_restart_although_seen_terminating_first() -> None:

@@ -64,6 +64,14 @@ def affinity(key: str, operator: str, values: list[str]) -> dict[str, Any]:
     return {"nodeAffinity": {"requiredDuringSchedulingIgnoredDuringExecution": {"nodeSelectorTerms": [term]}}}
 
 
+def by_name(values: list[str]) -> dict[str, Any]:
+    term = {
+        "matchFields": [{"key": "metadata.name", "operator": "In", "values": values}],
+        "matchExpressions": [{"key": "clique", "operator": "In", "values": ["c0"]}],
+    }
+    return {"nodeAffinity": {"requiredDuringSchedulingIgnoredDuringExecution": {"nodeSelectorTerms": [term]}}}
+
+
 @pytest.mark.parametrize(
     ("spec", "expected"),
     [
@@ -73,8 +81,10 @@ def affinity(key: str, operator: str, values: list[str]) -> dict[str, Any]:
         ({"affinity": affinity("kubernetes.io/hostname", "In", ["n1", "n2"])}, None),
         ({"affinity": affinity("kubernetes.io/hostname", "NotIn", ["n1"])}, None),
         ({"affinity": affinity("clique", "In", ["c0"])}, None),
+        ({"affinity": by_name(["n3"])}, "n3"),
+        ({"affinity": by_name(["n3", "n4"])}, None),
     ],
-    ids=["no-spec", "null-affinity", "one-node", "two-nodes", "not-in", "other-key"],
+    ids=["no-spec", "null-affinity", "one-node", "two-nodes", "not-in", "other-key", "by-name", "by-two-names"],
 )
 def test_pinned_node_only_for_a_one_node_hostname_affinity(spec: dict[str, Any], expected: str | None) -> None:
     assert inventory.pinned_node({"spec": spec}) == expected

@@ -60,3 +60,34 @@ def test_changing_the_pipeline_size_rolls_the_shard_instead_of_counting_a_failur
     assert placed["restarts"] == 0 and "lastError" not in placed
     assert placed["pods"] == ["gen-s0-p0"]
     assert [name for (kind, _, name) in api.objects if kind == "Pod"] == ["gen-s0-p0"]
+
+
+def test_placing_several_shards_is_one_event_each_for_endpoints_and_placement() -> None:
+    fleet = gpu_fleet(1)
+    fleet["spec"]["replicas"] = 4
+    nodes = [
+        {"kind": "Node", "metadata": {"name": f"n{i}", "labels": {}}, "spec": {}, "status": {"allocatable": {GPU: "8"}}}
+        for i in range(4)
+    ]
+    api = kube_fakes.Api(fleet, *nodes)
+    runtime = context.Runtime.of(api, Agents(), settings.OperatorSettings())  # type: ignore[arg-type]
+    events: list[tuple[str, str, str]] = []
+
+    asyncio.run(reconcile.reconcile(runtime, fleet, notify=lambda *event: events.append(event)))
+
+    assert api.writes["create Pod"] == 4 and api.writes["create Service"] == 4  # one-pod shards: frontends only
+    assert [(kind, reason) for kind, reason, _ in events] == [
+        ("Normal", "EndpointsReserved"),
+        ("Normal", "ShardsPlaced"),
+    ]
+    placed = events[1][2]
+    assert [f"shard {shard} on nodes" in placed for shard in range(4)] == [True] * 4
+
+
+def test_an_event_summary_is_cut_with_the_count_left_out() -> None:
+    items = [f"shard {index} on nodes: node-{index:04d}" for index in range(100)]
+    message = context.summary(items)
+    assert len(message) <= context.SUMMARY_CHARACTERS
+    shown = message.count("shard ")
+    assert message.endswith(f"; and {100 - shown} more") and 0 < shown < 100
+    assert context.summary(items[:2]) == "shard 0 on nodes: node-0000; shard 1 on nodes: node-0001"
