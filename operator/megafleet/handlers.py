@@ -190,7 +190,8 @@ async def pace(
     stopped: kopf.DaemonStopped, runtime: context.Runtime, body: Mapping[str, Any], step: Callable[[], Awaitable[bool]]
 ) -> None:
     """Observe one fleet until ``step`` (its reconcile) reports it gone: a reconcile every
-    ``observe_interval_seconds`` while it is not settled; once settled, agent probes with a growing
+    ``observe_interval_seconds`` while it is not settled (a probe instead while it is only
+    starting, and a reconcile when that sees a change); once settled, agent probes with a growing
     delay, and a reconcile only when a probe sees a change (:mod:`megafleet.reconcile.pacing`).
     ``body`` is Kopf's live view of the fleet. A reconcile by any other trigger resets the delay."""
     metadata, triggers = body["metadata"], runtime.settings.triggers
@@ -203,7 +204,8 @@ async def pace(
             return
         last = runtime.observed.get(key)
         if last is None or not last.settled:
-            reconciled, delay = None, None
+            reconciled = last if last is not None and last.starting else None
+            delay = None
             await stopped.wait(triggers.observe_interval_seconds)
             continue
         if last is not reconciled:  # a reconcile (this loop's or an event's) since the last probe

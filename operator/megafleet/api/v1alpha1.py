@@ -1085,7 +1085,9 @@ class ShardStatus(ApiModel):
     index: int = Field(ge=0, description="index of the shard.")
     phase: ShardPhase = Field(description="phase of the shard.")
     pods: list[str] = Field(default_factory=list, description="pods of the shard, in rank order.")
-    nodes: list[str] = Field(default_factory=list, description="nodes the pods run on.")
+    nodes: list[str] = Field(
+        default_factory=list, description="nodes the pods run on (or are pinned to, before the scheduler binds them)."
+    )
     clique: str | None = Field(default=None, description="clique is the NVLink domain the shard is placed in.")
     weight_version: int | None = Field(default=None, description="weightVersion the shard serves.")
     restarts: int = Field(default=0, ge=0, description="restarts is how often the shard was re-placed.")

@@ -55,6 +55,9 @@ class Observation:
     """The fleet's agent token, so a probe reads no Secret."""
     seen: tuple[Any, ...]
     settled: bool
+    starting: bool = False
+    """Not settled only because shards are still coming up (pods starting, engines loading):
+    nothing a timer would act on, so it is probed at the observe interval, not reconciled."""
 
 
 @dataclasses.dataclass(frozen=True)

@@ -9,8 +9,11 @@ difference from what that reconcile saw starts a reconcile. The probe's delay st
 ``probe_first_seconds`` after any change and doubles while nothing changes, up to
 ``probe_most_seconds``; so a settled fleet costs no API reads or writes, and one agent call per pod
 per ``probe_most_seconds``, and an agent that goes stale or silent is noticed within
-``probe_most_seconds`` plus one agent timeout. A fleet that is not settled is reconciled every
-``observe_interval_seconds``, as always.
+``probe_most_seconds`` plus one agent timeout. A fleet that is only *starting* (every shard placed
+and coming up, nothing else pending: :func:`starting`) is probed the same way every
+``observe_interval_seconds``, and reconciled only when its pods or agents changed: at a thousand
+starting pods that is the difference between a few reconciles per fleet and one every interval.
+Any other fleet that is not settled is reconciled every ``observe_interval_seconds``, as always.
 """
 
 from __future__ import annotations
@@ -45,19 +48,37 @@ def settled(ctx: context.FleetContext) -> bool:
     return int(ctx.status.get("readyReplicas") or 0) == replicas
 
 
+STARTING_PHASES = frozenset({"Starting", "Loading", "Ready"})
+"""Shard phases that only an agent's (or a pod's) change moves on; a Stale shard waits for a
+checkpoint catch-up, which a timer retries, and a Failed one for a restart."""
+
+
+def starting(ctx: context.FleetContext) -> bool:
+    """Not settled, but nothing but the pods and agents themselves can move it on: every shard up
+    to ``replicas`` is placed, none terminates or waits for GPUs, no refit runs or session holds
+    the fleet, and each shard is Starting, Loading or Ready."""
+    replicas = ctx.fleet.spec.replicas
+    if ctx.refitting or ctx.held is not None or ctx.unplaced or ctx.shards.terminating:
+        return False
+    if set(ctx.shards.pods) != set(range(replicas)):
+        return False
+    return {entry.get("phase") for entry in ctx.status.get("shards", [])} <= STARTING_PHASES
+
+
 def record(ctx: context.FleetContext) -> None:
     """Keep what this reconcile saw, for the probes that follow it."""
     key = (ctx.fleet.namespace, ctx.fleet.name)
     seen = fingerprint(ctx.shards, ctx.reports)
-    ctx.runtime.observed[key] = context.Observation(ctx.fleet, ctx.token, seen, settled(ctx))
+    done = settled(ctx)
+    ctx.runtime.observed[key] = context.Observation(ctx.fleet, ctx.token, seen, done, not done and starting(ctx))
 
 
 async def probe(runtime: context.Runtime, body: Object) -> bool:
-    """Whether the settled fleet ``body`` looks different now than at its last reconcile (pods from
-    the cache, agents asked); True also when there is nothing to compare with."""
+    """Whether the settled (or starting) fleet ``body`` looks different now than at its last
+    reconcile (pods from the cache, agents asked); True also when there is nothing to compare with."""
     metadata = body["metadata"]
     last = runtime.observed.get((metadata.get("namespace") or "default", metadata["name"]))
-    if last is None or not last.settled or runtime.cache is None or not runtime.cache.ready:
+    if last is None or not (last.settled or last.starting) or runtime.cache is None or not runtime.cache.ready:
         return True
     if (metadata.get("uid"), metadata.get("generation")) != (last.fleet.uid, last.fleet.generation):
         return True  # the spec changed (its own handler reconciles too)

@@ -62,7 +62,9 @@ def shard_entry(
     entry: Object = {"index": shard, "restarts": count}
     if members:
         entry["pods"] = [pod.name for pod in members]
-        entry["nodes"] = [pod.node for pod in members]
+        # The node each pod is pinned to until it is bound there: known at placement, so binding
+        # (one event per pod) changes nothing the status shows and writes nothing.
+        entry["nodes"] = [pod.placed_on for pod in members]
         if members[0].clique is not None:
             entry["clique"] = members[0].clique
         phase, agent_error, version = shard_phase(reports, current_version)

@@ -151,3 +151,70 @@ def test_a_probe_sees_a_pod_the_watch_shows_gone() -> None:
     indexes.sync()
 
     assert asyncio.run(pacing.probe(runtime, body)) is True
+
+
+class LoadingAgents(Agents):
+    """Agents whose engines load until ``loaded``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.loaded = False
+
+    async def states(self, pod_ips: list[str], token: str) -> list[agent_client.AgentState]:
+        if self.loaded:
+            return await super().states(pod_ips, token)
+        self.calls += len(pod_ips)
+        return [agent_client.AgentState(state="loading", weight_version=None) for _ in pod_ips]
+
+
+def test_a_starting_fleet_is_probed_not_reconciled_until_an_agent_changes() -> None:
+    api = kube_fakes.Api(fleet(), node("n0"), node("n1"))
+    indexes = kube_fakes.Indexes(api)
+    watched = cache.Cache(clusterwide=True)
+    watched.attach(indexes)
+    agents = LoadingAgents()
+    runtime = context.Runtime.of(api, agents, FAST, cache=watched)  # type: ignore[arg-type]
+    reconciles: list[float] = []
+
+    async def step() -> bool:
+        body = await api.get("MegatronGeneration", "a", "rl") or {}
+        await reconcile.reconcile(runtime, body)
+        reconciles.append(time.monotonic())
+        api.run_pods("n0")
+        indexes.sync()
+        return True
+
+    async def scenario() -> None:
+        stopped = Stopped()
+        body = await api.get("MegatronGeneration", "a", "rl") or {}
+        daemon = asyncio.create_task(handlers.pace(stopped, runtime, body, step))  # type: ignore[arg-type]
+        # The first pass places the pods; the probe after it sees them run, and the second pass
+        # finds their engines loading.
+        while len(reconciles) < 2 or not getattr(runtime.observed.get(("rl", "a")), "starting", False):
+            await asyncio.sleep(0.01)
+        count, calls, reads = len(reconciles), agents.calls, sum(api.reads.values())
+        await asyncio.sleep(0.6)
+        # Loading: probed every 0.1 s (2 agents each), no reconcile, no API read.
+        assert len(reconciles) == count
+        assert sum(api.reads.values()) == reads
+        assert (agents.calls - calls) / 2 >= 3
+        agents.loaded = True
+        changed = time.monotonic()
+        while not getattr(runtime.observed.get(("rl", "a")), "settled", False):
+            await asyncio.sleep(0.01)
+        assert time.monotonic() - changed <= FAST.triggers.observe_interval_seconds + 0.2
+        stopped.event.set()
+        await daemon
+
+    asyncio.run(asyncio.wait_for(scenario(), timeout=30))
+    status = (asyncio.run(api.get("MegatronGeneration", "a", "rl")) or {})["status"]
+    assert status["readyReplicas"] == 2
+
+
+def test_a_fleet_waiting_for_gpus_is_not_starting() -> None:
+    api = kube_fakes.Api(fleet(), node("n0"))  # room for one of the two shards
+    runtime = context.Runtime.of(api, LoadingAgents(), FAST)  # type: ignore[arg-type]
+    body = asyncio.run(api.get("MegatronGeneration", "a", "rl")) or {}
+    asyncio.run(reconcile.reconcile(runtime, body))
+    last = runtime.observed[("rl", "a")]
+    assert not last.settled and not last.starting  # a timer must retry the placement
