@@ -147,6 +147,7 @@ class _Cluster:
         self.allocatable = {node.name: node.allocatable_gpus for node in eligible}
         self.clique = {node.name: node.labels.get(request.clique_label) or None for node in nodes}
         self.usage: collections.Counter[_Domain] = collections.Counter()
+        self._groups: dict[bool, dict[_Domain, list[str]]] = {}
         for shard, placement in request.existing.items():
             if shard not in request.shard_indices:
                 self.count(placement)
@@ -156,13 +157,16 @@ class _Cluster:
         return (0, clique) if clique is not None else (1, node)
 
     def groups(self, *, cliques_only: bool) -> dict[_Domain, list[str]]:
-        """Eligible node names by domain, each list sorted by name."""
-        groups: dict[_Domain, list[str]] = {}
-        for name in sorted(self.free):
-            key = self.domain(name)
-            if key[0] == 0 or not cliques_only:
-                groups.setdefault(key, []).append(name)
-        return groups
+        """Eligible node names by domain, each list sorted by name; made once per plan (the nodes
+        and their domains do not change while it is built, only their free GPUs)."""
+        if cliques_only not in self._groups:
+            groups: dict[_Domain, list[str]] = {}
+            for name in sorted(self.free):
+                key = self.domain(name)
+                if key[0] == 0 or not cliques_only:
+                    groups.setdefault(key, []).append(name)
+            self._groups[cliques_only] = groups
+        return self._groups[cliques_only]
 
     def slots(self, names: Iterable[str], gpus: int) -> int:
         return sum(self.free[name] // gpus for name in names)

@@ -10,8 +10,10 @@ Freshness, what a reader can count on:
 - Kopf updates an index before it runs any handler for the same watch event, and runs no handler
   before every index is filled from its first LIST: a reconcile triggered by an event of a fleet's
   pod sees that event, and every reconcile sees the cluster as of an event at least that recent.
-- The operator's own writes are seen at once: an object it created is shown (and its GPUs counted)
-  from the moment the create returns until the watch delivers it; an object it deleted is shown
+- The operator's own writes are seen at once: a pod a placement planned counts its GPUs from the
+  moment it is planned (:meth:`Cache.reserve`), so placements need not wait for each other's
+  creates; an object it created is shown (and its GPUs counted) from the moment the create
+  returns until the watch delivers it; an object it deleted is shown
   deleting (a pod) or gone (a Service) until the watch shows it so. A write the watch has not
   confirmed after :data:`PENDING_SECONDS` is dropped from the overlay (the watch lost it: the object
   was changed again by someone else, whose event then counts); one whose deletion the watch
@@ -106,6 +108,9 @@ class Cache:
     clock: Callable[[], float] = time.monotonic
     indexes: dict[str, Index] = dataclasses.field(default_factory=dict)
     pending: dict[tuple[str, str, str], _Pending] = dataclasses.field(default_factory=dict)
+    reserved: dict[tuple[str, str], Object] = dataclasses.field(default_factory=dict)
+    """Pods a placement planned whose creates have not returned yet, by (namespace, name): counted by
+    the GPU inventory, so the next placement can plan while they are being created."""
 
     def attach(self, indexes: Mapping[str, Any]) -> None:
         """Keep the Kopf indexes (live objects: Kopf updates them in place) handed to a handler."""
@@ -184,6 +189,21 @@ class Cache:
     def nodes(self) -> list[Object]:
         return list(self._store(NODES, None))
 
+    def reserve(self, pods: Iterable[Object]) -> None:
+        """Count ``pods`` (planned, about to be created) in the GPU inventory until :meth:`release`."""
+        for pod in pods:
+            self.reserved[(pod["metadata"]["namespace"], pod["metadata"]["name"])] = pod
+
+    def release(self, pods: Iterable[Object]) -> None:
+        """The creates of ``pods`` returned (each created one is in the overlay now) or failed."""
+        for pod in pods:
+            self.reserved.pop((pod["metadata"]["namespace"], pod["metadata"]["name"]), None)
+
+    def with_reserved(self, live: list[Object]) -> list[Object]:
+        """``live`` pods and the reserved ones not among them."""
+        known = {(pod["metadata"].get("namespace"), pod["metadata"]["name"]) for pod in live}
+        return live + [pod for key, pod in self.reserved.items() if key not in known]
+
     def live_pods(self) -> list[Object] | None:
         """Every pod not ended, for the GPU inventory, with the own creations the watch has not
         delivered yet; None when the index does not cover every namespace (the caller LISTs)."""
@@ -198,7 +218,7 @@ class Cache:
                     del self.pending[(kind, namespace, name)]  # the watch has it
                 else:
                     found[(namespace, name)] = write.created
-        return list(found.values())
+        return self.with_reserved(list(found.values()))
 
     def _store(self, index: str, key: Any) -> list[Object]:
         values = self.indexes[index]

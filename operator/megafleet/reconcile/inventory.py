@@ -24,17 +24,22 @@ def nodes(
     """What the planner knows of each node: its labels, GPUs offered and taken, whether the fleet's
     pods may go there (not cordoned, every hard taint tolerated). ``pod_objects``: live pods only."""
     used = allocated_gpus(pod_objects, resource)
+    verdicts: dict[tuple[tuple[Any, Any, Any], ...], bool] = {}  # most nodes share their taints
     found = []
     for node in node_objects:
         spec = node.get("spec", {})
         name = node["metadata"]["name"]
+        taints = spec.get("taints") or []
+        kind = tuple((t.get("key"), t.get("value"), t.get("effect")) for t in taints)
+        if kind not in verdicts:
+            verdicts[kind] = tolerates(tolerations, taints)
         found.append(
             planner.NodeInfo(
                 name=name,
                 labels=node["metadata"].get("labels", {}),
                 allocatable_gpus=int(str(node.get("status", {}).get("allocatable", {}).get(resource, "0"))),
                 allocated_gpus=used.get(name, 0),
-                schedulable=not spec.get("unschedulable", False) and tolerates(tolerations, spec.get("taints") or []),
+                schedulable=not spec.get("unschedulable", False) and verdicts[kind],
             )
         )
     return found

@@ -8,6 +8,7 @@ nodes the planner chose) only once the old ones are gone. Restarts are counted a
 from __future__ import annotations
 
 import asyncio
+from typing import Any
 
 from lightkube import operators
 
@@ -91,23 +92,30 @@ async def place(ctx: context.FleetContext) -> None:
         return
     request = _request(ctx, missing)
     defer_weights = ctx.refit.get("currentVersion") is not None
-    async with ctx.runtime.placement_lock:  # fleets place one at a time, each seeing what the others took
+    cache = ctx.runtime.cache if ctx.runtime.cache is not None and ctx.runtime.cache.ready else None
+    async with ctx.runtime.placement_lock:  # fleets plan one at a time, each seeing what the others took
         plan = planner.plan_placement(request, await _inventory(ctx))
         wanted = {
             shard: desired.shard_pods(ctx.fleet, shard, placement, defer_weights=defer_weights)
             for shard, placement in plan.placed.items()
         }
-        # Every planned pod at once (one round trip): the watch cache counts each as it is created.
-        made = await asyncio.gather(
-            *(ownership.create(ctx.api, ctx.fleet, pod) for shard in sorted(wanted) for pod in wanted[shard])
-        )
-        created = iter(made)
-        placed = []
-        for shard, placement in sorted(plan.placed.items()):
-            members = [next(created) for _ in wanted[shard]]
-            ctx.shards.pods[shard] = [pods.parse(pod, clique_label=request.clique_label) for pod in members]
-            where = f"clique {placement.clique}" if placement.clique else "nodes"
-            placed.append(f"shard {shard} on {where}: {_nodes(placement)}")
+        planned = [pod for shard in sorted(wanted) for pod in wanted[shard]]
+        if cache is not None:  # counted from now on: the next fleet plans while these are created
+            cache.reserve(planned)
+        else:
+            made = await _create(ctx, planned)
+    if cache is not None:
+        try:
+            made = await _create(ctx, planned)
+        finally:
+            cache.release(planned)
+    created = iter(made)
+    placed = []
+    for shard, placement in sorted(plan.placed.items()):
+        members = [next(created) for _ in wanted[shard]]
+        ctx.shards.pods[shard] = [pods.parse(pod, clique_label=request.clique_label) for pod in members]
+        where = f"clique {placement.clique}" if placement.clique else "nodes"
+        placed.append(f"shard {shard} on {where}: {_nodes(placement)}")
     if placed:  # one Event per placement, not one per shard
         ctx.notify("Normal", "ShardsPlaced", context.summary(placed))
     if plan.unplaced:
@@ -142,6 +150,16 @@ def existing(members: list[pods.Pod]) -> planner.ShardPlacement:
     )
 
 
+async def _create(ctx: context.FleetContext, planned: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Every planned pod at once (one round trip); each is in the cache's overlay once its create
+    returned. Every create has finished (or failed) when this returns or raises."""
+    made = await asyncio.gather(*(ownership.create(ctx.api, ctx.fleet, pod) for pod in planned), return_exceptions=True)
+    for outcome in made:
+        if isinstance(outcome, BaseException):
+            raise outcome
+    return [outcome for outcome in made if not isinstance(outcome, BaseException)]
+
+
 async def _inventory(ctx: context.FleetContext) -> list[planner.NodeInfo]:
     """Nodes and the pods not ended, from the watch-fed cache where it covers them (see
     :mod:`.cache` for how fresh), else LISTed."""
@@ -149,6 +167,8 @@ async def _inventory(ctx: context.FleetContext) -> list[planner.NodeInfo]:
     live = cache.live_pods() if cache is not None else None
     if live is None:
         live = await ctx.api.list("Pod", fields={"status.phase": operators.not_in(["Succeeded", "Failed"])})
+        if cache is not None:
+            live = cache.with_reserved(live)
     found = cache.nodes() if cache is not None else await ctx.api.list("Node")
     spec = ctx.fleet.spec
     return inventory.nodes(found, live, resource=spec.resources.gpu_resource, tolerations=spec.placement.tolerations)

@@ -204,3 +204,40 @@ def test_a_pod_deleted_by_someone_else_counts_one_restart_although_seen_terminat
     indexes.sync()
     assert [restarts(), restarts()] == [1, 1]  # placed again, counted once
     assert api.writes["create Pod"] == 2
+
+
+class SlowPodCreates(kube_fakes.Api):
+    """Pod creates that wait for ``gate``, as an API server under load answers them."""
+
+    def __init__(self, *objects: dict[str, Any]) -> None:
+        super().__init__(*objects)
+        self.gate = asyncio.Event()
+
+    async def create(self, obj: dict[str, Any]) -> dict[str, Any]:
+        if obj["kind"] == "Pod":
+            await self.gate.wait()
+        return await super().create(obj)
+
+
+def test_a_placement_plans_while_another_fleets_pod_creates_are_in_flight() -> None:
+    api = SlowPodCreates(gpu_fleet("a"), gpu_fleet("b"), gpu_node("n0"), gpu_node("n1"))
+    indexes = kube_fakes.Indexes(api)
+    runtime = cached_runtime(api, indexes)
+    watched = runtime.cache
+    assert watched is not None
+
+    async def scenario() -> None:
+        bodies = [await api.get("MegatronGeneration", name, "rl") or {} for name in ("a", "b")]
+        both = asyncio.gather(*(reconcile.reconcile(runtime, body) for body in bodies))
+        while len(watched.reserved) < 2:  # both planned, neither pod created yet
+            await asyncio.sleep(0.01)
+        assert not runtime.placement_lock.locked()
+        assert sorted(inventory.pinned_node(pod) or "" for pod in watched.reserved.values()) == ["n0", "n1"]
+        api.gate.set()
+        await both
+
+    asyncio.run(asyncio.wait_for(scenario(), timeout=10))
+
+    assert watched.reserved == {}  # released once the creates returned
+    pods = [obj for (kind, _, _), obj in api.objects.items() if kind == "Pod"]
+    assert sorted(inventory.pinned_node(pod) or "" for pod in pods) == ["n0", "n1"]
