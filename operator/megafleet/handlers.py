@@ -220,8 +220,12 @@ async def on_pod_event(
 ) -> None:
     _delivered(memo, "Pod", type, body)
     runtime = _runtime(memo, kwargs)
+    namespace, fleet = namespace or "default", labels[names.LABEL_FLEET]
+    if type != "DELETED" and pacing.pod_unchanged(runtime, namespace, fleet, _raw(body)):
+        metrics.RECONCILES.labels(outcome="unchanged").inc()
+        return
     gather = runtime.settings.triggers.pod_event_gather_seconds
-    await _reconcile(runtime, namespace or "default", labels[names.LABEL_FLEET], gather=gather)
+    await _reconcile(runtime, namespace, fleet, gather=gather)
 
 
 def _deleted(type: str | None, **_: Any) -> bool:

@@ -26,13 +26,15 @@ from megafleet.reconcile import nodes as lost_nodes
 Object = dict[str, Any]
 
 
+def pod_view(pod: pods.Pod) -> tuple[Any, ...]:
+    """What a reconcile acts on of one pod. Its node is the one it is pinned to until bound there
+    (the same node): being bound changes nothing the reconcile does or the status shows."""
+    return (pod.shard, pod.name, pod.phase, pod.ip, pod.placed_on, pod.template_hash)
+
+
 def fingerprint(shards: pods.Shards, reports: pods.Reports) -> tuple[Any, ...]:
     """What a reconcile acts on of the pods and agents, as a comparable value."""
-    seen = tuple(
-        (shard, pod.name, pod.phase, pod.ip, pod.node, pod.template_hash)
-        for shard, members in sorted(shards.pods.items())
-        for pod in members
-    )
+    seen = tuple(pod_view(pod) for _, members in sorted(shards.pods.items()) for pod in members)
     answered = tuple((shard, tuple(reports[shard])) for shard in sorted(reports))
     return seen, tuple(sorted(shards.terminating)), answered
 
@@ -87,6 +89,21 @@ async def probe(runtime: context.Runtime, body: Object) -> bool:
     shards = await pods.observe(runtime.api, last.fleet, runtime.cache)
     reports = await pods.ask_agents(runtime.agents, shards, last.token)
     return fingerprint(shards, reports) != last.seen
+
+
+def pod_unchanged(runtime: context.Runtime, namespace: str, fleet: str, body: Object) -> bool:
+    """Whether the last complete reconcile of ``fleet`` saw the pod ``body`` (an event's) just as it
+    is now: the event (the watch confirming an own create, a condition the scheduler or kubelet
+    wrote, a bind to the pinned node) gives that reconcile nothing to do, so the handler need not
+    start one. False whenever in doubt (no such reconcile, a pod it did not see, one deleting)."""
+    last = runtime.observed.get((namespace, fleet))
+    if last is None:
+        return False
+    try:
+        pod = pods.parse(body, clique_label=last.fleet.spec.placement.clique_label)
+    except (KeyError, ValueError):
+        return False
+    return not pod.deleting and pod_view(pod) in last.seen[0]
 
 
 def next_delay(previous: float | None, *, first: float, most: float) -> float:

@@ -13,7 +13,7 @@ from typing import Any
 
 from helpers import kube_fakes
 from megafleet import agent_client, handlers, reconcile, settings
-from megafleet.reconcile import cache, context, pacing
+from megafleet.reconcile import cache, context, inventory, pacing
 
 FAST = settings.OperatorSettings(
     triggers=settings.TriggerSettings(observe_interval_seconds=0.1, probe_first_seconds=0.05, probe_most_seconds=0.2)
@@ -218,3 +218,21 @@ def test_a_fleet_waiting_for_gpus_is_not_starting() -> None:
     asyncio.run(reconcile.reconcile(runtime, body))
     last = runtime.observed[("rl", "a")]
     assert not last.settled and not last.starting  # a timer must retry the placement
+
+
+def test_a_pod_event_that_changes_nothing_the_reconcile_saw_needs_no_reconcile() -> None:
+    api = kube_fakes.Api(fleet(), node("n0"), node("n1"))
+    runtime = context.Runtime.of(api, Agents(), FAST)  # type: ignore[arg-type]
+    assert pacing.pod_unchanged(runtime, "rl", "a", {"metadata": {"name": "x"}}) is False  # no reconcile yet
+    body = asyncio.run(api.get("MegatronGeneration", "a", "rl")) or {}
+    asyncio.run(reconcile.reconcile(runtime, body))
+    name = next(key[2] for key in api.objects if key[0] == "Pod")
+    pod = api.objects[("Pod", "rl", name)]
+
+    assert pacing.pod_unchanged(runtime, "rl", "a", pod)  # the watch confirming the create
+    bound = {**pod, "spec": {**pod["spec"], "nodeName": inventory.pinned_node(pod)}}
+    assert pacing.pod_unchanged(runtime, "rl", "a", bound)  # bound where it was pinned
+    running = {**bound, "status": {"phase": "Running", "podIP": "127.0.0.9"}}
+    assert not pacing.pod_unchanged(runtime, "rl", "a", running)
+    deleting = {**pod, "metadata": {**pod["metadata"], "deletionTimestamp": "now"}}
+    assert not pacing.pod_unchanged(runtime, "rl", "a", deleting)
