@@ -33,7 +33,7 @@ import sys
 import time
 from pathlib import Path
 
-from megafleet_dev import cluster, images, kube, pki, progress, sandbox, toolchain
+from megafleet_dev import builds, cluster, images, kube, pki, progress, sandbox, toolchain
 
 NODE_NAME = "megafleet-node-0"
 REAL_NODE_LABEL = "megafleet.dev/real-node"
@@ -300,8 +300,7 @@ def start(
 ) -> RealNode:
     """Build what is missing, start the node's programs in a fresh sandbox, import the images,
     wait until the node is Ready. On failure everything made so far is torn down."""
-    toolchain.ensure_built(PROGRAMS, report=report)
-    built = images.ensure_all(targets, report)
+    built = builds.ensure_all(PROGRAMS, targets, report).images
     started = time.monotonic()
     addresses = Addresses.from_network(network)
     host_link, node_link, cgroup = _names(local.state_dir)
