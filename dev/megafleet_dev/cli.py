@@ -113,8 +113,8 @@ def run(args: argparse.Namespace) -> int:
                     print(f"{component.name} {component.version}: {toolchain.component_dir(component)}")
             for image in built.images:
                 print(f"{image.reference}: {image.archive}")
-            lanes = f"{built.go_seconds:.0f} s (Go components) and {built.images_seconds:.0f} s (images)"
-            progress.print_progress(f"built in {lanes}, in parallel")
+            lanes = f"Go components {built.go_seconds:.0f} s, images {built.images_seconds:.0f} s"
+            progress.print_progress(f"build lanes done (in parallel): {lanes}")
             return 0
         if args.dev_command == "images":
             unknown = set(args.targets) - set(images.TARGETS)
