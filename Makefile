@@ -38,9 +38,10 @@ check: lint
 	$(BIN)/pytest -q -m "not e2e and not slow" tests/unit tests/engine
 
 # Everything the tiers use is built first, with its progress shown and outside pytest's per-test
-# timeouts (a cold KEDA build alone takes longer than the autoscale tier's): the real node's programs
-# and images, Prometheus and KEDA. Cached: seconds when nothing changed.
-test: build lint
+# timeouts (a cold KEDA build alone takes longer than the autoscale tier's): the control plane, the
+# real node's programs and images, Prometheus and KEDA, in one command so that the image builds
+# (downloads, layer writes) run beside the CPU-bound Go builds. Cached: seconds when nothing changed.
+test: lint
 	$(BIN)/megafleet dev build --real-node --autoscale
 	$(BIN)/pytest
 

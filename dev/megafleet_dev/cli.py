@@ -14,7 +14,20 @@ import sys
 import threading
 from pathlib import Path
 
-from megafleet_dev import autoscale, cluster, demo, images, kube, nodes, realnode, runner, sandbox, toolchain
+from megafleet_dev import (
+    autoscale,
+    builds,
+    cluster,
+    demo,
+    images,
+    kube,
+    nodes,
+    progress,
+    realnode,
+    runner,
+    sandbox,
+    toolchain,
+)
 
 
 def default_state_dir() -> Path:
@@ -93,12 +106,15 @@ def run(args: argparse.Namespace) -> int:
         if args.dev_command == "build":
             names = toolchain.CONTROL_PLANE + (realnode.PROGRAMS if args.real_node else ())
             names += toolchain.AUTOSCALE if args.autoscale else ()
-            toolchain.ensure_built(names)
+            # The Go components and the images build in parallel lanes (megafleet_dev.builds).
+            built = builds.ensure_all(names, images.TARGETS if args.real_node else None)
             for component in toolchain.COMPONENTS:
                 if component.name in names:
                     print(f"{component.name} {component.version}: {toolchain.component_dir(component)}")
-            for image in images.ensure_all() if args.real_node else []:
+            for image in built.images:
                 print(f"{image.reference}: {image.archive}")
+            lanes = f"Go components {built.go_seconds:.0f} s, images {built.images_seconds:.0f} s"
+            progress.print_progress(f"build lanes done (in parallel): {lanes}")
             return 0
         if args.dev_command == "images":
             unknown = set(args.targets) - set(images.TARGETS)

@@ -161,7 +161,7 @@ def _run(cmd: list[str], *, log: Path, report: progress.Progress, what: str) -> 
     """Run a long command into ``log``, reporting buildah's STEP lines and a heartbeat every 30 s."""
     started = time.monotonic()
     next_beat = started + 30.0
-    with log.open("a") as sink:
+    with log.open("a", buffering=1) as sink:  # line-buffered: the log is readable while it runs
         sink.write(f"$ {' '.join(cmd)}\n")
         sink.flush()
         with subprocess.Popen(

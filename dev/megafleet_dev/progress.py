@@ -9,5 +9,7 @@ Progress = Callable[[str], None]
 
 
 def print_progress(message: str) -> None:
-    """The default :data:`Progress` sink: one flushed ``[megafleet]`` line per step."""
-    print(f"[megafleet] {message}", file=sys.stderr, flush=True)
+    """The default :data:`Progress` sink: one flushed ``[megafleet]`` line per step, written in one
+    call so that lines of builds running in parallel (:mod:`megafleet_dev.builds`) never interleave."""
+    sys.stderr.write(f"[megafleet] {message}\n")
+    sys.stderr.flush()

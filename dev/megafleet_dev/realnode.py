@@ -14,7 +14,8 @@ Network (``network``, a /16 of which two parts are used; the defaults are 10.213
 pods get the first /24 behind a bridge; the host and the node share a /30 at the end of the range
 (host .1, node .2); the host routes the pod /24 to the node, so the operator and the tests reach
 pod IPs; nothing routes anywhere else. The API server stays on host loopback: a forwarder
-(:mod:`megafleet_dev.forward`) listens on 127.0.0.1:6443 and on the node IP inside the node.
+(:mod:`megafleet_dev.forward`) listens on 127.0.0.1:6443 and on the node IP inside the node, and
+is the ``kubernetes`` Service's endpoint (:func:`apiserver_slice`), so in-cluster clients work.
 The node is a CPU node labelled ``megafleet.dev/real-node=true``; KWOK's simulated nodes stay for
 GPU placement. What this sandbox forces (cgroup v1, no CAP_SYS_RESOURCE, global sysctls) is
 handled here and in the kubelet configuration only; nothing in the chart or pod spec bends to it.
@@ -33,7 +34,7 @@ import sys
 import time
 from pathlib import Path
 
-from megafleet_dev import cluster, images, kube, pki, progress, sandbox, toolchain
+from megafleet_dev import builds, cluster, images, kube, pki, progress, sandbox, toolchain
 
 NODE_NAME = "megafleet-node-0"
 REAL_NODE_LABEL = "megafleet.dev/real-node"
@@ -45,6 +46,8 @@ CTR_NAMESPACE = "k8s.io"
 # to about 100 bytes, and a test's state folder is long), and invisible on the host.
 CONTAINERD_SOCKET = Path("/run/containerd/containerd.sock")
 PROGRAMS = ("node", "coredns")  # toolchain components the real node runs
+APISERVER_SLICE = "megafleet-dev-apiserver"
+"""The EndpointSlice that gives the ``kubernetes`` Service its endpoint (:func:`apiserver_slice`)."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -291,6 +294,40 @@ _RBAC: list[tuple[str, dict[str, object]]] = [
 ]
 
 
+def apiserver_slice(addresses: Addresses) -> dict[str, object]:
+    """The ``kubernetes`` Service's endpoint: the API server forwarder on the node's IP (pure).
+
+    The local API server listens on host loopback, which pods cannot reach, so it publishes no
+    endpoint itself (``--endpoint-reconciler-type=none``); with this one, in-cluster clients
+    (``KUBERNETES_SERVICE_HOST``, ``kubernetes.default.svc``) reach it through kube-proxy as on a
+    real cluster. The Service has no selector, so no controller manages or removes the slice."""
+    return {
+        "apiVersion": "discovery.k8s.io/v1",
+        "kind": "EndpointSlice",
+        "metadata": {
+            "name": APISERVER_SLICE,
+            "labels": {
+                "kubernetes.io/service-name": "kubernetes",
+                "endpointslice.kubernetes.io/managed-by": "megafleet-dev",
+            },
+        },
+        "addressType": "IPv4",
+        "endpoints": [{"addresses": [addresses.node_ip], "conditions": {"ready": True}}],
+        "ports": [{"name": "https", "port": API_PORT_IN_NODE, "protocol": "TCP"}],
+    }
+
+
+def _publish_apiserver(client: kube.Kube, addresses: Addresses) -> None:
+    """Create :func:`apiserver_slice`, or point an existing one (a node started before on another
+    network in the same cluster) at this node."""
+    path = "/apis/discovery.k8s.io/v1/namespaces/default/endpointslices"
+    body = apiserver_slice(addresses)
+    if client.get(f"{path}/{APISERVER_SLICE}") is None:
+        client.create(path, body)
+    else:
+        client.patch(f"{path}/{APISERVER_SLICE}", {"endpoints": body["endpoints"], "ports": body["ports"]})
+
+
 def start(
     local: cluster.LocalCluster,
     *,
@@ -300,8 +337,7 @@ def start(
 ) -> RealNode:
     """Build what is missing, start the node's programs in a fresh sandbox, import the images,
     wait until the node is Ready. On failure everything made so far is torn down."""
-    toolchain.ensure_built(PROGRAMS, report=report)
-    built = images.ensure_all(targets, report)
+    built = builds.ensure_all(PROGRAMS, targets, report).images
     started = time.monotonic()
     addresses = Addresses.from_network(network)
     host_link, node_link, cgroup = _names(local.state_dir)
@@ -373,6 +409,7 @@ def _start(
         for path, body in _RBAC:
             if client.get(f"{path}/{body['metadata']['name']}") is None:  # type: ignore[index]
                 client.create(path, body)
+        _publish_apiserver(client, addresses)
     fakes = {}
     for key, value in sandbox.FAKE_SYSCTLS.items():
         fake = folder / "sysctl" / key.replace("/", ".")

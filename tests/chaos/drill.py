@@ -305,22 +305,9 @@ class Drill:
         port = base.free_port()
         name = f"{FLEET}-v{version}"
         self.refits_made.append(name)
-        self.kube.create(
-            base.refits(self.namespace),
-            {
-                "apiVersion": "megafleet.dev/v1alpha1",
-                "kind": "Refit",
-                "metadata": {"name": name},
-                "spec": {
-                    "fleetRef": {"name": FLEET},
-                    "version": version,
-                    "source": {"rendezvous": {"address": base.TRAINER_ADDRESS, "port": port, "trainerWorldSize": 1}},
-                },
-            },
-        )
+        path = base.create_refit(self.kube, self.namespace, FLEET, version, port=port)
         model, _ = tiny.build_tiny(source)
         weights = [(n, p.detach()) for n, p in model.named_parameters()]
-        path = f"{base.refits(self.namespace)}/{name}"
         trainer_kube = kube.Kube.from_kubeconfig(self.kubeconfig)
 
         def trainer() -> None:
@@ -362,15 +349,7 @@ class Drill:
         """Create a checkpoint Refit (the catch-up step kills a shard once it succeeded)."""
         name = f"{FLEET}-v{version}"
         self.refits_made.append(name)
-        self.kube.create(
-            base.refits(self.namespace),
-            {
-                "apiVersion": "megafleet.dev/v1alpha1",
-                "kind": "Refit",
-                "metadata": {"name": name},
-                "spec": {"fleetRef": {"name": FLEET}, "version": version, "source": {"checkpoint": {"path": source}}},
-            },
-        )
+        base.create_refit(self.kube, self.namespace, FLEET, version, checkpoint=source)
 
     def engine_pid(self, pod: str) -> int:
         """The PID of ``pod``'s engine core (its API servers are its children, in its process group)."""

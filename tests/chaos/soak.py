@@ -198,10 +198,7 @@ class Soak:
         self.drill.refit_checkpoint(version, source_of(version))
         path = f"{base.refits(self.drill.namespace)}/{drill_module.FLEET}-v{version}"
         refit = kube_admin.wait(
-            path,
-            lambda r: drill_module.refit_phase(r) in ("Succeeded", "Failed"),
-            timeout=drill_module.STEP_TIMEOUT_SECONDS,
-            what=f"Refit v{version} ended",
+            path, base.refit_ended, timeout=drill_module.STEP_TIMEOUT_SECONDS, what=f"Refit v{version} ended"
         )
         return str(drill_module.refit_phase(refit)), round(time.monotonic() - started, 1)
 

@@ -154,22 +154,8 @@ def autoscale_fleet(kube_admin: kube.Kube, namespace: str, prometheus_url: str) 
 
 
 def checkpoint_refit(kube_admin: kube.Kube, namespace: str, version: int, path: str) -> None:
-    name = f"{FLEET}-v{version}"
-    kube_admin.create(
-        base.refits(namespace),
-        {
-            "apiVersion": "megafleet.dev/v1alpha1",
-            "kind": "Refit",
-            "metadata": {"name": name},
-            "spec": {"fleetRef": {"name": FLEET}, "version": version, "source": {"checkpoint": {"path": path}}},
-        },
-    )
-    done = kube_admin.wait(
-        f"{base.refits(namespace)}/{name}",
-        lambda r: (r or {}).get("status", {}).get("phase") in ("Succeeded", "Failed"),
-        timeout=WAIT,
-        what="the checkpoint refit",
-    )
+    refit = base.create_refit(kube_admin, namespace, FLEET, version, checkpoint=path)
+    done = kube_admin.wait(refit, base.refit_ended, timeout=WAIT, what="the checkpoint refit")
     assert done is not None and done["status"]["phase"] == "Succeeded", (done or {}).get("status")
 
 
@@ -420,21 +406,9 @@ def test_a_scale_decision_during_a_refit_places_nothing_until_the_refit_ended(
     trainer = base.TrainerModel()
     port = base.free_port()
     name = f"{FLEET}-v1"
-    kube_admin.create(
-        base.refits(namespace),
-        {
-            "apiVersion": "megafleet.dev/v1alpha1",
-            "kind": "Refit",
-            "metadata": {"name": name},
-            "spec": {
-                "fleetRef": {"name": FLEET},
-                "version": 1,
-                "source": {"rendezvous": {"address": base.TRAINER_ADDRESS, "port": port, "trainerWorldSize": 1}},
-            },
-        },
-    )
+    refit = base.create_refit(kube_admin, namespace, FLEET, 1, port=port)
     running = kube_admin.wait(
-        f"{base.refits(namespace)}/{name}",
+        refit,
         lambda r: (r or {}).get("status", {}).get("phase") == "Running",
         timeout=WAIT,
         what="the refit Running (the trainer has not sent yet)",
@@ -470,11 +444,7 @@ def test_a_scale_decision_during_a_refit_places_nothing_until_the_refit_ended(
             sender.send([(n, p.detach()) for n, p in trainer.model.named_parameters()], bucket_size_mib=1, version=1)
         finally:
             sender.close()
-        done = kube_admin.wait(
-            f"{base.refits(namespace)}/{name}",
-            lambda r: (r or {}).get("status", {}).get("phase") in ("Succeeded", "Failed"),
-            timeout=WAIT,
-        )
+        done = kube_admin.wait(refit, base.refit_ended, timeout=WAIT)
         assert done is not None and done["status"]["phase"] == "Succeeded", (done or {}).get("status")
         refit_ended = time.monotonic()
         placed = kube_admin.wait(

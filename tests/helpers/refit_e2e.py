@@ -32,6 +32,46 @@ def refits(namespace: str) -> str:
     return f"/apis/megafleet.dev/v1alpha1/namespaces/{namespace}/refits"
 
 
+REFIT_ENDED = ("Succeeded", "Failed")
+
+
+def refit_manifest(fleet: str, version: int, *, port: int | None = None, checkpoint: str | None = None) -> kube.Object:
+    """The Refit ``<fleet>-v<version>`` of the refit tests: from a one-rank trainer's rendezvous
+    on :data:`TRAINER_ADDRESS` at ``port``, or from a ``checkpoint`` path (exactly one of them)."""
+    if (port is None) == (checkpoint is None):
+        raise ValueError("a Refit has exactly one source: a rendezvous port or a checkpoint path")
+    source: dict[str, Any] = (
+        {"rendezvous": {"address": TRAINER_ADDRESS, "port": port, "trainerWorldSize": 1}}
+        if port is not None
+        else {"checkpoint": {"path": checkpoint}}
+    )
+    return {
+        "apiVersion": "megafleet.dev/v1alpha1",
+        "kind": "Refit",
+        "metadata": {"name": f"{fleet}-v{version}"},
+        "spec": {"fleetRef": {"name": fleet}, "version": version, "source": source},
+    }
+
+
+def create_refit(
+    client: kube.Kube,
+    namespace: str,
+    fleet: str,
+    version: int,
+    *,
+    port: int | None = None,
+    checkpoint: str | None = None,
+) -> str:
+    """Create :func:`refit_manifest`'s Refit in ``namespace``; returns its API path."""
+    manifest = refit_manifest(fleet, version, port=port, checkpoint=checkpoint)
+    client.create(refits(namespace), manifest)
+    return f"{refits(namespace)}/{manifest['metadata']['name']}"
+
+
+def refit_ended(obj: kube.Object | None) -> bool:
+    return (obj or {}).get("status", {}).get("phase") in REFIT_ENDED
+
+
 def tiny_fleet(**spec: Any) -> dict[str, Any]:
     manifest: dict[str, Any] = yaml.safe_load((ROOT / "examples" / "tiny-cpu.yaml").read_text())
     manifest["spec"].update(spec)
@@ -63,22 +103,9 @@ class TrainerModel:
     def refit(self, kube_admin: kube.Kube, namespace: str, fleet: str, version: int) -> kube.Object:
         """Create the Refit, learn the membership from its status, send, and wait for the outcome."""
         port = free_port()
-        name = f"{fleet}-v{version}"
-        kube_admin.create(
-            refits(namespace),
-            {
-                "apiVersion": "megafleet.dev/v1alpha1",
-                "kind": "Refit",
-                "metadata": {"name": name},
-                "spec": {
-                    "fleetRef": {"name": fleet},
-                    "version": version,
-                    "source": {"rendezvous": {"address": TRAINER_ADDRESS, "port": port, "trainerWorldSize": 1}},
-                },
-            },
-        )
+        path = create_refit(kube_admin, namespace, fleet, version, port=port)
         running = kube_admin.wait(
-            f"{refits(namespace)}/{name}",
+            path,
             lambda r: (r or {}).get("status", {}).get("phase") == "Running",
             timeout=WAIT,
             what="the operator to publish the membership",
@@ -103,12 +130,7 @@ class TrainerModel:
 
         thread = threading.Thread(target=send, daemon=True)
         thread.start()
-        done = kube_admin.wait(
-            f"{refits(namespace)}/{name}",
-            lambda r: (r or {}).get("status", {}).get("phase") in ("Succeeded", "Failed"),
-            timeout=WAIT,
-            what="the refit to finish",
-        )
+        done = kube_admin.wait(path, refit_ended, timeout=WAIT, what="the refit to finish")
         thread.join(timeout=WAIT)
         assert not failure, failure
         assert done is not None

@@ -17,14 +17,14 @@ from pathlib import Path
 import pytest
 import yaml
 
+from helpers import pod_networks
 from helpers.operators import Operators
 from megafleet_dev import cluster, kube, realnode
 
 ROOT = Path(__file__).resolve().parents[2]
 OPERATOR_NAMESPACES = "t-*"
-# Apart from the dev cluster's (127.64.0.0/12, 10.213.0.0/16) and the e2e tier's (127.128.0.0/12).
-KWOK_POD_NETWORK = "127.144.0.0/12"
-REAL_NODE_NETWORK = "10.214.0.0/16"
+# Apart from the dev cluster's, the e2e tier's and other test sessions' (MEGAFLEET_TEST_POD_NETWORK).
+NETWORKS = pod_networks.cluster_networks(pod_networks.session_network(), pod_networks.REALNODE_SLOT)
 
 
 def pytest_configure(config: pytest.Config) -> None:
@@ -33,7 +33,7 @@ def pytest_configure(config: pytest.Config) -> None:
 
 @pytest.fixture(scope="session")
 def local_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[cluster.LocalCluster]:
-    local = cluster.LocalCluster(tmp_path_factory.mktemp("realnode-cluster"), pools=(), pod_network=KWOK_POD_NETWORK)
+    local = cluster.LocalCluster(tmp_path_factory.mktemp("realnode-cluster"), pools=(), pod_network=NETWORKS.kwok)
     local.start()
     try:
         yield local
@@ -60,7 +60,7 @@ def crds(kube_admin: kube.Kube) -> None:
 
 @pytest.fixture(scope="session")
 def real_node(local_cluster: cluster.LocalCluster) -> realnode.RealNode:
-    return realnode.start(local_cluster, network=REAL_NODE_NETWORK)
+    return realnode.start(local_cluster, network=NETWORKS.real_node)
 
 
 @pytest.fixture(scope="session")

@@ -1,7 +1,8 @@
 """The operator as a user installs it: ``helm install`` of ``charts/megafleet`` on the real-node
 cluster, the operator image of ``megafleet dev images`` running as the chart's Deployment (its
 ServiceAccount, ClusterRole and Kopf peering between two replicas), reconciling the tiny fleet in a
-namespace that enforces the restricted Pod Security Standard, from inside the cluster.
+namespace that enforces the restricted Pod Security Standard, from inside the cluster (through the
+``kubernetes`` Service, whose endpoint the real node publishes: :func:`realnode.apiserver_slice`).
 
 The fleet uses the pod template (``spec.pod``) the way a GPU fleet does, proven in real containers
 where a CPU can prove it: the checkpoint comes from a PersistentVolumeClaim the test writes (not the
@@ -35,7 +36,6 @@ CHART = ROOT / "charts" / "megafleet"
 RELEASE = "megafleet-rn"  # holds the chart name: the objects are named after the release alone
 WAIT = 300  # operator pods start, then the engine imports torch on two shared cores
 SHM_BYTES = 128 << 20
-APISERVER_SLICE = "megafleet-dev-apiserver"
 
 # Run inside the engine container (``ctr tasks exec``): what the pod template promises.
 PROBE = """
@@ -74,33 +74,6 @@ def helm(kubeconfig: Path, *args: str) -> subprocess.CompletedProcess[str]:
     )
 
 
-def route_the_kubernetes_service(client: kube.Kube, node: realnode.RealNode) -> bool:
-    """Give the ``kubernetes`` Service an endpoint pods can reach: the API server forwarder on the
-    node's IP. The local API server listens on host loopback and so publishes no endpoint itself
-    (``--endpoint-reconciler-type=none``). Returns whether this call created it."""
-    path = "/apis/discovery.k8s.io/v1/namespaces/default/endpointslices"
-    if client.list(path, label_selector="kubernetes.io/service-name=kubernetes")["items"]:
-        return False
-    client.create(
-        path,
-        {
-            "apiVersion": "discovery.k8s.io/v1",
-            "kind": "EndpointSlice",
-            "metadata": {
-                "name": APISERVER_SLICE,
-                "labels": {
-                    "kubernetes.io/service-name": "kubernetes",
-                    "endpointslice.kubernetes.io/managed-by": "megafleet-dev",
-                },
-            },
-            "addressType": "IPv4",
-            "endpoints": [{"addresses": [node.addresses.node_ip], "conditions": {"ready": True}}],
-            "ports": [{"name": "https", "port": realnode.API_PORT_IN_NODE, "protocol": "TCP"}],
-        },
-    )
-    return True
-
-
 @pytest.fixture(scope="module")
 def checkpoint() -> Iterator[Path]:
     """The tiny model saved as a Hugging Face checkpoint folder, readable by the engine's user."""
@@ -128,7 +101,6 @@ def installed(
         f"/api/v1/namespaces/{namespace}",
         {"metadata": {"labels": {"pod-security.kubernetes.io/enforce": "restricted"}}},
     )
-    created_slice = route_the_kubernetes_service(kube_admin, real_node)
     values = tmp_path_factory.mktemp("chart") / "values.yaml"
     values.write_text(
         yaml.safe_dump(
@@ -147,10 +119,6 @@ def installed(
         helm(kubeconfig, "uninstall", RELEASE, "--namespace", namespace, "--wait", "--timeout", "120s")
         kube_admin.delete(f"/api/v1/namespaces/{namespace}", missing_ok=True)
         kube_admin.delete(f"/apis/kopf.dev/v1/clusterkopfpeerings/{RELEASE}", missing_ok=True)
-        if created_slice:
-            kube_admin.delete(
-                f"/apis/discovery.k8s.io/v1/namespaces/default/endpointslices/{APISERVER_SLICE}", missing_ok=True
-            )
 
 
 def test_the_chart_installed_operator_runs_two_peered_replicas_under_its_service_account(

@@ -13,9 +13,13 @@ from pathlib import Path
 
 import pytest
 
+from helpers import pod_networks
 from megafleet_dev import cluster, realnode, sandbox
 
 pytestmark = [pytest.mark.realnode, pytest.mark.e2e, pytest.mark.timeout(900)]
+
+# Beside the tier's session cluster (its own slot), one of these clusters at a time.
+NETWORKS = pod_networks.cluster_networks(pod_networks.session_network(), pod_networks.TEARDOWN_SLOT)
 
 GLOBAL_SETTINGS = (
     "/proc/sys/vm/overcommit_memory",
@@ -33,11 +37,11 @@ def test_dev_down_removes_every_trace_of_the_real_node() -> None:
     before = read_settings()
     # A short folder: the kubelet's unix sockets live under it (about 100 bytes at most).
     state = Path(tempfile.mkdtemp(prefix="mf-down-"))
-    local = cluster.LocalCluster(state, pools=(), pod_network="127.176.0.0/12")
+    local = cluster.LocalCluster(state, pools=(), pod_network=NETWORKS.kwok)
     local.start()
     try:
         # Only the pause image: this test is about the node's sandbox, not the engine.
-        node = realnode.start(local, network="10.216.0.0/16", targets=())
+        node = realnode.start(local, network=NETWORKS.real_node, targets=())
         box = sandbox.Sandbox.load(state)
         assert box is not None and box.holder_pid == node.holder_pid
         assert sandbox.leftovers(box)  # the node exists: processes, cgroups, the host link
@@ -65,10 +69,10 @@ def test_dev_down_removes_every_trace_of_the_real_node() -> None:
 
 def test_the_tier_stop_deletes_the_containerd_store_and_keeps_the_logs() -> None:
     state = Path(tempfile.mkdtemp(prefix="mf-stop-"))
-    local = cluster.LocalCluster(state, pools=(), pod_network="127.176.0.0/12")
+    local = cluster.LocalCluster(state, pools=(), pod_network=NETWORKS.kwok)
     local.start()
     try:
-        node = realnode.start(local, network="10.216.0.0/16", targets=())
+        node = realnode.start(local, network=NETWORKS.real_node, targets=())
         assert "localhost/megafleet/pause:catatonit" in node.ctr("images", "ls", "-q").stdout.split()
         store = state / "realnode" / "containerd" / "root"
         assert _size(store) > 0  # the imported pause image: content and snapshot

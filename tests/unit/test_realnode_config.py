@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 
+from helpers import pod_networks
 from megafleet_dev import images, realnode, sandbox
 
 
@@ -18,6 +19,37 @@ def test_addresses_come_from_one_range_and_never_overlap() -> None:
     assert ipaddress.ip_address(addresses.node_ip) not in addresses.pods
     with pytest.raises(ValueError, match="/16"):
         realnode.Addresses.from_network("10.214.0.0/24")
+
+
+def test_the_kubernetes_service_endpoint_is_the_forwarder_on_the_node_ip() -> None:
+    addresses = realnode.Addresses.from_network("10.214.0.0/16")
+    body = realnode.apiserver_slice(addresses)
+    assert body["metadata"]["labels"]["kubernetes.io/service-name"] == "kubernetes"  # type: ignore[index]
+    assert body["endpoints"] == [{"addresses": ["10.214.255.254"], "conditions": {"ready": True}}]
+    # The Service's port is named https (443 -> 6443): the slice's port name must match it.
+    assert body["ports"] == [{"name": "https", "port": realnode.API_PORT_IN_NODE, "protocol": "TCP"}]
+
+
+def test_test_sessions_on_other_pod_networks_never_share_a_cluster_network() -> None:
+    # Every /12 but 127.0.0.0/12 (127.0.0.1) and the dev cluster's 127.64.0.0/12 can be a session's.
+    sessions = [f"127.{16 * k}.0.0/12" for k in range(1, 16) if k != 4]
+    dev = [ipaddress.IPv4Network("127.64.0.0/12"), ipaddress.IPv4Network(realnode.DEFAULT_NETWORK)]
+    taken = list(dev)
+    for session in sessions:
+        # The e2e tier's KWOK nodes: the first /24s of the session network.
+        e2e = next(ipaddress.IPv4Network(session).subnets(new_prefix=16))
+        for slot in (pod_networks.REALNODE_SLOT, pod_networks.TEARDOWN_SLOT):
+            networks = pod_networks.cluster_networks(session, slot)
+            for network in (ipaddress.IPv4Network(networks.kwok), ipaddress.IPv4Network(networks.real_node)):
+                assert not any(network.overlaps(other) for other in taken), (session, slot, network)
+                assert not network.overlaps(e2e)
+                taken.append(network)
+            realnode.Addresses.from_network(networks.real_node)  # a /16 the node accepts
+    default = pod_networks.cluster_networks("127.128.0.0/12", pod_networks.REALNODE_SLOT)
+    assert default == pod_networks.ClusterNetworks(kwok="127.142.0.0/16", real_node="10.142.0.0/16")
+    assert pod_networks.cluster_networks("127.200.0.0/16", 14) == pod_networks.cluster_networks("127.192.0.0/12", 14)
+    with pytest.raises(ValueError, match="loopback"):
+        pod_networks.cluster_networks("10.0.0.0/12", 14)
 
 
 def test_the_image_key_follows_contents_and_ignores_caches(tmp_path: Path) -> None:
