@@ -17,6 +17,7 @@ import time
 from pathlib import Path
 
 import pytest
+import yaml
 
 from chaos import drill as drill_module
 from helpers import operators as operators_module
@@ -177,3 +178,74 @@ def _restore(kube_admin: kube.Kube, local_cluster: cluster.LocalCluster, name: s
         timeout=120,
         what=f"node {name} Ready again",
     )
+
+
+GPU_FLEET = "big-moe-tp16"
+"""``examples/gb200-tp16.yaml``: two TP=16 shards of four 4-GPU GB200 trays, each inside one NVL72
+clique (simulated nodes: KWOK runs the pods, no engine starts)."""
+
+
+@pytest.mark.timeout(300)
+def test_a_lost_tray_of_a_tp16_shard_is_replaced_whole_inside_one_clique(
+    operators: operators_module.Operators, local_cluster: cluster.LocalCluster, kube_admin: kube.Kube
+) -> None:
+    """A GB200 tray under a TP=16 shard is deleted: the operator re-places that shard whole, four
+    trays that share one clique label and exclude the lost one, behind the same Services, and the
+    other shard is untouched."""
+    operators.start()
+    namespace = kube_admin.create_namespace("c")
+    pods_path = f"/api/v1/namespaces/{namespace}/pods"
+    lost: str | None = None
+    try:
+        manifest = yaml.safe_load((base.ROOT / "examples" / "gb200-tp16.yaml").read_text())
+        kube_admin.create(base.fleets(namespace), manifest)
+        first = kube_admin.wait_items(
+            pods_path, lambda pods: _all_running(pods, 8), timeout=120, what="8 GB200 pods Running"
+        )
+        before = {p["metadata"]["name"]: p["spec"]["nodeName"] for p in first}
+        shard0 = sorted(name for name in before if name.startswith(f"{GPU_FLEET}-s0-"))
+        lost = before[shard0[0]]
+        services = _fleet_services(kube_admin, namespace, GPU_FLEET)
+
+        kube_admin.delete(f"/api/v1/nodes/{lost}")
+        after = kube_admin.wait_items(
+            pods_path,
+            lambda pods: _all_running(pods, 8) and lost not in {p["spec"]["nodeName"] for p in pods},
+            timeout=POD_GC_QUARANTINE_SECONDS,
+            what=f"shard 0 re-placed off the deleted tray {lost}",
+        )
+
+        now = {p["metadata"]["name"]: p["spec"]["nodeName"] for p in after}
+        assert {name: now[name] for name in now if "-s1-" in name} == {
+            name: before[name] for name in before if "-s1-" in name
+        }, "the other shard moved"
+        cliques = {_clique(kube_admin, now[name]) for name in shard0}
+        assert len(cliques) == 1 and len({now[name] for name in shard0}) == 4, (cliques, now)
+        fleet = kube_admin.get(f"{base.fleets(namespace)}/{GPU_FLEET}")
+        assert fleet is not None
+        assert {s["index"]: s["clique"] for s in fleet["status"]["shards"]}[0] in cliques
+        assert _fleet_services(kube_admin, namespace, GPU_FLEET) == services
+        events = kube_admin.list(f"/api/v1/namespaces/{namespace}/events", field_selector="reason=NodeLost")["items"]
+        assert any(f"node {lost} deleted" in e["message"] for e in events), events
+    finally:
+        kube_admin.delete(f"/api/v1/namespaces/{namespace}", missing_ok=True)
+        if lost is not None:
+            _restore(kube_admin, local_cluster, lost)
+
+
+def _all_running(pods: list[kube.Object], count: int) -> bool:
+    live = [p for p in pods if not p["metadata"].get("deletionTimestamp")]
+    return len(live) == count and all(
+        p["spec"].get("nodeName") and p.get("status", {}).get("phase") == "Running" for p in live
+    )
+
+
+def _fleet_services(kube_admin: kube.Kube, namespace: str, fleet: str) -> dict[str, str]:
+    items = kube_admin.list(f"/api/v1/namespaces/{namespace}/services", label_selector=f"megafleet.dev/fleet={fleet}")
+    return {s["metadata"]["name"]: s["metadata"]["uid"] for s in items["items"]}
+
+
+def _clique(kube_admin: kube.Kube, node: str) -> str:
+    found = kube_admin.get(f"/api/v1/nodes/{node}")
+    assert found is not None, node
+    return str(found["metadata"]["labels"][nodes.CLIQUE_LABEL])
