@@ -47,6 +47,9 @@ CHECKPOINT = "tiny://llama?seed=7"  # version 1's weights, loaded as a checkpoin
 MAX_BATCH = 4
 WORKERS = 12  # concurrent requests of the load: three shards' worth at SEQUENCES_PER_SHARD
 TRICKLE = 2  # concurrent requests while the fleet scales down: one shard's worth
+TRICKLE_MAX_TOKENS = 192
+"""The trickle's requests are long, so the two in flight (on different shards: round robin) are still
+running when the scale-in drains their shards, whatever the operator's reaction time."""
 MAX_TOKENS = 48
 SCRAPE_SECONDS = 1.0
 # The chart values of the ScaledObject (autoscaling.*): short windows to keep the test short.
@@ -184,6 +187,7 @@ class Client:
     def __init__(self, kubeconfig: Path, namespace: str) -> None:
         self.namespace = namespace
         self.results: list[Result] = []
+        self.max_tokens = MAX_TOKENS  # of the requests sent from now on
         self._kube = kube.Kube.from_kubeconfig(kubeconfig)
         self._routes: list[tuple[int, str]] = []
         self._turn = itertools.count()
@@ -243,8 +247,18 @@ class Client:
                     stop.wait(0.2)  # nothing serves yet
                     continue
                 shard, url = routes[next(self._turn) % len(routes)]
+                # No kept-alive connections: a request sent on an idle connection that a removed
+                # shard's server closes at exit is reset before the engine saw it (HTTP's keep-alive
+                # race); on a fresh connection a gone server refuses it, and a draining one answers 503.
                 client = clients.get(url) or clients.setdefault(
-                    url, openai.OpenAI(base_url=url, api_key="unused", max_retries=0, timeout=120)
+                    url,
+                    openai.OpenAI(
+                        base_url=url,
+                        api_key="unused",
+                        max_retries=0,
+                        timeout=120,
+                        http_client=httpx.Client(limits=httpx.Limits(max_keepalive_connections=0), timeout=120),
+                    ),
                 )
                 self.results.append(self._ask(client, shard))
         finally:
@@ -255,7 +269,7 @@ class Client:
         started = time.monotonic()
         try:
             raw = client.completions.with_raw_response.create(
-                model=FLEET, prompt=base.PROMPT, max_tokens=MAX_TOKENS, temperature=0
+                model=FLEET, prompt=base.PROMPT, max_tokens=self.max_tokens, temperature=0
             )
             raw.parse()
             version = raw.headers["X-Megafleet-Weight-Version"]
@@ -350,6 +364,7 @@ def test_load_scales_the_fleet_out_and_back_in_with_new_shards_caught_up_first(
         # Load ends: a trickle of one shard's worth keeps requests in flight on every shard while the
         # fleet scales back to one, drained shard by shard.
         load_ended = time.monotonic()  # stopping a worker waits for its request to end
+        client.max_tokens = TRICKLE_MAX_TOKENS
         client.scale(TRICKLE)
 
         def back_to_one(obj: kube.Object | None) -> bool:
