@@ -354,9 +354,18 @@ def _completion_answer(response: httpx.Response, frontend: routing.Frontend) -> 
 
 def _completion_answers(response: httpx.Response, frontend: routing.Frontend) -> list[Answer]:
     """Every choice of a completion, in choice order (a batched request: one per prompt)."""
+    return _choices(response, frontend, _completion_choice)
+
+
+def _choices(
+    response: httpx.Response,
+    frontend: routing.Frontend,
+    parse: Callable[[Mapping[str, Any], httpx.Response, Mapping[str, Any], routing.Frontend], Answer],
+) -> list[Answer]:
+    """``parse`` applied to every choice of ``response``'s body, in choice-index order."""
     body = response.json()
     return [
-        _completion_choice(choice, response, body, frontend)
+        parse(choice, response, body, frontend)
         for choice in sorted(body["choices"], key=lambda choice: int(choice.get("index", 0)))
     ]
 
@@ -383,11 +392,7 @@ def _chat_answer(response: httpx.Response, frontend: routing.Frontend) -> Answer
 
 def _chat_answers(response: httpx.Response, frontend: routing.Frontend) -> list[Answer]:
     """Every choice of a chat completion, in choice order (a batch: one per conversation)."""
-    body = response.json()
-    return [
-        _chat_choice(choice, response, body, frontend)
-        for choice in sorted(body["choices"], key=lambda choice: int(choice.get("index", 0)))
-    ]
+    return _choices(response, frontend, _chat_choice)
 
 
 def _chat_choice(
