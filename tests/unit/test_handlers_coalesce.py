@@ -10,7 +10,8 @@ from megafleet import handlers, settings
 from megafleet.reconcile import context
 
 
-def test_triggers_waiting_for_the_lock_are_folded_into_one_reconcile() -> None:
+def going_fleet() -> tuple[kube_fakes.Api, context.Runtime]:
+    """A fleet being deleted (a reconcile of it reads it and stops) and a runtime over it."""
     going = {
         "apiVersion": "megafleet.dev/v1alpha1",
         "kind": "MegatronGeneration",
@@ -18,7 +19,11 @@ def test_triggers_waiting_for_the_lock_are_folded_into_one_reconcile() -> None:
         "spec": {},
     }
     api = kube_fakes.Api(going)
-    runtime = context.Runtime.of(api, None, settings.OperatorSettings())  # type: ignore[arg-type]
+    return api, context.Runtime.of(api, None, settings.OperatorSettings())  # type: ignore[arg-type]
+
+
+def test_triggers_waiting_for_the_lock_are_folded_into_one_reconcile() -> None:
+    api, runtime = going_fleet()
 
     async def scenario() -> list[bool]:
         lock = runtime.fleet_lock("rl", "a")
@@ -36,14 +41,7 @@ def test_triggers_waiting_for_the_lock_are_folded_into_one_reconcile() -> None:
 
 
 def test_pod_event_triggers_within_the_gather_window_are_one_reconcile() -> None:
-    going = {
-        "apiVersion": "megafleet.dev/v1alpha1",
-        "kind": "MegatronGeneration",
-        "metadata": {"name": "a", "namespace": "rl", "deletionTimestamp": "2026-12-01T00:00:00Z"},
-        "spec": {},
-    }
-    api = kube_fakes.Api(going)
-    runtime = context.Runtime.of(api, None, settings.OperatorSettings())  # type: ignore[arg-type]
+    api, runtime = going_fleet()
 
     async def scenario() -> list[bool]:
         # No reconcile runs: the first trigger waits out its window, the rest arrive within it.

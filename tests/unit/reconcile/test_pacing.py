@@ -75,6 +75,28 @@ def node(name: str) -> dict[str, Any]:
     }
 
 
+class Watched:
+    """Fleet ``a`` on a two-node fake cluster with a watch-fed cache, the runtime over it, and the
+    reconcile step a pacing daemon runs: after each pass the pods on n0 run and the watch catches up
+    (as the scheduler, the kubelet and the watch would); ``reconciles`` holds the passes' times."""
+
+    def __init__(self, agents: Any) -> None:
+        self.api = kube_fakes.Api(fleet(), node("n0"), node("n1"))
+        self.indexes = kube_fakes.Indexes(self.api)
+        watched = cache.Cache(clusterwide=True)
+        watched.attach(self.indexes)
+        self.runtime = context.Runtime.of(self.api, agents, FAST, cache=watched)  # type: ignore[arg-type]
+        self.reconciles: list[float] = []
+
+    async def step(self) -> bool:
+        body = await self.api.get("MegatronGeneration", "a", "rl") or {}
+        await reconcile.reconcile(self.runtime, body)
+        self.reconciles.append(time.monotonic())
+        self.api.run_pods("n0")
+        self.indexes.sync()
+        return True
+
+
 def test_the_default_probe_notices_a_silent_agent_within_ten_seconds() -> None:
     defaults = settings.OperatorSettings()
     assert defaults.triggers.probe_most_seconds + defaults.agents.timeout_seconds <= 10
@@ -88,21 +110,9 @@ def test_delays_double_from_the_first_to_the_most() -> None:
 
 
 def test_a_settled_fleet_is_probed_less_often_and_a_silent_agent_is_noticed() -> None:
-    api = kube_fakes.Api(fleet(), node("n0"), node("n1"))
-    indexes = kube_fakes.Indexes(api)
-    watched = cache.Cache(clusterwide=True)
-    watched.attach(indexes)
     agents = Agents()
-    runtime = context.Runtime.of(api, agents, FAST, cache=watched)  # type: ignore[arg-type]
-    reconciles: list[float] = []
-
-    async def step() -> bool:
-        body = await api.get("MegatronGeneration", "a", "rl") or {}
-        await reconcile.reconcile(runtime, body)
-        reconciles.append(time.monotonic())
-        api.run_pods("n0")  # the scheduler and kubelet, then the watch, catch up after each pass
-        indexes.sync()
-        return True
+    world = Watched(agents)
+    api, runtime, reconciles, step = world.api, world.runtime, world.reconciles, world.step
 
     async def scenario() -> None:
         stopped = Stopped()
@@ -132,11 +142,8 @@ def test_a_settled_fleet_is_probed_less_often_and_a_silent_agent_is_noticed() ->
 
 
 def test_a_probe_sees_a_pod_the_watch_shows_gone() -> None:
-    api = kube_fakes.Api(fleet(), node("n0"), node("n1"))
-    indexes = kube_fakes.Indexes(api)
-    watched = cache.Cache(clusterwide=True)
-    watched.attach(indexes)
-    runtime = context.Runtime.of(api, Agents(), FAST, cache=watched)  # type: ignore[arg-type]
+    world = Watched(Agents())
+    api, indexes, runtime = world.api, world.indexes, world.runtime
     for _ in range(2):
         current = asyncio.run(api.get("MegatronGeneration", "a", "rl")) or {}
         asyncio.run(reconcile.reconcile(runtime, current))
@@ -168,21 +175,9 @@ class LoadingAgents(Agents):
 
 
 def test_a_starting_fleet_is_probed_not_reconciled_until_an_agent_changes() -> None:
-    api = kube_fakes.Api(fleet(), node("n0"), node("n1"))
-    indexes = kube_fakes.Indexes(api)
-    watched = cache.Cache(clusterwide=True)
-    watched.attach(indexes)
     agents = LoadingAgents()
-    runtime = context.Runtime.of(api, agents, FAST, cache=watched)  # type: ignore[arg-type]
-    reconciles: list[float] = []
-
-    async def step() -> bool:
-        body = await api.get("MegatronGeneration", "a", "rl") or {}
-        await reconcile.reconcile(runtime, body)
-        reconciles.append(time.monotonic())
-        api.run_pods("n0")
-        indexes.sync()
-        return True
+    world = Watched(agents)
+    api, runtime, reconciles, step = world.api, world.runtime, world.reconciles, world.step
 
     async def scenario() -> None:
         stopped = Stopped()
