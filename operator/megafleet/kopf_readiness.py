@@ -21,7 +21,7 @@ import asyncio
 import contextlib
 import inspect
 import logging
-from collections.abc import Callable, Coroutine, Iterable
+from collections.abc import Callable, Coroutine
 from typing import Any
 
 from kopf._cogs.aiokits import aiotoggles
@@ -38,8 +38,9 @@ Watcher = Callable[..., Coroutine[Any, Any, None]]
 
 
 class OwnedToggles:
-    """One watcher's view of the operator-wide readiness set: it forwards everything to ``shared``
-    and remembers the toggles it made (and the watcher's own), so they can all be dropped at once."""
+    """One watcher's view of the operator-wide readiness set: what Kopf's watcher, its workers and
+    their processing call on it (make, drop, check, wait) goes to ``shared``, and the toggles made
+    here (and the watcher's own) are remembered, so they can all be dropped at once."""
 
     def __init__(self, shared: aiotoggles.ToggleSet, own: aiotoggles.Toggle | None) -> None:
         self.shared = shared
@@ -54,11 +55,6 @@ class OwnedToggles:
         self.made.discard(toggle)
         await self.shared.drop_toggle(toggle)
 
-    async def drop_toggles(self, toggles: Iterable[aiotoggles.Toggle]) -> None:
-        dropped = set(toggles)
-        self.made -= dropped
-        await self.shared.drop_toggles(dropped)
-
     async def release(self) -> None:
         """Drop every toggle still held for this watcher."""
         held, self.made = self.made, set()
@@ -68,17 +64,8 @@ class OwnedToggles:
     def is_on(self) -> bool:
         return self.shared.is_on()
 
-    def is_off(self) -> bool:
-        return self.shared.is_off()
-
     async def wait_for(self, state: bool) -> None:
         await self.shared.wait_for(state)
-
-    def __contains__(self, toggle: object) -> bool:
-        return toggle in self.shared
-
-    def __len__(self) -> int:
-        return len(self.shared)
 
 
 def release_on_exit(watcher: Watcher) -> Watcher:
