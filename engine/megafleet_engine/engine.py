@@ -111,6 +111,16 @@ class _Call:
     error: BaseException | None = None
 
 
+@dataclasses.dataclass(eq=False)
+class _Waiter:
+    """One entry held at the gate: the event loop and future that wake it, and how many sequences
+    it queues once the gate opens (what the waiting-sequences gauge counts)."""
+
+    loop: asyncio.AbstractEventLoop
+    future: asyncio.Future[None]
+    sequences: int
+
+
 def _settle(future: asyncio.Future[None]) -> None:
     if not future.done():
         future.set_result(None)
@@ -127,8 +137,9 @@ class Engine:
     suspend and to its ``finish_weight_update`` on resume, before any later request runs.
 
     ``refit_wait_seconds`` bounds how long a request waits at the gate while the engine is
-    suspended for a refit (0: answer :class:`NotServing` at once); ``held`` counts the requests
-    that waited and ``held_now`` those waiting now.
+    suspended for a refit (0: answer :class:`NotServing` at once); ``held`` counts the sequences
+    that waited and ``held_now`` those waiting now (a multi-prompt request or a batch of requests
+    queued at once counts each of its sequences).
 
     ``generated_tokens`` counts tokens delivered and ``running`` is the number of sequences in the
     running batch (the metrics read both at scrape time). ``batches`` counts backend batches and
@@ -158,7 +169,7 @@ class Engine:
         self._in_flight = 0
         self._abort_all = False
         self._holding = False  # suspended for a refit: new requests wait at the gate
-        self._waiters: list[tuple[asyncio.AbstractEventLoop, asyncio.Future[None]]] = []
+        self._waiters: list[_Waiter] = []
         self.held = 0
         self._lock = threading.Lock()
         self._work = threading.Condition(self._lock)  # the queue got an item
@@ -204,7 +215,7 @@ class Engine:
     def held_now(self) -> int:
         """Requests waiting at the gate now."""
         with self._lock:
-            return len(self._waiters)
+            return sum(waiter.sequences for waiter in self._waiters)
 
     @property
     def waiting(self) -> int:
@@ -212,7 +223,7 @@ class Engine:
         (what an autoscaler reads as queue pressure; read at scrape time, never exact)."""
         with self._lock:
             queued = self._in_flight
-            held = len(self._waiters)
+            held = sum(waiter.sequences for waiter in self._waiters)
         return max(queued - len(self._open), 0) + held
 
     def reserved_tokens(self) -> int:
@@ -276,10 +287,10 @@ class Engine:
                 if remaining <= 0:
                     raise NotServing(self.state, waited=time.monotonic() - started)
                 future: asyncio.Future[None] = loop.create_future()
-                waiter = (loop, future)
+                waiter = _Waiter(loop, future, len(handles))
                 self._waiters.append(waiter)
                 if not counted:
-                    self.held += 1
+                    self.held += len(handles)
                     counted = True
             try:
                 await asyncio.wait_for(future, remaining)
@@ -298,9 +309,9 @@ class Engine:
 
     def _wake(self) -> None:
         """Wake every request waiting at the gate to look again (call with the lock held)."""
-        for loop, future in self._waiters:
+        for waiter in self._waiters:
             with contextlib.suppress(RuntimeError):  # the loop is closed: the client is gone
-                loop.call_soon_threadsafe(_settle, future)
+                waiter.loop.call_soon_threadsafe(_settle, waiter.future)
 
     # -- state ---------------------------------------------------------------------------------
 

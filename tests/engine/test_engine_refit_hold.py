@@ -138,6 +138,28 @@ def test_a_request_during_a_refit_waits_and_runs_on_the_new_weights(
     assert (core.held, core.held_now, core.weight_version) == (1, 0, 1)
 
 
+def test_sequences_queued_together_count_one_by_one_while_held(core: engine.Engine, double: VersionedBackend) -> None:
+    """A multi-prompt request, or the API server's batch of requests, waits at the gate as one entry:
+    the waiting-sequences gauge an autoscaler reads must still count each of its sequences."""
+
+    def sink(items: Any) -> None:
+        pass
+
+    async def scenario() -> None:
+        await core.suspend("drain", hold=True)
+        entries = [(tag, request(tag)) for tag in ("a", "b", "c")]
+        held = asyncio.ensure_future(core.enqueue(entries, sink))
+        single = asyncio.ensure_future(tokens(core, request("d")))
+        await until(lambda: core.held_now == 4, "four sequences waiting at the gate")
+        assert core.waiting == 4 and core.queue_depth == 0
+        await refit(core, double, 1)
+        await asyncio.wait_for(held, 10)
+        assert await asyncio.wait_for(single, 10) == [1001, 1002]
+
+    asyncio.run(scenario())
+    assert (core.held, core.held_now) == (4, 0)
+
+
 def test_a_drain_for_a_refit_drains_what_runs_while_new_requests_wait(
     core: engine.Engine, double: VersionedBackend
 ) -> None:
