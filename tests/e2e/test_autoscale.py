@@ -48,8 +48,9 @@ MAX_BATCH = 4
 WORKERS = 12  # concurrent requests of the load: three shards' worth at SEQUENCES_PER_SHARD
 TRICKLE = 2  # concurrent requests while the fleet scales down: one shard's worth
 TRICKLE_MAX_TOKENS = 192
-"""The trickle's requests are long, so the two in flight (on different shards: round robin) are still
-running when the scale-in drains their shards, whatever the operator's reaction time."""
+"""The trickle's requests are long and go to the serving shard a scale-in removes first (the highest
+index), so the drain of each removed shard has requests to finish, whatever the operator's reaction
+time and however many shards one HPA step removes."""
 MAX_TOKENS = 48
 SCRAPE_SECONDS = 1.0
 # The chart values of the ScaledObject (autoscaling.*): short windows to keep the test short.
@@ -181,13 +182,15 @@ class Result:
 
 
 class Client:
-    """Workers sending completions to the shards the fleet's status lists as serving, round robin,
-    each request once to one shard; a refused request is tried again on the next shard."""
+    """Workers sending completions to the shards the fleet's status lists as serving, round robin
+    (or, with ``aim_last``, to the serving shard of highest index), each request once to one shard; a
+    refused request is tried again on the next shard."""
 
     def __init__(self, kubeconfig: Path, namespace: str) -> None:
         self.namespace = namespace
         self.results: list[Result] = []
         self.max_tokens = MAX_TOKENS  # of the requests sent from now on
+        self.aim_last = False  # of the requests sent from now on
         self._kube = kube.Kube.from_kubeconfig(kubeconfig)
         self._routes: list[tuple[int, str]] = []
         self._turn = itertools.count()
@@ -235,7 +238,7 @@ class Client:
                 ip = ips.get((entry.get("pods") or [""])[0])
                 if entry.get("phase") in SERVING and ip:
                     routes.append((int(entry["index"]), f"http://{ip}:8000/v1"))
-            self._routes = routes
+            self._routes = sorted(routes)
             self._stop_routes.wait(0.3)  # the status poll's pace, not synchronisation
 
     def _work(self, stop: threading.Event) -> None:
@@ -246,7 +249,7 @@ class Client:
                 if not routes:
                     stop.wait(0.2)  # nothing serves yet
                     continue
-                shard, url = routes[next(self._turn) % len(routes)]
+                shard, url = routes[-1] if self.aim_last else routes[next(self._turn) % len(routes)]
                 # No kept-alive connections: a request sent on an idle connection that a removed
                 # shard's server closes at exit is reset before the engine saw it (HTTP's keep-alive
                 # race); on a fresh connection a gone server refuses it, and a draining one answers 503.
@@ -361,15 +364,19 @@ def test_load_scales_the_fleet_out_and_back_in_with_new_shards_caught_up_first(
         assert served_new, "no request was served by a new shard"
         first_served = min(r.ended for r in served_new)
 
-        # Load ends: a trickle of one shard's worth keeps requests in flight on every shard while the
-        # fleet scales back to one, drained shard by shard.
+        # Load ends: a trickle of one shard's worth keeps requests in flight on the shard that is
+        # removed next while the fleet scales back to one, drained shard by shard.
         load_ended = time.monotonic()  # stopping a worker waits for its request to end
         client.max_tokens = TRICKLE_MAX_TOKENS
+        client.aim_last = True
         client.scale(TRICKLE)
 
         def back_to_one(obj: kube.Object | None) -> bool:
             now = time.monotonic()
-            if (obj or {}).get("spec", {}).get("replicas") == 1:
+            replicas = (obj or {}).get("spec", {}).get("replicas", 3)
+            if replicas < 3:
+                timeline.setdefault("scale_in_began", now)
+            if replicas == 1:
                 timeline.setdefault("scaled_in", now)
             status = (obj or {}).get("status", {})
             return "scaled_in" in timeline and status.get("replicas") == 1 and base.ready(obj)
@@ -388,7 +395,9 @@ def test_load_scales_the_fleet_out_and_back_in_with_new_shards_caught_up_first(
     assert {r.version for r in client.of("ok")} == {"1"}
     # No request the engines accepted failed: the removed shards drained what they held.
     assert client.of("failed") == [], client.of("failed")[:5]
-    assert client.of("ok", shards={1, 2}, since=timeline["scaled_in"]), "nothing was in flight during the drain"
+    # Shard 2, removed first, had the trickle's requests in flight when its drain began; they ended
+    # on it, served.
+    assert client.of("ok", shards={2}, since=timeline["scale_in_began"]), "nothing was in flight during the drain"
     events = kube_admin.list(f"/api/v1/namespaces/{namespace}/events")["items"]
     removed = {e["message"] for e in events if e["reason"] == "ShardRemoved"}
     assert any("shard 2 drained" in m for m in removed) and any("shard 1 drained" in m for m in removed), removed
