@@ -6,15 +6,16 @@ Called by :class:`megafleet_engine.server.EngineServers` (frontend in the engine
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import fastapi
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from megafleet_engine import metrics as metrics_module
 from megafleet_engine.openai import errors, router, serving
 
-__all__ = ["FRONTEND_PATHS", "build_frontend_app"]
+__all__ = ["FRONTEND_PATHS", "CloseWhileNotAccepting", "build_frontend_app"]
 
 FRONTEND_PATHS = frozenset(
     {"/v1/models", "/v1/completions", "/v1/chat/completions", "/v1/chat/completions/batch", "/health"}
@@ -61,4 +62,38 @@ def build_frontend_app(context: serving.ServingContext, *, api_key: str | None =
         return {"status": "ready" if client.state == "ready" else "refitting"}
 
     app.add_middleware(metrics_module.RequestMetrics, metrics=context.metrics, known=FRONTEND_PATHS)
+    app.add_middleware(CloseWhileNotAccepting, accepting=lambda: context.client.accepting)
     return app
+
+
+class CloseWhileNotAccepting:
+    """ASGI middleware: a response that starts while the engine does not accept requests (draining
+    before its shard is removed, fenced, stale, loading) says ``Connection: close``, and the server
+    closes the connection after it.
+
+    Why: a shard being removed drains what it holds and then its server exits, closing every idle
+    kept-alive connection. A client that sends its next request on such a connection just as it
+    closes sees a reset (HTTP/1.1 keep-alive's race) for a request the engine never saw; the OpenAI
+    client retries that, a client with retries off fails. Closing each connection once its response
+    is done leaves a client of a draining shard no idle connection to race on: its next request opens
+    a new one, which the draining server answers 503 and a gone one refuses; both are plainly not
+    accepted. A refit's hold counts as accepting (its requests are served), so refits keep
+    connections alive; a stream that started before the drain keeps its connection until the server
+    exits."""
+
+    def __init__(self, app: ASGIApp, *, accepting: Callable[[], bool]) -> None:
+        self.app = app
+        self._accepting = accepting
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+
+        async def closing(message: Message) -> None:
+            if message["type"] == "http.response.start" and not self._accepting():
+                headers = [(name, value) for name, value in message.get("headers", []) if name.lower() != b"connection"]
+                message = {**message, "headers": [*headers, (b"connection", b"close")]}
+            await send(message)
+
+        await self.app(scope, receive, closing)
