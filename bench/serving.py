@@ -25,13 +25,16 @@ of ``--repeats`` runs after one warm-up per path and batch; ``vs_direct`` = path
 tok/s. Time to first token and inter-token latency (p50/p99, ms) at ``--latency-batch``: for
 ``engine`` from the step hand-over in this process, for ``http_stream`` as the clients saw the SSE
 events. ``rss_mib``: resident memory of this process (the core: model, scheduler), of each
-API-server process and of each client process, at the end.
+API-server process and of each client process, at the end. ``cpu_busy`` (per path and batch): CPU
+seconds per wall second of each process over the path's runs (1.0 = one core busy all the time),
+which says which process bounds a path.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import functools
 import json
 import multiprocessing
 import multiprocessing.connection
@@ -64,6 +67,31 @@ def rss_mib(pid: int) -> float | None:
     except OSError:
         return None
     return None
+
+
+def cpu_seconds(pid: int) -> float | None:
+    """User plus system CPU time of process ``pid`` so far (threads included)."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except OSError:
+        return None
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def cpu_busy(pids: dict[str, list[int]], run: Callable[[], Any]) -> tuple[Any, dict[str, list[float | None]]]:
+    """Run ``run()``; its result and, per group of ``pids``, each process's CPU seconds per wall second."""
+    before = {group: [cpu_seconds(pid) for pid in members] for group, members in pids.items()}
+    started = time.perf_counter()
+    result = run()
+    wall = time.perf_counter() - started
+    busy: dict[str, list[float | None]] = {}
+    for group, members in pids.items():
+        after = [cpu_seconds(pid) for pid in members]
+        busy[group] = [
+            None if a is None or b is None else round((a - b) / wall, 2)
+            for a, b in zip(after, before[group], strict=True)
+        ]
+    return result, busy
 
 
 def percentiles(values: list[float]) -> dict[str, float | None]:
@@ -329,8 +357,16 @@ def main() -> int:
             latency: dict[str, list[float]] = {}
             runs = path_runs(backend, scheduler, clients, prompts, args.new_tokens, latency)
             for path in paths:
+                pids = {
+                    "core": [os.getpid()],
+                    "api_servers": frontend.api_server_pids(),
+                    "clients": [process.pid for process in clients.processes if process.pid is not None],
+                }
                 try:
-                    row[path], outputs[path] = benchkit.timed(runs[path], args.repeats, sync)
+                    (row[path], outputs[path]), busy = cpu_busy(
+                        pids, functools.partial(benchkit.timed, runs[path], args.repeats, sync)
+                    )
+                    row[path]["cpu_busy"] = busy
                 except Exception as error:
                     result["errors"][f"{path}_b{batch}"] = (
                         f"{type(error).__name__}: {error}\n{traceback.format_exc(limit=6)}"

@@ -35,4 +35,7 @@ def test_serving_bench_cpu_smoke_run_writes_every_path(tmp_path: Path) -> None:
         assert all(row[path]["tokens_equal_direct"] for path in PATHS[1:])  # greedy, float32: same tokens
     assert result["figures"]["batch_3"]["http_stream"]["itl"]["count"] == 3 * 3
     assert len(result["rss_mib"]["api_servers"]) == 2 and len(result["rss_mib"]["clients"]) == 2
+    busy = result["figures"]["batch_3"]["http_stream"]["cpu_busy"]
+    assert len(busy["core"]) == 1 and len(busy["api_servers"]) == 2 and len(busy["clients"]) == 2
+    assert all(value is not None and value >= 0 for values in busy.values() for value in values)
     assert result["api_servers_load_torch"] == [False, False]
