@@ -209,10 +209,12 @@ class Client:
         self._kube.close()
 
     def scale(self, workers: int) -> None:
-        """Run ``workers`` concurrent requests from now on (stopping extra workers after their request)."""
-        while len(self._workers) > workers:
-            thread, stop = self._workers.pop()
+        """Run ``workers`` concurrent requests from now on; extra workers are all told to stop at
+        once and each ends after its request (waited for here)."""
+        extra, self._workers = self._workers[workers:], self._workers[:workers]
+        for _, stop in extra:
             stop.set()
+        for thread, _ in extra:
             thread.join(timeout=120)
             assert not thread.is_alive(), "a request never ended"
         while len(self._workers) < workers:
@@ -250,18 +252,11 @@ class Client:
                     stop.wait(0.2)  # nothing serves yet
                     continue
                 shard, url = routes[-1] if self.aim_last else routes[next(self._turn) % len(routes)]
-                # No kept-alive connections: a request sent on an idle connection that a removed
-                # shard's server closes at exit is reset before the engine saw it (HTTP's keep-alive
-                # race); on a fresh connection a gone server refuses it, and a draining one answers 503.
+                # Kept-alive connections, as the client makes them: a draining shard closes each
+                # connection after its response (Connection: close), so none is left idle for its
+                # server's exit to reset under the next request.
                 client = clients.get(url) or clients.setdefault(
-                    url,
-                    openai.OpenAI(
-                        base_url=url,
-                        api_key="unused",
-                        max_retries=0,
-                        timeout=120,
-                        http_client=httpx.Client(limits=httpx.Limits(max_keepalive_connections=0), timeout=120),
-                    ),
+                    url, openai.OpenAI(base_url=url, api_key="unused", max_retries=0, timeout=120)
                 )
                 self.results.append(self._ask(client, shard))
         finally:
@@ -366,10 +361,10 @@ def test_load_scales_the_fleet_out_and_back_in_with_new_shards_caught_up_first(
 
         # Load ends: a trickle of one shard's worth keeps requests in flight on the shard that is
         # removed next while the fleet scales back to one, drained shard by shard.
-        load_ended = time.monotonic()  # stopping a worker waits for its request to end
+        load_ended = time.monotonic()
+        client.scale(TRICKLE)  # the others end after their request
         client.max_tokens = TRICKLE_MAX_TOKENS
         client.aim_last = True
-        client.scale(TRICKLE)
 
         def back_to_one(obj: kube.Object | None) -> bool:
             now = time.monotonic()
