@@ -12,6 +12,7 @@ from collections.abc import Iterator
 import pytest
 import torch
 
+from helpers.fused_reference import rope_inputs, rope_reference, swiglu_reference
 from megafleet_engine.backends.megatron import fused
 
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="needs triton")
@@ -27,37 +28,12 @@ def interpreted(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
     importlib.reload(fused._kernels())
 
 
-def rope_reference(t: torch.Tensor, freqs: torch.Tensor, positions: torch.Tensor, mscale: float) -> torch.Tensor:
-    """megatron's ``_apply_rotary_pos_emb_bshd`` (not interleaved) on ``freqs[positions]``."""
-    emb = freqs[positions]
-    cos = (torch.cos(emb) * mscale).to(t.dtype)
-    sin = (torch.sin(emb) * mscale).to(t.dtype)
-    first, second = torch.chunk(t, 2, dim=-1)
-    return (t * cos) + (torch.cat((-second, first), dim=-1) * sin)
-
-
-def swiglu_reference(x: torch.Tensor) -> torch.Tensor:
-    """``MLP.forward``'s unfused ``glu`` with megatron's defaults (no clamp, ``glu_linear_offset`` 0)."""
-    gate, linear = torch.chunk(x, 2, dim=-1)
-    return torch.nn.functional.silu(gate) * (linear + 0.0)
-
-
-def rope_inputs(heads: int, rows: int = 5, dim: int = 16) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    generator = torch.Generator().manual_seed(heads)
-    base = 10000.0 ** (-torch.arange(0, dim, 2, dtype=torch.float32) / dim)
-    angles = torch.arange(64, dtype=torch.float32)[:, None] * base[None, :]
-    freqs = torch.cat((angles, angles), dim=-1)[:, None, None, :].contiguous()  # megatron's [seq, 1, 1, dim]
-    # q/k as a view of a wider qkv row (megatron's split), so the row stride is not heads * dim
-    qkv = torch.randn(rows, 1, heads + 3, dim, generator=generator).to(torch.bfloat16) * 4
-    positions = torch.randint(0, 64, (rows,), generator=generator)
-    return qkv[:, :, 1 : 1 + heads], freqs, positions
-
-
 @pytest.mark.parametrize("heads", [1, 3, 4])
 @pytest.mark.parametrize("mscale", [1.0, 0.75])
 def test_rope_equals_megatrons_unfused_rope_bitwise(heads: int, mscale: float) -> None:
     t, freqs, positions = rope_inputs(heads)
     expected = rope_reference(t.clone(), freqs, positions, mscale)
+    assert t._base is not None
     untouched = t._base[:, :, :1].clone()  # the qkv columns outside the view stay as they were
     result = fused.rope_(t, freqs, positions, mscale)
     assert result is t

@@ -20,6 +20,7 @@ from typing import Any, Literal
 import torch
 
 from megafleet_engine.backends import base, weight_maps
+from megafleet_engine.backends.megatron import fused
 from megafleet_engine.backends.weight_maps import Layout, LlamaShape
 from megafleet_protocol import vocabulary
 
@@ -63,6 +64,12 @@ class EngineOptions:
     the host's per-step work overlaps the GPU's. megatron itself falls back to the ordinary order in
     steps with prefills or paused requests. Can be switched between batches
     (:meth:`.backend.MegatronBackend.set_step_options`). On one rank only (:func:`effective_options`)."""
+    fused_kernels: Literal["off", "rope-swiglu", "all"] = "off"
+    """Fused Triton kernels swapped into megatron's ``local`` layers before the decode graphs are
+    captured (:mod:`.fused`, issue 19): ``rope-swiglu``, RoPE on q and k and the gated SiLU, one
+    kernel each instead of ~20 and 3 per layer, bitwise megatron's unfused results; ``all`` also
+    the RMSNorms (one kernel per row; may differ from torch's in the last bf16 bit). Fixed when the
+    model is built; models they do not fit keep megatron's ops (a log line says why)."""
     seed: int = 0
     """Seed of megatron's RNG trackers (sampling)."""
     kv_cache_mode: vocabulary.KvCacheMode = "persist"
@@ -256,6 +263,8 @@ def build_engine(model: Any, tokenizer: IdTokenizer, max_sequence_length: int, o
         async_sched_mode=schedule_mode(options.async_schedule),
     )
     context = megatron_core("inference.contexts.dynamic_context").DynamicInferenceContext(model.config, config)
+    if options.fused_kernels != "off":  # before the engine captures its decode graphs
+        fused.install(model, context, fused.FusedKernels(rms_norm=options.fused_kernels == "all"))
     wrapper = megatron_core("inference.model_inference_wrappers.gpt.gpt_inference_wrapper").GPTInferenceWrapper(
         model, context
     )

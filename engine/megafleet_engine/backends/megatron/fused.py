@@ -34,7 +34,10 @@ from typing import Any
 
 import torch
 
-__all__ = ["FusedKernels", "install", "rms_norm", "rope_", "swiglu"]
+__all__ = ["INSTALLED", "FusedKernels", "install", "rms_norm", "rope_", "swiglu"]
+
+INSTALLED = "megafleet_fused_kernels"
+"""The model attribute :func:`install` sets: how many modules each kernel replaced."""
 
 log = logging.getLogger(__name__)
 
@@ -141,16 +144,20 @@ def _fused_context_rope(context: Any) -> None:
 
     original_query, original_key = context.apply_rotary_emb_query, context.apply_rotary_emb_key
 
-    def query(q: torch.Tensor, emb: torch.Tensor, config: Any, cu_seqlens: Any, cp_group: Any, mscale: float = 1.0):
+    def query(
+        q: torch.Tensor, emb: torch.Tensor, config: Any, cu_seqlens: Any, cp_group: Any, mscale: float = 1.0
+    ) -> torch.Tensor:
         if emb.dtype != torch.float32 or cu_seqlens is not None:
-            return original_query(q, emb, config, cu_seqlens, cp_group, mscale=mscale)
+            unfused: torch.Tensor = original_query(q, emb, config, cu_seqlens, cp_group, mscale=mscale)
+            return unfused
         n = context.padded_active_token_count
         rope_(q[:n], emb, context.gpu_view.token_to_pos_ids[:n], mscale)
         return q
 
-    def key(k: torch.Tensor, emb: torch.Tensor, config: Any, cp_group: Any, mscale: float = 1.0):
+    def key(k: torch.Tensor, emb: torch.Tensor, config: Any, cp_group: Any, mscale: float = 1.0) -> torch.Tensor:
         if emb.dtype != torch.float32:
-            return original_key(k, emb, config, cp_group, mscale=mscale)
+            unfused: torch.Tensor = original_key(k, emb, config, cp_group, mscale=mscale)
+            return unfused
         n = context.padded_active_token_count
         rope_(k[:n], emb, context.gpu_view.token_to_position_in_request[:n], mscale)
         return k[:n] if context.is_decode_only() else k
@@ -182,7 +189,7 @@ def install(model: Any, context: Any, kernels: FusedKernels) -> dict[str, int]:
     dynamic inference ``context``, then run each once so Triton compiles before megatron captures
     its decode graphs. Returns how many modules each kernel replaced; nothing is swapped (a log line
     says why) for a model these kernels do not fit."""
-    from megatron.core.transformer.mlp import MLP
+    mlp_class = importlib.import_module("megatron.core.transformer.mlp").MLP
 
     swapped = {"rope": 0, "swiglu": 0, "rms_norm": 0}
     reason = _why_not(model.config)
@@ -193,7 +200,7 @@ def install(model: Any, context: Any, kernels: FusedKernels) -> dict[str, int]:
         _fused_context_rope(context)
         swapped["rope"] = 1
         for module in model.modules():
-            if type(module) is MLP:
+            if type(module) is mlp_class:
                 module.forward = _fused_mlp_forward(module, module.forward)
                 swapped["swiglu"] += 1
     if kernels.rms_norm:
@@ -203,6 +210,7 @@ def install(model: Any, context: Any, kernels: FusedKernels) -> dict[str, int]:
                     setattr(parent, name, FusedRMSNorm(child))
                     swapped["rms_norm"] += 1
     _compile(model, kernels)
+    setattr(model, INSTALLED, swapped)
     log.info("fused kernels installed: %s", swapped)
     return swapped
 

@@ -1,12 +1,14 @@
+# Triton kernels take untyped pointers and constexprs: mypy checks their wrappers in fused.py.
+# mypy: disable-error-code="no-untyped-def,untyped-decorator"
 """The Triton kernels of :mod:`.fused` (imported by it on first use: Triton is slow to import and
 present on the GPU machines, with torch). Each is specified and tested through its wrapper in
 :mod:`.fused`; launch them only through those."""
 
 import os
 
-import triton
-import triton.language as tl
-from triton.language.extra import libdevice
+import triton  # type: ignore[import-untyped]
+import triton.language as tl  # type: ignore[import-untyped]
+from triton.language.extra import libdevice  # type: ignore[import-untyped]
 
 PRECISE: tl.constexpr = os.environ.get("TRITON_INTERPRET") != "1"
 """On the GPU: libdevice's precise float32 functions, the ones torch's CUDA kernels call (``tl.exp``
