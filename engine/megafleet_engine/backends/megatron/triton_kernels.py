@@ -48,6 +48,13 @@ def rsqrt(x):
 
 
 @triton.jit
+def add(a, b):
+    """The sum's combine function (``tl.sum`` is this module's ``tl.reduce`` with it; tests reload
+    this module under the interpreter, not Triton's own ``tl.sum``)."""
+    return a + b
+
+
+@triton.jit
 def rounded(x, dtype: tl.constexpr):
     """float32 ``x`` rounded to the nearest ``dtype`` value, ties to even (what torch's casts do; the
     CPU interpreter's float32-to-bf16 cast truncates, so bf16 is rounded here bit by bit)."""
@@ -113,5 +120,5 @@ def rms_norm_kernel(x_ptr, weight_ptr, out_ptr, eps, width: tl.constexpr, width_
     mask = column < width
     x = tl.load(x_ptr + row * width + column, mask=mask, other=0.0).to(tl.float32)
     weight = tl.load(weight_ptr + column, mask=mask, other=0.0).to(tl.float32)
-    rstd = rsqrt(tl.sum(x * x, axis=0) / width + eps)
+    rstd = rsqrt(tl.reduce(x * x, 0, add) / width + eps)
     tl.store(out_ptr + row * width + column, rounded(x * rstd * weight, out_ptr.dtype.element_ty), mask=mask)
