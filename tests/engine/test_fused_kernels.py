@@ -7,7 +7,10 @@ from __future__ import annotations
 
 import importlib
 import importlib.util
+import sys
+import types
 from collections.abc import Iterator
+from typing import Any
 
 import pytest
 import torch
@@ -86,3 +89,134 @@ def test_models_the_kernels_do_not_fit_are_named() -> None:
     Config.add_bias_linear = True
     Config.gated_linear_unit = False
     assert fused._why_not(Config()) == "gated SiLU MLP, add_bias_linear"
+
+
+class FakeMLP(torch.nn.Module):
+    """megatron's dense ``MLP`` as far as :func:`fused.install` reads it: ``linear_fc1`` and
+    ``linear_fc2`` return ``(output, bias)``; ``forward`` is the unfused gated SiLU."""
+
+    def __init__(self, hidden: int, ffn: int) -> None:
+        super().__init__()
+        generator = torch.Generator().manual_seed(hidden + ffn)
+        self.fc1 = torch.randn(2 * ffn, hidden, generator=generator).to(torch.bfloat16) / 4
+        self.fc2 = torch.randn(hidden, ffn, generator=generator).to(torch.bfloat16) / 4
+
+    def linear_fc1(self, x: torch.Tensor) -> tuple[torch.Tensor, None]:
+        return x @ self.fc1.T, None
+
+    def linear_fc2(self, x: torch.Tensor) -> tuple[torch.Tensor, None]:
+        return x @ self.fc2.T, None
+
+    def forward(self, hidden: torch.Tensor, per_token_scale: torch.Tensor | None = None) -> Any:
+        intermediate, _ = self.linear_fc1(hidden)
+        return self.linear_fc2(swiglu_reference(intermediate))
+
+
+class FakeLayer(torch.nn.Module):
+    def __init__(self, hidden: int, ffn: int) -> None:
+        super().__init__()
+        self.input_layernorm = torch.nn.RMSNorm(hidden, eps=1e-5, dtype=torch.bfloat16)
+        self.pre_mlp_layernorm = torch.nn.RMSNorm(hidden, eps=1e-5, dtype=torch.bfloat16)
+        self.mlp = FakeMLP(hidden, ffn)
+
+
+class FakeModel(torch.nn.Module):
+    def __init__(self, config: types.SimpleNamespace) -> None:
+        super().__init__()
+        self.config = config
+        self.first = FakeLayer(32, 48)
+        self.layers = torch.nn.ModuleList([self.first, FakeLayer(32, 48)])
+        self.final_layernorm = torch.nn.RMSNorm(32, eps=1e-5, dtype=torch.bfloat16)
+
+
+def fake_model(add_bias_linear: bool = False) -> FakeModel:
+    config = types.SimpleNamespace(
+        gated_linear_unit=True,
+        activation_func=torch.nn.functional.silu,
+        add_bias_linear=add_bias_linear,
+        bias_activation_fusion=False,
+        num_attention_heads=4,
+        num_query_groups=2,
+        tensor_model_parallel_size=1,
+        kv_channels=16,
+        ffn_hidden_size=48,
+        hidden_size=32,
+    )
+    return FakeModel(config)
+
+
+def fake_context(tokens: int, padded: int, decode_only: bool) -> Any:
+    """megatron's dynamic context as far as the RoPE hooks read it; its own ``apply_rotary_emb_*``
+    are megatron's unfused composition."""
+    generator = torch.Generator().manual_seed(tokens)
+    context = types.SimpleNamespace(
+        padded_active_token_count=padded,
+        gpu_view=types.SimpleNamespace(
+            token_to_pos_ids=torch.randint(0, 64, (padded + 3,), generator=generator),
+            token_to_position_in_request=torch.randint(0, 64, (padded + 3,), generator=generator),
+        ),
+        is_decode_only=lambda: decode_only,
+    )
+
+    def query(q: torch.Tensor, emb: torch.Tensor, config: Any, cu: Any, cp: Any, mscale: float = 1.0) -> Any:
+        positions = context.gpu_view.token_to_pos_ids[:padded]
+        q[:padded] = rope_reference(q[:padded], emb, positions, mscale)
+        return q
+
+    def key(k: torch.Tensor, emb: torch.Tensor, config: Any, cp: Any, mscale: float = 1.0) -> Any:
+        rotated = rope_reference(k[:padded], emb, context.gpu_view.token_to_position_in_request[:padded], mscale)
+        if decode_only:
+            return rotated
+        k[:padded] = rotated
+        return k
+
+    context.apply_rotary_emb_query, context.apply_rotary_emb_key = query, key
+    return context
+
+
+@pytest.fixture()
+def fake_megatron(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``megatron.core.transformer.mlp.MLP`` is the fake MLP (megatron-core is GPU-machine-only)."""
+    for name in ("megatron", "megatron.core", "megatron.core.transformer"):
+        monkeypatch.setitem(sys.modules, name, types.ModuleType(name))
+    mlp = types.ModuleType("megatron.core.transformer.mlp")
+    mlp.MLP = FakeMLP  # type: ignore[attr-defined]
+    monkeypatch.setitem(sys.modules, "megatron.core.transformer.mlp", mlp)
+
+
+@pytest.mark.parametrize("decode_only", [True, False])
+def test_install_swaps_the_kernels_in_and_keeps_the_results(fake_megatron: None, decode_only: bool) -> None:
+    model = fake_model()
+    with torch.no_grad():
+        for parameter in model.parameters():
+            parameter.uniform_(0.5, 1.5)
+    norm_weights = [module.weight for module in model.modules() if isinstance(module, torch.nn.RMSNorm)]
+    context = fake_context(tokens=5, padded=4, decode_only=decode_only)
+    hidden = (torch.randn(3, 1, 32, generator=torch.Generator().manual_seed(5)) * 2).to(torch.bfloat16)
+    unfused_mlp = model.first.mlp(hidden)
+    qkv, freqs, _ = rope_inputs(4 + 2 * 2, rows=6, dim=16)
+    q, k = qkv[:, :, :4].contiguous(), qkv[:, :, 4:6]
+    unfused_q = context.apply_rotary_emb_query(q.clone(), freqs, None, None, None)
+    unfused_k = context.apply_rotary_emb_key(k.clone(), freqs, None, None)
+
+    swapped = fused.install(model, context, fused.FusedKernels(rms_norm=True))
+
+    assert swapped == {"rope": 1, "swiglu": 2, "rms_norm": 5}
+    assert getattr(model, fused.INSTALLED) == swapped
+    assert [module.weight for module in model.modules() if isinstance(module, fused.FusedRMSNorm)] == norm_weights
+    assert not any(isinstance(module, torch.nn.RMSNorm) for module in model.modules())
+    fused_mlp = model.first.mlp(hidden)
+    assert torch.equal(fused_mlp[0], unfused_mlp[0]) and fused_mlp[1] is None
+    assert torch.equal(context.apply_rotary_emb_query(q, freqs, None, None, None), unfused_q)
+    rotated_k = context.apply_rotary_emb_key(k, freqs, None, None)
+    assert rotated_k.shape[0] == (4 if decode_only else 6)
+    assert torch.equal(rotated_k, unfused_k)
+
+
+def test_install_leaves_a_model_it_does_not_fit_alone(fake_megatron: None) -> None:
+    model = fake_model(add_bias_linear=True)
+    context = fake_context(tokens=2, padded=2, decode_only=True)
+    original = context.apply_rotary_emb_query
+    assert fused.install(model, context, fused.FusedKernels(rms_norm=True)) == {"rope": 0, "swiglu": 0, "rms_norm": 0}
+    assert context.apply_rotary_emb_query is original
+    assert sum(isinstance(module, torch.nn.RMSNorm) for module in model.modules()) == 5

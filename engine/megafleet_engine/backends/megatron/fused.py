@@ -238,4 +238,5 @@ def _compile(model: Any, kernels: FusedKernels) -> None:
             torch.ones(config.hidden_size, device=device, dtype=dtype),
             1e-5,
         )
-    torch.cuda.synchronize(device)
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
