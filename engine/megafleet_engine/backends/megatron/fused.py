@@ -80,6 +80,7 @@ def rope_(t: torch.Tensor, freqs: torch.Tensor, positions: torch.Tensor, mscale:
         heads=heads,
         heads_pow2=kernels.triton.next_power_of_2(heads),
         dim=dim,
+        enable_fp_fusion=False,
     )
     return t
 
@@ -93,7 +94,7 @@ def swiglu(x: torch.Tensor) -> torch.Tensor:
     rows = x.numel() // (2 * width) if width else 0
     if rows:
         block = 1024
-        _kernels().swiglu_kernel[(rows, -(-width // block))](x, out, width=width, block=block)
+        _kernels().swiglu_kernel[(rows, -(-width // block))](x, out, width=width, block=block, enable_fp_fusion=False)
     return out
 
 
@@ -108,7 +109,13 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     if rows:
         kernels = _kernels()
         kernels.rms_norm_kernel[(rows,)](
-            x, weight, out, float(eps), width=width, width_pow2=kernels.triton.next_power_of_2(width)
+            x,
+            weight,
+            out,
+            float(eps),
+            width=width,
+            width_pow2=kernels.triton.next_power_of_2(width),
+            enable_fp_fusion=False,
         )
     return out
 

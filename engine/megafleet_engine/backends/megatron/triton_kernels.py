@@ -10,7 +10,7 @@ import triton  # type: ignore[import-untyped]
 import triton.language as tl  # type: ignore[import-untyped]
 from triton.language.extra import libdevice  # type: ignore[import-untyped]
 
-PRECISE: tl.constexpr = os.environ.get("TRITON_INTERPRET") != "1"
+PRECISE = tl.constexpr(os.environ.get("TRITON_INTERPRET") != "1")
 """On the GPU: libdevice's precise float32 functions, the ones torch's CUDA kernels call (``tl.exp``
 is approximate there). The CPU interpreter has no libdevice: it runs ``tl``'s (numpy's)."""
 
@@ -120,5 +120,5 @@ def rms_norm_kernel(x_ptr, weight_ptr, out_ptr, eps, width: tl.constexpr, width_
     mask = column < width
     x = tl.load(x_ptr + row * width + column, mask=mask, other=0.0).to(tl.float32)
     weight = tl.load(weight_ptr + column, mask=mask, other=0.0).to(tl.float32)
-    rstd = rsqrt(tl.reduce(x * x, 0, add) / width + eps)
+    rstd = rsqrt(tl.math.div_rn(tl.reduce(x * x, 0, add), width * 1.0) + eps)  # IEEE division, as torch's
     tl.store(out_ptr + row * width + column, rounded(x * rstd * weight, out_ptr.dtype.element_ty), mask=mask)
