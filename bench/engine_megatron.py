@@ -183,6 +183,20 @@ def compare(rows: dict[str, dict[str, Any]], outputs: dict[str, dict[str, benchk
                 figure["vs_baseline_direct"] = round(figure["tok_per_s"] / baseline, 3)
             if reference is not None:
                 figure["tokens_equal_baseline_direct"] = outputs[variant][path] == reference
+                figure["tokens_agreed_baseline_direct"] = agreed(outputs[variant][path], reference)
+
+
+def agreed(produced: benchkit.Tokens, reference: benchkit.Tokens) -> float:
+    """The fraction of tokens before each sequence's first difference from ``reference`` (1.0:
+    equal; greedy sequences that part at a bf16 near-tie differ everywhere after it)."""
+    total = kept = 0
+    for row, expected in zip(produced, reference, strict=True):
+        same = next(
+            (i for i, (a, b) in enumerate(zip(row, expected, strict=False)) if a != b), min(len(row), len(expected))
+        )
+        kept += same
+        total += len(expected)
+    return round(kept / total, 4) if total else 1.0
 
 
 def fastest(row: dict[str, dict[str, Any]]) -> str | None:

@@ -591,8 +591,9 @@ class TestFusedKernels:
     """Issue 19's fused Triton kernels (``backends/megatron/fused.py``) on the GPU: each equals the
     unfused PyTorch ops megatron's ``local`` layer runs (RoPE and SwiGLU bitwise, RMSNorm within a
     bf16 step), and a model built with them decodes megatron's greedy tokens (the unfused model's,
-    bitwise, with ``rope-swiglu``), takes joining sequences and follows a persist refit in place
-    (the decode graphs are not recaptured: they read the weights the refit writes)."""
+    bitwise, with ``rope-swiglu``, the default: the module's backend has them), takes joining
+    sequences and follows a persist refit in place (the decode graphs are not recaptured: they read
+    the weights the refit writes; ``TestRefitKvModes`` recaptures them in the other modes)."""
 
     pytestmark = ON_GPU
 
@@ -616,16 +617,17 @@ class TestFusedKernels:
         gpu.report("fused_rms_norm_equal_fraction", value=float((produced == expected).float().mean()))
 
     @pytest.fixture(scope="class")
-    def fused_backend(self) -> Iterator[megatron.MegatronBackend]:
+    def unfused_backend(self) -> Iterator[megatron.MegatronBackend]:
+        """The module's model without the fused kernels (megatron's own ops), same weights."""
         loaded = megatron.load(
             gpu.SOURCE,
-            name="tiny-fused",
+            name="tiny-unfused",
             max_sequence_length=gpu.MAX_SEQUENCE_LENGTH,
             dtype="bfloat16",
             device="cuda",
             load_weights=True,
             options=megatron.EngineOptions(
-                max_batch_size=8, kv_buffer_gb=1.0, max_step_tokens=2048, fused_kernels="rope-swiglu"
+                max_batch_size=8, kv_buffer_gb=1.0, max_step_tokens=2048, fused_kernels="off"
             ),
         )
         loaded.write_weights(gpu.scaled_reference_weights())
@@ -635,41 +637,38 @@ class TestFusedKernels:
     def test_rope_swiglu_decodes_the_unfused_models_tokens_and_follows_refits(
         self,
         backend: megatron.MegatronBackend,
-        fused_backend: megatron.MegatronBackend,
+        unfused_backend: megatron.MegatronBackend,
         prompts: list[list[int]],
     ) -> None:
-        assert fused_backend.step_options()["fused_kernels"] == {
-            "rope": 1,
-            "swiglu": fused_backend.shape.layers,
-            "rms_norm": 0,
-        }
-        assert backend.step_options()["fused_kernels"] == {}
-        unfused = tokens(run(backend, greedy_requests(prompts)))  # same weights, graphs and step settings
-        produced = tokens(run(fused_backend, greedy_requests(prompts)))
-        assert produced == unfused == direct_tokens(fused_backend, prompts)
-        with_logprobs = run(fused_backend, greedy_requests(prompts, logprobs=2))
-        reference = run(backend, greedy_requests(prompts, logprobs=2))
+        """The module's backend has the default fused kernels (``rope-swiglu``)."""
+        assert backend.step_options()["fused_kernels"] == {"rope": 1, "swiglu": backend.shape.layers, "rms_norm": 0}
+        assert unfused_backend.step_options()["fused_kernels"] == {}
+        unfused = tokens(run(unfused_backend, greedy_requests(prompts)))  # same weights, graphs and step settings
+        produced = tokens(run(backend, greedy_requests(prompts)))
+        assert produced == unfused == direct_tokens(backend, prompts)
+        with_logprobs = run(backend, greedy_requests(prompts, logprobs=2))
+        reference = run(unfused_backend, greedy_requests(prompts, logprobs=2))
         for key, steps in with_logprobs.items():
             assert [step.token_id for step in steps] == unfused[key]
             assert [step.logprob for step in steps] == [step.logprob for step in reference[key]]
 
-        joined, scheduler = staggered(fused_backend, greedy_requests(prompts))
+        joined, scheduler = staggered(backend, greedy_requests(prompts))
         assert (scheduler.batches, scheduler.admitted, scheduler.batch_sizes) == (1, 3, [4])
         agreed = [agreed_prefix(reference[str(i)], row) for i, row in enumerate(joined)]  # other batch sizes
         assert sum(agreed) >= 0.75 * gpu.NEW_TOKENS * len(prompts), agreed
 
-        fused_backend.begin_weight_update("persist")
-        fused_backend.write_weights(gpu.scaled_reference_weights(seed=1))
-        fused_backend.finish_weight_update("persist")
-        changed = tokens(run(fused_backend, greedy_requests(prompts)))
-        fused_backend.begin_weight_update("persist")
-        fused_backend.write_weights(gpu.scaled_reference_weights())
-        fused_backend.finish_weight_update("persist")
+        backend.begin_weight_update("persist")
+        backend.write_weights(gpu.scaled_reference_weights(seed=1))
+        backend.finish_weight_update("persist")
+        changed = tokens(run(backend, greedy_requests(prompts)))
+        backend.begin_weight_update("persist")
+        backend.write_weights(gpu.scaled_reference_weights())
+        backend.finish_weight_update("persist")
         assert sum(changed[key] != produced[key] for key in produced) >= 3
-        assert tokens(run(fused_backend, greedy_requests(prompts))) == produced
+        assert tokens(run(backend, greedy_requests(prompts))) == produced
 
     def test_all_kernels_agree_with_the_unfused_model(
-        self, backend: megatron.MegatronBackend, prompts: list[list[int]]
+        self, unfused_backend: megatron.MegatronBackend, prompts: list[list[int]]
     ) -> None:
         """With the fused RMSNorms too (``all``), the tokens agree with the unfused model's up to a
         bf16 near-tie (the norm sums its squares in another order), and equal its own direct run."""
@@ -692,7 +691,7 @@ class TestFusedKernels:
             assert produced == direct_tokens(loaded, prompts)
         finally:
             loaded.close()
-        reference = [run(backend, greedy_requests([prompt], logprobs=2))["0"] for prompt in prompts]
+        reference = [run(unfused_backend, greedy_requests([prompt], logprobs=2))["0"] for prompt in prompts]
         agreed = [agreed_prefix(ref, produced[str(i)]) for i, ref in enumerate(reference)]
         gpu.report("fused_all_vs_unfused", agreed=agreed, of=gpu.NEW_TOKENS)
         assert sum(agreed) >= 0.75 * gpu.NEW_TOKENS * len(prompts), agreed
