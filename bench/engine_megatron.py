@@ -17,7 +17,10 @@ switched between batches on the same engine, :meth:`MegatronBackend.set_step_opt
 * ``fast-async``: ``fast`` with megatron's asynchronous scheduling (step N+1's forward is launched
   before step N's tokens are read back);
 * ``block-fast``, ``block-fast-async``: the same with one decode graph for the whole transformer
-  block (a second model, same weights).
+  block (a second model, same weights);
+* ``fused-block-fast-async``: ``block-fast-async`` on a model with the fused RoPE and SwiGLU
+  kernels (``EngineOptions.fused_kernels="rope-swiglu"``, a third model), ``fusedall-block-fast-async``
+  with the fused RMSNorms too (``"all"``, a fourth).
 
 Paths: ``direct`` (megatron-core's ``engine.generate()``: the same engine, the same sampler and
 scheduling mode, none of our per-step code), ``backend`` (``MegatronBackend.generate()``),
@@ -61,7 +64,11 @@ VARIANTS: dict[str, tuple[str, dict[str, bool]]] = {
     "fast-async": ("layer", {"async_schedule": True, **FAST}),
     "block-fast": ("block", {"async_schedule": False, **FAST}),
     "block-fast-async": ("block", {"async_schedule": True, **FAST}),
+    "fused-block-fast-async": ("block+rope-swiglu", {"async_schedule": True, **FAST}),
+    "fusedall-block-fast-async": ("block+all", {"async_schedule": True, **FAST}),
 }
+"""Setting name -> (model, per-step options). A model is a graph scope, ``+`` the fused kernels
+built into it (``EngineOptions.fused_kernels``; none: ``off``)."""
 
 
 def through_engine(scheduler: engine_module.Engine, prompt_ids: benchkit.Tokens, new_tokens: int) -> benchkit.Tokens:
@@ -77,7 +84,7 @@ def through_engine(scheduler: engine_module.Engine, prompt_ids: benchkit.Tokens,
 
 
 class Backends:
-    """One backend per graph scope, built on first use; a scheduler per backend when asked."""
+    """One backend per model (graph scope and fused kernels), built on first use; a scheduler per backend when asked."""
 
     def __init__(self, args: argparse.Namespace, max_batch: int, result: dict[str, Any]) -> None:
         self.args = args
@@ -86,22 +93,25 @@ class Backends:
         self.built: dict[str, Any] = {}
         self.schedulers: dict[str, engine_module.Engine] = {}
 
-    def get(self, scope: str) -> Any:
-        if scope not in self.built:
+    def get(self, model: str) -> Any:
+        """The backend of ``model`` (``VARIANTS``' first field: ``scope[+fused_kernels]``)."""
+        if model not in self.built:
+            scope, _, kernels = model.partition("+")
             start = time.perf_counter()
-            self.built[scope] = benchkit.load_megatron(
+            self.built[model] = benchkit.load_megatron(
                 self.args.source,
                 max_sequence_length=self.args.max_sequence_length,
                 max_batch_size=self.max_batch,
                 kv_cache_gib=self.args.kv_cache_gib,
                 cuda_graphs=not self.args.no_cuda_graphs,
                 graph_scope=scope,
+                fused_kernels=kernels or "off",
             )
-            self.result.setdefault("build_s", {})[scope] = round(time.perf_counter() - start, 2)
-            self.result.setdefault("gpu_memory_allocated_gb", {})[scope] = round(
+            self.result.setdefault("build_s", {})[model] = round(time.perf_counter() - start, 2)
+            self.result.setdefault("gpu_memory_allocated_gb", {})[model] = round(
                 torch.cuda.memory_allocated() / 2**30, 2
             )
-        return self.built[scope]
+        return self.built[model]
 
     def scheduler(self, scope: str) -> engine_module.Engine:
         if scope not in self.schedulers:
@@ -173,6 +183,20 @@ def compare(rows: dict[str, dict[str, Any]], outputs: dict[str, dict[str, benchk
                 figure["vs_baseline_direct"] = round(figure["tok_per_s"] / baseline, 3)
             if reference is not None:
                 figure["tokens_equal_baseline_direct"] = outputs[variant][path] == reference
+                figure["tokens_agreed_baseline_direct"] = agreed(outputs[variant][path], reference)
+
+
+def agreed(produced: benchkit.Tokens, reference: benchkit.Tokens) -> float:
+    """The fraction of tokens before each sequence's first difference from ``reference`` (1.0:
+    equal; greedy sequences that part at a bf16 near-tie differ everywhere after it)."""
+    total = kept = 0
+    for row, expected in zip(produced, reference, strict=True):
+        same = next(
+            (i for i, (a, b) in enumerate(zip(row, expected, strict=False)) if a != b), min(len(row), len(expected))
+        )
+        kept += same
+        total += len(expected)
+    return round(kept / total, 4) if total else 1.0
 
 
 def fastest(row: dict[str, dict[str, Any]]) -> str | None:
@@ -285,9 +309,7 @@ def main() -> int:
             **{key: str(value) if isinstance(value, Path) else value for key, value in vars(args).items()},
             "dtype": "bfloat16",
             "sampling": "greedy, ignore_eos",
-            "variants_defined": {
-                name: {"graph_scope": scope, **options} for name, (scope, options) in VARIANTS.items()
-            },
+            "variants_defined": {name: {"model": scope, **options} for name, (scope, options) in VARIANTS.items()},
         },
         "figures": {},
         "errors": {},

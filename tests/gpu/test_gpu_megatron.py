@@ -33,9 +33,10 @@ from typing import Any
 import pytest
 import torch
 
-from helpers import gpu
+from helpers import fused_reference, gpu
 from megafleet_engine import engine as engine_module
 from megafleet_engine.backends import base, megatron, weight_maps
+from megafleet_engine.backends.megatron import fused
 from megafleet_engine.models import tiny
 from megafleet_protocol import vocabulary
 
@@ -584,6 +585,116 @@ class TestStepPaths:
         backend.finish_weight_update("persist")
         assert sum(changed[key] != produced[key] for key in produced) >= 3
         assert tokens(run(backend, greedy_requests(prompts))) == produced
+
+
+class TestFusedKernels:
+    """Issue 19's fused Triton kernels (``backends/megatron/fused.py``) on the GPU: each equals the
+    unfused PyTorch ops megatron's ``local`` layer runs (RoPE and SwiGLU bitwise, RMSNorm within a
+    bf16 step), and a model built with them decodes megatron's greedy tokens (the unfused model's,
+    bitwise, with ``rope-swiglu``, the default: the module's backend has them), takes joining
+    sequences and follows a persist refit in place (the decode graphs are not recaptured: they read
+    the weights the refit writes; ``TestRefitKvModes`` recaptures them in the other modes)."""
+
+    pytestmark = ON_GPU
+
+    def test_the_kernels_equal_megatrons_unfused_ops(self) -> None:
+        for heads in (2, 8, 32):
+            rows, freqs, positions = fused_reference.rope_inputs(heads, rows=9, dim=128, device="cuda")
+            freqs = freqs * 7.9  # angles up to ~500 rad, as at the end of a 512-token sequence
+            expected = fused_reference.rope_reference(rows.clone(), freqs, positions, 1.0)
+            assert fused.rope_(rows, freqs, positions) is rows
+            assert torch.equal(rows, expected), heads
+        generator = torch.Generator(device="cuda").manual_seed(3)
+        wide = (torch.randn(5, 1, 2 * 14336, device="cuda", generator=generator) * 4).to(torch.bfloat16)
+        assert torch.equal(fused.swiglu(wide), fused_reference.swiglu_reference(wide))
+        hidden = (torch.randn(7, 1, 4096, device="cuda", generator=generator) * 3).to(torch.bfloat16)
+        norm = torch.nn.RMSNorm(4096, eps=1e-5, device="cuda", dtype=torch.bfloat16)
+        with torch.no_grad():
+            norm.weight.uniform_(0.5, 1.5, generator=generator)
+            expected = norm(hidden)
+            produced = fused.FusedRMSNorm(norm)(hidden)
+        torch.testing.assert_close(produced.float(), expected.float(), rtol=2**-7, atol=0.0)
+        gpu.report("fused_rms_norm_equal_fraction", value=float((produced == expected).float().mean()))
+
+    @pytest.fixture(scope="class")
+    def unfused_backend(self) -> Iterator[megatron.MegatronBackend]:
+        """The module's model without the fused kernels (megatron's own ops), same weights."""
+        loaded = megatron.load(
+            gpu.SOURCE,
+            name="tiny-unfused",
+            max_sequence_length=gpu.MAX_SEQUENCE_LENGTH,
+            dtype="bfloat16",
+            device="cuda",
+            load_weights=True,
+            options=megatron.EngineOptions(
+                max_batch_size=8, kv_buffer_gb=1.0, max_step_tokens=2048, fused_kernels="off"
+            ),
+        )
+        loaded.write_weights(gpu.scaled_reference_weights())
+        yield loaded
+        loaded.close()
+
+    def test_rope_swiglu_decodes_the_unfused_models_tokens_and_follows_refits(
+        self,
+        backend: megatron.MegatronBackend,
+        unfused_backend: megatron.MegatronBackend,
+        prompts: list[list[int]],
+    ) -> None:
+        """The module's backend has the default fused kernels (``rope-swiglu``)."""
+        assert backend.step_options()["fused_kernels"] == {"rope": 1, "swiglu": backend.shape.layers, "rms_norm": 0}
+        assert unfused_backend.step_options()["fused_kernels"] == {}
+        unfused = tokens(run(unfused_backend, greedy_requests(prompts)))  # same weights, graphs and step settings
+        produced = tokens(run(backend, greedy_requests(prompts)))
+        assert produced == unfused == direct_tokens(backend, prompts)
+        with_logprobs = run(backend, greedy_requests(prompts, logprobs=2))
+        reference = run(unfused_backend, greedy_requests(prompts, logprobs=2))
+        for key, steps in with_logprobs.items():
+            assert [step.token_id for step in steps] == unfused[key]
+            assert [step.logprob for step in steps] == [step.logprob for step in reference[key]]
+
+        joined, scheduler = staggered(backend, greedy_requests(prompts))
+        assert (scheduler.batches, scheduler.admitted, scheduler.batch_sizes) == (1, 3, [4])
+        agreed = [agreed_prefix(reference[str(i)], row) for i, row in enumerate(joined)]  # other batch sizes
+        assert sum(agreed) >= 0.75 * gpu.NEW_TOKENS * len(prompts), agreed
+
+        backend.begin_weight_update("persist")
+        backend.write_weights(gpu.scaled_reference_weights(seed=1))
+        backend.finish_weight_update("persist")
+        changed = tokens(run(backend, greedy_requests(prompts)))
+        backend.begin_weight_update("persist")
+        backend.write_weights(gpu.scaled_reference_weights())
+        backend.finish_weight_update("persist")
+        assert sum(changed[key] != produced[key] for key in produced) >= 3
+        assert tokens(run(backend, greedy_requests(prompts))) == produced
+
+    def test_all_kernels_agree_with_the_unfused_model(
+        self, unfused_backend: megatron.MegatronBackend, prompts: list[list[int]]
+    ) -> None:
+        """With the fused RMSNorms too (``all``), the tokens agree with the unfused model's up to a
+        bf16 near-tie (the norm sums its squares in another order), and equal its own direct run."""
+        loaded = megatron.load(
+            gpu.SOURCE,
+            name="tiny-fused-all",
+            max_sequence_length=gpu.MAX_SEQUENCE_LENGTH,
+            dtype="bfloat16",
+            device="cuda",
+            load_weights=True,
+            options=megatron.EngineOptions(
+                max_batch_size=8, kv_buffer_gb=1.0, max_step_tokens=2048, fused_kernels="all"
+            ),
+        )
+        try:
+            loaded.write_weights(gpu.scaled_reference_weights())
+            layers = loaded.shape.layers
+            assert loaded.step_options()["fused_kernels"] == {"rope": 1, "swiglu": layers, "rms_norm": 2 * layers + 1}
+            produced = tokens(run(loaded, greedy_requests(prompts)))
+            assert produced == direct_tokens(loaded, prompts)
+        finally:
+            loaded.close()
+        reference = [run(unfused_backend, greedy_requests([prompt], logprobs=2))["0"] for prompt in prompts]
+        agreed = [agreed_prefix(ref, produced[str(i)]) for i, ref in enumerate(reference)]
+        gpu.report("fused_all_vs_unfused", agreed=agreed, of=gpu.NEW_TOKENS)
+        assert sum(agreed) >= 0.75 * gpu.NEW_TOKENS * len(prompts), agreed
 
 
 class TestTensorParallel:

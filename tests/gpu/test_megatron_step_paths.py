@@ -376,13 +376,13 @@ def test_the_engine_benchmark_runs_every_setting_path_and_profile(
 def test_model_parallel_shards_keep_per_layer_graphs_and_the_ordinary_step_order(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
-    """Block graphs and asynchronous scheduling (the defaults) are single-GPU only: a shard of
-    several ranks falls back, with a log line."""
+    """Block graphs, asynchronous scheduling and the fused kernels (the defaults) are single-GPU
+    only: a shard of several ranks falls back, with a log line."""
     defaults = megatron.EngineOptions()
-    assert (defaults.graph_scope, defaults.async_schedule) == ("block", True)
+    assert (defaults.graph_scope, defaults.async_schedule, defaults.fused_kernels) == ("block", True, "rope-swiglu")
     assert megatron_build.effective_options(defaults, 1) == defaults
     with caplog.at_level("INFO", logger=megatron_build.__name__):
         shard = megatron_build.effective_options(defaults, 2)
-    assert (shard.graph_scope, shard.async_schedule) == ("layer", False)
-    assert dataclasses.replace(shard, graph_scope="block", async_schedule=True) == defaults
+    assert (shard.graph_scope, shard.async_schedule, shard.fused_kernels) == ("layer", False, "off")
+    assert dataclasses.replace(shard, graph_scope="block", async_schedule=True, fused_kernels="rope-swiglu") == defaults
     assert "single-GPU only" in caplog.text

@@ -31,7 +31,7 @@ from typing import Any
 import torch
 
 from megafleet_engine.backends import base
-from megafleet_engine.backends.megatron import build, generation, lockstep, native_refit, sources, weights
+from megafleet_engine.backends.megatron import build, fused, generation, lockstep, native_refit, sources, weights
 from megafleet_engine.backends.weight_maps import Layout
 from megafleet_protocol import vocabulary
 
@@ -258,13 +258,15 @@ class MegatronBackend:
             self._batch.array_collect = array_collect
 
     def step_options(self) -> dict[str, Any]:
-        """The per-step options in force (what :meth:`set_step_options` sets) and the graph scope."""
+        """The per-step options in force (what :meth:`set_step_options` sets), the graph scope and
+        the fused kernels installed (:mod:`.fused`: how many modules each replaced)."""
         config = self.engine.context.config
         return {
             "async_schedule": str(getattr(config.async_sched_mode, "value", config.async_sched_mode)) == "async",
             "sync_free_sampling": self._batch.sampler.sync_free,
             "array_collect": self._batch.array_collect,
             "graph_scope": str(getattr(self.model.config, "inference_cuda_graph_scope", None)),
+            "fused_kernels": dict(getattr(self.model, fused.INSTALLED, {})),
         }
 
     def serve_followers(self) -> None:

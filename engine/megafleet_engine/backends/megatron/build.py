@@ -20,6 +20,7 @@ from typing import Any, Literal
 import torch
 
 from megafleet_engine.backends import base, weight_maps
+from megafleet_engine.backends.megatron import fused
 from megafleet_engine.backends.weight_maps import Layout, LlamaShape
 from megafleet_protocol import vocabulary
 
@@ -63,6 +64,15 @@ class EngineOptions:
     the host's per-step work overlaps the GPU's. megatron itself falls back to the ordinary order in
     steps with prefills or paused requests. Can be switched between batches
     (:meth:`.backend.MegatronBackend.set_step_options`). On one rank only (:func:`effective_options`)."""
+    fused_kernels: Literal["off", "rope-swiglu", "all"] = "rope-swiglu"
+    """Fused Triton kernels swapped into megatron's ``local`` layers before the decode graphs are
+    captured (:mod:`.fused`, issue 19): ``rope-swiglu`` (the default), RoPE on q and k and the
+    gated SiLU, one kernel each instead of ~27 and 3 per layer, bitwise megatron's unfused results
+    (on an H200, 8B shape: batch 1 152 -> 189 tok/s, the same greedy tokens); ``all`` also the
+    RMSNorms (one kernel per row instead of torch's 6 us one: 198 tok/s, but it sums in another
+    order, so greedy tokens may part from megatron's at bf16 near-ties); ``off``, megatron's ops.
+    Fixed when the model is built; one rank only (:func:`effective_options`); models the kernels
+    do not fit keep megatron's ops (a log line says why)."""
     seed: int = 0
     """Seed of megatron's RNG trackers (sampling)."""
     kv_cache_mode: vocabulary.KvCacheMode = "persist"
@@ -217,16 +227,18 @@ def _one_kv_split_on_hopper(model: Any) -> None:
 
 def effective_options(options: EngineOptions, world_size: int) -> EngineOptions:
     """``options`` as a shard of ``world_size`` rank processes runs them: with more than one rank,
-    per-layer graphs and megatron's ordinary step order (block graphs and asynchronous scheduling
-    were measured on one GPU only; issue 19 point 5), with a log line when that changes them."""
-    if world_size == 1 or (options.graph_scope == "layer" and not options.async_schedule):
+    per-layer graphs, megatron's ordinary step order and megatron's own ops (block graphs,
+    asynchronous scheduling and the fused kernels were measured on one GPU only; issue 19 point 5),
+    with a log line when that changes them."""
+    single = options.graph_scope == "layer" and not options.async_schedule and options.fused_kernels == "off"
+    if world_size == 1 or single:
         return options
     log.info(
-        "model-parallel shard of %d ranks: per-layer decode graphs and megatron's ordinary step order "
-        "(block graphs and asynchronous scheduling are single-GPU only)",
+        "model-parallel shard of %d ranks: per-layer decode graphs, megatron's ordinary step order and "
+        "no fused kernels (block graphs, asynchronous scheduling and fused kernels are single-GPU only)",
         world_size,
     )
-    return dataclasses.replace(options, graph_scope="layer", async_schedule=False)
+    return dataclasses.replace(options, graph_scope="layer", async_schedule=False, fused_kernels="off")
 
 
 def schedule_mode(async_schedule: bool) -> Any:
@@ -256,6 +268,8 @@ def build_engine(model: Any, tokenizer: IdTokenizer, max_sequence_length: int, o
         async_sched_mode=schedule_mode(options.async_schedule),
     )
     context = megatron_core("inference.contexts.dynamic_context").DynamicInferenceContext(model.config, config)
+    if options.fused_kernels != "off":  # before the engine captures its decode graphs
+        fused.install(model, context, fused.FusedKernels(rms_norm=options.fused_kernels == "all"))
     wrapper = megatron_core("inference.model_inference_wrappers.gpt.gpt_inference_wrapper").GPTInferenceWrapper(
         model, context
     )

@@ -1,0 +1,222 @@
+"""The megatron backend's fused Triton kernels (``backends/megatron/fused.py``) against the unfused
+PyTorch compositions megatron's ``local`` layer runs (written here from megatron-core 0.19's
+formulas), on Triton's CPU interpreter: RoPE and SwiGLU bitwise in bf16, RMSNorm within one bf16
+step. The same comparisons run on the GPU in ``tests/gpu/test_gpu_megatron.py``."""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import sys
+import types
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+import torch
+
+from helpers.fused_reference import rope_inputs, rope_reference, swiglu_reference
+from megafleet_engine.backends.megatron import fused
+
+pytestmark = pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="needs triton")
+
+
+@pytest.fixture(autouse=True)
+def interpreted(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    """Triton's interpreter runs the kernels on CPU tensors (read when the kernels are defined)."""
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    importlib.reload(fused._kernels())
+    yield
+    monkeypatch.delenv("TRITON_INTERPRET")
+    importlib.reload(fused._kernels())
+
+
+@pytest.mark.parametrize("heads", [1, 3, 4])
+@pytest.mark.parametrize("mscale", [1.0, 0.75])
+def test_rope_equals_megatrons_unfused_rope_bitwise(heads: int, mscale: float) -> None:
+    t, freqs, positions = rope_inputs(heads)
+    expected = rope_reference(t.clone(), freqs, positions, mscale)
+    assert t._base is not None
+    untouched = t._base[:, :, :1].clone()  # the qkv columns outside the view stay as they were
+    result = fused.rope_(t, freqs, positions, mscale)
+    assert result is t
+    assert torch.equal(t, expected)
+    assert torch.equal(t._base[:, :, :1], untouched)
+    assert not torch.equal(expected, rope_inputs(heads)[0])  # the rotation changed something
+
+
+def test_rope_leaves_rows_past_the_view_alone() -> None:
+    t, freqs, positions = rope_inputs(2, rows=6)
+    before = t[4:].clone()
+    fused.rope_(t[:4], freqs, positions[:4])
+    assert torch.equal(t[:4], rope_reference(rope_inputs(2, rows=6)[0][:4], freqs, positions[:4], 1.0))
+    assert torch.equal(t[4:], before)
+
+
+@pytest.mark.parametrize("shape", [(1, 1, 2 * 24), (7, 1, 2 * 1500), (3, 2, 2 * 8)])
+def test_swiglu_equals_megatrons_unfused_glu_bitwise(shape: tuple[int, int, int]) -> None:
+    x = (torch.randn(shape, generator=torch.Generator().manual_seed(1)) * 6).to(torch.bfloat16)
+    result = fused.swiglu(x)
+    assert result.shape == (*shape[:-1], shape[-1] // 2)
+    assert torch.equal(result, swiglu_reference(x))
+
+
+def test_rms_norm_matches_torch_within_one_bf16_step() -> None:
+    generator = torch.Generator().manual_seed(2)
+    x = (torch.randn(6, 1, 96, generator=generator) * 3).to(torch.bfloat16)
+    weight = torch.rand(96, generator=generator).to(torch.bfloat16) + 0.5
+    norm = torch.nn.RMSNorm(96, eps=1e-5, dtype=torch.bfloat16)
+    with torch.no_grad():
+        norm.weight.copy_(weight)
+        wide = x.float()  # float32 throughout, rounded once
+        expected = (wide * torch.rsqrt(wide.pow(2).mean(-1, keepdim=True) + 1e-5) * weight.float()).to(torch.bfloat16)
+        swapped = fused.FusedRMSNorm(norm)
+        result = swapped(x)
+    assert swapped.weight is norm.weight  # refits write the parameter the kernel reads
+    assert result.dtype == torch.bfloat16
+    torch.testing.assert_close(result.float(), expected.float(), rtol=2**-7, atol=0.0)
+    assert (result == expected).float().mean() > 0.95
+
+
+def test_models_the_kernels_do_not_fit_are_named() -> None:
+    class Config:
+        gated_linear_unit = True
+        activation_func = staticmethod(torch.nn.functional.silu)
+        add_bias_linear = False
+        bias_activation_fusion = False
+
+    assert fused._why_not(Config()) is None
+    Config.add_bias_linear = True
+    Config.gated_linear_unit = False
+    assert fused._why_not(Config()) == "gated SiLU MLP, add_bias_linear"
+
+
+class FakeMLP(torch.nn.Module):
+    """megatron's dense ``MLP`` as far as :func:`fused.install` reads it: ``linear_fc1`` and
+    ``linear_fc2`` return ``(output, bias)``; ``forward`` is the unfused gated SiLU."""
+
+    def __init__(self, hidden: int, ffn: int) -> None:
+        super().__init__()
+        generator = torch.Generator().manual_seed(hidden + ffn)
+        self.fc1 = torch.randn(2 * ffn, hidden, generator=generator).to(torch.bfloat16) / 4
+        self.fc2 = torch.randn(hidden, ffn, generator=generator).to(torch.bfloat16) / 4
+
+    def linear_fc1(self, x: torch.Tensor) -> tuple[torch.Tensor, None]:
+        return x @ self.fc1.T, None
+
+    def linear_fc2(self, x: torch.Tensor) -> tuple[torch.Tensor, None]:
+        return x @ self.fc2.T, None
+
+    def forward(self, hidden: torch.Tensor, per_token_scale: torch.Tensor | None = None) -> Any:
+        intermediate, _ = self.linear_fc1(hidden)
+        return self.linear_fc2(swiglu_reference(intermediate))
+
+
+class FakeLayer(torch.nn.Module):
+    def __init__(self, hidden: int, ffn: int) -> None:
+        super().__init__()
+        self.input_layernorm = torch.nn.RMSNorm(hidden, eps=1e-5, dtype=torch.bfloat16)
+        self.pre_mlp_layernorm = torch.nn.RMSNorm(hidden, eps=1e-5, dtype=torch.bfloat16)
+        self.mlp = FakeMLP(hidden, ffn)
+
+
+class FakeModel(torch.nn.Module):
+    def __init__(self, config: types.SimpleNamespace) -> None:
+        super().__init__()
+        self.config = config
+        self.first = FakeLayer(32, 48)
+        self.layers = torch.nn.ModuleList([self.first, FakeLayer(32, 48)])
+        self.final_layernorm = torch.nn.RMSNorm(32, eps=1e-5, dtype=torch.bfloat16)
+
+
+def fake_model(add_bias_linear: bool = False) -> FakeModel:
+    config = types.SimpleNamespace(
+        gated_linear_unit=True,
+        activation_func=torch.nn.functional.silu,
+        add_bias_linear=add_bias_linear,
+        bias_activation_fusion=False,
+        num_attention_heads=4,
+        num_query_groups=2,
+        tensor_model_parallel_size=1,
+        kv_channels=16,
+        ffn_hidden_size=48,
+        hidden_size=32,
+    )
+    return FakeModel(config)
+
+
+def fake_context(tokens: int, padded: int, decode_only: bool) -> Any:
+    """megatron's dynamic context as far as the RoPE hooks read it; its own ``apply_rotary_emb_*``
+    are megatron's unfused composition."""
+    generator = torch.Generator().manual_seed(tokens)
+    context = types.SimpleNamespace(
+        padded_active_token_count=padded,
+        gpu_view=types.SimpleNamespace(
+            token_to_pos_ids=torch.randint(0, 64, (padded + 3,), generator=generator),
+            token_to_position_in_request=torch.randint(0, 64, (padded + 3,), generator=generator),
+        ),
+        is_decode_only=lambda: decode_only,
+    )
+
+    def query(q: torch.Tensor, emb: torch.Tensor, config: Any, cu: Any, cp: Any, mscale: float = 1.0) -> Any:
+        positions = context.gpu_view.token_to_pos_ids[:padded]
+        q[:padded] = rope_reference(q[:padded], emb, positions, mscale)
+        return q
+
+    def key(k: torch.Tensor, emb: torch.Tensor, config: Any, cp: Any, mscale: float = 1.0) -> Any:
+        rotated = rope_reference(k[:padded], emb, context.gpu_view.token_to_position_in_request[:padded], mscale)
+        if decode_only:
+            return rotated
+        k[:padded] = rotated
+        return k
+
+    context.apply_rotary_emb_query, context.apply_rotary_emb_key = query, key
+    return context
+
+
+@pytest.fixture()
+def fake_megatron(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``megatron.core.transformer.mlp.MLP`` is the fake MLP (megatron-core is GPU-machine-only)."""
+    for name in ("megatron", "megatron.core", "megatron.core.transformer"):
+        monkeypatch.setitem(sys.modules, name, types.ModuleType(name))
+    mlp = types.ModuleType("megatron.core.transformer.mlp")
+    mlp.MLP = FakeMLP  # type: ignore[attr-defined]
+    monkeypatch.setitem(sys.modules, "megatron.core.transformer.mlp", mlp)
+
+
+@pytest.mark.parametrize("decode_only", [True, False])
+def test_install_swaps_the_kernels_in_and_keeps_the_results(fake_megatron: None, decode_only: bool) -> None:
+    model = fake_model()
+    with torch.no_grad():
+        for parameter in model.parameters():
+            parameter.uniform_(0.5, 1.5)
+    norm_weights = [module.weight for module in model.modules() if isinstance(module, torch.nn.RMSNorm)]
+    context = fake_context(tokens=5, padded=4, decode_only=decode_only)
+    hidden = (torch.randn(3, 1, 32, generator=torch.Generator().manual_seed(5)) * 2).to(torch.bfloat16)
+    unfused_mlp = model.first.mlp(hidden)
+    qkv, freqs, _ = rope_inputs(4 + 2 * 2, rows=6, dim=16)
+    q, k = qkv[:, :, :4].contiguous(), qkv[:, :, 4:6]
+    unfused_q = context.apply_rotary_emb_query(q.clone(), freqs, None, None, None)
+    unfused_k = context.apply_rotary_emb_key(k.clone(), freqs, None, None)
+
+    swapped = fused.install(model, context, fused.FusedKernels(rms_norm=True))
+
+    assert swapped == {"rope": 1, "swiglu": 2, "rms_norm": 5}
+    assert getattr(model, fused.INSTALLED) == swapped
+    assert [module.weight for module in model.modules() if isinstance(module, fused.FusedRMSNorm)] == norm_weights
+    assert not any(isinstance(module, torch.nn.RMSNorm) for module in model.modules())
+    fused_mlp = model.first.mlp(hidden)
+    assert torch.equal(fused_mlp[0], unfused_mlp[0]) and fused_mlp[1] is None
+    assert torch.equal(context.apply_rotary_emb_query(q, freqs, None, None, None), unfused_q)
+    rotated_k = context.apply_rotary_emb_key(k, freqs, None, None)
+    assert rotated_k.shape[0] == (4 if decode_only else 6)
+    assert torch.equal(rotated_k, unfused_k)
+
+
+def test_install_leaves_a_model_it_does_not_fit_alone(fake_megatron: None) -> None:
+    model = fake_model(add_bias_linear=True)
+    context = fake_context(tokens=2, padded=2, decode_only=True)
+    original = context.apply_rotary_emb_query
+    assert fused.install(model, context, fused.FusedKernels(rms_norm=True)) == {"rope": 0, "swiglu": 0, "rms_norm": 0}
+    assert context.apply_rotary_emb_query is original
+    assert sum(isinstance(module, torch.nn.RMSNorm) for module in model.modules()) == 5

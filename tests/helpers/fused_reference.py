@@ -1,0 +1,38 @@
+"""The unfused PyTorch compositions megatron-core 0.19's ``local`` layer runs, written here from
+its formulas (``rope_utils._apply_rotary_pos_emb_bshd``, ``MLP.forward``'s ``glu``): the references
+of the fused kernels (``megafleet_engine.backends.megatron.fused``) on the CPU interpreter
+(``tests/engine/test_fused_kernels.py``) and on the GPU (``tests/gpu/test_gpu_megatron.py``)."""
+
+from __future__ import annotations
+
+import torch
+
+
+def rope_reference(t: torch.Tensor, freqs: torch.Tensor, positions: torch.Tensor, mscale: float) -> torch.Tensor:
+    """megatron's rotary embedding (not interleaved) of ``t`` ``[n, 1, heads, dim]`` by
+    ``freqs[positions]`` (``freqs`` ``[max_positions, 1, 1, dim]``, float32), op by op."""
+    emb = freqs[positions]
+    cos = (torch.cos(emb) * mscale).to(t.dtype)
+    sin = (torch.sin(emb) * mscale).to(t.dtype)
+    first, second = torch.chunk(t, 2, dim=-1)
+    return (t * cos) + (torch.cat((-second, first), dim=-1) * sin)
+
+
+def swiglu_reference(x: torch.Tensor) -> torch.Tensor:
+    """``MLP.forward``'s unfused ``glu`` with megatron's defaults (no clamp, ``glu_linear_offset`` 0)."""
+    gate, linear = torch.chunk(x, 2, dim=-1)
+    return torch.nn.functional.silu(gate) * (linear + 0.0)
+
+
+def rope_inputs(
+    heads: int, rows: int = 5, dim: int = 16, device: str = "cpu"
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """bf16 q-or-k rows as a view of a wider qkv row (megatron's split: the row stride is not
+    ``heads * dim``), megatron-shaped frequencies for 64 positions, and random positions."""
+    generator = torch.Generator().manual_seed(heads)
+    base = 10000.0 ** (-torch.arange(0, dim, 2, dtype=torch.float32) / dim)
+    angles = torch.arange(64, dtype=torch.float32)[:, None] * base[None, :]
+    freqs = torch.cat((angles, angles), dim=-1)[:, None, None, :].contiguous()
+    qkv = (torch.randn(rows, 1, heads + 3, dim, generator=generator) * 4).to(device=device, dtype=torch.bfloat16)
+    positions = torch.randint(0, 64, (rows,), generator=generator)
+    return qkv[:, :, 1 : 1 + heads], freqs.to(device), positions.to(device)
