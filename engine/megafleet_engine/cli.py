@@ -140,6 +140,7 @@ def _load_backend(
         max_batch_size=settings.max_batch_size,
         kv_buffer_gb=float(settings.kv_cache_gib),
         cuda_graphs=settings.cuda_graphs,
+        fused_kernels=settings.fused_kernels,
         kv_cache_mode=settings.kv_cache_mode,
     )
     return backends.load_backend(

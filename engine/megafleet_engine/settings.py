@@ -15,9 +15,12 @@ import ipaddress
 import os
 from collections.abc import Mapping
 from pathlib import Path
-from typing import get_args
+from typing import Literal, get_args
 
 from megafleet_protocol import env, ports, vocabulary
+
+FusedKernels = Literal["off", "rope-swiglu", "all"]
+"""The megatron backend's fused-kernel choices (``EngineOptions.fused_kernels``)."""
 
 __all__ = ["Settings", "SettingsError", "from_env"]
 
@@ -131,6 +134,12 @@ class Settings:
     """``MEGAFLEET_CUDA_GRAPHS``: ``true`` or ``false``: capture decode CUDA graphs at start (megatron
     backend; the operator sets it from spec.engine.cudaGraphs). Default ``true``."""
 
+    fused_kernels: FusedKernels = "rope-swiglu"
+    """``MEGAFLEET_FUSED_KERNELS``: ``off``, ``rope-swiglu`` or ``all``: the fused Triton kernels the
+    megatron backend swaps into its layers on one rank (see ``EngineOptions.fused_kernels``; set it
+    through ``spec.engine.env``). Default ``rope-swiglu``: bitwise megatron's own results; ``off``
+    falls back to megatron's ops, ``all`` also fuses the RMSNorms (faster, not bitwise)."""
+
     kv_cache_gib: int = 20
     """``MEGAFLEET_KV_CACHE_GIB``: GPU memory for the paged KV cache of the megatron backend, in GiB.
     Default 20 (an 8B model in bf16 leaves far more on an H200; raise it for long sequences)."""
@@ -214,6 +223,9 @@ def from_env(environ: Mapping[str, str] | None = None) -> Settings:
         ),  # type: ignore[arg-type]
         cuda_graphs=reader.choice(env.CUDA_GRAPHS, ("true", "false"), "true" if defaults.cuda_graphs else "false")
         == "true",
+        fused_kernels=reader.choice(
+            env.FUSED_KERNELS, _choices(FusedKernels, defaults.fused_kernels), defaults.fused_kernels
+        ),  # type: ignore[arg-type]
         kv_cache_gib=reader.integer(env.KV_CACHE_GIB, defaults.kv_cache_gib),
         refit_wait_seconds=reader.integer(env.REFIT_WAIT_SECONDS, defaults.refit_wait_seconds),
         api_servers=reader.integer(env.API_SERVERS, -1) if reader.text(env.API_SERVERS) else None,

@@ -49,6 +49,7 @@ def test_every_variable_is_read() -> None:
         "MEGAFLEET_LOCAL_RANKS": "4",
         "MEGAFLEET_KV_CACHE_MODE": "offload",
         "MEGAFLEET_CUDA_GRAPHS": "false",
+        "MEGAFLEET_FUSED_KERNELS": "off",
         "MEGAFLEET_KV_CACHE_GIB": "40",
         "MEGAFLEET_API_SERVERS": "3",
     }
@@ -77,6 +78,7 @@ def test_every_variable_is_read() -> None:
         local_rank_count=4,
         kv_cache_mode="offload",
         cuda_graphs=False,
+        fused_kernels="off",
         kv_cache_gib=40,
         api_servers=3,
     )
@@ -105,6 +107,7 @@ INVALID = [
     ("MEGAFLEET_HOST", "engine.local", "IP address"),
     ("MEGAFLEET_LOCAL_GPUS", "-1", "at least 0"),
     ("MEGAFLEET_CUDA_GRAPHS", "yes", "one of true, false"),
+    ("MEGAFLEET_FUSED_KERNELS", "triton", "one of rope-swiglu, off, all"),
     ("MEGAFLEET_KV_CACHE_GIB", "0", "at least 1"),
     ("MEGAFLEET_LOCAL_RANKS", "3", "exceeds"),
 ]
