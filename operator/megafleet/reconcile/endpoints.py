@@ -62,8 +62,9 @@ async def reserve(ctx: context.FleetContext) -> None:
 
 async def _services(ctx: context.FleetContext) -> list[v1alpha1.Endpoint]:
     """The missing Services are created together (one round trip, not one per Service), frontends
-    and ranks alike, within the operator-wide bound on Service creates in flight
-    (:attr:`.context.Runtime.service_slots`); the endpoints are in shard order."""
+    and ranks alike; the ClusterIP ones within the operator-wide bound on Service creates in flight
+    (:attr:`.context.Runtime.service_slots`), headless ones beside them; the endpoints are in shard
+    order."""
     fleet, api = ctx.fleet, ctx.api
     labelled = await pods.labelled_objects(api, ctx.runtime.cache, "Service", fleet)
     services = {service["metadata"]["name"]: service for service in ownership.only_owned(labelled, fleet)}
@@ -75,6 +76,8 @@ async def _services(ctx: context.FleetContext) -> list[v1alpha1.Endpoint]:
     ]
 
     async def create(wanted: dict[str, Any]) -> dict[str, Any]:
+        if wanted["spec"].get("clusterIP") == "None":  # headless: no address to allocate, not bounded
+            return await ownership.create(api, fleet, wanted)
         async with ctx.runtime.service_slots:
             return await ownership.create(api, fleet, wanted)
 
