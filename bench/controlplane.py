@@ -217,6 +217,50 @@ def timeline(log: Path, offset: int, namespace: str, controller: str, started: f
     return table
 
 
+PHASES = (
+    ("services", "create", "services"),
+    ("pods_created", "create", "pods"),
+    ("bound", "create", "pods/binding"),
+    ("running", "patch", "pods/status"),
+)
+"""The steps of one group on its way to Running, each done when the last of its writes of that kind
+(verb, resource; any actor: the operator's pods, or LWS's StatefulSets' through
+kube-controller-manager) was answered."""
+
+
+def phases(log: Path, offset: int, namespace: str, started: float, until: float) -> dict[str, Any]:
+    """When each group (objects named ``g<index>`` or ``g<index>-...``) finished each of
+    :data:`PHASES`, seconds after the apply (``started``, epoch seconds): the median group and the
+    last one. Shows whether a system's groups advance together (all waiting on one step) or one
+    after another. Writes answered more than ``until`` seconds after the apply (a clean-up's) do not count."""
+    done: dict[str, dict[str, float]] = collections.defaultdict(dict)
+    with log.open("rb") as stream:
+        stream.seek(offset)
+        for line in stream:
+            event = json.loads(line)
+            ref = event.get("objectRef") or {}
+            if ref.get("namespace") != namespace or (event.get("responseStatus") or {}).get("code", 200) >= 400:
+                continue
+            group = (ref.get("name") or "").split("-")[0]
+            resource = ref.get("resource", "") + (f"/{ref['subresource']}" if ref.get("subresource") else "")
+            for phase, verb, kind in PHASES:
+                if (event["verb"], resource) == (verb, kind) and group.startswith("g"):
+                    at = _seconds(event["stageTimestamp"]) - started
+                    if at > until:
+                        continue
+                    done[group][phase] = max(done[group].get(phase, 0.0), at)
+    table = {}
+    for phase, _, _ in PHASES:
+        times = sorted(found[phase] for found in done.values() if phase in found)
+        if times:
+            table[phase] = {
+                "groups": len(times),
+                "median_s": round(times[len(times) // 2], 2),
+                "last_s": round(times[-1], 2),
+            }
+    return table
+
+
 def summarize(counts: dict[str, Any], pods: int, controller: str) -> dict[str, Any]:
     """Per-pod figures: the system's own writes (the operator's, or LWS's controller's), the
     controllers' writes (those plus kube-controller-manager's on its behalf: LWS's StatefulSets'
@@ -461,6 +505,9 @@ class Bench:
         result.update(summarize(counts, pods, controller))
         result["audit"] = counts
         result["timeline"] = timeline(self.audit_log, offset, namespace, controller, started_wall)
+        until = result["all_running_seconds"] + 1
+        result["phases"] = phases(self.audit_log, offset, namespace, started_wall, until)
+        say(f"  phases (median group, last group): {result['phases']}")
         for key, entry in result["timeline"].items():
             say(f"  {key}: {entry}")
         if system == "lws":

@@ -106,11 +106,12 @@ async def _configmap(ctx: context.FleetContext, endpoints: list[v1alpha1.Endpoin
     fleet, api = ctx.fleet, ctx.api
     wanted = desired.endpoints_configmap(fleet, endpoints)
     if fresh(ctx):  # what the create finds (made by an earlier reconcile) is compared below
-        current: dict[str, Any] | None = await ownership.create(api, fleet, wanted)
+        current = await ownership.create(api, fleet, wanted)
     else:
-        current = await ownership.get(api, fleet, "ConfigMap", names.endpoints_configmap(fleet.name))
-        if current is None:
+        found = await ownership.get(api, fleet, "ConfigMap", names.endpoints_configmap(fleet.name))
+        if found is None:
             await ownership.create(api, fleet, wanted)
             return
+        current = found
     if current.get("data") != wanted["data"]:
         await api.patch("ConfigMap", wanted["metadata"]["name"], fleet.namespace, {"data": wanted["data"]})
