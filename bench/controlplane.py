@@ -12,7 +12,9 @@ started fresh for each scenario and stopped after it.
 Per scenario: seconds from the first apply until every pod is bound and Running (and, for megafleet,
 until every fleet's endpoints are in its status); API writes and reads from the audit log, the same
 source for both, by actor (the controller itself, kube-controller-manager, scheduler, KWOK) with
-Events counted apart; the controller's CPU seconds and peak RSS. The ``ready`` scenario runs real
+Events counted apart; where the time went (each kind of write's first and last arrival and its
+latency inside the API server, and when the median and the last group had its Services, pods,
+bindings and Running pods); the controller's CPU seconds and peak RSS. The ``ready`` scenario runs real
 tiny engines (CPU) and then measures a settled fleet's idle cost: API writes, reads and agent calls
 per minute. Writes JSON with the machine details.
 
