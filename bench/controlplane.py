@@ -12,7 +12,9 @@ started fresh for each scenario and stopped after it.
 Per scenario: seconds from the first apply until every pod is bound and Running (and, for megafleet,
 until every fleet's endpoints are in its status); API writes and reads from the audit log, the same
 source for both, by actor (the controller itself, kube-controller-manager, scheduler, KWOK) with
-Events counted apart; the controller's CPU seconds and peak RSS. The ``ready`` scenario runs real
+Events counted apart; where the time went (each kind of write's first and last arrival and its
+latency inside the API server, and when the median and the last group had its Services, pods,
+bindings and Running pods); the controller's CPU seconds and peak RSS. The ``ready`` scenario runs real
 tiny engines (CPU) and then measures a settled fleet's idle cost: API writes, reads and agent calls
 per minute. Writes JSON with the machine details.
 
@@ -29,6 +31,7 @@ import datetime
 import json
 import os
 import platform
+import shutil
 import signal
 import subprocess
 import sys
@@ -176,6 +179,88 @@ def audit_counts(log: Path, offset: int, namespace: str, controller: str) -> dic
             elif event["verb"] in READS:
                 reads[key] += 1
     return {"writes": dict(sorted(writes.items())), "reads": dict(sorted(reads.items()))}
+
+
+def _seconds(stamp: str) -> float:
+    """An audit timestamp (RFC 3339, microseconds) as seconds since the epoch."""
+    return datetime.datetime.fromisoformat(stamp.replace("Z", "+00:00")).timestamp()
+
+
+def timeline(log: Path, offset: int, namespace: str, controller: str, started: float) -> dict[str, Any]:
+    """Where the time between the apply (``started``, epoch seconds) and the last pod Running went:
+    per ``"<actor> <verb> <resource>"`` of the successful writes in ``namespace`` (Events apart),
+    how many, when the first and the last arrived at the API server (seconds after the apply), and
+    their median and longest latency in the API server (received to answered, milliseconds)."""
+    seen: dict[str, list[tuple[float, float]]] = collections.defaultdict(list)
+    with log.open("rb") as stream:
+        stream.seek(offset)
+        for line in stream:
+            event = json.loads(line)
+            ref = event.get("objectRef") or {}
+            if ref.get("namespace") != namespace or event["verb"] not in WRITES or ref.get("resource") == "events":
+                continue
+            if (event.get("responseStatus") or {}).get("code", 200) >= 400:
+                continue
+            who = actor(event.get("userAgent", ""), controller)
+            resource = ref.get("resource", "") + (f"/{ref['subresource']}" if ref.get("subresource") else "")
+            received = _seconds(event["requestReceivedTimestamp"])
+            seen[f"{who} {event['verb']} {resource}"].append((received, _seconds(event["stageTimestamp"]) - received))
+    table = {}
+    for key, found in sorted(seen.items(), key=lambda item: min(r for r, _ in item[1])):
+        arrivals = sorted(r for r, _ in found)
+        latencies = sorted(latency for _, latency in found)
+        table[key] = {
+            "count": len(found),
+            "first_s": round(arrivals[0] - started, 2),
+            "last_s": round(arrivals[-1] - started, 2),
+            "median_ms": round(latencies[len(latencies) // 2] * 1000, 1),
+            "max_ms": round(latencies[-1] * 1000, 1),
+        }
+    return table
+
+
+PHASES = (
+    ("services", "create", "services"),
+    ("pods_created", "create", "pods"),
+    ("bound", "create", "pods/binding"),
+    ("running", "patch", "pods/status"),
+)
+"""The steps of one group on its way to Running, each done when the last of its writes of that kind
+(verb, resource; any actor: the operator's pods, or LWS's StatefulSets' through
+kube-controller-manager) was answered."""
+
+
+def phases(log: Path, offset: int, namespace: str, started: float, until: float) -> dict[str, Any]:
+    """When each group (objects named ``g<index>`` or ``g<index>-...``) finished each of
+    :data:`PHASES`, seconds after the apply (``started``, epoch seconds): the median group and the
+    last one. Shows whether a system's groups advance together (all waiting on one step) or one
+    after another. Writes answered more than ``until`` seconds after the apply (a clean-up's) do not count."""
+    done: dict[str, dict[str, float]] = collections.defaultdict(dict)
+    with log.open("rb") as stream:
+        stream.seek(offset)
+        for line in stream:
+            event = json.loads(line)
+            ref = event.get("objectRef") or {}
+            if ref.get("namespace") != namespace or (event.get("responseStatus") or {}).get("code", 200) >= 400:
+                continue
+            group = (ref.get("name") or "").split("-")[0]
+            resource = ref.get("resource", "") + (f"/{ref['subresource']}" if ref.get("subresource") else "")
+            for phase, verb, kind in PHASES:
+                if (event["verb"], resource) == (verb, kind) and group.startswith("g"):
+                    at = _seconds(event["stageTimestamp"]) - started
+                    if at > until:
+                        continue
+                    done[group][phase] = max(done[group].get(phase, 0.0), at)
+    table = {}
+    for phase, _, _ in PHASES:
+        times = sorted(found[phase] for found in done.values() if phase in found)
+        if times:
+            table[phase] = {
+                "groups": len(times),
+                "median_s": round(times[len(times) // 2], 2),
+                "last_s": round(times[-1], 2),
+            }
+    return table
 
 
 def summarize(counts: dict[str, Any], pods: int, controller: str) -> dict[str, Any]:
@@ -373,7 +458,10 @@ class Bench:
         """The namespace goes, its pods first, all at once without grace (untimed: a namespace's
         garbage collection of 1,000 simulated pods one by one took over 15 minutes under load)."""
         options = {"kind": "DeleteOptions", "apiVersion": "v1", "gracePeriodSeconds": 0}
-        self.client._http.request("DELETE", f"/api/v1/namespaces/{namespace}/pods", json=options)
+        try:  # the collection DELETE of 800 pods can outlast the client's read timeout: it goes on regardless
+            self.client._http.request("DELETE", f"/api/v1/namespaces/{namespace}/pods", json=options, timeout=300)
+        except httpx.HTTPError as error:
+            say(f"deleting the pods of {namespace}: {error!r}; the namespace deletion removes them")
         self.client.delete(f"/api/v1/namespaces/{namespace}")
         self.client.wait(f"/api/v1/namespaces/{namespace}", lambda obj: obj is None, timeout=600, what="cleanup")
 
@@ -388,7 +476,7 @@ class Bench:
         self.warm(system)
         offset, cpu_before = self.audit_log.stat().st_size, cpu_seconds(pid)
         say(f"{system} {variant}: applying {groups} groups ({pods} pods) into {namespace}")
-        started = time.monotonic()
+        started, started_wall = time.monotonic(), time.time()
         for index in range(groups):
             if system == "megafleet":
                 body = {
@@ -401,12 +489,14 @@ class Bench:
             else:
                 self.client.create(lws_path(namespace), lws_object(f"g{index}", variant))
         result: dict[str, Any] = {"system": system, "variant": variant, "groups": groups, "pods": pods}
+        result["load_average_before"] = [round(value, 2) for value in os.getloadavg()]
         result["apply_seconds"] = round(time.monotonic() - started, 2)
         timeout = 900.0
         if system == "megafleet":
             at = wait_until("endpoints", endpoints_published(self.client, namespace, groups), timeout=timeout)
             result["endpoints_published_seconds"] = round(at - started, 2)
-        at = wait_until("pods Running", pods_running(self.client, namespace, pods), timeout=timeout, poll=1.0)
+        poll = 0.5 if pods <= 200 else 1.0  # the LIST of every pod is itself load on the API server
+        at = wait_until("pods Running", pods_running(self.client, namespace, pods), timeout=timeout, poll=poll)
         result["all_running_seconds"] = round(at - started, 2)
         result["controller_cpu_seconds"] = round(cpu_seconds(pid) - cpu_before, 2)
         result["controller_peak_rss_mib"] = round(peak_rss_mib(pid), 1)
@@ -416,12 +506,18 @@ class Bench:
         counts = audit_counts(self.audit_log, offset, namespace, controller)
         result.update(summarize(counts, pods, controller))
         result["audit"] = counts
+        result["timeline"] = timeline(self.audit_log, offset, namespace, controller, started_wall)
+        until = result["all_running_seconds"] + 1
+        result["phases"] = phases(self.audit_log, offset, namespace, started_wall, until)
+        say(f"  phases (median group, last group): {result['phases']}")
+        for key, entry in result["timeline"].items():
+            say(f"  {key}: {entry}")
         if system == "lws":
             self.stop_lws_webhooks()
         self.stop(pid)
         try:
             self.cleanup(namespace)
-        except TimeoutError as error:  # what was measured stands; the next scenario has its own namespace
+        except (TimeoutError, httpx.HTTPError) as error:  # what was measured stands; the next has its own namespace
             say(f"cleanup of {namespace}: {error}")
         return result
 
@@ -524,6 +620,7 @@ def main() -> int:
     parser.add_argument("--idle-seconds", type=float, default=60.0)
     parser.add_argument("--pod-network", default="127.160.0.0/12", help="a /12 no other cluster here uses")
     parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--keep-audit", type=Path, help="copy the API server's audit log here at the end")
     args = parser.parse_args()
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # run the clean-up below on SIGTERM too
     group_counts = [int(n) for n in args.groups.split(",") if n]
@@ -576,6 +673,8 @@ def main() -> int:
                         pod_runner.stop()
         finally:
             local.stop()
+            if args.keep_audit is not None:
+                shutil.copyfile(audit_log, args.keep_audit)
     _write(args.out, results)
     say(f"wrote {args.out}")
     return 0

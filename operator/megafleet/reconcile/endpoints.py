@@ -21,12 +21,19 @@ from megafleet.api import v1alpha1
 from megafleet.reconcile import context, ownership, pods, status
 
 
+def fresh(ctx: context.FleetContext) -> bool:
+    """No endpoints were ever published for the fleet: its Secret and ConfigMap most likely do not
+    exist yet, so they are created without a GET first (a create that finds one returns it, and
+    :func:`.ownership.create` checks whose it is): two round trips fewer before the first pod."""
+    return not ctx.status.get("endpoints")
+
+
 async def agent_token(ctx: context.FleetContext) -> str:
     """The fleet's agent token, created once and never rotated by a reconcile. A Secret of that name
     the fleet does not own is a :class:`~.ownership.NameConflict`, never read."""
     fleet = ctx.fleet
     name = names.agent_secret(fleet.name)
-    secret = await ownership.get(ctx.api, fleet, "Secret", name)
+    secret = None if fresh(ctx) else await ownership.get(ctx.api, fleet, "Secret", name)
     if secret is None:
         secret = await ownership.create(ctx.api, fleet, desired.agent_secret(fleet, secrets.token_urlsafe(32)))
     encoded = (secret.get("data") or {}).get(names.AGENT_TOKEN_KEY)
@@ -55,7 +62,9 @@ async def reserve(ctx: context.FleetContext) -> None:
 
 async def _services(ctx: context.FleetContext) -> list[v1alpha1.Endpoint]:
     """The missing Services are created together (one round trip, not one per Service), frontends
-    and ranks alike; the endpoints are in shard order."""
+    and ranks alike; the ClusterIP ones within the operator-wide bound on Service creates in flight
+    (:attr:`.context.Runtime.service_slots`), headless ones beside them; the endpoints are in shard
+    order."""
     fleet, api = ctx.fleet, ctx.api
     labelled = await pods.labelled_objects(api, ctx.runtime.cache, "Service", fleet)
     services = {service["metadata"]["name"]: service for service in ownership.only_owned(labelled, fleet)}
@@ -65,8 +74,15 @@ async def _services(ctx: context.FleetContext) -> list[v1alpha1.Endpoint]:
         for wanted in desired.shard_services(fleet, shard)
         if wanted["metadata"]["name"] not in services
     ]
+
+    async def create(wanted: dict[str, Any]) -> dict[str, Any]:
+        if wanted["spec"].get("clusterIP") == "None":  # headless: no address to allocate, not bounded
+            return await ownership.create(api, fleet, wanted)
+        async with ctx.runtime.service_slots:
+            return await ownership.create(api, fleet, wanted)
+
     reserved = []
-    for created in await asyncio.gather(*(ownership.create(api, fleet, wanted) for wanted in missing)):
+    for created in await asyncio.gather(*(create(wanted) for wanted in missing)):
         services[created["metadata"]["name"]] = created
         if created["metadata"]["name"] == names.frontend_service(fleet.name, _shard(created)):
             reserved.append(f"shard {_shard(created)}: {created['spec']['clusterIP']}")
@@ -89,8 +105,13 @@ def _shard(service: dict[str, Any]) -> int:
 async def _configmap(ctx: context.FleetContext, endpoints: list[v1alpha1.Endpoint]) -> None:
     fleet, api = ctx.fleet, ctx.api
     wanted = desired.endpoints_configmap(fleet, endpoints)
-    current = await ownership.get(api, fleet, "ConfigMap", names.endpoints_configmap(fleet.name))
-    if current is None:
-        await ownership.create(api, fleet, wanted)
-    elif current.get("data") != wanted["data"]:
+    if fresh(ctx):  # what the create finds (made by an earlier reconcile) is compared below
+        current = await ownership.create(api, fleet, wanted)
+    else:
+        found = await ownership.get(api, fleet, "ConfigMap", names.endpoints_configmap(fleet.name))
+        if found is None:
+            await ownership.create(api, fleet, wanted)
+            return
+        current = found
+    if current.get("data") != wanted["data"]:
         await api.patch("ConfigMap", wanted["metadata"]["name"], fleet.namespace, {"data": wanted["data"]})

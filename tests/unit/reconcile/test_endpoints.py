@@ -1,0 +1,135 @@
+"""Reserving endpoints at scale (issue 18): Service creates are bounded across fleets, and a fresh
+fleet's Secret and ConfigMap are created without reading them first. Against the in-memory API
+(tests/helpers/kube_fakes.py)."""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from helpers import kube_fakes
+from megafleet import agent_client, reconcile, settings
+from megafleet.reconcile import context
+
+ROOT = Path(__file__).resolve().parents[3]
+NODE = {"kind": "Node", "metadata": {"name": "n0", "labels": {}}, "spec": {}, "status": {"allocatable": {}}}
+
+
+class Agents:
+    async def states(self, pod_ips: list[str], token: str) -> list[agent_client.AgentState]:
+        return [agent_client.AgentState(state="loading") for _ in pod_ips]
+
+    async def close(self) -> None:
+        pass
+
+
+def fleet(name: str, replicas: int) -> dict[str, Any]:
+    manifest: dict[str, Any] = yaml.safe_load((ROOT / "examples" / "tiny-cpu.yaml").read_text())
+    manifest["metadata"].update(name=name, namespace="rl", uid=f"uid-{name}")
+    manifest["spec"].update(replicas=replicas)
+    return manifest
+
+
+class SlowServices(kube_fakes.Api):
+    """Service creates take a while (as kube-apiserver's ClusterIP allocation does); records the
+    most in flight at once and the order in which fleets' creates began."""
+
+    def __init__(self, *objects: dict[str, Any]) -> None:
+        super().__init__(*objects)
+        self.in_flight = 0
+        self.most = 0
+        self.started: list[str] = []
+
+    async def create(self, obj: dict[str, Any]) -> dict[str, Any]:
+        if obj["kind"] != "Service":
+            return await super().create(obj)
+        self.in_flight += 1
+        self.most = max(self.most, self.in_flight)
+        self.started.append(obj["metadata"]["labels"]["megafleet.dev/fleet"])
+        try:
+            await asyncio.sleep(0.001)
+            return await super().create(obj)
+        finally:
+            self.in_flight -= 1
+
+
+def test_service_creates_across_fleets_stay_within_the_bound_and_fleets_are_served_in_order() -> None:
+    fleets = [fleet(f"f{index}", replicas=6) for index in range(4)]
+    api = SlowServices(*fleets, NODE)
+    runtime = context.Runtime.of(api, Agents(), settings.OperatorSettings())  # type: ignore[arg-type]
+
+    async def all_at_once() -> None:
+        bodies = [await api.get("MegatronGeneration", f"f{index}", "rl") or {} for index in range(4)]
+        await asyncio.gather(*(reconcile.reconcile(runtime, body) for body in bodies))
+
+    asyncio.run(all_at_once())
+
+    assert api.most == context.SERVICE_CREATES_IN_FLIGHT  # the bound is reached, never passed
+    assert len([key for key in api.objects if key[0] == "Service"]) == 24
+    for index in range(4):  # every fleet reserved and published its endpoints
+        status = api.objects[("MegatronGeneration", "rl", f"f{index}")]["status"]
+        assert len(status["endpoints"]) == 6
+    first_done = [api.started.index(f"f{index}") for index in range(4)]
+    assert first_done == sorted(first_done)  # waiters are served in arrival order
+    assert api.started[:6] == ["f0"] * 6  # the first fleet's creates were not spread behind the others'
+
+
+class ReadsApart(kube_fakes.Api):
+    """Counts the reconcile's own GETs apart from those the fake's create makes inside."""
+
+    def __init__(self, *objects: dict[str, Any]) -> None:
+        super().__init__(*objects)
+        self.creating = False
+        self.asked: collections.Counter[str] = collections.Counter()
+
+    async def get(self, kind: str, name: str, namespace: str | None = None) -> dict[str, Any] | None:
+        if not self.creating:
+            self.asked[kind] += 1
+        return await super().get(kind, name, namespace)
+
+    async def create(self, obj: dict[str, Any]) -> dict[str, Any]:
+        self.creating = True
+        try:
+            return await super().create(obj)
+        finally:
+            self.creating = False
+
+
+def test_a_fresh_fleet_creates_its_secret_and_configmap_without_reading_them_first() -> None:
+    api = ReadsApart(fleet("tiny", replicas=1), NODE)
+    runtime = context.Runtime.of(api, Agents(), settings.OperatorSettings())  # type: ignore[arg-type]
+
+    async def twice() -> None:
+        await reconcile.reconcile(runtime, await api.get("MegatronGeneration", "tiny", "rl") or {})
+        assert api.asked["Secret"] == 0 and api.asked["ConfigMap"] == 0
+        await reconcile.reconcile(runtime, await api.get("MegatronGeneration", "tiny", "rl") or {})
+        assert api.asked["Secret"] == 1 and api.asked["ConfigMap"] == 1  # published: read, never created again
+
+    asyncio.run(twice())
+    assert api.writes["create Secret"] == 1 and api.writes["create ConfigMap"] == 1
+
+
+def test_a_configmap_left_by_an_earlier_reconcile_is_corrected_by_a_fresh_one() -> None:
+    stale = {
+        "apiVersion": "v1",
+        "kind": "ConfigMap",
+        "metadata": {
+            "name": "tiny-endpoints",
+            "namespace": "rl",
+            "ownerReferences": [{"kind": "MegatronGeneration", "name": "tiny", "uid": "uid-tiny", "controller": True}],
+        },
+        "data": {"endpoints.json": "[]"},
+    }
+    api = kube_fakes.Api(fleet("tiny", replicas=1), NODE, stale)
+    runtime = context.Runtime.of(api, Agents(), settings.OperatorSettings())  # type: ignore[arg-type]
+
+    async def once() -> None:
+        await reconcile.reconcile(runtime, await api.get("MegatronGeneration", "tiny", "rl") or {})
+
+    asyncio.run(once())
+    assert "tiny-s0" in str(api.objects[("ConfigMap", "rl", "tiny-endpoints")]["data"])
+    assert api.writes["patch ConfigMap"] == 1
