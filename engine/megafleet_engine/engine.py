@@ -219,7 +219,7 @@ class Engine:
 
     @property
     def waiting(self) -> int:
-        """Sequences accepted and not yet in the running batch, plus requests held at the gate
+        """Sequences accepted and not yet in the running batch, plus sequences held at the gate
         (what an autoscaler reads as queue pressure; read at scrape time, never exact)."""
         with self._lock:
             queued = self._in_flight

@@ -123,7 +123,7 @@ class _EngineCollector(registry.Collector):
         )
         yield core.GaugeMetricFamily(
             "megafleet_waiting_sequences",
-            "Sequences accepted and not yet running, plus requests held at the gate during a refit.",
+            "Sequences accepted and not yet running, plus sequences held at the gate during a refit.",
             value=engine.waiting,
         )
         if self._capacity:
