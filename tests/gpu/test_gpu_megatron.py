@@ -190,6 +190,23 @@ def nemo_logprobs(logits: torch.Tensor, mode: base.LogprobsMode) -> torch.Tensor
     return torch.log_softmax(values.scatter(dim=-1, index=index, src=values), dim=-1)
 
 
+def assert_a_persist_refit_is_followed(
+    backend: megatron.MegatronBackend, prompts: list[list[int]], produced: dict[str, list[int]]
+) -> None:
+    """A ``persist`` refit to other weights changes the greedy tokens of ``prompts`` (the graphs
+    read the weights the refit wrote, no recapture); writing the reference weights back restores
+    ``produced``, what the backend made before."""
+    backend.begin_weight_update("persist")
+    backend.write_weights(gpu.scaled_reference_weights(seed=1))
+    backend.finish_weight_update("persist")
+    changed = tokens(run(backend, greedy_requests(prompts)))
+    backend.begin_weight_update("persist")
+    backend.write_weights(gpu.scaled_reference_weights())
+    backend.finish_weight_update("persist")
+    assert sum(changed[key] != produced[key] for key in produced) >= 3
+    assert tokens(run(backend, greedy_requests(prompts))) == produced
+
+
 async def gather_tokens(scheduler: engine_module.Engine, request: base.SequenceRequest) -> list[int]:
     return [step.token_id async for step in scheduler.submit(request)]
 
@@ -576,15 +593,7 @@ class TestStepPaths:
         agreed = [agreed_prefix(ref, row) for ref, row in zip(reference, joined, strict=True)]
         assert sum(agreed) >= 0.75 * gpu.NEW_TOKENS * len(prompts), agreed
 
-        backend.begin_weight_update("persist")
-        backend.write_weights(gpu.scaled_reference_weights(seed=1))
-        backend.finish_weight_update("persist")
-        changed = tokens(run(backend, greedy_requests(prompts)))
-        backend.begin_weight_update("persist")
-        backend.write_weights(gpu.scaled_reference_weights())
-        backend.finish_weight_update("persist")
-        assert sum(changed[key] != produced[key] for key in produced) >= 3
-        assert tokens(run(backend, greedy_requests(prompts))) == produced
+        assert_a_persist_refit_is_followed(backend, prompts, produced)
 
 
 class TestFusedKernels:
@@ -657,15 +666,7 @@ class TestFusedKernels:
         agreed = [agreed_prefix(reference[str(i)], row) for i, row in enumerate(joined)]  # other batch sizes
         assert sum(agreed) >= 0.75 * gpu.NEW_TOKENS * len(prompts), agreed
 
-        backend.begin_weight_update("persist")
-        backend.write_weights(gpu.scaled_reference_weights(seed=1))
-        backend.finish_weight_update("persist")
-        changed = tokens(run(backend, greedy_requests(prompts)))
-        backend.begin_weight_update("persist")
-        backend.write_weights(gpu.scaled_reference_weights())
-        backend.finish_weight_update("persist")
-        assert sum(changed[key] != produced[key] for key in produced) >= 3
-        assert tokens(run(backend, greedy_requests(prompts))) == produced
+        assert_a_persist_refit_is_followed(backend, prompts, produced)
 
     def test_all_kernels_agree_with_the_unfused_model(
         self, unfused_backend: megatron.MegatronBackend, prompts: list[list[int]]
