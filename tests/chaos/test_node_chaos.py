@@ -221,7 +221,18 @@ def test_a_lost_tray_of_a_tp16_shard_is_replaced_whole_inside_one_clique(
         }, "the other shard moved"
         cliques = {_clique(kube_admin, now[name]) for name in shard0}
         assert len(cliques) == 1 and len({now[name] for name in shard0}) == 4, (cliques, now)
-        fleet = kube_admin.get(f"{base.fleets(namespace)}/{GPU_FLEET}")
+        # The status follows the pods (their events are gathered before a reconcile writes it):
+        # wait for shard 0's entry to list its new trays, then check its clique is theirs.
+        trays = {now[name] for name in shard0}
+        fleet = kube_admin.wait(
+            f"{base.fleets(namespace)}/{GPU_FLEET}",
+            lambda o: any(
+                s["index"] == 0 and set(s.get("nodes", [])) == trays
+                for s in (o or {}).get("status", {}).get("shards", [])
+            ),
+            timeout=60,
+            what="shard 0's new trays in the status",
+        )
         assert fleet is not None
         assert {s["index"]: s["clique"] for s in fleet["status"]["shards"]}[0] in cliques
         assert _fleet_services(kube_admin, namespace, GPU_FLEET) == services
