@@ -111,19 +111,24 @@ def test_load_refuses_what_megatron_cannot_run(dtype: str, device: str) -> None:
 
 
 def build(
-    kv_cache_mode: vocabulary.KvCacheMode = "persist", parallel: base.Parallel | None = None
+    kv_cache_mode: vocabulary.KvCacheMode = "persist",
+    parallel: base.Parallel | None = None,
+    *,
+    name: str = "tiny",
+    **options: Any,
 ) -> megatron.MegatronBackend:
-    """The tiny model on this process's GPU (graphs on, 1 GB of KV cache) with the scaled weights."""
+    """The tiny model on this process's GPU (graphs on, 1 GB of KV cache) with the scaled weights;
+    ``options`` override the other ``EngineOptions`` (step settings, fused kernels)."""
     loaded = megatron.load(
         gpu.SOURCE,
-        name="tiny",
+        name=name,
         max_sequence_length=gpu.MAX_SEQUENCE_LENGTH,
         dtype="bfloat16",
         device="cuda",
         load_weights=True,
         parallel=parallel,
         options=megatron.EngineOptions(
-            max_batch_size=8, kv_buffer_gb=1.0, max_step_tokens=2048, kv_cache_mode=kv_cache_mode
+            max_batch_size=8, kv_buffer_gb=1.0, max_step_tokens=2048, kv_cache_mode=kv_cache_mode, **options
         ),
     )
     loaded.write_weights(gpu.scaled_reference_weights())
@@ -564,19 +569,8 @@ class TestStepPaths:
         refit (in place, no recapture) changes the tokens, and restoring the weights restores them."""
         options = backend.step_options()
         assert options["async_schedule"] and "block" in options["graph_scope"]
-        layer = megatron.load(
-            gpu.SOURCE,
-            name="tiny-layer",
-            max_sequence_length=gpu.MAX_SEQUENCE_LENGTH,
-            dtype="bfloat16",
-            device="cuda",
-            load_weights=True,
-            options=megatron.EngineOptions(
-                max_batch_size=8, kv_buffer_gb=1.0, max_step_tokens=2048, graph_scope="layer", async_schedule=False
-            ),
-        )
+        layer = build(name="tiny-layer", graph_scope="layer", async_schedule=False)
         try:
-            layer.write_weights(gpu.scaled_reference_weights())
             assert "layer" in layer.step_options()["graph_scope"] and not layer.step_options()["async_schedule"]
             reference = [run(layer, greedy_requests([prompt], logprobs=2))["0"] for prompt in prompts]
             assert tokens(run(layer, greedy_requests(prompts))) == direct_tokens(layer, prompts)
@@ -628,18 +622,7 @@ class TestFusedKernels:
     @pytest.fixture(scope="class")
     def unfused_backend(self) -> Iterator[megatron.MegatronBackend]:
         """The module's model without the fused kernels (megatron's own ops), same weights."""
-        loaded = megatron.load(
-            gpu.SOURCE,
-            name="tiny-unfused",
-            max_sequence_length=gpu.MAX_SEQUENCE_LENGTH,
-            dtype="bfloat16",
-            device="cuda",
-            load_weights=True,
-            options=megatron.EngineOptions(
-                max_batch_size=8, kv_buffer_gb=1.0, max_step_tokens=2048, fused_kernels="off"
-            ),
-        )
-        loaded.write_weights(gpu.scaled_reference_weights())
+        loaded = build(name="tiny-unfused", fused_kernels="off")
         yield loaded
         loaded.close()
 
@@ -673,19 +656,8 @@ class TestFusedKernels:
     ) -> None:
         """With the fused RMSNorms too (``all``), the tokens agree with the unfused model's up to a
         bf16 near-tie (the norm sums its squares in another order), and equal its own direct run."""
-        loaded = megatron.load(
-            gpu.SOURCE,
-            name="tiny-fused-all",
-            max_sequence_length=gpu.MAX_SEQUENCE_LENGTH,
-            dtype="bfloat16",
-            device="cuda",
-            load_weights=True,
-            options=megatron.EngineOptions(
-                max_batch_size=8, kv_buffer_gb=1.0, max_step_tokens=2048, fused_kernels="all"
-            ),
-        )
+        loaded = build(name="tiny-fused-all", fused_kernels="all")
         try:
-            loaded.write_weights(gpu.scaled_reference_weights())
             layers = loaded.shape.layers
             assert loaded.step_options()["fused_kernels"] == {"rope": 1, "swiglu": layers, "rms_norm": 2 * layers + 1}
             produced = tokens(run(loaded, greedy_requests(prompts)))
