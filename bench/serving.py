@@ -16,7 +16,10 @@ Paths, each at every batch size (``--batches``), greedy, every sequence exactly 
   (:class:`~megafleet_engine.openai.engine_client.LocalClient`);
 * ``http``: ``POST /v1/completions`` with lists of prompts (at most 128 per request, as the SDK
   sends them), ``detokenize: false`` (token ids only, the RL client's mode), non-streaming;
-* ``http_stream``: one streaming request per prompt (SSE, text made, ``return_token_ids``).
+* ``http_stream``: one streaming request per prompt (SSE, text made, ``return_token_ids``), read
+  with aiohttp;
+* ``http_stream_httpx`` (not in the default ``--paths``): the same streams read with httpx (the
+  library the ``openai`` client uses), to show what the client library costs.
 
 The HTTP paths go through ``--api-servers`` API-server processes (the same code a pod runs: this
 process is the engine core) and ``--client-processes`` client processes that split the batch.
@@ -109,56 +112,98 @@ def percentiles(values: list[float]) -> dict[str, float | None]:
 
 
 def _client_main(pipe: multiprocessing.connection.Connection, url: str, model: str) -> None:
-    """One client process: one batch per message until ``None``; answers tokens, latencies, RSS."""
-    while (work := pipe.recv()) is not None:
-        mode, prompts, new_tokens = work
-        try:
-            pipe.send(asyncio.run(_client_batch(url, model, mode, prompts, new_tokens)))
-        except Exception as error:
-            pipe.send(f"{type(error).__name__}: {error}\n{traceback.format_exc(limit=4)}")
+    """One client process: one batch per message until ``None``; answers tokens, latencies, RSS.
+    Its HTTP clients live for the whole process (made before the first timed run), on one loop."""
+    loop = asyncio.new_event_loop()
+    sessions = loop.run_until_complete(_Sessions.open(url))
+    try:
+        while (work := pipe.recv()) is not None:
+            mode, prompts, new_tokens = work
+            try:
+                pipe.send(loop.run_until_complete(_client_batch(sessions, model, mode, prompts, new_tokens)))
+            except Exception as error:
+                pipe.send(f"{type(error).__name__}: {error}\n{traceback.format_exc(limit=4)}")
+    finally:
+        loop.run_until_complete(sessions.close())
+        loop.close()
 
 
-async def _client_batch(url: str, model: str, mode: str, prompts: list[list[int]], new_tokens: int) -> dict[str, Any]:
-    import httpx
+class _Sessions:
+    """A client process's HTTP clients: httpx for the batched path (the SDK's library), aiohttp for
+    the streams. One Python process reading hundreds of SSE streams through httpx is bound by httpx
+    itself (~0.4 ms of CPU per event at 256 streams, measured on CPU in bench/README.md), so the
+    streaming figure would measure the client; aiohttp's C parser costs a fraction of that."""
 
+    def __init__(self, httpx_client: Any, aiohttp_session: Any) -> None:
+        self.httpx = httpx_client
+        self.aiohttp = aiohttp_session
+
+    @classmethod
+    async def open(cls, url: str) -> _Sessions:
+        import aiohttp
+        import httpx
+
+        limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
+        connector = aiohttp.TCPConnector(limit=0)
+        timeout = aiohttp.ClientTimeout(total=900)
+        return cls(
+            httpx.AsyncClient(base_url=url, timeout=900, limits=limits),
+            aiohttp.ClientSession(url, connector=connector, timeout=timeout),
+        )
+
+    async def close(self) -> None:
+        await self.httpx.aclose()
+        await self.aiohttp.close()
+
+
+async def _client_batch(
+    sessions: _Sessions, model: str, mode: str, prompts: list[list[int]], new_tokens: int
+) -> dict[str, Any]:
     body = {"model": model, "max_tokens": new_tokens, "temperature": 0.0, "ignore_eos": True}
     tokens: list[list[int]] = [[] for _ in prompts]
     first: list[float] = []
     gaps: list[float] = []
-    limits = httpx.Limits(max_connections=len(prompts) + 8, max_keepalive_connections=len(prompts) + 8)
-    async with httpx.AsyncClient(base_url=url, timeout=900, limits=limits) as client:
 
-        async def batched(start: int, chunk: list[list[int]]) -> None:
-            response = await client.post("/v1/completions", json={**body, "prompt": chunk, "detokenize": False})
+    async def batched(start: int, chunk: list[list[int]]) -> None:
+        response = await sessions.httpx.post("/v1/completions", json={**body, "prompt": chunk, "detokenize": False})
+        response.raise_for_status()
+        for choice in response.json()["choices"]:
+            tokens[start + choice["index"]] = choice["token_ids"]
+
+    async def streamed(index: int, prompt: list[int]) -> None:
+        sent = time.perf_counter()
+        last: float | None = None
+        request = {**body, "prompt": prompt, "stream": True, "return_token_ids": True}
+        async with sessions.aiohttp.post("/v1/completions", json=request) as response:
             response.raise_for_status()
-            for choice in response.json()["choices"]:
-                tokens[start + choice["index"]] = choice["token_ids"]
+            async for line in response.content:
+                if not line.startswith(b"data: {"):
+                    continue
+                now = time.perf_counter()
+                ids = json.loads(line[6:])["choices"][0].get("token_ids") or []
+                if not ids:
+                    continue
+                if last is None:
+                    first.append(now - sent)
+                else:
+                    gaps.append(now - last)
+                last = now
+                tokens[index].extend(ids)
 
-        async def streamed(index: int, prompt: list[int]) -> None:
-            sent = time.perf_counter()
-            last: float | None = None
-            request = {**body, "prompt": prompt, "stream": True, "return_token_ids": True}
-            async with client.stream("POST", "/v1/completions", json=request) as response:
-                response.raise_for_status()
-                async for line in response.aiter_lines():
-                    if not line.startswith("data: {"):
-                        continue
-                    now = time.perf_counter()
-                    ids = json.loads(line[6:])["choices"][0].get("token_ids") or []
-                    if not ids:
-                        continue
-                    if last is None:
-                        first.append(now - sent)
-                    else:
-                        gaps.append(now - last)
-                    last = now
-                    tokens[index].extend(ids)
+    async def streamed_httpx(index: int, prompt: list[int]) -> None:
+        request = {**body, "prompt": prompt, "stream": True, "return_token_ids": True}
+        async with sessions.httpx.stream("POST", "/v1/completions", json=request) as response:
+            response.raise_for_status()
+            async for line in response.aiter_lines():
+                if line.startswith("data: {"):
+                    tokens[index].extend(json.loads(line[6:])["choices"][0].get("token_ids") or [])
 
-        if mode == "http":
-            chunks = [prompts[i : i + MAX_PROMPTS_PER_REQUEST] for i in range(0, len(prompts), MAX_PROMPTS_PER_REQUEST)]
-            await asyncio.gather(*(batched(i * MAX_PROMPTS_PER_REQUEST, chunk) for i, chunk in enumerate(chunks)))
-        else:
-            await asyncio.gather(*(streamed(index, prompt) for index, prompt in enumerate(prompts)))
+    if mode == "http":
+        chunks = [prompts[i : i + MAX_PROMPTS_PER_REQUEST] for i in range(0, len(prompts), MAX_PROMPTS_PER_REQUEST)]
+        await asyncio.gather(*(batched(i * MAX_PROMPTS_PER_REQUEST, chunk) for i, chunk in enumerate(chunks)))
+    else:
+        stream = streamed if mode == "http_stream" else streamed_httpx
+        await asyncio.gather(*(stream(index, prompt) for index, prompt in enumerate(prompts)))
     return {"tokens": tokens, "first": first, "gaps": gaps, "rss_mib": rss_mib(os.getpid())}
 
 
@@ -287,6 +332,7 @@ def path_runs(
         "engine": lambda: through_engine(scheduler, prompts, new_tokens, latency),
         "http": lambda: clients.run("http", prompts, new_tokens),
         "http_stream": lambda: clients.run("http_stream", prompts, new_tokens),
+        "http_stream_httpx": lambda: clients.run("http_stream_httpx", prompts, new_tokens),
     }
 
 

@@ -15,7 +15,7 @@ import pytest
 pytestmark = pytest.mark.slow  # starts API-server and client processes
 
 ROOT = Path(__file__).resolve().parents[2]
-PATHS = ("direct", "engine", "http", "http_stream")
+PATHS = ("direct", "engine", "http", "http_stream", "http_stream_httpx")
 
 
 def test_serving_bench_cpu_smoke_run_writes_every_path(tmp_path: Path) -> None:
@@ -23,7 +23,7 @@ def test_serving_bench_cpu_smoke_run_writes_every_path(tmp_path: Path) -> None:
     command = [sys.executable, str(ROOT / "bench" / "serving.py"), "--backend", "transformers"]
     command += ["--source", "tiny://llama", "--dtype", "float32", "--batches", "1,3", "--latency-batch", "3"]
     command += ["--prompt-tokens", "4", "--new-tokens", "4", "--max-sequence-length", "32"]
-    command += ["--api-servers", "2", "--client-processes", "2", "--out", str(out)]
+    command += ["--api-servers", "2", "--client-processes", "2", "--paths", ",".join(PATHS), "--out", str(out)]
     done = subprocess.run(command, capture_output=True, text=True, timeout=280, check=False)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     result = json.loads(out.read_text())

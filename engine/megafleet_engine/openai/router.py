@@ -12,7 +12,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import hmac
-from collections.abc import Awaitable
+from collections.abc import Awaitable, Callable
 from typing import Annotated, Any, TypeVar
 
 import fastapi
@@ -48,15 +48,21 @@ def weight_version_header(version: int | None) -> str:
     return "none" if version is None else str(version)
 
 
-def _frontend(request: fastapi.Request) -> Frontend:
+async def _frontend(request: fastapi.Request) -> Frontend:
+    """The app's :class:`Frontend` (``async``: FastAPI runs a plain ``def`` dependency in a worker
+    thread, two thread hops per request for nothing)."""
+    return _frontend_of(request)
+
+
+def _frontend_of(request: fastapi.Request) -> Frontend:
     frontend = request.app.state.frontend
     assert isinstance(frontend, Frontend)
     return frontend
 
 
-def _authorize(request: fastapi.Request) -> None:
+async def _authorize(request: fastapi.Request) -> None:
     """With an API key configured, ``/v1/*`` needs ``Authorization: Bearer <key>``."""
-    key = _frontend(request).api_key
+    key = _frontend_of(request).api_key
     if key is None:
         return
     scheme, _, token = request.headers.get("authorization", "").partition(" ")
@@ -127,8 +133,18 @@ def _sse(stream: serving.Stream) -> responses.StreamingResponse:
         stream.events,
         media_type="text/event-stream",
         headers={WEIGHT_VERSION_HEADER: weight_version_header(stream.weight_version), "Cache-Control": "no-cache"},
-        background=background.BackgroundTask(stream.close),  # closes the run even if never iterated
+        background=background.BackgroundTask(_closer(stream)),  # closes the run even if never iterated
     )
+
+
+def _closer(stream: serving.Stream) -> Callable[[], Awaitable[None]]:
+    """``stream.close`` as a coroutine function: Starlette runs a plain function as a background
+    task in a worker thread (a thread hop per streamed request)."""
+
+    async def close() -> None:
+        stream.close()
+
+    return close
 
 
 async def _cancel_on_disconnect(request: fastapi.Request, work: Awaitable[T]) -> T | responses.Response:

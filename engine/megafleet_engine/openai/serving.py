@@ -25,6 +25,7 @@ import uuid
 from collections.abc import AsyncIterator, Callable, Sequence
 
 import jinja2
+import msgspec
 
 from megafleet_engine import engine as engine_module
 from megafleet_engine import metrics as metrics_module
@@ -64,7 +65,7 @@ class Stream:
     """A started streaming response: the weight version it serves and its SSE events."""
 
     weight_version: int | None
-    events: AsyncIterator[str]
+    events: AsyncIterator[bytes]
     close: Callable[[], object]  # idempotent; the router runs it after the response as a safety net
 
 
@@ -213,14 +214,14 @@ class _Pipeline:
             tokens = await self.next(batch)
 
     async def sse(
-        self, batch: engine_client.Batch, chunks: AsyncIterator[list[dict[str, object]]], weight_version: int | None
-    ) -> AsyncIterator[str]:
-        """Server-sent events from ``chunks``, one write per engine step; a failure mid-stream
-        becomes an error event."""
+        self, batch: engine_client.Batch, events: AsyncIterator[list[bytes]], weight_version: int | None
+    ) -> AsyncIterator[bytes]:
+        """Server-sent events, one write per engine step (``events`` yields each step's); a failure
+        mid-stream becomes an error event."""
         try:
-            async for step_chunks in chunks:
-                if step_chunks:
-                    yield "".join(_event(chunk) for chunk in step_chunks)
+            async for step_events in events:
+                if step_events:
+                    yield b"".join(step_events)
         except errors.HTTPError as error:
             yield _event({**errors.envelope(error), "weight_version": weight_version})
         except Exception as error:
@@ -229,7 +230,7 @@ class _Pipeline:
             yield _event({**errors.envelope(internal), "weight_version": weight_version})
         finally:
             batch.close()
-        yield "data: [DONE]\n\n"
+        yield b"data: [DONE]\n\n"
 
     def usage(self, prepared: _Prepared, states: dict[int, generation.ChoiceState]) -> protocol.Usage:
         prompt_tokens = sum(len(prompt) for prompt in prepared.prompts)
@@ -311,8 +312,34 @@ def _token_prompts(prompt: protocol.Prompt, tokenizer: base.Tokenizer) -> list[l
     return [single] if single else prompts
 
 
-def _event(data: dict[str, object]) -> str:
-    return f"data: {json.dumps(data, separators=(',', ':'))}\n\n"
+def _event(data: dict[str, object]) -> bytes:
+    return f"data: {json.dumps(data, separators=(',', ':'))}\n\n".encode()
+
+
+_encode = msgspec.json.Encoder().encode
+
+
+class _Frame:
+    """One stream's SSE event around its choices, made once per stream from the chunk model (with
+    no choices), so a token costs one small dict and one fast encode, not a pydantic model built,
+    validated and dumped per token (``bench/serving.py``'s streaming path). :meth:`event` equals
+    :func:`_event` of the same chunk dumped with that choice (a test compares them).
+
+    Args:
+        envelope: the stream's chunk with ``choices=[]``: its id, model, weight version.
+    """
+
+    def __init__(self, envelope: protocol.OpenAIBaseModel) -> None:
+        text = json.dumps(protocol.dump(envelope), separators=(",", ":"))
+        head, marker, tail = text.partition('"choices":[]')
+        if not marker:
+            raise ValueError(f"{type(envelope).__name__} has no empty choices to frame")
+        self._head = f'data: {head}"choices":['.encode()
+        self._tail = f"]{tail}\n\n".encode()
+
+    def event(self, choice: dict[str, object]) -> bytes:
+        """The event of one chunk with ``choice`` (JSON-ready data, ``None`` fields left out)."""
+        return self._head + _encode(choice) + self._tail
 
 
 def _states(prepared: _Prepared) -> dict[int, generation.ChoiceState]:
@@ -360,41 +387,38 @@ class CompletionServing:
         batch: engine_client.Batch,
         first: Step,
         weight_version: int | None,
-    ) -> AsyncIterator[list[dict[str, object]]]:
+    ) -> AsyncIterator[list[bytes]]:
         states = _states(prepared)
         started: set[int] = set()
         created = int(time.time())
         wants_steps = request.logprobs is not None or request.wants_token_ids
+        ids = request.wants_token_ids
+        envelope = protocol.CompletionChunk(
+            id=prepared.request_id, created=created, model=request.model, choices=[], weight_version=weight_version
+        )
+        frame = _Frame(envelope)
         async for deltas in self._pipeline.steps(batch, first, states, text=prepared.text):
-            chunks: list[dict[str, object]] = []
+            events: list[bytes] = []
             for delta in deltas:
                 if not (delta.text or delta.finish_reason or wants_steps):
                     continue
-                state = states[delta.index]
-                choice = self._choice(request, state, delta.steps, delta.text, state.text_length - len(delta.text))
-                choice.finish_reason = delta.finish_reason
-                if delta.index in started:
-                    choice.prompt_token_ids = None
+                choice: dict[str, object] = {"index": delta.index, "text": delta.text}
+                if request.logprobs is not None:
+                    offset = states[delta.index].text_length - len(delta.text)
+                    logprobs = self._logprobs(delta.steps, offset, text=request.detokenize)
+                    choice["logprobs"] = protocol.dump(logprobs)
+                if delta.finish_reason is not None:
+                    choice["finish_reason"] = delta.finish_reason
+                if ids:
+                    choice["token_ids"] = [step.token_id for step in delta.steps]
+                    if delta.index not in started:
+                        choice["prompt_token_ids"] = list(states[delta.index].spec.prompt_token_ids)
                 started.add(delta.index)
-                chunk = protocol.CompletionChunk(
-                    id=prepared.request_id,
-                    created=created,
-                    model=request.model,
-                    choices=[choice],
-                    weight_version=weight_version,
-                )
-                chunks.append(protocol.dump(chunk))
-            yield chunks
+                events.append(frame.event(choice))
+            yield events
         if request.include_usage:
-            usage = protocol.CompletionChunk(
-                id=prepared.request_id,
-                created=created,
-                model=request.model,
-                choices=[],
-                usage=self._pipeline.usage(prepared, states),
-                weight_version=weight_version,
-            )
-            yield [protocol.dump(usage)]
+            envelope.usage = self._pipeline.usage(prepared, states)
+            yield [_event(protocol.dump(envelope))]
 
     def _choice(
         self,
@@ -509,48 +533,42 @@ class ChatServing:
         batch: engine_client.Batch,
         first: Step,
         weight_version: int | None,
-    ) -> AsyncIterator[list[dict[str, object]]]:
-        created = int(time.time())
+    ) -> AsyncIterator[list[bytes]]:
         ids = request.wants_token_ids
-
-        def chunk(choices: list[protocol.ChatStreamChoice], usage: protocol.Usage | None = None) -> dict[str, object]:
-            return protocol.dump(
-                protocol.ChatCompletionChunk(
-                    id=prepared.request_id,
-                    created=created,
-                    model=request.model,
-                    choices=choices,
-                    usage=usage,
-                    weight_version=weight_version,
-                )
-            )
-
-        opening: list[dict[str, object]] = []
+        envelope = protocol.ChatCompletionChunk(
+            id=prepared.request_id,
+            created=int(time.time()),
+            model=request.model,
+            choices=[],
+            weight_version=weight_version,
+        )
+        frame = _Frame(envelope)
+        opening: list[bytes] = []
         for spec in prepared.specs:  # OpenAI opens every choice with the role
-            prompt_ids = list(spec.prompt_token_ids) if ids else None
-            role = protocol.DeltaMessage(role="assistant", content="")
-            opening.append(
-                chunk([protocol.ChatStreamChoice(index=spec.index, delta=role, prompt_token_ids=prompt_ids)])
-            )
+            role: dict[str, object] = {"index": spec.index, "delta": {"role": "assistant", "content": ""}}
+            if ids:
+                role["prompt_token_ids"] = list(spec.prompt_token_ids)
+            opening.append(frame.event(role))
         yield opening
         states = _states(prepared)
         wants_steps = request.logprobs or ids
         async for deltas in self._pipeline.steps(batch, first, states, text=prepared.text):
-            chunks: list[dict[str, object]] = []
+            events: list[bytes] = []
             for delta in deltas:
                 if not (delta.text or delta.finish_reason or wants_steps):
                     continue
-                choice = protocol.ChatStreamChoice(
-                    index=delta.index,
-                    delta=protocol.DeltaMessage(content=delta.text),
-                    logprobs=self._logprobs(delta.steps, text=request.detokenize) if request.logprobs else None,
-                    finish_reason=delta.finish_reason,
-                    token_ids=[step.token_id for step in delta.steps] if ids else None,
-                )
-                chunks.append(chunk([choice]))
-            yield chunks
+                choice: dict[str, object] = {"index": delta.index, "delta": {"content": delta.text}}
+                if request.logprobs:
+                    choice["logprobs"] = protocol.dump(self._logprobs(delta.steps, text=request.detokenize))
+                if delta.finish_reason is not None:
+                    choice["finish_reason"] = delta.finish_reason
+                if ids:
+                    choice["token_ids"] = [step.token_id for step in delta.steps]
+                events.append(frame.event(choice))
+            yield events
         if request.include_usage:
-            yield [chunk([], self._pipeline.usage(prepared, states))]
+            envelope.usage = self._pipeline.usage(prepared, states)
+            yield [_event(protocol.dump(envelope))]
 
     def _logprobs(self, steps: Sequence[base.TokenStep], *, text: bool) -> protocol.ChatLogprobs:
         token_text = self._pipeline.token_text
