@@ -15,7 +15,7 @@ from typing import Any
 import pytest
 import torch
 
-from helpers.fused_reference import rope_inputs, rope_reference, swiglu_reference
+from helpers.fused_reference import rope_inputs, rope_reference, swiglu_reference, torch_order_rms_norm_reference
 from megafleet_engine.backends.megatron import fused
 
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="needs triton")
@@ -61,21 +61,45 @@ def test_swiglu_equals_megatrons_unfused_glu_bitwise(shape: tuple[int, int, int]
     assert torch.equal(result, swiglu_reference(x))
 
 
-def test_rms_norm_matches_torch_within_one_bf16_step() -> None:
-    generator = torch.Generator().manual_seed(2)
-    x = (torch.randn(6, 1, 96, generator=generator) * 3).to(torch.bfloat16)
-    weight = torch.rand(96, generator=generator).to(torch.bfloat16) + 0.5
+@pytest.mark.parametrize(("rows", "width", "threads", "fma"), [(6, 96, 128, True), (3, 4096, 128, True), (2, 2056, 128, True), (2, 1024, 256, False)])
+def test_rms_norm_adds_the_squares_in_torchs_cuda_order(rows: int, width: int, threads: int, fma: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(fused, "TORCH_NORM_THREADS", threads)
+    monkeypatch.setattr(fused, "TORCH_NORM_FMA", fma)
+    generator = torch.Generator().manual_seed(width)
+    x = (torch.randn(rows, 1, width, generator=generator) * 3).to(torch.bfloat16)
+    weight = (torch.rand(width, generator=generator) + 0.5).to(torch.bfloat16)
+    result = fused.rms_norm(x, weight, 1e-5)
+    assert isinstance(result, torch.Tensor) and result.dtype == torch.bfloat16
+    assert torch.equal(result, torch_order_rms_norm_reference(x, weight, 1e-5, threads, fma))
+    # another order of the same sums is not always the same bits (what makes the order matter)
+    wide = x.float()
+    naive = (weight.float() * (torch.rsqrt(wide.pow(2).mean(-1, keepdim=True) + 1e-5) * wide)).to(torch.bfloat16)
+    torch.testing.assert_close(result.float(), naive.float(), rtol=2**-7, atol=0.0)
+
+
+def test_rms_norm_with_the_residual_add_writes_the_sum_and_normalises_it() -> None:
+    generator = torch.Generator().manual_seed(5)
+    x, residual = ((torch.randn(3, 1, 512, generator=generator) * 3).to(torch.bfloat16) for _ in range(2))
+    weight = (torch.rand(512, generator=generator) + 0.5).to(torch.bfloat16)
+    result = fused.rms_norm(x, weight, 1e-5, residual=residual)
+    assert isinstance(result, tuple)
+    normed, total = result
+    assert torch.equal(total, x + residual)  # torch's bf16 add
+    assert torch.equal(normed, torch_order_rms_norm_reference(x + residual, weight, 1e-5))
+
+
+def test_fused_rms_norm_keeps_the_weight_and_falls_back_to_torch_where_torch_does_not_vectorize() -> None:
     norm = torch.nn.RMSNorm(96, eps=1e-5, dtype=torch.bfloat16)
     with torch.no_grad():
-        norm.weight.copy_(weight)
-        wide = x.float()  # float32 throughout, rounded once
-        expected = (wide * torch.rsqrt(wide.pow(2).mean(-1, keepdim=True) + 1e-5) * weight.float()).to(torch.bfloat16)
-        swapped = fused.FusedRMSNorm(norm)
-        result = swapped(x)
+        norm.weight.copy_(torch.rand(96) + 0.5)
+    swapped = fused.FusedRMSNorm(norm)
     assert swapped.weight is norm.weight  # refits write the parameter the kernel reads
-    assert result.dtype == torch.bfloat16
-    torch.testing.assert_close(result.float(), expected.float(), rtol=2**-7, atol=0.0)
-    assert (result == expected).float().mean() > 0.95
+    x = (torch.randn(4, 1, 96) * 3).to(torch.bfloat16)
+    assert torch.equal(swapped(x), torch_order_rms_norm_reference(x, norm.weight.detach(), 1e-5))
+    odd = (torch.randn(4, 1, 98) * 3).to(torch.bfloat16)  # not a multiple of 4: torch's other kernel
+    odd_norm = torch.nn.RMSNorm(98, eps=1e-5, dtype=torch.bfloat16)
+    assert not fused.torch_norm_fits(odd, odd_norm.weight)
+    assert torch.equal(fused.FusedRMSNorm(odd_norm)(odd), odd_norm(odd))
 
 
 def test_models_the_kernels_do_not_fit_are_named() -> None:

@@ -98,30 +98,69 @@ def swiglu(x: torch.Tensor) -> torch.Tensor:
     return out
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """``x / sqrt(mean(x**2) + eps) * weight`` over the last dimension, in float32, rounded to
-    ``x``'s dtype once."""
+TORCH_NORM_THREADS = 128
+"""Threads per row of torch's ``vectorized_layer_norm_kernel`` (``num_threads()``, 4 warps on CUDA):
+:func:`rms_norm` adds the squares in the order these threads do."""
+TORCH_NORM_FMA = True
+"""Whether torch's per-thread ``sigma2 + val * val`` is one fused multiply-add (nvcc contracts it)."""
+
+
+def torch_norm_fits(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Whether torch would normalise ``x`` with its vectorized kernel (the order :func:`rms_norm`
+    reproduces): a float32/bf16/fp16 row of a multiple of 4 values (at most 2**24), ``x`` and
+    ``weight`` 16-byte aligned, both contiguous, the same dtype."""
+    width = x.shape[-1]
+    return (
+        x.dtype in (torch.bfloat16, torch.float16, torch.float32)
+        and weight.dtype == x.dtype
+        and x.is_contiguous()
+        and weight.is_contiguous()
+        and 0 < width <= 1 << 24
+        and width % 4 == 0
+        and x.data_ptr() % 16 == 0
+        and weight.data_ptr() % 16 == 0
+    )
+
+
+def rms_norm(
+    x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """``torch.nn.functional.rms_norm(x, (width,), weight, eps)`` over the last dimension, bitwise
+    torch's CUDA result where :func:`torch_norm_fits` (the sum of squares in its threads' order,
+    :data:`TORCH_NORM_THREADS`; then ``weight * (rstd * x)`` in float32, rounded once).
+    With ``residual``: ``s = x + residual`` (rounded to the dtype, as torch's add) is normalised
+    and ``(normed, s)`` returned (one kernel for the residual add and the norm)."""
     if not x.is_contiguous():
         x = x.contiguous()
     width = x.shape[-1]
     out = torch.empty_like(x)
+    total = torch.empty_like(x) if residual is not None else out
     rows = x.numel() // width if width else 0
     if rows:
         kernels = _kernels()
+        threads = TORCH_NORM_THREADS
         kernels.rms_norm_kernel[(rows,)](
             x,
+            residual.contiguous() if residual is not None else x,
             weight,
             out,
+            total,
             float(eps),
             width=width,
             width_pow2=kernels.triton.next_power_of_2(width),
+            threads=threads,
+            rounds=-(-width // (4 * threads)),
+            fma=TORCH_NORM_FMA,
+            with_residual=residual is not None,
             enable_fp_fusion=False,
+            num_warps=4,
         )
-    return out
+    return (out, total) if residual is not None else out
 
 
 class FusedRMSNorm(torch.nn.Module):
-    """A drop-in for the ``torch.nn.RMSNorm`` it replaces, holding the same weight ``Parameter``."""
+    """A drop-in for the ``torch.nn.RMSNorm`` it replaces, holding the same weight ``Parameter``:
+    :func:`rms_norm` where torch would run its vectorized kernel, torch's own op otherwise."""
 
     def __init__(self, replaced: torch.nn.RMSNorm) -> None:
         super().__init__()
@@ -129,7 +168,11 @@ class FusedRMSNorm(torch.nn.Module):
         self.eps = replaced.eps if replaced.eps is not None else torch.finfo(replaced.weight.dtype).eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return rms_norm(x, self.weight, self.eps)
+        if not torch_norm_fits(x, self.weight):
+            return torch.nn.functional.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
+        normed = rms_norm(x, self.weight, self.eps)
+        assert isinstance(normed, torch.Tensor)
+        return normed
 
 
 def _fused_mlp_forward(mlp: Any, original: Any) -> Any:

@@ -114,11 +114,80 @@ def swiglu_kernel(x_ptr, out_ptr, width: tl.constexpr, block: tl.constexpr):
 
 
 @triton.jit
-def rms_norm_kernel(x_ptr, weight_ptr, out_ptr, eps, width: tl.constexpr, width_pow2: tl.constexpr):
+def halve(x, rows: tl.constexpr, half: tl.constexpr):
+    """``x`` ``[rows, 2 * half]`` to ``[rows, half]``: column ``c`` plus column ``c + half`` (one
+    rounding each: what one step of a CUDA warp's shuffle-down reduction adds)."""
+    return tl.reduce(tl.reshape(x, [rows, 2, half]), 1, add)
+
+
+@triton.jit
+def torch_sum_of_squares(base, width: tl.constexpr, threads: tl.constexpr, rounds: tl.constexpr, fma: tl.constexpr):
+    """The sum of the squares of ``width`` float32-widened values at ``base``, added in the order of
+    torch's ``vectorized_layer_norm_kernel<T, float, rms_norm=true>`` (``compute_stats``): thread
+    ``t`` of ``threads`` (warps of 32) squares and adds, from 0, the 4 values of each of its 4-wide
+    vectors ``t, t + threads, ...`` in order (``sigma2 + val * val``, one fused multiply-add when
+    ``fma``: nvcc contracts it); then each warp adds shuffle-down style (lane ``l`` + lane ``l + 16``,
+    then ``+ 8``, ... ``+ 1``), then the warps pairwise (warp ``w`` + warp ``w + warps / 2``, ...)."""
+    t = tl.arange(0, threads)
+    acc = tl.zeros([threads], tl.float32)
+    for j in tl.static_range(rounds):
+        vector = j * threads + t
+        inside = vector < width // 4
+        for ii in tl.static_range(4):
+            v = tl.load(base + vector * 4 + ii, mask=inside, other=0.0).to(tl.float32)
+            if fma:
+                acc = tl.fma(v, v, acc)
+            else:
+                acc = acc + v * v
+    warps: tl.constexpr = threads // 32
+    lanes = tl.reshape(acc, [warps, 32])
+    lanes = halve(lanes, warps, 16)
+    lanes = halve(lanes, warps, 8)
+    lanes = halve(lanes, warps, 4)
+    lanes = halve(lanes, warps, 2)
+    lanes = halve(lanes, warps, 1)
+    total = tl.reshape(lanes, [1, warps])
+    if warps >= 16:
+        total = halve(total, 1, 8)
+    if warps >= 8:
+        total = halve(total, 1, 4)
+    if warps >= 4:
+        total = halve(total, 1, 2)
+    if warps >= 2:
+        total = halve(total, 1, 1)
+    return tl.reshape(total, [1])
+
+
+@triton.jit
+def rms_norm_kernel(
+    x_ptr,
+    residual_ptr,
+    weight_ptr,
+    out_ptr,
+    sum_ptr,
+    eps,
+    width: tl.constexpr,
+    width_pow2: tl.constexpr,
+    threads: tl.constexpr,
+    rounds: tl.constexpr,
+    fma: tl.constexpr,
+    with_residual: tl.constexpr,
+):
+    """One row: ``out = weight * (rstd * x)``, ``rstd = rsqrt(sum(x**2) / width + eps)`` with the sum in
+    torch's order (:func:`torch_sum_of_squares`). With ``with_residual``, ``x`` is first
+    ``x + residual`` rounded to ``x``'s dtype (torch's bf16 add), written to ``sum_ptr``."""
     row = tl.program_id(0)
     column = tl.arange(0, width_pow2)
     mask = column < width
-    x = tl.load(x_ptr + row * width + column, mask=mask, other=0.0).to(tl.float32)
+    source = x_ptr + row * width
+    if with_residual:
+        a = tl.load(x_ptr + row * width + column, mask=mask, other=0.0)
+        b = tl.load(residual_ptr + row * width + column, mask=mask, other=0.0)
+        tl.store(sum_ptr + row * width + column, rounded(a.to(tl.float32) + b.to(tl.float32), a.dtype), mask=mask)
+        tl.debug_barrier()
+        source = sum_ptr + row * width
+    sum_of_squares = torch_sum_of_squares(source, width, threads, rounds, fma)
+    rstd = rsqrt(tl.math.div_rn(sum_of_squares, width * 1.0) + eps)  # IEEE division, as torch's
+    x = tl.load(source + column, mask=mask, other=0.0).to(tl.float32)
     weight = tl.load(weight_ptr + column, mask=mask, other=0.0).to(tl.float32)
-    rstd = rsqrt(tl.math.div_rn(tl.reduce(x * x, 0, add), width * 1.0) + eps)  # IEEE division, as torch's
-    tl.store(out_ptr + row * width + column, rounded(x * rstd * weight, out_ptr.dtype.element_ty), mask=mask)
+    tl.store(out_ptr + row * width + column, rounded(weight * (rstd * x), out_ptr.dtype.element_ty), mask=mask)
