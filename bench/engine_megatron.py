@@ -18,9 +18,16 @@ switched between batches on the same engine, :meth:`MegatronBackend.set_step_opt
   before step N's tokens are read back);
 * ``block-fast``, ``block-fast-async``: the same with one decode graph for the whole transformer
   block (a second model, same weights);
-* ``fused-block-fast-async``: ``block-fast-async`` on a model with the fused RoPE and SwiGLU
-  kernels (``EngineOptions.fused_kernels="rope-swiglu"``, a third model), ``fusedall-block-fast-async``
-  with the fused RMSNorms too (``"all"``, a fourth).
+* ``fused-block-fast-async``: ``block-fast-async`` on a model with the default fused kernels
+  (``EngineOptions.fused_kernels="rope-swiglu"``: RoPE, SwiGLU, the RMSNorms in torch's order, the
+  qkv fold), ``fusedrs-block-fast-async`` with RoPE and SwiGLU only (``"rope-swiglu-only"``, the
+  2026-12-02 default), ``fusednorm-block-fast-async`` with the RMSNorms too (``"rope-swiglu-norm"``),
+  ``fusedall-block-fast-async`` (``"all"``); one model each.
+
+``--kernel-probe`` first measures, on the bare GPU, which summation order of the RMSNorm matches
+torch's bit for bit, single kernels' times inside a CUDA graph (torch's RMSNorm and the fused one,
+the qkv fold against megatron's four ops) and what bounds the GEMMs: each decode GEMM of the model's
+shape at batch 1 against reading the same bytes (a sum) and copying them.
 
 Paths: ``direct`` (megatron-core's ``engine.generate()``: the same engine, the same sampler and
 scheduling mode, none of our per-step code), ``backend`` (``MegatronBackend.generate()``),
@@ -64,11 +71,17 @@ VARIANTS: dict[str, tuple[str, dict[str, bool]]] = {
     "fast-async": ("layer", {"async_schedule": True, **FAST}),
     "block-fast": ("block", {"async_schedule": False, **FAST}),
     "block-fast-async": ("block", {"async_schedule": True, **FAST}),
+    "fusedrs-block-fast-async": ("block+rope-swiglu-only", {"async_schedule": True, **FAST}),
+    "fusednorm-block-fast-async": ("block+rope-swiglu-norm", {"async_schedule": True, **FAST}),
     "fused-block-fast-async": ("block+rope-swiglu", {"async_schedule": True, **FAST}),
     "fusedall-block-fast-async": ("block+all", {"async_schedule": True, **FAST}),
 }
 """Setting name -> (model, per-step options). A model is a graph scope, ``+`` the fused kernels
 built into it (``EngineOptions.fused_kernels``; none: ``off``)."""
+
+
+PROBE_SHAPE = {"hidden": 4096, "ffn": 14336, "heads": 32, "kv_heads": 8, "vocab": 128256}
+"""The Llama-3.1-8B shape ``--kernel-probe`` measures (``random://llama-8b``)."""
 
 
 def through_engine(scheduler: engine_module.Engine, prompt_ids: benchkit.Tokens, new_tokens: int) -> benchkit.Tokens:
@@ -273,6 +286,114 @@ def run_profiles(backends: Backends, targets: list[str], batches: list[int], res
             out.with_name(out.stem + "-profile.txt").write_text(profile_decode.summary(profiles, header))
 
 
+def graph_time_us(fn: Callable[[], Any], calls: int = 20, replays: int = 20) -> float:
+    """Microseconds per call of ``fn`` captured ``calls`` times in one CUDA graph (as in the decode
+    graph: no launch overhead, the kernels back to back), the median of ``replays`` replays."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        fn()  # compile / warm outside the capture
+    torch.cuda.current_stream().wait_stream(stream)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(calls):
+            fn()
+    graph.replay()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(replays):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) * 1000 / calls)
+    return round(statistics.median(times), 2)
+
+
+def kernel_probe(shape: dict[str, int]) -> dict[str, Any]:
+    """The ``--kernel-probe`` measurements (module docstring) for a Llama ``shape``."""
+    from megafleet_engine.backends.megatron import fused
+
+    probe: dict[str, Any] = {}
+    hidden, ffn = shape["hidden"], shape["ffn"]
+    heads, groups, dim = shape["heads"], shape["kv_heads"], shape["hidden"] // shape["heads"]
+    generator = torch.Generator(device="cuda").manual_seed(0)
+    weight = torch.empty(hidden, device="cuda", dtype=torch.bfloat16).uniform_(0.5, 1.5, generator=generator)
+    rows = torch.cat(
+        [torch.randn(1024, 1, hidden, device="cuda", generator=generator) * scale for scale in (0.02, 1.0, 3.0, 300.0)]
+    ).to(torch.bfloat16)
+    expected = torch.nn.functional.rms_norm(rows, (hidden,), weight, 1e-5)
+    orders: dict[str, int] = {}
+    for threads in (128, 256):
+        for fma in (True, False):
+            fused.TORCH_NORM_THREADS, fused.TORCH_NORM_FMA = threads, fma
+            produced = fused.rms_norm(rows, weight, 1e-5)
+            assert isinstance(produced, torch.Tensor)
+            orders[f"threads{threads}_fma{int(fma)}"] = int((produced != expected).sum())
+    fused.TORCH_NORM_THREADS, fused.TORCH_NORM_FMA = 128, True
+    probe["rms_norm_mismatches_vs_torch"] = {"elements": rows.numel(), **orders}
+    one = rows[:1].clone()
+    other = rows[1:2].clone()
+    probe["us_per_call_in_graph"] = {
+        "torch_rms_norm_b1": graph_time_us(lambda: torch.nn.functional.rms_norm(one, (hidden,), weight, 1e-5)),
+        "fused_rms_norm_b1": graph_time_us(lambda: fused.rms_norm(one, weight, 1e-5)),
+        "fused_add_rms_norm_b1": graph_time_us(lambda: fused.rms_norm(one, weight, 1e-5, residual=other)),
+        "torch_add_b1": graph_time_us(lambda: one + other),
+    }
+    qkv = torch.randn(1, 1, groups * (heads // groups + 2) * dim, device="cuda").to(torch.bfloat16)
+    grouped = qkv.view(1, 1, groups, -1)
+    source, key, value = torch.split(grouped, [heads // groups * dim, dim, dim], dim=3)
+    freqs = torch.rand(512, 1, 1, dim, device="cuda")
+    positions = torch.zeros(1, dtype=torch.int64, device="cuda")
+    cache = torch.zeros(2, 64, 256, groups, dim, device="cuda", dtype=torch.bfloat16)
+    blocks = torch.zeros(1, dtype=torch.int32, device="cuda")
+    query = torch.empty(1, 1, heads, dim, device="cuda", dtype=torch.bfloat16)
+
+    def megatron_four() -> None:
+        q = source.reshape(1, 1, heads, dim)
+        fused.rope_(q, freqs, positions)
+        k = fused.rope_(key, freqs, positions)
+        cache[0, blocks.long(), positions] = k.squeeze(1)
+        cache[1, blocks.long(), positions] = value.squeeze(1)
+
+    probe["us_per_call_in_graph"]["qkv_fold_b1"] = graph_time_us(
+        lambda: fused.qkv_rope_append(
+            (query, source), (key, value, cache[0], cache[1], blocks, positions), freqs, positions, positions, 1
+        )
+    )
+    probe["us_per_call_in_graph"]["copy_rope_rope_index_put_b1"] = graph_time_us(megatron_four)
+    gemms = {
+        "qkv": (hidden, (heads + 2 * groups) * dim),
+        "proj": (heads * dim, hidden),
+        "fc1": (hidden, 2 * ffn),
+        "fc2": (ffn, hidden),
+        "output": (hidden, shape["vocab"]),
+    }
+    bound: dict[str, Any] = {}
+    for name, (k, n) in gemms.items():
+        w = torch.empty(n, k, device="cuda", dtype=torch.bfloat16).uniform_(-0.01, 0.01, generator=generator)
+        x = torch.randn(1, k, device="cuda").to(torch.bfloat16)
+        copy = torch.empty_like(w)
+        size = w.numel() * w.element_size()
+        gemv = graph_time_us(lambda w=w, x=x: torch.nn.functional.linear(x, w), calls=8)  # type: ignore[misc]
+        read = graph_time_us(lambda w=w: w.view(-1).sum(dtype=torch.float32), calls=8)  # type: ignore[misc]
+        copied = graph_time_us(lambda w=w, copy=copy: copy.copy_(w), calls=8)  # type: ignore[misc]
+        bound[name] = {
+            "bytes": size,
+            "gemv_us": gemv,
+            "gemv_tb_per_s": round(size / gemv / 1e6, 2),
+            "sum_us": read,
+            "sum_read_tb_per_s": round(size / read / 1e6, 2),
+            "copy_us": copied,
+            "copy_read_write_tb_per_s": round(2 * size / copied / 1e6, 2),
+        }
+        del w, copy
+    probe["gemm_bound_b1"] = bound
+    return probe
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--source", default="random://llama-8b")
@@ -295,6 +416,7 @@ def main() -> int:
     parser.add_argument("--wait-for", type=Path, default=None)
     parser.add_argument("--wait-timeout", type=float, default=120.0)
     parser.add_argument("--no-cuda-graphs", action="store_true")
+    parser.add_argument("--kernel-probe", action="store_true", help="first: the kernel measurements (docstring)")
     parser.add_argument("--out", type=Path, required=True)
     args = parser.parse_args()
     started = time.monotonic()
@@ -316,6 +438,12 @@ def main() -> int:
     }
     save = benchkit.saver(args.out, result)
     backends = Backends(args, max(batches), result)
+    if args.kernel_probe:
+        try:
+            result["kernel_probe"] = kernel_probe(PROBE_SHAPE)
+        except Exception as error:
+            result["errors"]["kernel_probe"] = f"{type(error).__name__}: {error}\n{traceback.format_exc(limit=8)}"
+        save()
     try:
         for scope in dict.fromkeys(VARIANTS[variant][0] for variant in variants):  # build every model first
             try:

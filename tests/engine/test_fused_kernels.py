@@ -61,8 +61,13 @@ def test_swiglu_equals_megatrons_unfused_glu_bitwise(shape: tuple[int, int, int]
     assert torch.equal(result, swiglu_reference(x))
 
 
-@pytest.mark.parametrize(("rows", "width", "threads", "fma"), [(6, 96, 128, True), (3, 4096, 128, True), (2, 2056, 128, True), (2, 1024, 256, False)])
-def test_rms_norm_adds_the_squares_in_torchs_cuda_order(rows: int, width: int, threads: int, fma: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.parametrize(
+    ("rows", "width", "threads", "fma"),
+    [(6, 96, 128, True), (3, 4096, 128, True), (2, 2056, 128, True), (2, 1024, 256, False)],
+)
+def test_rms_norm_adds_the_squares_in_torchs_cuda_order(
+    rows: int, width: int, threads: int, fma: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
     monkeypatch.setattr(fused, "TORCH_NORM_THREADS", threads)
     monkeypatch.setattr(fused, "TORCH_NORM_FMA", fma)
     generator = torch.Generator().manual_seed(width)
@@ -136,9 +141,44 @@ class FakeMLP(torch.nn.Module):
         return self.linear_fc2(swiglu_reference(intermediate))
 
 
+class FakeAttention(torch.nn.Module):
+    """megatron-core 0.19.2's ``SelfAttention`` as far as the qkv fold reads it, and the order of
+    its dynamic-context forward: the qkv GEMM and split (the query copied by ``reshape``), the
+    key's RoPE, the KV append, the query's RoPE."""
+
+    num_query_groups_per_partition = 2
+    num_attention_heads_per_partition = 4
+    hidden_size_per_attention_head = 16
+
+    def __init__(self, hidden: int) -> None:
+        super().__init__()
+        generator = torch.Generator().manual_seed(hidden)
+        self.weight = (torch.randn((4 + 2 * 2) * 16, hidden, generator=generator) / 4).to(torch.bfloat16)
+
+    def linear_qkv(self, x: torch.Tensor) -> tuple[torch.Tensor, None]:
+        return x @ self.weight.T, None
+
+    def get_query_key_value_tensors(
+        self, hidden: torch.Tensor, key_value_states: Any = None, output_gate: bool = False, split_qkv: bool = True
+    ) -> Any:
+        mixed, _ = self.linear_qkv(hidden)
+        grouped = mixed.view(*mixed.shape[:-1], 2, (2 + 2) * 16)
+        query, key, value = torch.split(grouped, [2 * 16, 16, 16], dim=3)
+        return query.reshape(query.size(0), query.size(1), -1, 16), key, value
+
+    def forward(
+        self, hidden: torch.Tensor, attention_mask: Any = None, *, inference_context: Any, rotary_pos_emb: Any
+    ) -> Any:
+        query, key, value = self.get_query_key_value_tensors(hidden, None)
+        key = inference_context.apply_rotary_emb_key(key, rotary_pos_emb, None, None)
+        inference_context.append_key_value_cache(2, key, value)
+        return inference_context.apply_rotary_emb_query(query, rotary_pos_emb, None, None, None)
+
+
 class FakeLayer(torch.nn.Module):
     def __init__(self, hidden: int, ffn: int) -> None:
         super().__init__()
+        self.self_attention = FakeAttention(hidden)
         self.input_layernorm = torch.nn.RMSNorm(hidden, eps=1e-5, dtype=torch.bfloat16)
         self.pre_mlp_layernorm = torch.nn.RMSNorm(hidden, eps=1e-5, dtype=torch.bfloat16)
         self.mlp = FakeMLP(hidden, ffn)
@@ -173,14 +213,29 @@ def fake_context(tokens: int, padded: int, decode_only: bool) -> Any:
     """megatron's dynamic context as far as the RoPE hooks read it; its own ``apply_rotary_emb_*``
     are megatron's unfused composition."""
     generator = torch.Generator().manual_seed(tokens)
+    blocks = torch.randperm(6, generator=generator)[: padded + 3]
     context = types.SimpleNamespace(
         padded_active_token_count=padded,
         gpu_view=types.SimpleNamespace(
             token_to_pos_ids=torch.randint(0, 64, (padded + 3,), generator=generator),
             token_to_position_in_request=torch.randint(0, 64, (padded + 3,), generator=generator),
+            token_to_block_idx=blocks.to(torch.int32),
+            token_to_local_position_within_kv_block=torch.randint(0, 4, (padded + 3,), generator=generator),
         ),
         is_decode_only=lambda: decode_only,
+        is_static_batching=lambda: False,
+        layer_map=[5, 0, 7],  # megatron's layer number 2 is the cache's layer 0
+        memory_buffer=torch.zeros(2, 1, 6, 4, 2, 16, dtype=torch.bfloat16),  # [k/v, layer, block, slot, head, dim]
     )
+
+    def append(layer_number: int, k: torch.Tensor, v: torch.Tensor) -> None:
+        layer = context.layer_map[layer_number - 1]
+        block = context.gpu_view.token_to_block_idx[:padded].long()
+        slot = context.gpu_view.token_to_local_position_within_kv_block[:padded]
+        context.memory_buffer[0, layer, block, slot] = k.squeeze(1)[:padded]
+        context.memory_buffer[1, layer, block, slot] = v.squeeze(1)[:padded]
+
+    context.append_key_value_cache = append
 
     def query(q: torch.Tensor, emb: torch.Tensor, config: Any, cu: Any, cp: Any, mscale: float = 1.0) -> Any:
         positions = context.gpu_view.token_to_pos_ids[:padded]
@@ -206,6 +261,12 @@ def fake_megatron(monkeypatch: pytest.MonkeyPatch) -> None:
     mlp = types.ModuleType("megatron.core.transformer.mlp")
     mlp.MLP = FakeMLP  # type: ignore[attr-defined]
     monkeypatch.setitem(sys.modules, "megatron.core.transformer.mlp", mlp)
+    attention = types.ModuleType("megatron.core.transformer.attention")
+    attention.SelfAttention = FakeAttention  # type: ignore[attr-defined]
+    monkeypatch.setitem(sys.modules, "megatron.core.transformer.attention", attention)
+    typed_torch = types.ModuleType("megatron.core.typed_torch")
+    typed_torch.apply_module = lambda module: module  # type: ignore[attr-defined]
+    monkeypatch.setitem(sys.modules, "megatron.core.typed_torch", typed_torch)
 
 
 @pytest.mark.parametrize("decode_only", [True, False])
@@ -222,10 +283,13 @@ def test_install_swaps_the_kernels_in_and_keeps_the_results(fake_megatron: None,
     q, k = qkv[:, :, :4].contiguous(), qkv[:, :, 4:6]
     unfused_q = context.apply_rotary_emb_query(q.clone(), freqs, None, None, None)
     unfused_k = context.apply_rotary_emb_key(k.clone(), freqs, None, None)
+    tokens = (torch.randn(6, 1, 32, generator=torch.Generator().manual_seed(6)) * 2).to(torch.bfloat16)
+    unfused_attention = model.first.self_attention(tokens, inference_context=context, rotary_pos_emb=freqs)
+    unfused_cache, _ = context.memory_buffer.clone(), context.memory_buffer.zero_()
 
-    swapped = fused.install(model, context, fused.FusedKernels(rms_norm=True))
+    swapped = fused.install(model, context, fused.FusedKernels())
 
-    assert swapped == {"rope": 1, "swiglu": 2, "rms_norm": 5}
+    assert swapped == {"rope": 1, "swiglu": 2, "rms_norm": 5, "qkv": 2}
     assert getattr(model, fused.INSTALLED) == swapped
     assert [module.weight for module in model.modules() if isinstance(module, fused.FusedRMSNorm)] == norm_weights
     assert not any(isinstance(module, torch.nn.RMSNorm) for module in model.modules())
@@ -235,12 +299,17 @@ def test_install_swaps_the_kernels_in_and_keeps_the_results(fake_megatron: None,
     rotated_k = context.apply_rotary_emb_key(k, freqs, None, None)
     assert rotated_k.shape[0] == (4 if decode_only else 6)
     assert torch.equal(rotated_k, unfused_k)
+    # the qkv fold: one kernel fills and rotates the query and appends the rotated key and the value
+    fused_attention = model.first.self_attention(tokens, inference_context=context, rotary_pos_emb=freqs)
+    assert torch.equal(fused_attention, unfused_attention)
+    assert torch.equal(context.memory_buffer, unfused_cache)
+    assert unfused_cache.count_nonzero() > 0
 
 
 def test_install_leaves_a_model_it_does_not_fit_alone(fake_megatron: None) -> None:
     model = fake_model(add_bias_linear=True)
     context = fake_context(tokens=2, padded=2, decode_only=True)
     original = context.apply_rotary_emb_query
-    assert fused.install(model, context, fused.FusedKernels(rms_norm=True)) == {"rope": 0, "swiglu": 0, "rms_norm": 0}
+    assert fused.install(model, context, fused.FusedKernels()) == {"rope": 0, "swiglu": 0, "rms_norm": 0, "qkv": 0}
     assert context.apply_rotary_emb_query is original
     assert sum(isinstance(module, torch.nn.RMSNorm) for module in model.modules()) == 5

@@ -59,10 +59,8 @@ def torch_order_rms_norm_reference(
         inside = vector < vectors
         for ii in range(4):
             v = torch.where(inside, rows[:, (vector * 4 + ii).clamp(max=width - 1)], 0.0)
-            if fma:
-                acc = torch.from_numpy(interpreter.fma_fp32(v.numpy(), v.numpy(), acc.numpy()))
-            else:
-                acc = acc + v * v
+            fused = torch.from_numpy(interpreter.fma_fp32(v.numpy(), v.numpy(), acc.numpy())) if fma else None
+            acc = fused if fused is not None else acc + v * v
     lanes = acc.reshape(-1, threads // 32, 32)
     for half in (16, 8, 4, 2, 1):
         lanes = lanes[..., :half] + lanes[..., half : 2 * half]

@@ -48,8 +48,11 @@ class FusedKernels:
 
     rope_swiglu: bool = True
     """RoPE on q and k and the gated SiLU (bitwise megatron's unfused ops)."""
-    rms_norm: bool = False
-    """The RMSNorms (one kernel per row; may differ from torch's in the last bit)."""
+    rms_norm: bool = True
+    """The RMSNorms (one kernel per row, the squares added in torch's order: bitwise torch's)."""
+    qkv: bool = True
+    """The query's copy out of the qkv GEMM's output, its RoPE, the key's RoPE and the KV-cache
+    append as one kernel per layer (:func:`qkv_rope_append`; bitwise the ops it replaces)."""
 
 
 def _kernels() -> Any:
@@ -188,20 +191,39 @@ def _fused_mlp_forward(mlp: Any, original: Any) -> Any:
     return forward
 
 
-def _fused_context_rope(context: Any) -> None:
+def _fused_context_rope(context: Any, state: _QkvState | None) -> None:
     """The dynamic context's ``apply_rotary_emb_query``/``_key`` through :func:`rope_` (in place),
-    for every step kind (their positions come from the context's GPU view, as megatron's do)."""
+    for every step kind (their positions come from the context's GPU view, as megatron's do); with
+    ``state`` (the qkv fold, :func:`_fused_qkv`), the key's RoPE is deferred to the KV append, which
+    also fills and rotates the query, in one :func:`qkv_rope_append`."""
 
     original_query, original_key = context.apply_rotary_emb_query, context.apply_rotary_emb_key
+    original_append = context.append_key_value_cache
+
+    def fill_query(q: torch.Tensor, rotated_rows: int, emb: torch.Tensor, mscale: float) -> bool:
+        """Fill the deferred query buffer ``q`` (rotating ``rotated_rows`` rows); False: not deferred."""
+        if state is None or state.query is None or state.query[0] is not q:
+            return False
+        query, state.query = state.query, None
+        n = context.padded_active_token_count
+        qkv_rope_append(query, None, emb, context.gpu_view.token_to_pos_ids[:n], emb, rotated_rows, mscale)
+        return True
 
     def query(
         q: torch.Tensor, emb: torch.Tensor, config: Any, cu_seqlens: Any, cp_group: Any, mscale: float = 1.0
     ) -> torch.Tensor:
-        if emb.dtype != torch.float32 or cu_seqlens is not None:
+        if state is not None and state.done is not None and state.done[0][0] is q:
+            (filled, done_emb, done_mscale), state.done = state.done, None
+            if done_emb is emb and done_mscale == mscale:
+                return q  # the append filled and rotated it with these frequencies
+            state.query = filled  # other frequencies than the key's: fill it again below
+        if emb.dtype != torch.float32 or cu_seqlens is not None or not emb.is_contiguous():
+            fill_query(q, 0, emb, mscale)  # copied only: megatron's own RoPE follows
             unfused: torch.Tensor = original_query(q, emb, config, cu_seqlens, cp_group, mscale=mscale)
             return unfused
         n = context.padded_active_token_count
-        rope_(q[:n], emb, context.gpu_view.token_to_pos_ids[:n], mscale)
+        if not fill_query(q, n, emb, mscale):
+            rope_(q[:n], emb, context.gpu_view.token_to_pos_ids[:n], mscale)
         return q
 
     def key(k: torch.Tensor, emb: torch.Tensor, config: Any, cp_group: Any, mscale: float = 1.0) -> torch.Tensor:
@@ -209,11 +231,171 @@ def _fused_context_rope(context: Any) -> None:
             unfused: torch.Tensor = original_key(k, emb, config, cp_group, mscale=mscale)
             return unfused
         n = context.padded_active_token_count
-        rope_(k[:n], emb, context.gpu_view.token_to_position_in_request[:n], mscale)
+        if state is not None and state.active and emb.is_contiguous():
+            state.key = (emb, mscale)  # rotated by the append
+        else:
+            rope_(k[:n], emb, context.gpu_view.token_to_position_in_request[:n], mscale)
         return k[:n] if context.is_decode_only() else k
+
+    def append(layer_number: int, k: torch.Tensor, v: torch.Tensor) -> None:
+        if state is None or state.key is None:
+            original_append(layer_number, k, v)
+            return
+        (emb, mscale), state.key = state.key, None
+        n = context.padded_active_token_count
+        layer = context.layer_map[layer_number - 1]
+        query = state.query
+        if query is not None:
+            state.query, state.done = None, (query, emb, mscale)
+        qkv_rope_append(
+            query,
+            (
+                k,
+                v,
+                context.memory_buffer[0, layer],
+                context.memory_buffer[1, layer],
+                context.gpu_view.token_to_block_idx[:n],
+                context.gpu_view.token_to_local_position_within_kv_block[:n],
+            ),
+            emb,
+            context.gpu_view.token_to_pos_ids[:n],
+            context.gpu_view.token_to_position_in_request[:n],
+            n,
+            mscale,
+        )
 
     context.apply_rotary_emb_query = query
     context.apply_rotary_emb_key = key
+    context.append_key_value_cache = append
+
+
+def qkv_rope_append(
+    query: tuple[torch.Tensor, torch.Tensor] | None,
+    key_value: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None,
+    freqs: torch.Tensor,
+    q_positions: torch.Tensor,
+    k_positions: torch.Tensor,
+    rotated_rows: int,
+    mscale: float = 1.0,
+) -> None:
+    """One kernel for what megatron runs as four per layer (the query's reshape copy, RoPE on q,
+    RoPE on k, the KV-cache append), bitwise the same results:
+
+    * ``query = (out, grouped)``: ``grouped`` ``[rows, 1, groups, per_group * dim]`` (the qkv GEMM's
+      output split, any row and group strides) is written to ``out`` ``[rows, 1, groups *
+      per_group, dim]`` (contiguous), rows ``< rotated_rows`` rotated by ``freqs[q_positions[row]]``;
+    * ``key_value = (key, value, key_cache, value_cache, block_idx, local_pos)``: rows ``<
+      rotated_rows`` of ``key`` ``[rows, 1, kv_heads, dim]`` rotated by ``freqs[k_positions[row]]``
+      and ``value`` are written to the caches ``[blocks, block_size, kv_heads, dim]`` at
+      ``(block_idx[row], local_pos[row])``.
+
+    ``freqs`` ``[positions, 1, 1, dim]`` float32, contiguous; ``cos``/``sin`` scaled by ``mscale``."""
+    if query is None and key_value is None:
+        return
+    kernels = _kernels()
+    dim = freqs.shape[-1]
+    dummy = freqs
+    q_out, grouped = query if query is not None else (dummy, dummy)
+    key, value, key_cache, value_cache, block_idx, local_pos = (
+        key_value if key_value is not None else (dummy, dummy, dummy, dummy, q_positions, q_positions)
+    )
+    q_heads = q_out.shape[2] if query is not None else 1
+    groups = grouped.shape[2] if query is not None else 1
+    kv_heads = key.shape[2] if key_value is not None else 1
+    rows = q_out.shape[0] if query is not None else rotated_rows
+    if rows == 0:
+        return
+    if not freqs.is_contiguous() or dim & (dim - 1) or (query is not None and not q_out.is_contiguous()):
+        raise ValueError("qkv_rope_append: unsupported layout")
+    kernels.qkv_rope_append_kernel[(rows,)](
+        grouped,
+        q_out,
+        key,
+        value,
+        key_cache,
+        value_cache,
+        freqs,
+        q_positions,
+        k_positions,
+        block_idx,
+        local_pos,
+        float(mscale),
+        rotated_rows,
+        grouped.stride(0) if query is not None else 0,
+        grouped.stride(2) if query is not None else 0,
+        key.stride(0) if key_value is not None else 0,
+        key.stride(2) if key_value is not None else 0,
+        value.stride(0) if key_value is not None else 0,
+        value.stride(2) if key_value is not None else 0,
+        key_cache.stride(0) if key_value is not None else 0,
+        key_cache.stride(1) if key_value is not None else 0,
+        key_cache.stride(2) if key_value is not None else 0,
+        q_heads=q_heads,
+        q_heads_pow2=kernels.triton.next_power_of_2(q_heads),
+        q_per_group=q_heads // groups,
+        kv_heads=kv_heads,
+        kv_heads_pow2=kernels.triton.next_power_of_2(kv_heads),
+        dim=dim,
+        with_q=query is not None,
+        with_kv=key_value is not None,
+        enable_fp_fusion=False,
+    )
+
+
+@dataclasses.dataclass
+class _QkvState:
+    """What the patched attention methods of one model hand each other within a layer's forward
+    (:func:`_fused_qkv`): they run in order (the qkv split, the key's RoPE, the append, the
+    query's RoPE), on one stream, so plain attributes carry it."""
+
+    active: bool = False
+    """Inside an attention forward over the dynamic context these patches serve."""
+    query: tuple[torch.Tensor, torch.Tensor] | None = None
+    """(the query buffer returned unfilled, the grouped qkv view it is to be filled from)."""
+    key: tuple[torch.Tensor, float] | None = None
+    """(freqs, mscale) of the key handed back unrotated, for the append to rotate."""
+    done: tuple[tuple[torch.Tensor, torch.Tensor], torch.Tensor, float] | None = None
+    """((query buffer, grouped view), freqs, mscale): the append filled and rotated the query."""
+
+
+def _fused_qkv(attention: Any, context: Any, state: _QkvState) -> None:
+    """Patch one ``SelfAttention``: its qkv split hands back an unfilled contiguous query buffer,
+    the context's key RoPE defers, and the append fills the query, rotates both and appends the
+    KV in one :func:`qkv_rope_append` (``_fused_context_rope`` routes the context's methods here)."""
+    original_forward, original_qkv = attention.forward, attention.get_query_key_value_tensors
+    apply_module = importlib.import_module("megatron.core.typed_torch").apply_module
+
+    def forward(*args: Any, **kwargs: Any) -> Any:
+        inference_context: Any = kwargs.get("inference_context") or kwargs.get("inference_params")
+        state.active = inference_context is context and not context.is_static_batching()
+        try:
+            return original_forward(*args, **kwargs)
+        finally:
+            state.active = False
+            state.query = state.key = state.done = None
+
+    def get_query_key_value_tensors(
+        hidden_states: torch.Tensor,
+        key_value_states: torch.Tensor | None = None,
+        output_gate: bool = False,
+        split_qkv: bool = True,
+    ) -> Any:
+        if not state.active or output_gate or not split_qkv or key_value_states is not None:
+            return original_qkv(hidden_states, key_value_states, output_gate=output_gate, split_qkv=split_qkv)
+        mixed_qkv, _ = apply_module(attention.linear_qkv)(hidden_states)
+        groups = attention.num_query_groups_per_partition
+        per_group = attention.num_attention_heads_per_partition // groups
+        dim = attention.hidden_size_per_attention_head
+        grouped = mixed_qkv.view(*mixed_qkv.shape[:-1], groups, (per_group + 2) * dim)
+        source, key, value = torch.split(grouped, [per_group * dim, dim, dim], dim=3)
+        query = torch.empty(
+            *mixed_qkv.shape[:-1], groups * per_group, dim, dtype=mixed_qkv.dtype, device=mixed_qkv.device
+        )
+        state.query = (query, source)
+        return query, key, value
+
+    attention.forward = forward
+    attention.get_query_key_value_tensors = get_query_key_value_tensors
 
 
 def _why_not(config: Any) -> str | None:
@@ -234,6 +416,25 @@ def _why_not(config: Any) -> str | None:
     return ", ".join(failed) or None
 
 
+def _why_not_qkv(model: Any, context: Any) -> str | None:
+    """Why the qkv fold (:func:`_fused_qkv`) does not fit ``model`` (``None``: it does): it hands
+    back the query unfilled for the context's RoPE to fill, so every path that reads the query
+    before that must be off."""
+    config = model.config
+    checks = {
+        "position_embedding_type rope": getattr(model, "position_embedding_type", "rope") == "rope",
+        "flash_decode": not getattr(config, "flash_decode", False),
+        "attention_output_gate": not getattr(config, "attention_output_gate", False),
+        "qk_layernorm": not getattr(config, "qk_layernorm", False),
+        "fused_single_qkv_rope": not getattr(config, "fused_single_qkv_rope", False),
+        "flashinfer fused rope": not getattr(context, "use_flashinfer_fused_rope", False),
+        "MLA latent cache": not getattr(context, "cache_mla_latent", False),
+        "tensor parallel": config.tensor_model_parallel_size == 1,
+    }
+    failed = [name for name, ok in checks.items() if not ok]
+    return ", ".join(failed) or None
+
+
 def install(model: Any, context: Any, kernels: FusedKernels) -> dict[str, int]:
     """Swap the fused kernels into ``model`` (megatron's ``GPTModel``, ``local`` spec) and its
     dynamic inference ``context``, then run each once so Triton compiles before megatron captures
@@ -241,14 +442,23 @@ def install(model: Any, context: Any, kernels: FusedKernels) -> dict[str, int]:
     says why) for a model these kernels do not fit."""
     mlp_class = importlib.import_module("megatron.core.transformer.mlp").MLP
 
-    swapped = {"rope": 0, "swiglu": 0, "rms_norm": 0}
+    swapped = {"rope": 0, "swiglu": 0, "rms_norm": 0, "qkv": 0}
     reason = _why_not(model.config)
     if reason:
         log.info("fused kernels not installed: the model does not fit them (%s)", reason)
         return swapped
     if kernels.rope_swiglu:
-        _fused_context_rope(context)
+        state = _QkvState() if kernels.qkv and not _why_not_qkv(model, context) else None
+        _fused_context_rope(context, state)
         swapped["rope"] = 1
+        if state is not None:
+            attention_class = importlib.import_module("megatron.core.transformer.attention").SelfAttention
+            for module in model.modules():
+                if isinstance(module, attention_class):
+                    _fused_qkv(module, context, state)
+                    swapped["qkv"] += 1
+        elif kernels.qkv:
+            log.info("qkv fold not installed: %s", _why_not_qkv(model, context))
         for module in model.modules():
             if type(module) is mlp_class:
                 module.forward = _fused_mlp_forward(module, module.forward)
@@ -259,14 +469,15 @@ def install(model: Any, context: Any, kernels: FusedKernels) -> dict[str, int]:
                 if type(child) is torch.nn.RMSNorm and child.weight is not None:
                     setattr(parent, name, FusedRMSNorm(child))
                     swapped["rms_norm"] += 1
-    _compile(model, kernels)
+    _compile(model, kernels, context if swapped["qkv"] else None)
     setattr(model, INSTALLED, swapped)
     log.info("fused kernels installed: %s", swapped)
     return swapped
 
 
-def _compile(model: Any, kernels: FusedKernels) -> None:
-    """One call of each swapped kernel on the model's shapes (Triton compiles on first call)."""
+def _compile(model: Any, kernels: FusedKernels, qkv_context: Any = None) -> None:
+    """One call of each swapped kernel on the model's shapes (Triton compiles on first call); the
+    qkv fold's with the index dtypes of ``qkv_context``'s GPU view, on scratch caches."""
     config = model.config
     device, dtype = next(model.parameters()).device, next(model.parameters()).dtype
     heads_q = config.num_attention_heads // config.tensor_model_parallel_size
@@ -281,6 +492,28 @@ def _compile(model: Any, kernels: FusedKernels) -> None:
             torch.zeros(
                 2, 1, 2 * config.ffn_hidden_size // config.tensor_model_parallel_size, device=device, dtype=dtype
             )
+        )
+    if qkv_context is not None:
+        view = qkv_context.gpu_view
+        per_group = heads_q // heads_k
+        grouped = torch.zeros(2, 1, heads_k, (per_group + 2) * dim, device=device, dtype=dtype)
+        source, key, value = torch.split(grouped, [per_group * dim, dim, dim], dim=3)
+        cache = torch.zeros(2, 2, 4, heads_k, dim, device=device, dtype=dtype)
+        freqs = torch.zeros(4, 1, 1, dim, device=device)
+        qkv_rope_append(
+            (torch.empty(2, 1, heads_q, dim, device=device, dtype=dtype), source),
+            (
+                key,
+                value,
+                cache[0],
+                cache[1],
+                view.token_to_block_idx[:2] * 0,
+                view.token_to_local_position_within_kv_block[:2] * 0,
+            ),
+            freqs,
+            view.token_to_pos_ids[:2] * 0,
+            view.token_to_position_in_request[:2] * 0,
+            2,
         )
     if kernels.rms_norm:
         rms_norm(

@@ -129,13 +129,13 @@ def torch_sum_of_squares(base, width: tl.constexpr, threads: tl.constexpr, round
     ``fma``: nvcc contracts it); then each warp adds shuffle-down style (lane ``l`` + lane ``l + 16``,
     then ``+ 8``, ... ``+ 1``), then the warps pairwise (warp ``w`` + warp ``w + warps / 2``, ...)."""
     t = tl.arange(0, threads)
-    acc = tl.zeros([threads], tl.float32)
+    acc = tl.full([threads], 0.0, tl.float32)  # tl.zeros is a jit function: the tests reload this module only
     for j in tl.static_range(rounds):
         vector = j * threads + t
         inside = vector < width // 4
         for ii in tl.static_range(4):
             v = tl.load(base + vector * 4 + ii, mask=inside, other=0.0).to(tl.float32)
-            if fma:
+            if fma:  # noqa: SIM108 (a constexpr branch)
                 acc = tl.fma(v, v, acc)
             else:
                 acc = acc + v * v
@@ -191,3 +191,124 @@ def rms_norm_kernel(
     x = tl.load(source + column, mask=mask, other=0.0).to(tl.float32)
     weight = tl.load(weight_ptr + column, mask=mask, other=0.0).to(tl.float32)
     tl.store(out_ptr + row * width + column, rounded(weight * (rstd * x), out_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def rope_heads(
+    src,
+    freqs_ptr,
+    position,
+    mscale,
+    rotate,
+    group_stride,
+    head_stride,
+    heads: tl.constexpr,
+    heads_pow2: tl.constexpr,
+    per_group: tl.constexpr,
+    dim: tl.constexpr,
+):
+    """The ``heads`` heads of one row at ``src`` (head ``h`` at ``(h // per_group) * group_stride +
+    (h % per_group) * head_stride``), rotated as :func:`rope_kernel` does when ``rotate``, else as
+    they are; returns them ``[heads_pow2, dim]`` and the mask of real heads."""
+    head = tl.arange(0, heads_pow2)[:, None]
+    d = tl.arange(0, dim)[None, :]
+    half: tl.constexpr = dim // 2
+    partner = tl.where(d < half, d + half, d - half)
+    mask = (head < heads) & (d < dim)
+    base = src + (head // per_group) * group_stride + (head % per_group) * head_stride
+    x = tl.load(base + d, mask=mask, other=0.0)
+    other = tl.load(base + partner, mask=mask, other=0.0)
+    wide = other.to(tl.float32)
+    rotated = tl.where(d < half, -wide, wide)
+    freq = tl.load(freqs_ptr + position * dim + d)
+    cosine = rounded(cos(freq) * mscale, x.dtype)
+    sine = rounded(sin(freq) * mscale, x.dtype)
+    first = rounded(x.to(tl.float32) * cosine.to(tl.float32), x.dtype)
+    second = rounded(rotated * sine.to(tl.float32), x.dtype)
+    out = rounded(first.to(tl.float32) + second.to(tl.float32), x.dtype)
+    return tl.where(rotate, out, x), mask
+
+
+@triton.jit
+def qkv_rope_append_kernel(
+    q_src_ptr,
+    q_out_ptr,
+    k_ptr,
+    v_ptr,
+    key_cache_ptr,
+    value_cache_ptr,
+    freqs_ptr,
+    q_positions_ptr,
+    k_positions_ptr,
+    block_idx_ptr,
+    local_pos_ptr,
+    mscale,
+    rotated_rows,
+    q_row_stride,
+    q_group_stride,
+    k_row_stride,
+    k_head_stride,
+    v_row_stride,
+    v_head_stride,
+    cache_block_stride,
+    cache_pos_stride,
+    cache_head_stride,
+    q_heads: tl.constexpr,
+    q_heads_pow2: tl.constexpr,
+    q_per_group: tl.constexpr,
+    kv_heads: tl.constexpr,
+    kv_heads_pow2: tl.constexpr,
+    dim: tl.constexpr,
+    with_q: tl.constexpr,
+    with_kv: tl.constexpr,
+):
+    """One token row: (``with_q``) its query heads, read from the qkv GEMM's grouped output, rotated
+    (rows ``< rotated_rows``; the others copied) into the contiguous ``q_out`` ``[rows, q_heads,
+    dim]``; (``with_kv``, rows ``< rotated_rows``) its key heads rotated and, with its value heads,
+    written to the paged KV cache at (``block_idx[row]``, ``local_pos[row]``), what megatron's
+    ``_append_kv_cache_kernel`` writes. Frequencies ``freqs`` ``[positions, dim]`` float32, rows
+    ``q_positions[row]`` and ``k_positions[row]``."""
+    row = tl.program_id(0)
+    rotate = row < rotated_rows
+    if with_q:
+        q_position = tl.load(q_positions_ptr + row, mask=rotate, other=0)
+        q, q_mask = rope_heads(
+            q_src_ptr + row * q_row_stride,
+            freqs_ptr,
+            q_position,
+            mscale,
+            rotate,
+            q_group_stride,
+            dim,
+            q_heads,
+            q_heads_pow2,
+            q_per_group,
+            dim,
+        )
+        q_head = tl.arange(0, q_heads_pow2)[:, None]
+        q_d = tl.arange(0, dim)[None, :]
+        tl.store(q_out_ptr + row * q_heads * dim + q_head * dim + q_d, q, mask=q_mask)
+    if with_kv:  # noqa: SIM102 (a constexpr test, then a runtime one)
+        if rotate:
+            k_position = tl.load(k_positions_ptr + row)
+            k, k_mask = rope_heads(
+                k_ptr + row * k_row_stride,
+                freqs_ptr,
+                k_position,
+                mscale,
+                rotate,
+                0,
+                k_head_stride,
+                kv_heads,
+                kv_heads_pow2,
+                kv_heads,
+                dim,
+            )
+            kv_head = tl.arange(0, kv_heads_pow2)[:, None]
+            kv_d = tl.arange(0, dim)[None, :]
+            v = tl.load(v_ptr + row * v_row_stride + kv_head * v_head_stride + kv_d, mask=k_mask, other=0.0)
+            block = tl.load(block_idx_ptr + row).to(tl.int64)
+            slot = tl.load(local_pos_ptr + row).to(tl.int64)
+            destination = block * cache_block_stride + slot * cache_pos_stride + kv_head * cache_head_stride + kv_d
+            tl.store(key_cache_ptr + destination, k, mask=k_mask)
+            tl.store(value_cache_ptr + destination, v, mask=k_mask)
