@@ -175,13 +175,45 @@ class FakeAttention(torch.nn.Module):
         return inference_context.apply_rotary_emb_query(query, rotary_pos_emb, None, None, None)
 
 
+class IdentityOp(torch.nn.Module):
+    """megatron's placeholder module (``x -> x``), by its name."""
+
+    def forward(self, x: Any, *args: Any, **kwargs: Any) -> Any:
+        return x
+
+
+def bias_dropout_add(training: bool, fused: bool) -> Any:
+    """megatron-core 0.19.2's bias-dropout-add in inference without a bias: ``x += residual`` in
+    place, ``x`` returned."""
+
+    def add(x_with_bias: tuple[torch.Tensor, None], residual: torch.Tensor, prob: float) -> torch.Tensor:
+        return x_with_bias[0].add_(residual)
+
+    return add
+
+
 class FakeLayer(torch.nn.Module):
+    """megatron's ``TransformerLayer`` as far as the fusions read it; :meth:`run` is its forward's
+    order of norms, adds and sublayers (the attention a GEMM here)."""
+
     def __init__(self, hidden: int, ffn: int) -> None:
         super().__init__()
         self.self_attention = FakeAttention(hidden)
+        self.self_attn_bda, self.mlp_bda = bias_dropout_add, bias_dropout_add
+        self.pre_cross_attn_layernorm, self.cross_attention = IdentityOp(), IdentityOp()
+        self.mixer = (torch.randn(hidden, hidden, generator=torch.Generator().manual_seed(ffn)) / 4).to(torch.bfloat16)
         self.input_layernorm = torch.nn.RMSNorm(hidden, eps=1e-5, dtype=torch.bfloat16)
         self.pre_mlp_layernorm = torch.nn.RMSNorm(hidden, eps=1e-5, dtype=torch.bfloat16)
         self.mlp = FakeMLP(hidden, ffn)
+
+    def run(self, hidden: torch.Tensor) -> torch.Tensor:
+        residual = hidden
+        attention = self.input_layernorm(hidden) @ self.mixer
+        hidden = self.self_attn_bda(False, False)((attention, None), residual, 0.0)
+        hidden = self.cross_attention(self.pre_cross_attn_layernorm(hidden))
+        residual = hidden
+        mlp, _ = self.mlp(self.pre_mlp_layernorm(hidden))
+        return self.mlp_bda(False, False)((mlp, None), residual, 0.0)  # type: ignore[no-any-return]
 
 
 class FakeModel(torch.nn.Module):
@@ -191,6 +223,11 @@ class FakeModel(torch.nn.Module):
         self.first = FakeLayer(32, 48)
         self.layers = torch.nn.ModuleList([self.first, FakeLayer(32, 48)])
         self.final_layernorm = torch.nn.RMSNorm(32, eps=1e-5, dtype=torch.bfloat16)
+
+    def run(self, hidden: torch.Tensor) -> torch.Tensor:
+        for layer in self.layers:
+            hidden = layer.run(hidden)
+        return self.final_layernorm(hidden)  # type: ignore[no-any-return]
 
 
 def fake_model(add_bias_linear: bool = False) -> FakeModel:
@@ -289,7 +326,7 @@ def test_install_swaps_the_kernels_in_and_keeps_the_results(fake_megatron: None,
 
     swapped = fused.install(model, context, fused.FusedKernels())
 
-    assert swapped == {"rope": 1, "swiglu": 2, "rms_norm": 5, "qkv": 2}
+    assert swapped == {"rope": 1, "swiglu": 2, "rms_norm": 5, "qkv": 2, "residual_add": 2}
     assert getattr(model, fused.INSTALLED) == swapped
     assert [module.weight for module in model.modules() if isinstance(module, fused.FusedRMSNorm)] == norm_weights
     assert not any(isinstance(module, torch.nn.RMSNorm) for module in model.modules())
@@ -310,6 +347,36 @@ def test_install_leaves_a_model_it_does_not_fit_alone(fake_megatron: None) -> No
     model = fake_model(add_bias_linear=True)
     context = fake_context(tokens=2, padded=2, decode_only=True)
     original = context.apply_rotary_emb_query
-    assert fused.install(model, context, fused.FusedKernels()) == {"rope": 0, "swiglu": 0, "rms_norm": 0, "qkv": 0}
+    assert fused.install(model, context, fused.FusedKernels()) == {
+        "rope": 0,
+        "swiglu": 0,
+        "rms_norm": 0,
+        "qkv": 0,
+        "residual_add": 0,
+    }
     assert context.apply_rotary_emb_query is original
     assert sum(isinstance(module, torch.nn.RMSNorm) for module in model.modules()) == 5
+
+
+@pytest.mark.parametrize("across_layers", [True, False])
+def test_residual_adds_left_to_the_next_norm_give_the_same_bits(fake_megatron: None, across_layers: bool) -> None:
+    """The layers' adds, done by the norm after each (in one kernel), give bitwise what the same
+    norms give after megatron's own in-place adds; across layers only when asked, never the last
+    layer's (its output leaves the layers)."""
+    hidden = (torch.randn(3, 1, 32, generator=torch.Generator().manual_seed(8)) * 2).to(torch.bfloat16)
+    models = []
+    for kernels in (fused.FusedKernels(residual_add=False), fused.FusedKernels(across_layers=across_layers)):
+        model = fake_model()
+        with torch.no_grad():
+            for parameter in model.parameters():
+                parameter.uniform_(0.5, 1.5, generator=torch.Generator().manual_seed(9))
+        swapped = fused.install(model, fake_context(tokens=2, padded=2, decode_only=True), kernels)
+        models.append((model, swapped))
+    (separate, separate_swapped), (deferred, deferred_swapped) = models
+    assert separate_swapped["residual_add"] == 0
+    assert deferred_swapped["residual_add"] == (3 if across_layers else 2)  # 2 layers: 2 attention adds + 1 MLP add
+    with torch.no_grad():
+        expected = separate.run(hidden.clone())
+        produced = deferred.run(hidden.clone())
+    assert torch.equal(produced, expected)
+    assert not torch.equal(expected, separate.final_layernorm(hidden))  # the layers did something

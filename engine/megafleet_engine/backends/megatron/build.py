@@ -36,15 +36,16 @@ __all__ = [
 ]
 
 
-FusedChoice = Literal["off", "rope-swiglu", "all", "rope-swiglu-only", "rope-swiglu-norm"]
+FusedChoice = Literal["off", "rope-swiglu", "all", "rope-swiglu-only", "rope-swiglu-norm", "rope-swiglu-norm-qkv"]
 """The values of :attr:`EngineOptions.fused_kernels`."""
 
 FUSED_CHOICES: dict[str, fused.FusedKernels | None] = {
     "off": None,
     "rope-swiglu": fused.FusedKernels(),
     "all": fused.FusedKernels(),
-    "rope-swiglu-only": fused.FusedKernels(rms_norm=False, qkv=False),
-    "rope-swiglu-norm": fused.FusedKernels(qkv=False),
+    "rope-swiglu-only": fused.FusedKernels(rms_norm=False, qkv=False, residual_add=False),
+    "rope-swiglu-norm": fused.FusedKernels(qkv=False, residual_add=False),
+    "rope-swiglu-norm-qkv": fused.FusedKernels(residual_add=False),
 }
 """The kernels each :attr:`EngineOptions.fused_kernels` value installs (``None``: megatron's ops)."""
 
@@ -84,9 +85,10 @@ class EngineOptions:
     result: RoPE and the gated SiLU (one kernel each instead of ~27 and 3 per layer), the RMSNorms
     (one kernel per row adding the squares in torch's CUDA order instead of torch's 6 us kernel), and
     per layer one kernel for the query's copy, RoPE on q and k and the KV-cache append (instead of
-    four); ``all`` the same (it also fused the RMSNorms when they were not bitwise); ``off``,
-    megatron's ops. ``rope-swiglu-only`` and ``rope-swiglu-norm`` (the benchmark's steps) leave
-    the later fusions out. Fixed when the model is built; one rank only (:func:`effective_options`);
+    four), and each residual add in the RMSNorm after it (across layers with block graphs); ``all``
+    the same (it also fused the RMSNorms when they were not bitwise); ``off``, megatron's ops.
+    ``rope-swiglu-only``, ``rope-swiglu-norm`` and ``rope-swiglu-norm-qkv`` (the benchmark's steps)
+    leave the later fusions out. Fixed when the model is built; one rank only (:func:`effective_options`);
     models the kernels do not fit keep megatron's ops (a log line says why)."""
     seed: int = 0
     """Seed of megatron's RNG trackers (sampling)."""
@@ -285,7 +287,9 @@ def build_engine(model: Any, tokenizer: IdTokenizer, max_sequence_length: int, o
     context = megatron_core("inference.contexts.dynamic_context").DynamicInferenceContext(model.config, config)
     kernels = FUSED_CHOICES[options.fused_kernels]
     if kernels is not None:  # before the engine captures its decode graphs
-        fused.install(model, context, kernels)
+        # one graph (or none) around all the layers: an add may be left to the next layer's norm
+        across_layers = options.graph_scope == "block" or not options.cuda_graphs
+        fused.install(model, context, dataclasses.replace(kernels, across_layers=across_layers))
     wrapper = megatron_core("inference.model_inference_wrappers.gpt.gpt_inference_wrapper").GPTInferenceWrapper(
         model, context
     )

@@ -50,6 +50,13 @@ class FusedKernels:
     """RoPE on q and k and the gated SiLU (bitwise megatron's unfused ops)."""
     rms_norm: bool = True
     """The RMSNorms (one kernel per row, the squares added in torch's order: bitwise torch's)."""
+    residual_add: bool = True
+    """Each residual add into the RMSNorm after it (:func:`_defer_residual_add`; bitwise torch's add
+    and norm): within a layer always, across layers (the MLP's add into the next layer's input
+    norm) only with ``across_layers``. Needs ``rms_norm``."""
+    across_layers: bool = False
+    """Whether the layers run in one graph or eagerly (the build sets it for block graphs), so an
+    add may be left to the next layer's norm."""
     qkv: bool = True
     """The query's copy out of the qkv GEMM's output, its RoPE, the key's RoPE and the KV-cache
     append as one kernel per layer (:func:`qkv_rope_append`; bitwise the ops it replaces)."""
@@ -126,18 +133,26 @@ def torch_norm_fits(x: torch.Tensor, weight: torch.Tensor) -> bool:
 
 
 def rms_norm(
-    x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    eps: float,
+    residual: torch.Tensor | None = None,
+    total: torch.Tensor | None = None,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """``torch.nn.functional.rms_norm(x, (width,), weight, eps)`` over the last dimension, bitwise
     torch's CUDA result where :func:`torch_norm_fits` (the sum of squares in its threads' order,
     :data:`TORCH_NORM_THREADS`; then ``weight * (rstd * x)`` in float32, rounded once).
     With ``residual``: ``s = x + residual`` (rounded to the dtype, as torch's add) is normalised
-    and ``(normed, s)`` returned (one kernel for the residual add and the norm)."""
+    and ``(normed, s)`` returned (one kernel for the residual add and the norm); ``s`` is written to
+    ``total`` if given (it may be ``x`` itself: the add in place, as megatron's)."""
     if not x.is_contiguous():
         x = x.contiguous()
     width = x.shape[-1]
     out = torch.empty_like(x)
-    total = torch.empty_like(x) if residual is not None else out
+    if residual is None:
+        total = out
+    elif total is None:
+        total = torch.empty_like(x)
     rows = x.numel() // width if width else 0
     if rows:
         kernels = _kernels()
@@ -161,21 +176,76 @@ def rms_norm(
     return (out, total) if residual is not None else out
 
 
+@dataclasses.dataclass
+class _ResidualState:
+    """A residual add left for the next norm (:func:`_defer_residual_add`): megatron's add of the
+    residual into the attention's or MLP's output ``x`` (in place), not yet done."""
+
+    pending: tuple[torch.Tensor, torch.Tensor] | None = None
+    """(``x``, residual): ``x`` is to become ``x + residual``."""
+
+    def settle(self) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """The pending add, taken (``None``: none)."""
+        pending, self.pending = self.pending, None
+        return pending
+
+
+def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """``a`` and ``b`` are views of the same values (megatron re-wraps tensors: no identity)."""
+    return a.data_ptr() == b.data_ptr() and a.shape == b.shape and a.stride() == b.stride() and a.dtype == b.dtype
+
+
 class FusedRMSNorm(torch.nn.Module):
     """A drop-in for the ``torch.nn.RMSNorm`` it replaces, holding the same weight ``Parameter``:
-    :func:`rms_norm` where torch would run its vectorized kernel, torch's own op otherwise."""
+    :func:`rms_norm` where torch would run its vectorized kernel, torch's own op otherwise; with a
+    ``residual`` state, it first completes an add left for it (in the same kernel when it can)."""
 
-    def __init__(self, replaced: torch.nn.RMSNorm) -> None:
+    def __init__(self, replaced: torch.nn.RMSNorm, residual: _ResidualState | None = None) -> None:
         super().__init__()
         self.weight = replaced.weight
         self.eps = replaced.eps if replaced.eps is not None else torch.finfo(replaced.weight.dtype).eps
+        self.residual = residual
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        pending = self.residual.settle() if self.residual is not None else None
+        if pending is not None and not (_same(pending[0], x) and torch_norm_fits(x, self.weight)):
+            pending[0].add_(pending[1])  # megatron's own in-place add, then the norm alone
+            pending = None
         if not torch_norm_fits(x, self.weight):
             return torch.nn.functional.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
-        normed = rms_norm(x, self.weight, self.eps)
-        assert isinstance(normed, torch.Tensor)
-        return normed
+        if pending is not None:
+            normed, _ = rms_norm(x, self.weight, self.eps, residual=pending[1], total=x)
+            return normed
+        plain = rms_norm(x, self.weight, self.eps)
+        assert isinstance(plain, torch.Tensor)
+        return plain
+
+
+def _defer_residual_add(original: Any, state: _ResidualState) -> Any:
+    """A layer's ``self_attn_bda``/``mlp_bda`` (megatron's bias-dropout-add, called as
+    ``bda(training, fused)(x_with_bias, residual, prob)``): in inference without a bias, where
+    megatron adds the residual into ``x`` in place and returns ``x``, it returns ``x`` as it is and
+    leaves the add to the next :class:`FusedRMSNorm` (one kernel for both; nothing reads ``x``
+    in between in megatron's layer)."""
+
+    def bda(training: bool, fused: bool) -> Any:
+        function = original(training, fused)
+
+        def deferred(x_with_bias: Any, residual: torch.Tensor, prob: float) -> torch.Tensor:
+            x, bias = x_with_bias
+            plain = not training and bias is None and not x.requires_grad and not residual.requires_grad
+            if not (plain and x.dtype == residual.dtype and x.shape == residual.shape and x.is_contiguous()):
+                result: torch.Tensor = function(x_with_bias, residual, prob)
+                return result
+            earlier = state.settle()
+            if earlier is not None:  # never left unconsumed in megatron's order; done if it were
+                earlier[0].add_(earlier[1])
+            state.pending = (x, residual)
+            return x
+
+        return deferred
+
+    return bda
 
 
 def _fused_mlp_forward(mlp: Any, original: Any) -> Any:
@@ -442,7 +512,7 @@ def install(model: Any, context: Any, kernels: FusedKernels) -> dict[str, int]:
     says why) for a model these kernels do not fit."""
     mlp_class = importlib.import_module("megatron.core.transformer.mlp").MLP
 
-    swapped = {"rope": 0, "swiglu": 0, "rms_norm": 0, "qkv": 0}
+    swapped = {"rope": 0, "swiglu": 0, "rms_norm": 0, "qkv": 0, "residual_add": 0}
     reason = _why_not(model.config)
     if reason:
         log.info("fused kernels not installed: the model does not fit them (%s)", reason)
@@ -464,15 +534,40 @@ def install(model: Any, context: Any, kernels: FusedKernels) -> dict[str, int]:
                 module.forward = _fused_mlp_forward(module, module.forward)
                 swapped["swiglu"] += 1
     if kernels.rms_norm:
+        residual = _ResidualState() if kernels.residual_add else None
         for parent in list(model.modules()):
             for name, child in list(parent.named_children()):
                 if type(child) is torch.nn.RMSNorm and child.weight is not None:
-                    setattr(parent, name, FusedRMSNorm(child))
+                    setattr(parent, name, FusedRMSNorm(child, residual))
                     swapped["rms_norm"] += 1
+        if residual is not None:
+            swapped["residual_add"] = _install_residual_adds(model, residual, kernels.across_layers)
     _compile(model, kernels, context if swapped["qkv"] else None)
     setattr(model, INSTALLED, swapped)
     log.info("fused kernels installed: %s", swapped)
     return swapped
+
+
+def _install_residual_adds(model: Any, state: _ResidualState, across_layers: bool) -> int:
+    """Leave each residual add whose next op is a :class:`FusedRMSNorm` to that norm: the
+    attention's (the same layer's pre-MLP norm, where no cross-attention sits between) and, with
+    ``across_layers``, the MLP's of every layer but the last (the next layer's input norm; the last
+    one's output leaves the layers). Returns how many adds were left to norms."""
+    layers = [m for m in model.modules() if all(hasattr(m, a) for a in ("self_attn_bda", "mlp_bda", "input_layernorm"))]
+    deferred = 0
+    for index, layer in enumerate(layers):
+        plain = all(
+            type(getattr(layer, a, None)).__name__.startswith("Identity")
+            for a in ("cross_attention", "pre_cross_attn_layernorm")
+        )
+        if plain and isinstance(getattr(layer, "pre_mlp_layernorm", None), FusedRMSNorm):
+            layer.self_attn_bda = _defer_residual_add(layer.self_attn_bda, state)
+            deferred += 1
+        following = layers[index + 1] if index + 1 < len(layers) else None
+        if across_layers and following is not None and isinstance(following.input_layernorm, FusedRMSNorm):
+            layer.mlp_bda = _defer_residual_add(layer.mlp_bda, state)
+            deferred += 1
+    return deferred
 
 
 def _compile(model: Any, kernels: FusedKernels, qkv_context: Any = None) -> None:
@@ -516,10 +611,8 @@ def _compile(model: Any, kernels: FusedKernels, qkv_context: Any = None) -> None
             2,
         )
     if kernels.rms_norm:
-        rms_norm(
-            torch.zeros(2, 1, config.hidden_size, device=device, dtype=dtype),
-            torch.ones(config.hidden_size, device=device, dtype=dtype),
-            1e-5,
-        )
+        for residual in (None, torch.zeros(2, 1, config.hidden_size, device=device, dtype=dtype)):
+            x = torch.zeros(2, 1, config.hidden_size, device=device, dtype=dtype)
+            rms_norm(x, torch.ones(config.hidden_size, device=device, dtype=dtype), 1e-5, residual=residual, total=x)
     if device.type == "cuda":
         torch.cuda.synchronize(device)
