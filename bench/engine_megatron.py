@@ -22,6 +22,8 @@ switched between batches on the same engine, :meth:`MegatronBackend.set_step_opt
   (``EngineOptions.fused_kernels="rope-swiglu"``: RoPE, SwiGLU, the RMSNorms in torch's order, the
   qkv fold), ``fusedrs-block-fast-async`` with RoPE and SwiGLU only (``"rope-swiglu-only"``, the
   2026-12-02 default), ``fusednorm-block-fast-async`` with the RMSNorms too (``"rope-swiglu-norm"``),
+  ``fusedqkv-block-fast-async`` with the qkv fold too (``"rope-swiglu-norm-qkv"``; the default adds
+  the residual adds into the norms),
   ``fusedall-block-fast-async`` (``"all"``); one model each.
 
 ``--kernel-probe`` first measures, on the bare GPU, which summation order of the RMSNorm matches
@@ -73,6 +75,7 @@ VARIANTS: dict[str, tuple[str, dict[str, bool]]] = {
     "block-fast-async": ("block", {"async_schedule": True, **FAST}),
     "fusedrs-block-fast-async": ("block+rope-swiglu-only", {"async_schedule": True, **FAST}),
     "fusednorm-block-fast-async": ("block+rope-swiglu-norm", {"async_schedule": True, **FAST}),
+    "fusedqkv-block-fast-async": ("block+rope-swiglu-norm-qkv", {"async_schedule": True, **FAST}),
     "fused-block-fast-async": ("block+rope-swiglu", {"async_schedule": True, **FAST}),
     "fusedall-block-fast-async": ("block+all", {"async_schedule": True, **FAST}),
 }

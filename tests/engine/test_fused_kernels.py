@@ -226,7 +226,7 @@ class FakeModel(torch.nn.Module):
 
     def run(self, hidden: torch.Tensor) -> torch.Tensor:
         for layer in self.layers:
-            hidden = layer.run(hidden)
+            hidden = layer.run(hidden)  # type: ignore[operator]
         return self.final_layernorm(hidden)  # type: ignore[no-any-return]
 
 

@@ -676,6 +676,7 @@ class TestFusedKernels:
             "swiglu": layers,
             "rms_norm": 2 * layers + 1,
             "qkv": layers,
+            "residual_add": 2 * layers - 1,  # block graphs: every add but the last layer's MLP one
         }
         assert unfused_backend.step_options()["fused_kernels"] == {}
         unfused = tokens(run(unfused_backend, greedy_requests(prompts)))  # same weights, graphs and step settings
@@ -697,10 +698,15 @@ class TestFusedKernels:
     def test_each_step_of_the_fusions_decodes_the_unfused_models_tokens(
         self, unfused_backend: megatron.MegatronBackend, prompts: list[list[int]]
     ) -> None:
-        """The benchmark's intermediate steps (RoPE and SwiGLU only; with the RMSNorms) are bitwise
-        too: the same greedy tokens and log-probabilities as the unfused model."""
+        """The benchmark's intermediate steps (RoPE and SwiGLU only; with the RMSNorms; with the qkv
+        fold) are bitwise too: the same greedy tokens and log-probabilities as the unfused model."""
         reference = run(unfused_backend, greedy_requests(prompts, logprobs=2))
-        for choice, norms in (("rope-swiglu-only", 0), ("rope-swiglu-norm", 2 * unfused_backend.shape.layers + 1)):
+        all_norms = 2 * unfused_backend.shape.layers + 1
+        for choice, norms in (
+            ("rope-swiglu-only", 0),
+            ("rope-swiglu-norm", all_norms),
+            ("rope-swiglu-norm-qkv", all_norms),
+        ):
             loaded = build(name=f"tiny-{choice}", fused_kernels=choice)
             try:
                 assert loaded.step_options()["fused_kernels"]["rms_norm"] == norms

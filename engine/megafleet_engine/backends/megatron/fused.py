@@ -232,7 +232,8 @@ def _defer_residual_add(original: Any, state: _ResidualState) -> Any:
         function = original(training, fused)
 
         def deferred(x_with_bias: Any, residual: torch.Tensor, prob: float) -> torch.Tensor:
-            x, bias = x_with_bias
+            x: torch.Tensor = x_with_bias[0]
+            bias = x_with_bias[1]
             plain = not training and bias is None and not x.requires_grad and not residual.requires_grad
             if not (plain and x.dtype == residual.dtype and x.shape == residual.shape and x.is_contiguous()):
                 result: torch.Tensor = function(x_with_bias, residual, prob)
