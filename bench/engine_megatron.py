@@ -38,7 +38,8 @@ output tokens per second end to end (prefill included): batch x new tokens over 
 submitting the batch to its last token; the median of ``--repeats`` runs (and the slowest, the
 fastest and the spread), after one warm-up run (the first setting measured at a batch size only:
 the others run the same kernels). ``vs_direct`` = path tok/s / direct tok/s of the same setting;
-``vs_baseline_direct`` = path tok/s / the baseline's direct tok/s. Batches above ``--prune-above``
+``vs_baseline_direct`` = path tok/s / the baseline's direct tok/s (the baseline: the ``--reference``
+setting, ``baseline`` unless told). Batches above ``--prune-above``
 run only the fastest setting (backend path) of the previous batch size, then the baseline; batches
 above ``--warmup-max-batch`` get no warm-up run (their decode graphs were captured at build time
 and their kernels compiled at the smaller batches).
@@ -183,10 +184,13 @@ def measure_variant(
     return outputs
 
 
-def compare(rows: dict[str, dict[str, Any]], outputs: dict[str, dict[str, benchkit.Tokens]]) -> None:
-    """``vs_direct``, ``vs_baseline_direct`` and token equality, in place."""
-    baseline = rows.get("baseline", {}).get("direct", {}).get("tok_per_s")
-    reference = outputs.get("baseline", {}).get("direct")
+def compare(
+    rows: dict[str, dict[str, Any]], outputs: dict[str, dict[str, benchkit.Tokens]], base: str = "baseline"
+) -> None:
+    """``vs_direct``, ``vs_baseline_direct`` and token equality, in place (the baseline: the
+    ``base`` setting's direct run)."""
+    baseline = rows.get(base, {}).get("direct", {}).get("tok_per_s")
+    reference = outputs.get(base, {}).get("direct")
     for variant, row in rows.items():
         direct = row.get("direct", {}).get("tok_per_s")
         for path, figure in row.items():
@@ -408,6 +412,11 @@ def main() -> int:
     parser.add_argument("--variants", default="baseline,fast,fast-async,block-fast-async")
     parser.add_argument("--paths", default="direct,backend")
     parser.add_argument("--prune-above", type=int, default=64)
+    parser.add_argument(
+        "--reference",
+        default="baseline",
+        help="the setting whose direct run the others' tokens and speeds are compared to",
+    )
     parser.add_argument("--warmup-max-batch", type=int, default=1 << 30, help="larger batches: no warm-up run")
     parser.add_argument("--kv-cache-gib", type=float, default=24.0)
     parser.add_argument("--profile-batches", default="1", help="empty: no profile")
@@ -453,7 +462,7 @@ def main() -> int:
                 backends.get(scope)
             except Exception as error:
                 result["errors"][f"build_{scope}"] = f"{type(error).__name__}: {error}\n{traceback.format_exc(limit=8)}"
-        result["shape"] = dataclasses.asdict(backends.get("layer").shape)
+        result["shape"] = dataclasses.asdict(backends.get(VARIANTS[variants[0]][0]).shape)
         save()
         wait_for(args.wait_for, args.wait_timeout, result)
         if args.profile_batches:
@@ -463,11 +472,13 @@ def main() -> int:
         previous: dict[str, dict[str, Any]] = {}
         warmed: set[tuple[str, int]] = set()  # (graph scope, batch): one warm-up run per model and batch
         for batch in batches:
-            prompt_ids = benchkit.prompts(backends.get("layer").info.vocab_size, batch, args.prompt_tokens)
+            prompt_ids = benchkit.prompts(
+                backends.get(VARIANTS[variants[0]][0]).info.vocab_size, batch, args.prompt_tokens
+            )
             chosen = variants
             if batch > args.prune_above and previous:
                 best = fastest(previous)  # first: if the deadline cuts the batch short, the baseline goes
-                chosen = list(dict.fromkeys(variant for variant in (best, "baseline") if variant in variants))
+                chosen = list(dict.fromkeys(variant for variant in (best, args.reference) if variant in variants))
             rows: dict[str, dict[str, Any]] = {}
             outputs: dict[str, dict[str, benchkit.Tokens]] = {}
             result["figures"][f"batch_{batch}"] = rows
@@ -486,11 +497,11 @@ def main() -> int:
                     save=save,
                 )
                 warmed.add((scope, batch))
-                compare(rows, outputs)
+                compare(rows, outputs, args.reference)
                 save()
             previous = rows
         if time.monotonic() < deadline:
-            measure_write(backends.get("layer"), result)
+            measure_write(backends.get(VARIANTS[variants[0]][0]), result)
     finally:
         result["wall_s"] = round(time.monotonic() - started, 1)
         save()
