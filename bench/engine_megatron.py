@@ -24,7 +24,8 @@ switched between batches on the same engine, :meth:`MegatronBackend.set_step_opt
   2026-12-02 default), ``fusednorm-block-fast-async`` with the RMSNorms too (``"rope-swiglu-norm"``),
   ``fusedqkv-block-fast-async`` with the qkv fold too (``"rope-swiglu-norm-qkv"``; the default adds
   the residual adds into the norms),
-  ``fusedall-block-fast-async`` (``"all"``); one model each.
+  ``fusedall-block-fast-async`` (``"all"``: the decode attention kernel too, not bitwise); one model
+  each.
 
 ``--kernel-probe`` first measures, on the bare GPU, which summation order of the RMSNorm matches
 torch's bit for bit, single kernels' times inside a CUDA graph (torch's RMSNorm and the fused one,

@@ -326,7 +326,7 @@ def test_install_swaps_the_kernels_in_and_keeps_the_results(fake_megatron: None,
 
     swapped = fused.install(model, context, fused.FusedKernels())
 
-    assert swapped == {"rope": 1, "swiglu": 2, "rms_norm": 5, "qkv": 2, "residual_add": 2}
+    assert swapped == {"rope": 1, "swiglu": 2, "rms_norm": 5, "qkv": 2, "residual_add": 2, "attention": 0}
     assert getattr(model, fused.INSTALLED) == swapped
     assert [module.weight for module in model.modules() if isinstance(module, fused.FusedRMSNorm)] == norm_weights
     assert not any(isinstance(module, torch.nn.RMSNorm) for module in model.modules())
@@ -353,6 +353,7 @@ def test_install_leaves_a_model_it_does_not_fit_alone(fake_megatron: None) -> No
         "rms_norm": 0,
         "qkv": 0,
         "residual_add": 0,
+        "attention": 0,
     }
     assert context.apply_rotary_emb_query is original
     assert sum(isinstance(module, torch.nn.RMSNorm) for module in model.modules()) == 5
@@ -380,3 +381,38 @@ def test_residual_adds_left_to_the_next_norm_give_the_same_bits(fake_megatron: N
         produced = deferred.run(hidden.clone())
     assert torch.equal(produced, expected)
     assert not torch.equal(expected, separate.final_layernorm(hidden))  # the layers did something
+
+
+@pytest.mark.parametrize(("lengths", "heads", "kv_heads"), [([5, 0, 1, 37], 4, 2), ([300], 8, 8)])
+def test_decode_attention_is_softmax_attention_over_the_paged_cache(
+    lengths: list[int], heads: int, kv_heads: int
+) -> None:
+    """One query token per request against its keys in megatron's paged layout (blocks in a random
+    order), every KV head serving its consecutive query heads; requests without keys get zeros."""
+    generator = torch.Generator().manual_seed(len(lengths))
+    dim, block_size, blocks = 16, 8, 64
+    key_cache, value_cache = (
+        (torch.randn(blocks, block_size, kv_heads, dim, generator=generator) * 2).to(torch.bfloat16) for _ in range(2)
+    )
+    order = torch.randperm(blocks, generator=generator)
+    table = torch.zeros(len(lengths), -(-max(lengths) // block_size), dtype=torch.int32)
+    used = 0
+    for row, length in enumerate(lengths):
+        count = -(-length // block_size)
+        table[row, :count] = order[used : used + count]
+        used += count
+    q = (torch.randn(len(lengths), 1, heads, dim, generator=generator) * 2).to(torch.bfloat16)
+    scale = dim**-0.5
+    produced = fused.decode_attention(q, key_cache, value_cache, table, torch.tensor(lengths, dtype=torch.int32), scale)
+    assert produced.shape == q.shape and produced.dtype == q.dtype
+    for row, length in enumerate(lengths):
+        if length == 0:
+            assert torch.equal(produced[row], torch.zeros_like(produced[row]))
+            continue
+        tokens = torch.arange(length)
+        slots = table[row, tokens // block_size].long(), tokens % block_size
+        keys = key_cache[slots].float().repeat_interleave(heads // kv_heads, dim=1)  # [length, heads, dim]
+        values = value_cache[slots].float().repeat_interleave(heads // kv_heads, dim=1)
+        weights = torch.softmax(torch.einsum("hd,thd->ht", q[row, 0].float(), keys) * scale, dim=-1)
+        expected = torch.einsum("ht,thd->hd", weights, values)
+        torch.testing.assert_close(produced[row, 0].float(), expected, rtol=2**-7, atol=2**-7)

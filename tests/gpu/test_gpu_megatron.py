@@ -625,6 +625,44 @@ class TestFusedKernels:
                 assert torch.equal(with_residual[0], norm(hidden + residual)), width
         self.the_qkv_fold_equals_megatrons_four_ops()
 
+    def test_the_decode_attention_agrees_with_flash_attention_4(self) -> None:
+        """:func:`fused.decode_attention` against FA4 as megatron calls it in a decode step (varlen,
+        one query token per request, paged KV with megatron's block size), within bf16 rounding."""
+        from flash_attn.cute import flash_attn_varlen_func  # type: ignore[import-not-found]
+
+        generator = torch.Generator(device="cuda").manual_seed(5)
+        heads, kv_heads, dim, block_size, blocks = 32, 8, 128, 256, 24
+        lengths = torch.tensor([1, 129, 384, 300, 17, 256, 257, 200], dtype=torch.int32, device="cuda")
+        caches = [
+            (torch.randn(blocks, block_size, kv_heads, dim, device="cuda", generator=generator) * 2).to(torch.bfloat16)
+            for _ in range(2)
+        ]
+        table = torch.randperm(blocks, device="cuda", generator=generator)[:16].view(8, 2).to(torch.int32)
+        q = (torch.randn(8, 1, heads, dim, device="cuda", generator=generator) * 2).to(torch.bfloat16)
+        cu_q = torch.arange(9, dtype=torch.int32, device="cuda")
+        expected, _ = flash_attn_varlen_func(
+            q.view(8, heads, dim),
+            caches[0],
+            caches[1],
+            cu_seqlens_q=cu_q,
+            max_seqlen_q=1,
+            max_seqlen_k=512,
+            seqused_k=lengths,
+            page_table=table,
+            softmax_scale=dim**-0.5,
+            causal=True,
+        )
+        for requests in (1, 8):
+            produced = fused.decode_attention(
+                q[:requests], caches[0], caches[1], table[:requests], lengths[:requests], dim**-0.5
+            )
+            torch.testing.assert_close(produced.view(requests, heads, dim), expected[:requests], rtol=2**-7, atol=2**-7)
+            gpu.report(
+                "decode_attention_vs_fa4",
+                requests=requests,
+                max_abs=float((produced.view(requests, heads, dim).float() - expected[:requests].float()).abs().max()),
+            )
+
     @staticmethod
     def the_qkv_fold_equals_megatrons_four_ops() -> None:
         """The query's reshape copy, RoPE on q and on k and the KV append (megatron's ops, written
@@ -717,6 +755,26 @@ class TestFusedKernels:
                 assert [(step.token_id, step.logprob) for step in steps] == [
                     (step.token_id, step.logprob) for step in reference[key]
                 ], choice
+
+    def test_all_kernels_agree_with_the_unfused_model(
+        self, unfused_backend: megatron.MegatronBackend, prompts: list[list[int]]
+    ) -> None:
+        """With the decode attention too (``all``), the tokens agree with the unfused model's up to a
+        bf16 near-tie (another summation order than FlashAttention's) and equal the model's own
+        direct run; the decode graphs follow a persist refit in place."""
+        loaded = build(name="tiny-fused-all", fused_kernels="all")
+        try:
+            layers = loaded.shape.layers
+            assert loaded.step_options()["fused_kernels"]["attention"] == layers
+            produced = tokens(run(loaded, greedy_requests(prompts)))
+            assert produced == direct_tokens(loaded, prompts)
+            reference = [run(unfused_backend, greedy_requests([prompt], logprobs=2))["0"] for prompt in prompts]
+            agreed = [agreed_prefix(ref, produced[str(i)]) for i, ref in enumerate(reference)]
+            gpu.report("fused_all_vs_unfused", agreed=agreed, of=gpu.NEW_TOKENS)
+            assert sum(agreed) >= 0.75 * gpu.NEW_TOKENS * len(prompts), agreed
+            assert_a_persist_refit_is_followed(loaded, prompts, produced)
+        finally:
+            loaded.close()
 
 
 class TestTensorParallel:

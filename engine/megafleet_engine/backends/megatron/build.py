@@ -42,7 +42,7 @@ FusedChoice = Literal["off", "rope-swiglu", "all", "rope-swiglu-only", "rope-swi
 FUSED_CHOICES: dict[str, fused.FusedKernels | None] = {
     "off": None,
     "rope-swiglu": fused.FusedKernels(),
-    "all": fused.FusedKernels(),
+    "all": fused.FusedKernels(attention=True),
     "rope-swiglu-only": fused.FusedKernels(rms_norm=False, qkv=False, residual_add=False),
     "rope-swiglu-norm": fused.FusedKernels(qkv=False, residual_add=False),
     "rope-swiglu-norm-qkv": fused.FusedKernels(residual_add=False),
@@ -86,7 +86,9 @@ class EngineOptions:
     (one kernel per row adding the squares in torch's CUDA order instead of torch's 6 us kernel), and
     per layer one kernel for the query's copy, RoPE on q and k and the KV-cache append (instead of
     four), and each residual add in the RMSNorm after it (across layers with block graphs); ``all``
-    the same (it also fused the RMSNorms when they were not bitwise); ``off``, megatron's ops.
+    also a Triton decode attention for decode steps of up to 8 requests (instead of FlashAttention:
+    within bf16 rounding, not bitwise: greedy tokens may part from megatron's at near-ties); ``off``,
+    megatron's ops.
     ``rope-swiglu-only``, ``rope-swiglu-norm`` and ``rope-swiglu-norm-qkv`` (the benchmark's steps)
     leave the later fusions out. Fixed when the model is built; one rank only (:func:`effective_options`);
     models the kernels do not fit keep megatron's ops (a log line says why)."""

@@ -57,6 +57,9 @@ class FusedKernels:
     across_layers: bool = False
     """Whether the layers run in one graph or eagerly (the build sets it for block graphs), so an
     add may be left to the next layer's norm."""
+    attention: bool = False
+    """The decode steps' attention of up to :data:`DECODE_ATTENTION_MAX_REQUESTS` requests through
+    :func:`decode_attention` instead of FlashAttention (not bitwise: another summation order)."""
     qkv: bool = True
     """The query's copy out of the qkv GEMM's output, its RoPE, the key's RoPE and the KV-cache
     append as one kernel per layer (:func:`qkv_rope_append`; bitwise the ops it replaces)."""
@@ -413,6 +416,114 @@ def qkv_rope_append(
     )
 
 
+DECODE_ATTENTION_MAX_REQUESTS = 8
+"""Decode steps of at most this many requests use :func:`decode_attention` (when installed)."""
+DECODE_ATTENTION_SPLITS = 16
+"""Splits of each request's keys (one program each per KV head): one query token leaves little
+work per request, so the keys are spread over programs and the splits combined after."""
+
+
+def decode_attention(
+    q: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    block_table: torch.Tensor,
+    seqlens: torch.Tensor,
+    scale: float,
+    splits: int = DECODE_ATTENTION_SPLITS,
+    block_n: int = 16,
+) -> torch.Tensor:
+    """Attention of one query token per request over its paged keys and values (a decode step):
+    ``q`` ``[requests, 1, heads, dim]`` (last stride 1), the caches ``[blocks, block_size, kv_heads,
+    dim]`` (megatron's layout), ``block_table`` ``[requests, max_blocks]`` (the blocks of each
+    request's tokens in order), ``seqlens`` ``[requests]`` (keys per request, the new token's
+    included); ``softmax(q k^T * scale) v`` per query head, each KV head serving ``heads /
+    kv_heads`` consecutive query heads. Returns ``[requests, 1, heads, dim]`` in ``q``'s dtype;
+    requests with no keys get zeros. Two kernels: ``splits`` programs per (request, KV head) over
+    shares of the keys, then one per (request, head) combining them."""
+    requests, _, heads, dim = q.shape
+    _, block_size, kv_heads, _ = key_cache.shape
+    out = torch.empty(requests, 1, heads, dim, dtype=q.dtype, device=q.device)
+    if requests == 0:
+        return out
+    if q.stride(3) != 1 or key_cache.stride() != value_cache.stride() or dim & (dim - 1) or splits & (splits - 1):
+        raise ValueError("decode_attention: unsupported layout")
+    kernels = _kernels()
+    partial = torch.empty(requests, heads, splits, dim, dtype=torch.float32, device=q.device)
+    stats = torch.empty(requests, heads, splits, 2, dtype=torch.float32, device=q.device)
+    per_group = heads // kv_heads
+    kernels.decode_attention_split_kernel[(requests, kv_heads, splits)](
+        q,
+        key_cache,
+        value_cache,
+        block_table,
+        seqlens,
+        partial,
+        stats,
+        float(scale) * 1.4426950408889634,  # log2(e): the kernel's exponentials are base 2
+        q.stride(0),
+        q.stride(2),
+        block_table.stride(0),
+        key_cache.stride(0),
+        key_cache.stride(1),
+        key_cache.stride(2),
+        per_group=per_group,
+        per_group_pow2=kernels.triton.next_power_of_2(per_group),
+        dim=dim,
+        block_size=block_size,
+        block_n=block_n,
+        splits=splits,
+    )
+    kernels.decode_attention_combine_kernel[(requests, heads)](partial, stats, out, dim=dim, splits=splits)
+    return out
+
+
+def _fused_decode_attention(attention: Any) -> None:
+    """Patch one ``SelfAttention``'s ``flash_decode_and_prefill``: decode-only steps of at most
+    :data:`DECODE_ATTENTION_MAX_REQUESTS` requests (one query token each, no attention sink) go to
+    :func:`decode_attention`; every other step to megatron's FlashAttention."""
+    original = attention.flash_decode_and_prefill
+
+    def flash_decode_and_prefill(
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        max_seqlen_q: Any,
+        max_seqlen_k: Any,
+        cu_seqlens_q: Any,
+        cu_seqlens_k: Any,
+        seqlens_k: torch.Tensor,
+        block_table: torch.Tensor,
+        is_decode_only: bool,
+        softmax_offset: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        requests = seqlens_k.shape[0]
+        if (
+            not is_decode_only
+            or softmax_offset is not None
+            or requests > DECODE_ATTENTION_MAX_REQUESTS
+            or q.shape[0] != requests
+        ):
+            result: torch.Tensor = original(
+                q,
+                k,
+                v,
+                max_seqlen_q,
+                max_seqlen_k,
+                cu_seqlens_q,
+                cu_seqlens_k,
+                seqlens_k,
+                block_table,
+                is_decode_only,
+                softmax_offset=softmax_offset,
+            )
+            return result
+        scale = getattr(attention, "softmax_scale", None) or q.shape[-1] ** -0.5
+        return decode_attention(q, k, v, block_table, seqlens_k, scale)
+
+    attention.flash_decode_and_prefill = flash_decode_and_prefill
+
+
 @dataclasses.dataclass
 class _QkvState:
     """What the patched attention methods of one model hand each other within a layer's forward
@@ -511,29 +622,20 @@ def install(model: Any, context: Any, kernels: FusedKernels) -> dict[str, int]:
     dynamic inference ``context``, then run each once so Triton compiles before megatron captures
     its decode graphs. Returns how many modules each kernel replaced; nothing is swapped (a log line
     says why) for a model these kernels do not fit."""
-    mlp_class = importlib.import_module("megatron.core.transformer.mlp").MLP
-
-    swapped = {"rope": 0, "swiglu": 0, "rms_norm": 0, "qkv": 0, "residual_add": 0}
+    swapped = {"rope": 0, "swiglu": 0, "rms_norm": 0, "qkv": 0, "residual_add": 0, "attention": 0}
     reason = _why_not(model.config)
     if reason:
         log.info("fused kernels not installed: the model does not fit them (%s)", reason)
         return swapped
     if kernels.rope_swiglu:
-        state = _QkvState() if kernels.qkv and not _why_not_qkv(model, context) else None
-        _fused_context_rope(context, state)
-        swapped["rope"] = 1
-        if state is not None:
-            attention_class = importlib.import_module("megatron.core.transformer.attention").SelfAttention
-            for module in model.modules():
-                if isinstance(module, attention_class):
-                    _fused_qkv(module, context, state)
-                    swapped["qkv"] += 1
-        elif kernels.qkv:
-            log.info("qkv fold not installed: %s", _why_not_qkv(model, context))
-        for module in model.modules():
-            if type(module) is mlp_class:
-                module.forward = _fused_mlp_forward(module, module.forward)
-                swapped["swiglu"] += 1
+        _install_rope_swiglu(model, context, kernels.qkv, swapped)
+    if kernels.attention:
+        if getattr(model.config, "window_size", None) is None:
+            for module in _self_attentions(model):
+                _fused_decode_attention(module)
+                swapped["attention"] += 1
+        else:
+            log.info("decode attention not installed: sliding-window attention")
     if kernels.rms_norm:
         residual = _ResidualState() if kernels.residual_add else None
         for parent in list(model.modules()):
@@ -543,10 +645,35 @@ def install(model: Any, context: Any, kernels: FusedKernels) -> dict[str, int]:
                     swapped["rms_norm"] += 1
         if residual is not None:
             swapped["residual_add"] = _install_residual_adds(model, residual, kernels.across_layers)
-    _compile(model, kernels, context if swapped["qkv"] else None)
+    _compile(model, kernels, context if swapped["qkv"] else None, context if swapped["attention"] else None)
     setattr(model, INSTALLED, swapped)
     log.info("fused kernels installed: %s", swapped)
     return swapped
+
+
+def _self_attentions(model: Any) -> list[Any]:
+    """``model``'s megatron ``SelfAttention`` modules."""
+    attention_class = importlib.import_module("megatron.core.transformer.attention").SelfAttention
+    return [module for module in model.modules() if isinstance(module, attention_class)]
+
+
+def _install_rope_swiglu(model: Any, context: Any, qkv: bool, swapped: dict[str, int]) -> None:
+    """RoPE (with ``qkv``, the qkv fold where it fits) and the gated SiLU, counted into ``swapped``."""
+    reason = _why_not_qkv(model, context) if qkv else "not asked for"
+    state = _QkvState() if reason is None else None
+    _fused_context_rope(context, state)
+    swapped["rope"] = 1
+    if state is not None:
+        for module in _self_attentions(model):
+            _fused_qkv(module, context, state)
+            swapped["qkv"] += 1
+    else:
+        log.info("qkv fold not installed: %s", reason)
+    mlp_class = importlib.import_module("megatron.core.transformer.mlp").MLP
+    for module in model.modules():
+        if type(module) is mlp_class:
+            module.forward = _fused_mlp_forward(module, module.forward)
+            swapped["swiglu"] += 1
 
 
 def _install_residual_adds(model: Any, state: _ResidualState, across_layers: bool) -> int:
@@ -571,9 +698,10 @@ def _install_residual_adds(model: Any, state: _ResidualState, across_layers: boo
     return deferred
 
 
-def _compile(model: Any, kernels: FusedKernels, qkv_context: Any = None) -> None:
+def _compile(model: Any, kernels: FusedKernels, qkv_context: Any = None, attention_context: Any = None) -> None:
     """One call of each swapped kernel on the model's shapes (Triton compiles on first call); the
-    qkv fold's with the index dtypes of ``qkv_context``'s GPU view, on scratch caches."""
+    qkv fold's with the index dtypes of ``qkv_context``'s GPU view, on scratch caches; the decode
+    attention's reading ``attention_context``'s cache with its block table's and lengths' dtypes."""
     config = model.config
     device, dtype = next(model.parameters()).device, next(model.parameters()).dtype
     heads_q = config.num_attention_heads // config.tensor_model_parallel_size
@@ -610,6 +738,16 @@ def _compile(model: Any, kernels: FusedKernels, qkv_context: Any = None) -> None
             view.token_to_pos_ids[:2] * 0,
             view.token_to_position_in_request[:2] * 0,
             2,
+        )
+    if attention_context is not None:
+        view = attention_context.gpu_view
+        decode_attention(
+            torch.zeros(1, 1, heads_q, dim, device=device, dtype=dtype),
+            attention_context.memory_buffer[0, 0],
+            attention_context.memory_buffer[1, 0],
+            view.mha_block_table[:1] * 0,
+            view.mha_kv_seq_lengths[:1] * 0 + 1,
+            1.0,
         )
     if kernels.rms_norm:
         for residual in (None, torch.zeros(2, 1, config.hidden_size, device=device, dtype=dtype)):

@@ -312,3 +312,100 @@ def qkv_rope_append_kernel(
             destination = block * cache_block_stride + slot * cache_pos_stride + kv_head * cache_head_stride + kv_d
             tl.store(key_cache_ptr + destination, k, mask=k_mask)
             tl.store(value_cache_ptr + destination, v, mask=k_mask)
+
+
+@triton.jit
+def maximum(a, b):
+    """The max reduction's combine function (``tl.max`` is a jit function: see :func:`add`)."""
+    return tl.maximum(a, b)
+
+
+@triton.jit
+def decode_attention_split_kernel(
+    q_ptr,
+    key_cache_ptr,
+    value_cache_ptr,
+    block_table_ptr,
+    seqlens_ptr,
+    partial_ptr,
+    stats_ptr,
+    scale_log2,
+    q_row_stride,
+    q_head_stride,
+    table_row_stride,
+    cache_block_stride,
+    cache_pos_stride,
+    cache_head_stride,
+    per_group: tl.constexpr,
+    per_group_pow2: tl.constexpr,
+    dim: tl.constexpr,
+    block_size: tl.constexpr,
+    block_n: tl.constexpr,
+    splits: tl.constexpr,
+):
+    """One (request, KV head, split): the split's share of the request's keys (``seqlens[request]``
+    of them, paged by ``block_table``), attended by the KV head's ``per_group`` query heads of the
+    request's one query token; writes the unnormalised output ``partial`` ``[request, head, split,
+    dim]`` (float32) and the running max and sum ``stats`` ``[request, head, split, 2]`` (base 2)."""
+    request = tl.program_id(0)
+    group = tl.program_id(1)
+    split = tl.program_id(2)
+    seqlen = tl.load(seqlens_ptr + request)
+    per_split = (seqlen + splits - 1) // splits  # tl.cdiv is a jit function: see add()
+    chunk = (per_split + block_n - 1) // block_n * block_n
+    start = split * chunk
+    end = tl.minimum(start + chunk, seqlen)
+    h = tl.arange(0, per_group_pow2)
+    d = tl.arange(0, dim)
+    head_ok = h < per_group
+    head = group * per_group + h
+    q = tl.load(
+        q_ptr + request * q_row_stride + head[:, None] * q_head_stride + d[None, :], mask=head_ok[:, None], other=0.0
+    )
+    q = q.to(tl.float32) * scale_log2
+    m = tl.full([per_group_pow2], float("-inf"), tl.float32)
+    total = tl.full([per_group_pow2], 0.0, tl.float32)
+    acc = tl.full([per_group_pow2, dim], 0.0, tl.float32)
+    for first in range(start, end, block_n):
+        t = first + tl.arange(0, block_n)
+        valid = t < end
+        block = tl.load(block_table_ptr + request * table_row_stride + t // block_size, mask=valid, other=0).to(
+            tl.int64
+        )
+        offset = block * cache_block_stride + (t % block_size) * cache_pos_stride + group * cache_head_stride
+        k = tl.load(key_cache_ptr + offset[:, None] + d[None, :], mask=valid[:, None], other=0.0).to(tl.float32)
+        scores = tl.reduce(q[:, None, :] * k[None, :, :], 2, add)
+        scores = tl.where(valid[None, :], scores, float("-inf"))
+        m_new = tl.maximum(m, tl.reduce(scores, 1, maximum))
+        p = tl.exp2(scores - m_new[:, None])
+        alpha = tl.exp2(m - m_new)
+        total = total * alpha + tl.reduce(p, 1, add)
+        v = tl.load(value_cache_ptr + offset[:, None] + d[None, :], mask=valid[:, None], other=0.0).to(tl.float32)
+        acc = acc * alpha[:, None] + tl.reduce(p[:, :, None] * v[None, :, :], 1, add)
+        m = m_new
+    heads = tl.num_programs(1) * per_group
+    row = (request * heads + head) * splits + split
+    tl.store(partial_ptr + row[:, None] * dim + d[None, :], acc, mask=head_ok[:, None])
+    tl.store(stats_ptr + row * 2, m, mask=head_ok)
+    tl.store(stats_ptr + row * 2 + 1, total, mask=head_ok)
+
+
+@triton.jit
+def decode_attention_combine_kernel(partial_ptr, stats_ptr, out_ptr, dim: tl.constexpr, splits: tl.constexpr):
+    """One (request, query head): the splits' partial outputs weighed by their maxima and sums,
+    rounded to ``out``'s dtype (``out`` ``[request, head, dim]``, contiguous)."""
+    request = tl.program_id(0)
+    head = tl.program_id(1)
+    row = request * tl.num_programs(1) + head
+    s = tl.arange(0, splits)
+    d = tl.arange(0, dim)
+    m = tl.load(stats_ptr + (row * splits + s) * 2)
+    total = tl.load(stats_ptr + (row * splits + s) * 2 + 1)
+    top = tl.reduce(m, 0, maximum)
+    top = tl.where(top == float("-inf"), 0.0, top)
+    weight = tl.exp2(m - top)
+    denominator = tl.reduce(weight * total, 0, add)
+    partial = tl.load(partial_ptr + (row * splits + s)[:, None] * dim + d[None, :])
+    numerator = tl.reduce(weight[:, None] * partial, 0, add)
+    out = numerator / tl.where(denominator > 0, denominator, 1.0)  # no keys: zeros (numerator 0)
+    tl.store(out_ptr + row * dim + d, out.to(out_ptr.dtype.element_ty))
