@@ -320,6 +320,46 @@ def graph_time_us(fn: Callable[[], Any], calls: int = 20, replays: int = 20) -> 
     return round(statistics.median(times), 2)
 
 
+def attention_probe(heads: int, groups: int, dim: int) -> dict[str, float]:
+    """One decode step's attention of one layer (1 and 8 requests, 256 keys each, megatron's 256-token
+    blocks): FA4 as megatron calls it against :func:`fused.decode_attention`, in a CUDA graph."""
+    from flash_attn.cute import flash_attn_varlen_func  # type: ignore[import-not-found]
+
+    from megafleet_engine.backends.megatron import fused
+
+    times: dict[str, float] = {}
+    caches = [torch.randn(64, 256, groups, dim, device="cuda").to(torch.bfloat16) for _ in range(2)]
+    for requests in (1, 8):
+        q = torch.randn(requests, 1, heads, dim, device="cuda").to(torch.bfloat16)
+        table = torch.arange(2 * requests, dtype=torch.int32, device="cuda").view(requests, 2)
+        lengths = torch.full((requests,), 256, dtype=torch.int32, device="cuda")
+        cu_q = torch.arange(requests + 1, dtype=torch.int32, device="cuda")
+
+        def fa4(
+            q: torch.Tensor = q, table: torch.Tensor = table, lengths: torch.Tensor = lengths, cu_q: torch.Tensor = cu_q
+        ) -> Any:
+            return flash_attn_varlen_func(
+                q.view(-1, heads, dim),
+                caches[0],
+                caches[1],
+                cu_seqlens_q=cu_q,
+                max_seqlen_q=1,
+                max_seqlen_k=512,
+                seqused_k=lengths,
+                page_table=table,
+                softmax_scale=dim**-0.5,
+                causal=True,
+            )
+
+        times[f"fa4_attention_b{requests}_256keys"] = graph_time_us(fa4)
+        times[f"decode_attention_b{requests}_256keys"] = graph_time_us(
+            lambda q=q, table=table, lengths=lengths: fused.decode_attention(
+                q, caches[0], caches[1], table, lengths, dim**-0.5
+            )  # type: ignore[misc]
+        )
+    return times
+
+
 def kernel_probe(shape: dict[str, int]) -> dict[str, Any]:
     """The ``--kernel-probe`` measurements (module docstring) for a Llama ``shape``."""
     from megafleet_engine.backends.megatron import fused
@@ -372,6 +412,10 @@ def kernel_probe(shape: dict[str, int]) -> dict[str, Any]:
         )
     )
     probe["us_per_call_in_graph"]["copy_rope_rope_index_put_b1"] = graph_time_us(megatron_four)
+    try:
+        probe["us_per_call_in_graph"].update(attention_probe(heads, groups, dim))
+    except Exception as error:  # FA4 missing or failing: the rest of the probe stands
+        probe["attention_error"] = f"{type(error).__name__}: {error}"
     gemms = {
         "qkv": (hidden, (heads + 2 * groups) * dim),
         "proj": (heads * dim, hidden),
