@@ -495,12 +495,6 @@ def main() -> int:
     }
     save = benchkit.saver(args.out, result)
     backends = Backends(args, max(batches), result)
-    if args.kernel_probe:
-        try:
-            result["kernel_probe"] = kernel_probe(PROBE_SHAPE)
-        except Exception as error:
-            result["errors"]["kernel_probe"] = f"{type(error).__name__}: {error}\n{traceback.format_exc(limit=8)}"
-        save()
     try:
         for scope in dict.fromkeys(VARIANTS[variant][0] for variant in variants):  # build every model first
             try:
@@ -510,6 +504,12 @@ def main() -> int:
         result["shape"] = dataclasses.asdict(backends.get(VARIANTS[variants[0]][0]).shape)
         save()
         wait_for(args.wait_for, args.wait_timeout, result)
+        if args.kernel_probe:  # alone on the GPU (after the other job), beside the built models
+            try:
+                result["kernel_probe"] = kernel_probe(PROBE_SHAPE)
+            except Exception as error:
+                result["errors"]["kernel_probe"] = f"{type(error).__name__}: {error}\n{traceback.format_exc(limit=8)}"
+            save()
         if args.profile_batches:
             targets = [target for target in args.profile.split(",") if target.split(":")[0] in variants]
             run_profiles(backends, targets, [int(b) for b in args.profile_batches.split(",")], result, args.out)
