@@ -276,7 +276,7 @@ def _fused_context_rope(context: Any, state: _QkvState | None) -> None:
 
     def fill_query(q: torch.Tensor, rotated_rows: int, emb: torch.Tensor, mscale: float) -> bool:
         """Fill the deferred query buffer ``q`` (rotating ``rotated_rows`` rows); False: not deferred."""
-        if state is None or state.query is None or state.query[0] is not q:
+        if state is None or state.query is None or not _same(state.query[0], q):
             return False
         query, state.query = state.query, None
         n = context.padded_active_token_count
@@ -286,7 +286,7 @@ def _fused_context_rope(context: Any, state: _QkvState | None) -> None:
     def query(
         q: torch.Tensor, emb: torch.Tensor, config: Any, cu_seqlens: Any, cp_group: Any, mscale: float = 1.0
     ) -> torch.Tensor:
-        if state is not None and state.done is not None and state.done[0][0] is q:
+        if state is not None and state.done is not None and _same(state.done[0][0], q):
             (filled, done_emb, done_mscale), state.done = state.done, None
             if done_emb is emb and done_mscale == mscale:
                 return q  # the append filled and rotated it with these frequencies
