@@ -715,6 +715,7 @@ class TestFusedKernels:
             "rms_norm": 2 * layers + 1,
             "qkv": layers,
             "residual_add": 2 * layers - 1,  # block graphs: every add but the last layer's MLP one
+            "attention": 0,  # only with "all"
         }
         assert unfused_backend.step_options()["fused_kernels"] == {}
         unfused = tokens(run(unfused_backend, greedy_requests(prompts)))  # same weights, graphs and step settings
