@@ -140,6 +140,7 @@ def test_qkv_rope_append_compiles() -> None:
         "dim": 128,
         "with_q": True,
         "with_kv": True,
+        "kv_part": 1,
     }
     code = ptx("qkv_rope_append_kernel", signature, constexprs)
     assert approximations(code) == set()  # libdevice's cosf/sinf, as the RoPE kernel

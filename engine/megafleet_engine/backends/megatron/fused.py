@@ -381,7 +381,8 @@ def qkv_rope_append(
         return
     if not freqs.is_contiguous() or dim & (dim - 1) or (query is not None and not q_out.is_contiguous()):
         raise ValueError("qkv_rope_append: unsupported layout")
-    kernels.qkv_rope_append_kernel[(rows,)](
+    parts = (query is not None) + (key_value is not None)
+    kernels.qkv_rope_append_kernel[(rows, parts)](
         grouped,
         q_out,
         key,
@@ -412,6 +413,7 @@ def qkv_rope_append(
         dim=dim,
         with_q=query is not None,
         with_kv=key_value is not None,
+        kv_part=parts - 1,
         enable_fp_fusion=False,
     )
 

@@ -133,12 +133,14 @@ def torch_sum_of_squares(base, width: tl.constexpr, threads: tl.constexpr, round
     for j in tl.static_range(rounds):
         vector = j * threads + t
         inside = vector < width // 4
-        for ii in tl.static_range(4):
-            v = tl.load(base + vector * 4 + ii, mask=inside, other=0.0).to(tl.float32)
-            if fma:  # noqa: SIM108 (a constexpr branch)
-                acc = tl.fma(v, v, acc)
-            else:
-                acc = acc + v * v
+        four = tl.load(base + vector[:, None] * 4 + tl.arange(0, 4)[None, :], mask=inside[:, None], other=0.0)
+        even, odd = tl.split(tl.reshape(four.to(tl.float32), [threads, 2, 2]))  # values 0, 2 and 1, 3
+        v0, v2 = tl.split(even)
+        v1, v3 = tl.split(odd)
+        if fma:
+            acc = tl.fma(v3, v3, tl.fma(v2, v2, tl.fma(v1, v1, tl.fma(v0, v0, acc))))
+        else:
+            acc = acc + v0 * v0 + v1 * v1 + v2 * v2 + v3 * v3
     warps: tl.constexpr = threads // 32
     lanes = tl.reshape(acc, [warps, 32])
     lanes = halve(lanes, warps, 16)
@@ -261,16 +263,19 @@ def qkv_rope_append_kernel(
     dim: tl.constexpr,
     with_q: tl.constexpr,
     with_kv: tl.constexpr,
+    kv_part: tl.constexpr,
 ):
-    """One token row: (``with_q``) its query heads, read from the qkv GEMM's grouped output, rotated
-    (rows ``< rotated_rows``; the others copied) into the contiguous ``q_out`` ``[rows, q_heads,
+    """One token row, one part (``program_id(1)``: the query is part 0, the key and value part
+    ``kv_part``, so the two run side by side): (``with_q``) its query heads, read from the qkv
+    GEMM's grouped output, rotated (rows ``< rotated_rows``; the others copied) into the contiguous ``q_out`` ``[rows, q_heads,
     dim]``; (``with_kv``, rows ``< rotated_rows``) its key heads rotated and, with its value heads,
     written to the paged KV cache at (``block_idx[row]``, ``local_pos[row]``), what megatron's
     ``_append_kv_cache_kernel`` writes. Frequencies ``freqs`` ``[positions, dim]`` float32, rows
     ``q_positions[row]`` and ``k_positions[row]``."""
     row = tl.program_id(0)
+    part = tl.program_id(1)
     rotate = row < rotated_rows
-    if with_q:
+    if with_q and part == 0:
         q_position = tl.load(q_positions_ptr + row, mask=rotate, other=0)
         q, q_mask = rope_heads(
             q_src_ptr + row * q_row_stride,
@@ -289,7 +294,7 @@ def qkv_rope_append_kernel(
         q_d = tl.arange(0, dim)[None, :]
         tl.store(q_out_ptr + row * q_heads * dim + q_head * dim + q_d, q, mask=q_mask)
     if with_kv:  # noqa: SIM102 (a constexpr test, then a runtime one)
-        if rotate:
+        if rotate and part == kv_part:
             k_position = tl.load(k_positions_ptr + row)
             k, k_mask = rope_heads(
                 k_ptr + row * k_row_stride,
