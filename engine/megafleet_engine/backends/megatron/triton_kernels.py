@@ -269,7 +269,8 @@ def qkv_rope_append_kernel(
     ``kv_part``, so the two run side by side): (``with_q``) its query heads, read from the qkv
     GEMM's grouped output, rotated (rows ``< rotated_rows``; the others copied) into the contiguous
     ``q_out`` ``[rows, q_heads, dim]``; (``with_kv``, rows ``< rotated_rows``) its key heads rotated
-    and, with its value heads, written to the paged KV cache at (``block_idx[row]``, ``local_pos[row]``), what megatron's
+    and, with its value heads, written to the paged KV cache at (``block_idx[row]``,
+    ``local_pos[row]``), what megatron's
     ``_append_kv_cache_kernel`` writes. Frequencies ``freqs`` ``[positions, dim]`` float32, rows
     ``q_positions[row]`` and ``k_positions[row]``."""
     row = tl.program_id(0)
