@@ -9,14 +9,21 @@ per layer (index, cos, sin, casts, neg, cat, two muls, add, copies, for q and fo
 * :func:`rope_` applies megatron's unfused rotary embedding (``rope_utils._apply_rotary_pos_emb_bshd``,
   not interleaved) to the rows of q or k in place, gathering each row's frequencies by its position;
 * :func:`swiglu` is megatron's unfused gated SiLU (``MLP.forward``'s ``glu``);
-* :func:`rms_norm` is an RMSNorm (``torch.nn.RMSNorm``) in one pass per row.
+* :func:`rms_norm` is torch's RMSNorm in one kernel per row, adding the squares in the order of
+  torch's CUDA kernel; with a residual it first does the layer's residual add
+  (:func:`_defer_residual_add` leaves the add to the norm after it);
+* :func:`qkv_rope_append` does the query's copy out of the qkv GEMM's output, RoPE on q and k and
+  the KV-cache append in one kernel (:func:`_fused_qkv`, :func:`_fused_context_rope`);
+* :func:`decode_attention` (only with :attr:`FusedKernels.attention`) replaces FlashAttention in
+  decode steps of a few requests.
 
-Exactness: :func:`rope_` and :func:`swiglu` round to bf16/fp16 where megatron's op-by-op version
-does (after cos/sin, each product, the sum; after silu, after the product) and use the same
-precise float32 functions (libdevice ``cos``/``sin``/``exp``, IEEE division), so their outputs are
+Exactness: :func:`rope_`, :func:`swiglu` and :func:`qkv_rope_append` round to bf16/fp16 where
+megatron's op-by-op version does (after cos/sin, each product, the sum; after silu, after the
+product) and use the same precise float32 functions (libdevice ``cos``/``sin``/``exp``, IEEE
+division); :func:`rms_norm` adds in torch's order with torch's roundings; so their outputs are
 bitwise the unfused ones' (``tests/engine/test_fused_kernels.py`` checks that on the CPU
-interpreter, ``tests/gpu/test_gpu_megatron.py`` on the GPU). :func:`rms_norm` sums the squares in
-another order than torch's kernel, so it may differ in the last bf16 bit: it is a separate option.
+interpreter, ``tests/gpu/test_gpu_megatron.py`` on the GPU). :func:`decode_attention` sums in
+another order than FlashAttention: within bf16 rounding, not bitwise.
 
 Who calls: :func:`.build.build_engine` (through :func:`install`) before megatron's engine captures
 its decode CUDA graphs, so the graphs hold these kernels. The modules keep their parameters (the
