@@ -18,9 +18,19 @@ switched between batches on the same engine, :meth:`MegatronBackend.set_step_opt
   before step N's tokens are read back);
 * ``block-fast``, ``block-fast-async``: the same with one decode graph for the whole transformer
   block (a second model, same weights);
-* ``fused-block-fast-async``: ``block-fast-async`` on a model with the fused RoPE and SwiGLU
-  kernels (``EngineOptions.fused_kernels="rope-swiglu"``, a third model), ``fusedall-block-fast-async``
-  with the fused RMSNorms too (``"all"``, a fourth).
+* ``fused-block-fast-async``: ``block-fast-async`` on a model with the default fused kernels
+  (``EngineOptions.fused_kernels="rope-swiglu"``: RoPE, SwiGLU, the RMSNorms in torch's order, the
+  qkv fold), ``fusedrs-block-fast-async`` with RoPE and SwiGLU only (``"rope-swiglu-only"``, the
+  2026-12-02 default), ``fusednorm-block-fast-async`` with the RMSNorms too (``"rope-swiglu-norm"``),
+  ``fusedqkv-block-fast-async`` with the qkv fold too (``"rope-swiglu-norm-qkv"``; the default adds
+  the residual adds into the norms),
+  ``fusedall-block-fast-async`` (``"all"``: the decode attention kernel too, not bitwise); one model
+  each.
+
+``--kernel-probe`` first measures, on the bare GPU, which summation order of the RMSNorm matches
+torch's bit for bit, single kernels' times inside a CUDA graph (torch's RMSNorm and the fused one,
+the qkv fold against megatron's four ops) and what bounds the GEMMs: each decode GEMM of the model's
+shape at batch 1 against reading the same bytes (a sum) and copying them.
 
 Paths: ``direct`` (megatron-core's ``engine.generate()``: the same engine, the same sampler and
 scheduling mode, none of our per-step code), ``backend`` (``MegatronBackend.generate()``),
@@ -29,7 +39,8 @@ output tokens per second end to end (prefill included): batch x new tokens over 
 submitting the batch to its last token; the median of ``--repeats`` runs (and the slowest, the
 fastest and the spread), after one warm-up run (the first setting measured at a batch size only:
 the others run the same kernels). ``vs_direct`` = path tok/s / direct tok/s of the same setting;
-``vs_baseline_direct`` = path tok/s / the baseline's direct tok/s. Batches above ``--prune-above``
+``vs_baseline_direct`` = path tok/s / the baseline's direct tok/s (the baseline: the ``--reference``
+setting, ``baseline`` unless told). Batches above ``--prune-above``
 run only the fastest setting (backend path) of the previous batch size, then the baseline; batches
 above ``--warmup-max-batch`` get no warm-up run (their decode graphs were captured at build time
 and their kernels compiled at the smaller batches).
@@ -64,11 +75,18 @@ VARIANTS: dict[str, tuple[str, dict[str, bool]]] = {
     "fast-async": ("layer", {"async_schedule": True, **FAST}),
     "block-fast": ("block", {"async_schedule": False, **FAST}),
     "block-fast-async": ("block", {"async_schedule": True, **FAST}),
+    "fusedrs-block-fast-async": ("block+rope-swiglu-only", {"async_schedule": True, **FAST}),
+    "fusednorm-block-fast-async": ("block+rope-swiglu-norm", {"async_schedule": True, **FAST}),
+    "fusedqkv-block-fast-async": ("block+rope-swiglu-norm-qkv", {"async_schedule": True, **FAST}),
     "fused-block-fast-async": ("block+rope-swiglu", {"async_schedule": True, **FAST}),
     "fusedall-block-fast-async": ("block+all", {"async_schedule": True, **FAST}),
 }
 """Setting name -> (model, per-step options). A model is a graph scope, ``+`` the fused kernels
 built into it (``EngineOptions.fused_kernels``; none: ``off``)."""
+
+
+PROBE_SHAPE = {"hidden": 4096, "ffn": 14336, "heads": 32, "kv_heads": 8, "vocab": 128256}
+"""The Llama-3.1-8B shape ``--kernel-probe`` measures (``random://llama-8b``)."""
 
 
 def through_engine(scheduler: engine_module.Engine, prompt_ids: benchkit.Tokens, new_tokens: int) -> benchkit.Tokens:
@@ -167,10 +185,13 @@ def measure_variant(
     return outputs
 
 
-def compare(rows: dict[str, dict[str, Any]], outputs: dict[str, dict[str, benchkit.Tokens]]) -> None:
-    """``vs_direct``, ``vs_baseline_direct`` and token equality, in place."""
-    baseline = rows.get("baseline", {}).get("direct", {}).get("tok_per_s")
-    reference = outputs.get("baseline", {}).get("direct")
+def compare(
+    rows: dict[str, dict[str, Any]], outputs: dict[str, dict[str, benchkit.Tokens]], base: str = "baseline"
+) -> None:
+    """``vs_direct``, ``vs_baseline_direct`` and token equality, in place (the baseline: the
+    ``base`` setting's direct run)."""
+    baseline = rows.get(base, {}).get("direct", {}).get("tok_per_s")
+    reference = outputs.get(base, {}).get("direct")
     for variant, row in rows.items():
         direct = row.get("direct", {}).get("tok_per_s")
         for path, figure in row.items():
@@ -273,6 +294,158 @@ def run_profiles(backends: Backends, targets: list[str], batches: list[int], res
             out.with_name(out.stem + "-profile.txt").write_text(profile_decode.summary(profiles, header))
 
 
+def graph_time_us(fn: Callable[[], Any], calls: int = 20, replays: int = 20) -> float:
+    """Microseconds per call of ``fn`` captured ``calls`` times in one CUDA graph (as in the decode
+    graph: no launch overhead, the kernels back to back), the median of ``replays`` replays."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        fn()  # compile / warm outside the capture
+    torch.cuda.current_stream().wait_stream(stream)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(calls):
+            fn()
+    graph.replay()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(replays):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) * 1000 / calls)
+    return round(statistics.median(times), 2)
+
+
+def attention_probe(heads: int, groups: int, dim: int) -> dict[str, float]:
+    """One decode step's attention of one layer (1 and 8 requests, 256 keys each, megatron's 256-token
+    blocks): FA4 as megatron calls it against :func:`fused.decode_attention`, in a CUDA graph."""
+    from flash_attn.cute import flash_attn_varlen_func  # type: ignore[import-not-found]
+
+    from megafleet_engine.backends.megatron import fused
+
+    times: dict[str, float] = {}
+    caches = [torch.randn(64, 256, groups, dim, device="cuda").to(torch.bfloat16) for _ in range(2)]
+    for requests in (1, 8):
+        q = torch.randn(requests, 1, heads, dim, device="cuda").to(torch.bfloat16)
+        table = torch.arange(2 * requests, dtype=torch.int32, device="cuda").view(requests, 2)
+        lengths = torch.full((requests,), 256, dtype=torch.int32, device="cuda")
+        cu_q = torch.arange(requests + 1, dtype=torch.int32, device="cuda")
+
+        def fa4(
+            q: torch.Tensor = q, table: torch.Tensor = table, lengths: torch.Tensor = lengths, cu_q: torch.Tensor = cu_q
+        ) -> Any:
+            return flash_attn_varlen_func(
+                q.view(-1, heads, dim),
+                caches[0],
+                caches[1],
+                cu_seqlens_q=cu_q,
+                max_seqlen_q=1,
+                max_seqlen_k=512,
+                seqused_k=lengths,
+                page_table=table,
+                softmax_scale=dim**-0.5,
+                causal=True,
+            )
+
+        times[f"fa4_attention_b{requests}_256keys"] = graph_time_us(fa4)
+        times[f"decode_attention_b{requests}_256keys"] = graph_time_us(
+            lambda q=q, table=table, lengths=lengths: fused.decode_attention(
+                q, caches[0], caches[1], table, lengths, dim**-0.5
+            )  # type: ignore[misc]
+        )
+    return times
+
+
+def kernel_probe(shape: dict[str, int]) -> dict[str, Any]:
+    """The ``--kernel-probe`` measurements (module docstring) for a Llama ``shape``."""
+    from megafleet_engine.backends.megatron import fused
+
+    probe: dict[str, Any] = {}
+    hidden, ffn = shape["hidden"], shape["ffn"]
+    heads, groups, dim = shape["heads"], shape["kv_heads"], shape["hidden"] // shape["heads"]
+    generator = torch.Generator(device="cuda").manual_seed(0)
+    weight = torch.empty(hidden, device="cuda", dtype=torch.bfloat16).uniform_(0.5, 1.5, generator=generator)
+    rows = torch.cat(
+        [torch.randn(1024, 1, hidden, device="cuda", generator=generator) * scale for scale in (0.02, 1.0, 3.0, 300.0)]
+    ).to(torch.bfloat16)
+    expected = torch.nn.functional.rms_norm(rows, (hidden,), weight, 1e-5)
+    orders: dict[str, int] = {}
+    for threads in (128, 256):
+        for fma in (True, False):
+            fused.TORCH_NORM_THREADS, fused.TORCH_NORM_FMA = threads, fma
+            produced = fused.rms_norm(rows, weight, 1e-5)
+            assert isinstance(produced, torch.Tensor)
+            orders[f"threads{threads}_fma{int(fma)}"] = int((produced != expected).sum())
+    fused.TORCH_NORM_THREADS, fused.TORCH_NORM_FMA = 128, True
+    probe["rms_norm_mismatches_vs_torch"] = {"elements": rows.numel(), **orders}
+    one = rows[:1].clone()
+    other = rows[1:2].clone()
+    probe["us_per_call_in_graph"] = {
+        "torch_rms_norm_b1": graph_time_us(lambda: torch.nn.functional.rms_norm(one, (hidden,), weight, 1e-5)),
+        "fused_rms_norm_b1": graph_time_us(lambda: fused.rms_norm(one, weight, 1e-5)),
+        "fused_add_rms_norm_b1": graph_time_us(lambda: fused.rms_norm(one, weight, 1e-5, residual=other)),
+        "torch_add_b1": graph_time_us(lambda: one + other),
+    }
+    qkv = torch.randn(1, 1, groups * (heads // groups + 2) * dim, device="cuda").to(torch.bfloat16)
+    grouped = qkv.view(1, 1, groups, -1)
+    source, key, value = torch.split(grouped, [heads // groups * dim, dim, dim], dim=3)
+    freqs = torch.rand(512, 1, 1, dim, device="cuda")
+    positions = torch.zeros(1, dtype=torch.int64, device="cuda")
+    cache = torch.zeros(2, 64, 256, groups, dim, device="cuda", dtype=torch.bfloat16)
+    blocks = torch.zeros(1, dtype=torch.int32, device="cuda")
+    query = torch.empty(1, 1, heads, dim, device="cuda", dtype=torch.bfloat16)
+
+    def megatron_four() -> None:
+        q = source.reshape(1, 1, heads, dim)
+        fused.rope_(q, freqs, positions)
+        k = fused.rope_(key, freqs, positions)
+        cache[0, blocks.long(), positions] = k.squeeze(1)
+        cache[1, blocks.long(), positions] = value.squeeze(1)
+
+    probe["us_per_call_in_graph"]["qkv_fold_b1"] = graph_time_us(
+        lambda: fused.qkv_rope_append(
+            (query, source), (key, value, cache[0], cache[1], blocks, positions), freqs, positions, positions, 1
+        )
+    )
+    probe["us_per_call_in_graph"]["copy_rope_rope_index_put_b1"] = graph_time_us(megatron_four)
+    try:
+        probe["us_per_call_in_graph"].update(attention_probe(heads, groups, dim))
+    except Exception as error:  # FA4 missing or failing: the rest of the probe stands
+        probe["attention_error"] = f"{type(error).__name__}: {error}"
+    gemms = {
+        "qkv": (hidden, (heads + 2 * groups) * dim),
+        "proj": (heads * dim, hidden),
+        "fc1": (hidden, 2 * ffn),
+        "fc2": (ffn, hidden),
+        "output": (hidden, shape["vocab"]),
+    }
+    bound: dict[str, Any] = {}
+    for name, (k, n) in gemms.items():
+        w = torch.empty(n, k, device="cuda", dtype=torch.bfloat16).uniform_(-0.01, 0.01, generator=generator)
+        x = torch.randn(1, k, device="cuda").to(torch.bfloat16)
+        copy = torch.empty_like(w)
+        size = w.numel() * w.element_size()
+        gemv = graph_time_us(lambda w=w, x=x: torch.nn.functional.linear(x, w), calls=8)  # type: ignore[misc]
+        read = graph_time_us(lambda w=w: w.view(-1).sum(dtype=torch.float32), calls=8)  # type: ignore[misc]
+        copied = graph_time_us(lambda w=w, copy=copy: copy.copy_(w), calls=8)  # type: ignore[misc]
+        bound[name] = {
+            "bytes": size,
+            "gemv_us": gemv,
+            "gemv_tb_per_s": round(size / gemv / 1e6, 2),
+            "sum_us": read,
+            "sum_read_tb_per_s": round(size / read / 1e6, 2),
+            "copy_us": copied,
+            "copy_read_write_tb_per_s": round(2 * size / copied / 1e6, 2),
+        }
+        del w, copy
+    probe["gemm_bound_b1"] = bound
+    return probe
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--source", default="random://llama-8b")
@@ -284,6 +457,11 @@ def main() -> int:
     parser.add_argument("--variants", default="baseline,fast,fast-async,block-fast-async")
     parser.add_argument("--paths", default="direct,backend")
     parser.add_argument("--prune-above", type=int, default=64)
+    parser.add_argument(
+        "--reference",
+        default="baseline",
+        help="the setting whose direct run the others' tokens and speeds are compared to",
+    )
     parser.add_argument("--warmup-max-batch", type=int, default=1 << 30, help="larger batches: no warm-up run")
     parser.add_argument("--kv-cache-gib", type=float, default=24.0)
     parser.add_argument("--profile-batches", default="1", help="empty: no profile")
@@ -295,6 +473,7 @@ def main() -> int:
     parser.add_argument("--wait-for", type=Path, default=None)
     parser.add_argument("--wait-timeout", type=float, default=120.0)
     parser.add_argument("--no-cuda-graphs", action="store_true")
+    parser.add_argument("--kernel-probe", action="store_true", help="first: the kernel measurements (docstring)")
     parser.add_argument("--out", type=Path, required=True)
     args = parser.parse_args()
     started = time.monotonic()
@@ -322,9 +501,15 @@ def main() -> int:
                 backends.get(scope)
             except Exception as error:
                 result["errors"][f"build_{scope}"] = f"{type(error).__name__}: {error}\n{traceback.format_exc(limit=8)}"
-        result["shape"] = dataclasses.asdict(backends.get("layer").shape)
+        result["shape"] = dataclasses.asdict(backends.get(VARIANTS[variants[0]][0]).shape)
         save()
         wait_for(args.wait_for, args.wait_timeout, result)
+        if args.kernel_probe:  # alone on the GPU (after the other job), beside the built models
+            try:
+                result["kernel_probe"] = kernel_probe(PROBE_SHAPE)
+            except Exception as error:
+                result["errors"]["kernel_probe"] = f"{type(error).__name__}: {error}\n{traceback.format_exc(limit=8)}"
+            save()
         if args.profile_batches:
             targets = [target for target in args.profile.split(",") if target.split(":")[0] in variants]
             run_profiles(backends, targets, [int(b) for b in args.profile_batches.split(",")], result, args.out)
@@ -332,11 +517,13 @@ def main() -> int:
         previous: dict[str, dict[str, Any]] = {}
         warmed: set[tuple[str, int]] = set()  # (graph scope, batch): one warm-up run per model and batch
         for batch in batches:
-            prompt_ids = benchkit.prompts(backends.get("layer").info.vocab_size, batch, args.prompt_tokens)
+            prompt_ids = benchkit.prompts(
+                backends.get(VARIANTS[variants[0]][0]).info.vocab_size, batch, args.prompt_tokens
+            )
             chosen = variants
             if batch > args.prune_above and previous:
                 best = fastest(previous)  # first: if the deadline cuts the batch short, the baseline goes
-                chosen = list(dict.fromkeys(variant for variant in (best, "baseline") if variant in variants))
+                chosen = list(dict.fromkeys(variant for variant in (best, args.reference) if variant in variants))
             rows: dict[str, dict[str, Any]] = {}
             outputs: dict[str, dict[str, benchkit.Tokens]] = {}
             result["figures"][f"batch_{batch}"] = rows
@@ -355,11 +542,11 @@ def main() -> int:
                     save=save,
                 )
                 warmed.add((scope, batch))
-                compare(rows, outputs)
+                compare(rows, outputs, args.reference)
                 save()
             previous = rows
         if time.monotonic() < deadline:
-            measure_write(backends.get("layer"), result)
+            measure_write(backends.get(VARIANTS[variants[0]][0]), result)
     finally:
         result["wall_s"] = round(time.monotonic() - started, 1)
         save()

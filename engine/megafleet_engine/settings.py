@@ -137,8 +137,10 @@ class Settings:
     fused_kernels: FusedKernels = "rope-swiglu"
     """``MEGAFLEET_FUSED_KERNELS``: ``off``, ``rope-swiglu`` or ``all``: the fused Triton kernels the
     megatron backend swaps into its layers on one rank (see ``EngineOptions.fused_kernels``; set it
-    through ``spec.engine.env``). Default ``rope-swiglu``: bitwise megatron's own results; ``off``
-    falls back to megatron's ops, ``all`` also fuses the RMSNorms (faster, not bitwise)."""
+    through ``spec.engine.env``). Default ``rope-swiglu``: every fusion that is bitwise megatron's
+    own results (RoPE, SwiGLU, the RMSNorms with their residual adds, the qkv copy/RoPE/KV append);
+    ``off`` falls back to megatron's ops, ``all`` also runs small decode steps' attention through a
+    Triton kernel instead of FlashAttention (faster, not bitwise)."""
 
     kv_cache_gib: int = 20
     """``MEGAFLEET_KV_CACHE_GIB``: GPU memory for the paged KV cache of the megatron backend, in GiB.

@@ -66,14 +66,107 @@ def test_swiglu_compiles_with_ieee_division() -> None:
     assert approximations(code) <= {"ex2.approx.ftz.f32"}  # inside libdevice's expf, as in CUDA's
 
 
-def test_rms_norm_compiles() -> None:
+@pytest.mark.parametrize("with_residual", [False, True])
+def test_rms_norm_compiles_with_fused_multiply_adds_in_torchs_order(with_residual: bool) -> None:
     signature = {
         "x_ptr": "*bf16",
+        "residual_ptr": "*bf16",
         "weight_ptr": "*bf16",
         "out_ptr": "*bf16",
+        "sum_ptr": "*bf16",
         "eps": "fp32",
         "width": "constexpr",
         "width_pow2": "constexpr",
+        "threads": "constexpr",
+        "rounds": "constexpr",
+        "fma": "constexpr",
+        "with_residual": "constexpr",
     }
-    code = ptx("rms_norm_kernel", signature, {"width": 4096, "width_pow2": 4096})
+    constexprs = {
+        "width": 4096,
+        "width_pow2": 4096,
+        "threads": 128,
+        "rounds": 8,
+        "fma": True,
+        "with_residual": with_residual,
+    }
+    code = ptx("rms_norm_kernel", signature, constexprs)
     assert "div.rn.f32" in code and "cvt.rn.bf16.f32" in code
+    assert code.count("fma.rn.f32") >= 4096 // 128  # each thread's 32 squares, one rounding each
+    # libdevice's rsqrtf, what torch's rsqrt calls (Triton's flushes subnormals: no difference for
+    # its argument, a mean of squares plus eps)
+    assert approximations(code) == {"rsqrt.approx.ftz.f32"}
+
+
+def test_qkv_rope_append_compiles() -> None:
+    signature = {
+        "q_src_ptr": "*bf16",
+        "q_out_ptr": "*bf16",
+        "k_ptr": "*bf16",
+        "v_ptr": "*bf16",
+        "key_cache_ptr": "*bf16",
+        "value_cache_ptr": "*bf16",
+        "freqs_ptr": "*fp32",
+        "q_positions_ptr": "*i64",
+        "k_positions_ptr": "*i64",
+        "block_idx_ptr": "*i32",
+        "local_pos_ptr": "*i64",
+        "mscale": "fp32",
+        **{name: "i32" for name in ("rotated_rows", "q_row_stride", "q_group_stride", "k_row_stride", "k_head_stride")},
+        **{
+            name: "i32"
+            for name in ("v_row_stride", "v_head_stride", "cache_block_stride", "cache_pos_stride", "cache_head_stride")
+        },
+        **{
+            name: "constexpr"
+            for name in (
+                "q_heads",
+                "q_heads_pow2",
+                "q_per_group",
+                "kv_heads",
+                "kv_heads_pow2",
+                "dim",
+                "with_q",
+                "with_kv",
+            )
+        },
+    }
+    constexprs = {
+        "q_heads": 32,
+        "q_heads_pow2": 32,
+        "q_per_group": 4,
+        "kv_heads": 8,
+        "kv_heads_pow2": 8,
+        "dim": 128,
+        "with_q": True,
+        "with_kv": True,
+        "kv_part": 1,
+    }
+    code = ptx("qkv_rope_append_kernel", signature, constexprs)
+    assert approximations(code) == set()  # libdevice's cosf/sinf, as the RoPE kernel
+
+
+def test_decode_attention_compiles() -> None:
+    split = {
+        "q_ptr": "*bf16",
+        "key_cache_ptr": "*bf16",
+        "value_cache_ptr": "*bf16",
+        "block_table_ptr": "*i32",
+        "seqlens_ptr": "*i32",
+        "partial_ptr": "*fp32",
+        "stats_ptr": "*fp32",
+        "scale_log2": "fp32",
+        **{name: "i32" for name in ("q_row_stride", "q_head_stride", "table_row_stride", "cache_block_stride")},
+        **{name: "i32" for name in ("cache_pos_stride", "cache_head_stride")},
+        **{name: "constexpr" for name in ("per_group", "per_group_pow2", "dim", "block_size", "block_n", "splits")},
+    }
+    constexprs = {"per_group": 4, "per_group_pow2": 4, "dim": 128, "block_size": 256, "block_n": 16, "splits": 16}
+    assert "ex2.approx" in ptx("decode_attention_split_kernel", split, constexprs)
+    combine = {
+        "partial_ptr": "*fp32",
+        "stats_ptr": "*fp32",
+        "out_ptr": "*bf16",
+        "dim": "constexpr",
+        "splits": "constexpr",
+    }
+    assert "cvt.rn.bf16.f32" in ptx("decode_attention_combine_kernel", combine, {"dim": 128, "splits": 16})

@@ -610,14 +610,89 @@ class TestFusedKernels:
         generator = torch.Generator(device="cuda").manual_seed(3)
         wide = (torch.randn(5, 1, 2 * 14336, device="cuda", generator=generator) * 4).to(torch.bfloat16)
         assert torch.equal(fused.swiglu(wide), fused_reference.swiglu_reference(wide))
-        hidden = (torch.randn(7, 1, 4096, device="cuda", generator=generator) * 3).to(torch.bfloat16)
-        norm = torch.nn.RMSNorm(4096, eps=1e-5, device="cuda", dtype=torch.bfloat16)
-        with torch.no_grad():
-            norm.weight.uniform_(0.5, 1.5, generator=generator)
-            expected = norm(hidden)
-            produced = fused.FusedRMSNorm(norm)(hidden)
-        torch.testing.assert_close(produced.float(), expected.float(), rtol=2**-7, atol=0.0)
-        gpu.report("fused_rms_norm_equal_fraction", value=float((produced == expected).float().mean()))
+        for width, count, scale in ((4096, 2048, 3.0), (4096, 64, 300.0), (256, 512, 1.0), (4100, 32, 3.0)):
+            hidden = (torch.randn(count, 1, width, device="cuda", generator=generator) * scale).to(torch.bfloat16)
+            residual = (torch.randn(count, 1, width, device="cuda", generator=generator) * scale).to(torch.bfloat16)
+            norm = torch.nn.RMSNorm(width, eps=1e-5, device="cuda", dtype=torch.bfloat16)
+            with torch.no_grad():
+                norm.weight.uniform_(0.5, 1.5, generator=generator)
+                expected = norm(hidden)
+                produced = fused.FusedRMSNorm(norm)(hidden)
+                assert torch.equal(produced, expected), (width, count, int((produced != expected).sum()))
+                with_residual = fused.rms_norm(hidden, norm.weight, 1e-5, residual=residual)
+                assert isinstance(with_residual, tuple)
+                assert torch.equal(with_residual[1], hidden + residual)
+                assert torch.equal(with_residual[0], norm(hidden + residual)), width
+        self.the_qkv_fold_equals_megatrons_four_ops()
+
+    def test_the_decode_attention_agrees_with_flash_attention_4(self) -> None:
+        """:func:`fused.decode_attention` against FA4 as megatron calls it in a decode step (varlen,
+        one query token per request, paged KV with megatron's block size), within bf16 rounding."""
+        from flash_attn.cute import flash_attn_varlen_func  # type: ignore[import-not-found]
+
+        generator = torch.Generator(device="cuda").manual_seed(5)
+        heads, kv_heads, dim, block_size, blocks = 32, 8, 128, 256, 24
+        lengths = torch.tensor([1, 129, 384, 300, 17, 256, 257, 200], dtype=torch.int32, device="cuda")
+        caches = [
+            (torch.randn(blocks, block_size, kv_heads, dim, device="cuda", generator=generator) * 2).to(torch.bfloat16)
+            for _ in range(2)
+        ]
+        table = torch.randperm(blocks, device="cuda", generator=generator)[:16].view(8, 2).to(torch.int32)
+        q = (torch.randn(8, 1, heads, dim, device="cuda", generator=generator) * 2).to(torch.bfloat16)
+        cu_q = torch.arange(9, dtype=torch.int32, device="cuda")
+        expected, _ = flash_attn_varlen_func(
+            q.view(8, heads, dim),
+            caches[0],
+            caches[1],
+            cu_seqlens_q=cu_q,
+            max_seqlen_q=1,
+            max_seqlen_k=512,
+            seqused_k=lengths,
+            page_table=table,
+            softmax_scale=dim**-0.5,
+            causal=True,
+        )
+        for requests in (1, 8):
+            produced = fused.decode_attention(
+                q[:requests], caches[0], caches[1], table[:requests], lengths[:requests], dim**-0.5
+            )
+            torch.testing.assert_close(produced.view(requests, heads, dim), expected[:requests], rtol=2**-7, atol=2**-7)
+            gpu.report(
+                "decode_attention_vs_fa4",
+                requests=requests,
+                max_abs=float((produced.view(requests, heads, dim).float() - expected[:requests].float()).abs().max()),
+            )
+
+    @staticmethod
+    def the_qkv_fold_equals_megatrons_four_ops() -> None:
+        """The query's reshape copy, RoPE on q and on k and the KV append (megatron's ops, written
+        out) against :func:`fused.qkv_rope_append`, bitwise, on the 8B model's head shape."""
+        groups, per_group, dim, rows, n = 8, 4, 128, 6, 5
+        generator = torch.Generator(device="cuda").manual_seed(4)
+        mixed = (torch.randn(rows, 1, groups * (per_group + 2) * dim, device="cuda", generator=generator) * 4).to(
+            torch.bfloat16
+        )
+        grouped = mixed.view(rows, 1, groups, (per_group + 2) * dim)
+        source, key, value = torch.split(grouped, [per_group * dim, dim, dim], dim=3)
+        _, freqs, _ = fused_reference.rope_inputs(1, dim=dim, device="cuda")
+        freqs = (freqs * 7.9).contiguous()
+        q_positions = torch.randint(0, 64, (n,), device="cuda", generator=generator)
+        k_positions = torch.randint(0, 64, (n,), device="cuda", generator=generator)
+        blocks = torch.randperm(16, device="cuda", generator=generator)[:n].to(torch.int32)
+        slots = torch.randint(0, 8, (n,), device="cuda", generator=generator)
+        expected_q = source.reshape(rows, 1, groups * per_group, dim)  # megatron's copy
+        expected_q[:n] = fused_reference.rope_reference(expected_q[:n], freqs, q_positions, 1.0)
+        expected_cache = torch.zeros(2, 16, 8, groups, dim, device="cuda", dtype=torch.bfloat16)
+        rotated_k = fused_reference.rope_reference(key[:n], freqs, k_positions, 1.0)
+        expected_cache[0, blocks.long(), slots] = rotated_k.squeeze(1)
+        expected_cache[1, blocks.long(), slots] = value[:n].squeeze(1)
+        query = torch.empty(rows, 1, groups * per_group, dim, device="cuda", dtype=torch.bfloat16)
+        cache = torch.zeros_like(expected_cache)
+        fused.qkv_rope_append(
+            (query, source), (key, value, cache[0], cache[1], blocks, slots), freqs, q_positions, k_positions, n
+        )
+        assert torch.equal(query, expected_q)
+        assert torch.equal(cache, expected_cache)
 
     @pytest.fixture(scope="class")
     def unfused_backend(self) -> Iterator[megatron.MegatronBackend]:
@@ -633,7 +708,15 @@ class TestFusedKernels:
         prompts: list[list[int]],
     ) -> None:
         """The module's backend has the default fused kernels (``rope-swiglu``)."""
-        assert backend.step_options()["fused_kernels"] == {"rope": 1, "swiglu": backend.shape.layers, "rms_norm": 0}
+        layers = backend.shape.layers
+        assert backend.step_options()["fused_kernels"] == {
+            "rope": 1,
+            "swiglu": layers,
+            "rms_norm": 2 * layers + 1,
+            "qkv": layers,
+            "residual_add": 2 * layers - 1,  # block graphs: every add but the last layer's MLP one
+            "attention": 0,  # only with "all"
+        }
         assert unfused_backend.step_options()["fused_kernels"] == {}
         unfused = tokens(run(unfused_backend, greedy_requests(prompts)))  # same weights, graphs and step settings
         produced = tokens(run(backend, greedy_requests(prompts)))
@@ -651,23 +734,48 @@ class TestFusedKernels:
 
         assert_a_persist_refit_is_followed(backend, prompts, produced)
 
+    def test_each_step_of_the_fusions_decodes_the_unfused_models_tokens(
+        self, unfused_backend: megatron.MegatronBackend, prompts: list[list[int]]
+    ) -> None:
+        """The benchmark's intermediate steps (RoPE and SwiGLU only; with the RMSNorms; with the qkv
+        fold) are bitwise too: the same greedy tokens and log-probabilities as the unfused model."""
+        reference = run(unfused_backend, greedy_requests(prompts, logprobs=2))
+        all_norms = 2 * unfused_backend.shape.layers + 1
+        for choice, norms in (
+            ("rope-swiglu-only", 0),
+            ("rope-swiglu-norm", all_norms),
+            ("rope-swiglu-norm-qkv", all_norms),
+        ):
+            loaded = build(name=f"tiny-{choice}", fused_kernels=choice)
+            try:
+                assert loaded.step_options()["fused_kernels"]["rms_norm"] == norms
+                produced = run(loaded, greedy_requests(prompts, logprobs=2))
+            finally:
+                loaded.close()
+            for key, steps in produced.items():
+                assert [(step.token_id, step.logprob) for step in steps] == [
+                    (step.token_id, step.logprob) for step in reference[key]
+                ], choice
+
     def test_all_kernels_agree_with_the_unfused_model(
         self, unfused_backend: megatron.MegatronBackend, prompts: list[list[int]]
     ) -> None:
-        """With the fused RMSNorms too (``all``), the tokens agree with the unfused model's up to a
-        bf16 near-tie (the norm sums its squares in another order), and equal its own direct run."""
+        """With the decode attention too (``all``), the tokens agree with the unfused model's up to a
+        bf16 near-tie (another summation order than FlashAttention's) and equal the model's own
+        direct run; the decode graphs follow a persist refit in place."""
         loaded = build(name="tiny-fused-all", fused_kernels="all")
         try:
             layers = loaded.shape.layers
-            assert loaded.step_options()["fused_kernels"] == {"rope": 1, "swiglu": layers, "rms_norm": 2 * layers + 1}
+            assert loaded.step_options()["fused_kernels"]["attention"] == layers
             produced = tokens(run(loaded, greedy_requests(prompts)))
             assert produced == direct_tokens(loaded, prompts)
+            reference = [run(unfused_backend, greedy_requests([prompt], logprobs=2))["0"] for prompt in prompts]
+            agreed = [agreed_prefix(ref, produced[str(i)]) for i, ref in enumerate(reference)]
+            gpu.report("fused_all_vs_unfused", agreed=agreed, of=gpu.NEW_TOKENS)
+            assert sum(agreed) >= 0.75 * gpu.NEW_TOKENS * len(prompts), agreed
+            assert_a_persist_refit_is_followed(loaded, prompts, produced)
         finally:
             loaded.close()
-        reference = [run(unfused_backend, greedy_requests([prompt], logprobs=2))["0"] for prompt in prompts]
-        agreed = [agreed_prefix(ref, produced[str(i)]) for i, ref in enumerate(reference)]
-        gpu.report("fused_all_vs_unfused", agreed=agreed, of=gpu.NEW_TOKENS)
-        assert sum(agreed) >= 0.75 * gpu.NEW_TOKENS * len(prompts), agreed
 
 
 class TestTensorParallel:

@@ -36,6 +36,20 @@ __all__ = [
 ]
 
 
+FusedChoice = Literal["off", "rope-swiglu", "all", "rope-swiglu-only", "rope-swiglu-norm", "rope-swiglu-norm-qkv"]
+"""The values of :attr:`EngineOptions.fused_kernels`."""
+
+FUSED_CHOICES: dict[str, fused.FusedKernels | None] = {
+    "off": None,
+    "rope-swiglu": fused.FusedKernels(),
+    "all": fused.FusedKernels(attention=True),
+    "rope-swiglu-only": fused.FusedKernels(rms_norm=False, qkv=False, residual_add=False),
+    "rope-swiglu-norm": fused.FusedKernels(qkv=False, residual_add=False),
+    "rope-swiglu-norm-qkv": fused.FusedKernels(residual_add=False),
+}
+"""The kernels each :attr:`EngineOptions.fused_kernels` value installs (``None``: megatron's ops)."""
+
+
 @dataclasses.dataclass(frozen=True)
 class EngineOptions:
     """Settings of megatron's dynamic engine."""
@@ -64,15 +78,20 @@ class EngineOptions:
     the host's per-step work overlaps the GPU's. megatron itself falls back to the ordinary order in
     steps with prefills or paused requests. Can be switched between batches
     (:meth:`.backend.MegatronBackend.set_step_options`). On one rank only (:func:`effective_options`)."""
-    fused_kernels: Literal["off", "rope-swiglu", "all"] = "rope-swiglu"
+    fused_kernels: FusedChoice = "rope-swiglu"
     """Fused Triton kernels swapped into megatron's ``local`` layers before the decode graphs are
-    captured (:mod:`.fused`, issue 19): ``rope-swiglu`` (the default), RoPE on q and k and the
-    gated SiLU, one kernel each instead of ~27 and 3 per layer, bitwise megatron's unfused results
-    (on an H200, 8B shape: batch 1 152 -> 189 tok/s, the same greedy tokens); ``all`` also the
-    RMSNorms (one kernel per row instead of torch's 6 us one: 198 tok/s, but it sums in another
-    order, so greedy tokens may part from megatron's at bf16 near-ties); ``off``, megatron's ops.
-    Fixed when the model is built; one rank only (:func:`effective_options`); models the kernels
-    do not fit keep megatron's ops (a log line says why)."""
+    captured (:mod:`.fused`, issue 19; :data:`FUSED_CHOICES`): ``rope-swiglu`` (the default, the
+    name kept from when it held only those two), every fusion that is bitwise megatron's unfused
+    result: RoPE and the gated SiLU (one kernel each instead of ~27 and 3 per layer), the RMSNorms
+    (one kernel per row adding the squares in torch's CUDA order instead of torch's 6 us kernel), and
+    per layer one kernel for the query's copy, RoPE on q and k and the KV-cache append (instead of
+    four), and each residual add in the RMSNorm after it (across layers with block graphs); ``all``
+    also a Triton decode attention for decode steps of up to 8 requests (instead of FlashAttention:
+    within bf16 rounding, not bitwise: greedy tokens may part from megatron's at near-ties); ``off``,
+    megatron's ops.
+    ``rope-swiglu-only``, ``rope-swiglu-norm`` and ``rope-swiglu-norm-qkv`` (the benchmark's steps)
+    leave the later fusions out. Fixed when the model is built; one rank only (:func:`effective_options`);
+    models the kernels do not fit keep megatron's ops (a log line says why)."""
     seed: int = 0
     """Seed of megatron's RNG trackers (sampling)."""
     kv_cache_mode: vocabulary.KvCacheMode = "persist"
@@ -268,8 +287,11 @@ def build_engine(model: Any, tokenizer: IdTokenizer, max_sequence_length: int, o
         async_sched_mode=schedule_mode(options.async_schedule),
     )
     context = megatron_core("inference.contexts.dynamic_context").DynamicInferenceContext(model.config, config)
-    if options.fused_kernels != "off":  # before the engine captures its decode graphs
-        fused.install(model, context, fused.FusedKernels(rms_norm=options.fused_kernels == "all"))
+    kernels = FUSED_CHOICES[options.fused_kernels]
+    if kernels is not None:  # before the engine captures its decode graphs
+        # one graph (or none) around all the layers: an add may be left to the next layer's norm
+        across_layers = options.graph_scope == "block" or not options.cuda_graphs
+        fused.install(model, context, dataclasses.replace(kernels, across_layers=across_layers))
     wrapper = megatron_core("inference.model_inference_wrappers.gpt.gpt_inference_wrapper").GPTInferenceWrapper(
         model, context
     )

@@ -9,14 +9,21 @@ per layer (index, cos, sin, casts, neg, cat, two muls, add, copies, for q and fo
 * :func:`rope_` applies megatron's unfused rotary embedding (``rope_utils._apply_rotary_pos_emb_bshd``,
   not interleaved) to the rows of q or k in place, gathering each row's frequencies by its position;
 * :func:`swiglu` is megatron's unfused gated SiLU (``MLP.forward``'s ``glu``);
-* :func:`rms_norm` is an RMSNorm (``torch.nn.RMSNorm``) in one pass per row.
+* :func:`rms_norm` is torch's RMSNorm in one kernel per row, adding the squares in the order of
+  torch's CUDA kernel; with a residual it first does the layer's residual add
+  (:func:`_defer_residual_add` leaves the add to the norm after it);
+* :func:`qkv_rope_append` does the query's copy out of the qkv GEMM's output, RoPE on q and k and
+  the KV-cache append in one kernel (:func:`_fused_qkv`, :func:`_fused_context_rope`);
+* :func:`decode_attention` (only with :attr:`FusedKernels.attention`) replaces FlashAttention in
+  decode steps of a few requests.
 
-Exactness: :func:`rope_` and :func:`swiglu` round to bf16/fp16 where megatron's op-by-op version
-does (after cos/sin, each product, the sum; after silu, after the product) and use the same
-precise float32 functions (libdevice ``cos``/``sin``/``exp``, IEEE division), so their outputs are
+Exactness: :func:`rope_`, :func:`swiglu` and :func:`qkv_rope_append` round to bf16/fp16 where
+megatron's op-by-op version does (after cos/sin, each product, the sum; after silu, after the
+product) and use the same precise float32 functions (libdevice ``cos``/``sin``/``exp``, IEEE
+division); :func:`rms_norm` adds in torch's order with torch's roundings; so their outputs are
 bitwise the unfused ones' (``tests/engine/test_fused_kernels.py`` checks that on the CPU
-interpreter, ``tests/gpu/test_gpu_megatron.py`` on the GPU). :func:`rms_norm` sums the squares in
-another order than torch's kernel, so it may differ in the last bf16 bit: it is a separate option.
+interpreter, ``tests/gpu/test_gpu_megatron.py`` on the GPU). :func:`decode_attention` sums in
+another order than FlashAttention: within bf16 rounding, not bitwise.
 
 Who calls: :func:`.build.build_engine` (through :func:`install`) before megatron's engine captures
 its decode CUDA graphs, so the graphs hold these kernels. The modules keep their parameters (the
@@ -48,8 +55,21 @@ class FusedKernels:
 
     rope_swiglu: bool = True
     """RoPE on q and k and the gated SiLU (bitwise megatron's unfused ops)."""
-    rms_norm: bool = False
-    """The RMSNorms (one kernel per row; may differ from torch's in the last bit)."""
+    rms_norm: bool = True
+    """The RMSNorms (one kernel per row, the squares added in torch's order: bitwise torch's)."""
+    residual_add: bool = True
+    """Each residual add into the RMSNorm after it (:func:`_defer_residual_add`; bitwise torch's add
+    and norm): within a layer always, across layers (the MLP's add into the next layer's input
+    norm) only with ``across_layers``. Needs ``rms_norm``."""
+    across_layers: bool = False
+    """Whether the layers run in one graph or eagerly (the build sets it for block graphs), so an
+    add may be left to the next layer's norm."""
+    attention: bool = False
+    """The decode steps' attention of up to :data:`DECODE_ATTENTION_MAX_REQUESTS` requests through
+    :func:`decode_attention` instead of FlashAttention (not bitwise: another summation order)."""
+    qkv: bool = True
+    """The query's copy out of the qkv GEMM's output, its RoPE, the key's RoPE and the KV-cache
+    append as one kernel per layer (:func:`qkv_rope_append`; bitwise the ops it replaces)."""
 
 
 def _kernels() -> Any:
@@ -98,38 +118,145 @@ def swiglu(x: torch.Tensor) -> torch.Tensor:
     return out
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """``x / sqrt(mean(x**2) + eps) * weight`` over the last dimension, in float32, rounded to
-    ``x``'s dtype once."""
+TORCH_NORM_THREADS = 128
+"""Threads per row of torch's ``vectorized_layer_norm_kernel`` (``num_threads()``, 4 warps on CUDA):
+:func:`rms_norm` adds the squares in the order these threads do."""
+TORCH_NORM_FMA = True
+"""Whether torch's per-thread ``sigma2 + val * val`` is one fused multiply-add (nvcc contracts it)."""
+
+
+def torch_norm_fits(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Whether torch would normalise ``x`` with its vectorized kernel (the order :func:`rms_norm`
+    reproduces): a float32/bf16/fp16 row of a multiple of 4 values (at most 2**24), ``x`` and
+    ``weight`` 16-byte aligned, both contiguous, the same dtype."""
+    width = x.shape[-1]
+    return (
+        x.dtype in (torch.bfloat16, torch.float16, torch.float32)
+        and weight.dtype == x.dtype
+        and x.is_contiguous()
+        and weight.is_contiguous()
+        and 0 < width <= 1 << 24
+        and width % 4 == 0
+        and x.data_ptr() % 16 == 0
+        and weight.data_ptr() % 16 == 0
+    )
+
+
+def rms_norm(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    eps: float,
+    residual: torch.Tensor | None = None,
+    total: torch.Tensor | None = None,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """``torch.nn.functional.rms_norm(x, (width,), weight, eps)`` over the last dimension, bitwise
+    torch's CUDA result where :func:`torch_norm_fits` (the sum of squares in its threads' order,
+    :data:`TORCH_NORM_THREADS`; then ``weight * (rstd * x)`` in float32, rounded once).
+    With ``residual``: ``s = x + residual`` (rounded to the dtype, as torch's add) is normalised
+    and ``(normed, s)`` returned (one kernel for the residual add and the norm); ``s`` is written to
+    ``total`` if given (it may be ``x`` itself: the add in place, as megatron's)."""
     if not x.is_contiguous():
         x = x.contiguous()
     width = x.shape[-1]
     out = torch.empty_like(x)
+    if residual is None:
+        total = out
+    elif total is None:
+        total = torch.empty_like(x)
     rows = x.numel() // width if width else 0
     if rows:
         kernels = _kernels()
+        threads = TORCH_NORM_THREADS
         kernels.rms_norm_kernel[(rows,)](
             x,
+            residual.contiguous() if residual is not None else x,
             weight,
             out,
+            total,
             float(eps),
             width=width,
             width_pow2=kernels.triton.next_power_of_2(width),
+            threads=threads,
+            rounds=-(-width // (4 * threads)),
+            fma=TORCH_NORM_FMA,
+            with_residual=residual is not None,
             enable_fp_fusion=False,
+            num_warps=4,
         )
-    return out
+    return (out, total) if residual is not None else out
+
+
+@dataclasses.dataclass
+class _ResidualState:
+    """A residual add left for the next norm (:func:`_defer_residual_add`): megatron's add of the
+    residual into the attention's or MLP's output ``x`` (in place), not yet done."""
+
+    pending: tuple[torch.Tensor, torch.Tensor] | None = None
+    """(``x``, residual): ``x`` is to become ``x + residual``."""
+
+    def settle(self) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """The pending add, taken (``None``: none)."""
+        pending, self.pending = self.pending, None
+        return pending
+
+
+def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """``a`` and ``b`` are views of the same values (megatron re-wraps tensors: no identity)."""
+    return a.data_ptr() == b.data_ptr() and a.shape == b.shape and a.stride() == b.stride() and a.dtype == b.dtype
 
 
 class FusedRMSNorm(torch.nn.Module):
-    """A drop-in for the ``torch.nn.RMSNorm`` it replaces, holding the same weight ``Parameter``."""
+    """A drop-in for the ``torch.nn.RMSNorm`` it replaces, holding the same weight ``Parameter``:
+    :func:`rms_norm` where torch would run its vectorized kernel, torch's own op otherwise; with a
+    ``residual`` state, it first completes an add left for it (in the same kernel when it can)."""
 
-    def __init__(self, replaced: torch.nn.RMSNorm) -> None:
+    def __init__(self, replaced: torch.nn.RMSNorm, residual: _ResidualState | None = None) -> None:
         super().__init__()
         self.weight = replaced.weight
         self.eps = replaced.eps if replaced.eps is not None else torch.finfo(replaced.weight.dtype).eps
+        self.residual = residual
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return rms_norm(x, self.weight, self.eps)
+        pending = self.residual.settle() if self.residual is not None else None
+        if pending is not None and not (_same(pending[0], x) and torch_norm_fits(x, self.weight)):
+            pending[0].add_(pending[1])  # megatron's own in-place add, then the norm alone
+            pending = None
+        if not torch_norm_fits(x, self.weight):
+            return torch.nn.functional.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
+        if pending is not None:
+            normed, _ = rms_norm(x, self.weight, self.eps, residual=pending[1], total=x)
+            return normed
+        plain = rms_norm(x, self.weight, self.eps)
+        assert isinstance(plain, torch.Tensor)
+        return plain
+
+
+def _defer_residual_add(original: Any, state: _ResidualState) -> Any:
+    """A layer's ``self_attn_bda``/``mlp_bda`` (megatron's bias-dropout-add, called as
+    ``bda(training, fused)(x_with_bias, residual, prob)``): in inference without a bias, where
+    megatron adds the residual into ``x`` in place and returns ``x``, it returns ``x`` as it is and
+    leaves the add to the next :class:`FusedRMSNorm` (one kernel for both; nothing reads ``x``
+    in between in megatron's layer)."""
+
+    def bda(training: bool, fused: bool) -> Any:
+        function = original(training, fused)
+
+        def deferred(x_with_bias: Any, residual: torch.Tensor, prob: float) -> torch.Tensor:
+            x: torch.Tensor = x_with_bias[0]
+            bias = x_with_bias[1]
+            plain = not training and bias is None and not x.requires_grad and not residual.requires_grad
+            if not (plain and x.dtype == residual.dtype and x.shape == residual.shape and x.is_contiguous()):
+                result: torch.Tensor = function(x_with_bias, residual, prob)
+                return result
+            earlier = state.settle()
+            if earlier is not None:  # never left unconsumed in megatron's order; done if it were
+                earlier[0].add_(earlier[1])
+            state.pending = (x, residual)
+            return x
+
+        return deferred
+
+    return bda
 
 
 def _fused_mlp_forward(mlp: Any, original: Any) -> Any:
@@ -145,20 +272,39 @@ def _fused_mlp_forward(mlp: Any, original: Any) -> Any:
     return forward
 
 
-def _fused_context_rope(context: Any) -> None:
+def _fused_context_rope(context: Any, state: _QkvState | None) -> None:
     """The dynamic context's ``apply_rotary_emb_query``/``_key`` through :func:`rope_` (in place),
-    for every step kind (their positions come from the context's GPU view, as megatron's do)."""
+    for every step kind (their positions come from the context's GPU view, as megatron's do); with
+    ``state`` (the qkv fold, :func:`_fused_qkv`), the key's RoPE is deferred to the KV append, which
+    also fills and rotates the query, in one :func:`qkv_rope_append`."""
 
     original_query, original_key = context.apply_rotary_emb_query, context.apply_rotary_emb_key
+    original_append = context.append_key_value_cache
+
+    def fill_query(q: torch.Tensor, rotated_rows: int, emb: torch.Tensor, mscale: float) -> bool:
+        """Fill the deferred query buffer ``q`` (rotating ``rotated_rows`` rows); False: not deferred."""
+        if state is None or state.query is None or not _same(state.query[0], q):
+            return False
+        query, state.query = state.query, None
+        n = context.padded_active_token_count
+        qkv_rope_append(query, None, emb, context.gpu_view.token_to_pos_ids[:n], emb, rotated_rows, mscale)
+        return True
 
     def query(
         q: torch.Tensor, emb: torch.Tensor, config: Any, cu_seqlens: Any, cp_group: Any, mscale: float = 1.0
     ) -> torch.Tensor:
-        if emb.dtype != torch.float32 or cu_seqlens is not None:
+        if state is not None and state.done is not None and _same(state.done[0][0], q):
+            (filled, done_emb, done_mscale), state.done = state.done, None
+            if done_emb is emb and done_mscale == mscale:
+                return q  # the append filled and rotated it with these frequencies
+            state.query = filled  # other frequencies than the key's: fill it again below
+        if emb.dtype != torch.float32 or cu_seqlens is not None or not emb.is_contiguous():
+            fill_query(q, 0, emb, mscale)  # copied only: megatron's own RoPE follows
             unfused: torch.Tensor = original_query(q, emb, config, cu_seqlens, cp_group, mscale=mscale)
             return unfused
         n = context.padded_active_token_count
-        rope_(q[:n], emb, context.gpu_view.token_to_pos_ids[:n], mscale)
+        if not fill_query(q, n, emb, mscale):
+            rope_(q[:n], emb, context.gpu_view.token_to_pos_ids[:n], mscale)
         return q
 
     def key(k: torch.Tensor, emb: torch.Tensor, config: Any, cp_group: Any, mscale: float = 1.0) -> torch.Tensor:
@@ -166,11 +312,281 @@ def _fused_context_rope(context: Any) -> None:
             unfused: torch.Tensor = original_key(k, emb, config, cp_group, mscale=mscale)
             return unfused
         n = context.padded_active_token_count
-        rope_(k[:n], emb, context.gpu_view.token_to_position_in_request[:n], mscale)
+        if state is not None and state.active and emb.is_contiguous():
+            state.key = (emb, mscale)  # rotated by the append
+        else:
+            rope_(k[:n], emb, context.gpu_view.token_to_position_in_request[:n], mscale)
         return k[:n] if context.is_decode_only() else k
+
+    def append(layer_number: int, k: torch.Tensor, v: torch.Tensor) -> None:
+        if state is None or state.key is None:
+            original_append(layer_number, k, v)
+            return
+        (emb, mscale), state.key = state.key, None
+        n = context.padded_active_token_count
+        layer = context.layer_map[layer_number - 1]
+        query = state.query
+        if query is not None:
+            state.query, state.done = None, (query, emb, mscale)
+        qkv_rope_append(
+            query,
+            (
+                k,
+                v,
+                context.memory_buffer[0, layer],
+                context.memory_buffer[1, layer],
+                context.gpu_view.token_to_block_idx[:n],
+                context.gpu_view.token_to_local_position_within_kv_block[:n],
+            ),
+            emb,
+            context.gpu_view.token_to_pos_ids[:n],
+            context.gpu_view.token_to_position_in_request[:n],
+            n,
+            mscale,
+        )
 
     context.apply_rotary_emb_query = query
     context.apply_rotary_emb_key = key
+    context.append_key_value_cache = append
+
+
+def qkv_rope_append(
+    query: tuple[torch.Tensor, torch.Tensor] | None,
+    key_value: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None,
+    freqs: torch.Tensor,
+    q_positions: torch.Tensor,
+    k_positions: torch.Tensor,
+    rotated_rows: int,
+    mscale: float = 1.0,
+) -> None:
+    """One kernel for what megatron runs as four per layer (the query's reshape copy, RoPE on q,
+    RoPE on k, the KV-cache append), bitwise the same results:
+
+    * ``query = (out, grouped)``: ``grouped`` ``[rows, 1, groups, per_group * dim]`` (the qkv GEMM's
+      output split, any row and group strides) is written to ``out`` ``[rows, 1, groups *
+      per_group, dim]`` (contiguous), rows ``< rotated_rows`` rotated by ``freqs[q_positions[row]]``;
+    * ``key_value = (key, value, key_cache, value_cache, block_idx, local_pos)``: rows ``<
+      rotated_rows`` of ``key`` ``[rows, 1, kv_heads, dim]`` rotated by ``freqs[k_positions[row]]``
+      and ``value`` are written to the caches ``[blocks, block_size, kv_heads, dim]`` at
+      ``(block_idx[row], local_pos[row])``.
+
+    ``freqs`` ``[positions, 1, 1, dim]`` float32, contiguous; ``cos``/``sin`` scaled by ``mscale``."""
+    if query is None and key_value is None:
+        return
+    kernels = _kernels()
+    dim = freqs.shape[-1]
+    dummy = freqs
+    q_out, grouped = query if query is not None else (dummy, dummy)
+    key, value, key_cache, value_cache, block_idx, local_pos = (
+        key_value if key_value is not None else (dummy, dummy, dummy, dummy, q_positions, q_positions)
+    )
+    q_heads = q_out.shape[2] if query is not None else 1
+    groups = grouped.shape[2] if query is not None else 1
+    kv_heads = key.shape[2] if key_value is not None else 1
+    rows = q_out.shape[0] if query is not None else rotated_rows
+    if rows == 0:
+        return
+    if not freqs.is_contiguous() or dim & (dim - 1) or (query is not None and not q_out.is_contiguous()):
+        raise ValueError("qkv_rope_append: unsupported layout")
+    parts = (query is not None) + (key_value is not None)
+    kernels.qkv_rope_append_kernel[(rows, parts)](
+        grouped,
+        q_out,
+        key,
+        value,
+        key_cache,
+        value_cache,
+        freqs,
+        q_positions,
+        k_positions,
+        block_idx,
+        local_pos,
+        float(mscale),
+        rotated_rows,
+        grouped.stride(0) if query is not None else 0,
+        grouped.stride(2) if query is not None else 0,
+        key.stride(0) if key_value is not None else 0,
+        key.stride(2) if key_value is not None else 0,
+        value.stride(0) if key_value is not None else 0,
+        value.stride(2) if key_value is not None else 0,
+        key_cache.stride(0) if key_value is not None else 0,
+        key_cache.stride(1) if key_value is not None else 0,
+        key_cache.stride(2) if key_value is not None else 0,
+        q_heads=q_heads,
+        q_heads_pow2=kernels.triton.next_power_of_2(q_heads),
+        q_per_group=q_heads // groups,
+        kv_heads=kv_heads,
+        kv_heads_pow2=kernels.triton.next_power_of_2(kv_heads),
+        dim=dim,
+        with_q=query is not None,
+        with_kv=key_value is not None,
+        kv_part=parts - 1,
+        enable_fp_fusion=False,
+    )
+
+
+DECODE_ATTENTION_MAX_REQUESTS = 8
+"""Decode steps of at most this many requests use :func:`decode_attention` (when installed)."""
+DECODE_ATTENTION_SPLITS = 16
+"""Splits of each request's keys (one program each per KV head): one query token leaves little
+work per request, so the keys are spread over programs and the splits combined after."""
+
+
+def decode_attention(
+    q: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    block_table: torch.Tensor,
+    seqlens: torch.Tensor,
+    scale: float,
+    splits: int = DECODE_ATTENTION_SPLITS,
+    block_n: int = 16,
+) -> torch.Tensor:
+    """Attention of one query token per request over its paged keys and values (a decode step):
+    ``q`` ``[requests, 1, heads, dim]`` (last stride 1), the caches ``[blocks, block_size, kv_heads,
+    dim]`` (megatron's layout), ``block_table`` ``[requests, max_blocks]`` (the blocks of each
+    request's tokens in order), ``seqlens`` ``[requests]`` (keys per request, the new token's
+    included); ``softmax(q k^T * scale) v`` per query head, each KV head serving ``heads /
+    kv_heads`` consecutive query heads. Returns ``[requests, 1, heads, dim]`` in ``q``'s dtype;
+    requests with no keys get zeros. Two kernels: ``splits`` programs per (request, KV head) over
+    shares of the keys, then one per (request, head) combining them."""
+    requests, _, heads, dim = q.shape
+    _, block_size, kv_heads, _ = key_cache.shape
+    out = torch.empty(requests, 1, heads, dim, dtype=q.dtype, device=q.device)
+    if requests == 0:
+        return out
+    if q.stride(3) != 1 or key_cache.stride() != value_cache.stride() or dim & (dim - 1) or splits & (splits - 1):
+        raise ValueError("decode_attention: unsupported layout")
+    kernels = _kernels()
+    partial = torch.empty(requests, heads, splits, dim, dtype=torch.float32, device=q.device)
+    stats = torch.empty(requests, heads, splits, 2, dtype=torch.float32, device=q.device)
+    per_group = heads // kv_heads
+    kernels.decode_attention_split_kernel[(requests, kv_heads, splits)](
+        q,
+        key_cache,
+        value_cache,
+        block_table,
+        seqlens,
+        partial,
+        stats,
+        float(scale) * 1.4426950408889634,  # log2(e): the kernel's exponentials are base 2
+        q.stride(0),
+        q.stride(2),
+        block_table.stride(0),
+        key_cache.stride(0),
+        key_cache.stride(1),
+        key_cache.stride(2),
+        per_group=per_group,
+        per_group_pow2=kernels.triton.next_power_of_2(per_group),
+        dim=dim,
+        block_size=block_size,
+        block_n=block_n,
+        splits=splits,
+    )
+    kernels.decode_attention_combine_kernel[(requests, heads)](partial, stats, out, dim=dim, splits=splits)
+    return out
+
+
+def _fused_decode_attention(attention: Any) -> None:
+    """Patch one ``SelfAttention``'s ``flash_decode_and_prefill``: decode-only steps of at most
+    :data:`DECODE_ATTENTION_MAX_REQUESTS` requests (one query token each, no attention sink) go to
+    :func:`decode_attention`; every other step to megatron's FlashAttention."""
+    original = attention.flash_decode_and_prefill
+
+    def flash_decode_and_prefill(
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        max_seqlen_q: Any,
+        max_seqlen_k: Any,
+        cu_seqlens_q: Any,
+        cu_seqlens_k: Any,
+        seqlens_k: torch.Tensor,
+        block_table: torch.Tensor,
+        is_decode_only: bool,
+        softmax_offset: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        requests = seqlens_k.shape[0]
+        if (
+            not is_decode_only
+            or softmax_offset is not None
+            or requests > DECODE_ATTENTION_MAX_REQUESTS
+            or q.shape[0] != requests
+        ):
+            result: torch.Tensor = original(
+                q,
+                k,
+                v,
+                max_seqlen_q,
+                max_seqlen_k,
+                cu_seqlens_q,
+                cu_seqlens_k,
+                seqlens_k,
+                block_table,
+                is_decode_only,
+                softmax_offset=softmax_offset,
+            )
+            return result
+        scale = getattr(attention, "softmax_scale", None) or q.shape[-1] ** -0.5
+        return decode_attention(q, k, v, block_table, seqlens_k, scale)
+
+    attention.flash_decode_and_prefill = flash_decode_and_prefill
+
+
+@dataclasses.dataclass
+class _QkvState:
+    """What the patched attention methods of one model hand each other within a layer's forward
+    (:func:`_fused_qkv`): they run in order (the qkv split, the key's RoPE, the append, the
+    query's RoPE), on one stream, so plain attributes carry it."""
+
+    active: bool = False
+    """Inside an attention forward over the dynamic context these patches serve."""
+    query: tuple[torch.Tensor, torch.Tensor] | None = None
+    """(the query buffer returned unfilled, the grouped qkv view it is to be filled from)."""
+    key: tuple[torch.Tensor, float] | None = None
+    """(freqs, mscale) of the key handed back unrotated, for the append to rotate."""
+    done: tuple[tuple[torch.Tensor, torch.Tensor], torch.Tensor, float] | None = None
+    """((query buffer, grouped view), freqs, mscale): the append filled and rotated the query."""
+
+
+def _fused_qkv(attention: Any, context: Any, state: _QkvState) -> None:
+    """Patch one ``SelfAttention``: its qkv split hands back an unfilled contiguous query buffer,
+    the context's key RoPE defers, and the append fills the query, rotates both and appends the
+    KV in one :func:`qkv_rope_append` (``_fused_context_rope`` routes the context's methods here)."""
+    original_forward, original_qkv = attention.forward, attention.get_query_key_value_tensors
+    apply_module = importlib.import_module("megatron.core.typed_torch").apply_module
+
+    def forward(*args: Any, **kwargs: Any) -> Any:
+        inference_context: Any = kwargs.get("inference_context") or kwargs.get("inference_params")
+        state.active = inference_context is context and not context.is_static_batching()
+        try:
+            return original_forward(*args, **kwargs)
+        finally:
+            state.active = False
+            state.query = state.key = state.done = None
+
+    def get_query_key_value_tensors(
+        hidden_states: torch.Tensor,
+        key_value_states: torch.Tensor | None = None,
+        output_gate: bool = False,
+        split_qkv: bool = True,
+    ) -> Any:
+        if not state.active or output_gate or not split_qkv or key_value_states is not None:
+            return original_qkv(hidden_states, key_value_states, output_gate=output_gate, split_qkv=split_qkv)
+        mixed_qkv, _ = apply_module(attention.linear_qkv)(hidden_states)
+        groups = attention.num_query_groups_per_partition
+        per_group = attention.num_attention_heads_per_partition // groups
+        dim = attention.hidden_size_per_attention_head
+        grouped = mixed_qkv.view(*mixed_qkv.shape[:-1], groups, (per_group + 2) * dim)
+        source, key, value = torch.split(grouped, [per_group * dim, dim, dim], dim=3)
+        query = torch.empty(
+            *mixed_qkv.shape[:-1], groups * per_group, dim, dtype=mixed_qkv.dtype, device=mixed_qkv.device
+        )
+        state.query = (query, source)
+        return query, key, value
+
+    attention.forward = forward
+    attention.get_query_key_value_tensors = get_query_key_value_tensors
 
 
 def _why_not(config: Any) -> str | None:
@@ -191,39 +607,110 @@ def _why_not(config: Any) -> str | None:
     return ", ".join(failed) or None
 
 
+def _why_not_qkv(model: Any, context: Any) -> str | None:
+    """Why the qkv fold (:func:`_fused_qkv`) does not fit ``model`` (``None``: it does): it hands
+    back the query unfilled for the context's RoPE to fill, so every path that reads the query
+    before that must be off."""
+    config = model.config
+    checks = {
+        "position_embedding_type rope": getattr(model, "position_embedding_type", "rope") == "rope",
+        "flash_decode": not getattr(config, "flash_decode", False),
+        "attention_output_gate": not getattr(config, "attention_output_gate", False),
+        "qk_layernorm": not getattr(config, "qk_layernorm", False),
+        "fused_single_qkv_rope": not getattr(config, "fused_single_qkv_rope", False),
+        "flashinfer fused rope": not getattr(context, "use_flashinfer_fused_rope", False),
+        "MLA latent cache": not getattr(context, "cache_mla_latent", False),
+        "tensor parallel": config.tensor_model_parallel_size == 1,
+    }
+    failed = [name for name, ok in checks.items() if not ok]
+    return ", ".join(failed) or None
+
+
 def install(model: Any, context: Any, kernels: FusedKernels) -> dict[str, int]:
     """Swap the fused kernels into ``model`` (megatron's ``GPTModel``, ``local`` spec) and its
     dynamic inference ``context``, then run each once so Triton compiles before megatron captures
     its decode graphs. Returns how many modules each kernel replaced; nothing is swapped (a log line
     says why) for a model these kernels do not fit."""
-    mlp_class = importlib.import_module("megatron.core.transformer.mlp").MLP
-
-    swapped = {"rope": 0, "swiglu": 0, "rms_norm": 0}
+    swapped = {"rope": 0, "swiglu": 0, "rms_norm": 0, "qkv": 0, "residual_add": 0, "attention": 0}
     reason = _why_not(model.config)
     if reason:
         log.info("fused kernels not installed: the model does not fit them (%s)", reason)
         return swapped
     if kernels.rope_swiglu:
-        _fused_context_rope(context)
-        swapped["rope"] = 1
-        for module in model.modules():
-            if type(module) is mlp_class:
-                module.forward = _fused_mlp_forward(module, module.forward)
-                swapped["swiglu"] += 1
+        _install_rope_swiglu(model, context, kernels.qkv, swapped)
+    if kernels.attention:
+        if getattr(model.config, "window_size", None) is None:
+            for module in _self_attentions(model):
+                _fused_decode_attention(module)
+                swapped["attention"] += 1
+        else:
+            log.info("decode attention not installed: sliding-window attention")
     if kernels.rms_norm:
+        residual = _ResidualState() if kernels.residual_add else None
         for parent in list(model.modules()):
             for name, child in list(parent.named_children()):
                 if type(child) is torch.nn.RMSNorm and child.weight is not None:
-                    setattr(parent, name, FusedRMSNorm(child))
+                    setattr(parent, name, FusedRMSNorm(child, residual))
                     swapped["rms_norm"] += 1
-    _compile(model, kernels)
+        if residual is not None:
+            swapped["residual_add"] = _install_residual_adds(model, residual, kernels.across_layers)
+    _compile(model, kernels, context if swapped["qkv"] else None, context if swapped["attention"] else None)
     setattr(model, INSTALLED, swapped)
     log.info("fused kernels installed: %s", swapped)
     return swapped
 
 
-def _compile(model: Any, kernels: FusedKernels) -> None:
-    """One call of each swapped kernel on the model's shapes (Triton compiles on first call)."""
+def _self_attentions(model: Any) -> list[Any]:
+    """``model``'s megatron ``SelfAttention`` modules."""
+    attention_class = importlib.import_module("megatron.core.transformer.attention").SelfAttention
+    return [module for module in model.modules() if isinstance(module, attention_class)]
+
+
+def _install_rope_swiglu(model: Any, context: Any, qkv: bool, swapped: dict[str, int]) -> None:
+    """RoPE (with ``qkv``, the qkv fold where it fits) and the gated SiLU, counted into ``swapped``."""
+    reason = _why_not_qkv(model, context) if qkv else "not asked for"
+    state = _QkvState() if reason is None else None
+    _fused_context_rope(context, state)
+    swapped["rope"] = 1
+    if state is not None:
+        for module in _self_attentions(model):
+            _fused_qkv(module, context, state)
+            swapped["qkv"] += 1
+    else:
+        log.info("qkv fold not installed: %s", reason)
+    mlp_class = importlib.import_module("megatron.core.transformer.mlp").MLP
+    for module in model.modules():
+        if type(module) is mlp_class:
+            module.forward = _fused_mlp_forward(module, module.forward)
+            swapped["swiglu"] += 1
+
+
+def _install_residual_adds(model: Any, state: _ResidualState, across_layers: bool) -> int:
+    """Leave each residual add whose next op is a :class:`FusedRMSNorm` to that norm: the
+    attention's (the same layer's pre-MLP norm, where no cross-attention sits between) and, with
+    ``across_layers``, the MLP's of every layer but the last (the next layer's input norm; the last
+    one's output leaves the layers). Returns how many adds were left to norms."""
+    layers = [m for m in model.modules() if all(hasattr(m, a) for a in ("self_attn_bda", "mlp_bda", "input_layernorm"))]
+    deferred = 0
+    for index, layer in enumerate(layers):
+        plain = all(
+            type(getattr(layer, a, None)).__name__.startswith("Identity")
+            for a in ("cross_attention", "pre_cross_attn_layernorm")
+        )
+        if plain and isinstance(getattr(layer, "pre_mlp_layernorm", None), FusedRMSNorm):
+            layer.self_attn_bda = _defer_residual_add(layer.self_attn_bda, state)
+            deferred += 1
+        following = layers[index + 1] if index + 1 < len(layers) else None
+        if across_layers and following is not None and isinstance(following.input_layernorm, FusedRMSNorm):
+            layer.mlp_bda = _defer_residual_add(layer.mlp_bda, state)
+            deferred += 1
+    return deferred
+
+
+def _compile(model: Any, kernels: FusedKernels, qkv_context: Any = None, attention_context: Any = None) -> None:
+    """One call of each swapped kernel on the model's shapes (Triton compiles on first call); the
+    qkv fold's with the index dtypes of ``qkv_context``'s GPU view, on scratch caches; the decode
+    attention's reading ``attention_context``'s cache with its block table's and lengths' dtypes."""
     config = model.config
     device, dtype = next(model.parameters()).device, next(model.parameters()).dtype
     heads_q = config.num_attention_heads // config.tensor_model_parallel_size
@@ -239,11 +726,41 @@ def _compile(model: Any, kernels: FusedKernels) -> None:
                 2, 1, 2 * config.ffn_hidden_size // config.tensor_model_parallel_size, device=device, dtype=dtype
             )
         )
-    if kernels.rms_norm:
-        rms_norm(
-            torch.zeros(2, 1, config.hidden_size, device=device, dtype=dtype),
-            torch.ones(config.hidden_size, device=device, dtype=dtype),
-            1e-5,
+    if qkv_context is not None:
+        view = qkv_context.gpu_view
+        per_group = heads_q // heads_k
+        grouped = torch.zeros(2, 1, heads_k, (per_group + 2) * dim, device=device, dtype=dtype)
+        source, key, value = torch.split(grouped, [per_group * dim, dim, dim], dim=3)
+        cache = torch.zeros(2, 2, 4, heads_k, dim, device=device, dtype=dtype)
+        freqs = torch.zeros(4, 1, 1, dim, device=device)
+        qkv_rope_append(
+            (torch.empty(2, 1, heads_q, dim, device=device, dtype=dtype), source),
+            (
+                key,
+                value,
+                cache[0],
+                cache[1],
+                view.token_to_block_idx[:2] * 0,
+                view.token_to_local_position_within_kv_block[:2] * 0,
+            ),
+            freqs,
+            view.token_to_pos_ids[:2] * 0,
+            view.token_to_position_in_request[:2] * 0,
+            2,
         )
+    if attention_context is not None:
+        view = attention_context.gpu_view
+        decode_attention(
+            torch.zeros(1, 1, heads_q, dim, device=device, dtype=dtype),
+            attention_context.memory_buffer[0, 0],
+            attention_context.memory_buffer[1, 0],
+            view.mha_block_table[:1] * 0,
+            view.mha_kv_seq_lengths[:1] * 0 + 1,
+            1.0,
+        )
+    if kernels.rms_norm:
+        for residual in (None, torch.zeros(2, 1, config.hidden_size, device=device, dtype=dtype)):
+            x = torch.zeros(2, 1, config.hidden_size, device=device, dtype=dtype)
+            rms_norm(x, torch.ones(config.hidden_size, device=device, dtype=dtype), 1e-5, residual=residual, total=x)
     if device.type == "cuda":
         torch.cuda.synchronize(device)
