@@ -135,6 +135,28 @@ def cpu_seconds(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
+def tree_cpu_seconds(pid: int) -> float:
+    """CPU seconds of ``pid`` and its live children (kube-controller-manager and kube-scheduler run
+    under a supervisor process)."""
+    total = 0.0
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if stat.parent.name == str(pid) or fields[1] == str(pid):
+            total += (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    return total
+
+
+CONTROL_PLANE = ("kube-apiserver", "etcd", "kube-controller-manager", "kube-scheduler", "kwok")
+
+
+def control_plane_cpu(local: cluster.LocalCluster) -> dict[str, float]:
+    """CPU seconds so far of each control-plane program (both systems share them)."""
+    return {r.name: tree_cpu_seconds(r.pid) for r in local._records if r.name in CONTROL_PLANE}
+
+
 def peak_rss_mib(pid: int) -> float:
     for line in Path(f"/proc/{pid}/status").read_text().splitlines():
         if line.startswith("VmHWM:"):
@@ -186,22 +208,28 @@ def _seconds(stamp: str) -> float:
     return datetime.datetime.fromisoformat(stamp.replace("Z", "+00:00")).timestamp()
 
 
-def timeline(log: Path, offset: int, namespace: str, controller: str, started: float) -> dict[str, Any]:
+def timeline(log: Path, offset: int, namespace: str, controller: str, started: float, until: float) -> dict[str, Any]:
     """Where the time between the apply (``started``, epoch seconds) and the last pod Running went:
     per ``"<actor> <verb> <resource>"`` of the successful writes in ``namespace`` (Events apart),
     how many, when the first and the last arrived at the API server (seconds after the apply), and
-    their median and longest latency in the API server (received to answered, milliseconds)."""
+    their median and longest latency in the API server (received to answered, milliseconds). Also
+    ``apiserver create ipaddresses``: the ClusterIP records the API server writes to itself while it
+    creates a ClusterIP Service (cluster-scoped; those received within ``until`` seconds of the apply)."""
     seen: dict[str, list[tuple[float, float]]] = collections.defaultdict(list)
     with log.open("rb") as stream:
         stream.seek(offset)
         for line in stream:
             event = json.loads(line)
             ref = event.get("objectRef") or {}
-            if ref.get("namespace") != namespace or event["verb"] not in WRITES or ref.get("resource") == "events":
+            if (event.get("responseStatus") or {}).get("code", 200) >= 400 or event["verb"] not in WRITES:
                 continue
-            if (event.get("responseStatus") or {}).get("code", 200) >= 400:
+            allocation = ref.get("resource") == "ipaddresses" and event["verb"] == "create"
+            if allocation:  # the API server's ClusterIP records: one per ClusterIP, allocated one at a time
+                if not started <= _seconds(event["requestReceivedTimestamp"]) <= started + until:
+                    continue
+            elif ref.get("namespace") != namespace or ref.get("resource") == "events":
                 continue
-            who = actor(event.get("userAgent", ""), controller)
+            who = "apiserver" if allocation else actor(event.get("userAgent", ""), controller)
             resource = ref.get("resource", "") + (f"/{ref['subresource']}" if ref.get("subresource") else "")
             received = _seconds(event["requestReceivedTimestamp"])
             seen[f"{who} {event['verb']} {resource}"].append((received, _seconds(event["stageTimestamp"]) - received))
@@ -448,9 +476,16 @@ class Bench:
             body["spec"]["replicas"] = 0
             self.client.create(path, body)
         started = time.monotonic()
-        self.client.wait(
-            f"{path}/{name}", lambda obj: bool((obj or {}).get("status")), timeout=600, what=f"{system} warm"
-        )
+        for attempt in range(30):  # a CRD's storage answers 429 for a moment after it is installed
+            try:
+                self.client.wait(
+                    f"{path}/{name}", lambda obj: bool((obj or {}).get("status")), timeout=600, what=f"{system} warm"
+                )
+                break
+            except kube.KubeError as error:
+                if error.status != 429 or attempt == 29:
+                    raise
+                time.sleep(1)
         say(f"{system}: answered a canary {time.monotonic() - started:.1f} s after it was applied")
         self.client.delete(f"{path}/{name}")
 
@@ -475,6 +510,7 @@ class Bench:
             pid = self.start_lws()
         self.warm(system)
         offset, cpu_before = self.audit_log.stat().st_size, cpu_seconds(pid)
+        plane_before = control_plane_cpu(self.local)
         say(f"{system} {variant}: applying {groups} groups ({pods} pods) into {namespace}")
         started, started_wall = time.monotonic(), time.time()
         for index in range(groups):
@@ -500,14 +536,20 @@ class Bench:
         result["all_running_seconds"] = round(at - started, 2)
         result["controller_cpu_seconds"] = round(cpu_seconds(pid) - cpu_before, 2)
         result["controller_peak_rss_mib"] = round(peak_rss_mib(pid), 1)
+        result["control_plane_cpu_seconds"] = {
+            name: round(value - plane_before.get(name, 0.0), 2) for name, value in control_plane_cpu(self.local).items()
+        }
         say(f"{system} {variant} {groups} groups: every pod Running after {result['all_running_seconds']:.1f} s")
+        say(
+            f"  CPU s: {system} {result['controller_cpu_seconds']}, control plane {result['control_plane_cpu_seconds']}"
+        )
         time.sleep(3)  # let the audit log catch the last writes of the burst (it is written in batches)
         controller = "operator" if system == "megafleet" else "lws-controller"
         counts = audit_counts(self.audit_log, offset, namespace, controller)
         result.update(summarize(counts, pods, controller))
         result["audit"] = counts
-        result["timeline"] = timeline(self.audit_log, offset, namespace, controller, started_wall)
         until = result["all_running_seconds"] + 1
+        result["timeline"] = timeline(self.audit_log, offset, namespace, controller, started_wall, until)
         result["phases"] = phases(self.audit_log, offset, namespace, started_wall, until)
         say(f"  phases (median group, last group): {result['phases']}")
         for key, entry in result["timeline"].items():
@@ -607,6 +649,9 @@ def machine() -> dict[str, Any]:
         "etcd": toolchain.ETCD_VERSION,
         "kwok": toolchain.KWOK_VERSION,
         "lws": toolchain.LWS_VERSION,
+        "operator_overrides": {
+            k: v for k, v in sorted(os.environ.items()) if k.startswith("MEGAFLEET_") and "TEST" not in k
+        },
         "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
     }
 
@@ -620,6 +665,11 @@ def main() -> int:
     parser.add_argument("--idle-seconds", type=float, default=60.0)
     parser.add_argument("--pod-network", default="127.160.0.0/12", help="a /12 no other cluster here uses")
     parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument(
+        "--controllers",
+        default="*",
+        help="kube-controller-manager's --controllers (diagnostics only: the results record it)",
+    )
     parser.add_argument("--keep-audit", type=Path, help="copy the API server's audit log here at the end")
     args = parser.parse_args()
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # run the clean-up below on SIGTERM too
@@ -634,6 +684,7 @@ def main() -> int:
         nodes.NodePool("cpu", 1, max([*ready_counts, 1]), 0, "none", cpu="64", memory="256Gi"),
     )
     results: dict[str, Any] = {"benchmark": "controlplane", "machine": machine(), "placed": [], "ready": []}
+    results["kube_controller_manager_controllers"] = args.controllers
     with tempfile.TemporaryDirectory() as tmp:
         state = Path(tmp)
         policy, audit_log = state / "audit-policy.yaml", state / "audit.log"
@@ -646,7 +697,12 @@ def main() -> int:
         )
         cluster.START_TIMEOUT_SECONDS = 600.0  # 1,000 KWOK nodes take minutes to turn Ready on 2 busy cores
         local = cluster.LocalCluster(
-            state / "cluster", pools=pools, pod_network=args.pod_network, report=say, apiserver_args=audit_args
+            state / "cluster",
+            pools=pools,
+            pod_network=args.pod_network,
+            report=say,
+            apiserver_args=audit_args,
+            controllers=args.controllers,
         )
         local.start()
         try:
