@@ -51,6 +51,7 @@ PODS_PER_GROUP = 8
 LWS_API = "leaderworkerset.x-k8s.io/v1"
 LWS_NAME_LABEL = "leaderworkerset.sigs.k8s.io/name"
 BENCH_AGENT = "megafleet-bench"
+SERVICE_BOUND_ENV = "MEGAFLEET_API_SERVICE_CREATES_IN_FLIGHT"
 AUDIT_POLICY = {
     "apiVersion": "audit.k8s.io/v1",
     "kind": "Policy",
@@ -331,23 +332,65 @@ def wait_until(what: str, check: Callable[[], bool], *, timeout: float, poll: fl
     return time.monotonic()
 
 
-def pods_running(client: kube.Kube, namespace: str, count: int) -> Callable[[], bool]:
-    def check() -> bool:
-        pods = client.list(f"/api/v1/namespaces/{namespace}/pods")["items"]
-        running = [p for p in pods if p["spec"].get("nodeName") and p.get("status", {}).get("phase") == "Running"]
-        return len(pods) == count and len(running) == count
+def watch_until(
+    client: kube.Kube, collection: str, count: int, ok: Callable[[dict[str, Any]], bool], *, timeout: float
+) -> float:
+    """The monotonic time at which ``collection`` first held ``count`` objects, every one ``ok``: one
+    LIST, then one watch from it (the state of each object from its events; a LIST again only when the
+    watch expires). Not a LIST every second: polling 1,000 pods or 125 fleets was itself load on the
+    API server under measurement (hundreds of milliseconds each on these two cores), for both systems."""
+    deadline = time.monotonic() + timeout
+    objects: dict[str, Any] = {}
+    good: set[str] = set()
 
-    return check
+    def seen(obj: dict[str, Any], deleted: bool = False) -> None:
+        name = obj["metadata"]["name"]
+        if deleted:
+            objects.pop(name, None)
+        else:
+            objects[name] = obj
+        if not deleted and ok(obj):
+            good.add(name)
+        else:
+            good.discard(name)
+
+    def done() -> bool:
+        return len(objects) == count and len(good) == count
+
+    while True:
+        listing = client.list(collection)
+        objects.clear()
+        good.clear()
+        for item in listing["items"]:
+            seen(item)
+        if done():
+            return time.monotonic()
+        version = listing["metadata"]["resourceVersion"]
+        remaining = deadline - time.monotonic()
+        if remaining <= 0:
+            raise TimeoutError(f"timed out after {timeout:.0f} s waiting for {collection}")
+        params = {"watch": "1", "resourceVersion": version, "timeoutSeconds": str(max(1, int(remaining)))}
+        http_timeout = httpx.Timeout(30.0, read=remaining + 5.0)
+        with client._http.stream("GET", collection, params=params, timeout=http_timeout) as response:
+            if response.status_code != 200:
+                continue  # e.g. 410 Gone: list again
+            for line in response.iter_lines():
+                if not line:
+                    continue
+                event = json.loads(line)
+                if event["type"] == "ERROR":
+                    break
+                seen(event["object"], deleted=event["type"] == "DELETED")
+                if done():
+                    return time.monotonic()
 
 
-def endpoints_published(client: kube.Kube, namespace: str, count: int) -> Callable[[], bool]:
-    def check() -> bool:
-        items = client.list(fleets_path(namespace))["items"]
-        return len(items) == count and all(
-            len(item.get("status", {}).get("endpoints", [])) == item["spec"]["replicas"] for item in items
-        )
+def pod_running(pod: dict[str, Any]) -> bool:
+    return bool(pod["spec"].get("nodeName")) and pod.get("status", {}).get("phase") == "Running"
 
-    return check
+
+def fleet_published(fleet: dict[str, Any]) -> bool:
+    return len(fleet.get("status", {}).get("endpoints", [])) == fleet["spec"]["replicas"]
 
 
 def fleets_ready(client: kube.Kube, namespace: str, count: int) -> Callable[[], bool]:
@@ -374,14 +417,15 @@ class Bench:
         self.warm_namespace: str | None = None
         self.canaries = 0
 
-    def start_operator(self) -> tuple[subprocess.Popen[bytes] | None, int, int]:
-        """The operator watching every namespace; (record, pid, metrics port)."""
+    def start_operator(self, service_bound: int | None = None) -> tuple[subprocess.Popen[bytes] | None, int, int]:
+        """The operator watching every namespace; (record, pid, metrics port). ``service_bound``: its
+        ClusterIP Service creates in flight (``MEGAFLEET_API_SERVICE_CREATES_IN_FLIGHT``), if not the default."""
         port = cluster.free_port()
-        record = self.local.spawn(
-            f"operator-{port}",
-            [sys.executable, "-m", "megafleet.cli", "operator", "--metrics-port", str(port)],
-            env=dict(os.environ, KUBECONFIG=str(self.local.kubeconfig)),
-        )
+        env = dict(os.environ, KUBECONFIG=str(self.local.kubeconfig))
+        if service_bound is not None:
+            env[SERVICE_BOUND_ENV] = str(service_bound)
+        command = [sys.executable, "-m", "megafleet.cli", "operator", "--metrics-port", str(port)]
+        record = self.local.spawn(f"operator-{port}", command, env=env)
         self.local.wait_for("operator", lambda: None if _up(f"http://127.0.0.1:{port}/metrics") else "not serving")
         return None, record.pid, port
 
@@ -500,12 +544,12 @@ class Bench:
         self.client.delete(f"/api/v1/namespaces/{namespace}")
         self.client.wait(f"/api/v1/namespaces/{namespace}", lambda obj: obj is None, timeout=600, what="cleanup")
 
-    def placed(self, system: str, variant: str, groups: int) -> dict[str, Any]:
+    def placed(self, system: str, variant: str, groups: int, service_bound: int | None = None) -> dict[str, Any]:
         """One scenario: ``groups`` groups through ``system``; every pod bound and Running."""
         namespace = self.client.create_namespace(f"{system}-{variant}-{groups}")
         pods = groups * PODS_PER_GROUP
         if system == "megafleet":
-            _, pid, _ = self.start_operator()
+            _, pid, _ = self.start_operator(service_bound)
         else:
             pid = self.start_lws()
         self.warm(system)
@@ -525,14 +569,15 @@ class Bench:
             else:
                 self.client.create(lws_path(namespace), lws_object(f"g{index}", variant))
         result: dict[str, Any] = {"system": system, "variant": variant, "groups": groups, "pods": pods}
+        if system == "megafleet":
+            result["service_creates_in_flight"] = service_bound or int(os.environ.get(SERVICE_BOUND_ENV, "2"))
         result["load_average_before"] = [round(value, 2) for value in os.getloadavg()]
         result["apply_seconds"] = round(time.monotonic() - started, 2)
         timeout = 900.0
         if system == "megafleet":
-            at = wait_until("endpoints", endpoints_published(self.client, namespace, groups), timeout=timeout)
+            at = watch_until(self.client, fleets_path(namespace), groups, fleet_published, timeout=timeout)
             result["endpoints_published_seconds"] = round(at - started, 2)
-        poll = 0.5 if pods <= 200 else 1.0  # the LIST of every pod is itself load on the API server
-        at = wait_until("pods Running", pods_running(self.client, namespace, pods), timeout=timeout, poll=poll)
+        at = watch_until(self.client, f"/api/v1/namespaces/{namespace}/pods", pods, pod_running, timeout=timeout)
         result["all_running_seconds"] = round(at - started, 2)
         result["controller_cpu_seconds"] = round(cpu_seconds(pid) - cpu_before, 2)
         result["controller_peak_rss_mib"] = round(peak_rss_mib(pid), 1)
@@ -670,6 +715,11 @@ def main() -> int:
         default="*",
         help="kube-controller-manager's --controllers (diagnostics only: the results record it)",
     )
+    parser.add_argument(
+        "--service-bounds",
+        default="",
+        help="megafleet once per value of its ClusterIP Service creates in flight (default: its default once)",
+    )
     parser.add_argument("--keep-audit", type=Path, help="copy the API server's audit log here at the end")
     args = parser.parse_args()
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # run the clean-up below on SIGTERM too
@@ -677,6 +727,7 @@ def main() -> int:
     ready_counts = [int(n) for n in args.ready.split(",") if n]
     systems = [s for s in args.systems.split(",") if s]
     variants = [v for v in args.variants.split(",") if v]
+    bounds: list[int | None] = [int(b) for b in args.service_bounds.split(",") if b] or [None]
     if "lws" in systems:
         toolchain.ensure_built(("lws",), report=say)
     pools = (
@@ -716,8 +767,9 @@ def main() -> int:
                 for groups in group_counts:  # in the order given: the largest first keeps what matters most
                     for variant in variants:
                         for system in systems:
-                            results["placed"].append(bench.placed(system, variant, groups))
-                            _write(args.out, results)
+                            for bound in bounds if system == "megafleet" else [None]:
+                                results["placed"].append(bench.placed(system, variant, groups, bound))
+                                _write(args.out, results)
                 if ready_counts:
                     pod_runner = runner.Runner(client, state / "pods")
                     pod_runner.start()
