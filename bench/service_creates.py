@@ -33,6 +33,9 @@ import yaml
 from megafleet import names
 from megafleet_dev import cluster, nodes
 
+sys.path.insert(0, str(Path(__file__).parent))
+import controlplane  # the benchmark's audit policy and CPU accounting
+
 METRIC = re.compile(r"^([a-zA-Z_:]+)(\{[^}]*\})? ([0-9.eE+-]+|NaN|\+Inf)$")
 WATCHED = (
     "apiserver_request_duration_seconds_sum",
@@ -75,20 +78,6 @@ def scrape(http: httpx.Client) -> dict[str, float]:
 
 def delta(before: dict[str, float], after: dict[str, float]) -> dict[str, float]:
     return {k: round(v - before.get(k, 0.0), 4) for k, v in after.items() if abs(v - before.get(k, 0.0)) > 1e-9}
-
-
-def cpu_seconds(pid: int) -> float:
-    """User and system CPU of ``pid`` and its live children (kube-controller-manager and the
-    scheduler run under a supervisor)."""
-    total = 0.0
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            fields = stat.read_text().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        if stat.parent.name == str(pid) or fields[1] == str(pid):
-            total += (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-    return total
 
 
 def service(index: int) -> dict[str, Any]:
@@ -152,9 +141,6 @@ def main() -> int:
         state = Path(tmp)
         extra = list(args.apiserver_arg)
         if args.audit:
-            sys.path.insert(0, str(Path(__file__).parent))
-            import controlplane
-
             policy = state / "audit-policy.yaml"
             policy.write_text(yaml.safe_dump(controlplane.AUDIT_POLICY))
             extra += [
@@ -185,17 +171,17 @@ def main() -> int:
                     )
                     local.wait_for("operator", lambda: None if _serving(port) else "not serving")
                     pids["operator"] = record.pid
-                idle_before = {name: cpu_seconds(pid) for name, pid in pids.items()}
+                idle_before = {name: controlplane.tree_cpu_seconds(pid) for name, pid in pids.items()}
                 time.sleep(args.hold)
                 if args.hold:
                     results["idle_cpu_seconds_per_minute"] = {
-                        name: round((cpu_seconds(pid) - idle_before[name]) * 60 / args.hold, 2)
+                        name: round((controlplane.tree_cpu_seconds(pid) - idle_before[name]) * 60 / args.hold, 2)
                         for name, pid in pids.items()
                     }
                     say(f"idle: {results['idle_cpu_seconds_per_minute']}")
                 for concurrency in [int(c) for c in args.concurrency.split(",")]:
                     namespace = client.create_namespace(f"svc-c{concurrency}")
-                    cpu_before = {name: cpu_seconds(pid) for name, pid in pids.items()}
+                    cpu_before = {name: controlplane.tree_cpu_seconds(pid) for name, pid in pids.items()}
                     metrics_before = scrape(client._http)
                     load = os.getloadavg()[0]
                     started = time.monotonic()
@@ -204,7 +190,10 @@ def main() -> int:
                     )
                     wall = time.monotonic() - started
                     metrics = delta(metrics_before, scrape(client._http))
-                    cpu = {name: round(cpu_seconds(pid) - cpu_before[name], 2) for name, pid in pids.items()}
+                    cpu = {
+                        name: round(controlplane.tree_cpu_seconds(pid) - cpu_before[name], 2)
+                        for name, pid in pids.items()
+                    }
                     latencies.sort()
                     run = {
                         "concurrency": concurrency,
