@@ -51,6 +51,7 @@ PODS_PER_GROUP = 8
 LWS_API = "leaderworkerset.x-k8s.io/v1"
 LWS_NAME_LABEL = "leaderworkerset.sigs.k8s.io/name"
 BENCH_AGENT = "megafleet-bench"
+SERVICE_BOUND_ENV = "MEGAFLEET_API_SERVICE_CREATES_IN_FLIGHT"
 AUDIT_POLICY = {
     "apiVersion": "audit.k8s.io/v1",
     "kind": "Policy",
@@ -135,6 +136,51 @@ def cpu_seconds(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
+def tree_cpu_seconds(pid: int) -> float:
+    """CPU seconds of ``pid`` and its live children (kube-controller-manager and kube-scheduler run
+    under a supervisor process)."""
+    total = 0.0
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if stat.parent.name == str(pid) or fields[1] == str(pid):
+            total += (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    return total
+
+
+CONTROL_PLANE = ("kube-apiserver", "etcd", "kube-controller-manager", "kube-scheduler", "kwok")
+
+
+def settle(local: cluster.LocalCluster, *, window: float = 10.0, most: float = 180.0) -> dict[str, float]:
+    """Wait, before each scenario, until the control plane's background work has settled (a fresh
+    cluster's 1,001 KWOK nodes turning Ready, or kube-controller-manager still working through the
+    previous scenario's deleted objects): two consecutive ``window``-second samples of its CPU within
+    20 % of each other (at most ``most`` seconds), so that no scenario pays for another's. Returns the
+    idle control plane's CPU seconds per second, by program (1,001 nodes' leases cost some even idle)."""
+    deadline = time.monotonic() + most
+    before, previous = control_plane_cpu(local), None
+    while True:
+        time.sleep(window)
+        after = control_plane_cpu(local)
+        rate = {name: (after[name] - before.get(name, 0.0)) / window for name in after}
+        total = sum(rate.values())
+        if previous is not None and abs(total - previous) <= 0.2 * max(previous, 0.05):
+            break
+        if time.monotonic() > deadline:
+            break
+        before, previous = after, total
+    programs = ", ".join(f"{name} {value:.2f}" for name, value in rate.items())
+    say(f"idle control plane, CPU seconds per second: {total:.2f} ({programs})")
+    return {name: round(value, 3) for name, value in rate.items()}
+
+
+def control_plane_cpu(local: cluster.LocalCluster) -> dict[str, float]:
+    """CPU seconds so far of each control-plane program (both systems share them)."""
+    return {r.name: tree_cpu_seconds(r.pid) for r in local._records if r.name in CONTROL_PLANE}
+
+
 def peak_rss_mib(pid: int) -> float:
     for line in Path(f"/proc/{pid}/status").read_text().splitlines():
         if line.startswith("VmHWM:"):
@@ -186,22 +232,28 @@ def _seconds(stamp: str) -> float:
     return datetime.datetime.fromisoformat(stamp.replace("Z", "+00:00")).timestamp()
 
 
-def timeline(log: Path, offset: int, namespace: str, controller: str, started: float) -> dict[str, Any]:
+def timeline(log: Path, offset: int, namespace: str, controller: str, started: float, until: float) -> dict[str, Any]:
     """Where the time between the apply (``started``, epoch seconds) and the last pod Running went:
     per ``"<actor> <verb> <resource>"`` of the successful writes in ``namespace`` (Events apart),
     how many, when the first and the last arrived at the API server (seconds after the apply), and
-    their median and longest latency in the API server (received to answered, milliseconds)."""
+    their median and longest latency in the API server (received to answered, milliseconds). Also
+    ``apiserver create ipaddresses``: the ClusterIP records the API server writes to itself while it
+    creates a ClusterIP Service (cluster-scoped; those received within ``until`` seconds of the apply)."""
     seen: dict[str, list[tuple[float, float]]] = collections.defaultdict(list)
     with log.open("rb") as stream:
         stream.seek(offset)
         for line in stream:
             event = json.loads(line)
             ref = event.get("objectRef") or {}
-            if ref.get("namespace") != namespace or event["verb"] not in WRITES or ref.get("resource") == "events":
+            if (event.get("responseStatus") or {}).get("code", 200) >= 400 or event["verb"] not in WRITES:
                 continue
-            if (event.get("responseStatus") or {}).get("code", 200) >= 400:
+            allocation = ref.get("resource") == "ipaddresses" and event["verb"] == "create"
+            if allocation:  # the API server's ClusterIP records: one per ClusterIP, allocated one at a time
+                if not started <= _seconds(event["requestReceivedTimestamp"]) <= started + until:
+                    continue
+            elif ref.get("namespace") != namespace or ref.get("resource") == "events":
                 continue
-            who = actor(event.get("userAgent", ""), controller)
+            who = "apiserver" if allocation else actor(event.get("userAgent", ""), controller)
             resource = ref.get("resource", "") + (f"/{ref['subresource']}" if ref.get("subresource") else "")
             received = _seconds(event["requestReceivedTimestamp"])
             seen[f"{who} {event['verb']} {resource}"].append((received, _seconds(event["stageTimestamp"]) - received))
@@ -303,23 +355,65 @@ def wait_until(what: str, check: Callable[[], bool], *, timeout: float, poll: fl
     return time.monotonic()
 
 
-def pods_running(client: kube.Kube, namespace: str, count: int) -> Callable[[], bool]:
-    def check() -> bool:
-        pods = client.list(f"/api/v1/namespaces/{namespace}/pods")["items"]
-        running = [p for p in pods if p["spec"].get("nodeName") and p.get("status", {}).get("phase") == "Running"]
-        return len(pods) == count and len(running) == count
+def watch_until(
+    client: kube.Kube, collection: str, count: int, ok: Callable[[dict[str, Any]], bool], *, timeout: float
+) -> float:
+    """The monotonic time at which ``collection`` first held ``count`` objects, every one ``ok``: one
+    LIST, then one watch from it (the state of each object from its events; a LIST again only when the
+    watch expires). Not a LIST every second: polling 1,000 pods or 125 fleets was itself load on the
+    API server under measurement (hundreds of milliseconds each on these two cores), for both systems."""
+    deadline = time.monotonic() + timeout
+    objects: dict[str, Any] = {}
+    good: set[str] = set()
 
-    return check
+    def seen(obj: dict[str, Any], deleted: bool = False) -> None:
+        name = obj["metadata"]["name"]
+        if deleted:
+            objects.pop(name, None)
+        else:
+            objects[name] = obj
+        if not deleted and ok(obj):
+            good.add(name)
+        else:
+            good.discard(name)
+
+    def done() -> bool:
+        return len(objects) == count and len(good) == count
+
+    while True:
+        listing = client.list(collection)
+        objects.clear()
+        good.clear()
+        for item in listing["items"]:
+            seen(item)
+        if done():
+            return time.monotonic()
+        version = listing["metadata"]["resourceVersion"]
+        remaining = deadline - time.monotonic()
+        if remaining <= 0:
+            raise TimeoutError(f"timed out after {timeout:.0f} s waiting for {collection}")
+        params = {"watch": "1", "resourceVersion": version, "timeoutSeconds": str(max(1, int(remaining)))}
+        http_timeout = httpx.Timeout(30.0, read=remaining + 5.0)
+        with client._http.stream("GET", collection, params=params, timeout=http_timeout) as response:
+            if response.status_code != 200:
+                continue  # e.g. 410 Gone: list again
+            for line in response.iter_lines():
+                if not line:
+                    continue
+                event = json.loads(line)
+                if event["type"] == "ERROR":
+                    break
+                seen(event["object"], deleted=event["type"] == "DELETED")
+                if done():
+                    return time.monotonic()
 
 
-def endpoints_published(client: kube.Kube, namespace: str, count: int) -> Callable[[], bool]:
-    def check() -> bool:
-        items = client.list(fleets_path(namespace))["items"]
-        return len(items) == count and all(
-            len(item.get("status", {}).get("endpoints", [])) == item["spec"]["replicas"] for item in items
-        )
+def pod_running(pod: dict[str, Any]) -> bool:
+    return bool(pod["spec"].get("nodeName")) and pod.get("status", {}).get("phase") == "Running"
 
-    return check
+
+def fleet_published(fleet: dict[str, Any]) -> bool:
+    return bool(len(fleet.get("status", {}).get("endpoints", [])) == fleet["spec"]["replicas"])
 
 
 def fleets_ready(client: kube.Kube, namespace: str, count: int) -> Callable[[], bool]:
@@ -346,14 +440,15 @@ class Bench:
         self.warm_namespace: str | None = None
         self.canaries = 0
 
-    def start_operator(self) -> tuple[subprocess.Popen[bytes] | None, int, int]:
-        """The operator watching every namespace; (record, pid, metrics port)."""
+    def start_operator(self, service_bound: int | None = None) -> tuple[subprocess.Popen[bytes] | None, int, int]:
+        """The operator watching every namespace; (record, pid, metrics port). ``service_bound``: its
+        ClusterIP Service creates in flight (``MEGAFLEET_API_SERVICE_CREATES_IN_FLIGHT``), if not the default."""
         port = cluster.free_port()
-        record = self.local.spawn(
-            f"operator-{port}",
-            [sys.executable, "-m", "megafleet.cli", "operator", "--metrics-port", str(port)],
-            env=dict(os.environ, KUBECONFIG=str(self.local.kubeconfig)),
-        )
+        env = dict(os.environ, KUBECONFIG=str(self.local.kubeconfig))
+        if service_bound is not None:
+            env[SERVICE_BOUND_ENV] = str(service_bound)
+        command = [sys.executable, "-m", "megafleet.cli", "operator", "--metrics-port", str(port)]
+        record = self.local.spawn(f"operator-{port}", command, env=env)
         self.local.wait_for("operator", lambda: None if _up(f"http://127.0.0.1:{port}/metrics") else "not serving")
         return None, record.pid, port
 
@@ -448,9 +543,16 @@ class Bench:
             body["spec"]["replicas"] = 0
             self.client.create(path, body)
         started = time.monotonic()
-        self.client.wait(
-            f"{path}/{name}", lambda obj: bool((obj or {}).get("status")), timeout=600, what=f"{system} warm"
-        )
+        for attempt in range(30):  # a CRD's storage answers 429 for a moment after it is installed
+            try:
+                self.client.wait(
+                    f"{path}/{name}", lambda obj: bool((obj or {}).get("status")), timeout=600, what=f"{system} warm"
+                )
+                break
+            except kube.KubeError as error:
+                if error.status != 429 or attempt == 29:
+                    raise
+                time.sleep(1)
         say(f"{system}: answered a canary {time.monotonic() - started:.1f} s after it was applied")
         self.client.delete(f"{path}/{name}")
 
@@ -465,16 +567,17 @@ class Bench:
         self.client.delete(f"/api/v1/namespaces/{namespace}")
         self.client.wait(f"/api/v1/namespaces/{namespace}", lambda obj: obj is None, timeout=600, what="cleanup")
 
-    def placed(self, system: str, variant: str, groups: int) -> dict[str, Any]:
+    def placed(self, system: str, variant: str, groups: int, service_bound: int | None = None) -> dict[str, Any]:
         """One scenario: ``groups`` groups through ``system``; every pod bound and Running."""
         namespace = self.client.create_namespace(f"{system}-{variant}-{groups}")
         pods = groups * PODS_PER_GROUP
         if system == "megafleet":
-            _, pid, _ = self.start_operator()
+            _, pid, _ = self.start_operator(service_bound)
         else:
             pid = self.start_lws()
         self.warm(system)
         offset, cpu_before = self.audit_log.stat().st_size, cpu_seconds(pid)
+        plane_before = control_plane_cpu(self.local)
         say(f"{system} {variant}: applying {groups} groups ({pods} pods) into {namespace}")
         started, started_wall = time.monotonic(), time.time()
         for index in range(groups):
@@ -489,25 +592,32 @@ class Bench:
             else:
                 self.client.create(lws_path(namespace), lws_object(f"g{index}", variant))
         result: dict[str, Any] = {"system": system, "variant": variant, "groups": groups, "pods": pods}
+        if system == "megafleet":
+            result["service_creates_in_flight"] = service_bound or int(os.environ.get(SERVICE_BOUND_ENV, "2"))
         result["load_average_before"] = [round(value, 2) for value in os.getloadavg()]
         result["apply_seconds"] = round(time.monotonic() - started, 2)
         timeout = 900.0
         if system == "megafleet":
-            at = wait_until("endpoints", endpoints_published(self.client, namespace, groups), timeout=timeout)
+            at = watch_until(self.client, fleets_path(namespace), groups, fleet_published, timeout=timeout)
             result["endpoints_published_seconds"] = round(at - started, 2)
-        poll = 0.5 if pods <= 200 else 1.0  # the LIST of every pod is itself load on the API server
-        at = wait_until("pods Running", pods_running(self.client, namespace, pods), timeout=timeout, poll=poll)
+        at = watch_until(self.client, f"/api/v1/namespaces/{namespace}/pods", pods, pod_running, timeout=timeout)
         result["all_running_seconds"] = round(at - started, 2)
         result["controller_cpu_seconds"] = round(cpu_seconds(pid) - cpu_before, 2)
         result["controller_peak_rss_mib"] = round(peak_rss_mib(pid), 1)
+        result["control_plane_cpu_seconds"] = {
+            name: round(value - plane_before.get(name, 0.0), 2) for name, value in control_plane_cpu(self.local).items()
+        }
         say(f"{system} {variant} {groups} groups: every pod Running after {result['all_running_seconds']:.1f} s")
+        say(
+            f"  CPU s: {system} {result['controller_cpu_seconds']}, control plane {result['control_plane_cpu_seconds']}"
+        )
         time.sleep(3)  # let the audit log catch the last writes of the burst (it is written in batches)
         controller = "operator" if system == "megafleet" else "lws-controller"
         counts = audit_counts(self.audit_log, offset, namespace, controller)
         result.update(summarize(counts, pods, controller))
         result["audit"] = counts
-        result["timeline"] = timeline(self.audit_log, offset, namespace, controller, started_wall)
         until = result["all_running_seconds"] + 1
+        result["timeline"] = timeline(self.audit_log, offset, namespace, controller, started_wall, until)
         result["phases"] = phases(self.audit_log, offset, namespace, started_wall, until)
         say(f"  phases (median group, last group): {result['phases']}")
         for key, entry in result["timeline"].items():
@@ -607,6 +717,9 @@ def machine() -> dict[str, Any]:
         "etcd": toolchain.ETCD_VERSION,
         "kwok": toolchain.KWOK_VERSION,
         "lws": toolchain.LWS_VERSION,
+        "operator_overrides": {
+            k: v for k, v in sorted(os.environ.items()) if k.startswith("MEGAFLEET_") and "TEST" not in k
+        },
         "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
     }
 
@@ -620,6 +733,16 @@ def main() -> int:
     parser.add_argument("--idle-seconds", type=float, default=60.0)
     parser.add_argument("--pod-network", default="127.160.0.0/12", help="a /12 no other cluster here uses")
     parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument(
+        "--controllers",
+        default="*",
+        help="kube-controller-manager's --controllers (diagnostics only: the results record it)",
+    )
+    parser.add_argument(
+        "--service-bounds",
+        default="",
+        help="megafleet once per value of its ClusterIP Service creates in flight (default: its default once)",
+    )
     parser.add_argument("--keep-audit", type=Path, help="copy the API server's audit log here at the end")
     args = parser.parse_args()
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # run the clean-up below on SIGTERM too
@@ -627,6 +750,7 @@ def main() -> int:
     ready_counts = [int(n) for n in args.ready.split(",") if n]
     systems = [s for s in args.systems.split(",") if s]
     variants = [v for v in args.variants.split(",") if v]
+    bounds: list[int | None] = [int(b) for b in args.service_bounds.split(",") if b] or [None]
     if "lws" in systems:
         toolchain.ensure_built(("lws",), report=say)
     pools = (
@@ -634,6 +758,7 @@ def main() -> int:
         nodes.NodePool("cpu", 1, max([*ready_counts, 1]), 0, "none", cpu="64", memory="256Gi"),
     )
     results: dict[str, Any] = {"benchmark": "controlplane", "machine": machine(), "placed": [], "ready": []}
+    results["kube_controller_manager_controllers"] = args.controllers
     with tempfile.TemporaryDirectory() as tmp:
         state = Path(tmp)
         policy, audit_log = state / "audit-policy.yaml", state / "audit.log"
@@ -646,7 +771,12 @@ def main() -> int:
         )
         cluster.START_TIMEOUT_SECONDS = 600.0  # 1,000 KWOK nodes take minutes to turn Ready on 2 busy cores
         local = cluster.LocalCluster(
-            state / "cluster", pools=pools, pod_network=args.pod_network, report=say, apiserver_args=audit_args
+            state / "cluster",
+            pools=pools,
+            pod_network=args.pod_network,
+            report=say,
+            apiserver_args=audit_args,
+            controllers=args.controllers,
         )
         local.start()
         try:
@@ -660,8 +790,11 @@ def main() -> int:
                 for groups in group_counts:  # in the order given: the largest first keeps what matters most
                     for variant in variants:
                         for system in systems:
-                            results["placed"].append(bench.placed(system, variant, groups))
-                            _write(args.out, results)
+                            for bound in bounds if system == "megafleet" else [None]:
+                                idle = settle(local)
+                                results["placed"].append(bench.placed(system, variant, groups, bound))
+                                results["placed"][-1]["idle_control_plane_cpu_per_second_before"] = idle
+                                _write(args.out, results)
                 if ready_counts:
                     pod_runner = runner.Runner(client, state / "pods")
                     pod_runner.start()

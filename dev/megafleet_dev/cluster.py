@@ -119,10 +119,13 @@ class LocalCluster:
         pod_network: str = "127.64.0.0/12",
         report: progress.Progress = progress.print_progress,
         apiserver_args: tuple[str, ...] = (),
+        controllers: str = "*",
     ) -> None:
-        """``apiserver_args``: more kube-apiserver flags (the control-plane benchmark's audit log)."""
+        """``apiserver_args``: more kube-apiserver flags (the control-plane benchmark's audit log);
+        ``controllers``: kube-controller-manager's ``--controllers`` (a benchmark's diagnostic runs)."""
         self.state_dir = state_dir
         self.apiserver_args = apiserver_args
+        self.controllers = controllers
         self.pools = pools
         self.pod_network = ipaddress.IPv4Network(pod_network)
         self.report = report
@@ -357,7 +360,7 @@ class LocalCluster:
                 f"--cert-dir={self.state_dir / 'certs' / 'kcm'}",
                 f"--service-account-private-key-file={self.state_dir / 'sa.key'}",
                 f"--root-ca-file={self.ca_file}",
-                "--controllers=*",
+                f"--controllers={self.controllers}",
                 "--use-service-account-credentials=false",
                 "--kube-api-qps=200",
                 "--kube-api-burst=400",

@@ -45,16 +45,6 @@ def summary(items: list[str]) -> str:
     return "; ".join(shown) + f"; and {len(items) - len(shown)} more"
 
 
-SERVICE_CREATES_IN_FLIGHT = 8
-"""The most ClusterIP Service creates the operator has in flight at once, across fleets
-(:attr:`Runtime.service_slots`). kube-apiserver completes them at a rate that does not grow with
-concurrency (each allocates an IPAddress object; measured 60-130 a second on an idle 2-core
-machine, about 17 a second under the control-plane benchmark's load): a burst of hundreds only
-queues there, holds the API client's request slots every other reconcile needs, and at ~1,000 in
-one burst the API server stopped completing them (issue 18). Waiters are served in arrival order,
-so the fleets that asked first get their endpoints, and their pods, first."""
-
-
 @dataclasses.dataclass(frozen=True)
 class Observation:
     """What one reconcile saw of a fleet: its pods and agents (a fingerprint to compare probes with),
@@ -93,11 +83,13 @@ class Runtime:
     trigger is folded into it (:func:`megafleet.handlers._reconcile`)."""
     cache: watch_cache.Cache | None = None
     """Watch-fed pods, Services and nodes (the operator's); None: the steps LIST (in-process tests)."""
-    service_slots: asyncio.Semaphore = dataclasses.field(
-        default_factory=lambda: asyncio.Semaphore(SERVICE_CREATES_IN_FLIGHT)
-    )
-    """Bounds the Service creates in flight across fleets (:data:`SERVICE_CREATES_IN_FLIGHT`); taken
-    before the API client's own request slot, so creates waiting here hold none."""
+    service_slots: asyncio.Semaphore = dataclasses.field(default_factory=lambda: asyncio.Semaphore(2))
+    """Bounds the ClusterIP Service creates in flight across fleets
+    (``settings.api.service_creates_in_flight``: kube-apiserver allocates ClusterIPs one at a time,
+    so more in flight only queue there, and at ~1,000 in one burst it stopped completing them,
+    issue 18). Taken before the API client's own request slot, so creates waiting here hold none;
+    waiters are served in arrival order, so the fleets that asked first get their endpoints, and
+    their pods, first."""
     observed: dict[tuple[str, str], Observation] = dataclasses.field(default_factory=dict)
     """What the last reconcile of each fleet, keyed by (namespace, name), saw of its pods and agents,
     and whether it left the fleet settled (:mod:`megafleet.reconcile.pacing` compares probes with it)."""
@@ -116,7 +108,8 @@ class Runtime:
         )
         if cache is not None:
             api.observers.append(cache.written)  # own writes are seen before the watch delivers them
-        return cls(api, agents, settings, {}, asyncio.Lock(), delays, cache=cache)
+        slots = asyncio.Semaphore(max(1, settings.api.service_creates_in_flight))
+        return cls(api, agents, settings, {}, asyncio.Lock(), delays, cache=cache, service_slots=slots)
 
     def fleet_lock(self, namespace: str, name: str) -> asyncio.Lock:
         return self.fleet_locks.setdefault((namespace, name), asyncio.Lock())
