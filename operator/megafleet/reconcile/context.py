@@ -83,7 +83,9 @@ class Runtime:
     trigger is folded into it (:func:`megafleet.handlers._reconcile`)."""
     cache: watch_cache.Cache | None = None
     """Watch-fed pods, Services and nodes (the operator's); None: the steps LIST (in-process tests)."""
-    service_slots: asyncio.Semaphore = dataclasses.field(default_factory=lambda: asyncio.Semaphore(2))
+    service_slots: asyncio.Semaphore = dataclasses.field(
+        default_factory=lambda: asyncio.Semaphore(operator_settings.ApiSettings().service_creates_in_flight)
+    )
     """Bounds the ClusterIP Service creates in flight across fleets
     (``settings.api.service_creates_in_flight``: kube-apiserver allocates ClusterIPs one at a time,
     so more in flight only queue there, and at ~1,000 in one burst it stopped completing them,
