@@ -246,6 +246,56 @@ def test_completion_stream_with_n_and_logprobs(served: harness.Served) -> None:
     assert len(logprobs[0]) == 5 and all(value is not None for value in logprobs[0])
 
 
+def test_streamed_chunks_carry_what_the_whole_response_carries(served: harness.Served) -> None:
+    """Streamed choices are built without the response models (``serving._Frame``): each choice's
+    prompt ids come once, in its first chunk, and its log-probabilities (tokens, values,
+    alternatives) add up to the non-streaming response's; a chat stream opens each choice with its
+    prompt ids."""
+    body = {"ignore_eos": True, "return_token_ids": True}
+    with served.openai_client() as client:
+        whole = client.completions.create(
+            model=harness.MODEL, prompt="abc", n=2, max_tokens=6, temperature=0, logprobs=2, extra_body=body
+        )
+        stream = client.completions.create(
+            model=harness.MODEL,
+            prompt="abc",
+            n=2,
+            max_tokens=6,
+            temperature=0,
+            logprobs=2,
+            stream=True,
+            extra_body=body,
+        )
+        with stream:
+            chunks = list(stream)
+        chat_whole = client.chat.completions.create(
+            model=harness.MODEL, messages=CHAT, max_tokens=4, temperature=0, extra_body=body
+        )
+        chat_stream = client.chat.completions.create(
+            model=harness.MODEL, messages=CHAT, max_tokens=4, temperature=0, stream=True, extra_body=body
+        )
+        with chat_stream:
+            chat_chunks = list(chat_stream)
+    for expected in whole.choices:
+        mine = [choice for chunk in chunks for choice in chunk.choices if choice.index == expected.index]
+        prompt_ids = [_extra(choice, "prompt_token_ids") for choice in mine]
+        assert prompt_ids[0] == _extra(expected, "prompt_token_ids") and not any(prompt_ids[1:])
+        assert [token for choice in mine for token in _extra(choice, "token_ids")] == _extra(expected, "token_ids")
+        assert "".join(choice.text for choice in mine) == expected.text
+        assert expected.logprobs is not None
+        for field in ("tokens", "token_logprobs", "top_logprobs"):
+            streamed = [value for choice in mine for value in getattr(choice.logprobs, field)]
+            assert streamed == getattr(expected.logprobs, field), field
+        # a stream's offsets are positions in the text emitted so far (a token whose character is
+        # not complete yet sits where the text ends), the whole response's add the tokens' lengths
+        offsets = [value for choice in mine if choice.logprobs for value in choice.logprobs.text_offset or []]
+        assert len(offsets) == 6 and offsets == sorted(offsets) and offsets[-1] <= len(expected.text)
+    opening = chat_chunks[0].choices[0]
+    assert opening.delta.role == "assistant"
+    assert _extra(opening, "prompt_token_ids") == _extra(chat_whole.choices[0], "prompt_token_ids")
+    assert not any(_extra(choice, "prompt_token_ids") for chunk in chat_chunks[1:] for choice in chunk.choices)
+
+
 def test_stop_string_ends_the_choice_before_the_stop(served: harness.Served) -> None:
     with served.openai_client() as client:
         free = client.completions.create(model=harness.MODEL, prompt="Hello world", max_tokens=30, temperature=0)
