@@ -60,8 +60,64 @@ def _meta(fleet: ParsedFleet, name: str, component: str, shard: int | None = Non
     }
 
 
+SHARDS_PER_FRONTENDS_SERVICE = 100
+"""Shards whose frontends share one ClusterIP Service, each on a port of its own (issue 18).
+
+kube-apiserver allocates ClusterIPs one at a time under one lock, about 18 ms of control-plane CPU
+each: one Service per shard made a 1,000-pod fleet wait on 1,000 allocations. A frontends Service
+selects its fleet's frontend pods, and each of its ports targets a container port named after one
+shard (:func:`megafleet.names.frontend_port_name`), which only that shard's frontend pod has: the
+EndpointSlice controller gives each shard's port that pod alone, and kube-proxy routes it there."""
+
+
+def frontends_group(shard: int) -> int:
+    """The frontends Service a shard's endpoint is on."""
+    return shard // SHARDS_PER_FRONTENDS_SERVICE
+
+
+def frontend_port(fleet: ParsedFleet, shard: int) -> int:
+    """A shard's port on its frontends Service: ``spec.frontend.port`` plus the shard's place in its
+    group (counted down instead where counting up would pass 65535). Fixed for the shard's life."""
+    base, offset = fleet.spec.frontend.port, shard % SHARDS_PER_FRONTENDS_SERVICE
+    return base + offset if base + SHARDS_PER_FRONTENDS_SERVICE - 1 <= 65535 else base - offset
+
+
+def frontends_services(fleet: ParsedFleet) -> list[Object]:
+    """The fleet's frontends Services: one per group of up to
+    :data:`SHARDS_PER_FRONTENDS_SERVICE` shards, with a port per shard; none without shards."""
+    groups: dict[int, list[int]] = {}
+    for shard in range(fleet.spec.replicas):
+        groups.setdefault(frontends_group(shard), []).append(shard)
+    return [_frontends_service(fleet, group, shards) for group, shards in groups.items()]
+
+
+def _frontends_service(fleet: ParsedFleet, group: int, shards: list[int]) -> Object:
+    metadata = _meta(fleet, names.frontends_service(fleet.name, group), "frontends")
+    metadata["labels"][names.LABEL_FRONTENDS_GROUP] = str(group)
+    return {
+        "apiVersion": "v1",
+        "kind": "Service",
+        "metadata": metadata,
+        "spec": {
+            "type": "ClusterIP",
+            "selector": {names.LABEL_FLEET: fleet.name, names.LABEL_COMPONENT: "engine", names.LABEL_POD_INDEX: "0"},
+            "ports": [
+                {
+                    "name": names.frontend_port_name(shard),
+                    "protocol": "TCP",
+                    "port": frontend_port(fleet, shard),
+                    "targetPort": names.frontend_port_name(shard),
+                }
+                for shard in shards
+            ],
+        },
+    }
+
+
 def frontend_service(fleet: ParsedFleet, shard: int) -> Object:
-    """ClusterIP Service of a shard's frontend: created first, its address is the reserved endpoint."""
+    """One shard's own ClusterIP Service, the scheme before the frontends Services: a fleet that
+    already has one (:func:`legacy_frontends`) keeps it, so an operator upgrade changes no
+    published endpoint."""
     port = fleet.spec.frontend.port
     return {
         "apiVersion": "v1",
@@ -73,6 +129,14 @@ def frontend_service(fleet: ParsedFleet, shard: int) -> Object:
             "ports": [{"name": "http", "protocol": "TCP", "port": port, "targetPort": port}],
         },
     }
+
+
+def legacy_frontends(services: list[Object]) -> bool:
+    """The fleet's own Services include a shard's own frontend Service (made by an operator before
+    the frontends Services): the fleet keeps one Service per shard for its whole life."""
+    return any(
+        (service["metadata"].get("labels") or {}).get(names.LABEL_COMPONENT) == "frontend" for service in services
+    )
 
 
 def ranks_service(fleet: ParsedFleet, shard: int) -> Object:
@@ -90,11 +154,15 @@ def ranks_service(fleet: ParsedFleet, shard: int) -> Object:
     }
 
 
-def shard_services(fleet: ParsedFleet, shard: int) -> list[Object]:
-    """The Services a shard needs: its frontend, and the ranks Service only when the shard has
-    several pods (a one-pod shard's ranks meet on the pod itself: nothing to resolve)."""
-    frontend = frontend_service(fleet, shard)
-    return [frontend, ranks_service(fleet, shard)] if fleet.layout.pods_per_shard > 1 else [frontend]
+def services(fleet: ParsedFleet, *, legacy: bool) -> list[Object]:
+    """Every Service the fleet needs: its frontends Services (or, ``legacy``, one frontend Service
+    per shard), and a ranks Service per shard when a shard has several pods (a one-pod shard's
+    ranks meet on the pod itself: nothing to resolve)."""
+    shards = range(fleet.spec.replicas)
+    wanted = [frontend_service(fleet, shard) for shard in shards] if legacy else frontends_services(fleet)
+    if fleet.layout.pods_per_shard > 1:
+        wanted += [ranks_service(fleet, shard) for shard in shards]
+    return wanted
 
 
 def master_address(fleet: ParsedFleet, shard: int) -> str:
@@ -116,14 +184,20 @@ def agent_secret(fleet: ParsedFleet, token: str) -> Object:
     }
 
 
-def endpoint(fleet: ParsedFleet, shard: int, cluster_ip: str) -> v1alpha1.Endpoint:
-    service = names.frontend_service(fleet.name, shard)
-    port = fleet.spec.frontend.port
+def endpoint(fleet: ParsedFleet, shard: int, service: Object) -> v1alpha1.Endpoint:
+    """A shard's published endpoint on the Service that carries it (its frontends Service, or its
+    own Service in a legacy fleet), at the Service's port for the shard."""
+    name = service["metadata"]["name"]
+    shard_port = names.frontend_port_name(shard)
+    port = next(
+        (item["port"] for item in service["spec"]["ports"] if item.get("name") in (shard_port, "http")),
+        fleet.spec.frontend.port,
+    )
     return v1alpha1.Endpoint(
         shard=shard,
-        url=f"http://{cluster_ip}:{port}/v1",
-        dns_url=f"http://{service}.{fleet.namespace}.svc:{port}/v1",
-        service=service,
+        url=f"http://{service['spec']['clusterIP']}:{port}/v1",
+        dns_url=f"http://{name}.{fleet.namespace}.svc:{port}/v1",
+        service=name,
     )
 
 
@@ -233,12 +307,13 @@ def _pod(
     ]
     container: Object = {}
     if index == 0:
-        container_ports.insert(0, {"name": "http", "containerPort": spec.frontend.port, "protocol": "TCP"})
+        port_name = names.frontend_port_name(shard)
+        container_ports.insert(0, {"name": port_name, "containerPort": spec.frontend.port, "protocol": "TCP"})
         # The frontend's /health answers 503 unless the engine serves (loading, Stale, fenced):
         # such a pod leaves its Service's endpoints. Suspended for a refit it answers 200: requests
         # are held and served by the new version (megafleet_engine.server.build_frontend_app).
         container["readinessProbe"] = {
-            "httpGet": {"path": "/health", "port": "http"},
+            "httpGet": {"path": "/health", "port": port_name},
             "periodSeconds": 2,
             "failureThreshold": 1,
         }

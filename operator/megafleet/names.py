@@ -15,7 +15,9 @@ LABEL_SHARD = f"{PREFIX}/shard"
 LABEL_POD_INDEX = f"{PREFIX}/pod-index"
 """On pods: the pod's index inside its shard (pod 0 hosts the frontend rank)."""
 LABEL_COMPONENT = f"{PREFIX}/component"
-"""engine, frontend, ranks, endpoints or agent-token."""
+"""engine, frontends, frontend (one shard's, before the frontends Services), ranks, endpoints or agent-token."""
+LABEL_FRONTENDS_GROUP = f"{PREFIX}/frontends-group"
+"""On a frontends Service: the index of its group of shards."""
 LABEL_MANAGED_BY = "app.kubernetes.io/managed-by"
 ANNOTATION_TEMPLATE_HASH = f"{PREFIX}/template-hash"
 """On pods: a hash of the spec fields that shape the pod; a change rolls the shard."""
@@ -35,8 +37,21 @@ OPERATOR_MOUNTS = (AGENT_TOKEN_MOUNT, TMP_MOUNT, SHM_MOUNT, CACHE_MOUNT)
 """The engine container's mount paths the operator owns; a user mount may not take or cover one."""
 
 
+def frontends_service(fleet: str, group: int) -> str:
+    """The ClusterIP Service of a group of shards' frontends (one port per shard); its address and
+    the shard's port are the shard's published endpoint."""
+    return f"{fleet}-f{group}"
+
+
+def frontend_port_name(shard: int) -> str:
+    """The name of a frontend pod's HTTP container port: the shard's port of its frontends Service
+    targets it by name, so only that shard's frontend pod carries the shard's endpoint."""
+    return f"shard-{shard}"
+
+
 def frontend_service(fleet: str, shard: int) -> str:
-    """The ClusterIP Service of one shard's frontend; its address is the published endpoint."""
+    """The ClusterIP Service of one shard's frontend, as operators before the frontends Services made
+    it; a fleet that has one keeps that scheme (:func:`megafleet.desired.legacy_frontends`)."""
     return f"{fleet}-s{shard}"
 
 

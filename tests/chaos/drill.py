@@ -415,9 +415,9 @@ class Drill:
         problems: list[str] = []
         fleet = self.fleet()
         uid = fleet["metadata"]["uid"]
-        # One frontend Service per shard: the drill's one-pod shards have no ranks Service (their
-        # ranks meet inside the pod).
-        expected = {"pods": self.replicas, "services": self.replicas, "configmaps": 1, "secrets": 1}
+        # One frontends Service (up to 100 shards): the drill's one-pod shards have no ranks Service
+        # (their ranks meet inside the pod).
+        expected = {"pods": self.replicas, "services": 1 if self.replicas else 0, "configmaps": 1, "secrets": 1}
         for kind, count in expected.items():
             items = self.kube.list(
                 f"/api/v1/namespaces/{self.namespace}/{kind}", label_selector=f"megafleet.dev/fleet={FLEET}"

@@ -50,7 +50,7 @@ def test_a_service_squatting_on_a_derived_name_is_a_name_conflict_never_publishe
     squatter = {
         "apiVersion": "v1",
         "kind": "Service",
-        "metadata": {"name": "tiny-s0", "labels": {"megafleet.dev/fleet": "tiny"}},
+        "metadata": {"name": "tiny-f0", "labels": {"megafleet.dev/fleet": "tiny"}},
         "spec": {"ports": [{"port": 80}]},
     }
     created = kube_admin.create(f"/api/v1/namespaces/{namespace}/services", squatter)
@@ -59,11 +59,11 @@ def test_a_service_squatting_on_a_derived_name_is_a_name_conflict_never_publishe
     fleet = kube_admin.wait(f"{fleets(namespace)}/tiny", condition_is("NameConflict", "True"), timeout=WAIT)
 
     assert fleet is not None
-    assert "Service 'tiny-s0'" in (kube.condition(fleet, "NameConflict") or {})["message"]
+    assert "Service 'tiny-f0'" in (kube.condition(fleet, "NameConflict") or {})["message"]
     assert created["spec"]["clusterIP"] not in str(fleet["status"].get("endpoints", []))
     assert kube_admin.list(f"/api/v1/namespaces/{namespace}/pods")["items"] == []
     assert kube_admin.get(f"/api/v1/namespaces/{namespace}/configmaps/tiny-endpoints") is None
-    left = kube_admin.get(f"/api/v1/namespaces/{namespace}/services/tiny-s0")
+    left = kube_admin.get(f"/api/v1/namespaces/{namespace}/services/tiny-f0")
     assert left is not None and "ownerReferences" not in left["metadata"]  # never adopted
 
 

@@ -65,11 +65,14 @@ def test_endpoints_are_published_before_the_first_pod_exists(
     assert published and min(published) < first_pod_rv
     status = ready["status"]
     assert [endpoint["shard"] for endpoint in status["endpoints"]] == [0, 1]
+    assert [endpoint["service"] for endpoint in status["endpoints"]] == ["tiny-f0", "tiny-f0"]  # one ClusterIP
+    service = kube_admin.get(f"/api/v1/namespaces/{namespace}/services/tiny-f0")
+    assert service is not None
+    assert [(port["name"], port["port"]) for port in service["spec"]["ports"]] == [("shard-0", 8000), ("shard-1", 8001)]
     for endpoint in status["endpoints"]:
-        service = kube_admin.get(f"/api/v1/namespaces/{namespace}/services/{endpoint['service']}")
-        assert service is not None
-        assert endpoint["url"] == f"http://{service['spec']['clusterIP']}:8000/v1"
-        assert endpoint["dnsURL"] == f"http://{endpoint['service']}.{namespace}.svc:8000/v1"
+        port = 8000 + endpoint["shard"]
+        assert endpoint["url"] == f"http://{service['spec']['clusterIP']}:{port}/v1"
+        assert endpoint["dnsURL"] == f"http://tiny-f0.{namespace}.svc:{port}/v1"
     configmap = kube_admin.get(f"/api/v1/namespaces/{namespace}/configmaps/tiny-endpoints")
     assert configmap is not None
     assert configmap["data"]["urls"].split() == [endpoint["url"] for endpoint in status["endpoints"]]

@@ -86,7 +86,7 @@ class Api:
     async def patch(self, kind: str, name: str, namespace: str | None, patch: Object) -> Object:
         self.writes[f"patch {kind}"] += 1
         obj = self.objects[(kind, namespace, name)]
-        obj.update(copy.deepcopy(patch))
+        merge_patch(obj, copy.deepcopy(patch))
         return copy.deepcopy(obj)
 
     async def patch_status(self, kind: str, name: str, namespace: str, status: Object) -> None:
@@ -100,6 +100,18 @@ class Api:
             if kind == "Pod" and not obj.get("status", {}).get("podIP"):
                 obj["spec"]["nodeName"] = node
                 obj["status"] = {"phase": "Running", "podIP": f"127.0.0.{next(self._addresses)}"}
+
+
+def merge_patch(target: Object, patch: Object) -> None:
+    """Apply a JSON merge patch (RFC 7386, what :meth:`megafleet.kube.Api.patch` sends) in place:
+    objects merge key by key, ``None`` removes a key, anything else (lists too) replaces."""
+    for key, value in patch.items():
+        if value is None:
+            target.pop(key, None)
+        elif isinstance(value, dict) and isinstance(target.get(key), dict):
+            merge_patch(target[key], value)
+        else:
+            target[key] = value
 
 
 class Indexes(dict[str, Any]):

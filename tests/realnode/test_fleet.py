@@ -11,6 +11,7 @@ import base64
 import json
 import subprocess
 import sys
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -145,15 +146,42 @@ def test_the_fleet_runs_in_real_containers_on_the_real_node(
         assert status["imageID"]  # resolved by containerd from the imported engine image
 
 
+def completions_served(kube_admin: kube.Kube, namespace: str, pod_name: str) -> int:
+    """The completions a frontend answered with 200, from its pod's metrics port."""
+    pod = kube_admin.get(f"/api/v1/namespaces/{namespace}/pods/{pod_name}") or {}
+    text = httpx.get(f"http://{pod['status']['podIP']}:{ports.METRICS_PORT}/metrics", timeout=10).text
+    return sum(
+        int(float(line.rsplit(" ", 1)[1]))
+        for line in text.splitlines()
+        if line.startswith("megafleet_requests_total{")
+        and 'endpoint="/v1/completions"' in line
+        and 'status="200"' in line
+    )
+
+
 def test_a_client_pod_gets_greedy_completions_through_the_service_ip_and_its_dns_name(
     fleet: tuple[str, dict[str, Any]], kube_admin: kube.Kube
 ) -> None:
+    """Both shards share one frontends Service (one ClusterIP, a port each): kube-proxy sends each
+    shard's port to that shard's frontend alone, through the ClusterIP and through CoreDNS."""
     namespace, ready = fleet
-    urls = [url for endpoint in ready["status"]["endpoints"] for url in (endpoint["url"], endpoint["dnsURL"])]
+    endpoints = ready["status"]["endpoints"]
+    assert [endpoint["service"] for endpoint in endpoints] == ["tiny-f0", "tiny-f0"]
+    # Shard 0 asked once by each route, shard 1 four times by each: the counts tell the routes apart.
+    urls = [endpoints[0]["url"], endpoints[0]["dnsURL"]] + [endpoints[1]["url"], endpoints[1]["dnsURL"]] * 4
     assert all(".svc:" in url for url in urls[1::2])
+    frontends = [shard["pods"][0] for shard in ready["status"]["shards"]]
+    before = [completions_served(kube_admin, namespace, pod) for pod in frontends]
     answers = ask(kube_admin, namespace, "client-services", urls)
-    assert len(answers) == 4 and answers[0]
+    assert len(answers) == 10 and answers[0]
     assert len(set(answers)) == 1  # same weights, greedy: every shard and every route agrees
+    deadline = time.monotonic() + 30  # the API servers report their requests to the core in batches
+    while True:
+        served = [completions_served(kube_admin, namespace, pod) - b for pod, b in zip(frontends, before, strict=True)]
+        if served == [2, 8]:
+            break
+        assert time.monotonic() < deadline, f"completions served per shard: {served}, expected [2, 8]"
+        time.sleep(0.5)
 
 
 def test_a_killed_engine_container_heals_behind_the_same_service(

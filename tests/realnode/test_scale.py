@@ -1,6 +1,6 @@
 """Scaling the tiny fleet on the real node: up adds a shard that serves, down drains the removed
 shard, and requests streaming from it when the scale-down is asked for all finish whole (the
-operator's drain through the agent, then the pod and its Services go)."""
+operator's drain through the agent, then its pod and its port on the frontends Service go)."""
 
 from __future__ import annotations
 
@@ -139,7 +139,8 @@ def test_scaling_up_serves_and_scaling_down_drains_without_failing_a_request(
             timeout=WAIT,
             what="the removed shard's pod gone",
         )
-        assert kube_admin.get(f"/api/v1/namespaces/{namespace}/services/tiny-s1") is None
+        frontends = kube_admin.get(f"/api/v1/namespaces/{namespace}/services/tiny-f0") or {}
+        assert [port["name"] for port in frontends["spec"]["ports"]] == ["shard-0"]  # the removed shard's port went
         events = kube_admin.list(f"/api/v1/namespaces/{namespace}/events")["items"]
         assert any(event.get("reason") == "ShardRemoved" for event in events)
     finally:

@@ -42,7 +42,8 @@ def test_a_tp16_shard_becomes_four_pods_pinned_to_its_clique_and_nodes() -> None
         assert pod["metadata"]["labels"][names.LABEL_POD_INDEX] == str(index)
         assert pod["metadata"]["ownerReferences"][0]["uid"] == "uid-1"
     ports = [[p["name"] for p in pod["spec"]["containers"][0]["ports"]] for pod in pods]
-    assert ports[0] == ["http", "agent", "metrics"] and ports[1] == ["agent", "metrics"]  # one frontend
+    assert ports[0] == ["shard-2", "agent", "metrics"] and ports[1] == ["agent", "metrics"]  # one frontend
+    assert pods[0]["spec"]["containers"][0]["readinessProbe"]["httpGet"]["port"] == "shard-2"
 
 
 def test_pods_run_restricted() -> None:
@@ -63,24 +64,74 @@ def test_template_hash_changes_with_the_engine_but_not_with_replicas() -> None:
     assert desired.template_hash(fleet(engine={"maxBatchSize": 8})) != base
 
 
+def test_frontends_services_give_each_shard_a_port_that_only_its_frontend_pod_carries() -> None:
+    wide = fleet(replicas=250)
+    services = desired.frontends_services(wide)
+    assert [s["metadata"]["name"] for s in services] == ["big-f0", "big-f1", "big-f2"]
+    last = services[2]
+    assert last["spec"]["type"] == "ClusterIP"
+    assert last["spec"]["selector"] == {
+        names.LABEL_FLEET: "big",
+        names.LABEL_COMPONENT: "engine",
+        names.LABEL_POD_INDEX: "0",
+    }
+    assert last["metadata"]["labels"][names.LABEL_FRONTENDS_GROUP] == "2"
+    ports = last["spec"]["ports"]
+    assert len(ports) == 50
+    assert ports[7] == {"name": "shard-207", "protocol": "TCP", "port": 8007, "targetPort": "shard-207"}
+    # The shard's port name is on its frontend pod alone: the EndpointSlice controller leaves every
+    # other selected pod out of that port's endpoints.
+    frontend, worker = desired.shard_pods(wide, 207, PLACEMENT)[:2]
+    assert [p["name"] for p in frontend["spec"]["containers"][0]["ports"]] == ["shard-207", "agent", "metrics"]
+    assert frontend["spec"]["containers"][0]["ports"][0]["containerPort"] == 8000
+    assert "shard-207" not in str(worker["spec"]["containers"][0]["ports"])
+    assert desired.frontends_services(fleet(replicas=0)) == []
+
+
+def test_a_shard_port_counts_down_where_counting_up_would_pass_65535() -> None:
+    high = fleet(replicas=120, frontend={"port": 65500})
+    assert [desired.frontend_port(high, shard) for shard in (0, 5, 99, 100, 105)] == [65500, 65495, 65401, 65500, 65495]
+    assert desired.frontend_port(fleet(frontend={"port": 65436}), 99) == 65535
+
+
+def test_services_of_a_fleet_and_of_a_legacy_fleet() -> None:
+    two = fleet(replicas=2)
+    assert [s["metadata"]["name"] for s in desired.services(two, legacy=False)] == [
+        "big-f0",
+        "big-s0-ranks",
+        "big-s1-ranks",
+    ]
+    legacy = desired.services(two, legacy=True)
+    assert [s["metadata"]["name"] for s in legacy] == ["big-s0", "big-s1", "big-s0-ranks", "big-s1-ranks"]
+    assert legacy[1]["spec"]["selector"] == {
+        names.LABEL_FLEET: "big",
+        names.LABEL_SHARD: "1",
+        names.LABEL_POD_INDEX: "0",
+    }
+    assert desired.ranks_service(two, 1)["spec"]["clusterIP"] == "None"
+    assert desired.legacy_frontends(legacy) and not desired.legacy_frontends(desired.services(two, legacy=False))
+
+
 def test_endpoint_and_configmap_publish_clusterip_and_dns_urls() -> None:
-    endpoints = [desired.endpoint(fleet(), shard, f"10.96.0.{10 + shard}") for shard in range(2)]
-    configmap = desired.endpoints_configmap(fleet(), endpoints)
-    assert configmap["data"]["urls"] == "http://10.96.0.10:8000/v1\nhttp://10.96.0.11:8000/v1\n"
-    assert configmap["data"]["dns-urls"].splitlines()[1] == "http://big-s1.rl.svc:8000/v1"
-
-
-def test_frontend_service_selects_only_pod_zero_of_its_shard() -> None:
-    service = desired.frontend_service(fleet(), 3)
-    assert service["spec"]["selector"] == {names.LABEL_FLEET: "big", names.LABEL_SHARD: "3", names.LABEL_POD_INDEX: "0"}
-    assert desired.ranks_service(fleet(), 3)["spec"]["clusterIP"] == "None"
-    assert [s["metadata"]["name"] for s in desired.shard_services(fleet(), 3)] == ["big-s3", "big-s3-ranks"]
+    two = fleet(replicas=2)
+    (service,) = desired.frontends_services(two)
+    allocated = {**service, "spec": {**service["spec"], "clusterIP": "10.96.0.10"}}
+    endpoints = [desired.endpoint(two, shard, allocated) for shard in range(2)]
+    configmap = desired.endpoints_configmap(two, endpoints)
+    assert configmap["data"]["urls"] == "http://10.96.0.10:8000/v1\nhttp://10.96.0.10:8001/v1\n"
+    assert configmap["data"]["dns-urls"].splitlines()[1] == "http://big-f0.rl.svc:8001/v1"
+    assert endpoints[1].service == "big-f0"
+    legacy = {
+        **desired.frontend_service(two, 1),
+        "spec": {**desired.frontend_service(two, 1)["spec"], "clusterIP": "10.96.0.11"},
+    }
+    assert desired.endpoint(two, 1, legacy).url == "http://10.96.0.11:8000/v1"  # a legacy shard's own Service
 
 
 def test_a_one_pod_shard_has_no_ranks_service_and_meets_on_loopback() -> None:
     one = fleet(parallelism={"tensor": 8}, resources={"gpusPerNode": 8})
     assert one.layout.pods_per_shard == 1
-    assert [s["metadata"]["name"] for s in desired.shard_services(one, 0)] == ["big-s0"]
+    assert [s["metadata"]["name"] for s in desired.services(one, legacy=False)] == ["big-f0"]
     placement = planner.ShardPlacement(clique=None, pods=(planner.PodPlacement(node="n5", gpus=8),))
     (pod,) = desired.shard_pods(one, 0, placement)
     assert env(pod)["MEGAFLEET_MASTER_ADDR"] == "127.0.0.1"

@@ -1074,9 +1074,15 @@ class Endpoint(ApiModel):
     """A reserved frontend address, published before any engine starts."""
 
     shard: int = Field(ge=0, description="shard is the shard index the frontend belongs to.")
-    url: str = Field(description="url is the OpenAI base URL through the Service's ClusterIP, ending in /v1.")
+    url: str = Field(
+        description="url is the OpenAI base URL through the Service's ClusterIP and the shard's port, ending in /v1."
+    )
     dns_url: str = Field(alias="dnsURL", description="dnsURL is the same base URL through the Service's DNS name.")
-    service: str = Field(description="service is the name of the frontend's Service.")
+    service: str = Field(
+        description="service is the name of the Service carrying the frontend: the fleet's frontends Service "
+        "of the shard's group of 100 (<fleet>-f<group>, a port per shard), or the shard's own (<fleet>-s<shard>) "
+        "in a fleet made by an operator before frontends Services."
+    )
 
 
 class ShardStatus(ApiModel):

@@ -1,12 +1,13 @@
-"""Endpoints are reserved before any pod exists: the agent token, each shard's Services, the
+"""Endpoints are reserved before any pod exists: the agent token, the fleet's Services, the
 endpoints ConfigMap and ``status.endpoints``.
 
-Called by :func:`megafleet.reconcile.reconcile`. A frontend Service's ClusterIP is the shard's
-published endpoint for the fleet's whole life; a shard of several pods also gets a headless ranks
-Service (a one-pod shard needs none: :func:`megafleet.desired.shard_services`; one made by an older
-operator is kept while its shard lives, as its pods' rendezvous address may name it); Services of
-shards removed by scaling down go. Only
-objects the fleet owns are read, published or deleted (:mod:`.ownership`).
+Called by :func:`megafleet.reconcile.reconcile`. A shard's published endpoint is its port on one of
+the fleet's frontends Services (:func:`megafleet.desired.frontends_services`: one ClusterIP per 100
+shards), fixed for the shard's life; a fleet made by an older operator keeps one Service per shard
+(:func:`megafleet.desired.legacy_frontends`). A shard of several pods also gets a headless ranks
+Service (one made by an older operator for a one-pod shard is kept while its shard lives, as its
+pods' rendezvous address may name it). Ports, Services and ranks Services of shards removed by
+scaling down go. Only objects the fleet owns are read, published or deleted (:mod:`.ownership`).
 """
 
 from __future__ import annotations
@@ -63,43 +64,62 @@ async def reserve(ctx: context.FleetContext) -> None:
 async def _services(ctx: context.FleetContext) -> list[v1alpha1.Endpoint]:
     """The missing Services are created together (one round trip, not one per Service), frontends
     and ranks alike; the ClusterIP ones within the operator-wide bound on Service creates in flight
-    (:attr:`.context.Runtime.service_slots`), headless ones beside them; the endpoints are in shard
-    order."""
+    (:attr:`.context.Runtime.service_slots`), headless ones beside them. A frontends Service whose
+    ports are not the shards' (scaled up or down) gets them. The endpoints are in shard order."""
     fleet, api = ctx.fleet, ctx.api
     labelled = await pods.labelled_objects(api, ctx.runtime.cache, "Service", fleet)
     services = {service["metadata"]["name"]: service for service in ownership.only_owned(labelled, fleet)}
-    missing = [
-        wanted
-        for shard in range(fleet.spec.replicas)
-        for wanted in desired.shard_services(fleet, shard)
-        if wanted["metadata"]["name"] not in services
+    legacy = desired.legacy_frontends(list(services.values()))
+    wanted = desired.services(fleet, legacy=legacy)
+    missing = [service for service in wanted if service["metadata"]["name"] not in services]
+    reshaped = [
+        service
+        for service in wanted
+        if service["metadata"]["name"] in services and _ports(services[service["metadata"]["name"]]) != _ports(service)
     ]
 
-    async def create(wanted: dict[str, Any]) -> dict[str, Any]:
-        if wanted["spec"].get("clusterIP") == "None":  # headless: no address to allocate, not bounded
-            return await ownership.create(api, fleet, wanted)
+    async def create(service: dict[str, Any]) -> dict[str, Any]:
+        if service["spec"].get("clusterIP") == "None":  # headless: no address to allocate, not bounded
+            return await ownership.create(api, fleet, service)
         async with ctx.runtime.service_slots:
-            return await ownership.create(api, fleet, wanted)
+            return await ownership.create(api, fleet, service)
 
-    reserved = []
-    for created in await asyncio.gather(*(create(wanted) for wanted in missing)):
-        services[created["metadata"]["name"]] = created
-        if created["metadata"]["name"] == names.frontend_service(fleet.name, _shard(created)):
-            reserved.append(f"shard {_shard(created)}: {created['spec']['clusterIP']}")
+    async def reshape(service: dict[str, Any]) -> dict[str, Any]:
+        name = service["metadata"]["name"]
+        return await api.patch("Service", name, fleet.namespace, {"spec": {"ports": service["spec"]["ports"]}})
+
+    made = await asyncio.gather(*(create(service) for service in missing), *(reshape(service) for service in reshaped))
+    services.update({service["metadata"]["name"]: service for service in made})
+    endpoints = [
+        desired.endpoint(fleet, shard, services[_frontend(fleet, shard, legacy)])
+        for shard in range(fleet.spec.replicas)
+    ]
+    new = {service["metadata"]["name"] for service in missing if service["spec"].get("clusterIP") != "None"}
+    reserved = [f"shard {e.shard}: {e.url}" for e in endpoints if e.service in new]
     if reserved:  # one Event per reconcile, not one per shard
         ctx.notify("Normal", "EndpointsReserved", context.summary(reserved))
-    endpoints = []
-    for shard in range(fleet.spec.replicas):
-        frontend = services[names.frontend_service(fleet.name, shard)]
-        endpoints.append(desired.endpoint(fleet, shard, frontend["spec"]["clusterIP"]))
-    for name, service in services.items():  # shards removed by scaling down
-        if _shard(service) >= fleet.spec.replicas:
+    for name, service in services.items():  # shards and frontends groups removed by scaling down
+        if _gone(service, fleet):
             await api.delete("Service", name, fleet.namespace)
     return endpoints
 
 
-def _shard(service: dict[str, Any]) -> int:
-    return int(service["metadata"]["labels"].get(names.LABEL_SHARD, "-1"))
+def _frontend(fleet: desired.ParsedFleet, shard: int, legacy: bool) -> str:
+    if legacy:
+        return names.frontend_service(fleet.name, shard)
+    return names.frontends_service(fleet.name, desired.frontends_group(shard))
+
+
+def _ports(service: dict[str, Any]) -> list[tuple[str | None, int]]:
+    return sorted((port.get("name"), port["port"]) for port in service["spec"].get("ports") or [])
+
+
+def _gone(service: dict[str, Any], fleet: desired.ParsedFleet) -> bool:
+    """A shard's Service of a shard past ``replicas``, or a frontends Service of a group without shards."""
+    labels = service["metadata"].get("labels") or {}
+    if names.LABEL_FRONTENDS_GROUP in labels:
+        return int(labels[names.LABEL_FRONTENDS_GROUP]) > desired.frontends_group(fleet.spec.replicas - 1)
+    return int(labels.get(names.LABEL_SHARD, "-1")) >= fleet.spec.replicas
 
 
 async def _configmap(ctx: context.FleetContext, endpoints: list[v1alpha1.Endpoint]) -> None:

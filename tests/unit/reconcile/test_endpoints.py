@@ -13,7 +13,8 @@ import pytest
 import yaml
 
 from helpers import kube_fakes
-from megafleet import agent_client, reconcile, settings
+from megafleet import agent_client, desired, reconcile, settings
+from megafleet.api import v1alpha1
 from megafleet.reconcile import context
 
 ROOT = Path(__file__).resolve().parents[3]
@@ -60,8 +61,9 @@ class SlowServices(kube_fakes.Api):
 
 @pytest.mark.parametrize("bound", [None, 1, 5])
 def test_service_creates_across_fleets_stay_within_the_bound_and_fleets_are_served_in_order(bound: int | None) -> None:
-    """The bound is the setting (``MEGAFLEET_API_SERVICE_CREATES_IN_FLIGHT``, default 2)."""
-    fleets = [fleet(f"f{index}", replicas=6) for index in range(4)]
+    """The bound is the setting (``MEGAFLEET_API_SERVICE_CREATES_IN_FLIGHT``, default 2). 250 shards
+    a fleet: three frontends Services (100 shards each)."""
+    fleets = [fleet(f"f{index}", replicas=250) for index in range(4)]
     api = SlowServices(*fleets, NODE)
     environ = {} if bound is None else {"MEGAFLEET_API_SERVICE_CREATES_IN_FLIGHT": str(bound)}
     runtime = context.Runtime.of(api, Agents(), settings.OperatorSettings.from_environ(environ))  # type: ignore[arg-type]
@@ -73,13 +75,13 @@ def test_service_creates_across_fleets_stay_within_the_bound_and_fleets_are_serv
     asyncio.run(all_at_once())
 
     assert api.most == (bound or 2)  # the bound is reached, never passed
-    assert len([key for key in api.objects if key[0] == "Service"]) == 24
+    assert len([key for key in api.objects if key[0] == "Service"]) == 12
     for index in range(4):  # every fleet reserved and published its endpoints
         status = api.objects[("MegatronGeneration", "rl", f"f{index}")]["status"]
-        assert len(status["endpoints"]) == 6
+        assert len(status["endpoints"]) == 250
     first_done = [api.started.index(f"f{index}") for index in range(4)]
     assert first_done == sorted(first_done)  # waiters are served in arrival order
-    assert api.started[:6] == ["f0"] * 6  # the first fleet's creates were not spread behind the others'
+    assert api.started[:3] == ["f0"] * 3  # the first fleet's creates were not spread behind the others'
 
 
 class ReadsApart(kube_fakes.Api):
@@ -135,5 +137,68 @@ def test_a_configmap_left_by_an_earlier_reconcile_is_corrected_by_a_fresh_one() 
         await reconcile.reconcile(runtime, await api.get("MegatronGeneration", "tiny", "rl") or {})
 
     asyncio.run(once())
-    assert "tiny-s0" in str(api.objects[("ConfigMap", "rl", "tiny-endpoints")]["data"])
+    assert "tiny-f0" in str(api.objects[("ConfigMap", "rl", "tiny-endpoints")]["data"])
     assert api.writes["patch ConfigMap"] == 1
+
+
+def reconciled(api: kube_fakes.Api, replicas: int) -> dict[str, Any]:
+    """Set ``spec.replicas`` (as ``kubectl scale`` does), reconcile once, return the fleet."""
+    api.objects[("MegatronGeneration", "rl", "tiny")]["spec"]["replicas"] = replicas
+    runtime = context.Runtime.of(api, Agents(), settings.OperatorSettings())  # type: ignore[arg-type]
+
+    async def once() -> dict[str, Any]:
+        await reconcile.reconcile(runtime, await api.get("MegatronGeneration", "tiny", "rl") or {})
+        return await api.get("MegatronGeneration", "tiny", "rl") or {}
+
+    return asyncio.run(once())
+
+
+def services(api: kube_fakes.Api) -> dict[str, dict[str, Any]]:
+    return {name: obj for (kind, _, name), obj in api.objects.items() if kind == "Service"}
+
+
+def test_scaling_adds_and_removes_shard_ports_and_keeps_every_other_endpoint() -> None:
+    api = kube_fakes.Api(fleet("tiny", replicas=2), NODE)
+    before = reconciled(api, 2)["status"]["endpoints"]
+    assert [e["url"].rsplit(":", 1)[1] for e in before] == ["8000/v1", "8001/v1"]
+    assert len({e["url"].split(":")[1] for e in before}) == 1  # one ClusterIP for both shards
+
+    api.writes.clear()
+    grown = reconciled(api, 3)["status"]["endpoints"]
+    assert grown[:2] == before and grown[2]["url"] == before[0]["url"].replace(":8000/", ":8002/")
+    assert api.writes["patch Service"] == 1 and api.writes["create Service"] == 0
+    assert [p["name"] for p in services(api)["tiny-f0"]["spec"]["ports"]] == ["shard-0", "shard-1", "shard-2"]
+
+    assert reconciled(api, 1)["status"]["endpoints"] == before[:1]
+    assert [p["port"] for p in services(api)["tiny-f0"]["spec"]["ports"]] == [8000]
+    reconciled(api, 0)
+    assert services(api) == {}
+
+
+def test_a_fleet_of_250_shards_has_three_frontends_services_and_a_scale_down_removes_the_last() -> None:
+    api = kube_fakes.Api(fleet("tiny", replicas=250), NODE)
+    endpoints = reconciled(api, 250)["status"]["endpoints"]
+    assert sorted(services(api)) == ["tiny-f0", "tiny-f1", "tiny-f2"]
+    assert [(e["service"], e["url"].rsplit(":", 1)[1]) for e in endpoints[99:101]] == [
+        ("tiny-f0", "8099/v1"),
+        ("tiny-f1", "8000/v1"),
+    ]
+    reconciled(api, 150)
+    assert sorted(services(api)) == ["tiny-f0", "tiny-f1"]
+    assert len(services(api)["tiny-f1"]["spec"]["ports"]) == 50
+
+
+def test_a_fleet_with_an_older_operators_shard_services_keeps_them_and_adds_more_of_them() -> None:
+    """An operator upgrade changes no published endpoint: a fleet that has one Service per shard
+    (made before the frontends Services) keeps that scheme, scaled up too."""
+    api = kube_fakes.Api(fleet("tiny", replicas=2), NODE)
+    owner = api.objects[("MegatronGeneration", "rl", "tiny")]
+    parsed = desired.ParsedFleet(
+        "tiny", "rl", owner["metadata"]["uid"], 1, v1alpha1.MegatronGenerationSpec.model_validate(owner["spec"])
+    )
+    for shard in range(2):
+        asyncio.run(api.create(desired.frontend_service(parsed, shard)))
+    before = reconciled(api, 2)["status"]["endpoints"]
+    assert [e["service"] for e in before] == ["tiny-s0", "tiny-s1"]
+    assert reconciled(api, 3)["status"]["endpoints"][:2] == before
+    assert sorted(services(api)) == ["tiny-s0", "tiny-s1", "tiny-s2"]

@@ -39,7 +39,7 @@ def test_a_settled_fleet_is_ready_and_its_next_reconcile_writes_nothing() -> Non
         return dict(api.writes)
 
     first = asyncio.run(reconcile_once())
-    assert first["create Pod"] == 2 and first["create Service"] == 2 and first["create ConfigMap"] == 1
+    assert first["create Pod"] == 2 and first["create Service"] == 1 and first["create ConfigMap"] == 1
     api.run_pods("n0")
     asyncio.run(reconcile_once())
     fleet = asyncio.run(api.get("MegatronGeneration", "tiny", "rl")) or {}

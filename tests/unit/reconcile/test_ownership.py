@@ -59,17 +59,17 @@ def condition(fleet: dict[str, Any], kind: str) -> dict[str, Any]:
 
 
 def test_a_service_squatting_on_a_frontend_name_is_reported_never_published() -> None:
-    squatter = foreign("Service", "tiny-s0", spec={"clusterIP": "10.96.9.9", "ports": [{"port": 80}]})
+    squatter = foreign("Service", "tiny-f0", spec={"clusterIP": "10.96.9.9", "ports": [{"port": 80}]})
     api = kube_fakes.Api(tiny(), NODE, squatter)
 
     fleet = reconciled(api)
 
     conflict = condition(fleet, "NameConflict")
-    assert conflict["status"] == "True" and "Service 'tiny-s0'" in conflict["message"]
+    assert conflict["status"] == "True" and "Service 'tiny-f0'" in conflict["message"]
     assert condition(fleet, "Ready")["reason"] == "NameConflict"
     assert "10.96.9.9" not in str(fleet["status"].get("endpoints")) and "endpoints" not in fleet["status"]
     assert not [key for key in api.objects if key[0] in ("Pod", "ConfigMap")]
-    assert api.objects[("Service", "rl", "tiny-s0")]["spec"] == squatter["spec"]  # untouched
+    assert api.objects[("Service", "rl", "tiny-f0")]["spec"] == squatter["spec"]  # untouched
 
 
 def test_a_secret_squatting_on_the_token_name_is_reported_not_read() -> None:
@@ -90,7 +90,7 @@ def test_a_conflict_clears_once_the_squatter_is_gone() -> None:
     fleet = reconciled(api)
 
     assert condition(fleet, "NameConflict")["status"] == "False"
-    assert [endpoint["service"] for endpoint in fleet["status"]["endpoints"]] == ["tiny-s0"]
+    assert [endpoint["service"] for endpoint in fleet["status"]["endpoints"]] == ["tiny-f0"]
 
 
 def test_a_pod_wearing_the_fleets_labels_is_neither_a_shard_nor_given_the_token() -> None:

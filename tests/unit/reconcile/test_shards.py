@@ -75,7 +75,7 @@ def test_placing_several_shards_is_one_event_each_for_endpoints_and_placement() 
 
     asyncio.run(reconcile.reconcile(runtime, fleet, notify=lambda *event: events.append(event)))
 
-    assert api.writes["create Pod"] == 4 and api.writes["create Service"] == 4  # one-pod shards: frontends only
+    assert api.writes["create Pod"] == 4 and api.writes["create Service"] == 1  # one-pod shards: one frontends Service
     assert [(kind, reason) for kind, reason, _ in events] == [
         ("Normal", "EndpointsReserved"),
         ("Normal", "ShardsPlaced"),

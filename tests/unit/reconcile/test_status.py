@@ -274,7 +274,9 @@ def test_invalid_spec_sets_invalid_and_not_ready_and_a_valid_one_clears_it() -> 
         "spec.replicas: too many",
     )
     assert condition(invalid["conditions"], conditions.READY) == ("False", "InvalidSpec", "spec.replicas: too many")
-    endpoint = desired.endpoint(fleet(), 0, "10.96.0.10")
+    endpoint = v1alpha1.Endpoint(
+        shard=0, url="http://10.96.0.10:8000/v1", dns_url="http://f-f0.rl.svc:8000/v1", service="f-f0"
+    )
     valid = status.with_endpoints(invalid, fleet(), [endpoint], now=LATER)
     assert condition(valid["conditions"], conditions.INVALID_SPEC) == ("False", "Valid", "")
     assert condition(valid["conditions"], conditions.ENDPOINTS_RESERVED) == (
