@@ -35,6 +35,8 @@ class DigestDiffBase(kopf.AnnotationsDiffBaseStorage):
     size of the spec, labels or annotations; a change in a part still shows as a change of it."""
 
     def build(self, *, body: kopf.Body, extra_fields: Iterable[Any] | None = None) -> kopf.BodyEssence:
+        if not extra_fields:  # the essence never holds the status: Kopf need not deep-copy it (issue 18)
+            body = _without_status(body)
         essence = super().build(body=body, extra_fields=extra_fields)
         return cast(kopf.BodyEssence, {key: {"sha256": _digest(value)} for key, value in essence.items()})
 
@@ -57,6 +59,19 @@ class TolerantProgress(kopf.AnnotationsProgressStorage):
             log.warning("ignoring a malformed progress record of %s: %s", body.metadata.name, error)
             return None
         return found if isinstance(found, dict) else None
+
+
+_KEPT_METADATA = ("name", "namespace", "uid", "labels", "annotations")
+"""What of ``metadata`` the essence or its storage keys may read (Kopf keeps labels and annotations)."""
+
+
+def _without_status(body: kopf.Body) -> kopf.Body:
+    """``body`` without what Kopf's essence drops anyway: ``status`` and the system metadata
+    (``managedFields`` above all). Kopf deep-copies the whole body before dropping them, on every
+    event of every fleet; a fleet's status and managed fields are most of it."""
+    slim = {key: value for key, value in body.items() if key != "status"}
+    slim["metadata"] = {key: value for key, value in body.get("metadata", {}).items() if key in _KEPT_METADATA}
+    return kopf.Body(slim)
 
 
 def _digest(value: Any) -> str:
