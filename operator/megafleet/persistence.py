@@ -71,7 +71,7 @@ def _without_status(body: kopf.Body) -> kopf.Body:
     event of every fleet; a fleet's status and managed fields are most of it."""
     slim = {key: value for key, value in body.items() if key != "status"}
     slim["metadata"] = {key: value for key, value in body.get("metadata", {}).items() if key in _KEPT_METADATA}
-    return kopf.Body(slim)
+    return kopf.Body(cast(kopf.RawBody, slim))
 
 
 def _digest(value: Any) -> str:

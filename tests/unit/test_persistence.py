@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import asyncio
-from typing import Any
+from typing import Any, cast
 
 import kopf
 
@@ -58,14 +58,18 @@ def test_the_essence_is_kopfs_without_copying_the_status_or_managed_fields() -> 
     essence's, so an upgraded operator sees no change in a fleet."""
     storage = persistence.DigestDiffBase(prefix=names.PREFIX, key="last-handled-configuration")
     plain = fleet({"replicas": 2}, {"team": "rl"})
+    raw: dict[str, Any] = dict(plain)
     heavy = kopf.Body(
-        {
-            **plain,
-            "metadata": {**plain["metadata"], "managedFields": [NotToCopy()], "labels": {"a": "b"}},
-            "status": {"shards": [NotToCopy()]},
-        }
+        cast(
+            kopf.RawBody,
+            {
+                **raw,
+                "metadata": {**raw["metadata"], "managedFields": [NotToCopy()], "labels": {"a": "b"}},
+                "status": {"shards": [NotToCopy()]},
+            },
+        )
     )
-    labelled = kopf.Body({**plain, "metadata": {**plain["metadata"], "labels": {"a": "b"}}})
+    labelled = kopf.Body(cast(kopf.RawBody, {**raw, "metadata": {**raw["metadata"], "labels": {"a": "b"}}}))
 
     assert storage.build(body=heavy) == storage.build(body=labelled)
     assert storage.build(body=heavy) != storage.build(body=plain)  # labels are in the essence
