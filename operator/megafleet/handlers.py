@@ -120,19 +120,23 @@ async def on_service_event(type: str | None, body: kopf.Body, memo: kopf.Memo, *
     _delivered(memo, "Service", type, body)
 
 
-async def _reconcile(runtime: context.Runtime, namespace: str, name: str, *, gather: float = 0.0) -> bool:
+async def _reconcile(
+    runtime: context.Runtime, namespace: str, name: str, *, gather: float = 0.0, if_idle: bool = False
+) -> bool:
     """One reconcile of the fleet; False when it is gone or going. A trigger that finds another
     reconcile of the fleet already waiting for its lock leaves the work to that one (it reads the
     fleet, and the cache Kopf updated before this trigger ran, once it holds the lock): a burst of
     pod events costs one reconcile, not one each. ``gather``: seconds the trigger waits before it
     takes the lock (pod events: their pods change in bursts, scheduled then started, and what
     arrives meanwhile is folded in), so a settling fleet is reconciled, and its status written, a
-    few times, not once per pod event."""
+    few times, not once per pod event. ``if_idle``: a reconcile running now also does the work
+    (the fleet's creation or resumption, and the observation daemon's pass, are not news to it):
+    the creation trigger and the daemon's first pass, started together, cost one reconcile."""
     key = (namespace, name)
-    if key in runtime.waiting:
+    lock = runtime.fleet_lock(namespace, name)
+    if key in runtime.waiting or (if_idle and lock.locked()):
         metrics.RECONCILES.labels(outcome="coalesced").inc()
         return True
-    lock = runtime.fleet_lock(namespace, name)
     runtime.waiting.add(key)
     try:
         if gather > 0:
@@ -174,8 +178,11 @@ async def poll(stopped: kopf.DaemonStopped, interval: float, step: Callable[[], 
 @kopf.on.create(*RESOURCE, backoff=_TRIGGERS.retry_seconds)
 @kopf.on.update(*RESOURCE, field="spec", backoff=_TRIGGERS.retry_seconds)
 @kopf.on.resume(*RESOURCE, backoff=_TRIGGERS.retry_seconds)
-async def on_fleet_change(namespace: str | None, name: str, memo: kopf.Memo, **kwargs: Any) -> None:
-    await _reconcile(_runtime(memo, kwargs), namespace or "default", name)
+async def on_fleet_change(namespace: str | None, name: str, reason: str, memo: kopf.Memo, **kwargs: Any) -> None:
+    # A spec change waits for a reconcile in flight (it may have read the old spec); a creation or a
+    # resumption is what a reconcile in flight (the daemon's first pass) already reads.
+    idle_only = reason in (kopf.Reason.CREATE, kopf.Reason.RESUME)
+    await _reconcile(_runtime(memo, kwargs), namespace or "default", name, if_idle=idle_only)
 
 
 @kopf.daemon(*RESOURCE, backoff=_TRIGGERS.retry_seconds)
@@ -183,7 +190,7 @@ async def observe(
     namespace: str | None, name: str, body: kopf.Body, memo: kopf.Memo, stopped: kopf.DaemonStopped, **kwargs: Any
 ) -> None:
     runtime = _runtime(memo, kwargs)
-    await pace(stopped, runtime, body, lambda: _reconcile(runtime, namespace or "default", name))
+    await pace(stopped, runtime, body, lambda: _reconcile(runtime, namespace or "default", name, if_idle=True))
 
 
 async def pace(

@@ -55,3 +55,23 @@ def test_pod_event_triggers_within_the_gather_window_are_one_reconcile() -> None
     assert api.reads["get MegatronGeneration"] == 1
     assert outcomes == [False, True, True, True, True]
     assert runtime.waiting == set()
+
+
+def test_a_trigger_that_only_needs_a_reconcile_leaves_it_to_the_one_running() -> None:
+    """The creation (or resumption) trigger and the observation daemon's first pass start together
+    (issue 18: each fleet was reconciled twice as it was created); a spec change still waits for
+    the running reconcile and then runs its own, since that one may have read the old spec."""
+    api, runtime = going_fleet()
+
+    async def scenario() -> tuple[bool, bool]:
+        lock = runtime.fleet_lock("rl", "a")
+        await lock.acquire()  # a reconcile of the fleet is running
+        idle_only = asyncio.create_task(handlers._reconcile(runtime, "rl", "a", if_idle=True))
+        spec_change = asyncio.create_task(handlers._reconcile(runtime, "rl", "a"))
+        await asyncio.sleep(0)
+        assert idle_only.done() and api.reads["get MegatronGeneration"] == 0
+        lock.release()
+        return await idle_only, await spec_change
+
+    assert asyncio.run(scenario()) == (True, False)  # the spec change's own reconcile found the fleet going
+    assert api.reads["get MegatronGeneration"] == 1
