@@ -181,6 +181,20 @@ def control_plane_cpu(local: cluster.LocalCluster) -> dict[str, float]:
     return {r.name: tree_cpu_seconds(r.pid) for r in local._records if r.name in CONTROL_PLANE}
 
 
+def memory_available_mib() -> float:
+    """The machine's ``MemAvailable``: what engines started meanwhile took, read as a difference."""
+    for line in Path("/proc/meminfo").read_text().splitlines():
+        if line.startswith("MemAvailable:"):
+            return int(line.split()[1]) / 1024
+    raise RuntimeError("no MemAvailable in /proc/meminfo")
+
+
+def busy_cpu_seconds() -> float:
+    """CPU seconds the whole machine has spent busy (not idle nor waiting for I/O) since boot."""
+    fields = [int(value) for value in Path("/proc/stat").read_text().splitlines()[0].split()[1:]]
+    return (sum(fields) - fields[3] - fields[4]) / os.sysconf("SC_CLK_TCK")
+
+
 def peak_rss_mib(pid: int) -> float:
     for line in Path(f"/proc/{pid}/status").read_text().splitlines():
         if line.startswith("VmHWM:"):
@@ -637,6 +651,7 @@ class Bench:
         _, pid, port = self.start_operator()
         self.warm("megafleet")
         say(f"ready: applying {count} tiny CPU fleets into {namespace}")
+        available = memory_available_mib()
         started = time.monotonic()
         for index in range(count):
             body = {
@@ -650,8 +665,16 @@ class Bench:
         result: dict[str, Any] = {"fleets": count, "engines": count, "all_ready_seconds": round(at - started, 2)}
         say(f"ready: {count} fleets Ready after {result['all_ready_seconds']:.1f} s")
         time.sleep(20)  # past the probe delay's growth to its longest
-        offset, calls = self.audit_log.stat().st_size, _agent_calls(port)
+        offset, calls, busy = self.audit_log.stat().st_size, _agent_calls(port), busy_cpu_seconds()
+        taken = available - memory_available_mib()
         time.sleep(idle_seconds)
+        idle_cores = (busy_cpu_seconds() - busy) / idle_seconds
+        # What the machine holds: engines until memory runs out (less 2 GiB for the rest), each
+        # taking what these took on average; CPU is not the bound once they are Ready (idle_cores).
+        result["engines_memory_mib"] = round(taken / count, 1)
+        result["memory_available_before_mib"] = round(available, 1)
+        result["machine_busy_cores_while_idle"] = round(idle_cores, 3)
+        result["engines_the_machine_holds"] = int((available - 2048) // max(taken / count, 1.0))
         counts = audit_counts(self.audit_log, offset, namespace, "operator")
         minutes = idle_seconds / 60
         idle = summarize(counts, count, "operator")

@@ -132,7 +132,7 @@ def test_operator_killed_mid_reconcile_converges_without_duplicates_or_orphans(
         status = kube_admin.wait(f"{fleets(namespace)}/tiny", ready, timeout=WAIT, what="Ready after restart")
 
         assert status is not None and status["status"]["readyReplicas"] == 3
-        owned = {"pods": 3, "services": 3, "configmaps": 1, "secrets": 1}  # one-pod shards: frontends only
+        owned = {"pods": 3, "services": 1, "configmaps": 1, "secrets": 1}  # one-pod shards: one frontends Service
         for kind, expected in owned.items():
             items = kube_admin.list(f"/api/v1/namespaces/{namespace}/{kind}", label_selector="megafleet.dev/fleet=tiny")
             assert len(items["items"]) == expected, kind
