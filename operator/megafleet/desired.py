@@ -139,16 +139,17 @@ def legacy_frontends(services: list[Object]) -> bool:
     )
 
 
-def ranks_service(fleet: ParsedFleet, shard: int) -> Object:
-    """Headless Service giving every pod of a shard a DNS name; pod 0's is the master address."""
+def ranks_service(fleet: ParsedFleet) -> Object:
+    """Headless Service giving every engine pod of the fleet a DNS name (``<pod>.<fleet>-ranks``);
+    pod 0's is its shard's master address. One per fleet, as its pods' ``subdomain``."""
     return {
         "apiVersion": "v1",
         "kind": "Service",
-        "metadata": _meta(fleet, names.ranks_service(fleet.name, shard), "ranks", shard),
+        "metadata": _meta(fleet, names.ranks_service(fleet.name), "ranks"),
         "spec": {
             "clusterIP": "None",
             "publishNotReadyAddresses": True,
-            "selector": {names.LABEL_FLEET: fleet.name, names.LABEL_SHARD: str(shard)},
+            "selector": {names.LABEL_FLEET: fleet.name, names.LABEL_COMPONENT: "engine"},
             "ports": [{"name": "rendezvous", "protocol": "TCP", "port": ports.MASTER_PORT}],
         },
     }
@@ -156,12 +157,12 @@ def ranks_service(fleet: ParsedFleet, shard: int) -> Object:
 
 def services(fleet: ParsedFleet, *, legacy: bool) -> list[Object]:
     """Every Service the fleet needs: its frontends Services (or, ``legacy``, one frontend Service
-    per shard), and a ranks Service per shard when a shard has several pods (a one-pod shard's
-    ranks meet on the pod itself: nothing to resolve)."""
+    per shard), and its ranks Service when a shard has several pods (a one-pod shard's ranks meet
+    on the pod itself: nothing to resolve). None without shards."""
     shards = range(fleet.spec.replicas)
     wanted = [frontend_service(fleet, shard) for shard in shards] if legacy else frontends_services(fleet)
-    if fleet.layout.pods_per_shard > 1:
-        wanted += [ranks_service(fleet, shard) for shard in shards]
+    if fleet.layout.pods_per_shard > 1 and fleet.spec.replicas > 0:
+        wanted.append(ranks_service(fleet))
     return wanted
 
 
@@ -170,7 +171,7 @@ def master_address(fleet: ParsedFleet, shard: int) -> str:
     address for a one-pod shard (every rank runs in that pod)."""
     if fleet.layout.pods_per_shard == 1:
         return LOOPBACK
-    return f"{names.pod(fleet.name, shard, 0)}.{names.ranks_service(fleet.name, shard)}.{fleet.namespace}.svc"
+    return f"{names.pod(fleet.name, shard, 0)}.{names.ranks_service(fleet.name)}.{fleet.namespace}.svc"
 
 
 def agent_secret(fleet: ParsedFleet, token: str) -> Object:
@@ -323,7 +324,7 @@ def _pod(
         "metadata": metadata,
         "spec": {
             "hostname": name,
-            **({"subdomain": names.ranks_service(fleet.name, shard)} if layout.pods_per_shard > 1 else {}),
+            **({"subdomain": names.ranks_service(fleet.name)} if layout.pods_per_shard > 1 else {}),
             "restartPolicy": "Always",
             "terminationGracePeriodSeconds": 30,
             "enableServiceLinks": False,

@@ -55,8 +55,15 @@ def frontend_service(fleet: str, shard: int) -> str:
     return f"{fleet}-s{shard}"
 
 
-def ranks_service(fleet: str, shard: int) -> str:
-    """The headless Service giving a shard's pods DNS names (the master address)."""
+def ranks_service(fleet: str) -> str:
+    """The headless Service giving every pod of a fleet of multi-pod shards a DNS name (the master
+    address is pod 0's)."""
+    return f"{fleet}-ranks"
+
+
+def shard_ranks_service(fleet: str, shard: int) -> str:
+    """The headless Service of one shard, as operators before the fleet's ranks Service made it: kept
+    while its shard lives (its pods' master address may name it)."""
     return f"{fleet}-s{shard}-ranks"
 
 

@@ -61,7 +61,7 @@ def two_pod_shard(namespace: str) -> tuple[dict[str, Any], list[dict[str, Any]]]
     placement = planner.ShardPlacement(
         clique=None, pods=(planner.PodPlacement(realnode.NODE_NAME, 1), planner.PodPlacement(realnode.NODE_NAME, 1))
     )
-    service = desired.ranks_service(fleet, 0)
+    service = desired.ranks_service(fleet)
     pods = desired.shard_pods(fleet, 0, placement)
     for obj in (service, *pods):
         del obj["metadata"]["ownerReferences"]  # no fleet object: the garbage collector would delete them

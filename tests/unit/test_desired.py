@@ -32,13 +32,13 @@ def test_a_tp16_shard_becomes_four_pods_pinned_to_its_clique_and_nodes() -> None
         # By node name (the scheduler's pre-filter then looks at that node only) and clique label.
         assert term["matchFields"] == [{"key": "metadata.name", "operator": "In", "values": [f"gb-{index}"]}]
         assert {e["key"]: e["values"] for e in term["matchExpressions"]} == {"nvidia.com/gpu.clique": ["uuid.1"]}
-        assert pod["spec"]["subdomain"] == "big-s2-ranks"
+        assert pod["spec"]["subdomain"] == "big-ranks"
         limits = pod["spec"]["containers"][0]["resources"]["limits"]
         assert limits["nvidia.com/gpu"] == "4"
         values = env(pod)
         assert values["MEGAFLEET_RANK"] == str(index * 4)
         assert values["MEGAFLEET_WORLD_SIZE"] == "16"
-        assert values["MEGAFLEET_MASTER_ADDR"] == "big-s2-p0.big-s2-ranks.rl.svc"
+        assert values["MEGAFLEET_MASTER_ADDR"] == "big-s2-p0.big-ranks.rl.svc"
         assert pod["metadata"]["labels"][names.LABEL_POD_INDEX] == str(index)
         assert pod["metadata"]["ownerReferences"][0]["uid"] == "uid-1"
     ports = [[p["name"] for p in pod["spec"]["containers"][0]["ports"]] for pod in pods]
@@ -96,19 +96,19 @@ def test_a_shard_port_counts_down_where_counting_up_would_pass_65535() -> None:
 
 def test_services_of_a_fleet_and_of_a_legacy_fleet() -> None:
     two = fleet(replicas=2)
-    assert [s["metadata"]["name"] for s in desired.services(two, legacy=False)] == [
-        "big-f0",
-        "big-s0-ranks",
-        "big-s1-ranks",
-    ]
+    assert [s["metadata"]["name"] for s in desired.services(two, legacy=False)] == ["big-f0", "big-ranks"]
     legacy = desired.services(two, legacy=True)
-    assert [s["metadata"]["name"] for s in legacy] == ["big-s0", "big-s1", "big-s0-ranks", "big-s1-ranks"]
+    assert [s["metadata"]["name"] for s in legacy] == ["big-s0", "big-s1", "big-ranks"]
     assert legacy[1]["spec"]["selector"] == {
         names.LABEL_FLEET: "big",
         names.LABEL_SHARD: "1",
         names.LABEL_POD_INDEX: "0",
     }
-    assert desired.ranks_service(two, 1)["spec"]["clusterIP"] == "None"
+    ranks = desired.ranks_service(two)
+    assert ranks["spec"]["clusterIP"] == "None"
+    assert ranks["spec"]["selector"] == {names.LABEL_FLEET: "big", names.LABEL_COMPONENT: "engine"}
+    assert ranks["spec"]["publishNotReadyAddresses"] is True  # ranks resolve each other before Ready
+    assert desired.services(fleet(replicas=0), legacy=False) == []
     assert desired.legacy_frontends(legacy) and not desired.legacy_frontends(desired.services(two, legacy=False))
 
 

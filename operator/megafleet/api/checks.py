@@ -38,7 +38,7 @@ def name_problems(name: str, spec: v1alpha1.MegatronGenerationSpec) -> list[plan
     if not re.fullmatch(v1alpha1.DNS_1035_LABEL, name):
         return [planner.Problem("metadata.name", f"{name!r}: {v1alpha1.NAME_NOT_DNS_1035}")]
     last_shard = max(spec.replicas - 1, 0)
-    derived = [names.ranks_service(name, last_shard)]  # Secret and ConfigMap names may be longer (253)
+    derived = [names.shard_ranks_service(name, last_shard)]  # Secret and ConfigMap names may be longer (253)
     if not planner.validate(fleet_settings(spec)):  # the layout is known
         layout = planner.pod_layout(parallelism(spec.parallelism), spec.resources.gpus_per_node)
         derived.append(names.pod(name, last_shard, layout.pods_per_shard - 1))

@@ -4,10 +4,10 @@ endpoints ConfigMap and ``status.endpoints``.
 Called by :func:`megafleet.reconcile.reconcile`. A shard's published endpoint is its port on one of
 the fleet's frontends Services (:func:`megafleet.desired.frontends_services`: one ClusterIP per 100
 shards), fixed for the shard's life; a fleet made by an older operator keeps one Service per shard
-(:func:`megafleet.desired.legacy_frontends`). A shard of several pods also gets a headless ranks
-Service (one made by an older operator for a one-pod shard is kept while its shard lives, as its
-pods' rendezvous address may name it). Ports, Services and ranks Services of shards removed by
-scaling down go. Only objects the fleet owns are read, published or deleted (:mod:`.ownership`).
+(:func:`megafleet.desired.legacy_frontends`). A fleet of multi-pod shards also gets one headless
+ranks Service (a shard's own, made by an older operator, is kept while its shard lives, as its
+pods' rendezvous address may name it). Ports and Services no longer needed go. Only
+objects the fleet owns are read, published or deleted (:mod:`.ownership`).
 """
 
 from __future__ import annotations
@@ -98,8 +98,9 @@ async def _services(ctx: context.FleetContext) -> list[v1alpha1.Endpoint]:
     reserved = [f"shard {e.shard}: {e.url}" for e in endpoints if e.service in new]
     if reserved:  # one Event per reconcile, not one per shard
         ctx.notify("Normal", "EndpointsReserved", context.summary(reserved))
-    for name, service in services.items():  # shards and frontends groups removed by scaling down
-        if _gone(service, fleet):
+    names_wanted = {service["metadata"]["name"] for service in wanted}
+    for name, service in services.items():  # shards, frontends groups and ranks no longer needed
+        if _gone(service, fleet, names_wanted):
             await api.delete("Service", name, fleet.namespace)
     return endpoints
 
@@ -114,12 +115,13 @@ def _ports(service: dict[str, Any]) -> list[tuple[str | None, int]]:
     return sorted((port.get("name"), port["port"]) for port in service["spec"].get("ports") or [])
 
 
-def _gone(service: dict[str, Any], fleet: desired.ParsedFleet) -> bool:
-    """A shard's Service of a shard past ``replicas``, or a frontends Service of a group without shards."""
-    labels = service["metadata"].get("labels") or {}
-    if names.LABEL_FRONTENDS_GROUP in labels:
-        return int(labels[names.LABEL_FRONTENDS_GROUP]) > desired.frontends_group(fleet.spec.replicas - 1)
-    return int(labels.get(names.LABEL_SHARD, "-1")) >= fleet.spec.replicas
+def _gone(service: dict[str, Any], fleet: desired.ParsedFleet, wanted: set[str]) -> bool:
+    """A Service the fleet no longer needs: a frontends group or ranks Service not wanted, or a
+    shard's own Service (an older operator's) of a shard past ``replicas``."""
+    if service["metadata"]["name"] in wanted:
+        return False
+    shard = (service["metadata"].get("labels") or {}).get(names.LABEL_SHARD)
+    return shard is None or int(shard) >= fleet.spec.replicas
 
 
 async def _configmap(ctx: context.FleetContext, endpoints: list[v1alpha1.Endpoint]) -> None:

@@ -202,3 +202,37 @@ def test_a_fleet_with_an_older_operators_shard_services_keeps_them_and_adds_more
     assert [e["service"] for e in before] == ["tiny-s0", "tiny-s1"]
     assert reconciled(api, 3)["status"]["endpoints"][:2] == before
     assert sorted(services(api)) == ["tiny-s0", "tiny-s1", "tiny-s2"]
+
+
+def test_a_fleet_of_two_pod_shards_has_one_ranks_service_and_an_older_operators_shard_ones_last_their_shard() -> None:
+    manifest = fleet("tiny", replicas=3)
+    manifest["spec"].update(
+        parallelism={"tensor": 2},
+        resources={"gpusPerNode": 1, "cpu": "1", "memory": "1Gi"},
+        engine={"backend": "megatron"},
+        model={"source": "tiny://llama", "dtype": "bfloat16"},
+    )
+    api = kube_fakes.Api(manifest, NODE)
+    owner = api.objects[("MegatronGeneration", "rl", "tiny")]
+    for shard in range(3):  # what an operator before the fleet's ranks Service made
+        older = {
+            "apiVersion": "v1",
+            "kind": "Service",
+            "metadata": {
+                "name": f"tiny-s{shard}-ranks",
+                "namespace": "rl",
+                "labels": {"megafleet.dev/fleet": "tiny", "megafleet.dev/shard": str(shard)},
+                "ownerReferences": [
+                    {"kind": "MegatronGeneration", "name": "tiny", "uid": owner["metadata"]["uid"], "controller": True}
+                ],
+            },
+            "spec": {"clusterIP": "None", "ports": [{"name": "rendezvous", "port": 29500}]},
+        }
+        asyncio.run(api.create(older))
+
+    reconciled(api, 3)
+    assert sorted(services(api)) == ["tiny-f0", "tiny-ranks", "tiny-s0-ranks", "tiny-s1-ranks", "tiny-s2-ranks"]
+    reconciled(api, 1)  # the removed shards' own ranks Services go, the live one's stays
+    assert sorted(services(api)) == ["tiny-f0", "tiny-ranks", "tiny-s0-ranks"]
+    reconciled(api, 0)
+    assert services(api) == {}
