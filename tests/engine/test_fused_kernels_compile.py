@@ -59,15 +59,15 @@ def test_rope_compiles_with_precise_cos_and_sin(dtype: str, positions: str, head
 def test_swiglu_compiles_with_ieee_division() -> None:
     code = ptx(
         "swiglu_kernel",
-        {"x_ptr": "*bf16", "out_ptr": "*bf16", "width": "constexpr", "block": "constexpr"},
-        {"width": 14336, "block": 1024},
+        {"x_ptr": "*bf16", "out_ptr": "*bf16", "width": "constexpr", "block": "constexpr", "pdl": "constexpr"},
+        {"width": 14336, "block": 1024, "pdl": False},
     )
     assert "div.rn.f32" in code and "div.approx" not in code and "div.full" not in code
     assert approximations(code) <= {"ex2.approx.ftz.f32"}  # inside libdevice's expf, as in CUDA's
 
 
-@pytest.mark.parametrize("with_residual", [False, True])
-def test_rms_norm_compiles_with_fused_multiply_adds_in_torchs_order(with_residual: bool) -> None:
+@pytest.mark.parametrize(("with_residual", "pdl"), [(False, False), (True, False), (True, True)])
+def test_rms_norm_compiles_with_fused_multiply_adds_in_torchs_order(with_residual: bool, pdl: bool) -> None:
     signature = {
         "x_ptr": "*bf16",
         "residual_ptr": "*bf16",
@@ -81,6 +81,7 @@ def test_rms_norm_compiles_with_fused_multiply_adds_in_torchs_order(with_residua
         "rounds": "constexpr",
         "fma": "constexpr",
         "with_residual": "constexpr",
+        "pdl": "constexpr",
     }
     constexprs = {
         "width": 4096,
@@ -89,8 +90,11 @@ def test_rms_norm_compiles_with_fused_multiply_adds_in_torchs_order(with_residua
         "rounds": 8,
         "fma": True,
         "with_residual": with_residual,
+        "pdl": pdl,
     }
     code = ptx("rms_norm_kernel", signature, constexprs)
+    # a programmatic dependent launch: the next kernel may start, this one waits for the one before
+    assert ("griddepcontrol.launch_dependents" in code) == ("griddepcontrol.wait" in code) == pdl
     assert "div.rn.f32" in code and "cvt.rn.bf16.f32" in code
     assert code.count("fma.rn.f32") >= 4096 // 128  # each thread's 32 squares, one rounding each
     # libdevice's rsqrtf, what torch's rsqrt calls (Triton's flushes subnormals: no difference for
@@ -128,6 +132,7 @@ def test_qkv_rope_append_compiles() -> None:
                 "dim",
                 "with_q",
                 "with_kv",
+                "pdl",
             )
         },
     }
@@ -141,6 +146,7 @@ def test_qkv_rope_append_compiles() -> None:
         "with_q": True,
         "with_kv": True,
         "kv_part": 1,
+        "pdl": False,
     }
     code = ptx("qkv_rope_append_kernel", signature, constexprs)
     assert approximations(code) == set()  # libdevice's cosf/sinf, as the RoPE kernel
@@ -170,3 +176,22 @@ def test_decode_attention_compiles() -> None:
         "splits": "constexpr",
     }
     assert "cvt.rn.bf16.f32" in ptx("decode_attention_combine_kernel", combine, {"dim": 128, "splits": 16})
+
+
+@pytest.mark.parametrize(("rows", "glu", "pdl"), [(1, False, True), (4, False, False), (1, True, False)])
+def test_gemv_compiles(rows: int, glu: bool, pdl: bool) -> None:
+    signature = {
+        "x_ptr": "*bf16",
+        "w_ptr": "*bf16",
+        "out_ptr": "*bf16",
+        "n": "i32",
+        "x_row_stride": "i32",
+        "out_row_stride": "i32",
+        **{name: "constexpr" for name in ("k", "rows", "rows_pow2", "block_n", "block_k", "glu", "pdl")},
+    }
+    constexprs = {"k": 14336, "rows": rows, "rows_pow2": rows, "block_n": 4, "block_k": 512, "glu": glu, "pdl": pdl}
+    code = ptx("gemv_kernel", signature, constexprs)
+    assert "ld.global.L1::evict_first" in code  # the weights stream through, read once per step
+    assert ("griddepcontrol.wait" in code) == pdl
+    if glu:  # the SwiGLU prologue rounds as swiglu_kernel does
+        assert "div.rn.f32" in code and approximations(code) <= {"ex2.approx.ftz.f32"}

@@ -41,7 +41,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["INSTALLED", "FusedKernels", "install", "rms_norm", "rope_", "swiglu"]
+__all__ = ["INSTALLED", "FusedKernels", "gemv", "install", "rms_norm", "rope_", "swiglu"]
 
 INSTALLED = "megafleet_fused_kernels"
 """The model attribute :func:`install` sets: how many modules each kernel replaced."""
@@ -76,6 +76,20 @@ def _kernels() -> Any:
     """The Triton kernels' module, imported on first use (``tests`` reload it to run the kernels
     under ``TRITON_INTERPRET=1``, which Triton reads when a kernel is defined)."""
     return importlib.import_module("megafleet_engine.backends.megatron.triton_kernels")
+
+
+PDL = False
+"""Whether :func:`gemv`, :func:`rms_norm`, :func:`swiglu` and :func:`qkv_rope_append` launch their
+kernels as programmatic dependent launches (Hopper and later; CUDA graphs keep the dependency):
+each lets the next kernel start as soon as all of its programs have started, and waits for the
+kernel before it before it reads or writes anything but a weight (:func:`gemv` reads its first
+weight tile before), so kernel boundaries overlap instead of draining the GPU. Set by
+:func:`install` from :attr:`FusedKernels.pdl`."""
+
+
+def _pdl() -> dict[str, bool]:
+    """The launch arguments of a kernel with a ``pdl`` parameter, as :data:`PDL` says."""
+    return {"pdl": True, "launch_pdl": True} if PDL else {}
 
 
 def rope_(t: torch.Tensor, freqs: torch.Tensor, positions: torch.Tensor, mscale: float = 1.0) -> torch.Tensor:
@@ -114,7 +128,9 @@ def swiglu(x: torch.Tensor) -> torch.Tensor:
     rows = x.numel() // (2 * width) if width else 0
     if rows:
         block = 1024
-        _kernels().swiglu_kernel[(rows, -(-width // block))](x, out, width=width, block=block, enable_fp_fusion=False)
+        _kernels().swiglu_kernel[(rows, -(-width // block))](
+            x, out, width=width, block=block, enable_fp_fusion=False, **_pdl()
+        )
     return out
 
 
@@ -182,6 +198,7 @@ def rms_norm(
             with_residual=residual is not None,
             enable_fp_fusion=False,
             num_warps=4,
+            **_pdl(),
         )
     return (out, total) if residual is not None else out
 
@@ -422,7 +439,79 @@ def qkv_rope_append(
         with_kv=key_value is not None,
         kv_part=parts - 1,
         enable_fp_fusion=False,
+        **_pdl(),
     )
+
+
+GEMV_MAX_ROWS = 4
+"""Linear layers of at most this many rows (tokens) go through :func:`gemv` (with
+:attr:`FusedKernels.gemv`); more rows stay with megatron's GEMM (cuBLAS)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class GemvConfig:
+    """How :func:`gemv` splits one linear layer: ``block_n`` output columns per program, the weights
+    read ``block_k`` columns at a time, ``warps`` warps per program."""
+
+    block_n: int = 4
+    block_k: int = 512
+    warps: int = 4
+
+
+def gemv_config(n: int, k: int, rows: int) -> GemvConfig:
+    """The :class:`GemvConfig` for an ``[n, k]`` weight and ``rows`` rows (measured on an H200 with
+    ``bench/gemv_probe.py``)."""
+    return GemvConfig(block_n=4 if rows <= 2 else 2, block_k=512, warps=4)
+
+
+def gemv(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    *,
+    glu: bool = False,
+    pdl: bool | None = None,
+    config: GemvConfig | None = None,
+) -> torch.Tensor:
+    """``x @ weight.T`` for a few rows: ``x`` ``[..., k]`` (rows: the leading dimensions' product),
+    ``weight`` ``[n, k]`` contiguous, the same dtype; returns ``[..., n]``. Each output is one
+    float32 sum of the row's products, rounded once to the dtype: not cuBLAS's bits (another
+    summation order), within its rounding. With ``glu``, ``x`` is ``[..., 2 * k]`` and its
+    :func:`swiglu` is multiplied (computed on the way, bitwise :func:`swiglu`'s values). One
+    kernel, no split-K reduction: ``n / block_n`` programs each stream ``block_n`` rows of the
+    weight; for decode steps of up to :data:`GEMV_MAX_ROWS` tokens, where a GEMM reads the weights
+    at less than the GPU's bandwidth (issue 19)."""
+    n, k = weight.shape
+    width = 2 * k if glu else k
+    if x.shape[-1] != width or not weight.is_contiguous() or x.dtype != weight.dtype:
+        raise ValueError(f"gemv: x {tuple(x.shape)} {x.dtype} against weight {tuple(weight.shape)} {weight.dtype}")
+    if x.stride(-1) != 1:
+        x = x.contiguous()
+    flat = x.reshape(-1, width)
+    rows = flat.shape[0]
+    out = torch.empty((*x.shape[:-1], n), dtype=x.dtype, device=x.device)
+    if rows == 0:
+        return out
+    chosen = config or gemv_config(n, k, rows)
+    kernels = _kernels()
+    use_pdl = PDL if pdl is None else pdl
+    kernels.gemv_kernel[(-(-n // chosen.block_n),)](
+        flat,
+        weight,
+        out,
+        n,
+        flat.stride(0),
+        n,
+        k=k,
+        rows=rows,
+        rows_pow2=kernels.triton.next_power_of_2(rows),
+        block_n=chosen.block_n,
+        block_k=min(chosen.block_k, kernels.triton.next_power_of_2(k)),
+        glu=glu,
+        pdl=use_pdl,
+        num_warps=chosen.warps,
+        **({"launch_pdl": True} if use_pdl else {}),
+    )
+    return out
 
 
 DECODE_ATTENTION_MAX_REQUESTS = 8

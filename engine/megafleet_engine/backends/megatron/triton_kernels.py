@@ -9,10 +9,20 @@ import os
 import triton  # type: ignore[import-untyped]
 import triton.language as tl  # type: ignore[import-untyped]
 from triton.language.extra import libdevice  # type: ignore[import-untyped]
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait  # type: ignore[import-untyped]
 
 PRECISE = tl.constexpr(os.environ.get("TRITON_INTERPRET") != "1")
 """On the GPU: libdevice's precise float32 functions, the ones torch's CUDA kernels call (``tl.exp``
 is approximate there). The CPU interpreter has no libdevice: it runs ``tl``'s (numpy's)."""
+
+
+@triton.jit
+def dependent_launch():
+    """The start of a kernel launched as a programmatic dependent launch that reads or writes
+    nothing before the kernel before it is done: the next kernel may launch (its programs start
+    where this one's leave room), then wait for the kernel before."""
+    gdc_launch_dependents()
+    gdc_wait()
 
 
 @triton.jit
@@ -101,7 +111,9 @@ def rope_kernel(
 
 
 @triton.jit
-def swiglu_kernel(x_ptr, out_ptr, width: tl.constexpr, block: tl.constexpr):
+def swiglu_kernel(x_ptr, out_ptr, width: tl.constexpr, block: tl.constexpr, pdl: tl.constexpr = False):
+    if pdl:
+        dependent_launch()
     row = tl.program_id(0)
     column = tl.program_id(1) * block + tl.arange(0, block)
     mask = column < width
@@ -174,10 +186,13 @@ def rms_norm_kernel(
     rounds: tl.constexpr,
     fma: tl.constexpr,
     with_residual: tl.constexpr,
+    pdl: tl.constexpr = False,
 ):
     """One row: ``out = weight * (rstd * x)``, ``rstd = rsqrt(sum(x**2) / width + eps)`` with the sum in
     torch's order (:func:`torch_sum_of_squares`). With ``with_residual``, ``x`` is first
     ``x + residual`` rounded to ``x``'s dtype (torch's bf16 add), written to ``sum_ptr``."""
+    if pdl:
+        dependent_launch()
     row = tl.program_id(0)
     column = tl.arange(0, width_pow2)
     mask = column < width
@@ -264,6 +279,7 @@ def qkv_rope_append_kernel(
     with_q: tl.constexpr,
     with_kv: tl.constexpr,
     kv_part: tl.constexpr,
+    pdl: tl.constexpr = False,
 ):
     """One token row, one part (``program_id(1)``: the query is part 0, the key and value part
     ``kv_part``, so the two run side by side): (``with_q``) its query heads, read from the qkv
@@ -273,6 +289,8 @@ def qkv_rope_append_kernel(
     ``local_pos[row]``), what megatron's
     ``_append_kv_cache_kernel`` writes. Frequencies ``freqs`` ``[positions, dim]`` float32, rows
     ``q_positions[row]`` and ``k_positions[row]``."""
+    if pdl:
+        dependent_launch()
     row = tl.program_id(0)
     part = tl.program_id(1)
     rotate = row < rotated_rows
@@ -415,3 +433,63 @@ def decode_attention_combine_kernel(partial_ptr, stats_ptr, out_ptr, dim: tl.con
     numerator = tl.reduce(weight[:, None] * partial, 0, add)
     out = numerator / tl.where(denominator > 0, denominator, 1.0)  # no keys: zeros (numerator 0)
     tl.store(out_ptr + row * dim + d, out.to(out_ptr.dtype.element_ty))
+
+
+@triton.jit
+def gemv_kernel(
+    x_ptr,
+    w_ptr,
+    out_ptr,
+    n,
+    x_row_stride,
+    out_row_stride,
+    k: tl.constexpr,
+    rows: tl.constexpr,
+    rows_pow2: tl.constexpr,
+    block_n: tl.constexpr,
+    block_k: tl.constexpr,
+    glu: tl.constexpr,
+    pdl: tl.constexpr,
+):
+    """``out[r, j] = sum_i x[r, i] * w[j, i]`` for the ``rows`` rows of ``x`` and the ``block_n``
+    output columns of this program (float32 sums, rounded once), reading ``w`` ``[n, k]`` once, a
+    ``[block_n, block_k]`` tile ahead of the one being multiplied. With ``glu``, row ``r`` of ``x``
+    is ``[gate | linear]`` (``2 * k`` wide) and its input is :func:`swiglu_kernel`'s value, rounded
+    as that kernel rounds it. With ``pdl`` (a programmatic dependent launch): the next kernel may
+    start once every program has started, and the first weight tile is read before waiting for the
+    kernel before (nothing this kernel reads or writes but the weights is touched before the wait)."""
+    if pdl:
+        gdc_launch_dependents()
+    program = tl.program_id(0)
+    columns = program * block_n + tl.arange(0, block_n)
+    inner = tl.arange(0, block_k)
+    row = tl.arange(0, rows_pow2)
+    inside = columns < n
+    tile = w_ptr + columns[:, None].to(tl.int64) * k + inner[None, :]
+    w = tl.load(tile, mask=inside[:, None], other=0.0, eviction_policy="evict_first")
+    if pdl:
+        gdc_wait()
+    acc = tl.full([rows_pow2, block_n, block_k], 0.0, tl.float32)
+    for start in range(0, k, block_k):
+        ahead = start + block_k + inner
+        ahead_mask = inside[:, None] & (ahead < k)[None, :]
+        w_next = tl.load(tile + start + block_k, mask=ahead_mask, other=0.0, eviction_policy="evict_first")
+        at = start + inner
+        valid = (row < rows)[:, None] & (at < k)[None, :]
+        source = x_ptr + row[:, None] * x_row_stride + at[None, :]
+        if glu:
+            gate = tl.load(source, mask=valid, other=0.0)
+            linear = tl.load(source + k, mask=valid, other=0.0)
+            g = gate.to(tl.float32)
+            silu = rounded(tl.math.div_rn(g, 1.0 + exp(-g)), gate.dtype)
+            x = rounded(silu.to(tl.float32) * linear.to(tl.float32), gate.dtype).to(tl.float32)
+        else:
+            x = tl.load(source, mask=valid, other=0.0).to(tl.float32)
+        acc += w.to(tl.float32)[None, :, :] * x[:, None, :]
+        w = w_next
+    total = tl.reduce(acc, 2, add)
+    tl.store(
+        out_ptr + row[:, None] * out_row_stride + columns[None, :],
+        rounded(total, out_ptr.dtype.element_ty),
+        mask=(row < rows)[:, None] & inside[None, :],
+    )
