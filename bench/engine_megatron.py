@@ -24,8 +24,10 @@ switched between batches on the same engine, :meth:`MegatronBackend.set_step_opt
   2026-12-02 default), ``fusednorm-block-fast-async`` with the RMSNorms too (``"rope-swiglu-norm"``),
   ``fusedqkv-block-fast-async`` with the qkv fold too (``"rope-swiglu-norm-qkv"``; the default adds
   the residual adds into the norms),
-  ``fusedall-block-fast-async`` (``"all"``: the decode attention kernel too, not bitwise); one model
-  each.
+  ``fusedall-block-fast-async`` (``"all"``: the GEMV and the decode attention kernel too, not
+  bitwise), ``fusedgemv-block-fast-async`` (``"gemv"``: the default's kernels, the one-token steps'
+  linear layers through a Triton GEMV, programmatic dependent launches; not bitwise) and
+  ``fusedgemvnopdl-block-fast-async`` (the GEMV without the dependent launches); one model each.
 
 ``--kernel-probe`` first measures, on the bare GPU, which summation order of the RMSNorm matches
 torch's bit for bit, single kernels' times inside a CUDA graph (torch's RMSNorm and the fused one,
@@ -80,6 +82,8 @@ VARIANTS: dict[str, tuple[str, dict[str, bool]]] = {
     "fusedqkv-block-fast-async": ("block+rope-swiglu-norm-qkv", {"async_schedule": True, **FAST}),
     "fused-block-fast-async": ("block+rope-swiglu", {"async_schedule": True, **FAST}),
     "fusedall-block-fast-async": ("block+all", {"async_schedule": True, **FAST}),
+    "fusedgemv-block-fast-async": ("block+gemv", {"async_schedule": True, **FAST}),
+    "fusedgemvnopdl-block-fast-async": ("block+gemv-no-pdl", {"async_schedule": True, **FAST}),
 }
 """Setting name -> (model, per-step options). A model is a graph scope, ``+`` the fused kernels
 built into it (``EngineOptions.fused_kernels``; none: ``off``)."""

@@ -115,9 +115,21 @@ def best(result: dict[str, Any]) -> fused.GemvConfig:
     return fused.GemvConfig(block_n=block_n, block_k=block_k, warps=warps)
 
 
-def chain(shape: dict[str, int], configs: dict[str, fused.GemvConfig]) -> dict[str, Any]:
+CHAIN_VARIANTS: dict[str, tuple[frozenset[str], bool, bool]] = {
+    "cublas": (frozenset(), False, False),
+    "gemv": (frozenset({"qkv", "proj", "fc1", "fc2"}), False, False),
+    "gemv-pdl": (frozenset({"qkv", "proj", "fc1", "fc2"}), False, True),
+    "gemv-gated": (frozenset({"qkv", "proj", "fc1", "fc2"}), True, False),
+    "gemv-gated-pdl": (frozenset({"qkv", "proj", "fc1", "fc2"}), True, True),
+    "gemv-cublas-fc1-pdl": (frozenset({"qkv", "proj", "fc2"}), False, True),
+}
+"""Chain variant -> (the GEMMs through :func:`fused.gemv`, fc1 with its SwiGLU in the GEMV, the
+fused kernels as programmatic dependent launches)."""
+
+
+def chain(shape: dict[str, int], configs: dict[str, fused.GemvConfig | None]) -> dict[str, Any]:
     """One batch-1 decode step's layers (without attention and the output layer), 32 layers of
-    distinct weights in one graph, ms per step, in each variant."""
+    distinct weights in one graph, ms per step, in each of :data:`CHAIN_VARIANTS`."""
     hidden = shape["hidden"]
     sizes = gemms(shape)
     generator = torch.Generator(device="cuda").manual_seed(7)
@@ -130,38 +142,35 @@ def chain(shape: dict[str, int], configs: dict[str, fused.GemvConfig]) -> dict[s
     norm = torch.empty(hidden, device="cuda", dtype=torch.bfloat16).uniform_(0.5, 1.5, generator=generator)
     start = torch.randn(1, 1, hidden, device="cuda", generator=generator).to(torch.bfloat16)
     results: dict[str, Any] = {}
-    for variant in ("cublas", "gemv", "gemv-glu", "cublas-pdl", "gemv-pdl", "gemv-glu-pdl"):
-        gemv, glu, pdl = variant.startswith("gemv"), "glu" in variant, variant.endswith("pdl")
+    for variant, (through, gated, pdl) in CHAIN_VARIANTS.items():
 
-        def linear(x: torch.Tensor, w: torch.Tensor, name: str, gemv: bool = gemv) -> torch.Tensor:
-            if gemv:
-                return fused.gemv(x, w, config=configs[name])
+        def linear(
+            x: torch.Tensor, w: torch.Tensor, name: str, through: frozenset[str] = through, pdl: bool = pdl
+        ) -> Any:
+            if name in through:
+                return fused.gemv(x, w, config=configs.get(name), pdl=pdl)
             return torch.nn.functional.linear(x, w)
 
-        def step(gemv: bool = gemv, glu: bool = glu, linear: Callable[..., torch.Tensor] = linear) -> torch.Tensor:
+        def step(gated: bool = gated, pdl: bool = pdl, linear: Callable[..., torch.Tensor] = linear) -> torch.Tensor:
             h = start.clone()
             for layer in layers:
-                normed = fused.rms_norm(h, norm, 1e-5)
+                normed = fused.rms_norm(h, norm, 1e-5, pdl=pdl)
                 assert isinstance(normed, torch.Tensor)
                 linear(normed, layer["qkv"], "qkv")
                 attended = linear(normed, layer["proj"], "proj")  # stands in for attention + proj
-                normed, h = fused.rms_norm(attended, norm, 1e-5, residual=h)  # type: ignore[misc]
-                up = linear(normed, layer["fc1"], "fc1")
-                if gemv and glu:
-                    down = fused.gemv(up, layer["fc2"], glu=True, config=configs["fc2"])
+                normed, h = fused.rms_norm(attended, norm, 1e-5, residual=h, pdl=pdl)  # type: ignore[misc]
+                if gated:
+                    act = fused.gemv(normed, layer["fc1"], gated=True, config=configs.get("fc1-gated"), pdl=pdl)
                 else:
-                    down = linear(fused.swiglu(up), layer["fc2"], "fc2")
-                h = down + h
+                    act = fused.swiglu(linear(normed, layer["fc1"], "fc1"), pdl=pdl)
+                h = linear(act, layer["fc2"], "fc2") + h
             return h
 
-        fused.PDL = pdl
         try:
             us = graph_us([step], replays=10)
             results[variant] = {"ms_per_step": round(us / 1000, 4), "out": step()}
         except Exception as failure:
             results[variant] = {"error": f"{type(failure).__name__}: {failure}"[:400]}
-        finally:
-            fused.PDL = False
     reference = results.get("cublas", {}).get("out")
     for entry in results.values():
         out = entry.pop("out", None)
@@ -171,10 +180,43 @@ def chain(shape: dict[str, int], configs: dict[str, fused.GemvConfig]) -> dict[s
     return results
 
 
+def gated_fc1(shape: dict[str, int], configs: list[fused.GemvConfig]) -> dict[str, Any]:
+    """fc1 with its SwiGLU in one GEMV (``gated``) in each config against the plain GEMV + SwiGLU
+    (the module's table) and cuBLAS + SwiGLU, in a graph over distinct weights."""
+    n, k = gemms(shape)["fc1"]
+    generator = torch.Generator(device="cuda").manual_seed(9)
+    weights = [
+        torch.empty(n, k, device="cuda", dtype=torch.bfloat16).uniform_(-0.02, 0.02, generator=generator)
+        for _ in range(4)
+    ]
+    x = torch.randn(1, 1, k, device="cuda", generator=generator).to(torch.bfloat16)
+    per = len(weights)
+    result: dict[str, Any] = {
+        "cublas_swiglu_us": round(
+            graph_us([lambda w=w: fused.swiglu(torch.nn.functional.linear(x, w)) for w in weights]) / per, 2
+        ),
+        "gemv_swiglu_us": round(graph_us([lambda w=w: fused.swiglu(fused.gemv(x, w)) for w in weights]) / per, 2),
+    }
+    for config in configs:
+        name = f"n{config.block_n}_k{config.block_k}_w{config.warps}"
+        try:
+            result[name] = round(
+                graph_us([lambda w=w, c=config: fused.gemv(x, w, gated=True, config=c) for w in weights]) / per, 2
+            )
+        except Exception as failure:
+            result[name] = f"{type(failure).__name__}: {failure}"[:200]
+    del weights
+    torch.cuda.empty_cache()
+    return result
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", required=True)
-    parser.add_argument("--rows", default="1,4")
+    parser.add_argument("--rows", default="1", help="rows of the single-GEMM sweep (none: no sweep)")
+    parser.add_argument(
+        "--table", action="store_true", help="the chain with fused.gemv_config's table, not the sweep's best"
+    )
     args = parser.parse_args()
     began = time.monotonic()
     report: dict[str, Any] = {
@@ -185,18 +227,26 @@ def main() -> int:
         "shape": SHAPE,
         "single": {},
     }
-    chosen: dict[str, fused.GemvConfig] = {}
-    for rows in (int(part) for part in args.rows.split(",")):
+    chosen: dict[str, fused.GemvConfig | None] = {}
+    for rows in (int(part) for part in args.rows.split(",") if part):
         for name, (n, k) in gemms(SHAPE).items():
             others = [c for c in CONFIGS if c.block_n <= 4 and c != chosen.get(name)][:3]
             configs = CONFIGS if rows == 1 else [chosen[name], *others]
             result = one_gemm(n, k, rows, configs)
             report["single"][f"{name}_rows{rows}"] = result
-            if rows == 1:
+            if rows == 1 and not args.table:
                 chosen[name] = best(result)
             Path(args.out).write_text(json.dumps(report, indent=1))
             print(name, rows, result["cublas"], chosen.get(name), flush=True)
-    report["chosen_rows1"] = {name: vars(config) for name, config in chosen.items()}
+    report["chosen_rows1"] = {name: vars(config) for name, config in chosen.items() if config is not None}
+    gated = [fused.GemvConfig(block_n, block_k, 4) for block_n in (1, 2, 4) for block_k in (512, 1024)]
+    report["fc1_gated_us"] = gated_fc1(SHAPE, gated)
+    timed = {
+        key: value for key, value in report["fc1_gated_us"].items() if key.startswith("n") and isinstance(value, float)
+    }
+    if timed:
+        block_n, block_k, warps = (int(part[1:]) for part in min(timed, key=lambda key: timed[key]).split("_"))
+        chosen["fc1-gated"] = fused.GemvConfig(block_n=block_n, block_k=block_k, warps=warps)
     try:
         report["chain"] = chain(SHAPE, chosen)
     except Exception as failure:

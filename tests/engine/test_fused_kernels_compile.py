@@ -178,8 +178,8 @@ def test_decode_attention_compiles() -> None:
     assert "cvt.rn.bf16.f32" in ptx("decode_attention_combine_kernel", combine, {"dim": 128, "splits": 16})
 
 
-@pytest.mark.parametrize(("rows", "glu", "pdl"), [(1, False, True), (4, False, False), (1, True, False)])
-def test_gemv_compiles(rows: int, glu: bool, pdl: bool) -> None:
+@pytest.mark.parametrize(("rows", "gated", "pdl"), [(1, False, True), (4, False, False), (1, True, False)])
+def test_gemv_compiles(rows: int, gated: bool, pdl: bool) -> None:
     signature = {
         "x_ptr": "*bf16",
         "w_ptr": "*bf16",
@@ -187,11 +187,11 @@ def test_gemv_compiles(rows: int, glu: bool, pdl: bool) -> None:
         "n": "i32",
         "x_row_stride": "i32",
         "out_row_stride": "i32",
-        **{name: "constexpr" for name in ("k", "rows", "rows_pow2", "block_n", "block_k", "glu", "pdl")},
+        **{name: "constexpr" for name in ("k", "rows", "rows_pow2", "block_n", "block_k", "gated", "pdl")},
     }
-    constexprs = {"k": 14336, "rows": rows, "rows_pow2": rows, "block_n": 4, "block_k": 512, "glu": glu, "pdl": pdl}
+    constexprs = {"k": 4096, "rows": rows, "rows_pow2": rows, "block_n": 2, "block_k": 1024, "gated": gated, "pdl": pdl}
     code = ptx("gemv_kernel", signature, constexprs)
     assert "ld.global.L1::evict_first" in code  # the weights stream through, read once per step
     assert ("griddepcontrol.wait" in code) == pdl
-    if glu:  # the SwiGLU prologue rounds as swiglu_kernel does
+    if gated:  # the SwiGLU epilogue rounds as swiglu_kernel does
         assert "div.rn.f32" in code and approximations(code) <= {"ex2.approx.ftz.f32"}

@@ -448,48 +448,52 @@ def gemv_kernel(
     rows_pow2: tl.constexpr,
     block_n: tl.constexpr,
     block_k: tl.constexpr,
-    glu: tl.constexpr,
+    gated: tl.constexpr,
     pdl: tl.constexpr,
 ):
     """``out[r, j] = sum_i x[r, i] * w[j, i]`` for the ``rows`` rows of ``x`` and the ``block_n``
-    output columns of this program (float32 sums, rounded once), reading ``w`` ``[n, k]`` once, a
-    ``[block_n, block_k]`` tile ahead of the one being multiplied. With ``glu``, row ``r`` of ``x``
-    is ``[gate | linear]`` (``2 * k`` wide) and its input is :func:`swiglu_kernel`'s value, rounded
-    as that kernel rounds it. With ``pdl`` (a programmatic dependent launch): the next kernel may
-    start once every program has started, and the first weight tile is read before waiting for the
-    kernel before (nothing this kernel reads or writes but the weights is touched before the wait)."""
+    output columns ``j`` of this program (float32 sums, rounded once), reading ``w`` ``[n, k]`` once,
+    a ``[block_n, block_k]`` tile ahead of the one being multiplied. With ``gated``, ``w`` is ``[2n,
+    k]`` (gate rows, then linear rows) and ``out[r, j]`` is :func:`swiglu_kernel`'s value of the
+    two rounded sums ``j`` and ``n + j`` (the program reads both rows). With ``pdl`` (a
+    programmatic dependent launch): the next kernel may start once every program has started, and
+    the first weight tile is read before waiting for the kernel before (nothing this kernel reads
+    or writes but the weights is touched before the wait)."""
     if pdl:
         gdc_launch_dependents()
     program = tl.program_id(0)
-    columns = program * block_n + tl.arange(0, block_n)
+    pieces: tl.constexpr = 2 if gated else 1
+    tile_rows = tl.arange(0, pieces * block_n)
+    inside = program * block_n + tile_rows % block_n < n
+    weight_rows = program * block_n + tile_rows % block_n + (tile_rows // block_n) * n
     inner = tl.arange(0, block_k)
     row = tl.arange(0, rows_pow2)
-    inside = columns < n
-    tile = w_ptr + columns[:, None].to(tl.int64) * k + inner[None, :]
-    w = tl.load(tile, mask=inside[:, None], other=0.0, eviction_policy="evict_first")
+    tile = w_ptr + weight_rows[:, None].to(tl.int64) * k + inner[None, :]
+    w = tl.load(tile, mask=inside[:, None] & (inner < k)[None, :], other=0.0, eviction_policy="evict_first")
     if pdl:
         gdc_wait()
-    acc = tl.full([rows_pow2, block_n, block_k], 0.0, tl.float32)
+    acc = tl.full([rows_pow2, pieces * block_n, block_k], 0.0, tl.float32)
     for start in range(0, k, block_k):
         ahead = start + block_k + inner
         ahead_mask = inside[:, None] & (ahead < k)[None, :]
         w_next = tl.load(tile + start + block_k, mask=ahead_mask, other=0.0, eviction_policy="evict_first")
         at = start + inner
         valid = (row < rows)[:, None] & (at < k)[None, :]
-        source = x_ptr + row[:, None] * x_row_stride + at[None, :]
-        if glu:
-            gate = tl.load(source, mask=valid, other=0.0)
-            linear = tl.load(source + k, mask=valid, other=0.0)
-            g = gate.to(tl.float32)
-            silu = rounded(tl.math.div_rn(g, 1.0 + exp(-g)), gate.dtype)
-            x = rounded(silu.to(tl.float32) * linear.to(tl.float32), gate.dtype).to(tl.float32)
-        else:
-            x = tl.load(source, mask=valid, other=0.0).to(tl.float32)
+        x = tl.load(x_ptr + row[:, None] * x_row_stride + at[None, :], mask=valid, other=0.0).to(tl.float32)
         acc += w.to(tl.float32)[None, :, :] * x[:, None, :]
         w = w_next
     total = tl.reduce(acc, 2, add)
+    dtype = out_ptr.dtype.element_ty
+    if gated:
+        gate, linear = tl.split(tl.permute(tl.reshape(total, [rows_pow2, 2, block_n]), [0, 2, 1]))
+        g = rounded(gate, dtype).to(tl.float32)
+        silu = rounded(tl.math.div_rn(g, 1.0 + exp(-g)), dtype)
+        result = rounded(silu.to(tl.float32) * rounded(linear, dtype).to(tl.float32), dtype)
+    else:
+        result = rounded(total, dtype)
+    columns = program * block_n + tl.arange(0, block_n)
     tl.store(
         out_ptr + row[:, None] * out_row_stride + columns[None, :],
-        rounded(total, out_ptr.dtype.element_ty),
-        mask=(row < rows)[:, None] & inside[None, :],
+        result,
+        mask=(row < rows)[:, None] & (columns < n)[None, :],
     )
