@@ -152,7 +152,8 @@ def test_qkv_rope_append_compiles() -> None:
     assert approximations(code) == set()  # libdevice's cosf/sinf, as the RoPE kernel
 
 
-def test_decode_attention_compiles() -> None:
+@pytest.mark.parametrize("pdl", [False, True])
+def test_decode_attention_compiles(pdl: bool) -> None:
     split = {
         "q_ptr": "*bf16",
         "key_cache_ptr": "*bf16",
@@ -164,18 +165,34 @@ def test_decode_attention_compiles() -> None:
         "scale_log2": "fp32",
         **{name: "i32" for name in ("q_row_stride", "q_head_stride", "table_row_stride", "cache_block_stride")},
         **{name: "i32" for name in ("cache_pos_stride", "cache_head_stride")},
-        **{name: "constexpr" for name in ("per_group", "per_group_pow2", "dim", "block_size", "block_n", "splits")},
+        **{
+            name: "constexpr"
+            for name in ("per_group", "per_group_pow2", "dim", "block_size", "block_n", "splits", "pdl")
+        },
     }
-    constexprs = {"per_group": 4, "per_group_pow2": 4, "dim": 128, "block_size": 256, "block_n": 16, "splits": 16}
-    assert "ex2.approx" in ptx("decode_attention_split_kernel", split, constexprs)
+    constexprs = {
+        "per_group": 4,
+        "per_group_pow2": 4,
+        "dim": 128,
+        "block_size": 256,
+        "block_n": 16,
+        "splits": 16,
+        "pdl": pdl,
+    }
+    code = ptx("decode_attention_split_kernel", split, constexprs)
+    assert "ex2.approx" in code
+    assert ("griddepcontrol.wait" in code) == pdl
     combine = {
         "partial_ptr": "*fp32",
         "stats_ptr": "*fp32",
         "out_ptr": "*bf16",
         "dim": "constexpr",
         "splits": "constexpr",
+        "pdl": "constexpr",
     }
-    assert "cvt.rn.bf16.f32" in ptx("decode_attention_combine_kernel", combine, {"dim": 128, "splits": 16})
+    code = ptx("decode_attention_combine_kernel", combine, {"dim": 128, "splits": 16, "pdl": pdl})
+    assert "cvt.rn.bf16.f32" in code
+    assert ("griddepcontrol.wait" in code) == pdl
 
 
 @pytest.mark.parametrize(("rows", "gated", "pdl"), [(1, False, True), (4, False, False), (1, True, False)])

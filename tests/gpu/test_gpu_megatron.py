@@ -807,18 +807,22 @@ class TestFusedKernels:
         assert torch.equal(results[0], results[1])
         assert torch.equal(results[0], chain(False))
 
+    @pytest.mark.parametrize("choice", ["gemv", "all"])
     def test_gemv_agrees_with_the_unfused_model_and_follows_refits(
-        self, unfused_backend: megatron.MegatronBackend, prompts: list[list[int]]
+        self, unfused_backend: megatron.MegatronBackend, prompts: list[list[int]], choice: str
     ) -> None:
         """``gemv``: the linear layers of one-token steps through the Triton GEMV (fc1 with the
-        SwiGLU), every fused kernel a programmatic dependent launch. At batch 1 (one token per decode
-        step: the GEMV's steps) the greedy tokens agree with the unfused model's up to bf16
-        near-ties, the log-probabilities within bf16 rounding where they agree, and equal the
-        model's own direct run; the batch-1 decode graph follows a persist refit in place."""
-        loaded = build(name="tiny-gemv", fused_kernels="gemv")
+        SwiGLU), every fused kernel a programmatic dependent launch (``all``: the one-request decode
+        attention kernel too). At batch 1 (one token per decode step: the GEMV's and the attention
+        kernel's steps) the greedy tokens agree with the unfused model's up to bf16 near-ties, the
+        log-probabilities within bf16 rounding where they agree, and equal the model's own direct
+        run; the batch-1 decode graph follows a persist refit in place."""
+        loaded = build(name=f"tiny-{choice}", fused_kernels=choice)
         try:
             layers = loaded.shape.layers
-            assert loaded.step_options()["fused_kernels"]["gemv"] == 4 * layers + 1  # qkv, proj, fc1, fc2; output
+            swapped = loaded.step_options()["fused_kernels"]
+            assert swapped["gemv"] == 4 * layers + 1  # qkv, proj, fc1, fc2; the output layer
+            assert swapped["attention"] == (layers if choice == "all" else 0)
             single = [run(loaded, greedy_requests([prompt], logprobs=2))["0"] for prompt in prompts]
             produced = [[step.token_id for step in steps] for steps in single]
             reference = [run(unfused_backend, greedy_requests([prompt], logprobs=2))["0"] for prompt in prompts]
@@ -828,7 +832,7 @@ class TestFusedKernels:
                 for ref, steps, count in zip(reference, single, agreed, strict=True)
                 for ours, theirs in zip(steps[:count], ref[:count], strict=True)
             )
-            gpu.report("gemv_vs_unfused", agreed=agreed, of=gpu.NEW_TOKENS, max_logprob_gap=gap)
+            gpu.report(f"{choice}_vs_unfused", agreed=agreed, of=gpu.NEW_TOKENS, max_logprob_gap=gap)
             assert sum(agreed) >= 0.75 * gpu.NEW_TOKENS * len(prompts), agreed
             assert gap < TIE, gap
             assert [direct_tokens(loaded, [prompt])["0"] for prompt in prompts] == produced

@@ -94,7 +94,7 @@ class EngineOptions:
     cuBLAS (fc1 with the SwiGLU in its kernel, no split-K reductions) with every fused kernel
     launched as a programmatic dependent launch (the next kernel's weights read while the one
     before finishes): within bf16 rounding, not bitwise, so greedy tokens may part from megatron's
-    at near-ties; ``all`` also a Triton decode attention for decode steps of up to 8 requests
+    at near-ties; ``all`` also a Triton decode attention for one-request decode steps
     (instead of FlashAttention; not bitwise either); ``off``, megatron's ops.
     ``rope-swiglu-only``, ``rope-swiglu-norm``, ``rope-swiglu-norm-qkv`` and ``gemv-no-pdl`` (the
     benchmark's steps) leave the later fusions out. Fixed when the model is built; one rank only

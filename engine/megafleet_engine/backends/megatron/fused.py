@@ -575,8 +575,10 @@ def gemv_fits(x: torch.Tensor, weight: torch.Tensor) -> bool:
     )
 
 
-DECODE_ATTENTION_MAX_REQUESTS = 8
-"""Decode steps of at most this many requests use :func:`decode_attention` (when installed)."""
+DECODE_ATTENTION_MAX_REQUESTS = 1
+"""Decode steps of at most this many requests use :func:`decode_attention` (when installed): on an
+H200 it took 6.3 us against FlashAttention-4's 8.6 us for one request of 256 keys, but 17 us
+against 8.9 us for 8 requests (``bench/engine_megatron.py --kernel-probe``, 2026-12-02)."""
 DECODE_ATTENTION_SPLITS = 16
 """Splits of each request's keys (one program each per KV head): one query token leaves little
 work per request, so the keys are spread over programs and the splits combined after."""
@@ -591,6 +593,7 @@ def decode_attention(
     scale: float,
     splits: int = DECODE_ATTENTION_SPLITS,
     block_n: int = 16,
+    pdl: bool = False,
 ) -> torch.Tensor:
     """Attention of one query token per request over its paged keys and values (a decode step):
     ``q`` ``[requests, 1, heads, dim]`` (last stride 1), the caches ``[blocks, block_size, kv_heads,
@@ -599,7 +602,7 @@ def decode_attention(
     included); ``softmax(q k^T * scale) v`` per query head, each KV head serving ``heads /
     kv_heads`` consecutive query heads. Returns ``[requests, 1, heads, dim]`` in ``q``'s dtype;
     requests with no keys get zeros. Two kernels: ``splits`` programs per (request, KV head) over
-    shares of the keys, then one per (request, head) combining them."""
+    shares of the keys, then one per (request, head) combining them (``pdl``: :func:`_pdl`)."""
     requests, _, heads, dim = q.shape
     _, block_size, kv_heads, _ = key_cache.shape
     out = torch.empty(requests, 1, heads, dim, dtype=q.dtype, device=q.device)
@@ -632,12 +635,13 @@ def decode_attention(
         block_size=block_size,
         block_n=block_n,
         splits=splits,
+        **_pdl(pdl),
     )
-    kernels.decode_attention_combine_kernel[(requests, heads)](partial, stats, out, dim=dim, splits=splits)
+    kernels.decode_attention_combine_kernel[(requests, heads)](partial, stats, out, dim=dim, splits=splits, **_pdl(pdl))
     return out
 
 
-def _fused_decode_attention(attention: Any) -> None:
+def _fused_decode_attention(attention: Any, pdl: bool = False) -> None:
     """Patch one ``SelfAttention``'s ``flash_decode_and_prefill``: decode-only steps of at most
     :data:`DECODE_ATTENTION_MAX_REQUESTS` requests (one query token each, no attention sink) go to
     :func:`decode_attention`; every other step to megatron's FlashAttention."""
@@ -678,7 +682,7 @@ def _fused_decode_attention(attention: Any) -> None:
             )
             return result
         scale = getattr(attention, "softmax_scale", None) or q.shape[-1] ** -0.5
-        return decode_attention(q, k, v, block_table, seqlens_k, scale)
+        return decode_attention(q, k, v, block_table, seqlens_k, scale, pdl=pdl)
 
     attention.flash_decode_and_prefill = flash_decode_and_prefill
 
@@ -794,7 +798,7 @@ def install(model: Any, context: Any, kernels: FusedKernels) -> dict[str, int]:
     if kernels.attention:
         if getattr(model.config, "window_size", None) is None:
             for module in _self_attentions(model):
-                _fused_decode_attention(module)
+                _fused_decode_attention(module, kernels.pdl)
                 swapped["attention"] += 1
         else:
             log.info("decode attention not installed: sliding-window attention")
@@ -925,6 +929,7 @@ def _compile(model: Any, kernels: FusedKernels, qkv_context: Any = None, attenti
             view.mha_block_table[:1] * 0,
             view.mha_kv_seq_lengths[:1] * 0 + 1,
             1.0,
+            pdl=kernels.pdl,
         )
     if kernels.rms_norm:
         for residual in (None, torch.zeros(2, 1, config.hidden_size, device=device, dtype=dtype)):

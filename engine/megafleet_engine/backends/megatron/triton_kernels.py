@@ -366,11 +366,14 @@ def decode_attention_split_kernel(
     block_size: tl.constexpr,
     block_n: tl.constexpr,
     splits: tl.constexpr,
+    pdl: tl.constexpr = False,
 ):
     """One (request, KV head, split): the split's share of the request's keys (``seqlens[request]``
     of them, paged by ``block_table``), attended by the KV head's ``per_group`` query heads of the
     request's one query token; writes the unnormalised output ``partial`` ``[request, head, split,
     dim]`` (float32) and the running max and sum ``stats`` ``[request, head, split, 2]`` (base 2)."""
+    if pdl:
+        dependent_launch()
     request = tl.program_id(0)
     group = tl.program_id(1)
     split = tl.program_id(2)
@@ -415,9 +418,13 @@ def decode_attention_split_kernel(
 
 
 @triton.jit
-def decode_attention_combine_kernel(partial_ptr, stats_ptr, out_ptr, dim: tl.constexpr, splits: tl.constexpr):
+def decode_attention_combine_kernel(
+    partial_ptr, stats_ptr, out_ptr, dim: tl.constexpr, splits: tl.constexpr, pdl: tl.constexpr = False
+):
     """One (request, query head): the splits' partial outputs weighed by their maxima and sums,
     rounded to ``out``'s dtype (``out`` ``[request, head, dim]``, contiguous)."""
+    if pdl:
+        dependent_launch()
     request = tl.program_id(0)
     head = tl.program_id(1)
     row = request * tl.num_programs(1) + head
