@@ -64,6 +64,7 @@ from pathlib import Path
 from typing import Any
 
 import benchkit
+import gemv_probe
 import profile_decode
 import torch
 
@@ -478,6 +479,9 @@ def main() -> int:
     parser.add_argument("--wait-timeout", type=float, default=120.0)
     parser.add_argument("--no-cuda-graphs", action="store_true")
     parser.add_argument("--kernel-probe", action="store_true", help="first: the kernel measurements (docstring)")
+    parser.add_argument(
+        "--gemv-configs", type=Path, help="GEMV configs tuned on this GPU (gemv_probe.py --tune --save-configs)"
+    )
     parser.add_argument("--out", type=Path, required=True)
     args = parser.parse_args()
     started = time.monotonic()
@@ -498,6 +502,12 @@ def main() -> int:
         "errors": {},
     }
     save = benchkit.saver(args.out, result)
+    if args.gemv_configs is not None:  # before any model is built: the decode graphs capture them
+        from megafleet_engine.backends.megatron import fused
+
+        saved = json.loads(args.gemv_configs.read_text())
+        fused.GEMV_CONFIGS.update(gemv_probe.load_configs(saved))
+        result["gemv_configs"] = saved
     backends = Backends(args, max(batches), result)
     try:
         for scope in dict.fromkeys(VARIANTS[variant][0] for variant in variants):  # build every model first

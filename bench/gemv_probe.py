@@ -210,6 +210,79 @@ def gated_fc1(shape: dict[str, int], configs: list[fused.GemvConfig]) -> dict[st
     return result
 
 
+TUNE_CANDIDATES: dict[str, list[tuple[int, int, int]]] = {
+    "qkv": [(4, 256, 4), (8, 256, 4), (8, 256, 8), (2, 1024, 4)],
+    "proj": [(4, 512, 4), (8, 512, 8), (8, 512, 4), (2, 1024, 4)],
+    "fc2": [(8, 512, 8), (4, 512, 4), (2, 1024, 4), (4, 1024, 8)],
+    "fc1-gated": [(1, 512, 4), (1, 1024, 4), (2, 512, 4), (2, 1024, 4), (4, 512, 4), (4, 256, 4)],
+}
+"""(block_n, block_k, warps) tried per weight by :func:`tune` (each with 1 and 2 tiles ahead): the
+fastest four of the 2026-12-02 sweep of each shape (``results/gemv-probe-h200-2026-12-02.json``)."""
+
+
+def tune(shape: dict[str, int]) -> tuple[dict[tuple[int, int, bool], fused.GemvConfig], dict[str, Any]]:
+    """The fastest :data:`TUNE_CANDIDATES` config of each decode weight as it runs in a batch-1 step:
+    after a small kernel (an RMSNorm), both programmatic dependent launches, over distinct weights in
+    one graph. Returns the configs by ``(n, k, gated)`` (:data:`fused.GEMV_CONFIGS`) and the times."""
+    sizes = gemms(shape)
+    generator = torch.Generator(device="cuda").manual_seed(13)
+    hidden = shape["hidden"]
+    norm = torch.empty(hidden, device="cuda", dtype=torch.bfloat16).uniform_(0.5, 1.5, generator=generator)
+    chosen: dict[tuple[int, int, bool], fused.GemvConfig] = {}
+    report: dict[str, Any] = {}
+    for name, candidates in TUNE_CANDIDATES.items():
+        gated = name == "fc1-gated"
+        n, k = sizes["fc1" if gated else name]
+        copies = max(2, min(12, -(-400_000_000 // (n * k * 2))))
+        weights = [
+            torch.empty(n, k, device="cuda", dtype=torch.bfloat16).uniform_(-0.02, 0.02, generator=generator)
+            for _ in range(copies)
+        ]
+        x = torch.randn(1, 1, k, device="cuda", generator=generator).to(torch.bfloat16)
+        before = torch.randn(1, 1, hidden, device="cuda", generator=generator).to(torch.bfloat16)
+        times: dict[str, float] = {}
+        for (block_n, block_k, warps), ahead in itertools.product(candidates, (1, 2)):
+            config = fused.GemvConfig(block_n=block_n, block_k=block_k, warps=warps, ahead=ahead)
+
+            def pair(
+                w: torch.Tensor,
+                c: fused.GemvConfig = config,
+                x: torch.Tensor = x,
+                before: torch.Tensor = before,
+                gated: bool = gated,
+            ) -> None:
+                fused.rms_norm(before, norm, 1e-5, pdl=True)
+                fused.gemv(x, w, gated=gated, config=c, pdl=True)
+
+            key = f"n{block_n}_k{block_k}_w{warps}_a{ahead}"
+            try:
+                times[key] = round(graph_us([lambda w=w: pair(w) for w in weights]) / copies, 2)
+            except Exception as failure:
+                report[f"{name}_{key}_error"] = f"{type(failure).__name__}: {failure}"[:200]
+        if times:
+            best_key = min(times, key=lambda key: times[key])
+            block_n, block_k, warps, ahead = (int(part[1:]) for part in best_key.split("_"))
+            chosen[(n, k, gated)] = fused.GemvConfig(block_n=block_n, block_k=block_k, warps=warps, ahead=ahead)
+            report[name] = {"bytes": n * k * 2, "us_with_norm_before": times, "best": best_key}
+        del weights
+        torch.cuda.empty_cache()
+    return chosen, report
+
+
+def save_configs(configs: dict[tuple[int, int, bool], fused.GemvConfig]) -> list[dict[str, Any]]:
+    """:data:`fused.GEMV_CONFIGS` as JSON (:func:`load_configs` reads it back)."""
+    return [{"n": n, "k": k, "gated": gated, **vars(config)} for (n, k, gated), config in configs.items()]
+
+
+def load_configs(saved: list[dict[str, Any]]) -> dict[tuple[int, int, bool], fused.GemvConfig]:
+    return {
+        (entry["n"], entry["k"], entry["gated"]): fused.GemvConfig(
+            block_n=entry["block_n"], block_k=entry["block_k"], warps=entry["warps"], ahead=entry["ahead"]
+        )
+        for entry in saved
+    }
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", required=True)
@@ -217,6 +290,8 @@ def main() -> int:
     parser.add_argument(
         "--table", action="store_true", help="the chain with fused.gemv_config's table, not the sweep's best"
     )
+    parser.add_argument("--tune", action="store_true", help="first tune() the configs the chain then uses")
+    parser.add_argument("--save-configs", type=Path, help="write the tuned configs (engine_megatron.py --gemv-configs)")
     args = parser.parse_args()
     began = time.monotonic()
     report: dict[str, Any] = {
@@ -228,6 +303,13 @@ def main() -> int:
         "single": {},
     }
     chosen: dict[str, fused.GemvConfig | None] = {}
+    if args.tune:
+        tuned, report["tune"] = tune(SHAPE)
+        fused.GEMV_CONFIGS.update(tuned)
+        report["tuned"] = save_configs(tuned)
+        if args.save_configs:
+            args.save_configs.write_text(json.dumps(report["tuned"]))
+        print(json.dumps(report["tuned"]), flush=True)
     for rows in (int(part) for part in args.rows.split(",") if part):
         for name, (n, k) in gemms(SHAPE).items():
             others = [c for c in CONFIGS if c.block_n <= 4 and c != chosen.get(name)][:3]
@@ -244,7 +326,7 @@ def main() -> int:
     timed = {
         key: value for key, value in report["fc1_gated_us"].items() if key.startswith("n") and isinstance(value, float)
     }
-    if timed:
+    if timed and not args.tune:
         block_n, block_k, warps = (int(part[1:]) for part in min(timed, key=lambda key: timed[key]).split("_"))
         chosen["fc1-gated"] = fused.GemvConfig(block_n=block_n, block_k=block_k, warps=warps)
     try:

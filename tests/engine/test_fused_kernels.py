@@ -427,7 +427,12 @@ def test_gemv_is_the_product_rounded_once(rows: int, n: int, k: int) -> None:
     weight = torch.randn(n, k, generator=generator).to(torch.bfloat16)
     x = torch.randn(rows, 1, k, generator=generator).to(torch.bfloat16)
     exact = x.double() @ weight.double().T
-    for config in (fused.GemvConfig(block_n=4, block_k=32), fused.GemvConfig(block_n=8, block_k=128, warps=8)):
+    configs = (
+        fused.GemvConfig(block_n=4, block_k=32),
+        fused.GemvConfig(block_n=8, block_k=128, warps=8),
+        fused.GemvConfig(block_n=2, block_k=32, ahead=2),
+    )
+    for config in configs:
         produced = fused.gemv(x, weight, config=config)
         assert produced.shape == (rows, 1, n) and produced.dtype == torch.bfloat16
         torch.testing.assert_close(produced.double(), exact, rtol=2**-8, atol=1e-5)
@@ -440,10 +445,10 @@ def test_gemv_gated_is_the_swiglu_of_the_gemv_bitwise() -> None:
     generator = torch.Generator().manual_seed(11)
     weight = (torch.randn(2 * 20, 64, generator=generator) / 2).to(torch.bfloat16)
     x = (torch.randn(2, 1, 64, generator=generator) * 2).to(torch.bfloat16)
-    config = fused.GemvConfig(block_n=8, block_k=32)
-    gated = fused.gemv(x, weight, gated=True, config=config)
-    assert gated.shape == (2, 1, 20)
-    assert torch.equal(gated, fused.swiglu(fused.gemv(x, weight, config=config)))
+    for config in (fused.GemvConfig(block_n=8, block_k=32), fused.GemvConfig(block_n=1, block_k=16, ahead=2)):
+        gated = fused.gemv(x, weight, gated=True, config=config)
+        assert gated.shape == (2, 1, 20)
+        assert torch.equal(gated, fused.swiglu(fused.gemv(x, weight, config=config)))
 
 
 class ColumnParallelLinear(torch.nn.Module):

@@ -204,9 +204,18 @@ def test_gemv_compiles(rows: int, gated: bool, pdl: bool) -> None:
         "n": "i32",
         "x_row_stride": "i32",
         "out_row_stride": "i32",
-        **{name: "constexpr" for name in ("k", "rows", "rows_pow2", "block_n", "block_k", "gated", "pdl")},
+        **{name: "constexpr" for name in ("k", "rows", "rows_pow2", "block_n", "block_k", "gated", "pdl", "ahead")},
     }
-    constexprs = {"k": 4096, "rows": rows, "rows_pow2": rows, "block_n": 2, "block_k": 1024, "gated": gated, "pdl": pdl}
+    constexprs = {
+        "k": 4096,
+        "rows": rows,
+        "rows_pow2": rows,
+        "block_n": 2,
+        "block_k": 1024,
+        "gated": gated,
+        "pdl": pdl,
+        "ahead": 1 + pdl,
+    }
     code = ptx("gemv_kernel", signature, constexprs)
     assert "ld.global.L1::evict_first" in code  # the weights stream through, read once per step
     assert ("griddepcontrol.wait" in code) == pdl

@@ -491,11 +491,19 @@ GEMV_MAX_ROWS = 1
 @dataclasses.dataclass(frozen=True)
 class GemvConfig:
     """How :func:`gemv` splits one linear layer: ``block_n`` output columns per program, the weights
-    read ``block_k`` columns at a time, ``warps`` warps per program."""
+    read ``block_k`` columns at a time, ``ahead`` tiles ahead of the one multiplied, ``warps``
+    warps per program."""
 
     block_n: int = 4
     block_k: int = 512
     warps: int = 4
+    ahead: int = 1
+
+
+GEMV_CONFIGS: dict[tuple[int, int, bool], GemvConfig] = {}
+"""Configs measured on this process's GPU by weight shape and ``gated`` (``bench/gemv_probe.py
+--tune``, which ``bench/engine_megatron.py --tune-gemv`` runs before it builds its models): they
+take precedence over :func:`gemv_config`'s table."""
 
 
 def gemv_config(n: int, k: int, rows: int) -> GemvConfig:
@@ -539,7 +547,7 @@ def gemv(
     out = torch.empty((*x.shape[:-1], width), dtype=x.dtype, device=x.device)
     if rows == 0:
         return out
-    chosen = config or gemv_config(n, k, rows)
+    chosen = config or GEMV_CONFIGS.get((n, k, gated)) or gemv_config(n, k, rows)
     kernels = _kernels()
     kernels.gemv_kernel[(-(-width // chosen.block_n),)](
         flat,
@@ -555,6 +563,7 @@ def gemv(
         block_k=min(chosen.block_k, kernels.triton.next_power_of_2(k)),
         gated=gated,
         pdl=pdl,
+        ahead=chosen.ahead,
         num_warps=chosen.warps,
         **({"launch_pdl": True} if pdl else {}),
     )

@@ -457,10 +457,11 @@ def gemv_kernel(
     block_k: tl.constexpr,
     gated: tl.constexpr,
     pdl: tl.constexpr,
+    ahead: tl.constexpr = 1,
 ):
     """``out[r, j] = sum_i x[r, i] * w[j, i]`` for the ``rows`` rows of ``x`` and the ``block_n``
     output columns ``j`` of this program (float32 sums, rounded once), reading ``w`` ``[n, k]`` once,
-    a ``[block_n, block_k]`` tile ahead of the one being multiplied. With ``gated``, ``w`` is ``[2n,
+    ``ahead`` (1 or 2) ``[block_n, block_k]`` tiles ahead of the one being multiplied. With ``gated``, ``w`` is ``[2n,
     k]`` (gate rows, then linear rows) and ``out[r, j]`` is :func:`swiglu_kernel`'s value of the
     two rounded sums ``j`` and ``n + j`` (the program reads both rows). With ``pdl`` (a
     programmatic dependent launch): the next kernel may start once every program has started, and
@@ -477,18 +478,29 @@ def gemv_kernel(
     row = tl.arange(0, rows_pow2)
     tile = w_ptr + weight_rows[:, None].to(tl.int64) * k + inner[None, :]
     w = tl.load(tile, mask=inside[:, None] & (inner < k)[None, :], other=0.0, eviction_policy="evict_first")
+    if ahead == 2:
+        later = tl.load(
+            tile + block_k,
+            mask=inside[:, None] & (block_k + inner < k)[None, :],
+            other=0.0,
+            eviction_policy="evict_first",
+        )
     if pdl:
         gdc_wait()
     acc = tl.full([rows_pow2, pieces * block_n, block_k], 0.0, tl.float32)
     for start in range(0, k, block_k):
-        ahead = start + block_k + inner
-        ahead_mask = inside[:, None] & (ahead < k)[None, :]
-        w_next = tl.load(tile + start + block_k, mask=ahead_mask, other=0.0, eviction_policy="evict_first")
+        next_start = start + ahead * block_k
+        ahead_mask = inside[:, None] & (next_start + inner < k)[None, :]
+        w_next = tl.load(tile + next_start, mask=ahead_mask, other=0.0, eviction_policy="evict_first")
         at = start + inner
         valid = (row < rows)[:, None] & (at < k)[None, :]
         x = tl.load(x_ptr + row[:, None] * x_row_stride + at[None, :], mask=valid, other=0.0).to(tl.float32)
         acc += w.to(tl.float32)[None, :, :] * x[:, None, :]
-        w = w_next
+        if ahead == 2:
+            w = later
+            later = w_next
+        else:
+            w = w_next
     total = tl.reduce(acc, 2, add)
     dtype = out_ptr.dtype.element_ty
     if gated:
