@@ -27,7 +27,9 @@ switched between batches on the same engine, :meth:`MegatronBackend.set_step_opt
   ``fusedall-block-fast-async`` (``"all"``: the GEMV and the decode attention kernel too, not
   bitwise), ``fusedgemv-block-fast-async`` (``"gemv"``: the default's kernels, the one-token steps'
   linear layers through a Triton GEMV, programmatic dependent launches; not bitwise) and
-  ``fusedgemvnopdl-block-fast-async`` (the GEMV without the dependent launches); one model each.
+  ``fusedgemvnopdl-block-fast-async`` (the GEMV without the dependent launches),
+  ``fusedallprefill-block-fast-async`` (``all`` with megatron's CUDA graphs for prefill steps too,
+  ``EngineOptions.prefill_graphs``); one model each.
 
 ``--kernel-probe`` first measures, on the bare GPU, which summation order of the RMSNorm matches
 torch's bit for bit, single kernels' times inside a CUDA graph (torch's RMSNorm and the fused one,
@@ -85,9 +87,11 @@ VARIANTS: dict[str, tuple[str, dict[str, bool]]] = {
     "fusedall-block-fast-async": ("block+all", {"async_schedule": True, **FAST}),
     "fusedgemv-block-fast-async": ("block+gemv", {"async_schedule": True, **FAST}),
     "fusedgemvnopdl-block-fast-async": ("block+gemv-no-pdl", {"async_schedule": True, **FAST}),
+    "fusedallprefill-block-fast-async": ("block+all+prefill", {"async_schedule": True, **FAST}),
 }
 """Setting name -> (model, per-step options). A model is a graph scope, ``+`` the fused kernels
-built into it (``EngineOptions.fused_kernels``; none: ``off``)."""
+built into it (``EngineOptions.fused_kernels``; none: ``off``), ``+prefill``: with CUDA graphs for
+prefill steps too (``EngineOptions.prefill_graphs``)."""
 
 
 PROBE_SHAPE = {"hidden": 4096, "ffn": 14336, "heads": 32, "kv_heads": 8, "vocab": 128256}
@@ -119,7 +123,8 @@ class Backends:
     def get(self, model: str) -> Any:
         """The backend of ``model`` (``VARIANTS``' first field: ``scope[+fused_kernels]``)."""
         if model not in self.built:
-            scope, _, kernels = model.partition("+")
+            scope, _, rest = model.partition("+")
+            kernels, _, extra = rest.partition("+")
             start = time.perf_counter()
             self.built[model] = benchkit.load_megatron(
                 self.args.source,
@@ -129,6 +134,7 @@ class Backends:
                 cuda_graphs=not self.args.no_cuda_graphs,
                 graph_scope=scope,
                 fused_kernels=kernels or "off",
+                **({"prefill_graphs": True} if extra == "prefill" else {}),
             )
             self.result.setdefault("build_s", {})[model] = round(time.perf_counter() - start, 2)
             self.result.setdefault("gpu_memory_allocated_gb", {})[model] = round(

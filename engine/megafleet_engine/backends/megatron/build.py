@@ -100,6 +100,12 @@ class EngineOptions:
     benchmark's steps) leave the later fusions out. Fixed when the model is built; one rank only
     (:func:`effective_options`); models the kernels do not fit keep megatron's ops (a log line says
     why)."""
+    prefill_graphs: bool = False
+    """Also capture megatron's CUDA graphs for prefill and mixed steps (up to megatron's
+    ``cuda_graph_max_tokens``, 512 tokens: ``use_cuda_graphs_for_non_decode_steps``), so a short
+    prompt's prefill is one graph replay instead of the layers' eager forward (issue 19: the time of
+    a batch-1 generation outside its decode steps). Needs ``cuda_graphs``; more graphs to capture
+    at start."""
     seed: int = 0
     """Seed of megatron's RNG trackers (sampling)."""
     kv_cache_mode: vocabulary.KvCacheMode = "persist"
@@ -287,7 +293,7 @@ def build_engine(model: Any, tokenizer: IdTokenizer, max_sequence_length: int, o
         max_requests=options.max_batch_size,
         max_tokens=max(options.max_step_tokens, max_sequence_length),
         num_cuda_graphs=-1 if options.cuda_graphs else None,
-        use_cuda_graphs_for_non_decode_steps=False,
+        use_cuda_graphs_for_non_decode_steps=options.cuda_graphs and options.prefill_graphs,
         materialize_only_last_token_logits=True,
         kv_cache_management_mode=config_module.KVCacheManagementMode(options.kv_cache_mode),
         sampling_backend="torch",  # replaced by NeMo's filter (.sampling.install), which also computes
