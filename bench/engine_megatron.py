@@ -28,8 +28,9 @@ switched between batches on the same engine, :meth:`MegatronBackend.set_step_opt
   bitwise), ``fusedgemv-block-fast-async`` (``"gemv"``: the default's kernels, the one-token steps'
   linear layers through a Triton GEMV, programmatic dependent launches; not bitwise) and
   ``fusedgemvnopdl-block-fast-async`` (the GEMV without the dependent launches),
-  ``fusedallprefill-block-fast-async`` (``all`` with megatron's CUDA graphs for prefill steps too,
-  ``EngineOptions.prefill_graphs``); one model each.
+  ``fusedallprefill-block-fast-async`` and ``fusedgemvprefill-block-fast-async`` (``all``, ``gemv``
+  with megatron's CUDA graphs for prefill steps too, ``EngineOptions.prefill_graphs``); one model
+  each.
 
 ``--kernel-probe`` first measures, on the bare GPU, which summation order of the RMSNorm matches
 torch's bit for bit, single kernels' times inside a CUDA graph (torch's RMSNorm and the fused one,
@@ -88,6 +89,7 @@ VARIANTS: dict[str, tuple[str, dict[str, bool]]] = {
     "fusedgemv-block-fast-async": ("block+gemv", {"async_schedule": True, **FAST}),
     "fusedgemvnopdl-block-fast-async": ("block+gemv-no-pdl", {"async_schedule": True, **FAST}),
     "fusedallprefill-block-fast-async": ("block+all+prefill", {"async_schedule": True, **FAST}),
+    "fusedgemvprefill-block-fast-async": ("block+gemv+prefill", {"async_schedule": True, **FAST}),
 }
 """Setting name -> (model, per-step options). A model is a graph scope, ``+`` the fused kernels
 built into it (``EngineOptions.fused_kernels``; none: ``off``), ``+prefill``: with CUDA graphs for

@@ -508,8 +508,9 @@ take precedence over :func:`gemv_config`'s table."""
 
 def gemv_config(n: int, k: int, rows: int, gated: bool = False) -> GemvConfig:
     """The :class:`GemvConfig` for an ``[n, k]`` weight and ``rows`` rows: the fastest of
-    ``bench/gemv_probe.py``'s sweep at one row on an H200 for each of the Llama-3.1-8B shapes
-    (``bench/results/gemv-probe-h200-2026-12-02.json``), by the shape's kind."""
+    ``bench/gemv_probe.py``'s sweeps at one row on an H200 for each of the Llama-3.1-8B shapes
+    (alone: ``bench/results/gemv-probe-h200-2026-12-02.json``; after a norm with dependent
+    launches, ``--tune``: ``…-tuned.json``, which chose these), by the shape's kind."""
     if n >= 16 * k:  # an output layer (128256 x 4096: 4.27 TB/s)
         return GemvConfig(block_n=8, block_k=256, warps=4)
     if k >= 2 * n:  # fc2 (4096 x 14336: 3.74 TB/s)
@@ -518,7 +519,7 @@ def gemv_config(n: int, k: int, rows: int, gated: bool = False) -> GemvConfig:
         return GemvConfig(block_n=2, block_k=512 if gated else 1024, warps=4)
     if n > k:  # qkv (6144 x 4096: 3.19 TB/s)
         return GemvConfig(block_n=4, block_k=256, warps=4)
-    return GemvConfig(block_n=4, block_k=512, warps=4)  # proj (4096 x 4096: 3.04 TB/s)
+    return GemvConfig(block_n=8, block_k=512, warps=4, ahead=2)  # proj (4096 x 4096)
 
 
 def gemv(
@@ -534,7 +535,7 @@ def gemv(
     float32 sum of the row's products, rounded once to the dtype: not cuBLAS's bits (another
     summation order), within its rounding. With ``gated``, ``weight`` is a gated MLP's fc1 ``[2m,
     k]`` and the result ``[..., m]`` is :func:`swiglu` of the product (bitwise :func:`swiglu` of
-    this function's ungated result: the SwiGLU in the same kernel). One kernel, no split-K
+    this function's ungated result with the same ``config``: the SwiGLU in the same kernel). One kernel, no split-K
     reduction: ``n / block_n`` programs each stream ``block_n`` rows of the weight; for decode steps
     of up to :data:`GEMV_MAX_ROWS` tokens, where a GEMM reads the weights at less than the GPU's
     bandwidth (issue 19). ``pdl``: :func:`_pdl`."""
