@@ -50,6 +50,8 @@ run only the fastest setting (backend path) of the previous batch size, then the
 above ``--warmup-max-batch`` get no warm-up run (their decode graphs were captured at build time
 and their kernels compiled at the smaller batches).
 ``--deadline-s``: no new measurement starts after that many seconds (the JSON says what was skipped).
+``--gemv-configs F``: build the models with the GEMV configs ``gemv_probe.py --tune --save-configs F``
+measured on this GPU (recorded in the JSON).
 """
 
 from __future__ import annotations

@@ -15,15 +15,20 @@ per layer (index, cos, sin, casts, neg, cat, two muls, add, copies, for q and fo
 * :func:`qkv_rope_append` does the query's copy out of the qkv GEMM's output, RoPE on q and k and
   the KV-cache append in one kernel (:func:`_fused_qkv`, :func:`_fused_context_rope`);
 * :func:`decode_attention` (only with :attr:`FusedKernels.attention`) replaces FlashAttention in
-  decode steps of a few requests.
+  one-request decode steps;
+* :func:`gemv` (only with :attr:`FusedKernels.gemv`) replaces megatron's cuBLAS GEMMs in one-token
+  steps (batch-1 decode), fc1 with the SwiGLU in its kernel; with :attr:`FusedKernels.pdl` every
+  kernel here is a programmatic dependent launch (:func:`_pdl`), so the next GEMV's weights stream
+  while the kernel before it drains.
 
 Exactness: :func:`rope_`, :func:`swiglu` and :func:`qkv_rope_append` round to bf16/fp16 where
 megatron's op-by-op version does (after cos/sin, each product, the sum; after silu, after the
 product) and use the same precise float32 functions (libdevice ``cos``/``sin``/``exp``, IEEE
 division); :func:`rms_norm` adds in torch's order with torch's roundings; so their outputs are
 bitwise the unfused ones' (``tests/engine/test_fused_kernels.py`` checks that on the CPU
-interpreter, ``tests/gpu/test_gpu_megatron.py`` on the GPU). :func:`decode_attention` sums in
-another order than FlashAttention: within bf16 rounding, not bitwise.
+interpreter, ``tests/gpu/test_gpu_megatron.py`` on the GPU); dependent launches change no result.
+:func:`decode_attention` and :func:`gemv` sum in another order than FlashAttention and cuBLAS:
+within bf16 rounding, not bitwise.
 
 Who calls: :func:`.build.build_engine` (through :func:`install`) before megatron's engine captures
 its decode CUDA graphs, so the graphs hold these kernels. The modules keep their parameters (the
