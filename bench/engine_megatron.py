@@ -24,7 +24,12 @@ switched between batches on the same engine, :meth:`MegatronBackend.set_step_opt
   2026-12-02 default), ``fusednorm-block-fast-async`` with the RMSNorms too (``"rope-swiglu-norm"``),
   ``fusedqkv-block-fast-async`` with the qkv fold too (``"rope-swiglu-norm-qkv"``; the default adds
   the residual adds into the norms),
-  ``fusedall-block-fast-async`` (``"all"``: the decode attention kernel too, not bitwise); one model
+  ``fusedall-block-fast-async`` (``"all"``: the GEMV and the decode attention kernel too, not
+  bitwise), ``fusedgemv-block-fast-async`` (``"gemv"``: the default's kernels, the one-token steps'
+  linear layers through a Triton GEMV, programmatic dependent launches; not bitwise) and
+  ``fusedgemvnopdl-block-fast-async`` (the GEMV without the dependent launches),
+  ``fusedallprefill-block-fast-async`` and ``fusedgemvprefill-block-fast-async`` (``all``, ``gemv``
+  with megatron's CUDA graphs for prefill steps too, ``EngineOptions.prefill_graphs``); one model
   each.
 
 ``--kernel-probe`` first measures, on the bare GPU, which summation order of the RMSNorm matches
@@ -45,6 +50,8 @@ run only the fastest setting (backend path) of the previous batch size, then the
 above ``--warmup-max-batch`` get no warm-up run (their decode graphs were captured at build time
 and their kernels compiled at the smaller batches).
 ``--deadline-s``: no new measurement starts after that many seconds (the JSON says what was skipped).
+``--gemv-configs F``: build the models with the GEMV configs ``gemv_probe.py --tune --save-configs F``
+measured on this GPU (recorded in the JSON).
 """
 
 from __future__ import annotations
@@ -62,6 +69,7 @@ from pathlib import Path
 from typing import Any
 
 import benchkit
+import gemv_probe
 import profile_decode
 import torch
 
@@ -80,9 +88,14 @@ VARIANTS: dict[str, tuple[str, dict[str, bool]]] = {
     "fusedqkv-block-fast-async": ("block+rope-swiglu-norm-qkv", {"async_schedule": True, **FAST}),
     "fused-block-fast-async": ("block+rope-swiglu", {"async_schedule": True, **FAST}),
     "fusedall-block-fast-async": ("block+all", {"async_schedule": True, **FAST}),
+    "fusedgemv-block-fast-async": ("block+gemv", {"async_schedule": True, **FAST}),
+    "fusedgemvnopdl-block-fast-async": ("block+gemv-no-pdl", {"async_schedule": True, **FAST}),
+    "fusedallprefill-block-fast-async": ("block+all+prefill", {"async_schedule": True, **FAST}),
+    "fusedgemvprefill-block-fast-async": ("block+gemv+prefill", {"async_schedule": True, **FAST}),
 }
 """Setting name -> (model, per-step options). A model is a graph scope, ``+`` the fused kernels
-built into it (``EngineOptions.fused_kernels``; none: ``off``)."""
+built into it (``EngineOptions.fused_kernels``; none: ``off``), ``+prefill``: with CUDA graphs for
+prefill steps too (``EngineOptions.prefill_graphs``)."""
 
 
 PROBE_SHAPE = {"hidden": 4096, "ffn": 14336, "heads": 32, "kv_heads": 8, "vocab": 128256}
@@ -114,7 +127,8 @@ class Backends:
     def get(self, model: str) -> Any:
         """The backend of ``model`` (``VARIANTS``' first field: ``scope[+fused_kernels]``)."""
         if model not in self.built:
-            scope, _, kernels = model.partition("+")
+            scope, _, rest = model.partition("+")
+            kernels, _, extra = rest.partition("+")
             start = time.perf_counter()
             self.built[model] = benchkit.load_megatron(
                 self.args.source,
@@ -124,6 +138,7 @@ class Backends:
                 cuda_graphs=not self.args.no_cuda_graphs,
                 graph_scope=scope,
                 fused_kernels=kernels or "off",
+                **({"prefill_graphs": True} if extra == "prefill" else {}),
             )
             self.result.setdefault("build_s", {})[model] = round(time.perf_counter() - start, 2)
             self.result.setdefault("gpu_memory_allocated_gb", {})[model] = round(
@@ -474,6 +489,9 @@ def main() -> int:
     parser.add_argument("--wait-timeout", type=float, default=120.0)
     parser.add_argument("--no-cuda-graphs", action="store_true")
     parser.add_argument("--kernel-probe", action="store_true", help="first: the kernel measurements (docstring)")
+    parser.add_argument(
+        "--gemv-configs", type=Path, help="GEMV configs tuned on this GPU (gemv_probe.py --tune --save-configs)"
+    )
     parser.add_argument("--out", type=Path, required=True)
     args = parser.parse_args()
     started = time.monotonic()
@@ -494,6 +512,12 @@ def main() -> int:
         "errors": {},
     }
     save = benchkit.saver(args.out, result)
+    if args.gemv_configs is not None:  # before any model is built: the decode graphs capture them
+        from megafleet_engine.backends.megatron import fused
+
+        saved = json.loads(args.gemv_configs.read_text())
+        fused.GEMV_CONFIGS.update(gemv_probe.load_configs(saved))
+        result["gemv_configs"] = saved
     backends = Backends(args, max(batches), result)
     try:
         for scope in dict.fromkeys(VARIANTS[variant][0] for variant in variants):  # build every model first

@@ -19,7 +19,7 @@ from typing import Literal, get_args
 
 from megafleet_protocol import env, ports, vocabulary
 
-FusedKernels = Literal["off", "rope-swiglu", "all"]
+FusedKernels = Literal["off", "rope-swiglu", "gemv", "all"]
 """The megatron backend's fused-kernel choices (``EngineOptions.fused_kernels``)."""
 
 __all__ = ["Settings", "SettingsError", "from_env"]
@@ -135,12 +135,14 @@ class Settings:
     backend; the operator sets it from spec.engine.cudaGraphs). Default ``true``."""
 
     fused_kernels: FusedKernels = "rope-swiglu"
-    """``MEGAFLEET_FUSED_KERNELS``: ``off``, ``rope-swiglu`` or ``all``: the fused Triton kernels the
+    """``MEGAFLEET_FUSED_KERNELS``: ``off``, ``rope-swiglu``, ``gemv`` or ``all``: the fused Triton kernels the
     megatron backend swaps into its layers on one rank (see ``EngineOptions.fused_kernels``; set it
     through ``spec.engine.env``). Default ``rope-swiglu``: every fusion that is bitwise megatron's
     own results (RoPE, SwiGLU, the RMSNorms with their residual adds, the qkv copy/RoPE/KV append);
-    ``off`` falls back to megatron's ops, ``all`` also runs small decode steps' attention through a
-    Triton kernel instead of FlashAttention (faster, not bitwise)."""
+    ``off`` falls back to megatron's ops; ``gemv`` also runs one-token steps' linear layers through a
+    Triton GEMV (fc1 with the SwiGLU in its kernel) with programmatic dependent launches instead of
+    cuBLAS (faster at batch 1, not bitwise); ``all`` also small decode steps' attention through a
+    Triton kernel instead of FlashAttention (not bitwise)."""
 
     kv_cache_gib: int = 20
     """``MEGAFLEET_KV_CACHE_GIB``: GPU memory for the paged KV cache of the megatron backend, in GiB.

@@ -107,7 +107,7 @@ INVALID = [
     ("MEGAFLEET_HOST", "engine.local", "IP address"),
     ("MEGAFLEET_LOCAL_GPUS", "-1", "at least 0"),
     ("MEGAFLEET_CUDA_GRAPHS", "yes", "one of true, false"),
-    ("MEGAFLEET_FUSED_KERNELS", "triton", "one of rope-swiglu, off, all"),
+    ("MEGAFLEET_FUSED_KERNELS", "triton", "one of rope-swiglu, off, gemv, all"),
     ("MEGAFLEET_KV_CACHE_GIB", "0", "at least 1"),
     ("MEGAFLEET_LOCAL_RANKS", "3", "exceeds"),
 ]

@@ -326,7 +326,7 @@ def test_install_swaps_the_kernels_in_and_keeps_the_results(fake_megatron: None,
 
     swapped = fused.install(model, context, fused.FusedKernels())
 
-    assert swapped == {"rope": 1, "swiglu": 2, "rms_norm": 5, "qkv": 2, "residual_add": 2, "attention": 0}
+    assert swapped == {"rope": 1, "swiglu": 2, "rms_norm": 5, "qkv": 2, "residual_add": 2, "attention": 0, "gemv": 0}
     assert getattr(model, fused.INSTALLED) == swapped
     assert [module.weight for module in model.modules() if isinstance(module, fused.FusedRMSNorm)] == norm_weights
     assert not any(isinstance(module, torch.nn.RMSNorm) for module in model.modules())
@@ -354,6 +354,7 @@ def test_install_leaves_a_model_it_does_not_fit_alone(fake_megatron: None) -> No
         "qkv": 0,
         "residual_add": 0,
         "attention": 0,
+        "gemv": 0,
     }
     assert context.apply_rotary_emb_query is original
     assert sum(isinstance(module, torch.nn.RMSNorm) for module in model.modules()) == 5
@@ -416,3 +417,106 @@ def test_decode_attention_is_softmax_attention_over_the_paged_cache(
         weights = torch.softmax(torch.einsum("hd,thd->ht", q[row, 0].float(), keys) * scale, dim=-1)
         expected = torch.einsum("ht,thd->hd", weights, values)
         torch.testing.assert_close(produced[row, 0].float(), expected, rtol=2**-7, atol=2**-7)
+
+
+@pytest.mark.parametrize(("rows", "n", "k"), [(1, 24, 64), (1, 10, 96), (3, 16, 200), (4, 8, 1024)])
+def test_gemv_is_the_product_rounded_once(rows: int, n: int, k: int) -> None:
+    """Each output is the row's float32 sum of products rounded once (within that rounding of the
+    exact product), whatever the tile sizes: columns and widths that are not multiples of them."""
+    generator = torch.Generator().manual_seed(n * k)
+    weight = torch.randn(n, k, generator=generator).to(torch.bfloat16)
+    x = torch.randn(rows, 1, k, generator=generator).to(torch.bfloat16)
+    exact = x.double() @ weight.double().T
+    configs = (
+        fused.GemvConfig(block_n=4, block_k=32),
+        fused.GemvConfig(block_n=8, block_k=128, warps=8),
+        fused.GemvConfig(block_n=2, block_k=32, ahead=2),
+    )
+    for config in configs:
+        produced = fused.gemv(x, weight, config=config)
+        assert produced.shape == (rows, 1, n) and produced.dtype == torch.bfloat16
+        torch.testing.assert_close(produced.double(), exact, rtol=2**-8, atol=1e-5)
+    assert fused.gemv(x[:0], weight).shape == (0, 1, n)
+    with pytest.raises(ValueError):
+        fused.gemv(x, weight.T)  # not contiguous
+
+
+def test_gemv_gated_is_the_swiglu_of_the_gemv_bitwise() -> None:
+    generator = torch.Generator().manual_seed(11)
+    weight = (torch.randn(2 * 20, 64, generator=generator) / 2).to(torch.bfloat16)
+    x = (torch.randn(2, 1, 64, generator=generator) * 2).to(torch.bfloat16)
+    for config in (fused.GemvConfig(block_n=8, block_k=32), fused.GemvConfig(block_n=1, block_k=16, ahead=2)):
+        gated = fused.gemv(x, weight, gated=True, config=config)
+        assert gated.shape == (2, 1, 20)
+        assert torch.equal(gated, fused.swiglu(fused.gemv(x, weight, config=config)))
+
+
+class ColumnParallelLinear(torch.nn.Module):
+    """megatron's linear layer as far as :func:`fused.install`'s GEMV reads it: ``forward`` calls
+    ``_forward_impl`` with keywords (megatron's product, counted here) and returns ``(out, bias)``."""
+
+    def __init__(self, n: int, k: int, seed: int) -> None:
+        super().__init__()
+        generator = torch.Generator().manual_seed(seed)
+        self.weight = torch.nn.Parameter((torch.randn(n, k, generator=generator) / 4).to(torch.bfloat16))
+        self.products = 0
+
+    def _forward_impl(self, input: torch.Tensor, weight: torch.Tensor, bias: Any, **kwargs: Any) -> torch.Tensor:
+        self.products += 1
+        return torch.matmul(input, weight.t())
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, None]:
+        out = self._forward_impl(input=x, weight=self.weight, bias=None, allreduce_dgrad=False, sequence_parallel=False)
+        return out, None
+
+
+class RowParallelLinear(ColumnParallelLinear):
+    pass
+
+
+class LinearMLP(torch.nn.Module):
+    """megatron's dense gated-SiLU ``MLP`` over megatron's linear layers."""
+
+    def __init__(self, hidden: int, ffn: int) -> None:
+        super().__init__()
+        self.linear_fc1 = ColumnParallelLinear(2 * ffn, hidden, seed=1)
+        self.linear_fc2 = RowParallelLinear(hidden, ffn, seed=2)
+
+    def forward(self, hidden: torch.Tensor, per_token_scale: torch.Tensor | None = None) -> Any:
+        intermediate, _ = self.linear_fc1(hidden)
+        return self.linear_fc2(swiglu_reference(intermediate))
+
+
+def test_gemv_takes_the_linear_layers_of_one_token_steps(fake_megatron: None, monkeypatch: pytest.MonkeyPatch) -> None:
+    """With :attr:`FusedKernels.gemv`, megatron's linear layers multiply one-token steps through
+    :func:`fused.gemv` (fc1 with the SwiGLU in its kernel), reading the weight parameters in place
+    (a refit's writes show); steps of more tokens keep megatron's product and its bits."""
+    layers = types.ModuleType("megatron.core.tensor_parallel.layers")
+    layers.ColumnParallelLinear, layers.RowParallelLinear = ColumnParallelLinear, RowParallelLinear  # type: ignore[attr-defined]
+    monkeypatch.setitem(sys.modules, "megatron.core.tensor_parallel", types.ModuleType("megatron.core.tensor_parallel"))
+    monkeypatch.setitem(sys.modules, "megatron.core.tensor_parallel.layers", layers)
+    monkeypatch.setattr(sys.modules["megatron.core.transformer.mlp"], "MLP", LinearMLP, raising=False)
+    model = fake_model()
+    model.mlp = LinearMLP(32, 48)
+    model.output_layer = ColumnParallelLinear(40, 32, seed=3)
+    one, three = (
+        (torch.randn(rows, 1, 32, generator=torch.Generator().manual_seed(rows)) * 2).to(torch.bfloat16)
+        for rows in (1, 3)
+    )
+    with torch.no_grad():
+        unfused = [model.mlp(x)[0] for x in (one, three)] + [model.output_layer(one)[0]]
+        swapped = fused.install(
+            model, fake_context(tokens=2, padded=2, decode_only=True), fused.FusedKernels(gemv=True)
+        )
+        assert swapped["gemv"] == 3
+        counts = [module.products for module in (model.mlp.linear_fc1, model.mlp.linear_fc2, model.output_layer)]
+        fc1, fc2 = model.mlp.linear_fc1.weight, model.mlp.linear_fc2.weight
+        produced = model.mlp(one)[0]
+        assert torch.equal(produced, fused.gemv(fused.gemv(one, fc1, gated=True), fc2))
+        torch.testing.assert_close(produced.float(), unfused[0].float(), rtol=2**-6, atol=2**-6)
+        assert torch.equal(model.output_layer(one)[0], fused.gemv(one, model.output_layer.weight))
+        assert [m.products for m in (model.mlp.linear_fc1, model.mlp.linear_fc2, model.output_layer)] == counts
+        assert torch.equal(model.mlp(three)[0], unfused[1])  # three tokens: megatron's products
+        assert model.mlp.linear_fc1.products == counts[0] + 1
+        fc2.mul_(2)  # written in place, as a refit writes
+        assert not torch.equal(model.mlp(one)[0], produced)

@@ -59,15 +59,15 @@ def test_rope_compiles_with_precise_cos_and_sin(dtype: str, positions: str, head
 def test_swiglu_compiles_with_ieee_division() -> None:
     code = ptx(
         "swiglu_kernel",
-        {"x_ptr": "*bf16", "out_ptr": "*bf16", "width": "constexpr", "block": "constexpr"},
-        {"width": 14336, "block": 1024},
+        {"x_ptr": "*bf16", "out_ptr": "*bf16", "width": "constexpr", "block": "constexpr", "pdl": "constexpr"},
+        {"width": 14336, "block": 1024, "pdl": False},
     )
     assert "div.rn.f32" in code and "div.approx" not in code and "div.full" not in code
     assert approximations(code) <= {"ex2.approx.ftz.f32"}  # inside libdevice's expf, as in CUDA's
 
 
-@pytest.mark.parametrize("with_residual", [False, True])
-def test_rms_norm_compiles_with_fused_multiply_adds_in_torchs_order(with_residual: bool) -> None:
+@pytest.mark.parametrize(("with_residual", "pdl"), [(False, False), (True, False), (True, True)])
+def test_rms_norm_compiles_with_fused_multiply_adds_in_torchs_order(with_residual: bool, pdl: bool) -> None:
     signature = {
         "x_ptr": "*bf16",
         "residual_ptr": "*bf16",
@@ -81,6 +81,7 @@ def test_rms_norm_compiles_with_fused_multiply_adds_in_torchs_order(with_residua
         "rounds": "constexpr",
         "fma": "constexpr",
         "with_residual": "constexpr",
+        "pdl": "constexpr",
     }
     constexprs = {
         "width": 4096,
@@ -89,8 +90,11 @@ def test_rms_norm_compiles_with_fused_multiply_adds_in_torchs_order(with_residua
         "rounds": 8,
         "fma": True,
         "with_residual": with_residual,
+        "pdl": pdl,
     }
     code = ptx("rms_norm_kernel", signature, constexprs)
+    # a programmatic dependent launch: the next kernel may start, this one waits for the one before
+    assert ("griddepcontrol.launch_dependents" in code) == ("griddepcontrol.wait" in code) == pdl
     assert "div.rn.f32" in code and "cvt.rn.bf16.f32" in code
     assert code.count("fma.rn.f32") >= 4096 // 128  # each thread's 32 squares, one rounding each
     # libdevice's rsqrtf, what torch's rsqrt calls (Triton's flushes subnormals: no difference for
@@ -128,6 +132,7 @@ def test_qkv_rope_append_compiles() -> None:
                 "dim",
                 "with_q",
                 "with_kv",
+                "pdl",
             )
         },
     }
@@ -141,12 +146,14 @@ def test_qkv_rope_append_compiles() -> None:
         "with_q": True,
         "with_kv": True,
         "kv_part": 1,
+        "pdl": False,
     }
     code = ptx("qkv_rope_append_kernel", signature, constexprs)
     assert approximations(code) == set()  # libdevice's cosf/sinf, as the RoPE kernel
 
 
-def test_decode_attention_compiles() -> None:
+@pytest.mark.parametrize("pdl", [False, True])
+def test_decode_attention_compiles(pdl: bool) -> None:
     split = {
         "q_ptr": "*bf16",
         "key_cache_ptr": "*bf16",
@@ -158,15 +165,59 @@ def test_decode_attention_compiles() -> None:
         "scale_log2": "fp32",
         **{name: "i32" for name in ("q_row_stride", "q_head_stride", "table_row_stride", "cache_block_stride")},
         **{name: "i32" for name in ("cache_pos_stride", "cache_head_stride")},
-        **{name: "constexpr" for name in ("per_group", "per_group_pow2", "dim", "block_size", "block_n", "splits")},
+        **{
+            name: "constexpr"
+            for name in ("per_group", "per_group_pow2", "dim", "block_size", "block_n", "splits", "pdl")
+        },
     }
-    constexprs = {"per_group": 4, "per_group_pow2": 4, "dim": 128, "block_size": 256, "block_n": 16, "splits": 16}
-    assert "ex2.approx" in ptx("decode_attention_split_kernel", split, constexprs)
+    constexprs = {
+        "per_group": 4,
+        "per_group_pow2": 4,
+        "dim": 128,
+        "block_size": 256,
+        "block_n": 16,
+        "splits": 16,
+        "pdl": pdl,
+    }
+    code = ptx("decode_attention_split_kernel", split, constexprs)
+    assert "ex2.approx" in code
+    assert ("griddepcontrol.wait" in code) == pdl
     combine = {
         "partial_ptr": "*fp32",
         "stats_ptr": "*fp32",
         "out_ptr": "*bf16",
         "dim": "constexpr",
         "splits": "constexpr",
+        "pdl": "constexpr",
     }
-    assert "cvt.rn.bf16.f32" in ptx("decode_attention_combine_kernel", combine, {"dim": 128, "splits": 16})
+    code = ptx("decode_attention_combine_kernel", combine, {"dim": 128, "splits": 16, "pdl": pdl})
+    assert "cvt.rn.bf16.f32" in code
+    assert ("griddepcontrol.wait" in code) == pdl
+
+
+@pytest.mark.parametrize(("rows", "gated", "pdl"), [(1, False, True), (4, False, False), (1, True, False)])
+def test_gemv_compiles(rows: int, gated: bool, pdl: bool) -> None:
+    signature = {
+        "x_ptr": "*bf16",
+        "w_ptr": "*bf16",
+        "out_ptr": "*bf16",
+        "n": "i32",
+        "x_row_stride": "i32",
+        "out_row_stride": "i32",
+        **{name: "constexpr" for name in ("k", "rows", "rows_pow2", "block_n", "block_k", "gated", "pdl", "ahead")},
+    }
+    constexprs = {
+        "k": 4096,
+        "rows": rows,
+        "rows_pow2": rows,
+        "block_n": 2,
+        "block_k": 1024,
+        "gated": gated,
+        "pdl": pdl,
+        "ahead": 1 + pdl,
+    }
+    code = ptx("gemv_kernel", signature, constexprs)
+    assert "ld.global.L1::evict_first" in code  # the weights stream through, read once per step
+    assert ("griddepcontrol.wait" in code) == pdl
+    if gated:  # the SwiGLU epilogue rounds as swiglu_kernel does
+        assert "div.rn.f32" in code and approximations(code) <= {"ex2.approx.ftz.f32"}

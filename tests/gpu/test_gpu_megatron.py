@@ -716,6 +716,7 @@ class TestFusedKernels:
             "qkv": layers,
             "residual_add": 2 * layers - 1,  # block graphs: every add but the last layer's MLP one
             "attention": 0,  # only with "all"
+            "gemv": 0,  # only with "gemv" and "all"
         }
         assert unfused_backend.step_options()["fused_kernels"] == {}
         unfused = tokens(run(unfused_backend, greedy_requests(prompts)))  # same weights, graphs and step settings
@@ -756,6 +757,102 @@ class TestFusedKernels:
                 assert [(step.token_id, step.logprob) for step in steps] == [
                     (step.token_id, step.logprob) for step in reference[key]
                 ], choice
+
+    def test_the_gemv_equals_the_product_within_rounding_and_its_launches_agree(self) -> None:
+        """:func:`fused.gemv` on the 8B model's decode shapes at one row against cuBLAS (within a
+        bf16 rounding of the float64 product, as cuBLAS is); ``gated`` is bitwise the SwiGLU of the
+        plain GEMV; in a CUDA graph with programmatic dependent launches the results are bitwise
+        those of ordinary launches."""
+        generator = torch.Generator(device="cuda").manual_seed(6)
+        hidden = 4096
+        for n, k in ((6144, hidden), (hidden, hidden), (2 * 14336, hidden), (hidden, 14336), (128256, hidden)):
+            weight = (torch.randn(n, k, device="cuda", generator=generator) / 64).to(torch.bfloat16)
+            x = torch.randn(1, 1, k, device="cuda", generator=generator).to(torch.bfloat16)
+            exact = x.double() @ weight.double().T
+            produced, cublas = fused.gemv(x, weight), torch.nn.functional.linear(x, weight)
+            bound = float((cublas.double() - exact).abs().max()) + float(exact.abs().max()) * 2**-8
+            assert float((produced.double() - exact).abs().max()) <= bound, (n, k)
+            gpu.report(
+                "gemv_vs_float64",
+                n=n,
+                k=k,
+                gemv=float((produced.double() - exact).abs().max()),
+                cublas=float((cublas.double() - exact).abs().max()),
+            )
+            if n == 2 * 14336:  # the same tiles (the sums' order depends on them)
+                config = fused.gemv_config(n, k, 1, gated=True)
+                gated = fused.gemv(x, weight, gated=True, config=config)
+                assert torch.equal(gated, fused.swiglu(fused.gemv(x, weight, config=config)))
+        weights = [
+            (torch.randn(n, hidden, device="cuda", generator=generator) / 64).to(torch.bfloat16)
+            for n in (hidden, 2 * hidden, hidden)
+        ]
+        norm = torch.rand(hidden, device="cuda", generator=generator).to(torch.bfloat16) + 0.5
+        start = torch.randn(1, 1, hidden, device="cuda", generator=generator).to(torch.bfloat16)
+
+        def chain(pdl: bool) -> torch.Tensor:
+            normed = fused.rms_norm(start, norm, 1e-5, pdl=pdl)
+            assert isinstance(normed, torch.Tensor)
+            up = fused.gemv(normed, weights[1], gated=True, pdl=pdl)
+            down = fused.gemv(fused.swiglu(fused.gemv(normed, weights[1], pdl=pdl), pdl=pdl), weights[2], pdl=pdl)
+            return fused.gemv(up, weights[0], pdl=pdl) + down
+
+        results = []
+        for pdl in (False, True):
+            chain(pdl)  # compile outside the capture
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                out = chain(pdl)
+            graph.replay()
+            torch.cuda.synchronize()
+            results.append(out.clone())
+        assert torch.equal(results[0], results[1])
+        assert torch.equal(results[0], chain(False))
+
+    @pytest.mark.parametrize("choice", ["gemv", "all"])
+    def test_gemv_agrees_with_the_unfused_model_and_follows_refits(
+        self, unfused_backend: megatron.MegatronBackend, prompts: list[list[int]], choice: str
+    ) -> None:
+        """``gemv``: the linear layers of one-token steps through the Triton GEMV (fc1 with the
+        SwiGLU), every fused kernel a programmatic dependent launch (``all``: the one-request decode
+        attention kernel too). At batch 1 (one token per decode step: the GEMV's and the attention
+        kernel's steps) the greedy tokens agree with the unfused model's up to bf16 near-ties, the
+        log-probabilities within bf16 rounding where they agree, and equal the model's own direct
+        run; the batch-1 decode graph follows a persist refit in place."""
+        loaded = build(name=f"tiny-{choice}", fused_kernels=choice)
+        try:
+            layers = loaded.shape.layers
+            swapped = loaded.step_options()["fused_kernels"]
+            assert swapped["gemv"] == 4 * layers + 1  # qkv, proj, fc1, fc2; the output layer
+            assert swapped["attention"] == (layers if choice == "all" else 0)
+            single = [run(loaded, greedy_requests([prompt], logprobs=2))["0"] for prompt in prompts]
+            produced = [[step.token_id for step in steps] for steps in single]
+            reference = [run(unfused_backend, greedy_requests([prompt], logprobs=2))["0"] for prompt in prompts]
+            agreed = [agreed_prefix(ref, row) for ref, row in zip(reference, produced, strict=True)]
+            gap = max(
+                abs(float(ours.logprob or 0.0) - float(theirs.logprob or 0.0))
+                for ref, steps, count in zip(reference, single, agreed, strict=True)
+                for ours, theirs in zip(steps[:count], ref[:count], strict=True)
+            )
+            gpu.report(f"{choice}_vs_unfused", agreed=agreed, of=gpu.NEW_TOKENS, max_logprob_gap=gap)
+            assert sum(agreed) >= 0.75 * gpu.NEW_TOKENS * len(prompts), agreed
+            assert gap < TIE, gap
+            assert [direct_tokens(loaded, [prompt])["0"] for prompt in prompts] == produced
+
+            def batch_one() -> list[list[int]]:
+                return [tokens(run(loaded, greedy_requests([prompt])))["0"] for prompt in prompts]
+
+            loaded.begin_weight_update("persist")
+            loaded.write_weights(gpu.scaled_reference_weights(seed=1))
+            loaded.finish_weight_update("persist")
+            changed = batch_one()
+            loaded.begin_weight_update("persist")
+            loaded.write_weights(gpu.scaled_reference_weights())
+            loaded.finish_weight_update("persist")
+            assert sum(row != before for row, before in zip(changed, produced, strict=True)) >= 3
+            assert batch_one() == produced
+        finally:
+            loaded.close()
 
     def test_all_kernels_agree_with_the_unfused_model(
         self, unfused_backend: megatron.MegatronBackend, prompts: list[list[int]]

@@ -36,13 +36,17 @@ __all__ = [
 ]
 
 
-FusedChoice = Literal["off", "rope-swiglu", "all", "rope-swiglu-only", "rope-swiglu-norm", "rope-swiglu-norm-qkv"]
+FusedChoice = Literal[
+    "off", "rope-swiglu", "gemv", "all", "rope-swiglu-only", "rope-swiglu-norm", "rope-swiglu-norm-qkv", "gemv-no-pdl"
+]
 """The values of :attr:`EngineOptions.fused_kernels`."""
 
 FUSED_CHOICES: dict[str, fused.FusedKernels | None] = {
     "off": None,
     "rope-swiglu": fused.FusedKernels(),
-    "all": fused.FusedKernels(attention=True),
+    "gemv": fused.FusedKernels(gemv=True, pdl=True),
+    "all": fused.FusedKernels(gemv=True, pdl=True, attention=True),
+    "gemv-no-pdl": fused.FusedKernels(gemv=True),
     "rope-swiglu-only": fused.FusedKernels(rms_norm=False, qkv=False, residual_add=False),
     "rope-swiglu-norm": fused.FusedKernels(qkv=False, residual_add=False),
     "rope-swiglu-norm-qkv": fused.FusedKernels(residual_add=False),
@@ -85,13 +89,23 @@ class EngineOptions:
     result: RoPE and the gated SiLU (one kernel each instead of ~27 and 3 per layer), the RMSNorms
     (one kernel per row adding the squares in torch's CUDA order instead of torch's 6 us kernel), and
     per layer one kernel for the query's copy, RoPE on q and k and the KV-cache append (instead of
-    four), and each residual add in the RMSNorm after it (across layers with block graphs); ``all``
-    also a Triton decode attention for decode steps of up to 8 requests (instead of FlashAttention:
-    within bf16 rounding, not bitwise: greedy tokens may part from megatron's at near-ties); ``off``,
-    megatron's ops.
-    ``rope-swiglu-only``, ``rope-swiglu-norm`` and ``rope-swiglu-norm-qkv`` (the benchmark's steps)
-    leave the later fusions out. Fixed when the model is built; one rank only (:func:`effective_options`);
-    models the kernels do not fit keep megatron's ops (a log line says why)."""
+    four), and each residual add in the RMSNorm after it (across layers with block graphs); ``gemv``
+    also the linear layers of one-token steps (batch-1 decode) through a Triton GEMV instead of
+    cuBLAS (fc1 with the SwiGLU in its kernel, no split-K reductions) with every fused kernel
+    launched as a programmatic dependent launch (the next kernel's weights read while the one
+    before finishes): within bf16 rounding, not bitwise, so greedy tokens may part from megatron's
+    at near-ties; ``all`` also a Triton decode attention for one-request decode steps
+    (instead of FlashAttention; not bitwise either); ``off``, megatron's ops.
+    ``rope-swiglu-only``, ``rope-swiglu-norm``, ``rope-swiglu-norm-qkv`` and ``gemv-no-pdl`` (the
+    benchmark's steps) leave the later fusions out. Fixed when the model is built; one rank only
+    (:func:`effective_options`); models the kernels do not fit keep megatron's ops (a log line says
+    why)."""
+    prefill_graphs: bool = False
+    """Also capture megatron's CUDA graphs for prefill and mixed steps (up to megatron's
+    ``cuda_graph_max_tokens``, 512 tokens: ``use_cuda_graphs_for_non_decode_steps``), so a short
+    prompt's prefill is one graph replay instead of the layers' eager forward (issue 19: the time of
+    a batch-1 generation outside its decode steps). Needs ``cuda_graphs``; more graphs to capture
+    at start."""
     seed: int = 0
     """Seed of megatron's RNG trackers (sampling)."""
     kv_cache_mode: vocabulary.KvCacheMode = "persist"
@@ -279,7 +293,7 @@ def build_engine(model: Any, tokenizer: IdTokenizer, max_sequence_length: int, o
         max_requests=options.max_batch_size,
         max_tokens=max(options.max_step_tokens, max_sequence_length),
         num_cuda_graphs=-1 if options.cuda_graphs else None,
-        use_cuda_graphs_for_non_decode_steps=False,
+        use_cuda_graphs_for_non_decode_steps=options.cuda_graphs and options.prefill_graphs,
         materialize_only_last_token_logits=True,
         kv_cache_management_mode=config_module.KVCacheManagementMode(options.kv_cache_mode),
         sampling_backend="torch",  # replaced by NeMo's filter (.sampling.install), which also computes

@@ -15,15 +15,20 @@ per layer (index, cos, sin, casts, neg, cat, two muls, add, copies, for q and fo
 * :func:`qkv_rope_append` does the query's copy out of the qkv GEMM's output, RoPE on q and k and
   the KV-cache append in one kernel (:func:`_fused_qkv`, :func:`_fused_context_rope`);
 * :func:`decode_attention` (only with :attr:`FusedKernels.attention`) replaces FlashAttention in
-  decode steps of a few requests.
+  one-request decode steps;
+* :func:`gemv` (only with :attr:`FusedKernels.gemv`) replaces megatron's cuBLAS GEMMs in one-token
+  steps (batch-1 decode), fc1 with the SwiGLU in its kernel; with :attr:`FusedKernels.pdl` every
+  kernel here is a programmatic dependent launch (:func:`_pdl`), so the next GEMV's weights stream
+  while the kernel before it drains.
 
 Exactness: :func:`rope_`, :func:`swiglu` and :func:`qkv_rope_append` round to bf16/fp16 where
 megatron's op-by-op version does (after cos/sin, each product, the sum; after silu, after the
 product) and use the same precise float32 functions (libdevice ``cos``/``sin``/``exp``, IEEE
 division); :func:`rms_norm` adds in torch's order with torch's roundings; so their outputs are
 bitwise the unfused ones' (``tests/engine/test_fused_kernels.py`` checks that on the CPU
-interpreter, ``tests/gpu/test_gpu_megatron.py`` on the GPU). :func:`decode_attention` sums in
-another order than FlashAttention: within bf16 rounding, not bitwise.
+interpreter, ``tests/gpu/test_gpu_megatron.py`` on the GPU); dependent launches change no result.
+:func:`decode_attention` and :func:`gemv` sum in another order than FlashAttention and cuBLAS:
+within bf16 rounding, not bitwise.
 
 Who calls: :func:`.build.build_engine` (through :func:`install`) before megatron's engine captures
 its decode CUDA graphs, so the graphs hold these kernels. The modules keep their parameters (the
@@ -41,7 +46,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["INSTALLED", "FusedKernels", "install", "rms_norm", "rope_", "swiglu"]
+__all__ = ["INSTALLED", "FusedKernels", "gemv", "install", "rms_norm", "rope_", "swiglu"]
 
 INSTALLED = "megafleet_fused_kernels"
 """The model attribute :func:`install` sets: how many modules each kernel replaced."""
@@ -70,12 +75,28 @@ class FusedKernels:
     qkv: bool = True
     """The query's copy out of the qkv GEMM's output, its RoPE, the key's RoPE and the KV-cache
     append as one kernel per layer (:func:`qkv_rope_append`; bitwise the ops it replaces)."""
+    gemv: bool = False
+    """The linear layers (qkv, proj, fc1 with the SwiGLU, fc2, the output layer) of steps of at most
+    :data:`GEMV_MAX_ROWS` tokens through :func:`gemv` instead of megatron's cuBLAS GEMM (one tensor
+    parallel rank; not bitwise: another summation order)."""
+    pdl: bool = False
+    """The fused kernels launched as programmatic dependent launches (:func:`_pdl`; bitwise the
+    same results)."""
 
 
 def _kernels() -> Any:
     """The Triton kernels' module, imported on first use (``tests`` reload it to run the kernels
     under ``TRITON_INTERPRET=1``, which Triton reads when a kernel is defined)."""
     return importlib.import_module("megafleet_engine.backends.megatron.triton_kernels")
+
+
+def _pdl(pdl: bool) -> dict[str, bool]:
+    """The launch arguments of a kernel with a ``pdl`` parameter: with ``pdl``, a programmatic
+    dependent launch (Hopper and later; CUDA graphs keep the dependency): the kernel lets the next
+    one start as soon as all of its programs have started, and waits for the one before it before
+    it reads or writes anything (:func:`gemv` reads its first weight tile before), so kernel
+    boundaries overlap instead of draining the GPU (:attr:`FusedKernels.pdl`)."""
+    return {"pdl": True, "launch_pdl": True} if pdl else {}
 
 
 def rope_(t: torch.Tensor, freqs: torch.Tensor, positions: torch.Tensor, mscale: float = 1.0) -> torch.Tensor:
@@ -105,8 +126,9 @@ def rope_(t: torch.Tensor, freqs: torch.Tensor, positions: torch.Tensor, mscale:
     return t
 
 
-def swiglu(x: torch.Tensor) -> torch.Tensor:
-    """``silu(gate) * linear`` of ``x = [..., 2 * width]`` (contiguous), ``gate, linear`` its halves."""
+def swiglu(x: torch.Tensor, pdl: bool = False) -> torch.Tensor:
+    """``silu(gate) * linear`` of ``x = [..., 2 * width]`` (contiguous), ``gate, linear`` its halves
+    (``pdl``: :func:`_pdl`)."""
     if not x.is_contiguous():
         x = x.contiguous()
     width = x.shape[-1] // 2
@@ -114,7 +136,9 @@ def swiglu(x: torch.Tensor) -> torch.Tensor:
     rows = x.numel() // (2 * width) if width else 0
     if rows:
         block = 1024
-        _kernels().swiglu_kernel[(rows, -(-width // block))](x, out, width=width, block=block, enable_fp_fusion=False)
+        _kernels().swiglu_kernel[(rows, -(-width // block))](
+            x, out, width=width, block=block, enable_fp_fusion=False, **_pdl(pdl)
+        )
     return out
 
 
@@ -148,13 +172,14 @@ def rms_norm(
     eps: float,
     residual: torch.Tensor | None = None,
     total: torch.Tensor | None = None,
+    pdl: bool = False,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """``torch.nn.functional.rms_norm(x, (width,), weight, eps)`` over the last dimension, bitwise
     torch's CUDA result where :func:`torch_norm_fits` (the sum of squares in its threads' order,
     :data:`TORCH_NORM_THREADS`; then ``weight * (rstd * x)`` in float32, rounded once).
     With ``residual``: ``s = x + residual`` (rounded to the dtype, as torch's add) is normalised
     and ``(normed, s)`` returned (one kernel for the residual add and the norm); ``s`` is written to
-    ``total`` if given (it may be ``x`` itself: the add in place, as megatron's)."""
+    ``total`` if given (it may be ``x`` itself: the add in place, as megatron's). ``pdl``: :func:`_pdl`."""
     if not x.is_contiguous():
         x = x.contiguous()
     width = x.shape[-1]
@@ -182,6 +207,7 @@ def rms_norm(
             with_residual=residual is not None,
             enable_fp_fusion=False,
             num_warps=4,
+            **_pdl(pdl),
         )
     return (out, total) if residual is not None else out
 
@@ -210,8 +236,9 @@ class FusedRMSNorm(torch.nn.Module):
     :func:`rms_norm` where torch would run its vectorized kernel, torch's own op otherwise; with a
     ``residual`` state, it first completes an add left for it (in the same kernel when it can)."""
 
-    def __init__(self, replaced: torch.nn.RMSNorm, residual: _ResidualState | None = None) -> None:
+    def __init__(self, replaced: torch.nn.RMSNorm, residual: _ResidualState | None = None, pdl: bool = False) -> None:
         super().__init__()
+        self.pdl = pdl
         self.weight = replaced.weight
         self.eps = replaced.eps if replaced.eps is not None else torch.finfo(replaced.weight.dtype).eps
         self.residual = residual
@@ -224,9 +251,9 @@ class FusedRMSNorm(torch.nn.Module):
         if not torch_norm_fits(x, self.weight):
             return torch.nn.functional.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
         if pending is not None:
-            normed, _ = rms_norm(x, self.weight, self.eps, residual=pending[1], total=x)
+            normed, _ = rms_norm(x, self.weight, self.eps, residual=pending[1], total=x, pdl=self.pdl)
             return normed
-        plain = rms_norm(x, self.weight, self.eps)
+        plain = rms_norm(x, self.weight, self.eps, pdl=self.pdl)
         assert isinstance(plain, torch.Tensor)
         return plain
 
@@ -259,20 +286,52 @@ def _defer_residual_add(original: Any, state: _ResidualState) -> Any:
     return bda
 
 
-def _fused_mlp_forward(mlp: Any, original: Any) -> Any:
-    """``MLP.forward`` for a dense gated-SiLU MLP without biases: fc1, :func:`swiglu`, fc2."""
+def _fused_mlp_forward(mlp: Any, original: Any, kernels: FusedKernels) -> Any:
+    """``MLP.forward`` for a dense gated-SiLU MLP without biases: fc1, :func:`swiglu`, fc2; with
+    :attr:`FusedKernels.gemv`, steps of at most :data:`GEMV_MAX_ROWS` tokens run fc1 and the SwiGLU
+    as one :func:`gemv` (``gated``; fc1 is megatron's plain linear on one rank)."""
+    fc1 = mlp.linear_fc1
 
     def forward(hidden_states: torch.Tensor, per_token_scale: torch.Tensor | None = None, **kwargs: Any) -> Any:
         if per_token_scale is not None:
             return original(hidden_states, per_token_scale, **kwargs)
-        intermediate, bias = mlp.linear_fc1(hidden_states)
+        if kernels.gemv and _gemv_takes(hidden_states, fc1.weight) and type(fc1).__name__ == "ColumnParallelLinear":
+            return mlp.linear_fc2(gemv(hidden_states, fc1.weight, gated=True, pdl=kernels.pdl))
+        intermediate, bias = fc1(hidden_states)
         assert bias is None, "install() patches MLPs without biases only"
-        return mlp.linear_fc2(swiglu(intermediate))
+        return mlp.linear_fc2(swiglu(intermediate, pdl=kernels.pdl))
 
     return forward
 
 
-def _fused_context_rope(context: Any, state: _QkvState | None) -> None:
+def _gemv_takes(x: torch.Tensor, weight: torch.Tensor | None) -> bool:
+    """Whether a linear layer's product ``x @ weight.T`` goes to :func:`gemv`: at most
+    :data:`GEMV_MAX_ROWS` rows, nothing that needs a gradient, a layout :func:`gemv_fits`."""
+    width = x.shape[-1] if x.dim() else 0
+    rows = x.numel() // width if width else 0
+    return (
+        weight is not None
+        and 0 < rows <= GEMV_MAX_ROWS
+        and not (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad))
+        and gemv_fits(x, weight)
+    )
+
+
+def _gemv_linear(linear: Any, pdl: bool) -> None:
+    """Route one megatron ``ColumnParallelLinear``/``RowParallelLinear`` (one rank: no
+    communication in its product) to :func:`gemv` for the steps :func:`_gemv_takes`: its
+    ``_forward_impl`` (megatron's ``input @ weight.t()`` (+ bias)); every other call to megatron's."""
+    original = linear._forward_impl
+
+    def forward_impl(input: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, **kwargs: Any) -> Any:
+        if bias is not None or kwargs.get("sequence_parallel") or not _gemv_takes(input, weight):
+            return original(input=input, weight=weight, bias=bias, **kwargs)
+        return gemv(input, weight, pdl=pdl)
+
+    linear._forward_impl = forward_impl
+
+
+def _fused_context_rope(context: Any, state: _QkvState | None, pdl: bool = False) -> None:
     """The dynamic context's ``apply_rotary_emb_query``/``_key`` through :func:`rope_` (in place),
     for every step kind (their positions come from the context's GPU view, as megatron's do); with
     ``state`` (the qkv fold, :func:`_fused_qkv`), the key's RoPE is deferred to the KV append, which
@@ -287,7 +346,7 @@ def _fused_context_rope(context: Any, state: _QkvState | None) -> None:
             return False
         query, state.query = state.query, None
         n = context.padded_active_token_count
-        qkv_rope_append(query, None, emb, context.gpu_view.token_to_pos_ids[:n], emb, rotated_rows, mscale)
+        qkv_rope_append(query, None, emb, context.gpu_view.token_to_pos_ids[:n], emb, rotated_rows, mscale, pdl)
         return True
 
     def query(
@@ -343,6 +402,7 @@ def _fused_context_rope(context: Any, state: _QkvState | None) -> None:
             context.gpu_view.token_to_position_in_request[:n],
             n,
             mscale,
+            pdl,
         )
 
     context.apply_rotary_emb_query = query
@@ -358,6 +418,7 @@ def qkv_rope_append(
     k_positions: torch.Tensor,
     rotated_rows: int,
     mscale: float = 1.0,
+    pdl: bool = False,
 ) -> None:
     """One kernel for what megatron runs as four per layer (the query's reshape copy, RoPE on q,
     RoPE on k, the KV-cache append), bitwise the same results:
@@ -370,7 +431,8 @@ def qkv_rope_append(
       and ``value`` are written to the caches ``[blocks, block_size, kv_heads, dim]`` at
       ``(block_idx[row], local_pos[row])``.
 
-    ``freqs`` ``[positions, 1, 1, dim]`` float32, contiguous; ``cos``/``sin`` scaled by ``mscale``."""
+    ``freqs`` ``[positions, 1, 1, dim]`` float32, contiguous; ``cos``/``sin`` scaled by ``mscale``;
+    ``pdl``: :func:`_pdl`."""
     if query is None and key_value is None:
         return
     kernels = _kernels()
@@ -422,11 +484,116 @@ def qkv_rope_append(
         with_kv=key_value is not None,
         kv_part=parts - 1,
         enable_fp_fusion=False,
+        **_pdl(pdl),
     )
 
 
-DECODE_ATTENTION_MAX_REQUESTS = 8
-"""Decode steps of at most this many requests use :func:`decode_attention` (when installed)."""
+GEMV_MAX_ROWS = 1
+"""Linear layers of at most this many rows (tokens) go through :func:`gemv` (with
+:attr:`FusedKernels.gemv`); more rows stay with megatron's GEMM (cuBLAS)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class GemvConfig:
+    """How :func:`gemv` splits one linear layer: ``block_n`` output columns per program, the weights
+    read ``block_k`` columns at a time, ``ahead`` tiles ahead of the one multiplied, ``warps``
+    warps per program."""
+
+    block_n: int = 4
+    block_k: int = 512
+    warps: int = 4
+    ahead: int = 1
+
+
+GEMV_CONFIGS: dict[tuple[int, int, bool], GemvConfig] = {}
+"""Configs measured on this process's GPU by weight shape and ``gated`` (``bench/gemv_probe.py
+--tune``, which ``bench/engine_megatron.py --tune-gemv`` runs before it builds its models): they
+take precedence over :func:`gemv_config`'s table."""
+
+
+def gemv_config(n: int, k: int, rows: int, gated: bool = False) -> GemvConfig:
+    """The :class:`GemvConfig` for an ``[n, k]`` weight and ``rows`` rows: the fastest of
+    ``bench/gemv_probe.py``'s sweeps at one row on an H200 for each of the Llama-3.1-8B shapes
+    (alone: ``bench/results/gemv-probe-h200-2026-12-02.json``; after a norm with dependent
+    launches, ``--tune``: ``…-tuned.json``, which chose these), by the shape's kind."""
+    if n >= 16 * k:  # an output layer (128256 x 4096: 4.27 TB/s)
+        return GemvConfig(block_n=8, block_k=256, warps=4)
+    if k >= 2 * n:  # fc2 (4096 x 14336: 3.74 TB/s)
+        return GemvConfig(block_n=8, block_k=512, warps=8)
+    if n >= 4 * k:  # fc1 (28672 x 4096: 3.72 TB/s; with its SwiGLU: 3.74 TB/s)
+        return GemvConfig(block_n=2, block_k=512 if gated else 1024, warps=4)
+    if n > k:  # qkv (6144 x 4096: 3.19 TB/s)
+        return GemvConfig(block_n=4, block_k=256, warps=4)
+    return GemvConfig(block_n=8, block_k=512, warps=4, ahead=2)  # proj (4096 x 4096)
+
+
+def gemv(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    *,
+    gated: bool = False,
+    pdl: bool = False,
+    config: GemvConfig | None = None,
+) -> torch.Tensor:
+    """``x @ weight.T`` for a few rows: ``x`` ``[..., k]`` (rows: the leading dimensions' product),
+    ``weight`` ``[n, k]`` contiguous, the same dtype; returns ``[..., n]``. Each output is one
+    float32 sum of the row's products, rounded once to the dtype: not cuBLAS's bits (another
+    summation order), within its rounding. With ``gated``, ``weight`` is a gated MLP's fc1 ``[2m,
+    k]`` and the result ``[..., m]`` is :func:`swiglu` of the product (bitwise :func:`swiglu` of
+    this function's ungated result with the same ``config``: the SwiGLU in the same kernel). One kernel, no split-K
+    reduction: ``n / block_n`` programs each stream ``block_n`` rows of the weight; for decode steps
+    of up to :data:`GEMV_MAX_ROWS` tokens, where a GEMM reads the weights at less than the GPU's
+    bandwidth (issue 19). ``pdl``: :func:`_pdl`."""
+    n, k = weight.shape
+    if not gemv_fits(x, weight) or (gated and n % 2):
+        raise ValueError(f"gemv: x {tuple(x.shape)} {x.dtype} against weight {tuple(weight.shape)} {weight.dtype}")
+    width = n // 2 if gated else n
+    flat = x.reshape(-1, k)
+    rows = flat.shape[0]
+    out = torch.empty((*x.shape[:-1], width), dtype=x.dtype, device=x.device)
+    if rows == 0:
+        return out
+    chosen = config or GEMV_CONFIGS.get((n, k, gated)) or gemv_config(n, k, rows, gated)
+    kernels = _kernels()
+    kernels.gemv_kernel[(-(-width // chosen.block_n),)](
+        flat,
+        weight,
+        out,
+        width,
+        flat.stride(0),
+        width,
+        k=k,
+        rows=rows,
+        rows_pow2=kernels.triton.next_power_of_2(rows),
+        block_n=chosen.block_n,
+        block_k=min(chosen.block_k, kernels.triton.next_power_of_2(k)),
+        gated=gated,
+        pdl=pdl,
+        ahead=chosen.ahead,
+        num_warps=chosen.warps,
+        **({"launch_pdl": True} if pdl else {}),
+    )
+    return out
+
+
+def gemv_fits(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Whether :func:`gemv` takes ``x`` and ``weight``: a 2-D contiguous weight of ``x``'s float
+    dtype, ``x``'s last dimension its width with stride 1, each row's values contiguous."""
+    return (
+        weight.dim() == 2
+        and weight.is_contiguous()
+        and x.dtype == weight.dtype
+        and x.dtype in (torch.bfloat16, torch.float16, torch.float32)
+        and x.shape[-1] == weight.shape[1]
+        and x.stride(-1) == 1
+        and (x.dim() == 1 or x.is_contiguous())
+    )
+
+
+DECODE_ATTENTION_MAX_REQUESTS = 1
+"""Decode steps of at most this many requests use :func:`decode_attention` (when installed): on an
+H200 it took 6.3 us against FlashAttention-4's 8.6 us for one request of 256 keys, but 17 us
+against 8.9 us for 8 requests (``bench/engine_megatron.py --kernel-probe``, 2026-12-02)."""
 DECODE_ATTENTION_SPLITS = 16
 """Splits of each request's keys (one program each per KV head): one query token leaves little
 work per request, so the keys are spread over programs and the splits combined after."""
@@ -441,6 +608,7 @@ def decode_attention(
     scale: float,
     splits: int = DECODE_ATTENTION_SPLITS,
     block_n: int = 16,
+    pdl: bool = False,
 ) -> torch.Tensor:
     """Attention of one query token per request over its paged keys and values (a decode step):
     ``q`` ``[requests, 1, heads, dim]`` (last stride 1), the caches ``[blocks, block_size, kv_heads,
@@ -449,7 +617,7 @@ def decode_attention(
     included); ``softmax(q k^T * scale) v`` per query head, each KV head serving ``heads /
     kv_heads`` consecutive query heads. Returns ``[requests, 1, heads, dim]`` in ``q``'s dtype;
     requests with no keys get zeros. Two kernels: ``splits`` programs per (request, KV head) over
-    shares of the keys, then one per (request, head) combining them."""
+    shares of the keys, then one per (request, head) combining them (``pdl``: :func:`_pdl`)."""
     requests, _, heads, dim = q.shape
     _, block_size, kv_heads, _ = key_cache.shape
     out = torch.empty(requests, 1, heads, dim, dtype=q.dtype, device=q.device)
@@ -482,12 +650,13 @@ def decode_attention(
         block_size=block_size,
         block_n=block_n,
         splits=splits,
+        **_pdl(pdl),
     )
-    kernels.decode_attention_combine_kernel[(requests, heads)](partial, stats, out, dim=dim, splits=splits)
+    kernels.decode_attention_combine_kernel[(requests, heads)](partial, stats, out, dim=dim, splits=splits, **_pdl(pdl))
     return out
 
 
-def _fused_decode_attention(attention: Any) -> None:
+def _fused_decode_attention(attention: Any, pdl: bool = False) -> None:
     """Patch one ``SelfAttention``'s ``flash_decode_and_prefill``: decode-only steps of at most
     :data:`DECODE_ATTENTION_MAX_REQUESTS` requests (one query token each, no attention sink) go to
     :func:`decode_attention`; every other step to megatron's FlashAttention."""
@@ -528,7 +697,7 @@ def _fused_decode_attention(attention: Any) -> None:
             )
             return result
         scale = getattr(attention, "softmax_scale", None) or q.shape[-1] ** -0.5
-        return decode_attention(q, k, v, block_table, seqlens_k, scale)
+        return decode_attention(q, k, v, block_table, seqlens_k, scale, pdl=pdl)
 
     attention.flash_decode_and_prefill = flash_decode_and_prefill
 
@@ -631,17 +800,20 @@ def install(model: Any, context: Any, kernels: FusedKernels) -> dict[str, int]:
     dynamic inference ``context``, then run each once so Triton compiles before megatron captures
     its decode graphs. Returns how many modules each kernel replaced; nothing is swapped (a log line
     says why) for a model these kernels do not fit."""
-    swapped = {"rope": 0, "swiglu": 0, "rms_norm": 0, "qkv": 0, "residual_add": 0, "attention": 0}
+    swapped = {"rope": 0, "swiglu": 0, "rms_norm": 0, "qkv": 0, "residual_add": 0, "attention": 0, "gemv": 0}
+    if kernels.gemv and model.config.tensor_model_parallel_size != 1:
+        log.info("gemv not installed: tensor parallel")
+        kernels = dataclasses.replace(kernels, gemv=False)
     reason = _why_not(model.config)
     if reason:
         log.info("fused kernels not installed: the model does not fit them (%s)", reason)
         return swapped
     if kernels.rope_swiglu:
-        _install_rope_swiglu(model, context, kernels.qkv, swapped)
+        _install_rope_swiglu(model, context, kernels, swapped)
     if kernels.attention:
         if getattr(model.config, "window_size", None) is None:
             for module in _self_attentions(model):
-                _fused_decode_attention(module)
+                _fused_decode_attention(module, kernels.pdl)
                 swapped["attention"] += 1
         else:
             log.info("decode attention not installed: sliding-window attention")
@@ -650,14 +822,26 @@ def install(model: Any, context: Any, kernels: FusedKernels) -> dict[str, int]:
         for parent in list(model.modules()):
             for name, child in list(parent.named_children()):
                 if type(child) is torch.nn.RMSNorm and child.weight is not None:
-                    setattr(parent, name, FusedRMSNorm(child, residual))
+                    setattr(parent, name, FusedRMSNorm(child, residual, kernels.pdl))
                     swapped["rms_norm"] += 1
         if residual is not None:
             swapped["residual_add"] = _install_residual_adds(model, residual, kernels.across_layers)
+    if kernels.gemv:
+        for module in _linears(model):
+            _gemv_linear(module, kernels.pdl)
+            swapped["gemv"] += 1
     _compile(model, kernels, context if swapped["qkv"] else None, context if swapped["attention"] else None)
     setattr(model, INSTALLED, swapped)
     log.info("fused kernels installed: %s", swapped)
     return swapped
+
+
+def _linears(model: Any) -> list[Any]:
+    """``model``'s megatron ``ColumnParallelLinear`` and ``RowParallelLinear`` modules (exactly those
+    classes: their ``_forward_impl`` is the plain product)."""
+    layers = importlib.import_module("megatron.core.tensor_parallel.layers")
+    classes = (layers.ColumnParallelLinear, layers.RowParallelLinear)
+    return [module for module in model.modules() if type(module) in classes]
 
 
 def _self_attentions(model: Any) -> list[Any]:
@@ -666,11 +850,12 @@ def _self_attentions(model: Any) -> list[Any]:
     return [module for module in model.modules() if isinstance(module, attention_class)]
 
 
-def _install_rope_swiglu(model: Any, context: Any, qkv: bool, swapped: dict[str, int]) -> None:
-    """RoPE (with ``qkv``, the qkv fold where it fits) and the gated SiLU, counted into ``swapped``."""
-    reason = _why_not_qkv(model, context) if qkv else "not asked for"
+def _install_rope_swiglu(model: Any, context: Any, kernels: FusedKernels, swapped: dict[str, int]) -> None:
+    """RoPE (with :attr:`FusedKernels.qkv`, the qkv fold where it fits) and the gated SiLU (with
+    :attr:`FusedKernels.gemv`, in fc1's kernel where it takes the step), counted into ``swapped``."""
+    reason = _why_not_qkv(model, context) if kernels.qkv else "not asked for"
     state = _QkvState() if reason is None else None
-    _fused_context_rope(context, state)
+    _fused_context_rope(context, state, kernels.pdl)
     swapped["rope"] = 1
     if state is not None:
         for module in _self_attentions(model):
@@ -681,7 +866,7 @@ def _install_rope_swiglu(model: Any, context: Any, qkv: bool, swapped: dict[str,
     mlp_class = importlib.import_module("megatron.core.transformer.mlp").MLP
     for module in model.modules():
         if type(module) is mlp_class:
-            module.forward = _fused_mlp_forward(module, module.forward)
+            module.forward = _fused_mlp_forward(module, module.forward, kernels)
             swapped["swiglu"] += 1
 
 
@@ -724,7 +909,8 @@ def _compile(model: Any, kernels: FusedKernels, qkv_context: Any = None, attenti
         swiglu(
             torch.zeros(
                 2, 1, 2 * config.ffn_hidden_size // config.tensor_model_parallel_size, device=device, dtype=dtype
-            )
+            ),
+            pdl=kernels.pdl,
         )
     if qkv_context is not None:
         view = qkv_context.gpu_view
@@ -747,6 +933,7 @@ def _compile(model: Any, kernels: FusedKernels, qkv_context: Any = None, attenti
             view.token_to_pos_ids[:2] * 0,
             view.token_to_position_in_request[:2] * 0,
             2,
+            pdl=kernels.pdl,
         )
     if attention_context is not None:
         view = attention_context.gpu_view
@@ -757,10 +944,19 @@ def _compile(model: Any, kernels: FusedKernels, qkv_context: Any = None, attenti
             view.mha_block_table[:1] * 0,
             view.mha_kv_seq_lengths[:1] * 0 + 1,
             1.0,
+            pdl=kernels.pdl,
         )
     if kernels.rms_norm:
         for residual in (None, torch.zeros(2, 1, config.hidden_size, device=device, dtype=dtype)):
             x = torch.zeros(2, 1, config.hidden_size, device=device, dtype=dtype)
-            rms_norm(x, torch.ones(config.hidden_size, device=device, dtype=dtype), 1e-5, residual=residual, total=x)
+            weight = torch.ones(config.hidden_size, device=device, dtype=dtype)
+            rms_norm(x, weight, 1e-5, residual=residual, total=x, pdl=kernels.pdl)
+    if kernels.gemv:
+        weights = {tuple(m.weight.shape): m.weight for m in _linears(model) if getattr(m, "weight", None) is not None}
+        for (n, k), weight in weights.items():  # read only
+            x = torch.zeros(1, 1, k, device=device, dtype=dtype)
+            gemv(x, weight, pdl=kernels.pdl)
+            if n == 2 * config.ffn_hidden_size:  # fc1 with its SwiGLU
+                gemv(x, weight, gated=True, pdl=kernels.pdl)
     if device.type == "cuda":
         torch.cuda.synchronize(device)

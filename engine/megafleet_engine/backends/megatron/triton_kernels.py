@@ -9,10 +9,20 @@ import os
 import triton  # type: ignore[import-untyped]
 import triton.language as tl  # type: ignore[import-untyped]
 from triton.language.extra import libdevice  # type: ignore[import-untyped]
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait  # type: ignore[import-untyped]
 
 PRECISE = tl.constexpr(os.environ.get("TRITON_INTERPRET") != "1")
 """On the GPU: libdevice's precise float32 functions, the ones torch's CUDA kernels call (``tl.exp``
 is approximate there). The CPU interpreter has no libdevice: it runs ``tl``'s (numpy's)."""
+
+
+@triton.jit
+def dependent_launch():
+    """The start of a kernel launched as a programmatic dependent launch that reads or writes
+    nothing before the kernel before it is done: the next kernel may launch (its programs start
+    where this one's leave room), then wait for the kernel before."""
+    gdc_launch_dependents()
+    gdc_wait()
 
 
 @triton.jit
@@ -101,7 +111,9 @@ def rope_kernel(
 
 
 @triton.jit
-def swiglu_kernel(x_ptr, out_ptr, width: tl.constexpr, block: tl.constexpr):
+def swiglu_kernel(x_ptr, out_ptr, width: tl.constexpr, block: tl.constexpr, pdl: tl.constexpr = False):
+    if pdl:
+        dependent_launch()
     row = tl.program_id(0)
     column = tl.program_id(1) * block + tl.arange(0, block)
     mask = column < width
@@ -174,10 +186,13 @@ def rms_norm_kernel(
     rounds: tl.constexpr,
     fma: tl.constexpr,
     with_residual: tl.constexpr,
+    pdl: tl.constexpr = False,
 ):
     """One row: ``out = weight * (rstd * x)``, ``rstd = rsqrt(sum(x**2) / width + eps)`` with the sum in
     torch's order (:func:`torch_sum_of_squares`). With ``with_residual``, ``x`` is first
     ``x + residual`` rounded to ``x``'s dtype (torch's bf16 add), written to ``sum_ptr``."""
+    if pdl:
+        dependent_launch()
     row = tl.program_id(0)
     column = tl.arange(0, width_pow2)
     mask = column < width
@@ -264,6 +279,7 @@ def qkv_rope_append_kernel(
     with_q: tl.constexpr,
     with_kv: tl.constexpr,
     kv_part: tl.constexpr,
+    pdl: tl.constexpr = False,
 ):
     """One token row, one part (``program_id(1)``: the query is part 0, the key and value part
     ``kv_part``, so the two run side by side): (``with_q``) its query heads, read from the qkv
@@ -273,6 +289,8 @@ def qkv_rope_append_kernel(
     ``local_pos[row]``), what megatron's
     ``_append_kv_cache_kernel`` writes. Frequencies ``freqs`` ``[positions, dim]`` float32, rows
     ``q_positions[row]`` and ``k_positions[row]``."""
+    if pdl:
+        dependent_launch()
     row = tl.program_id(0)
     part = tl.program_id(1)
     rotate = row < rotated_rows
@@ -348,11 +366,14 @@ def decode_attention_split_kernel(
     block_size: tl.constexpr,
     block_n: tl.constexpr,
     splits: tl.constexpr,
+    pdl: tl.constexpr = False,
 ):
     """One (request, KV head, split): the split's share of the request's keys (``seqlens[request]``
     of them, paged by ``block_table``), attended by the KV head's ``per_group`` query heads of the
     request's one query token; writes the unnormalised output ``partial`` ``[request, head, split,
     dim]`` (float32) and the running max and sum ``stats`` ``[request, head, split, 2]`` (base 2)."""
+    if pdl:
+        dependent_launch()
     request = tl.program_id(0)
     group = tl.program_id(1)
     split = tl.program_id(2)
@@ -397,9 +418,13 @@ def decode_attention_split_kernel(
 
 
 @triton.jit
-def decode_attention_combine_kernel(partial_ptr, stats_ptr, out_ptr, dim: tl.constexpr, splits: tl.constexpr):
+def decode_attention_combine_kernel(
+    partial_ptr, stats_ptr, out_ptr, dim: tl.constexpr, splits: tl.constexpr, pdl: tl.constexpr = False
+):
     """One (request, query head): the splits' partial outputs weighed by their maxima and sums,
     rounded to ``out``'s dtype (``out`` ``[request, head, dim]``, contiguous)."""
+    if pdl:
+        dependent_launch()
     request = tl.program_id(0)
     head = tl.program_id(1)
     row = request * tl.num_programs(1) + head
@@ -415,3 +440,79 @@ def decode_attention_combine_kernel(partial_ptr, stats_ptr, out_ptr, dim: tl.con
     numerator = tl.reduce(weight[:, None] * partial, 0, add)
     out = numerator / tl.where(denominator > 0, denominator, 1.0)  # no keys: zeros (numerator 0)
     tl.store(out_ptr + row * dim + d, out.to(out_ptr.dtype.element_ty))
+
+
+@triton.jit
+def gemv_kernel(
+    x_ptr,
+    w_ptr,
+    out_ptr,
+    n,
+    x_row_stride,
+    out_row_stride,
+    k: tl.constexpr,
+    rows: tl.constexpr,
+    rows_pow2: tl.constexpr,
+    block_n: tl.constexpr,
+    block_k: tl.constexpr,
+    gated: tl.constexpr,
+    pdl: tl.constexpr,
+    ahead: tl.constexpr = 1,
+):
+    """``out[r, j] = sum_i x[r, i] * w[j, i]`` for the ``rows`` rows of ``x`` and the ``block_n``
+    output columns ``j`` of this program (float32 sums, rounded once), reading ``w`` ``[n, k]`` once,
+    ``ahead`` (1 or 2) ``[block_n, block_k]`` tiles ahead of the one being multiplied. With ``gated``, ``w`` is ``[2n,
+    k]`` (gate rows, then linear rows) and ``out[r, j]`` is :func:`swiglu_kernel`'s value of the
+    two rounded sums ``j`` and ``n + j`` (the program reads both rows). With ``pdl`` (a
+    programmatic dependent launch): the next kernel may start once every program has started, and
+    the first weight tile is read before waiting for the kernel before (nothing this kernel reads
+    or writes but the weights is touched before the wait)."""
+    if pdl:
+        gdc_launch_dependents()
+    program = tl.program_id(0)
+    pieces: tl.constexpr = 2 if gated else 1
+    tile_rows = tl.arange(0, pieces * block_n)
+    inside = program * block_n + tile_rows % block_n < n
+    weight_rows = program * block_n + tile_rows % block_n + (tile_rows // block_n) * n
+    inner = tl.arange(0, block_k)
+    row = tl.arange(0, rows_pow2)
+    tile = w_ptr + weight_rows[:, None].to(tl.int64) * k + inner[None, :]
+    w = tl.load(tile, mask=inside[:, None] & (inner < k)[None, :], other=0.0, eviction_policy="evict_first")
+    if ahead == 2:
+        later = tl.load(
+            tile + block_k,
+            mask=inside[:, None] & (block_k + inner < k)[None, :],
+            other=0.0,
+            eviction_policy="evict_first",
+        )
+    if pdl:
+        gdc_wait()
+    acc = tl.full([rows_pow2, pieces * block_n, block_k], 0.0, tl.float32)
+    for start in range(0, k, block_k):
+        next_start = start + ahead * block_k
+        ahead_mask = inside[:, None] & (next_start + inner < k)[None, :]
+        w_next = tl.load(tile + next_start, mask=ahead_mask, other=0.0, eviction_policy="evict_first")
+        at = start + inner
+        valid = (row < rows)[:, None] & (at < k)[None, :]
+        x = tl.load(x_ptr + row[:, None] * x_row_stride + at[None, :], mask=valid, other=0.0).to(tl.float32)
+        acc += w.to(tl.float32)[None, :, :] * x[:, None, :]
+        if ahead == 2:
+            w = later
+            later = w_next
+        else:
+            w = w_next
+    total = tl.reduce(acc, 2, add)
+    dtype = out_ptr.dtype.element_ty
+    if gated:
+        gate, linear = tl.split(tl.permute(tl.reshape(total, [rows_pow2, 2, block_n]), [0, 2, 1]))
+        g = rounded(gate, dtype).to(tl.float32)
+        silu = rounded(tl.math.div_rn(g, 1.0 + exp(-g)), dtype)
+        result = rounded(silu.to(tl.float32) * rounded(linear, dtype).to(tl.float32), dtype)
+    else:
+        result = rounded(total, dtype)
+    columns = program * block_n + tl.arange(0, block_n)
+    tl.store(
+        out_ptr + row[:, None] * out_row_stride + columns[None, :],
+        result,
+        mask=(row < rows)[:, None] & (columns < n)[None, :],
+    )
