@@ -92,12 +92,10 @@ def frontends_services(fleet: ParsedFleet) -> list[Object]:
 
 
 def _frontends_service(fleet: ParsedFleet, group: int, shards: list[int]) -> Object:
-    metadata = _meta(fleet, names.frontends_service(fleet.name, group), "frontends")
-    metadata["labels"][names.LABEL_FRONTENDS_GROUP] = str(group)
     return {
         "apiVersion": "v1",
         "kind": "Service",
-        "metadata": metadata,
+        "metadata": _meta(fleet, names.frontends_service(fleet.name, group), "frontends"),
         "spec": {
             "type": "ClusterIP",
             "selector": {names.LABEL_FLEET: fleet.name, names.LABEL_COMPONENT: "engine", names.LABEL_POD_INDEX: "0"},

@@ -75,7 +75,7 @@ def test_frontends_services_give_each_shard_a_port_that_only_its_frontend_pod_ca
         names.LABEL_COMPONENT: "engine",
         names.LABEL_POD_INDEX: "0",
     }
-    assert last["metadata"]["labels"][names.LABEL_FRONTENDS_GROUP] == "2"
+    assert last["metadata"]["labels"][names.LABEL_COMPONENT] == "frontends"
     ports = last["spec"]["ports"]
     assert len(ports) == 50
     assert ports[7] == {"name": "shard-207", "protocol": "TCP", "port": 8007, "targetPort": "shard-207"}

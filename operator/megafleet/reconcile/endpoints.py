@@ -94,9 +94,9 @@ async def _services(ctx: context.FleetContext) -> list[v1alpha1.Endpoint]:
         desired.endpoint(fleet, shard, services[_frontend(fleet, shard, legacy)])
         for shard in range(fleet.spec.replicas)
     ]
-    new = {service["metadata"]["name"] for service in missing if service["spec"].get("clusterIP") != "None"}
-    reserved = [f"shard {e.shard}: {e.url}" for e in endpoints if e.service in new]
-    if reserved:  # one Event per reconcile, not one per shard
+    published = {endpoint.get("url") for endpoint in ctx.status.get("endpoints") or []}
+    reserved = [f"shard {e.shard}: {e.url}" for e in endpoints if e.url not in published]
+    if reserved:  # one Event per reconcile, not one per shard: new Services and new shards' ports
         ctx.notify("Normal", "EndpointsReserved", context.summary(reserved))
     names_wanted = {service["metadata"]["name"] for service in wanted}
     for name, service in services.items():  # shards, frontends groups and ranks no longer needed

@@ -141,13 +141,15 @@ def test_a_configmap_left_by_an_earlier_reconcile_is_corrected_by_a_fresh_one() 
     assert api.writes["patch ConfigMap"] == 1
 
 
-def reconciled(api: kube_fakes.Api, replicas: int) -> dict[str, Any]:
+def reconciled(api: kube_fakes.Api, replicas: int, events: list[tuple[str, str, str]] | None = None) -> dict[str, Any]:
     """Set ``spec.replicas`` (as ``kubectl scale`` does), reconcile once, return the fleet."""
     api.objects[("MegatronGeneration", "rl", "tiny")]["spec"]["replicas"] = replicas
     runtime = context.Runtime.of(api, Agents(), settings.OperatorSettings())  # type: ignore[arg-type]
+    notes = events if events is not None else []
 
     async def once() -> dict[str, Any]:
-        await reconcile.reconcile(runtime, await api.get("MegatronGeneration", "tiny", "rl") or {})
+        body = await api.get("MegatronGeneration", "tiny", "rl") or {}
+        await reconcile.reconcile(runtime, body, notify=lambda *event: notes.append(event))
         return await api.get("MegatronGeneration", "tiny", "rl") or {}
 
     return asyncio.run(once())
@@ -164,8 +166,11 @@ def test_scaling_adds_and_removes_shard_ports_and_keeps_every_other_endpoint() -
     assert len({e["url"].split(":")[1] for e in before}) == 1  # one ClusterIP for both shards
 
     api.writes.clear()
-    grown = reconciled(api, 3)["status"]["endpoints"]
+    events: list[tuple[str, str, str]] = []
+    grown = reconciled(api, 3, events)["status"]["endpoints"]
     assert grown[:2] == before and grown[2]["url"] == before[0]["url"].replace(":8000/", ":8002/")
+    reserved = [message for _, reason, message in events if reason == "EndpointsReserved"]
+    assert reserved == [f"shard 2: {grown[2]['url']}"]  # the new shard's port, announced once
     assert api.writes["patch Service"] == 1 and api.writes["create Service"] == 0
     assert [p["name"] for p in services(api)["tiny-f0"]["spec"]["ports"]] == ["shard-0", "shard-1", "shard-2"]
 
