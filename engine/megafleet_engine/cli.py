@@ -141,6 +141,7 @@ def _load_backend(
         kv_buffer_gb=float(settings.kv_cache_gib),
         cuda_graphs=settings.cuda_graphs,
         fused_kernels=settings.fused_kernels,
+        prefill_graphs=settings.prefill_graphs,
         kv_cache_mode=settings.kv_cache_mode,
     )
     return backends.load_backend(

@@ -144,6 +144,15 @@ class Settings:
     cuBLAS (faster at batch 1, not bitwise); ``all`` also small decode steps' attention through a
     Triton kernel instead of FlashAttention (not bitwise)."""
 
+    prefill_graphs: bool = False
+    """``MEGAFLEET_PREFILL_GRAPHS``: ``true`` or ``false``: the megatron backend also captures
+    megatron's CUDA graphs for prefill and mixed steps of up to 512 tokens (see
+    ``EngineOptions.prefill_graphs``; set it through ``spec.engine.env``), so a short prompt's
+    prefill is one graph replay instead of the layers' eager forward. Default ``false``: more graphs
+    to capture at start, and it pays only where the time outside decode steps counts (batch 1:
+    with ``gemv``, 222 tok/s on an H200, issue 19). Does nothing without decode CUDA graphs
+    (``MEGAFLEET_CUDA_GRAPHS``)."""
+
     kv_cache_gib: int = 20
     """``MEGAFLEET_KV_CACHE_GIB``: GPU memory for the paged KV cache of the megatron backend, in GiB.
     Default 20 (an 8B model in bf16 leaves far more on an H200; raise it for long sequences)."""
@@ -225,11 +234,11 @@ def from_env(environ: Mapping[str, str] | None = None) -> Settings:
         kv_cache_mode=reader.choice(
             env.KV_CACHE_MODE, _choices(vocabulary.KvCacheMode, defaults.kv_cache_mode), defaults.kv_cache_mode
         ),  # type: ignore[arg-type]
-        cuda_graphs=reader.choice(env.CUDA_GRAPHS, ("true", "false"), "true" if defaults.cuda_graphs else "false")
-        == "true",
+        cuda_graphs=reader.flag(env.CUDA_GRAPHS, defaults.cuda_graphs),
         fused_kernels=reader.choice(
             env.FUSED_KERNELS, _choices(FusedKernels, defaults.fused_kernels), defaults.fused_kernels
         ),  # type: ignore[arg-type]
+        prefill_graphs=reader.flag(env.PREFILL_GRAPHS, defaults.prefill_graphs),
         kv_cache_gib=reader.integer(env.KV_CACHE_GIB, defaults.kv_cache_gib),
         refit_wait_seconds=reader.integer(env.REFIT_WAIT_SECONDS, defaults.refit_wait_seconds),
         api_servers=reader.integer(env.API_SERVERS, -1) if reader.text(env.API_SERVERS) else None,
@@ -289,6 +298,10 @@ class _Reader:
         if raw not in allowed:
             raise SettingsError(f"{name} must be one of {', '.join(allowed)}, got {raw!r}")
         return raw
+
+    def flag(self, name: str, default: bool) -> bool:
+        """``true`` or ``false``, nothing else (a typo must not silently mean either)."""
+        return self.choice(name, ("true", "false"), "true" if default else "false") == "true"
 
     def secret(self, name: str) -> str | None:
         """A secret value: unset is ``None``; set but blank is an error (an empty Secret key must not

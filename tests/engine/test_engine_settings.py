@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from megafleet_engine import settings
+from megafleet_engine import backends, cli, settings
 
 
 def test_defaults_need_only_the_model_source() -> None:
@@ -50,6 +50,7 @@ def test_every_variable_is_read() -> None:
         "MEGAFLEET_KV_CACHE_MODE": "offload",
         "MEGAFLEET_CUDA_GRAPHS": "false",
         "MEGAFLEET_FUSED_KERNELS": "off",
+        "MEGAFLEET_PREFILL_GRAPHS": "true",
         "MEGAFLEET_KV_CACHE_GIB": "40",
         "MEGAFLEET_API_SERVERS": "3",
     }
@@ -79,6 +80,7 @@ def test_every_variable_is_read() -> None:
         kv_cache_mode="offload",
         cuda_graphs=False,
         fused_kernels="off",
+        prefill_graphs=True,
         kv_cache_gib=40,
         api_servers=3,
     )
@@ -86,6 +88,34 @@ def test_every_variable_is_read() -> None:
     assert read.api_server_count == 3
     # TP 4, PP 2, world 8: frontend ranks are tp_rank 0 of the first pipeline stage only
     assert [rank for rank in range(8) if read.is_frontend_rank(rank)] == [0]
+
+
+@pytest.mark.parametrize(
+    ("extra", "expected"),
+    [
+        ({}, {"cuda_graphs": True, "fused_kernels": "rope-swiglu", "prefill_graphs": False}),
+        (
+            {"MEGAFLEET_FUSED_KERNELS": "gemv", "MEGAFLEET_PREFILL_GRAPHS": "true"},
+            {"cuda_graphs": True, "fused_kernels": "gemv", "prefill_graphs": True},
+        ),
+        (
+            {"MEGAFLEET_CUDA_GRAPHS": "false", "MEGAFLEET_FUSED_KERNELS": "all", "MEGAFLEET_PREFILL_GRAPHS": "false"},
+            {"cuda_graphs": False, "fused_kernels": "all", "prefill_graphs": False},
+        ),
+    ],
+    ids=["defaults", "gemv-prefill", "no-graphs"],
+)
+def test_the_megatron_settings_reach_its_engine_options(
+    monkeypatch: pytest.MonkeyPatch, extra: dict[str, str], expected: dict[str, object]
+) -> None:
+    """What ``spec.engine.env`` sets is what megatron's engine is built with (no GPU: the load is
+    recorded, not run)."""
+    loads: list[dict[str, object]] = []
+    monkeypatch.setattr(backends, "load_backend", lambda *args, **kwargs: loads.append(kwargs))
+    read = settings.from_env({"MEGAFLEET_MODEL_SOURCE": "tiny://llama", "MEGAFLEET_BACKEND": "megatron"} | extra)
+    cli._load_backend(read, 0, 0, device="cpu", deferred=False)
+    options = loads[0]["options"]
+    assert {name: getattr(options, name) for name in expected} == expected
 
 
 def test_frontend_ranks_follow_megatron_order() -> None:
@@ -108,6 +138,7 @@ INVALID = [
     ("MEGAFLEET_LOCAL_GPUS", "-1", "at least 0"),
     ("MEGAFLEET_CUDA_GRAPHS", "yes", "one of true, false"),
     ("MEGAFLEET_FUSED_KERNELS", "triton", "one of rope-swiglu, off, gemv, all"),
+    ("MEGAFLEET_PREFILL_GRAPHS", "on", "one of true, false"),
     ("MEGAFLEET_KV_CACHE_GIB", "0", "at least 1"),
     ("MEGAFLEET_LOCAL_RANKS", "3", "exceeds"),
 ]
