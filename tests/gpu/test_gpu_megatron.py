@@ -34,11 +34,12 @@ import pytest
 import torch
 
 from helpers import fused_reference, gpu
+from megafleet_engine import cli, settings
 from megafleet_engine import engine as engine_module
 from megafleet_engine.backends import base, megatron, weight_maps
 from megafleet_engine.backends.megatron import fused
 from megafleet_engine.models import tiny
-from megafleet_protocol import vocabulary
+from megafleet_protocol import env, vocabulary
 
 TIE = 0.1
 """Log-probability gap of the best two tokens under which two bf16 computations of one greedy step
@@ -588,6 +589,60 @@ class TestStepPaths:
         assert sum(agreed) >= 0.75 * gpu.NEW_TOKENS * len(prompts), agreed
 
         assert_a_persist_refit_is_followed(backend, prompts, produced)
+
+
+class TestPrefillGraphs:
+    """``MEGAFLEET_PREFILL_GRAPHS`` (issue 19), as a pod reads it from ``spec.engine.env``: megatron's
+    CUDA graphs for prefill and mixed steps keep the greedy tokens of a model with decode graphs
+    only."""
+
+    pytestmark = ON_GPU
+
+    def test_the_setting_adds_prefill_graphs_and_keeps_greedy_tokens(
+        self, backend: megatron.MegatronBackend, prompts: list[list[int]]
+    ) -> None:
+        """Read by the engine's settings and built by the CLI's loader, the setting makes megatron
+        capture graphs for steps with prefills (the module's model, built without it, has decode
+        graphs only). With the same weights, the greedy tokens equal the module's model's up to
+        bf16 near-ties: each prompt alone (its prefill one graph replay), all four at once and
+        joining a running batch (mixed steps); and they equal the model's own direct run."""
+        read = settings.from_env(
+            {
+                env.MODEL_SOURCE: gpu.SOURCE,
+                env.BACKEND: "megatron",
+                env.DTYPE: "bfloat16",
+                env.MAX_SEQUENCE_LENGTH: str(gpu.MAX_SEQUENCE_LENGTH),
+                env.MAX_BATCH_SIZE: "8",
+                env.KV_CACHE_GIB: "1",
+                env.PREFILL_GRAPHS: "true",
+            }
+        )
+        loaded = cli._load_backend(read, 0, 0, device="cuda", deferred=False)
+        assert isinstance(loaded, megatron.MegatronBackend)
+        try:
+            loaded.write_weights(gpu.scaled_reference_weights())
+
+            def prefill_graphs(model: megatron.MegatronBackend) -> list[Any]:
+                dimensions = model.engine.context.cuda_graph_batch_dimensions_list
+                return [dims for dims in dimensions if dims.prefill_req_count > 0]
+
+            assert loaded.engine.context.use_cuda_graphs_for_non_decode_steps
+            captured = len(prefill_graphs(loaded))
+            assert captured and not prefill_graphs(backend)
+            reference = [run(backend, greedy_requests([prompt], logprobs=2))["0"] for prompt in prompts]
+            single = [tokens(run(loaded, greedy_requests([prompt])))["0"] for prompt in prompts]
+            batched = tokens(run(loaded, greedy_requests(prompts)))
+            joined, _ = staggered(loaded, greedy_requests(prompts))
+            assert batched == direct_tokens(loaded, prompts)
+        finally:
+            loaded.close()
+        agreed = {
+            path: [agreed_prefix(ref, row) for ref, row in zip(reference, rows, strict=True)]
+            for path, rows in (("single", single), ("batched", list(batched.values())), ("joined", joined))
+        }
+        gpu.report("prefill_graphs_vs_decode_only", agreed=agreed, of=gpu.NEW_TOKENS, prefill_graphs=captured)
+        for path, counts in agreed.items():
+            assert sum(counts) >= 0.75 * gpu.NEW_TOKENS * len(prompts), (path, counts)
 
 
 class TestFusedKernels:
