@@ -44,6 +44,7 @@ from typing import Any
 import httpx
 import yaml
 
+from megafleet import desired, names, planner
 from megafleet.api import crd, v1alpha1
 from megafleet_dev import cluster, kube, nodes, pki, runner, toolchain
 
@@ -96,11 +97,35 @@ def fleet_spec(variant: str) -> dict[str, Any]:
     }
 
 
-def lws_object(name: str, variant: str) -> dict[str, Any]:
-    """The same group as a LeaderWorkerSet: ``replicas`` groups of ``size`` pods of 8 GPUs."""
+def engine_pod_spec(variant: str) -> dict[str, Any]:
+    """The pod spec megafleet renders for the first pod of a ``variant`` shard (its engine container
+    with env, ports, probe, resources and security context, its volumes and tolerations), without
+    what only megafleet needs: the node pinning (LWS leaves placement to the scheduler), the pod's
+    hostname and subdomain, and the agent-token volume (LWS runs no agent). The same pods through
+    both systems: the comparison is of the controllers, not of the pods' sizes."""
+    spec = v1alpha1.MegatronGenerationSpec.model_validate(fleet_spec(variant))
+    fleet = desired.ParsedFleet("g0", "bench", "bench-uid", 1, spec)
+    layout = fleet.layout
+    pods = tuple(planner.PodPlacement(node="any", gpus=layout.gpus_per_pod) for _ in range(layout.pods_per_shard))
+    placement = planner.ShardPlacement(clique=None, pods=pods)
+    pod_spec: dict[str, Any] = desired.shard_pods(fleet, 0, placement)[0]["spec"]
+    for field in ("affinity", "hostname", "subdomain"):
+        pod_spec.pop(field, None)
+    pod_spec["volumes"] = [v for v in pod_spec["volumes"] if v["name"] != names.VOLUME_AGENT_TOKEN]
+    for container in pod_spec["containers"]:
+        container["volumeMounts"] = [m for m in container["volumeMounts"] if m["name"] != names.VOLUME_AGENT_TOKEN]
+    return pod_spec
+
+
+def lws_object(name: str, variant: str, template: str = "engine") -> dict[str, Any]:
+    """The same group as a LeaderWorkerSet: ``replicas`` groups of ``size`` pods of 8 GPUs, each pod
+    megafleet's engine pod (:func:`engine_pod_spec`), or with ``template`` ``minimal`` a pod of one
+    container with only its GPU request (the template of the runs before 2026-12-03)."""
     replicas, size = (8, 1) if variant == "tp8" else (4, 2)
-    pod = {
-        "spec": {
+    if template == "engine":
+        pod_spec = engine_pod_spec(variant)
+    else:
+        pod_spec = {
             "containers": [
                 {
                     "name": "engine",
@@ -111,12 +136,11 @@ def lws_object(name: str, variant: str) -> dict[str, Any]:
             "nodeSelector": {nodes.POOL_LABEL: "h200"},
             "tolerations": [GPU_TOLERATION],
         }
-    }
     return {
         "apiVersion": LWS_API,
         "kind": "LeaderWorkerSet",
         "metadata": {"name": name},
-        "spec": {"replicas": replicas, "leaderWorkerTemplate": {"size": size, "workerTemplate": pod}},
+        "spec": {"replicas": replicas, "leaderWorkerTemplate": {"size": size, "workerTemplate": {"spec": pod_spec}}},
     }
 
 
@@ -453,6 +477,8 @@ class Bench:
         self.webhook_ca = state / "lws-pki" / "ca"
         self.warm_namespace: str | None = None
         self.canaries = 0
+        self.lws_template = "engine"
+        """LWS's pod template (:func:`lws_object`)."""
 
     def start_operator(self, service_bound: int | None = None) -> tuple[subprocess.Popen[bytes] | None, int, int]:
         """The operator watching every namespace; (record, pid, metrics port). ``service_bound``: its
@@ -553,7 +579,7 @@ class Bench:
             self.client.create(path, body)
         else:
             path = lws_path(self.warm_namespace)
-            body = lws_object(name, "tp8")
+            body = lws_object(name, "tp8", self.lws_template)
             body["spec"]["replicas"] = 0
             self.client.create(path, body)
         started = time.monotonic()
@@ -604,7 +630,7 @@ class Bench:
                 }
                 self.client.create(fleets_path(namespace), body)
             else:
-                self.client.create(lws_path(namespace), lws_object(f"g{index}", variant))
+                self.client.create(lws_path(namespace), lws_object(f"g{index}", variant, self.lws_template))
         result: dict[str, Any] = {"system": system, "variant": variant, "groups": groups, "pods": pods}
         if system == "megafleet":
             result["service_creates_in_flight"] = service_bound or int(os.environ.get(SERVICE_BOUND_ENV, "2"))
@@ -766,6 +792,12 @@ def main() -> int:
         default="",
         help="megafleet once per value of its ClusterIP Service creates in flight (default: its default once)",
     )
+    parser.add_argument(
+        "--lws-template",
+        choices=("engine", "minimal"),
+        default="engine",
+        help="LWS's pod: megafleet's engine pod (the same pods through both) or one bare container",
+    )
     parser.add_argument("--keep-audit", type=Path, help="copy the API server's audit log here at the end")
     args = parser.parse_args()
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # run the clean-up below on SIGTERM too
@@ -782,6 +814,7 @@ def main() -> int:
     )
     results: dict[str, Any] = {"benchmark": "controlplane", "machine": machine(), "placed": [], "ready": []}
     results["kube_controller_manager_controllers"] = args.controllers
+    results["lws_pod_template"] = args.lws_template
     with tempfile.TemporaryDirectory() as tmp:
         state = Path(tmp)
         policy, audit_log = state / "audit-policy.yaml", state / "audit.log"
@@ -808,6 +841,7 @@ def main() -> int:
                 for info in v1alpha1.KINDS:
                     client.install_crd(crd.definition(info))
                 bench = Bench(local, client, audit_log, state)
+                bench.lws_template = args.lws_template
                 if "lws" in systems:
                     bench.prepare_lws()
                 for groups in group_counts:  # in the order given: the largest first keeps what matters most

@@ -65,3 +65,20 @@ def test_the_timeline_shows_the_api_servers_clusterip_records_of_the_window_only
     assert allocations["first_s"] == 1.1 and allocations["last_s"] == 2.1
     assert allocations["max_ms"] == 70.0
     assert set(table) == {"operator create services", "apiserver create ipaddresses"}
+
+
+def test_lws_runs_megafleets_engine_pods_without_megafleets_pinning_and_agent() -> None:
+    bench = _bench()
+    for variant, size in (("tp8", 1), ("tp16", 2)):
+        lws = bench.lws_object("g0", variant)["spec"]["leaderWorkerTemplate"]
+        assert lws["size"] == size
+        pod = lws["workerTemplate"]["spec"]
+        container = pod["containers"][0]
+        assert container["command"] == ["megafleet-engine"] and container["readinessProbe"]
+        assert container["resources"]["requests"]["nvidia.com/gpu"] == "8"
+        assert {"MEGAFLEET_TENSOR_PARALLEL", "MEGAFLEET_MODEL_SOURCE"} <= {e["name"] for e in container["env"]}
+        assert "affinity" not in pod and "hostname" not in pod  # placement is the scheduler's
+        assert all("agent" not in volume["name"] for volume in pod["volumes"])
+        assert all("agent" not in mount["name"] for mount in container["volumeMounts"])
+    minimal = bench.lws_object("g0", "tp8", "minimal")["spec"]["leaderWorkerTemplate"]["workerTemplate"]["spec"]
+    assert set(minimal["containers"][0]) == {"name", "image", "resources"}
