@@ -15,7 +15,7 @@ from typing import Any
 from megafleet import agent_client, backoff, desired, kube
 from megafleet import settings as operator_settings
 from megafleet.reconcile import cache as watch_cache
-from megafleet.reconcile import pods
+from megafleet.reconcile import ownership, pods
 
 Object = dict[str, Any]
 Notify = Callable[[str, str, str], None]
@@ -92,6 +92,9 @@ class Runtime:
     issue 18). Taken before the API client's own request slot, so creates waiting here hold none;
     waiters are served in arrival order, so the fleets that asked first get their endpoints, and
     their pods, first."""
+    recent: ownership.Recent = dataclasses.field(default_factory=ownership.Recent)
+    """The fleets' own Secrets and ConfigMaps as last read or written, so a burst of reconciles reads
+    each once (:class:`.ownership.Recent` says how fresh)."""
     observed: dict[tuple[str, str], Observation] = dataclasses.field(default_factory=dict)
     """What the last reconcile of each fleet, keyed by (namespace, name), saw of its pods and agents,
     and whether it left the fleet settled (:mod:`megafleet.reconcile.pacing` compares probes with it)."""

@@ -34,13 +34,16 @@ async def agent_token(ctx: context.FleetContext) -> str:
     the fleet does not own is a :class:`~.ownership.NameConflict`, never read."""
     fleet = ctx.fleet
     name = names.agent_secret(fleet.name)
-    secret = None if fresh(ctx) else await ownership.get(ctx.api, fleet, "Secret", name)
+    recent = ctx.runtime.recent
+    secret = None if fresh(ctx) else await ownership.get(ctx.api, fleet, "Secret", name, recent)
     if secret is None:
-        secret = await ownership.create(ctx.api, fleet, desired.agent_secret(fleet, secrets.token_urlsafe(32)))
+        token = desired.agent_secret(fleet, secrets.token_urlsafe(32))
+        secret = await ownership.create(ctx.api, fleet, token, recent)
     encoded = (secret.get("data") or {}).get(names.AGENT_TOKEN_KEY)
     if not encoded:  # the fleet's Secret, emptied by hand: a new token (agents read it at every call)
         encoded = desired.agent_secret(fleet, secrets.token_urlsafe(32))["data"][names.AGENT_TOKEN_KEY]
-        await ctx.api.patch("Secret", name, fleet.namespace, {"data": {names.AGENT_TOKEN_KEY: encoded}})
+        patched = await ctx.api.patch("Secret", name, fleet.namespace, {"data": {names.AGENT_TOKEN_KEY: encoded}})
+        recent.put({**patched, "kind": "Secret"})
     return base64.b64decode(encoded).decode()
 
 
@@ -126,14 +129,16 @@ def _gone(service: dict[str, Any], fleet: desired.ParsedFleet, wanted: set[str])
 
 async def _configmap(ctx: context.FleetContext, endpoints: list[v1alpha1.Endpoint]) -> None:
     fleet, api = ctx.fleet, ctx.api
-    wanted = desired.endpoints_configmap(fleet, endpoints)
+    wanted, recent = desired.endpoints_configmap(fleet, endpoints), ctx.runtime.recent
     if fresh(ctx):  # what the create finds (made by an earlier reconcile) is compared below
-        current = await ownership.create(api, fleet, wanted)
+        current = await ownership.create(api, fleet, wanted, recent)
     else:
-        found = await ownership.get(api, fleet, "ConfigMap", names.endpoints_configmap(fleet.name))
+        found = await ownership.get(api, fleet, "ConfigMap", names.endpoints_configmap(fleet.name), recent)
         if found is None:
-            await ownership.create(api, fleet, wanted)
+            await ownership.create(api, fleet, wanted, recent)
             return
         current = found
     if current.get("data") != wanted["data"]:
-        await api.patch("ConfigMap", wanted["metadata"]["name"], fleet.namespace, {"data": wanted["data"]})
+        name = wanted["metadata"]["name"]
+        patched = await api.patch("ConfigMap", name, fleet.namespace, {"data": wanted["data"]})
+        recent.put({**patched, "kind": "ConfigMap"})

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import dataclasses
 from pathlib import Path
 from typing import Any
 
@@ -15,9 +16,10 @@ import yaml
 from helpers import kube_fakes
 from megafleet import agent_client, desired, reconcile, settings
 from megafleet.api import v1alpha1
-from megafleet.reconcile import context
+from megafleet.reconcile import context, ownership
 
 ROOT = Path(__file__).resolve().parents[3]
+SPEC = v1alpha1.MegatronGenerationSpec.model_validate({"model": {"source": "tiny://llama"}})
 NODE = {"kind": "Node", "metadata": {"name": "n0", "labels": {}}, "spec": {}, "status": {"allocatable": {}}}
 
 
@@ -105,18 +107,65 @@ class ReadsApart(kube_fakes.Api):
             self.creating = False
 
 
+class Clock:
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
 def test_a_fresh_fleet_creates_its_secret_and_configmap_without_reading_them_first() -> None:
     api = ReadsApart(fleet("tiny", replicas=1), NODE)
-    runtime = context.Runtime.of(api, Agents(), settings.OperatorSettings())  # type: ignore[arg-type]
+    clock = Clock()
+    runtime = dataclasses.replace(
+        context.Runtime.of(api, Agents(), settings.OperatorSettings()),  # type: ignore[arg-type]
+        recent=ownership.Recent(clock=clock),
+    )
 
-    async def twice() -> None:
+    async def reconciles() -> None:
         await reconcile.reconcile(runtime, await api.get("MegatronGeneration", "tiny", "rl") or {})
         assert api.asked["Secret"] == 0 and api.asked["ConfigMap"] == 0
         await reconcile.reconcile(runtime, await api.get("MegatronGeneration", "tiny", "rl") or {})
-        assert api.asked["Secret"] == 1 and api.asked["ConfigMap"] == 1  # published: read, never created again
+        assert api.asked["Secret"] == 0 and api.asked["ConfigMap"] == 0  # what it made is remembered
+        clock.now = ownership.RECENT_SECONDS + 1
+        await reconcile.reconcile(runtime, await api.get("MegatronGeneration", "tiny", "rl") or {})
+        assert api.asked["Secret"] == 1 and api.asked["ConfigMap"] == 1  # then read again, never created again
 
-    asyncio.run(twice())
+    asyncio.run(reconciles())
     assert api.writes["create Secret"] == 1 and api.writes["create ConfigMap"] == 1
+
+
+def test_a_hand_edited_configmap_is_repaired_once_what_was_remembered_of_it_is_too_old() -> None:
+    api = kube_fakes.Api(fleet("tiny", replicas=1), NODE)
+    clock = Clock()
+    runtime = dataclasses.replace(
+        context.Runtime.of(api, Agents(), settings.OperatorSettings()),  # type: ignore[arg-type]
+        recent=ownership.Recent(clock=clock),
+    )
+
+    async def reconciled() -> None:
+        await reconcile.reconcile(runtime, await api.get("MegatronGeneration", "tiny", "rl") or {})
+
+    asyncio.run(reconciled())
+    key = ("ConfigMap", "rl", "tiny-endpoints")
+    published = api.objects[key]["data"]
+    api.objects[key]["data"] = {"endpoints.json": "[]"}  # kubectl edit
+    asyncio.run(reconciled())
+    assert api.objects[key]["data"] == {"endpoints.json": "[]"} and api.writes["patch ConfigMap"] == 0
+    clock.now = ownership.RECENT_SECONDS + 1
+    asyncio.run(reconciled())
+    assert api.objects[key]["data"] == published and api.writes["patch ConfigMap"] == 1
+
+
+def test_what_is_remembered_of_a_deleted_fleets_objects_never_counts_as_a_new_fleets_of_its_name() -> None:
+    recent = ownership.Recent(clock=Clock())
+    old = desired.agent_secret(desired.ParsedFleet("tiny", "rl", "uid-old", 1, SPEC), "b2xk")
+    recent.put(old)
+    api = kube_fakes.Api(fleet("tiny", replicas=1))
+    new = desired.ParsedFleet("tiny", "rl", "uid-tiny", 1, SPEC)
+    assert asyncio.run(ownership.get(api, new, "Secret", "tiny-agent-token", recent)) is None  # type: ignore[arg-type]
+    assert api.reads["get Secret"] == 1
 
 
 def test_a_configmap_left_by_an_earlier_reconcile_is_corrected_by_a_fresh_one() -> None:
