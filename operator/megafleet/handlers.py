@@ -41,15 +41,18 @@ read their intervals at import."""
 _TRIGGERS = SETTINGS.triggers
 
 
+def diffbase_storage() -> persistence.DigestDiffBase:
+    """Where Kopf keeps the last-handled configuration: digests, only for the operator's own kinds."""
+    return persistence.DigestDiffBase(prefix=names.PREFIX, key="last-handled-configuration", group=v1alpha1.GROUP)
+
+
 @kopf.on.startup()
 def configure(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) -> None:
     """``memo.clusterwide`` (set by :mod:`megafleet.operator_main`): the operator watches every namespace."""
     # Kopf's own bookkeeping goes to annotations under our prefix, never into our status contract.
     # Bounded and tolerant of malformed records; see megafleet.persistence (issue 16).
     settings.persistence.progress_storage = persistence.TolerantProgress(prefix=names.PREFIX)
-    settings.persistence.diffbase_storage = persistence.DigestDiffBase(
-        prefix=names.PREFIX, key="last-handled-configuration"
-    )
+    settings.persistence.diffbase_storage = diffbase_storage()
     settings.posting.level = logging.INFO
     # One peering object for the whole cluster, even when this replica watches a few namespaces.
     settings.peering.clusterwide = True

@@ -32,9 +32,21 @@ log = logging.getLogger(__name__)
 
 class DigestDiffBase(kopf.AnnotationsDiffBaseStorage):
     """The last-handled configuration as ``{part: {"sha256": ...}}``: a few hundred bytes whatever the
-    size of the spec, labels or annotations; a change in a part still shows as a change of it."""
+    size of the spec, labels or annotations; a change in a part still shows as a change of it.
+
+    With ``group``, only objects of that API group (the operator's own kinds, the only ones with
+    change handlers and daemons, which alone use the essence) get one: Kopf builds an essence for
+    every event of every watched resource, and for pods, which the operator only indexes and
+    watches, that was a deep copy and a sorted JSON dump of each pod event's spec for nothing
+    (~10 % of the operator's CPU with 1,000 pods starting, issue 18)."""
+
+    def __init__(self, *, prefix: str, key: str, group: str | None = None) -> None:
+        super().__init__(prefix=prefix, key=key)
+        self.group = group
 
     def build(self, *, body: kopf.Body, extra_fields: Iterable[Any] | None = None) -> kopf.BodyEssence:
+        if self.group is not None and not str(body.get("apiVersion", "")).startswith(f"{self.group}/"):
+            return cast(kopf.BodyEssence, {})
         if not extra_fields:  # the essence never holds the status: Kopf need not deep-copy it (issue 18)
             body = _without_status(body)
         essence = super().build(body=body, extra_fields=extra_fields)

@@ -124,3 +124,18 @@ def test_a_poll_ends_by_itself_once_its_object_is_gone() -> None:
     asyncio.run(asyncio.wait_for(handlers.poll(NeverStopped(), 0, step), timeout=5))  # type: ignore[arg-type]
 
     assert calls == [True, True, False]
+
+
+def test_only_the_operators_own_kinds_get_an_essence_a_pod_event_is_not_copied() -> None:
+    """Kopf built an essence of every pod event (a deep copy and a sorted dump of its spec) that only
+    change handlers and daemons read, and pods have neither (issue 18)."""
+    storage = persistence.DigestDiffBase(prefix=names.PREFIX, key="last-handled-configuration", group="megafleet.dev")
+    pod = kopf.Body(
+        cast(
+            kopf.RawBody,
+            {"apiVersion": "v1", "kind": "Pod", "metadata": {"name": "p", "uid": "u"}, "spec": {"x": NotToCopy()}},
+        )
+    )
+    assert storage.build(body=pod) == {}
+    assert storage.build(body=fleet({"replicas": 2}))["spec"]["sha256"]
+    assert handlers.diffbase_storage().group == "megafleet.dev"
