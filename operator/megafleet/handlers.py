@@ -115,7 +115,7 @@ async def megafleet_live_pods(body: kopf.Body, **_: Any) -> dict[Any, Any]:
 
 @kopf.index("v1", "nodes", id=watch_cache.NODES)
 async def megafleet_nodes(body: kopf.Body, **_: Any) -> dict[Any, Any]:
-    return {None: watch_cache.slim_node(body)}
+    return {body["metadata"]["name"]: watch_cache.slim_node(body)}  # by name: a node is looked up in one step
 
 
 @kopf.on.event("v1", "services", labels={names.LABEL_FLEET: kopf.PRESENT})

@@ -129,7 +129,7 @@ class Indexes(dict[str, Any]):
         fleet_pods: dict[Any, list[Object]] = {}
         fleet_services: dict[Any, list[Object]] = {}
         live: list[Object] = []
-        nodes: list[Object] = []
+        nodes: dict[Any, list[Object]] = {}
         for (kind, _, _), obj in sorted(self.api.objects.items()):
             snapshot = copy.deepcopy(obj)
             key = cache.fleet_key(snapshot)
@@ -142,12 +142,12 @@ class Indexes(dict[str, Any]):
             elif kind == "Service" and key is not None:
                 fleet_services.setdefault(key, []).append(snapshot)
             elif kind == "Node":
-                nodes.append(cache.slim_node(snapshot))
+                nodes[snapshot["metadata"]["name"]] = [cache.slim_node(snapshot)]
         found = {
             cache.FLEET_PODS: fleet_pods,
             cache.FLEET_SERVICES: fleet_services,
             cache.LIVE_PODS: {None: live} if live else {},
-            cache.NODES: {None: nodes} if nodes else {},
+            cache.NODES: nodes,
         }
         for name, values in found.items():  # in place: a cache keeps the inner mappings, as Kopf's
             index = self.setdefault(name, {})

@@ -126,11 +126,11 @@ def _time(text: object) -> datetime.datetime | None:
         return None
 
 
-def lost_shards(pods: Iterable[Object], nodes: Iterable[Object], now: datetime.datetime) -> list[LostShard]:
+def lost_shards(pods: Iterable[Object], by_name: Mapping[str, Object], now: datetime.datetime) -> list[LostShard]:
     """The shards of ``pods`` (one fleet's, terminating ones included) with a pod on a lost node,
-    by shard index. A pod bound to no node and pinned to none is on no node yet. No nodes at all is
-    read as an index not filled, never as every node deleted: nothing is lost then."""
-    by_name = {node["metadata"]["name"]: node for node in nodes}
+    by shard index; ``by_name``: the cluster's nodes by name. A pod bound to no node and pinned to
+    none is on no node yet. No nodes at all is read as an index not filled, never as every node
+    deleted: nothing is lost then."""
     if not by_name:
         return []
     members: dict[int, list[Object]] = {}
@@ -172,7 +172,7 @@ def due(cache: watch_cache.Cache | None, fleet: desired.ParsedFleet) -> bool:
     """Whether ``fleet`` has a shard on a lost node now (the pacing probe: a reconcile is due)."""
     if cache is None or not cache.ready:
         return False
-    return bool(lost_shards(_owned_pods(cache, fleet), cache.nodes(), _now()))
+    return bool(lost_shards(_owned_pods(cache, fleet), cache.nodes_by_name(), _now()))
 
 
 def _now() -> datetime.datetime:
@@ -186,7 +186,7 @@ async def release(ctx: context.FleetContext) -> None:
     cache = ctx.runtime.cache
     if cache is None or not cache.ready:
         return
-    for found in lost_shards(_owned_pods(cache, ctx.fleet), cache.nodes(), _now()):
+    for found in lost_shards(_owned_pods(cache, ctx.fleet), cache.nodes_by_name(), _now()):
         first = next(iter(found.lost.values()))
         placed = found.shard in ctx.shards.pods  # not yet counted: not terminating
         ctx.shards.take(found.shard)

@@ -96,14 +96,14 @@ def test_lost_shards_names_the_pods_on_lost_nodes_and_the_others() -> None:
         pod("a-s3-p0", 3, bound="n1", deleting=True),  # evicted, stuck Terminating
         pod("a-s4-p0", 4),  # on no node yet
     ]
-    found = nodes.lost_shards(pods, [node("n0")], NOW)
+    found = nodes.lost_shards(pods, {"n0": node("n0")}, NOW)
     assert [(s.shard, sorted(s.lost), s.others) for s in found] == [
         (1, ["a-s1-p0"], ["a-s1-p1"]),
         (2, ["a-s2-p0"], []),
         (3, ["a-s3-p0"], []),
     ]
-    assert nodes.lost_shards(pods[:1], [node("n0")], NOW) == []
-    assert nodes.lost_shards(pods, [], NOW) == [], "an empty node index is no proof that every node is gone"
+    assert nodes.lost_shards(pods[:1], {"n0": node("n0")}, NOW) == []
+    assert nodes.lost_shards(pods, {}, NOW) == [], "an empty node index is no proof that every node is gone"
 
 
 class Agents:
