@@ -5,17 +5,16 @@ would have decoded, and the decoding goes through msgspec once the module is ins
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
-from collections.abc import AsyncIterator
 from typing import Any
 
 import pytest
 from kopf._cogs.clients import api as kopf_api
-from kopf._cogs.clients import auth, watching
+from kopf._cogs.clients import watching
 from kopf._cogs.configs import configuration
-from kopf._cogs.structs import credentials, references
+from kopf._cogs.structs import references
 
+from helpers.kopf_api import kopf_context
 from megafleet import kopf_json
 
 PODS = references.Resource(group="", version="v1", plural="pods", kind="Pod", namespaced=True)
@@ -49,18 +48,6 @@ class StreamingApi:
 
     async def __aexit__(self, *_: object) -> None:
         self.server.close()
-
-
-@contextlib.asynccontextmanager
-async def kopf_context(server: str) -> AsyncIterator[None]:
-    vault = credentials.Vault()
-    await vault.populate({"test": credentials.ConnectionInfo(server=server)})
-    token = auth.vault_var.set(vault)
-    try:
-        yield
-    finally:
-        auth.vault_var.reset(token)
-        await vault.close()
 
 
 def watched() -> list[Any]:

@@ -10,18 +10,17 @@ namespace deletion lands in a real cluster. Without the fix, the readiness set s
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
-from collections.abc import AsyncIterator, Callable
+from collections.abc import Callable
 from typing import Any
 
 import pytest
 from kopf._cogs.aiokits import aiotoggles
-from kopf._cogs.clients import auth
 from kopf._cogs.configs import configuration
-from kopf._cogs.structs import credentials, references
+from kopf._cogs.structs import references
 from kopf._core.reactor import queueing
 
+from helpers.kopf_api import kopf_context
 from megafleet import kopf_readiness
 
 PODS = references.Resource(group="", version="v1", plural="pods", kind="Pod", namespaced=True)
@@ -64,19 +63,6 @@ class StallingApi:
     async def __aexit__(self, *_: object) -> None:
         assert self.server is not None
         self.server.close()
-
-
-@contextlib.asynccontextmanager
-async def kopf_context(server: str) -> AsyncIterator[None]:
-    """Kopf's credentials for ``server``, as its authentication activity would leave them."""
-    vault = credentials.Vault()
-    await vault.populate({"test": credentials.ConnectionInfo(server=server)})
-    token = auth.vault_var.set(vault)
-    try:
-        yield
-    finally:
-        auth.vault_var.reset(token)
-        await vault.close()
 
 
 def cancelled_watch(listing: dict[str, Any] | None, watcher: Callable[..., Any]) -> aiotoggles.ToggleSet:

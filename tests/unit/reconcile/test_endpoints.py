@@ -115,13 +115,16 @@ class Clock:
         return self.now
 
 
+def remembering(api: kube_fakes.Api, clock: Clock) -> context.Runtime:
+    """A runtime whose memory of the fleets' own objects runs on ``clock``."""
+    runtime = context.Runtime.of(api, Agents(), settings.OperatorSettings())  # type: ignore[arg-type]
+    return dataclasses.replace(runtime, recent=ownership.Recent(clock=clock))
+
+
 def test_a_fresh_fleet_creates_its_secret_and_configmap_without_reading_them_first() -> None:
     api = ReadsApart(fleet("tiny", replicas=1), NODE)
     clock = Clock()
-    runtime = dataclasses.replace(
-        context.Runtime.of(api, Agents(), settings.OperatorSettings()),  # type: ignore[arg-type]
-        recent=ownership.Recent(clock=clock),
-    )
+    runtime = remembering(api, clock)
 
     async def reconciles() -> None:
         await reconcile.reconcile(runtime, await api.get("MegatronGeneration", "tiny", "rl") or {})
@@ -139,10 +142,7 @@ def test_a_fresh_fleet_creates_its_secret_and_configmap_without_reading_them_fir
 def test_a_hand_edited_configmap_is_repaired_once_what_was_remembered_of_it_is_too_old() -> None:
     api = kube_fakes.Api(fleet("tiny", replicas=1), NODE)
     clock = Clock()
-    runtime = dataclasses.replace(
-        context.Runtime.of(api, Agents(), settings.OperatorSettings()),  # type: ignore[arg-type]
-        recent=ownership.Recent(clock=clock),
-    )
+    runtime = remembering(api, clock)
 
     async def reconciled() -> None:
         await reconcile.reconcile(runtime, await api.get("MegatronGeneration", "tiny", "rl") or {})
