@@ -37,8 +37,8 @@ async def agent_token(ctx: context.FleetContext) -> str:
     recent = ctx.runtime.recent
     secret = None if fresh(ctx) else await ownership.get(ctx.api, fleet, "Secret", name, recent)
     if secret is None:
-        token = desired.agent_secret(fleet, secrets.token_urlsafe(32))
-        secret = await ownership.create(ctx.api, fleet, token, recent)
+        new_secret = desired.agent_secret(fleet, secrets.token_urlsafe(32))
+        secret = await ownership.create(ctx.api, fleet, new_secret, recent)
     encoded = (secret.get("data") or {}).get(names.AGENT_TOKEN_KEY)
     if not encoded:  # the fleet's Secret, emptied by hand: a new token (agents read it at every call)
         encoded = desired.agent_secret(fleet, secrets.token_urlsafe(32))["data"][names.AGENT_TOKEN_KEY]
