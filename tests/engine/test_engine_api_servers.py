@@ -1,7 +1,8 @@
 """The engine core and its API-server processes (``MEGAFLEET_API_SERVERS``), as a pod runs them:
 the official client through two API servers sharing one port, per-step outputs, metrics counted in
 the core, no torch in the API servers, and both failure directions (an API server dies: the core
-restarts it; the core dies: the API servers exit and the port stops answering)."""
+restarts it; the core dies: the API servers exit and the port stops answering), and a stop
+(SIGTERM) that answers every connection it accepted."""
 
 from __future__ import annotations
 
@@ -218,3 +219,29 @@ def test_an_api_server_that_keeps_dying_is_given_up_and_the_port_closes(tmp_path
         assert engine.process.poll() is None  # the core (agent, metrics) stays up; readiness fails
     finally:
         engine.close()
+
+
+def test_a_stopping_engine_answers_every_connection_it_accepted(engine: SplitEngine) -> None:
+    """SIGTERM (what the kubelet sends when the pod is deleted) while a stream runs and new requests
+    keep arriving: the stream ends whole, and every new request is answered (served, or 503) or
+    refused at connect (nothing listens any more, so a client tries elsewhere); none is accepted and
+    then left unanswered until the process exits."""
+    http, context, lines = _stream_first_line(engine, 100)
+    frontend = f"http://{engine.addresses['frontend']}"
+    body = {"model": MODEL, "prompt": [1, 2, 3], "max_tokens": 2}
+    outcomes: list[str] = []
+    engine.process.send_signal(signal.SIGTERM)
+    with httpx.Client(timeout=60, limits=httpx.Limits(max_keepalive_connections=0)) as client:
+        while engine.process.poll() is None:
+            try:
+                outcomes.append(str(client.post(f"{frontend}/v1/completions", json=body).status_code))
+            except httpx.ConnectError:
+                outcomes.append("refused")
+            except httpx.TransportError as error:
+                outcomes.append(repr(error))
+    rest = [line for line in lines if line]
+    context.__exit__(None, None, None)
+    http.close()
+    assert rest[-1] == "data: [DONE]" and not any('"error"' in line for line in rest), rest[-3:]
+    assert engine.process.wait(timeout=30) == 0
+    assert outcomes and set(outcomes) <= {"200", "503", "refused"}, sorted(set(outcomes))

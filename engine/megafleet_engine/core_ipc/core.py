@@ -217,19 +217,29 @@ class CoreServer:
         """Start the API servers and run until :meth:`stop`; then stop them (gracefully)."""
         for slot in range(self._count):
             self._spawn(slot)
+        supervise = asyncio.create_task(self._supervise(), name="megafleet-core-supervise")
         tasks = [
             asyncio.create_task(self._receive(), name="megafleet-core-receive"),
             asyncio.create_task(self._announce(), name="megafleet-core-status"),
-            asyncio.create_task(self._supervise(), name="megafleet-core-supervise"),
         ]
         try:
             await self._stopping.wait()
         finally:
-            for task in tasks:
-                task.cancel()
-            await asyncio.gather(*tasks, return_exceptions=True)
-            await asyncio.to_thread(self._stop_processes)
-            self._close()
+            # Stopping: no API server is restarted, and this process lets go of the listening socket,
+            # so once the API servers close theirs a new connection is refused (the client tries
+            # elsewhere) instead of queueing where nobody accepts it. Requests keep reaching the
+            # engine, and their outputs the API servers, until every API server has exited: what they
+            # accepted meanwhile is answered.
+            supervise.cancel()
+            await asyncio.gather(supervise, return_exceptions=True)
+            self._listener.close()
+            try:
+                await asyncio.to_thread(self._stop_processes)
+            finally:
+                for task in tasks:
+                    task.cancel()
+                await asyncio.gather(*tasks, return_exceptions=True)
+                self._close()
 
     def stop(self) -> None:
         """Ask :meth:`serve` to stop the API servers and return (call on the core's event loop)."""
