@@ -470,14 +470,16 @@ def fleets_ready(client: kube.Kube, namespace: str, count: int) -> Callable[[], 
 class Bench:
     """The cluster, its audit log, and how each system's controller is started."""
 
-    def __init__(self, local: cluster.LocalCluster, client: kube.Kube, audit_log: Path, state: Path) -> None:
+    def __init__(
+        self, local: cluster.LocalCluster, client: kube.Kube, audit_log: Path, state: Path, lws_template: str
+    ) -> None:
         self.local, self.client, self.audit_log, self.state = local, client, audit_log, state
         self.lws_dir = toolchain.component_dir(next(c for c in toolchain.COMPONENTS if c.name == "lws"))
         self.webhook_port = cluster.free_port()
         self.webhook_ca = state / "lws-pki" / "ca"
         self.warm_namespace: str | None = None
         self.canaries = 0
-        self.lws_template = "engine"
+        self.lws_template = lws_template
         """LWS's pod template (:func:`lws_object`)."""
 
     def start_operator(self, service_bound: int | None = None) -> tuple[subprocess.Popen[bytes] | None, int, int]:
@@ -840,8 +842,7 @@ def main() -> int:
                 client._http.headers["User-Agent"] = BENCH_AGENT  # its own writes are told apart in the audit log
                 for info in v1alpha1.KINDS:
                     client.install_crd(crd.definition(info))
-                bench = Bench(local, client, audit_log, state)
-                bench.lws_template = args.lws_template
+                bench = Bench(local, client, audit_log, state, args.lws_template)
                 if "lws" in systems:
                     bench.prepare_lws()
                 for groups in group_counts:  # in the order given: the largest first keeps what matters most

@@ -43,7 +43,7 @@ async def agent_token(ctx: context.FleetContext) -> str:
     if not encoded:  # the fleet's Secret, emptied by hand: a new token (agents read it at every call)
         encoded = desired.agent_secret(fleet, secrets.token_urlsafe(32))["data"][names.AGENT_TOKEN_KEY]
         patched = await ctx.api.patch("Secret", name, fleet.namespace, {"data": {names.AGENT_TOKEN_KEY: encoded}})
-        recent.put({**patched, "kind": "Secret"})
+        recent.put("Secret", patched)
     return base64.b64decode(encoded).decode()
 
 
@@ -141,4 +141,4 @@ async def _configmap(ctx: context.FleetContext, endpoints: list[v1alpha1.Endpoin
     if current.get("data") != wanted["data"]:
         name = wanted["metadata"]["name"]
         patched = await api.patch("ConfigMap", name, fleet.namespace, {"data": wanted["data"]})
-        recent.put({**patched, "kind": "ConfigMap"})
+        recent.put("ConfigMap", patched)

@@ -66,15 +66,13 @@ class Recent:
             return None
         return entry[1]
 
-    def put(self, obj: Object) -> None:
+    def put(self, kind: str, obj: Object) -> None:
+        """Remember ``obj`` as a ``kind`` (the API's answers to a typed call may leave the kind out)."""
         metadata = obj["metadata"]
         now = self.clock()
         if len(self._seen) >= self.BOUND:
             self._seen = {key: entry for key, entry in self._seen.items() if now - entry[0] <= self.seconds}
-        self._seen[(obj["kind"], metadata.get("namespace") or "", metadata["name"])] = (now, obj)
-
-    def forget(self, kind: str, namespace: str, name: str) -> None:
-        self._seen.pop((kind, namespace, name), None)
+        self._seen[(kind, metadata.get("namespace") or "", metadata["name"])] = (now, obj)
 
 
 async def get(
@@ -90,7 +88,7 @@ async def get(
     if found is not None and not owned(found, fleet):
         raise NameConflict(kind, name)
     if found is not None and recent is not None:
-        recent.put(_with_kind(found, kind))
+        recent.put(kind, found)
     return found
 
 
@@ -101,10 +99,5 @@ async def create(api: kube.Api, fleet: desired.ParsedFleet, obj: Object, recent:
     if not owned(created, fleet):
         raise NameConflict(obj["kind"], obj["metadata"]["name"])
     if recent is not None:
-        recent.put(_with_kind(created, obj["kind"]))
+        recent.put(obj["kind"], created)
     return created
-
-
-def _with_kind(obj: Object, kind: str) -> Object:
-    """``obj`` with its kind (the API's answers to a typed read may leave it out)."""
-    return obj if obj.get("kind") == kind else {**obj, "kind": kind}

@@ -161,7 +161,7 @@ def test_a_hand_edited_configmap_is_repaired_once_what_was_remembered_of_it_is_t
 def test_what_is_remembered_of_a_deleted_fleets_objects_never_counts_as_a_new_fleets_of_its_name() -> None:
     recent = ownership.Recent(clock=Clock())
     old = desired.agent_secret(desired.ParsedFleet("tiny", "rl", "uid-old", 1, SPEC), "b2xk")
-    recent.put(old)
+    recent.put("Secret", old)
     api = kube_fakes.Api(fleet("tiny", replicas=1))
     new = desired.ParsedFleet("tiny", "rl", "uid-tiny", 1, SPEC)
     assert asyncio.run(ownership.get(api, new, "Secret", "tiny-agent-token", recent)) is None  # type: ignore[arg-type]
