@@ -1,8 +1,11 @@
-"""The only module of the operator that calls the Kubernetes API.
+"""The only module of the operator that calls the Kubernetes API (with :mod:`megafleet.kube_rest`,
+its transport).
 
 Called by :mod:`megafleet.reconcile`. Objects go in and come out as plain JSON dicts (the shapes the
-pure builders in :mod:`megafleet.desired` produce); lightkube does the transport, the kubeconfig or
-in-cluster login, and the typing at the boundary. Every write and read is counted, so tests and the
+pure builders in :mod:`megafleet.desired` produce). The operator's requests go over
+:mod:`megafleet.kube_rest` (aiohttp, with the login lightkube reads from the environment); a
+lightkube client given to :class:`Api` (the SDK's), or a login only lightkube handles (an exec
+plugin), goes through lightkube instead. Every write and read is counted, so tests and the
 control-plane benchmark can check that an idle reconcile writes nothing and a cached one LISTs nothing;
 write observers (:class:`megafleet.reconcile.cache.Cache`) learn of every create and delete.
 """
@@ -11,21 +14,25 @@ from __future__ import annotations
 
 import asyncio
 import collections
-from collections.abc import Callable
+import contextlib
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import lightkube
 from lightkube import codecs
-from lightkube.core.exceptions import ApiError
+from lightkube.core import exceptions as lightkube_errors
 from lightkube.generic_resource import create_namespaced_resource
 from lightkube.resources.core_v1 import ConfigMap, Node, Pod, Secret, Service, ServiceAccount
 from lightkube.resources.scheduling_v1 import PriorityClass
 from lightkube.types import PatchType
 
-from megafleet import metrics, names
+from megafleet import kube_rest, metrics, names
 from megafleet.api import v1alpha1
 
 Object = dict[str, Any]
+ApiError = kube_rest.ApiError
+Selector = kube_rest.Selector
+USER_AGENT = "megafleet-operator"
 
 MegatronGeneration = create_namespaced_resource(
     v1alpha1.GROUP, v1alpha1.VERSION, "MegatronGeneration", "megatrongenerations"
@@ -50,13 +57,78 @@ WriteObserver = Callable[[str, str, str | None, str, Object | None], None]
 """Told of every successful create or delete: (verb, kind, namespace, name, the created object or None)."""
 
 
+class _Lightkube:
+    """The transport through a lightkube client (the SDK's, or a login only lightkube handles):
+    the same operations as :class:`megafleet.kube_rest.RestTransport`, its errors as :class:`ApiError`."""
+
+    def __init__(self, client: lightkube.AsyncClient) -> None:
+        self._client = client
+
+    async def close(self) -> None:
+        await self._client.close()
+
+    async def get(self, kind: str, name: str, namespace: str | None) -> Object:
+        with _translated():
+            return _plain(await self._client.get(KINDS[kind], name, namespace=namespace))
+
+    async def list(
+        self, kind: str, namespace: str | None, *, labels: Selector | None = None, fields: Selector | None = None
+    ) -> list[Object]:
+        resource = KINDS[kind]
+        with _translated():
+            if resource is Node:
+                listing = self._client.list(Node, labels=labels, fields=fields)
+            else:
+                scope = namespace if namespace is not None else lightkube.ALL_NS
+                listing = self._client.list(resource, namespace=scope, labels=labels, fields=fields)
+            return [_plain(item) async for item in listing]
+
+    async def create(self, obj: Object) -> Object:
+        with _translated():
+            return _plain(await self._client.create(codecs.from_dict(obj)))
+
+    async def delete(self, kind: str, name: str, namespace: str | None, grace_seconds: int | None) -> None:
+        with _translated():
+            await self._client.delete(KINDS[kind], name, namespace=namespace, grace_period=grace_seconds)
+
+    async def patch(
+        self, kind: str, name: str, namespace: str | None, patch: Object, *, subresource: str | None = None
+    ) -> Object:
+        resource = KINDS[kind].Status if subresource == "status" else KINDS[kind]
+        with _translated():
+            patched = await self._client.patch(resource, name, patch, namespace=namespace, patch_type=PatchType.MERGE)
+        return _plain(patched)
+
+
+@contextlib.contextmanager
+def _translated() -> Iterator[None]:
+    try:
+        yield
+    except lightkube_errors.ApiError as error:
+        status = error.status
+        raise ApiError(int(status.code or 0), status.reason or "", status.message or "") from error
+
+
+Transport = kube_rest.RestTransport | _Lightkube
+
+
 class Api:
     """Async access to the API server, with a per-verb count of writes and reads."""
 
-    def __init__(self, client: lightkube.AsyncClient | None = None, *, concurrency: int = 32) -> None:
-        """``concurrency``: requests in flight at once; more wait here, not in the HTTP client's
-        connection pool (whose wait times out: reconciles create a fleet's objects together)."""
-        self._client = client or lightkube.AsyncClient(field_manager=names.FIELD_MANAGER)
+    def __init__(
+        self, client: lightkube.AsyncClient | kube_rest.RestTransport | None = None, *, concurrency: int = 32
+    ) -> None:
+        """``client``: a lightkube client or a REST transport to go through (else the operator's own
+        transport, with the environment's login). ``concurrency``: requests in flight at once; more
+        wait here, not in the HTTP client's connection pool (whose wait times out: reconciles create
+        a fleet's objects together)."""
+        if client is None:
+            client = kube_rest.from_environment(
+                field_manager=names.FIELD_MANAGER, user_agent=USER_AGENT, connections=concurrency
+            )
+        if client is None:  # a login only lightkube handles
+            client = lightkube.AsyncClient(field_manager=names.FIELD_MANAGER)
+        self._transport: Transport = client if isinstance(client, kube_rest.RestTransport) else _Lightkube(client)
         self._slots = asyncio.Semaphore(concurrency)
         self.writes: collections.Counter[str] = collections.Counter()
         self.reads: collections.Counter[str] = collections.Counter()
@@ -75,54 +147,49 @@ class Api:
             observer(verb, kind, namespace, name, obj)
 
     async def close(self) -> None:
-        await self._client.close()
+        await self._transport.close()
 
     async def get(self, kind: str, name: str, namespace: str | None = None) -> Object | None:
         self._count_read("get", kind)
         try:
             async with self._slots:
-                found = await self._client.get(KINDS[kind], name, namespace=namespace)
+                return await self._transport.get(kind, name, namespace)
         except ApiError as error:
-            if error.status.code == 404:
+            if error.code == 404:
                 return None
             raise
-        return _plain(found)
 
     async def list(
         self,
         kind: str,
         *,
         namespace: str | None = None,
-        labels: dict[str, Any] | None = None,
-        fields: dict[str, Any] | None = None,
+        labels: Selector | None = None,
+        fields: Selector | None = None,
     ) -> list[Object]:
+        """Every object of ``kind`` in ``namespace`` (None: every namespace), filtered by the
+        ``labels`` and ``fields`` selectors (lightkube's notation: a value, or an operator of
+        ``lightkube.operators``)."""
         self._count_read("list", kind)
-        namespace_arg = namespace if namespace is not None else lightkube.ALL_NS
-        if KINDS[kind] is Node:
-            listing = self._client.list(Node, labels=labels, fields=fields)
-        else:
-            listing = self._client.list(KINDS[kind], namespace=namespace_arg, labels=labels, fields=fields)
         async with self._slots:
-            return [_plain(item) async for item in listing]
+            return await self._transport.list(kind, namespace, labels=labels, fields=fields)
 
     async def create(self, obj: Object) -> Object:
         """Create ``obj``; an object that already exists is returned as it is (idempotent)."""
-        self._count("create", obj["kind"])
+        kind, metadata = obj["kind"], obj["metadata"]
+        self._count("create", kind)
         try:
             async with self._slots:
-                created = await self._client.create(codecs.from_dict(obj))
+                created = await self._transport.create(obj)
         except ApiError as error:
-            if error.status.code == 409:
-                existing = await self.get(obj["kind"], obj["metadata"]["name"], obj["metadata"].get("namespace"))
+            if error.code == 409:
+                existing = await self.get(kind, metadata["name"], metadata.get("namespace"))
                 if existing is not None:
-                    self._tell(
-                        "create", obj["kind"], obj["metadata"].get("namespace"), obj["metadata"]["name"], existing
-                    )
+                    self._tell("create", kind, metadata.get("namespace"), metadata["name"], existing)
                     return existing
             raise
-        plain = _plain(created)
-        self._tell("create", obj["kind"], obj["metadata"].get("namespace"), obj["metadata"]["name"], plain)
-        return plain
+        self._tell("create", kind, metadata.get("namespace"), metadata["name"], created)
+        return created
 
     async def delete(
         self, kind: str, name: str, namespace: str | None = None, *, grace_seconds: int | None = None
@@ -132,27 +199,23 @@ class Api:
         self._count("delete", kind)
         try:
             async with self._slots:
-                await self._client.delete(KINDS[kind], name, namespace=namespace, grace_period=grace_seconds)
+                await self._transport.delete(kind, name, namespace, grace_seconds)
         except ApiError as error:
-            if error.status.code != 404:
+            if error.code != 404:
                 raise
         self._tell("delete", kind, namespace, name, None)
 
     async def patch(self, kind: str, name: str, namespace: str | None, patch: Object) -> Object:
+        """Merge-patch the object (lists are replaced whole); the object as patched."""
         self._count("patch", kind)
         async with self._slots:
-            patched = await self._client.patch(
-                KINDS[kind], name, patch, namespace=namespace, patch_type=PatchType.MERGE
-            )
-        return _plain(patched)
+            return await self._transport.patch(kind, name, namespace, patch)
 
     async def patch_status(self, kind: str, name: str, namespace: str, status: Object) -> None:
         """Merge-patch the status subresource (lists such as conditions are replaced whole)."""
         self._count("status", kind)
         async with self._slots:
-            await self._client.patch(
-                KINDS[kind].Status, name, {"status": status}, namespace=namespace, patch_type=PatchType.MERGE
-            )
+            await self._transport.patch(kind, name, namespace, {"status": status}, subresource="status")
 
 
 def _plain(obj: Any) -> Object:

@@ -1,0 +1,274 @@
+"""The operator's transport to the API server: its REST paths over one aiohttp session.
+
+Used by :class:`megafleet.kube.Api` (nothing else calls it). The login is the one lightkube reads
+from the environment (the pod's service account, else ``$KUBECONFIG`` or ``~/.kube/config``): the
+cluster's address and CA, a client certificate, a bearer token or token file (read again every
+minute and on a 401, as the kubelet rotates it), or a user name and password. A kubeconfig whose
+user logs in through an exec plugin or an auth provider is not handled here
+(:func:`from_environment` returns None and :class:`~megafleet.kube.Api` uses lightkube instead).
+
+Why not lightkube for everything: at a thousand pods the operator makes a few thousand requests
+in a burst, and lightkube over httpx spent 0.8-1.0 ms of the operator's CPU on each against
+0.2-0.3 ms here (the same requests to the same API server; ``bench/README.md``, "sixth session"),
+on a machine where that CPU is the API server's too. aiohttp is Kopf's own HTTP client, so this
+adds no dependency.
+"""
+
+from __future__ import annotations
+
+import base64
+import dataclasses
+import ssl
+import time
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import msgspec
+from lightkube.config import client_adapter
+from lightkube.config.kubeconfig import KubeConfig, SingleConfig
+from lightkube.config.models import User
+from lightkube.core import exceptions as lightkube_errors
+from lightkube.core.selector import build_selector
+
+from megafleet.api import v1alpha1
+
+__all__ = ["RESOURCES", "ApiError", "Resource", "RestTransport", "Selector", "from_config", "from_environment"]
+
+Object = dict[str, Any]
+Selector = dict[str, Any]
+"""Labels or fields to select by, in lightkube's notation: a value, or an operator of ``lightkube.operators``."""
+
+TOKEN_REREAD_SECONDS = 60.0
+"""A token file is read again this often (and at once on a 401): projected service-account tokens
+are rotated by the kubelet."""
+PAGE_SIZE = 500
+"""Objects per page of a LIST (``limit``/``continue``)."""
+TIMEOUT = aiohttp.ClientTimeout(total=120, sock_connect=10, sock_read=60)
+
+
+class ApiError(Exception):
+    """The API server answered a request with an error status."""
+
+    def __init__(self, code: int, reason: str, message: str) -> None:
+        super().__init__(message or reason or f"HTTP {code}")
+        self.code, self.reason, self.message = code, reason, message
+
+
+@dataclasses.dataclass(frozen=True)
+class Resource:
+    """Where the objects of one kind live in the API."""
+
+    group: str  # "" for the core group
+    version: str
+    plural: str
+    namespaced: bool
+
+    def path(self, namespace: str | None = None, name: str | None = None, subresource: str | None = None) -> str:
+        """The collection's path (``name`` None), or the object's, or its subresource's."""
+        parts = ["/api/v1" if not self.group else f"/apis/{self.group}/{self.version}"]
+        if self.namespaced and namespace is not None:
+            parts.append(f"namespaces/{namespace}")
+        parts.append(self.plural)
+        if name is not None:
+            parts.append(name)
+            if subresource is not None:
+                parts.append(subresource)
+        return "/".join(parts)
+
+
+RESOURCES: dict[str, Resource] = {
+    "Pod": Resource("", "v1", "pods", True),
+    "Service": Resource("", "v1", "services", True),
+    "ConfigMap": Resource("", "v1", "configmaps", True),
+    "Secret": Resource("", "v1", "secrets", True),
+    "ServiceAccount": Resource("", "v1", "serviceaccounts", True),
+    "Node": Resource("", "v1", "nodes", False),
+    "PriorityClass": Resource("scheduling.k8s.io", "v1", "priorityclasses", False),
+    "MegatronGeneration": Resource(v1alpha1.GROUP, v1alpha1.VERSION, "megatrongenerations", True),
+    "Refit": Resource(v1alpha1.GROUP, v1alpha1.VERSION, "refits", True),
+    "RefitSession": Resource(v1alpha1.GROUP, v1alpha1.VERSION, "refitsessions", True),
+}
+
+
+class _Credentials:
+    """The ``Authorization`` header of the login, a token file's read again when due."""
+
+    def __init__(self, user: User) -> None:
+        self._token_file = user.token_file
+        self._fixed: str | None = None
+        if user.token is not None:
+            self._fixed = f"Bearer {user.token}"
+        elif user.username and user.password:
+            pair = base64.b64encode(f"{user.username}:{user.password}".encode()).decode()
+            self._fixed = f"Basic {pair}"
+        self._read: tuple[float, str] | None = None
+
+    def header(self) -> str | None:
+        if self._token_file is None:
+            return self._fixed
+        if self._read is None or time.monotonic() - self._read[0] > TOKEN_REREAD_SECONDS:
+            self.refresh()
+        return self._read[1] if self._read is not None else None
+
+    def refresh(self) -> bool:
+        """Read the token file again; True when there is one (a 401 is then retried once)."""
+        if self._token_file is None:
+            return False
+        self._read = (time.monotonic(), f"Bearer {Path(self._token_file).read_text().strip()}")
+        return True
+
+
+class RestTransport:
+    """Requests to one API server (see the module docstring); the session is made on first use, on
+    the running event loop."""
+
+    def __init__(
+        self,
+        server: str,
+        *,
+        ssl_context: ssl.SSLContext | None,
+        credentials: _Credentials,
+        field_manager: str,
+        user_agent: str,
+        connections: int,
+    ) -> None:
+        self._server = server.rstrip("/")
+        self._ssl = ssl_context
+        self._credentials = credentials
+        self._field_manager = field_manager
+        self._user_agent = user_agent
+        self._connections = connections
+        self._session: aiohttp.ClientSession | None = None
+
+    async def close(self) -> None:
+        if self._session is not None:
+            await self._session.close()
+            self._session = None
+
+    async def request(
+        self,
+        method: str,
+        path: str,
+        *,
+        params: Mapping[str, str] | None = None,
+        body: Object | None = None,
+        content_type: str = "application/json",
+    ) -> Any:
+        """The decoded answer to one request; :class:`ApiError` for an error status."""
+        if self._session is None:
+            connector = aiohttp.TCPConnector(limit=self._connections, ssl=self._ssl if self._ssl is not None else False)
+            self._session = aiohttp.ClientSession(connector=connector, timeout=TIMEOUT, trust_env=True)
+        data = msgspec.json.encode(body) if body is not None else None
+        for attempt in (1, 2):
+            headers = {"User-Agent": self._user_agent, "Accept": "application/json"}
+            if data is not None:
+                headers["Content-Type"] = content_type
+            authorization = self._credentials.header()
+            if authorization is not None:
+                headers["Authorization"] = authorization
+            async with self._session.request(
+                method, self._server + path, params=params, data=data, headers=headers
+            ) as response:
+                content = await response.read()
+                if response.status == 401 and attempt == 1 and self._credentials.refresh():
+                    continue
+                if response.status >= 400:
+                    raise _error(response.status, content)
+                return msgspec.json.decode(content) if content else None
+        raise AssertionError("unreachable")  # pragma: no cover
+
+    async def get(self, kind: str, name: str, namespace: str | None) -> Object:
+        found: Object = await self.request("GET", RESOURCES[kind].path(namespace, name))
+        return found
+
+    async def list(
+        self, kind: str, namespace: str | None, *, labels: Selector | None = None, fields: Selector | None = None
+    ) -> list[Object]:
+        """Every object of ``kind`` (in ``namespace``, or all namespaces with None) that the selectors
+        choose, page by page."""
+        items: list[Object] = []
+        params: dict[str, str] = {"limit": str(PAGE_SIZE)}
+        if labels:
+            params["labelSelector"] = build_selector(labels)
+        if fields:
+            params["fieldSelector"] = build_selector(fields, for_fields=True)
+        resource = RESOURCES[kind]
+        while True:
+            page = await self.request("GET", resource.path(namespace), params=params)
+            for item in page.get("items") or []:  # a list's items carry neither kind nor apiVersion
+                item.setdefault("kind", kind)
+                item.setdefault("apiVersion", page.get("apiVersion", "v1"))
+                items.append(item)
+            token = (page.get("metadata") or {}).get("continue")
+            if not token:
+                return items
+            params["continue"] = token
+
+    async def create(self, obj: Object) -> Object:
+        metadata = obj["metadata"]
+        path = RESOURCES[obj["kind"]].path(metadata.get("namespace"))
+        created: Object = await self.request("POST", path, params={"fieldManager": self._field_manager}, body=obj)
+        return created
+
+    async def delete(self, kind: str, name: str, namespace: str | None, grace_seconds: int | None) -> None:
+        params = {"gracePeriodSeconds": str(grace_seconds)} if grace_seconds is not None else None
+        await self.request("DELETE", RESOURCES[kind].path(namespace, name), params=params)
+
+    async def patch(
+        self, kind: str, name: str, namespace: str | None, patch: Object, *, subresource: str | None = None
+    ) -> Object:
+        """A JSON merge patch (lists are replaced whole) of the object or its ``subresource``."""
+        patched: Object = await self.request(
+            "PATCH",
+            RESOURCES[kind].path(namespace, name, subresource),
+            params={"fieldManager": self._field_manager},
+            body=patch,
+            content_type="application/merge-patch+json",
+        )
+        return patched
+
+
+def _error(status: int, content: bytes) -> ApiError:
+    try:
+        body = msgspec.json.decode(content) if content else {}
+    except msgspec.DecodeError:
+        body = {}
+    if not isinstance(body, dict):
+        body = {}
+    return ApiError(
+        status, str(body.get("reason") or ""), str(body.get("message") or content[:200].decode(errors="replace"))
+    )
+
+
+def from_config(config: SingleConfig, *, field_manager: str, user_agent: str, connections: int) -> RestTransport | None:
+    """The transport for ``config``'s cluster and user; None for a login it does not handle (an exec
+    plugin or an auth provider)."""
+    user = config.user or User()
+    if user.exec is not None or user.auth_provider is not None:
+        return None
+    server = config.cluster.server
+    ssl_context = (
+        client_adapter.verify_cluster(config.cluster, user, config.abs_file) if server.startswith("https") else None
+    )
+    return RestTransport(
+        server,
+        ssl_context=ssl_context,
+        credentials=_Credentials(user),
+        field_manager=field_manager,
+        user_agent=user_agent,
+        connections=connections,
+    )
+
+
+def from_environment(*, field_manager: str, user_agent: str, connections: int) -> RestTransport | None:
+    """:func:`from_config` for the login lightkube finds (service account, ``$KUBECONFIG``,
+    ``~/.kube/config``); None when it finds none, or one handled only by lightkube."""
+    try:
+        config = KubeConfig.from_env().get()
+    except lightkube_errors.ConfigError:
+        return None
+    if config is None:
+        return None
+    return from_config(config, field_manager=field_manager, user_agent=user_agent, connections=connections)
