@@ -40,7 +40,9 @@ def api_for(kubeconfig: Path, transport: str) -> operator_kube.Api:
     config = KubeConfig.from_file(kubeconfig)
     if transport == "lightkube":
         return operator_kube.Api(lightkube.AsyncClient(config=config, field_manager=names.FIELD_MANAGER))
-    rest = kube_rest.from_config(config.get(), field_manager=names.FIELD_MANAGER, user_agent="test", connections=4)
+    single = config.get()
+    assert single is not None
+    rest = kube_rest.from_config(single, field_manager=names.FIELD_MANAGER, user_agent="test", connections=4)
     assert rest is not None
     return operator_kube.Api(rest)
 
@@ -155,4 +157,5 @@ def test_an_exec_login_is_left_to_lightkube(tmp_path: Path) -> None:
     path = tmp_path / "kubeconfig"
     path.write_text(json.dumps(config))
     single = KubeConfig.from_file(path).get()
+    assert single is not None
     assert kube_rest.from_config(single, field_manager="m", user_agent="u", connections=1) is None
