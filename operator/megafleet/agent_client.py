@@ -5,7 +5,9 @@ orchestration (:mod:`megafleet.refit_driver`) and by the RefitSession driver
 (:mod:`megafleet.session_driver`: join a trainer's world, leave it). Requests and responses are the models of
 :mod:`megafleet_protocol.agent_api`, which the agent itself validates with. Every call carries the
 fleet's bearer token; a pod whose agent does not answer within the timeout (or answers something
-malformed) is reported as unreachable, never as an exception.
+malformed) is reported as unreachable, never as an exception. The calls go over aiohttp (Kopf's
+own HTTP client): a starting fleet of a thousand pods is probed thousands of times a minute, and
+httpx spent several times the CPU on each call (``bench/README.md``, "sixth session").
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ import dataclasses
 import logging
 from typing import Any, Literal
 
-import httpx
+import aiohttp
 import pydantic
 
 from megafleet import metrics
@@ -35,33 +37,62 @@ class AgentState:
     error: str | None = None
 
 
+Unreachable = (aiohttp.ClientError, asyncio.TimeoutError)
+"""What a call to an agent that cannot be reached (or that does not answer in time) raises."""
+
+
+@dataclasses.dataclass(frozen=True)
+class _Answer:
+    status_code: int
+    content: bytes
+
+    @property
+    def text(self) -> str:
+        return self.content.decode(errors="replace")
+
+
 class AgentClient:
-    """One HTTP client for all agents of all fleets."""
+    """One HTTP client for all agents of all fleets (its session is made on first use, on the
+    running event loop)."""
 
     def __init__(self, *, port: int = ports.AGENT_PORT, timeout_seconds: float) -> None:
         self.port = port
         self.timeout_seconds = timeout_seconds
-        self._http = httpx.AsyncClient(timeout=timeout_seconds)
+        self._session: aiohttp.ClientSession | None = None
 
     async def close(self) -> None:
-        await self._http.aclose()
+        if self._session is not None:
+            await self._session.close()
+            self._session = None
 
-    async def _call(self, method: str, url: str, **kwargs: Any) -> httpx.Response:
+    async def _call(
+        self, method: str, url: str, *, json: Any = None, headers: dict[str, str], timeout: float | None = None
+    ) -> _Answer:
         """One call, sent again once if a kept-alive connection turned out closed (the agent's server
         drops idle connections after a few seconds, about as often as the operator observes): every
-        agent call is idempotent, and a live agent must never look unreachable because of it."""
+        agent call is idempotent, and a live agent must never look unreachable because of it. A
+        refused connection is not sent again: nothing listens there."""
         metrics.AGENT_CALLS.labels(method=method).inc()
-        try:
-            return await self._http.request(method, url, **kwargs)
-        except (httpx.ReadError, httpx.RemoteProtocolError, httpx.WriteError):
-            return await self._http.request(method, url, **kwargs)
+        if self._session is None:
+            self._session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0))
+        limit = aiohttp.ClientTimeout(total=timeout if timeout is not None else self.timeout_seconds)
+        for attempt in (1, 2):
+            try:
+                async with self._session.request(method, url, json=json, headers=headers, timeout=limit) as response:
+                    return _Answer(response.status, await response.read())
+            except aiohttp.ClientConnectorError:
+                raise
+            except (aiohttp.ServerDisconnectedError, aiohttp.ClientOSError, aiohttp.ClientPayloadError):
+                if attempt == 2:
+                    raise
+        raise AssertionError("unreachable")  # pragma: no cover
 
     async def state(self, pod_ip: str, token: str) -> AgentState:
         try:
             response = await self._call(
                 "GET", self._url(pod_ip, agent_api.STATE), headers={"Authorization": f"Bearer {token}"}
             )
-        except httpx.HTTPError as error:
+        except Unreachable as error:
             return AgentState(error=f"agent at {pod_ip}:{self.port} unreachable: {type(error).__name__}")
         if response.status_code != 200:
             return AgentState(error=f"agent at {pod_ip}:{self.port} answered HTTP {response.status_code}")
@@ -82,13 +113,14 @@ class AgentClient:
         """Ask an agent to suspend (``drain`` or ``abort``); returns an error text, or None on success."""
         body = agent_api.SuspendRequest(mode=mode, timeout_seconds=max(1, int(timeout_seconds)))
         try:
-            response = await self._http.post(
+            response = await self._call(
+                "POST",
                 self._url(pod_ip, agent_api.SUSPEND),
                 json=_json(body),
                 headers={"Authorization": f"Bearer {token}"},
                 timeout=timeout_seconds + self.timeout_seconds,
             )
-        except httpx.HTTPError as error:
+        except Unreachable as error:
             return f"agent at {pod_ip}:{self.port} unreachable: {type(error).__name__}"
         return None if response.status_code == 200 else f"suspend answered HTTP {response.status_code}"
 
@@ -128,7 +160,7 @@ class AgentClient:
                 json=_json(body),
                 headers={"Authorization": f"Bearer {token}"},
             )
-        except httpx.HTTPError as error:
+        except Unreachable as error:
             return f"agent at {pod_ip}:{self.port} unreachable: {type(error).__name__}"
         return None if response.status_code in (200, 202) else f"HTTP {response.status_code}: {response.text[:300]}"
 
@@ -141,7 +173,7 @@ class AgentClient:
                 json=_json(agent_api.RefitAbortRequest(reason=reason[:1000])),
                 headers={"Authorization": f"Bearer {token}"},
             )
-        except httpx.HTTPError:
+        except Unreachable:
             return
 
     async def refit_status(self, pod_ip: str, token: str) -> agent_api.RefitStatusResponse | None:
@@ -150,7 +182,7 @@ class AgentClient:
             response = await self._call(
                 "GET", self._url(pod_ip, agent_api.REFIT_STATUS), headers={"Authorization": f"Bearer {token}"}
             )
-        except httpx.HTTPError:
+        except Unreachable:
             return None
         if response.status_code != 200:
             return None

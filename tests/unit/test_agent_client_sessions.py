@@ -1,34 +1,67 @@
 """The operator's agent client for RefitSessions: each call goes to its route with the agent API's
-camelCase body and the fleet's token, and a refusal comes back as an error text naming the status."""
+camelCase body and the fleet's token, and a refusal comes back as an error text naming the status
+(against an HTTP server on loopback that records what it is sent)."""
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
+from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import asynccontextmanager
+from typing import TypeVar
 
-import httpx
+from aiohttp import web
 
 from megafleet import agent_client
 from megafleet_protocol import agent_api
 
 RENDEZVOUS = agent_api.RendezvousBody(address="10.0.3.17", port=1473, world_size=4, rank_offset=2, trainer_world_size=2)
+T = TypeVar("T")
 
 
-def client(seen: list[httpx.Request], status: int = 202) -> agent_client.AgentClient:
-    def answer(request: httpx.Request) -> httpx.Response:
-        seen.append(request)
-        return httpx.Response(status, json={"error": {"message": "no"}} if status >= 400 else {})
+@dataclasses.dataclass(frozen=True)
+class Seen:
+    path: str
+    authorization: str
+    content: bytes
 
-    found = agent_client.AgentClient(timeout_seconds=1)
-    found._http = httpx.AsyncClient(transport=httpx.MockTransport(answer))
-    return found
+
+@asynccontextmanager
+async def agent(seen: list[Seen], status: int) -> AsyncIterator[agent_client.AgentClient]:
+    """An agent stand-in on 127.0.0.1 answering every request with ``status``, and a client of it."""
+
+    async def answer(request: web.Request) -> web.Response:
+        seen.append(Seen(request.path, request.headers.get("Authorization", ""), await request.read()))
+        return web.json_response({"error": {"message": "no"}} if status >= 400 else {}, status=status)
+
+    app = web.Application()
+    app.router.add_route("*", "/{tail:.*}", answer)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    port = runner.addresses[0][1]
+    client = agent_client.AgentClient(port=port, timeout_seconds=5)
+    try:
+        yield client
+    finally:
+        await client.close()
+        await runner.cleanup()
+
+
+def run(seen: list[Seen], status: int, calls: Callable[[agent_client.AgentClient], Awaitable[T]]) -> T:
+    async def main() -> T:
+        async with agent(seen, status) as client:
+            return await calls(client)
+
+    return asyncio.run(main())
 
 
 def test_joins_leaves_and_session_refits_go_to_their_routes() -> None:
-    seen: list[httpx.Request] = []
-    agents = client(seen)
+    seen: list[Seen] = []
 
-    async def calls() -> list[str | None]:
+    async def calls(agents: agent_client.AgentClient) -> list[str | None]:
         nemo = agent_api.NemoJoinRequest(session="uid-1", rendezvous=RENDEZVOUS, timeout_seconds=30)
         native = agent_api.MegatronJoinRequest(session="uid-1", rendezvous=RENDEZVOUS, copy_backend="gloo")
         refit = agent_api.NemoRefitRequest(
@@ -39,18 +72,17 @@ def test_joins_leaves_and_session_refits_go_to_their_routes() -> None:
         )
         swap = agent_api.MegatronRefitRequest(version=4, session="uid-1")
         answers = [
-            await agents.join("10.1.0.5", "t0k", nemo),
-            await agents.join("10.1.0.5", "t0k", native),
-            await agents.refit_start("10.1.0.5", "t0k", refit),
-            await agents.refit_start("10.1.0.5", "t0k", swap),
+            await agents.join("127.0.0.1", "t0k", nemo),
+            await agents.join("127.0.0.1", "t0k", native),
+            await agents.refit_start("127.0.0.1", "t0k", refit),
+            await agents.refit_start("127.0.0.1", "t0k", swap),
         ]
-        await agents.leave("10.1.0.5", "t0k", "uid-1", protocol="nemo")
-        await agents.leave("10.1.0.5", "t0k", "uid-1", protocol="megatron")
-        await agents.close()
+        await agents.leave("127.0.0.1", "t0k", "uid-1", protocol="nemo")
+        await agents.leave("127.0.0.1", "t0k", "uid-1", protocol="megatron")
         return answers
 
-    assert asyncio.run(calls()) == [None, None, None, None]
-    assert [request.url.path for request in seen] == [
+    assert run(seen, 202, calls) == [None, None, None, None]
+    assert [request.path for request in seen] == [
         "/v1/refit/nemo/join",
         "/v1/refit/megatron/join",
         "/v1/refit/nemo",
@@ -58,7 +90,7 @@ def test_joins_leaves_and_session_refits_go_to_their_routes() -> None:
         "/v1/refit/nemo/leave",
         "/v1/refit/megatron/leave",
     ]
-    assert all(request.headers["Authorization"] == "Bearer t0k" for request in seen)
+    assert all(request.authorization == "Bearer t0k" for request in seen)
     join = json.loads(seen[0].content)
     assert join["session"] == "uid-1" and join["rendezvous"]["rankOffset"] == 2 and join["timeoutSeconds"] == 30
     assert json.loads(seen[1].content)["copyBackend"] == "gloo"
@@ -67,16 +99,23 @@ def test_joins_leaves_and_session_refits_go_to_their_routes() -> None:
 
 
 def test_a_refused_join_is_an_error_text_naming_the_status() -> None:
-    seen: list[httpx.Request] = []
-    agents = client(seen, status=409)
     body = agent_api.NemoJoinRequest(session="uid-1", rendezvous=RENDEZVOUS)
-
-    async def call() -> str | None:
-        try:
-            return await agents.join("10.1.0.5", "t0k", body)
-        finally:
-            await agents.close()
-
-    error = asyncio.run(call())
-
+    error = run([], 409, lambda agents: agents.join("127.0.0.1", "t0k", body))
     assert error is not None and error.startswith("HTTP 409")
+
+
+def test_an_agent_nobody_listens_for_is_unreachable_not_an_exception() -> None:
+    async def main() -> tuple[agent_client.AgentState, str | None]:
+        async with agent([], 200) as client:
+            port = client.port
+        dead = agent_client.AgentClient(port=port, timeout_seconds=5)  # the server above has stopped
+        try:
+            return await dead.state("127.0.0.1", "t0k"), await dead.suspend(
+                "127.0.0.1", "t0k", mode="drain", timeout_seconds=1
+            )
+        finally:
+            await dead.close()
+
+    state, suspended = asyncio.run(main())
+    assert state.state is None and state.error is not None and "unreachable" in state.error
+    assert suspended is not None and "unreachable" in suspended
