@@ -53,7 +53,10 @@ def configure(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) -> Non
     # Bounded and tolerant of malformed records; see megafleet.persistence (issue 16).
     settings.persistence.progress_storage = persistence.TolerantProgress(prefix=names.PREFIX)
     settings.persistence.diffbase_storage = diffbase_storage()
-    settings.posting.level = logging.INFO
+    # Kopf's own chatter ("Handler ... succeeded", "Creation is processed") is not posted as Events:
+    # two writes per fleet created, read by nobody. Its warnings and errors (a handler failing and
+    # retried) are; so are the operator's own Events (ShardPlaced, InvalidSpec, ...), sent directly.
+    settings.posting.level = logging.WARNING
     # One peering object for the whole cluster, even when this replica watches a few namespaces.
     settings.peering.clusterwide = True
     settings.peering.lifetime = _TRIGGERS.peering_lifetime_seconds
@@ -93,6 +96,12 @@ def _raw(body: kopf.Body) -> dict[str, Any]:
 
 # The index functions are coroutines: Kopf runs them in its event loop (a plain function would run in
 # a thread), and fills every index of one event at once after they all ran.
+
+
+@kopf.index(*RESOURCE, id=watch_cache.FLEETS)
+async def megafleet_fleets(body: kopf.Body, **_: Any) -> dict[Any, Any]:
+    metadata = body["metadata"]
+    return {(metadata.get("namespace") or "default", metadata["name"]): _raw(body)}
 
 
 @kopf.index("v1", "pods", labels={names.LABEL_FLEET: kopf.PRESENT}, id=watch_cache.FLEET_PODS)
@@ -148,9 +157,11 @@ async def _reconcile(
     finally:
         runtime.waiting.discard(key)
     try:
-        fresh = await runtime.api.get("MegatronGeneration", name, namespace)  # the latest state, not the event's
+        fresh = await _fleet(runtime, namespace, name)
         if fresh is None or fresh["metadata"].get("deletionTimestamp"):
             metrics.forget_fleet(namespace, name)
+            if runtime.cache is not None:
+                runtime.cache.forget_fleet(namespace, name)
             return False
 
         def notify(kind: str, reason: str, message: str) -> None:
@@ -168,6 +179,13 @@ async def _reconcile(
         return True
     finally:
         lock.release()
+
+
+async def _fleet(runtime: context.Runtime, namespace: str, name: str) -> dict[str, Any] | None:
+    """The fleet's latest state, not the event's: from the watch-fed cache, overlaid with the
+    operator's own last write of it (:meth:`.reconcile.cache.Cache.fleet`), else read."""
+    cached = runtime.cache.fleet(namespace, name) if runtime.cache is not None and runtime.cache.ready else None
+    return cached if cached is not None else await runtime.api.get("MegatronGeneration", name, namespace)
 
 
 async def poll(stopped: kopf.DaemonStopped, interval: float, step: Callable[[], Awaitable[bool]]) -> None:

@@ -54,7 +54,8 @@ KINDS: dict[str, Any] = {
 }
 
 WriteObserver = Callable[[str, str, str | None, str, Object | None], None]
-"""Told of every successful create or delete: (verb, kind, namespace, name, the created object or None)."""
+"""Told of every successful write: (verb, kind, namespace, name, the object as the API server
+returned it, None for a delete). Verbs: ``create``, ``delete``, ``patch``, ``status``."""
 
 
 class _Lightkube:
@@ -209,13 +210,18 @@ class Api:
         """Merge-patch the object (lists are replaced whole); the object as patched."""
         self._count("patch", kind)
         async with self._slots:
-            return await self._transport.patch(kind, name, namespace, patch)
+            patched = await self._transport.patch(kind, name, namespace, patch)
+        self._tell("patch", kind, namespace, name, patched)
+        return patched
 
-    async def patch_status(self, kind: str, name: str, namespace: str, status: Object) -> None:
-        """Merge-patch the status subresource (lists such as conditions are replaced whole)."""
+    async def patch_status(self, kind: str, name: str, namespace: str, status: Object) -> Object:
+        """Merge-patch the status subresource (lists such as conditions are replaced whole); the
+        object as patched."""
         self._count("status", kind)
         async with self._slots:
-            await self._transport.patch(kind, name, namespace, {"status": status}, subresource="status")
+            patched = await self._transport.patch(kind, name, namespace, {"status": status}, subresource="status")
+        self._tell("status", kind, namespace, name, patched)
+        return patched
 
 
 def _plain(obj: Any) -> Object:

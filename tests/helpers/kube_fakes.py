@@ -2,7 +2,7 @@
 
 For the fast tier only: it stores plain JSON objects by (kind, namespace, name) and counts writes
 and reads as the real one does (``writes``, ``reads``, keyed ``"<verb> <kind>"``) and tells its
-``observers`` of creates and deletes, so a unit test can drive reconcile
+``observers`` of creates, deletes and patches, so a unit test can drive reconcile
 steps and check what they wrote. It is no API server: no admission, no garbage collection,
 deletion is immediate, and pods run only when the test says so (:meth:`Api.run_pods`). Every e2e
 test still runs against the real control plane.
@@ -36,6 +36,7 @@ class Api:
         metadata = obj["metadata"]
         metadata.setdefault("uid", f"uid-{len(self.objects)}")
         metadata.setdefault("generation", 1)
+        metadata.setdefault("resourceVersion", "1")
         if obj["kind"] == "Service" and obj["spec"].get("clusterIP") is None:
             obj["spec"]["clusterIP"] = f"10.96.0.{next(self._addresses)}"
         self.objects[(obj["kind"], metadata.get("namespace"), metadata["name"])] = obj
@@ -87,12 +88,21 @@ class Api:
         self.writes[f"patch {kind}"] += 1
         obj = self.objects[(kind, namespace, name)]
         merge_patch(obj, copy.deepcopy(patch))
-        return copy.deepcopy(obj)
+        return self._patched("patch", obj)
 
-    async def patch_status(self, kind: str, name: str, namespace: str, status: Object) -> None:
+    async def patch_status(self, kind: str, name: str, namespace: str, status: Object) -> Object:
         self.writes[f"status {kind}"] += 1
         obj = self.objects[(kind, namespace, name)]
         obj["status"] = {**obj.get("status", {}), **copy.deepcopy(status)}
+        return self._patched("status", obj)
+
+    def _patched(self, verb: str, obj: Object) -> Object:
+        """A patch's answer: the object with a new resource version, told to the observers."""
+        metadata = obj["metadata"]
+        metadata["resourceVersion"] = str(int(metadata.get("resourceVersion") or "0") + 1)
+        for observer in self.observers:
+            observer(verb, obj["kind"], metadata.get("namespace"), metadata["name"], copy.deepcopy(obj))
+        return copy.deepcopy(obj)
 
     def run_pods(self, node: str) -> None:
         """What a scheduler and kubelet would do: bind every pod to ``node`` and run it with an IP."""
@@ -130,10 +140,13 @@ class Indexes(dict[str, Any]):
         fleet_services: dict[Any, list[Object]] = {}
         live: list[Object] = []
         nodes: dict[Any, list[Object]] = {}
+        fleets: dict[Any, list[Object]] = {}
         for (kind, _, _), obj in sorted(self.api.objects.items()):
             snapshot = copy.deepcopy(obj)
             key = cache.fleet_key(snapshot)
-            if kind == "Pod":
+            if kind == cache.FLEET_KIND:
+                fleets[(snapshot["metadata"].get("namespace"), snapshot["metadata"]["name"])] = [snapshot]
+            elif kind == "Pod":
                 if key is not None:
                     fleet_pods.setdefault(key, []).append(snapshot)
                 slim = cache.slim_pod(snapshot)
@@ -144,6 +157,7 @@ class Indexes(dict[str, Any]):
             elif kind == "Node":
                 nodes[snapshot["metadata"]["name"]] = [cache.slim_node(snapshot)]
         found = {
+            cache.FLEETS: fleets,
             cache.FLEET_PODS: fleet_pods,
             cache.FLEET_SERVICES: fleet_services,
             cache.LIVE_PODS: {None: live} if live else {},

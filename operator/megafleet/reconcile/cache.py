@@ -1,9 +1,11 @@
-"""Watch-fed views of the pods, Services and nodes a reconcile reads, instead of LIST calls.
+"""Watch-fed views of the fleets, pods, Services and nodes a reconcile reads, instead of GET and
+LIST calls.
 
 Filled by Kopf indexes (:mod:`megafleet.handlers` declares them and hands them over with
-:meth:`Cache.attach`); read by :mod:`.pods` (a fleet's pods), :mod:`.endpoints` (its Services) and
+:meth:`Cache.attach`); read by :func:`megafleet.handlers._reconcile` (the fleet itself,
+:meth:`Cache.fleet`), :mod:`.pods` (a fleet's pods), :mod:`.endpoints` (its Services) and
 :mod:`.shards` (the GPU inventory). Without a cache (in-process tests, the Refit drivers) those
-steps LIST as before.
+steps GET and LIST as before.
 
 Freshness, what a reader can count on:
 
@@ -21,6 +23,12 @@ Freshness, what a reader can count on:
 - The GPU inventory counts pods of every namespace only when the operator watches every namespace
   (``clusterwide``); an operator limited to some namespaces LISTs the cluster's pods at placement,
   as GPUs other namespaces' pods hold must still count.
+- A fleet is the newer of what the watch delivered and what the operator's own last write of it
+  (a status or metadata patch, by any of its drivers) returned, by resource version: Kubernetes
+  1.35 made resource versions of one resource comparable as integers (KEP-5504). So a reconcile
+  never reads a status older than the operator's own last write, nor a spec older than the watch
+  delivered. A fleet the index does not hold (not delivered yet, or deleted), or whose versions do
+  not compare (an API server that does not give integers), is read with a GET, as before.
 """
 
 from __future__ import annotations
@@ -29,6 +37,8 @@ import dataclasses
 import time
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any
+
+import msgspec
 
 from megafleet import names
 
@@ -39,14 +49,31 @@ Index = Mapping[Any, Iterable[Object]]
 PENDING_SECONDS = 60.0
 """How long an own write stays in the overlay without the watch confirming it (a bound on watch lag)."""
 
+FLEETS = "megafleet_fleets"
 FLEET_PODS = "megafleet_fleet_pods"
 FLEET_SERVICES = "megafleet_fleet_services"
 LIVE_PODS = "megafleet_live_pods"
 NODES = "megafleet_nodes"
-INDEXES = (FLEET_PODS, FLEET_SERVICES, LIVE_PODS, NODES)
+INDEXES = (FLEETS, FLEET_PODS, FLEET_SERVICES, LIVE_PODS, NODES)
 """The Kopf index ids :meth:`Cache.attach` needs (the handlers' function names)."""
 
+FLEET_KIND = "MegatronGeneration"
 _FLEET_KINDS = {"Pod": FLEET_PODS, "Service": FLEET_SERVICES}
+
+
+def compare_versions(first: str | None, second: str | None) -> int | None:
+    """-1, 0 or 1 as resource version ``first`` is older than, the same as or newer than ``second``
+    (of the same resource); None when either is not a resource version that compares (a positive
+    integer without leading zeros, KEP-5504)."""
+    if not _comparable(first) or not _comparable(second):
+        return None
+    assert first is not None and second is not None
+    a, b = (len(first), first), (len(second), second)
+    return (a > b) - (a < b)
+
+
+def _comparable(version: str | None) -> bool:
+    return bool(version) and version.isdigit() and version.isascii() and version[0] != "0"  # type: ignore[union-attr]
 
 
 def fleet_key(body: Mapping[str, Any]) -> tuple[str, str] | None:
@@ -111,6 +138,9 @@ class Cache:
     reserved: dict[tuple[str, str], Object] = dataclasses.field(default_factory=dict)
     """Pods a placement planned whose creates have not returned yet, by (namespace, name): counted by
     the GPU inventory, so the next placement can plan while they are being created."""
+    fleet_writes: dict[tuple[str, str], Object] = dataclasses.field(default_factory=dict)
+    """Each fleet as the operator's last write of it returned, by (namespace, name), until the watch
+    delivers that version or a newer one."""
 
     def attach(self, indexes: Mapping[str, Any]) -> None:
         """Keep the Kopf indexes (live objects: Kopf updates them in place) handed to a handler."""
@@ -123,7 +153,11 @@ class Cache:
         return all(name in self.indexes for name in INDEXES)
 
     def written(self, verb: str, kind: str, namespace: str | None, name: str, obj: Object | None) -> None:
-        """A :data:`megafleet.kube.WriteObserver`: remember an own create or delete of a pod or Service."""
+        """A :data:`megafleet.kube.WriteObserver`: remember an own create or delete of a pod or
+        Service, and an own write of a fleet (the object it returned)."""
+        if kind == FLEET_KIND and namespace is not None and obj is not None:
+            self.fleet_writes[(namespace, name)] = obj
+            return
         if kind not in _FLEET_KINDS or namespace is None:
             return
         key = (kind, namespace, name)
@@ -185,6 +219,33 @@ class Cache:
             else:
                 del seen[name]
         return list(seen.values())
+
+    def fleet(self, namespace: str, name: str) -> Object | None:
+        """The fleet ``namespace/name``, the newer of the watch's and the operator's last write's
+        (see the module docstring), as a copy the caller may change; None when it must be read
+        from the API server instead."""
+        key = (namespace, name)
+        store = self._store(FLEETS, key) if FLEETS in self.indexes else []
+        if len(store) != 1:
+            self.fleet_writes.pop(key, None)  # not delivered yet, or deleted
+            return None
+        delivered, own = store[0], self.fleet_writes.get(key)
+        if own is not None and own["metadata"].get("uid") != delivered["metadata"].get("uid"):
+            del self.fleet_writes[key]  # of a fleet of the name that is gone
+            own = None
+        if own is None:
+            return _copy(delivered)
+        order = compare_versions(own["metadata"].get("resourceVersion"), delivered["metadata"].get("resourceVersion"))
+        if order is None:
+            return None
+        if order <= 0:
+            del self.fleet_writes[key]  # the watch delivered it, or something newer
+            return _copy(delivered)
+        return _copy(own)
+
+    def forget_fleet(self, namespace: str, name: str) -> None:
+        """The fleet is gone: what the operator last wrote of it no longer counts."""
+        self.fleet_writes.pop((namespace, name), None)
 
     def nodes(self) -> list[Object]:
         return [node for store in self.indexes[NODES].values() for node in store]
@@ -258,6 +319,12 @@ class _ByName(Mapping[str, Object]):
 
     def __len__(self) -> int:
         return len(self._index)
+
+
+def _copy(obj: Object) -> Object:
+    """A deep copy of a JSON object (the index's and the overlay's stay as they were)."""
+    copied: Object = msgspec.json.decode(msgspec.json.encode(obj))
+    return copied
 
 
 def _gone_or_going(current: Object, uid: str | None) -> bool:

@@ -1,5 +1,6 @@
-"""The watch-fed cache (megafleet.reconcile.cache): reconciles read pods, Services and nodes from
-Kopf indexes, see their own writes before the watch delivers them, and LIST nothing."""
+"""The watch-fed cache (megafleet.reconcile.cache): reconciles read their fleet, its pods, Services
+and nodes from Kopf indexes, see their own writes before the watch delivers them, and GET and LIST
+nothing."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from helpers import kube_fakes
-from megafleet import agent_client, reconcile, settings
+from megafleet import agent_client, handlers, reconcile, settings
 from megafleet.reconcile import cache, context, inventory
 
 ROOT = Path(__file__).resolve().parents[3]
@@ -241,3 +242,74 @@ def test_a_placement_plans_while_another_fleets_pod_creates_are_in_flight() -> N
     assert watched.reserved == {}  # released once the creates returned
     pods = [obj for (kind, _, _), obj in api.objects.items() if kind == "Pod"]
     assert sorted(inventory.pinned_node(pod) or "" for pod in pods) == ["n0", "n1"]
+
+
+# -- the fleet itself: the watch's copy or the operator's own last write, whichever is newer ---------
+
+
+def test_resource_versions_compare_as_integers_or_not_at_all() -> None:
+    assert cache.compare_versions("9", "10") == -1 and cache.compare_versions("10", "9") == 1
+    assert cache.compare_versions("123", "123") == 0
+    for odd in ("", None, "007", "12a", "-3", "١٢"):  # not a positive integer as KEP-5504 writes them
+        assert cache.compare_versions(odd, "5") is None and cache.compare_versions("5", odd) is None
+
+
+def test_a_reconcile_reads_its_fleet_from_the_index_not_the_api_server() -> None:
+    api = kube_fakes.Api(gpu_fleet("a"), gpu_node("n0"))
+    runtime = cached_runtime(api, kube_fakes.Indexes(api))
+
+    assert asyncio.run(handlers._reconcile(runtime, "rl", "a")) is True
+
+    assert "get MegatronGeneration" not in api.reads
+    assert api.writes["create Pod"] == 1  # the reconcile did its work on what the index held
+
+
+def test_the_own_last_write_counts_until_the_watch_delivers_it_or_something_newer() -> None:
+    api = kube_fakes.Api(gpu_fleet("a"))
+    indexes = kube_fakes.Indexes(api)
+    runtime = cached_runtime(api, indexes)
+    assert runtime.cache is not None
+    watched = runtime.cache
+
+    asyncio.run(api.patch_status("MegatronGeneration", "a", "rl", {"replicas": 1}))  # resourceVersion 2
+    seen = watched.fleet("rl", "a")
+    assert seen is not None and seen["status"] == {"replicas": 1}  # the watch still shows version 1
+    seen["status"]["replicas"] = 99  # a copy: the caller may change it
+    assert (watched.fleet("rl", "a") or {})["status"] == {"replicas": 1}
+
+    indexes.sync()  # the watch delivered version 2: the overlay ends
+    assert (watched.fleet("rl", "a") or {})["status"] == {"replicas": 1} and watched.fleet_writes == {}
+
+    asyncio.run(api.patch_status("MegatronGeneration", "a", "rl", {"readyReplicas": 1}))  # version 3, own
+    api.objects[("MegatronGeneration", "rl", "a")]["spec"]["replicas"] = 2  # someone's edit: version 4
+    api.objects[("MegatronGeneration", "rl", "a")]["metadata"]["resourceVersion"] = "4"
+    indexes.sync()
+    newest = watched.fleet("rl", "a") or {}
+    assert newest["spec"]["replicas"] == 2 and newest["status"]["readyReplicas"] == 1
+    assert watched.fleet_writes == {}
+
+
+def test_a_fleet_the_index_does_not_hold_or_whose_versions_do_not_compare_is_read() -> None:
+    api = kube_fakes.Api(gpu_fleet("a"))
+    indexes = kube_fakes.Indexes(api)
+    runtime = cached_runtime(api, indexes)
+    assert runtime.cache is not None
+    watched = runtime.cache
+
+    asyncio.run(api.patch_status("MegatronGeneration", "a", "rl", {"replicas": 1}))
+    indexed = indexes[cache.FLEETS][("rl", "a")][0]
+    indexed["metadata"]["resourceVersion"] = "v1"  # an API server whose versions are not integers
+    assert watched.fleet("rl", "a") is None
+
+    del api.objects[("MegatronGeneration", "rl", "a")]
+    indexes.sync()  # deleted: the index no longer holds it, and the own write is dropped
+    assert watched.fleet("rl", "a") is None and watched.fleet_writes == {}
+
+    api = kube_fakes.Api(gpu_fleet("a"))
+    indexes = kube_fakes.Indexes(api)
+    runtime = cached_runtime(api, indexes)
+    assert runtime.cache is not None
+    asyncio.run(api.patch_status("MegatronGeneration", "a", "rl", {"replicas": 1}))
+    indexes[cache.FLEETS][("rl", "a")][0]["metadata"]["uid"] = "uid-new"  # deleted and made again
+    found = runtime.cache.fleet("rl", "a") or {}
+    assert found["metadata"]["uid"] == "uid-new" and "status" not in found
