@@ -772,7 +772,18 @@ def machine() -> dict[str, Any]:
             k: v for k, v in sorted(os.environ.items()) if k.startswith("MEGAFLEET_") and "TEST" not in k
         },
         "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+        **source_version(),
     }
+
+
+def source_version() -> dict[str, Any]:
+    """The commit measured, and whether the working tree differed from it."""
+    root = Path(__file__).resolve().parents[1]
+
+    def git(*args: str) -> str:
+        return subprocess.run(["git", *args], cwd=root, capture_output=True, text=True, timeout=30).stdout.strip()
+
+    return {"commit": git("rev-parse", "HEAD") or None, "uncommitted_changes": bool(git("status", "--porcelain"))}
 
 
 def main() -> int:

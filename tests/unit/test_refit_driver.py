@@ -192,10 +192,10 @@ class LostRefitWrite(kube_fakes.Api):
     """An API server that goes away right before the Refit's final status write (a control-plane
     restart in the drill)."""
 
-    async def patch_status(self, kind: str, name: str, namespace: str, status: Object) -> None:
+    async def patch_status(self, kind: str, name: str, namespace: str, status: Object) -> Object:
         if kind == "Refit" and status.get("phase") in ("Succeeded", "Failed"):
             raise ConnectionError("server disconnected")
-        await super().patch_status(kind, name, namespace, status)
+        return await super().patch_status(kind, name, namespace, status)
 
 
 def test_a_lost_final_write_leaves_the_refit_unfinished_never_the_fleet_locked() -> None:

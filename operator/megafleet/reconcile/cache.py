@@ -73,7 +73,7 @@ def compare_versions(first: str | None, second: str | None) -> int | None:
 
 
 def _comparable(version: str | None) -> bool:
-    return bool(version) and version.isdigit() and version.isascii() and version[0] != "0"  # type: ignore[union-attr]
+    return version is not None and version.isascii() and version.isdigit() and not version.startswith("0")
 
 
 def fleet_key(body: Mapping[str, Any]) -> tuple[str, str] | None:

@@ -258,10 +258,12 @@ def test_a_reconcile_reads_its_fleet_from_the_index_not_the_api_server() -> None
     api = kube_fakes.Api(gpu_fleet("a"), gpu_node("n0"))
     runtime = cached_runtime(api, kube_fakes.Indexes(api))
 
-    assert asyncio.run(handlers._reconcile(runtime, "rl", "a")) is True
+    found = asyncio.run(handlers._fleet(runtime, "rl", "a"))  # what the handlers' reconcile reads
 
+    assert found is not None and found["spec"]["replicas"] == 1
     assert "get MegatronGeneration" not in api.reads
-    assert api.writes["create Pod"] == 1  # the reconcile did its work on what the index held
+    assert asyncio.run(handlers._fleet(runtime, "rl", "b")) is None  # not indexed: read, and not there
+    assert api.reads["get MegatronGeneration"] == 1
 
 
 def test_the_own_last_write_counts_until_the_watch_delivers_it_or_something_newer() -> None:
