@@ -53,10 +53,7 @@ def configure(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) -> Non
     # Bounded and tolerant of malformed records; see megafleet.persistence (issue 16).
     settings.persistence.progress_storage = persistence.TolerantProgress(prefix=names.PREFIX)
     settings.persistence.diffbase_storage = diffbase_storage()
-    # Kopf's own chatter ("Handler ... succeeded", "Creation is processed") is not posted as Events:
-    # two writes per fleet created, read by nobody. Its warnings and errors (a handler failing and
-    # retried) are; so are the operator's own Events (ShardPlaced, InvalidSpec, ...), sent directly.
-    settings.posting.level = logging.WARNING
+    settings.posting.level = logging.INFO
     # One peering object for the whole cluster, even when this replica watches a few namespaces.
     settings.peering.clusterwide = True
     settings.peering.lifetime = _TRIGGERS.peering_lifetime_seconds
