@@ -6,8 +6,8 @@ orchestration (:mod:`megafleet.refit_driver`) and by the RefitSession driver
 :mod:`megafleet_protocol.agent_api`, which the agent itself validates with. Every call carries the
 fleet's bearer token; a pod whose agent does not answer within the timeout (or answers something
 malformed) is reported as unreachable, never as an exception. The calls go over aiohttp (Kopf's
-own HTTP client): a starting fleet of a thousand pods is probed thousands of times a minute, and
-httpx spent several times the CPU on each call (``bench/README.md``, "sixth session").
+own HTTP client), as the operator's API requests do (:mod:`megafleet.kube_rest`): a starting fleet
+of a thousand pods is probed thousands of times a minute.
 """
 
 from __future__ import annotations

@@ -8,10 +8,10 @@ user logs in through an exec plugin or an auth provider is not handled here
 (:func:`from_environment` returns None and :class:`~megafleet.kube.Api` uses lightkube instead).
 
 Why not lightkube for everything: at a thousand pods the operator makes a few thousand requests
-in a burst, and lightkube over httpx spent 0.8-1.0 ms of the operator's CPU on each against
-0.2-0.3 ms here (the same requests to the same API server; ``bench/README.md``, "sixth session"),
-on a machine where that CPU is the API server's too. aiohttp is Kopf's own HTTP client, so this
-adds no dependency.
+in a burst, on a machine whose CPU is the API server's too. Through :class:`megafleet.kube.Api`,
+lightkube over httpx spent 0.75-1.0 ms of the operator's CPU per request against 0.19-0.26 ms
+here (``bench/api_client.py``, ``bench/results/api-client-cpu2-2026-12-02.json``). aiohttp is
+Kopf's own HTTP client, so this adds no dependency.
 """
 
 from __future__ import annotations
@@ -20,6 +20,8 @@ import base64
 import dataclasses
 import ssl
 import time
+import urllib.parse
+import urllib.request
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -133,8 +135,10 @@ class RestTransport:
         field_manager: str,
         user_agent: str,
         connections: int,
+        proxy: str | None = None,
     ) -> None:
         self._server = server.rstrip("/")
+        self._proxy = proxy
         self._ssl = ssl_context
         self._credentials = credentials
         self._field_manager = field_manager
@@ -159,7 +163,7 @@ class RestTransport:
         """The decoded answer to one request; :class:`ApiError` for an error status."""
         if self._session is None:
             connector = aiohttp.TCPConnector(limit=self._connections, ssl=self._ssl if self._ssl is not None else False)
-            self._session = aiohttp.ClientSession(connector=connector, timeout=TIMEOUT, trust_env=True)
+            self._session = aiohttp.ClientSession(connector=connector, timeout=TIMEOUT, trust_env=False)
         data = msgspec.json.encode(body) if body is not None else None
         for attempt in (1, 2):
             headers = {"User-Agent": self._user_agent, "Accept": "application/json"}
@@ -169,7 +173,7 @@ class RestTransport:
             if authorization is not None:
                 headers["Authorization"] = authorization
             async with self._session.request(
-                method, self._server + path, params=params, data=data, headers=headers
+                method, self._server + path, params=params, data=data, headers=headers, proxy=self._proxy
             ) as response:
                 content = await response.read()
                 if response.status == 401 and attempt == 1 and self._credentials.refresh():
@@ -254,12 +258,23 @@ def from_config(config: SingleConfig, *, field_manager: str, user_agent: str, co
     )
     return RestTransport(
         server,
+        proxy=proxy_for(server),
         ssl_context=ssl_context,
         credentials=_Credentials(user),
         field_manager=field_manager,
         user_agent=user_agent,
         connections=connections,
     )
+
+
+def proxy_for(server: str) -> str | None:
+    """The proxy the environment names for ``server`` (``HTTPS_PROXY``/``HTTP_PROXY``, unless
+    ``NO_PROXY`` exempts its host), found once: aiohttp's own lookup (``trust_env``) reads the
+    environment and ``~/.netrc`` at every request, which cost 0.3 ms of CPU each."""
+    parts = urllib.parse.urlsplit(server)
+    if parts.hostname is None or urllib.request.proxy_bypass(parts.hostname):
+        return None
+    return urllib.request.getproxies().get(parts.scheme)
 
 
 def from_environment(*, field_manager: str, user_agent: str, connections: int) -> RestTransport | None:
