@@ -266,12 +266,17 @@ def test_a_reconcile_reads_its_fleet_from_the_index_not_the_api_server() -> None
     assert api.reads["get MegatronGeneration"] == 1
 
 
-def test_the_own_last_write_counts_until_the_watch_delivers_it_or_something_newer() -> None:
+def watched_fleet() -> tuple[kube_fakes.Api, kube_fakes.Indexes, cache.Cache]:
+    """Fleet ``a`` on a fake API server, its indexes, and the cache a runtime over them reads."""
     api = kube_fakes.Api(gpu_fleet("a"))
     indexes = kube_fakes.Indexes(api)
     runtime = cached_runtime(api, indexes)
     assert runtime.cache is not None
-    watched = runtime.cache
+    return api, indexes, runtime.cache
+
+
+def test_the_own_last_write_counts_until_the_watch_delivers_it_or_something_newer() -> None:
+    api, indexes, watched = watched_fleet()
 
     asyncio.run(api.patch_status("MegatronGeneration", "a", "rl", {"replicas": 1}))  # resourceVersion 2
     seen = watched.fleet("rl", "a")
@@ -292,11 +297,7 @@ def test_the_own_last_write_counts_until_the_watch_delivers_it_or_something_newe
 
 
 def test_a_fleet_the_index_does_not_hold_or_whose_versions_do_not_compare_is_read() -> None:
-    api = kube_fakes.Api(gpu_fleet("a"))
-    indexes = kube_fakes.Indexes(api)
-    runtime = cached_runtime(api, indexes)
-    assert runtime.cache is not None
-    watched = runtime.cache
+    api, indexes, watched = watched_fleet()
 
     asyncio.run(api.patch_status("MegatronGeneration", "a", "rl", {"replicas": 1}))
     indexed = indexes[cache.FLEETS][("rl", "a")][0]
@@ -307,11 +308,8 @@ def test_a_fleet_the_index_does_not_hold_or_whose_versions_do_not_compare_is_rea
     indexes.sync()  # deleted: the index no longer holds it, and the own write is dropped
     assert watched.fleet("rl", "a") is None and watched.fleet_writes == {}
 
-    api = kube_fakes.Api(gpu_fleet("a"))
-    indexes = kube_fakes.Indexes(api)
-    runtime = cached_runtime(api, indexes)
-    assert runtime.cache is not None
+    api, indexes, watched = watched_fleet()
     asyncio.run(api.patch_status("MegatronGeneration", "a", "rl", {"replicas": 1}))
     indexes[cache.FLEETS][("rl", "a")][0]["metadata"]["uid"] = "uid-new"  # deleted and made again
-    found = runtime.cache.fleet("rl", "a") or {}
+    found = watched.fleet("rl", "a") or {}
     assert found["metadata"]["uid"] == "uid-new" and "status" not in found
