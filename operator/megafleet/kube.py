@@ -21,37 +21,17 @@ from typing import Any
 import lightkube
 from lightkube import codecs
 from lightkube.core import exceptions as lightkube_errors
-from lightkube.generic_resource import create_namespaced_resource
-from lightkube.resources.core_v1 import ConfigMap, Node, Pod, Secret, Service, ServiceAccount
-from lightkube.resources.scheduling_v1 import PriorityClass
+from lightkube.resources.core_v1 import Node
 from lightkube.types import PatchType
 
 from megafleet import kube_rest, metrics, names
-from megafleet.api import v1alpha1
 
 Object = dict[str, Any]
 ApiError = kube_rest.ApiError
 Selector = kube_rest.Selector
 USER_AGENT = "megafleet-operator"
 
-MegatronGeneration = create_namespaced_resource(
-    v1alpha1.GROUP, v1alpha1.VERSION, "MegatronGeneration", "megatrongenerations"
-)
-Refit = create_namespaced_resource(v1alpha1.GROUP, v1alpha1.VERSION, "Refit", "refits")
-RefitSession = create_namespaced_resource(v1alpha1.GROUP, v1alpha1.VERSION, "RefitSession", "refitsessions")
-
-KINDS: dict[str, Any] = {
-    "Pod": Pod,
-    "Service": Service,
-    "ConfigMap": ConfigMap,
-    "Secret": Secret,
-    "ServiceAccount": ServiceAccount,
-    "PriorityClass": PriorityClass,
-    "Node": Node,
-    "MegatronGeneration": MegatronGeneration,
-    "Refit": Refit,
-    "RefitSession": RefitSession,
-}
+KINDS = kube_rest.KINDS
 
 WriteObserver = Callable[[str, str, str | None, str, Object | None], None]
 """Told of every successful write: (verb, kind, namespace, name, the object as the API server

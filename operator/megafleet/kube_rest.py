@@ -32,11 +32,15 @@ from lightkube.config import client_adapter
 from lightkube.config.kubeconfig import KubeConfig, SingleConfig
 from lightkube.config.models import User
 from lightkube.core import exceptions as lightkube_errors
+from lightkube.core import resource as lightkube_resource
 from lightkube.core.selector import build_selector
+from lightkube.generic_resource import create_namespaced_resource
+from lightkube.resources.core_v1 import ConfigMap, Node, Pod, Secret, Service, ServiceAccount
+from lightkube.resources.scheduling_v1 import PriorityClass
 
 from megafleet.api import v1alpha1
 
-__all__ = ["RESOURCES", "ApiError", "Resource", "RestTransport", "Selector", "from_config", "from_environment"]
+__all__ = ["KINDS", "RESOURCES", "ApiError", "Resource", "RestTransport", "Selector", "from_config", "from_environment"]
 
 Object = dict[str, Any]
 Selector = dict[str, Any]
@@ -58,6 +62,28 @@ class ApiError(Exception):
         self.code, self.reason, self.message = code, reason, message
 
 
+MegatronGeneration = create_namespaced_resource(
+    v1alpha1.GROUP, v1alpha1.VERSION, "MegatronGeneration", "megatrongenerations"
+)
+Refit = create_namespaced_resource(v1alpha1.GROUP, v1alpha1.VERSION, "Refit", "refits")
+RefitSession = create_namespaced_resource(v1alpha1.GROUP, v1alpha1.VERSION, "RefitSession", "refitsessions")
+
+KINDS: dict[str, Any] = {
+    "Pod": Pod,
+    "Service": Service,
+    "ConfigMap": ConfigMap,
+    "Secret": Secret,
+    "ServiceAccount": ServiceAccount,
+    "PriorityClass": PriorityClass,
+    "Node": Node,
+    "MegatronGeneration": MegatronGeneration,
+    "Refit": Refit,
+    "RefitSession": RefitSession,
+}
+"""The kinds the operator reads and writes, as lightkube's resource classes (the lightkube transport
+of :mod:`megafleet.kube` takes them; :data:`RESOURCES` is derived from them)."""
+
+
 @dataclasses.dataclass(frozen=True)
 class Resource:
     """Where the objects of one kind live in the API."""
@@ -66,6 +92,13 @@ class Resource:
     version: str
     plural: str
     namespaced: bool
+
+    @classmethod
+    def of(cls, resource: Any) -> Resource:
+        """The paths of a lightkube resource class."""
+        info = lightkube_resource.api_info(resource)
+        namespaced = issubclass(resource, lightkube_resource.NamespacedResource)
+        return cls(info.resource.group, info.resource.version, info.plural, namespaced)
 
     def path(self, namespace: str | None = None, name: str | None = None, subresource: str | None = None) -> str:
         """The collection's path (``name`` None), or the object's, or its subresource's."""
@@ -80,18 +113,7 @@ class Resource:
         return "/".join(parts)
 
 
-RESOURCES: dict[str, Resource] = {
-    "Pod": Resource("", "v1", "pods", True),
-    "Service": Resource("", "v1", "services", True),
-    "ConfigMap": Resource("", "v1", "configmaps", True),
-    "Secret": Resource("", "v1", "secrets", True),
-    "ServiceAccount": Resource("", "v1", "serviceaccounts", True),
-    "Node": Resource("", "v1", "nodes", False),
-    "PriorityClass": Resource("scheduling.k8s.io", "v1", "priorityclasses", False),
-    "MegatronGeneration": Resource(v1alpha1.GROUP, v1alpha1.VERSION, "megatrongenerations", True),
-    "Refit": Resource(v1alpha1.GROUP, v1alpha1.VERSION, "refits", True),
-    "RefitSession": Resource(v1alpha1.GROUP, v1alpha1.VERSION, "refitsessions", True),
-}
+RESOURCES: dict[str, Resource] = {kind: Resource.of(resource) for kind, resource in KINDS.items()}
 
 
 class _Credentials:
