@@ -13,12 +13,12 @@ import time
 import uuid
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any
 
 import httpx
 import yaml
 
-Object = dict[str, Any]
+from megafleet.objects import Object
+
 Predicate = Callable[[Object | None], bool]
 Events = list[Object]
 

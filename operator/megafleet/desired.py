@@ -10,13 +10,11 @@ import base64
 import dataclasses
 import hashlib
 import json
-from typing import Any
 
 from megafleet import names, planner
 from megafleet.api import checks, v1alpha1
+from megafleet.objects import Object
 from megafleet_protocol import env, ports
-
-Object = dict[str, Any]
 
 
 @dataclasses.dataclass(frozen=True)

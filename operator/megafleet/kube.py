@@ -25,8 +25,8 @@ from lightkube.resources.core_v1 import Node
 from lightkube.types import PatchType
 
 from megafleet import kube_rest, metrics, names
+from megafleet.objects import Object
 
-Object = dict[str, Any]
 ApiError = kube_rest.ApiError
 Selector = kube_rest.Selector
 USER_AGENT = "megafleet-operator"

@@ -39,10 +39,10 @@ from lightkube.resources.core_v1 import ConfigMap, Node, Pod, Secret, Service, S
 from lightkube.resources.scheduling_v1 import PriorityClass
 
 from megafleet.api import v1alpha1
+from megafleet.objects import Object
 
 __all__ = ["KINDS", "RESOURCES", "ApiError", "Resource", "RestTransport", "Selector", "from_config", "from_environment"]
 
-Object = dict[str, Any]
 Selector = dict[str, Any]
 """Labels or fields to select by, in lightkube's notation: a value, or an operator of ``lightkube.operators``."""
 

@@ -32,13 +32,13 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Iterable, Sequence
-from typing import Any
 
 import pydantic
 
 from megafleet import agent_client, conditions, desired, kube, planner, session_driver
 from megafleet import settings as operator_settings
 from megafleet.api import checks, v1alpha1
+from megafleet.objects import Object
 from megafleet.reconcile import endpoints
 from megafleet.reconcile import pods as pod_view
 from megafleet.reconcile import status as reconcile_status
@@ -46,7 +46,6 @@ from megafleet_protocol import agent_api, ports
 
 log = logging.getLogger(__name__)
 
-Object = dict[str, Any]
 
 VERSION_NOT_NEWER = "VersionNotNewer"
 """Reason of the Failed condition of a Refit whose version is not above the fleet's current one."""

@@ -40,12 +40,13 @@ import json
 import logging
 import time
 from collections.abc import Callable
-from typing import Any, Literal
+from typing import Literal
 
 import pydantic
 
 from megafleet import agent_client, conditions, desired, kube, planner
 from megafleet.api import checks, v1alpha1
+from megafleet.objects import Object
 from megafleet.reconcile import context, endpoints, hold
 from megafleet.reconcile import pods as pod_view
 from megafleet.reconcile import status as reconcile_status
@@ -53,7 +54,6 @@ from megafleet_protocol import agent_api
 
 log = logging.getLogger(__name__)
 
-Object = dict[str, Any]
 
 JOINED = "Joined"
 """Condition: every member joined the trainer's world (False, with the reason, once it ends)."""

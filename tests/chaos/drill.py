@@ -34,6 +34,7 @@ import torch
 
 from helpers import operators as operators_module
 from helpers import refit_e2e as base
+from megafleet.objects import Object
 from megafleet_dev import kube, runner
 from megafleet_engine.models import tiny
 from megafleet_protocol import ports
@@ -274,7 +275,7 @@ class Drill:
 
     # -- declared states ----------------------------------------------------------------------
 
-    def fleet(self) -> kube.Object:
+    def fleet(self) -> Object:
         return self.kube.get(self.fleet_path) or {}
 
     def settled(self, replicas: int, version: int) -> bool:
@@ -465,21 +466,21 @@ def ignore(value: object) -> None:
     del value
 
 
-def refit_phase(obj: kube.Object | None) -> str | None:
+def refit_phase(obj: Object | None) -> str | None:
     phase = (obj or {}).get("status", {}).get("phase")
     return None if phase is None else str(phase)
 
 
-def refit_attempts(obj: kube.Object | None) -> int:
+def refit_attempts(obj: Object | None) -> int:
     return int((obj or {}).get("status", {}).get("attempts", 0))
 
 
-def _moved_on(refit: kube.Object | None, *, after: int) -> bool:
+def _moved_on(refit: Object | None, *, after: int) -> bool:
     """The Refit ended, or the operator published an attempt after ``after``."""
     return refit_phase(refit) in ("Succeeded", "Failed") or refit_attempts(refit) > after
 
 
-def _restarts(fleet: kube.Object) -> int:
+def _restarts(fleet: Object) -> int:
     return sum(int(s.get("restarts", 0)) for s in fleet.get("status", {}).get("shards", []))
 
 

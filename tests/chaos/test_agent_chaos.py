@@ -20,6 +20,7 @@ import pytest
 from chaos import drill as drill_module
 from helpers import operators as operators_module
 from helpers import refit_e2e as base
+from megafleet.objects import Object
 from megafleet_dev import kube, runner
 
 pytestmark = [pytest.mark.chaos, pytest.mark.e2e]
@@ -29,7 +30,7 @@ CUT_SECONDS = 20.0
 CUT_POD = f"{drill_module.FLEET}-s1-p0"
 
 
-def _cut_reported(fleet: kube.Object) -> bool:
+def _cut_reported(fleet: Object) -> bool:
     """Shard 1 is not Ready and its status says its agent is unreachable."""
     shards = {s["index"]: s for s in fleet.get("status", {}).get("shards", [])}
     shard = shards.get(1, {})

@@ -22,6 +22,7 @@ import yaml
 from chaos import drill as drill_module
 from helpers import operators as operators_module
 from helpers import refit_e2e as base
+from megafleet.objects import Object
 from megafleet_dev import cluster, kube, nodes, runner
 
 pytestmark = [pytest.mark.chaos, pytest.mark.e2e]
@@ -48,7 +49,7 @@ def _not_ready(kube_admin: kube.Kube, node: str) -> None:
     kube_admin.patch(f"/api/v1/nodes/{node}/status", {"status": {"conditions": [condition]}}, merge=False)
 
 
-def _tainted(node: kube.Object | None) -> bool:
+def _tainted(node: Object | None) -> bool:
     return any(t["key"].startswith("node.kubernetes.io/") for t in (node or {}).get("spec", {}).get("taints") or [])
 
 
@@ -57,7 +58,7 @@ def _services(kube_admin: kube.Kube, namespace: str) -> dict[str, str]:
     return {s["metadata"]["name"]: s["metadata"]["uid"] for s in items["items"]}
 
 
-def _nodes_of(fleet: kube.Object) -> dict[int, list[str]]:
+def _nodes_of(fleet: Object) -> dict[int, list[str]]:
     return {s["index"]: s.get("nodes", []) for s in fleet.get("status", {}).get("shards", [])}
 
 
@@ -149,7 +150,7 @@ def test_node_not_ready_then_deleted_replaces_its_shards_with_no_failed_or_mixed
             _restore(kube_admin, local_cluster, lost)
 
 
-def _replaced(pods: list[kube.Object], shards: list[int], lost: str) -> bool:
+def _replaced(pods: list[Object], shards: list[int], lost: str) -> bool:
     """Every pod of ``shards`` exists anew, bound to a node other than ``lost`` and running."""
     for shard in shards:
         found = [p for p in pods if p["metadata"]["name"] == f"{FLEET}-s{shard}-p0"]
@@ -160,7 +161,7 @@ def _replaced(pods: list[kube.Object], shards: list[int], lost: str) -> bool:
     return True
 
 
-def _restarts(fleet: kube.Object) -> dict[int, int]:
+def _restarts(fleet: Object) -> dict[int, int]:
     return {s["index"]: int(s.get("restarts", 0)) for s in fleet.get("status", {}).get("shards", [])}
 
 
@@ -244,7 +245,7 @@ def test_a_lost_tray_of_a_tp16_shard_is_replaced_whole_inside_one_clique(
             _restore(kube_admin, local_cluster, lost)
 
 
-def _all_running(pods: list[kube.Object], count: int) -> bool:
+def _all_running(pods: list[Object], count: int) -> bool:
     live = [p for p in pods if not p["metadata"].get("deletionTimestamp")]
     return len(live) == count and all(
         p["spec"].get("nodeName") and p.get("status", {}).get("phase") == "Running" for p in live

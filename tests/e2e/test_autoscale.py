@@ -34,6 +34,7 @@ import pytest
 import yaml
 
 from helpers import refit_e2e as base
+from megafleet.objects import Object
 from megafleet_dev import autoscale, cluster, kube, toolchain
 from megafleet_protocol import ports
 from megafleet_protocol.refit import sender as sdk
@@ -330,7 +331,7 @@ def test_load_scales_the_fleet_out_and_back_in_with_new_shards_caught_up_first(
     timeline: dict[str, float] = {}
     phases: dict[int, list[str]] = {1: [], 2: []}
 
-    def watch(obj: kube.Object | None) -> None:
+    def watch(obj: Object | None) -> None:
         """Record the first time each thing is seen, and every phase the new shards pass through."""
         now = time.monotonic()
         spec, status = (obj or {}).get("spec", {}), (obj or {}).get("status", {})
@@ -345,7 +346,7 @@ def test_load_scales_the_fleet_out_and_back_in_with_new_shards_caught_up_first(
         load_started = time.monotonic()
         client.scale(WORKERS)
 
-        def three_serving(obj: kube.Object | None) -> bool:
+        def three_serving(obj: Object | None) -> bool:
             watch(obj)
             return base.ready(obj) and (obj or {})["status"].get("readyReplicas") == 3
 
@@ -366,7 +367,7 @@ def test_load_scales_the_fleet_out_and_back_in_with_new_shards_caught_up_first(
         client.max_tokens = TRICKLE_MAX_TOKENS
         client.aim_last = True
 
-        def back_to_one(obj: kube.Object | None) -> bool:
+        def back_to_one(obj: Object | None) -> bool:
             now = time.monotonic()
             replicas = (obj or {}).get("spec", {}).get("replicas", 3)
             if replicas < 3:
@@ -437,7 +438,7 @@ def test_a_scale_decision_during_a_refit_places_nothing_until_the_refit_ended(
     with Client(kubeconfig, namespace) as client:
         client.scale(WORKERS)  # held at the gate of the refitting shard: waiting sequences rise
 
-        def decided_and_seen(obj: kube.Object | None) -> bool:
+        def decided_and_seen(obj: Object | None) -> bool:
             spec, status = (obj or {}).get("spec", {}), (obj or {}).get("status", {})
             generation = (obj or {}).get("metadata", {}).get("generation")
             return bool(spec.get("replicas") == 3 and status.get("observedGeneration") == generation)

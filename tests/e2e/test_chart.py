@@ -24,6 +24,7 @@ import httpx
 import pytest
 import yaml
 
+from megafleet.objects import Object
 from megafleet_dev import cluster, kube, runner, toolchain
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -70,7 +71,7 @@ def fleets(namespace: str) -> str:
     return f"/apis/megafleet.dev/v1alpha1/namespaces/{namespace}/megatrongenerations"
 
 
-def ready(obj: kube.Object | None) -> bool:
+def ready(obj: Object | None) -> bool:
     return (kube.condition(obj, "Ready") or {}).get("status") == "True"
 
 

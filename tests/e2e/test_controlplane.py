@@ -5,6 +5,7 @@ from __future__ import annotations
 import ipaddress
 from typing import Any
 
+from megafleet.objects import Object
 from megafleet_dev import kube, nodes, toolchain
 
 LOOPBACK = ipaddress.IPv4Network("127.0.0.0/8")
@@ -32,7 +33,7 @@ def clique_affinity(clique: str) -> dict[str, Any]:
     return {"nodeAffinity": {"requiredDuringSchedulingIgnoredDuringExecution": {"nodeSelectorTerms": [term]}}}
 
 
-def is_running(pod: kube.Object | None) -> bool:
+def is_running(pod: Object | None) -> bool:
     return pod is not None and pod["status"].get("phase") == "Running" and bool(pod["status"].get("podIP"))
 
 
@@ -80,7 +81,7 @@ def test_pod_asking_more_gpus_than_any_node_stays_pending(kube_admin: kube.Kube,
     pods = f"/api/v1/namespaces/{namespace}/pods"
     kube_admin.create(pods, gpu_pod("too-big", 9))
 
-    def unschedulable(pod: kube.Object | None) -> bool:
+    def unschedulable(pod: Object | None) -> bool:
         return (kube.condition(pod, "PodScheduled") or {}).get("reason") == "Unschedulable"
 
     pod = kube_admin.wait(f"{pods}/too-big", unschedulable, timeout=WAIT_SECONDS, what="scheduler verdict")

@@ -15,6 +15,7 @@ from typing import Any
 import pytest
 import yaml
 
+from megafleet.objects import Object
 from megafleet_dev import kube, runner
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -32,15 +33,15 @@ def tiny(replicas: int) -> dict[str, Any]:
     return manifest
 
 
-def condition_is(kind: str, status: str) -> Callable[[kube.Object | None], bool]:
+def condition_is(kind: str, status: str) -> Callable[[Object | None], bool]:
     return lambda obj: (kube.condition(obj, kind) or {}).get("status") == status
 
 
-def reconciled(generation: int) -> Callable[[kube.Object | None], bool]:
+def reconciled(generation: int) -> Callable[[Object | None], bool]:
     return lambda obj: (obj or {}).get("status", {}).get("observedGeneration") == generation
 
 
-def gone(obj: kube.Object | None) -> bool:
+def gone(obj: Object | None) -> bool:
     return obj is None
 
 

@@ -9,6 +9,7 @@ from typing import Any
 import pytest
 import yaml
 
+from megafleet.objects import Object
 from megafleet_dev import kube, nodes
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -199,7 +200,7 @@ def test_a_deleted_pod_comes_back_behind_the_same_endpoint(
 
     kube_admin.delete(f"/api/v1/namespaces/{namespace}/pods/tiny-s1-p0")
 
-    def healed(obj: kube.Object | None) -> bool:
+    def healed(obj: Object | None) -> bool:
         shard = (obj or {}).get("status", {}).get("shards", [{}, {}])[1]
         return bool(shard.get("restarts") == 1 and shard.get("phase") == "Ready")
 
@@ -250,7 +251,7 @@ def test_fleets_created_together_never_share_gpus(operator: Path, kube_admin: ku
     for index in range(4):  # the h200 pool has exactly four 8-GPU nodes
         kube_admin.create(fleets(namespace), fleet(f"f{index}", spec))
 
-    def all_running(items: list[kube.Object]) -> bool:
+    def all_running(items: list[Object]) -> bool:
         return len(items) == 4 and all(p["status"].get("phase") == "Running" for p in items)
 
     pods = kube_admin.wait_items(f"/api/v1/namespaces/{namespace}/pods", all_running, timeout=WAIT, what="4 pods")

@@ -15,6 +15,7 @@ from typing import Any
 import pytest
 import yaml
 
+from megafleet.objects import Object
 from megafleet_dev import kube, runner
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -40,7 +41,7 @@ def wait_for_line(log: Path, text: str, timeout: float = 30) -> str:
     return content
 
 
-def ready(obj: kube.Object | None) -> bool:
+def ready(obj: Object | None) -> bool:
     return (kube.condition(obj, "Ready") or {}).get("status") == "True"
 
 
@@ -56,7 +57,7 @@ def test_a_template_change_rolls_one_shard_at_a_time(operator: Path, kube_admin:
 
     patched = kube_admin.patch(path, {"spec": {"engine": {"maxBatchSize": 4}}})
 
-    def rolled(obj: kube.Object | None) -> bool:
+    def rolled(obj: Object | None) -> bool:
         pods = kube_admin.list(f"/api/v1/namespaces/{namespace}/pods")["items"]
         hashes = {p["metadata"]["annotations"]["megafleet.dev/template-hash"] for p in pods}
         return ready(obj) and len(pods) == 2 and not hashes & set(old_hash.values())
@@ -82,7 +83,7 @@ def test_a_shard_that_keeps_crashing_ends_failed(operator: Path, kube_admin: kub
 
     kube_admin.create(fleets(namespace), manifest)
 
-    def failed(obj: kube.Object | None) -> bool:
+    def failed(obj: Object | None) -> bool:
         shards = (obj or {}).get("status", {}).get("shards", [])
         return bool(shards) and shards[0]["phase"] == "Failed"
 
@@ -179,7 +180,7 @@ def test_two_replicas_with_peering_never_both_act_and_the_standby_takes_over(
                 )
             registered = len(processes)
 
-            def all_registered(obj: kube.Object | None, n: int = registered) -> bool:
+            def all_registered(obj: Object | None, n: int = registered) -> bool:
                 return len((obj or {}).get("status") or {}) == n
 
             kube_admin.wait(

@@ -16,6 +16,7 @@ import torch
 
 from helpers import operators as operators_module
 from helpers import refit_e2e as base
+from megafleet.objects import Object
 from megafleet_dev import kube, runner
 from megafleet_protocol import ports
 from megafleet_protocol.refit import sender as sdk
@@ -46,7 +47,7 @@ def own_namespace(kube_admin: kube.Kube) -> Iterator[str]:
     kube_admin.delete(f"/api/v1/namespaces/{name}", missing_ok=True)
 
 
-def _phase(obj: kube.Object | None) -> str | None:
+def _phase(obj: Object | None) -> str | None:
     phase = (obj or {}).get("status", {}).get("phase")
     return None if phase is None else str(phase)
 

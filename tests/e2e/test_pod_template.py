@@ -12,6 +12,7 @@ from typing import Any
 
 import yaml
 
+from megafleet.objects import Object
 from megafleet_dev import kube
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -22,7 +23,7 @@ def fleets(namespace: str) -> str:
     return f"/apis/megafleet.dev/v1alpha1/namespaces/{namespace}/megatrongenerations"
 
 
-def ready(obj: kube.Object | None) -> bool:
+def ready(obj: Object | None) -> bool:
     return (kube.condition(obj or {}, "Ready") or {}).get("status") == "True"
 
 
@@ -95,7 +96,7 @@ def test_the_pods_carry_the_users_template_and_a_change_rolls_them(
         # A template change (one more label) rolls the shard: a new pod with it, Ready again.
         kube_admin.patch(path, {"spec": {"pod": {"labels": {"team": "rl", "stage": "two"}}}})
 
-        def rolled(obj: kube.Object | None) -> bool:
+        def rolled(obj: Object | None) -> bool:
             current = kube_admin.get(f"{core}/pods/tiny-s0-p0")
             return bool(
                 ready(obj)
@@ -125,7 +126,7 @@ def test_a_missing_service_account_or_priority_class_is_invalid_spec_until_it_ex
     path = f"{fleets(namespace)}/tiny"
 
     def invalid_naming(text: str) -> kube.Predicate:
-        def check(obj: kube.Object | None) -> bool:
+        def check(obj: Object | None) -> bool:
             condition = kube.condition(obj or {}, "InvalidSpec") or {}
             return condition.get("status") == "True" and text in condition.get("message", "")
 

@@ -20,6 +20,7 @@ import pytest
 import torch
 
 from helpers import refit_e2e as base
+from megafleet.objects import Object
 from megafleet_dev import kube, runner
 from megafleet_engine.models import tiny
 from megafleet_protocol import ports, vocabulary
@@ -81,7 +82,7 @@ def refit(
     *,
     transport: vocabulary.Transport = "broadcast",
     before_send: BeforeSend | None = None,
-) -> tuple[kube.Object, list[Attempt]]:
+) -> tuple[Object, list[Attempt]]:
     """What a trainer does: create the Refit, run each attempt the operator publishes on its own
     port and world size, give an attempt up when the operator moves on, until the Refit is done.
     ``before_send`` runs on the sender's thread once every member joined, before any weight moves."""
@@ -145,22 +146,22 @@ def refit(
         assert not thread.is_alive(), f"attempt {attempt.number} still blocked after the operator moved on"
 
 
-def _phase(refit: kube.Object | None) -> str | None:
+def _phase(refit: Object | None) -> str | None:
     phase = (refit or {}).get("status", {}).get("phase")
     return None if phase is None else str(phase)
 
 
-def _published(refit: kube.Object | None, *, previous: int) -> bool:
+def _published(refit: Object | None, *, previous: int) -> bool:
     """A new attempt is Running (or the Refit is over)."""
     return _phase(refit) in ("Succeeded", "Failed") or (_phase(refit) == "Running" and _attempts(refit) > previous)
 
 
-def _moved_on(refit: kube.Object | None, *, number: int) -> bool:
+def _moved_on(refit: Object | None, *, number: int) -> bool:
     """Attempt ``number`` is over: the Refit finished, or the operator published the next attempt."""
     return _phase(refit) in ("Succeeded", "Failed") or _attempts(refit) > number
 
 
-def _attempts(refit: kube.Object | None) -> int:
+def _attempts(refit: Object | None) -> int:
     return int((refit or {}).get("status", {}).get("attempts", 0))
 
 
@@ -224,7 +225,7 @@ class Traffic:
                     self._round.notify_all()
                 self._stop.wait(0.2)  # pacing of the load, not synchronisation
 
-    def _ask(self, client: httpx.Client, pod: kube.Object) -> None:
+    def _ask(self, client: httpx.Client, pod: Object) -> None:
         body = {
             "model": FLEET,
             "prompt": base.PROMPT,
@@ -265,7 +266,7 @@ def frontend(kube_admin: kube.Kube, namespace: str, pod: str) -> str:
     return f"http://{found['status']['podIP']}:8000"
 
 
-def shard(obj: kube.Object | None, index: int) -> kube.Object:
+def shard(obj: Object | None, index: int) -> Object:
     return next((s for s in (obj or {}).get("status", {}).get("shards", []) if s["index"] == index), {})
 
 
@@ -273,7 +274,7 @@ def fleet_path(namespace: str) -> str:
     return f"{base.fleets(namespace)}/{FLEET}"
 
 
-def serves(kube_admin: kube.Kube, namespace: str, fleet: kube.Object, version: int, tokens: list[int]) -> None:
+def serves(kube_admin: kube.Kube, namespace: str, fleet: Object, version: int, tokens: list[int]) -> None:
     for entry in fleet["status"]["shards"]:
         assert base.served(kube_admin, namespace, entry["pods"][0]) == (tokens, str(version)), entry
 
@@ -393,7 +394,7 @@ def test_a_shard_restarted_after_a_checkpoint_refit_is_stale_until_it_loaded_tha
         kill_engine(pod_runner, namespace, f"{FLEET}-s1-p0")
         phases: list[str] = []
 
-        def caught_up(obj: kube.Object | None) -> bool:
+        def caught_up(obj: Object | None) -> bool:
             entry = shard(obj, 1)
             if entry.get("restarts") == 1 and (not phases or phases[-1] != entry.get("phase")):
                 phases.append(entry.get("phase", ""))

@@ -17,7 +17,7 @@ from typing import Any
 
 from lightkube import operators
 
-Object = dict[str, Any]
+from megafleet.objects import Object
 
 
 class Api:

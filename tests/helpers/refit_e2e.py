@@ -12,6 +12,7 @@ import openai
 import torch
 import yaml
 
+from megafleet.objects import Object
 from megafleet_dev import kube
 from megafleet_engine.models import tiny
 from megafleet_protocol import ports
@@ -35,7 +36,7 @@ def refits(namespace: str) -> str:
 REFIT_ENDED = ("Succeeded", "Failed")
 
 
-def refit_manifest(fleet: str, version: int, *, port: int | None = None, checkpoint: str | None = None) -> kube.Object:
+def refit_manifest(fleet: str, version: int, *, port: int | None = None, checkpoint: str | None = None) -> Object:
     """The Refit ``<fleet>-v<version>`` of the refit tests: from a one-rank trainer's rendezvous
     on :data:`TRAINER_ADDRESS` at ``port``, or from a ``checkpoint`` path (exactly one of them)."""
     if (port is None) == (checkpoint is None):
@@ -68,7 +69,7 @@ def create_refit(
     return f"{refits(namespace)}/{manifest['metadata']['name']}"
 
 
-def refit_ended(obj: kube.Object | None) -> bool:
+def refit_ended(obj: Object | None) -> bool:
     return (obj or {}).get("status", {}).get("phase") in REFIT_ENDED
 
 
@@ -78,7 +79,7 @@ def tiny_fleet(**spec: Any) -> dict[str, Any]:
     return manifest
 
 
-def ready(obj: kube.Object | None) -> bool:
+def ready(obj: Object | None) -> bool:
     return (kube.condition(obj, "Ready") or {}).get("status") == "True"
 
 
@@ -100,7 +101,7 @@ class TrainerModel:
             )
         return [int(token) for token in output[0, len(PROMPT) :]]
 
-    def refit(self, kube_admin: kube.Kube, namespace: str, fleet: str, version: int) -> kube.Object:
+    def refit(self, kube_admin: kube.Kube, namespace: str, fleet: str, version: int) -> Object:
         """Create the Refit, learn the membership from its status, send, and wait for the outcome."""
         port = free_port()
         path = create_refit(kube_admin, namespace, fleet, version, port=port)

@@ -6,6 +6,7 @@ from typing import Any
 
 from megafleet import desired, names, planner
 from megafleet.api import v1alpha1
+from megafleet.objects import Object
 
 
 def fleet(**spec: object) -> desired.ParsedFleet:
@@ -18,7 +19,7 @@ PLACEMENT = planner.ShardPlacement(
 )
 
 
-def env(pod: desired.Object) -> dict[str, str]:
+def env(pod: Object) -> dict[str, str]:
     return {item["name"]: item.get("value", "") for item in pod["spec"]["containers"][0]["env"]}
 
 

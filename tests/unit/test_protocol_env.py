@@ -12,6 +12,7 @@ from collections.abc import Iterator, Mapping
 
 from megafleet import desired, planner
 from megafleet.api import v1alpha1
+from megafleet.objects import Object
 from megafleet_engine import settings
 from megafleet_protocol import env
 
@@ -42,7 +43,7 @@ class Recording(Mapping[str, str]):
         return len(self._values)
 
 
-def pod_env(pod: desired.Object) -> dict[str, str]:
+def pod_env(pod: Object) -> dict[str, str]:
     """The pod's env as the kubelet resolves it (the pod IP and the API key Secret filled in)."""
     resolved = {}
     for item in pod["spec"]["containers"][0]["env"]:
@@ -57,7 +58,7 @@ def pod_env(pod: desired.Object) -> dict[str, str]:
     return resolved
 
 
-def sample_pods() -> list[desired.Object]:
+def sample_pods() -> list[Object]:
     raw = {
         "model": {"source": "/models/m", "servedName": "policy"},
         "parallelism": {"tensor": 8},

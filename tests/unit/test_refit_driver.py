@@ -14,9 +14,9 @@ import yaml
 from helpers import kube_fakes
 from megafleet import agent_client, kube, refit_driver
 from megafleet import settings as operator_settings
+from megafleet.objects import Object
 
 ROOT = Path(__file__).resolve().parents[2]
-Object = dict[str, Any]
 
 
 def refit(name: str, version: int, phase: str | None, created: str, fleet: str = "tiny") -> Object:

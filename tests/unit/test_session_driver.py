@@ -22,12 +22,12 @@ import yaml
 from helpers import kube_fakes
 from megafleet import agent_client, conditions, kube, reconcile, refit_driver, session_driver
 from megafleet import settings as operator_settings
+from megafleet.objects import Object
 from megafleet.reconcile import context
 from megafleet_protocol import agent_api, vocabulary
 
 ROOT = Path(__file__).resolve().parents[2]
 NS = "rl"
-Object = dict[str, Any]
 CREATED = datetime.datetime(2026, 1, 1, tzinfo=datetime.UTC)
 INFO = [["model.embed_tokens.weight", [32, 8], "torch.float32"], ["lm_head.weight", [32, 8], "torch.float32"]]
 

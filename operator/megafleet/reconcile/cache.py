@@ -41,8 +41,8 @@ from typing import Any
 import msgspec
 
 from megafleet import names
+from megafleet.objects import Object
 
-Object = dict[str, Any]
 Index = Mapping[Any, Iterable[Object]]
 """A Kopf index as handlers receive it: key to the values of every object indexed under it."""
 

@@ -14,10 +14,10 @@ from typing import Any
 
 from megafleet import agent_client, backoff, desired, kube
 from megafleet import settings as operator_settings
+from megafleet.objects import Object
 from megafleet.reconcile import cache as watch_cache
 from megafleet.reconcile import ownership, pods
 
-Object = dict[str, Any]
 Notify = Callable[[str, str, str], None]
 """Emits a Kubernetes Event about the fleet: (type Normal|Warning, reason, message)."""
 

@@ -11,8 +11,7 @@ from typing import Any
 
 from megafleet import planner
 from megafleet.api import v1alpha1
-
-Object = dict[str, Any]
+from megafleet.objects import Object
 
 HOSTNAME_LABEL = "kubernetes.io/hostname"
 NODE_NAME_FIELD = "metadata.name"

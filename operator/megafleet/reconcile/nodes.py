@@ -33,13 +33,11 @@ from __future__ import annotations
 import dataclasses
 import datetime
 from collections.abc import Iterable, Mapping
-from typing import Any
 
 from megafleet import desired, names
+from megafleet.objects import Object
 from megafleet.reconcile import cache as watch_cache
 from megafleet.reconcile import context, inventory, ownership
-
-Object = dict[str, Any]
 
 UNREACHABLE = "node.kubernetes.io/unreachable"
 OUT_OF_SERVICE = "node.kubernetes.io/out-of-service"

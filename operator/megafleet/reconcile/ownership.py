@@ -11,11 +11,9 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from typing import Any
 
 from megafleet import desired, kube
-
-Object = dict[str, Any]
+from megafleet.objects import Object
 
 
 class NameConflict(Exception):

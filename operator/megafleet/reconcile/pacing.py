@@ -20,10 +20,9 @@ from __future__ import annotations
 
 from typing import Any
 
+from megafleet.objects import Object
 from megafleet.reconcile import context, pods
 from megafleet.reconcile import nodes as lost_nodes
-
-Object = dict[str, Any]
 
 
 def pod_view(pod: pods.Pod) -> tuple[Any, ...]:

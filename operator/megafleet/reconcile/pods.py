@@ -9,13 +9,12 @@ once the old pods are gone.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
 
 from megafleet import agent_client, desired, kube, names
+from megafleet.objects import Object
 from megafleet.reconcile import cache as watch_cache
 from megafleet.reconcile import inventory, ownership
 
-Object = dict[str, Any]
 Reports = dict[int, list[agent_client.AgentState | None]]
 """Agent reports by shard, in pod order; ``None`` for a pod that is not running yet."""
 

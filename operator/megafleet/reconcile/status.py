@@ -8,13 +8,12 @@ status, and :func:`write` patches only what changed, so an idle reconcile writes
 from __future__ import annotations
 
 import json
-from typing import Any
 
 from megafleet import agent_client, conditions, desired, kube, planner
 from megafleet.api import v1alpha1
+from megafleet.objects import Object
 from megafleet.reconcile import pods
 
-Object = dict[str, Any]
 Report = agent_client.AgentState | None
 
 _AGENT_PHASES = {"loading": "Loading", "stale": "Stale", "suspended": "Refitting", "failed": "Failed"}

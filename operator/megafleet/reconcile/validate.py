@@ -6,13 +6,10 @@ problem, and a Warning Event only when it turns invalid; nothing else is touched
 
 from __future__ import annotations
 
-from typing import Any
-
 from megafleet import conditions, desired, kube, names
 from megafleet.api import checks
+from megafleet.objects import Object
 from megafleet.reconcile import context, status
-
-Object = dict[str, Any]
 
 
 async def fleet(api: kube.Api, body: Object, notify: context.Notify) -> desired.ParsedFleet | None:

@@ -54,6 +54,7 @@ from lightkube.resources.core_v1 import Pod
 
 from megafleet import names
 from megafleet.api import v1alpha1
+from megafleet.objects import Object
 from megafleet.sdk import errors, generation, routing
 from megafleet_protocol import ports, vocabulary
 
@@ -72,8 +73,6 @@ MegatronGeneration = create_namespaced_resource(
     v1alpha1.GROUP, v1alpha1.VERSION, "MegatronGeneration", "megatrongenerations"
 )
 Refit = create_namespaced_resource(v1alpha1.GROUP, v1alpha1.VERSION, "Refit", "refits")
-
-Object = dict[str, Any]
 
 
 @dataclasses.dataclass(frozen=True)

@@ -15,6 +15,7 @@ from collections.abc import Mapping
 from typing import Any, Literal
 
 from megafleet.api import v1alpha1
+from megafleet.objects import Object
 
 __all__ = [
     "RESTART_ADVICE",
@@ -27,7 +28,6 @@ __all__ = [
     "world_check",
 ]
 
-Object = Mapping[str, Any]
 Outcome = Literal["waiting", "done", "failed"]
 
 RESTART_ADVICE = "NeMo RL cannot rebuild its collective: restart the job from its last checkpoint"
