@@ -16,7 +16,8 @@ import yaml
 from helpers import kube_fakes
 from megafleet import agent_client, desired, reconcile, settings
 from megafleet.api import v1alpha1
-from megafleet.reconcile import context, ownership
+from megafleet.fleet_state import ownership
+from megafleet.reconcile import context
 
 ROOT = Path(__file__).resolve().parents[3]
 SPEC = v1alpha1.MegatronGenerationSpec.model_validate({"model": {"source": "tiny://llama"}})
