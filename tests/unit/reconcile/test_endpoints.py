@@ -1,4 +1,4 @@
-"""Reserving endpoints at scale (issue 18): Service creates are bounded across fleets, and a fresh
+"""Reserving endpoints at scale: Service creates are bounded across fleets, and a fresh
 fleet's Secret and ConfigMap are created without reading them first. Against the in-memory API
 (tests/helpers/kube_fakes.py)."""
 

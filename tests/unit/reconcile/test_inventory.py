@@ -149,7 +149,7 @@ def test_nodes_report_gpus_offered_taken_and_schedulability(
 
 
 def test_an_empty_key_exists_toleration_lets_placement_use_tainted_nodes() -> None:
-    """Kubernetes reads ``key: "", operator: Exists`` as "tolerate every taint" (issue 16): the planner
+    """Kubernetes reads ``key: "", operator: Exists`` as "tolerate every taint": the planner
     must see such nodes as schedulable and place the shard there."""
     tainted = {
         "metadata": {"name": "n0", "labels": {}},

@@ -1,4 +1,4 @@
-"""A fleet never adopts, reads, publishes or deletes what it does not own (issue 16), against an
+"""A fleet never adopts, reads, publishes or deletes what it does not own, against an
 in-memory API (tests/helpers/kube_fakes.py); the same against the real control plane:
 tests/e2e/test_hostile_specs.py."""
 

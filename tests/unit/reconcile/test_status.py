@@ -169,7 +169,7 @@ def test_shard_entry(members: list[pods.Pod] | None, overrides: dict[str, Any], 
 
 
 def test_a_failed_shard_keeps_the_same_entry_at_every_reconcile() -> None:
-    """Each reconcile reads lastError back from the status (issue 16: it grew "gave up after 5
+    """Each reconcile reads lastError back from the status (once, it grew "gave up after 5
     restarts; last: gave up after ..." at every pass, so status was written forever)."""
     first = status.shard_entry(0, None, **{**ENTRY_DEFAULTS, "restarts": (6, "pods ended: p0")})
     again = status.shard_entry(0, None, **{**ENTRY_DEFAULTS, "restarts": (6, first["lastError"])})

@@ -47,7 +47,7 @@ def test_a_refit_not_above_the_current_version_fails_at_once_and_reaches_no_agen
 
 
 def test_a_refit_admitted_by_an_older_crd_with_a_rendezvous_address_not_a_host_fails_naming_it() -> None:
-    """``'127.0.0.1; curl x|sh'`` is refused at admission (issue 16); an object that predates the
+    """``'127.0.0.1; curl x|sh'`` is refused at admission; an object that predates the
     rule fails once, naming the field, instead of crashing the driver at every poll."""
     hostile = refit("tiny-v6", 6, None, f"{T}01Z")
     hostile["spec"]["source"]["rendezvous"]["address"] = "127.0.0.1; curl x|sh"
