@@ -52,18 +52,7 @@ async def start(ctx: context.RefitContext) -> None:
             "message": f"attempt {attempt}: {len(reachable)} shards receive version {ctx.spec.version}",
         }
     )
-    refused: list[str] = []
-    for shard, members in sorted(reachable.items()):
-        for pod in members:
-            # The shard's offset: each rank adds its own rank in the shard (MEGAFLEET_RANK).
-            try:
-                body = _request(ctx, membership, membership.offsets[shard], attempt)
-            except pydantic.ValidationError as invalid:  # e.g. attempt 2 past port 65535: the agent would refuse it
-                refused.append(f"{pod.name} refused: {invalid.errors()[0]['msg']}")
-                continue
-            error = await ctx.agents.refit_start(pod.ip, ctx.token, body)
-            if error is not None:
-                refused.append(f"{pod.name} refused: {error}")
+    refused = await _tell(ctx, reachable, membership, attempt)
     if refused:  # a member that never started would leave the others waiting for it until their deadline
         ctx.body = {**ctx.body, "status": {**ctx.status, "attempts": attempt}}
         await fail(ctx, sorted(reachable), refused[0])
@@ -77,6 +66,25 @@ async def _reachable(ctx: context.RefitContext) -> dict[int, list[pods.Pod]]:
         if all(state.error is None and state.state != "failed" for state in states):
             reachable[shard] = members
     return reachable
+
+
+async def _tell(
+    ctx: context.RefitContext, reachable: dict[int, list[pods.Pod]], membership: planner.Membership, attempt: int
+) -> list[str]:
+    """Tell every pod of the member shards to receive; the refusals, each naming its pod."""
+    refused: list[str] = []
+    for shard, members in sorted(reachable.items()):
+        for pod in members:
+            # The shard's offset: each rank adds its own rank in the shard (MEGAFLEET_RANK).
+            try:
+                body = _request(ctx, membership, membership.offsets[shard], attempt)
+            except pydantic.ValidationError as invalid:  # e.g. attempt 2 past port 65535: the agent would refuse it
+                refused.append(f"{pod.name} refused: {invalid.errors()[0]['msg']}")
+                continue
+            error = await ctx.agents.refit_start(pod.ip, ctx.token, body)
+            if error is not None:
+                refused.append(f"{pod.name} refused: {error}")
+    return refused
 
 
 def _request(
