@@ -1,9 +1,10 @@
 """The operator's client for the pod-local agents (``GET /v1/state``, suspend, resume, refit, join, leave).
 
-Called by :mod:`megafleet.reconcile` to observe shards and verify served addresses, by the refit
-orchestration (:mod:`megafleet.refit_driver`) and by the RefitSession driver
-(:mod:`megafleet.session_driver`: join a trainer's world, leave it). Requests and responses are the models of
-:mod:`megafleet_protocol.agent_api`, which the agent itself validates with. Every call carries the
+Called by :mod:`megafleet.reconcile` to observe shards and verify served addresses, by the Refit
+controller (:mod:`megafleet.refits.refit_controller`: start, collect and abort a refit) and by the
+RefitSession controller (:mod:`megafleet.refits.session_controller`: join a trainer's world, leave
+it). Requests and responses are the models of :mod:`megafleet_protocol.agent_api`, which the agent
+itself validates with. Every call carries the
 fleet's bearer token; a pod whose agent does not answer within the timeout (or answers something
 malformed) is reported as unreachable, never as an exception. The calls go over aiohttp (Kopf's
 own HTTP client), as the operator's API requests do (:mod:`megafleet.kube_rest`): a starting fleet

@@ -18,7 +18,7 @@ DEGRADED = "Degraded"
 INVALID_SPEC = "InvalidSpec"
 NAME_CONFLICT = "NameConflict"
 REFIT_SESSION_HELD = "RefitSessionHeld"
-"""A RefitSession holds the fleet's shards in a trainer's world (:mod:`megafleet.reconcile.hold`)."""
+"""A RefitSession holds the fleet's shards in a trainer's world (:mod:`megafleet.fleet_state.hold`)."""
 
 Condition = dict[str, Any]
 

@@ -59,7 +59,7 @@ def _meta(fleet: ParsedFleet, name: str, component: str, shard: int | None = Non
 
 
 SHARDS_PER_FRONTENDS_SERVICE = 100
-"""Shards whose frontends share one ClusterIP Service, each on a port of its own (issue 18).
+"""Shards whose frontends share one ClusterIP Service, each on a port of its own.
 
 kube-apiserver allocates ClusterIPs one at a time under one lock, about 18 ms of control-plane CPU
 each: one Service per shard made a 1,000-pod fleet wait on 1,000 allocations. A frontends Service

@@ -5,8 +5,8 @@ its spec changes, the operator resumes, any event of a pod the fleet owns, and t
 (:mod:`megafleet.reconcile.pacing`: a reconcile every few seconds while the fleet changes, a slow
 agent probe once it is settled). Reconciles read pods, Services and nodes from Kopf indexes
 (:mod:`megafleet.reconcile.cache`), which Kopf fills before it runs any handler. Refits are
-advanced by :mod:`megafleet.refit_driver` on create and a poll, and RefitSessions by
-:mod:`megafleet.session_driver` on create, resume and a poll. The polls are daemons that end once
+advanced by :mod:`megafleet.refits.refit_controller` on create and a poll, and RefitSessions by
+:mod:`megafleet.refits.session_controller` on create, resume and a poll. The polls are daemons that end once
 their object is gone, so no fleet or Refit carries a finalizer (:mod:`megafleet.persistence`):
 deleting one never waits for an operator. A RefitSession has one on purpose (Kopf's, for its delete
 handler): its members leave the trainer's world and the fleet's hold is released before it goes.
@@ -24,11 +24,12 @@ from typing import Any, cast
 
 import kopf
 
-from megafleet import agent_client, kube, metrics, names, persistence, reconcile, refit_driver, session_driver
+from megafleet import agent_client, kube, metrics, names, persistence, reconcile
 from megafleet import settings as operator_settings
 from megafleet.api import v1alpha1
 from megafleet.reconcile import cache as watch_cache
-from megafleet.reconcile import context, nodes, pacing
+from megafleet.reconcile import context, lost_nodes, pacing
+from megafleet.refits import refit_controller, session_controller, session_status
 
 log = logging.getLogger(__name__)
 
@@ -50,7 +51,7 @@ def diffbase_storage() -> persistence.DigestDiffBase:
 def configure(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) -> None:
     """``memo.clusterwide`` (set by :mod:`megafleet.operator_main`): the operator watches every namespace."""
     # Kopf's own bookkeeping goes to annotations under our prefix, never into our status contract.
-    # Bounded and tolerant of malformed records; see megafleet.persistence (issue 16).
+    # Bounded and tolerant of malformed records; see megafleet.persistence.
     settings.persistence.progress_storage = persistence.TolerantProgress(prefix=names.PREFIX)
     settings.persistence.diffbase_storage = diffbase_storage()
     settings.posting.level = logging.INFO
@@ -260,10 +261,10 @@ def _deleted(type: str | None, **_: Any) -> bool:
 @kopf.on.event("v1", "nodes", when=_deleted)  # the filter: no handler call (nor log line) per heartbeat
 async def on_node_event(name: str, memo: kopf.Memo, **kwargs: Any) -> None:
     """A deleted node: reconcile at once every fleet with a pod on it (Kopf took the node out of the
-    index first), which releases its shards (:mod:`megafleet.reconcile.nodes`). A node that turns
+    index first), which releases its shards (:mod:`megafleet.reconcile.lost_nodes`). A node that turns
     unreachable is lost only once the pods' toleration runs out: the probes of the fleets notice."""
     runtime = _runtime(memo, kwargs)
-    for namespace, fleet in nodes.fleets_on(runtime.cache, name):
+    for namespace, fleet in lost_nodes.fleets_on(runtime.cache, name):
         await _reconcile(runtime, namespace, fleet)
 
 
@@ -276,10 +277,10 @@ async def _advance_refit(runtime: context.Runtime, namespace: str, name: str, fl
     async with runtime.fleet_lock(namespace, fleet):  # never beside the fleet's reconcile
         # Read under the lock: a trigger that waited for it must see what the one before it wrote
         # (two triggers starting the same attempt would each tell the agents to join).
-        refit = await runtime.api.get("Refit", name, namespace)
-        if refit is None or not _unfinished(refit.get("status") or {}):
+        body = await runtime.api.get("Refit", name, namespace)
+        if body is None or not _unfinished(body.get("status") or {}):
             return False
-        await refit_driver.advance(runtime.api, runtime.agents, refit, settings=runtime.settings.refit)
+        await refit_controller.advance(runtime, body)
         return True
 
 
@@ -300,7 +301,7 @@ async def poll_refit(
 
 
 def _session_open(status: Mapping[str, Any], **_: Any) -> bool:
-    return status.get("phase") not in session_driver.ENDED
+    return status.get("phase") not in session_status.ENDED
 
 
 async def _advance_session(runtime: context.Runtime, namespace: str, name: str, fleet: str) -> bool:
@@ -312,12 +313,12 @@ async def _advance_session(runtime: context.Runtime, namespace: str, name: str, 
             return False
         if not _session_open(session.get("status") or {}):
             return False
-        await session_driver.advance(runtime, session)
+        await session_controller.advance(runtime, session)
         after = await runtime.api.get("RefitSession", name, namespace)
     before = (session.get("status") or {}).get("phase", "Pending")
     status = (after or {}).get("status") or {}
     if after is not None and status.get("phase", "Pending") != before:
-        kind = "Warning" if status["phase"] in session_driver.ENDED else "Normal"
+        kind = "Warning" if status["phase"] in session_status.ENDED else "Normal"
         message = status.get("message") or status["phase"]
         kopf.event(kopf.Body(cast(kopf.RawBody, after)), type=kind, reason=f"Session{status['phase']}", message=message)
     return after is not None and _session_open(status)
@@ -350,7 +351,4 @@ async def on_session_delete(
     runtime = _runtime(memo)
     namespace = namespace or "default"
     async with runtime.fleet_lock(namespace, spec["fleetRef"]["name"]):
-        runtime.store_lost.pop((namespace, name), None)
-        found = await runtime.api.get("RefitSession", name, namespace)  # still there: the finalizer holds it
-        if found is not None:
-            await session_driver.release(runtime.api, runtime.agents, session_driver.Session.parse(found))
+        await session_controller.release(runtime, namespace, name)

@@ -1,7 +1,7 @@
 """The one alias for a Kubernetes object as JSON, shared by the operator, the SDK and the dev tools.
 
 A body read from or written to the API server is a plain ``dict``: the operator parses the parts it
-acts on into typed views (``reconcile.pods.Pod``, the API models) and passes the rest through untouched.
+acts on into typed views (``fleet_state.pods.Pod``, the API models) and passes the rest through untouched.
 """
 
 from typing import Any

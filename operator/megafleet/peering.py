@@ -1,4 +1,4 @@
-"""Announce an operator replica in its ClusterKopfPeering before Kopf starts (issue 16, point 3).
+"""Announce an operator replica in its ClusterKopfPeering before Kopf starts.
 
 Called by :func:`megafleet.operator_main.run` when the operator runs with ``--peering``. Kopf resumes a
 replica as soon as its first look at the peering object shows no higher priority; two replicas

@@ -1,4 +1,4 @@
-"""Kopf's bookkeeping on our objects, bounded and tolerant (issue 16).
+"""Kopf's bookkeeping on our objects, bounded and tolerant.
 
 Installed by :mod:`megafleet.handlers`. Three things Kopf does by default break a fleet:
 
@@ -38,7 +38,7 @@ class DigestDiffBase(kopf.AnnotationsDiffBaseStorage):
     change handlers and daemons, which alone use the essence) get one: Kopf builds an essence for
     every event of every watched resource, and for pods, which the operator only indexes and
     watches, that was a deep copy and a sorted JSON dump of each pod event's spec for nothing
-    (~10 % of the operator's CPU with 1,000 pods starting, issue 18)."""
+    (~10 % of the operator's CPU with 1,000 pods starting)."""
 
     def __init__(self, *, prefix: str, key: str, group: str | None = None) -> None:
         super().__init__(prefix=prefix, key=key)
@@ -47,7 +47,7 @@ class DigestDiffBase(kopf.AnnotationsDiffBaseStorage):
     def build(self, *, body: kopf.Body, extra_fields: Iterable[Any] | None = None) -> kopf.BodyEssence:
         if self.group is not None and not str(body.get("apiVersion", "")).startswith(f"{self.group}/"):
             return cast(kopf.BodyEssence, {})
-        if not extra_fields:  # the essence never holds the status: Kopf need not deep-copy it (issue 18)
+        if not extra_fields:  # the essence never holds the status: Kopf need not deep-copy it
             body = _without_status(body)
         essence = super().build(body=body, extra_fields=extra_fields)
         return cast(kopf.BodyEssence, {key: {"sha256": _digest(value)} for key, value in essence.items()})

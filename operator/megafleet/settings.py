@@ -1,9 +1,10 @@
 """Every tuning value of the operator, in one frozen object.
 
 Built once by :mod:`megafleet.handlers` (its Kopf decorators read it at import, its startup handler
-keeps it in Kopf's ``memo``) and read by the reconcile steps and the Refit driver. A value changes by
-changing its default, with the reason beside it; :meth:`OperatorSettings.from_environ` lets a deployment
-(or a test) override one as ``MEGAFLEET_<GROUP>_<FIELD>``, e.g. ``MEGAFLEET_SESSION_TRAINER_GONE_SECONDS``.
+keeps it in Kopf's ``memo``) and read by the reconcile steps and the Refit and RefitSession
+controllers. A value changes by changing its default, with the reason beside it;
+:meth:`OperatorSettings.from_environ` lets a deployment (or a test) override one as
+``MEGAFLEET_<GROUP>_<FIELD>``, e.g. ``MEGAFLEET_SESSION_TRAINER_GONE_SECONDS``.
 """
 
 from __future__ import annotations
@@ -89,7 +90,7 @@ class CatchUpSettings:
 
 @dataclasses.dataclass(frozen=True)
 class RefitSettings:
-    """The Refit driver."""
+    """The Refit controller (:mod:`megafleet.refits.refit_controller`)."""
 
     poll_seconds: float = 1.0
     """Seconds between progress polls of a running refit's agents (default 1)."""
@@ -100,13 +101,13 @@ class RefitSettings:
 
 @dataclasses.dataclass(frozen=True)
 class SessionSettings:
-    """The RefitSession driver."""
+    """The RefitSession controller (:mod:`megafleet.refits.session_controller`)."""
 
     poll_seconds: float = 1.0
     """Seconds between observations of a session's members (default 1): a join's progress, a lost
     member, the trainer's store."""
     join_grace_seconds: float = 5.0
-    """Seconds past ``joinTimeoutSeconds`` the driver waits for the members to report a join's
+    """Seconds past ``joinTimeoutSeconds`` the controller waits for the members to report a join's
     outcome themselves (default 5; each agent's join has the same deadline and fails by itself)."""
     trainer_gone_seconds: float = 60.0
     """Seconds every member must report the trainer's store unreachable before the session is

@@ -1,11 +1,12 @@
-"""Restart Kopf in this process when it stopped serving the operator's resources (issue 16).
+"""Restart Kopf in this process when it stopped serving the operator's resources.
 
 Called by :func:`megafleet.operator_main.run`. Kopf decides which resources to watch from the API
 server's discovery: at start-up, and again for a group whenever one of its CRDs changes. An API
 server that is starting (a restart, a control-plane upgrade) can answer discovery without the custom
 resource groups for a moment; a scan in that moment makes Kopf log "Unresolved resources cannot be
 served" and stop watching them, and only a later change of a CRD would make it look again, so the
-operator would sit idle. The chaos drill with API server restarts found it (``tests/chaos``).
+operator would sit idle. The chaos drill with API server restarts found it (``tests/chaos``; see
+``docs/incidents.md``, 2026-12-01).
 
 The supervisor runs Kopf, and when Kopf logs that warning it stops Kopf (its ``stop_flag``) and starts
 it again after a back-off (doubling from :data:`FIRST_BACKOFF_SECONDS` to :data:`MAX_BACKOFF_SECONDS`,

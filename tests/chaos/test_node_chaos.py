@@ -3,7 +3,7 @@ NotReady (KWOK stops managing it and its Ready condition turns False), then is d
 
 While it is NotReady its engines still run (the node is simulated), so the fleet keeps serving (the
 pods tolerate the node lifecycle controller's taints for 300 s), and a scale-up must place the new
-shard elsewhere. Once the node is deleted, the operator itself (``megafleet.reconcile.nodes``)
+shard elsewhere. Once the node is deleted, the operator itself (``megafleet.reconcile.lost_nodes``)
 force-deletes its pods and re-places their shards on the remaining node, behind the same Services,
 with a ``NodeLost`` Event naming the node: well before Kubernetes' pod garbage collector would have
 removed the orphans (its 40 s quarantine alone; about 100 s measured before). No client request

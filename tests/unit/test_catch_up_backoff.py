@@ -1,6 +1,6 @@
 """A shard whose catch-up from the fleet's checkpoint keeps failing is retried after growing delays
 (10 s, 20 s, ... 5 min), each failure reported once, instead of at every reconcile. The delays
-themselves (pure) and :func:`megafleet.reconcile.versions.catch_up` driven by a stand-in for the agents'
+themselves (pure) and :func:`megafleet.reconcile.catch_up.start` driven by a stand-in for the agents'
 HTTP client (the real client and agents are exercised by tests/e2e/test_refit_recovery.py)."""
 
 from __future__ import annotations
@@ -10,7 +10,8 @@ from typing import Any
 
 from megafleet import agent_client, backoff, desired, settings
 from megafleet.api import v1alpha1
-from megafleet.reconcile import context, pods, versions
+from megafleet.fleet_state import pods
+from megafleet.reconcile import catch_up, context
 from megafleet_protocol import agent_api
 
 
@@ -46,7 +47,7 @@ IDLE_FIELDS: dict[str, Any] = {
 
 
 class StandInAgents:
-    """The agents' client as :func:`versions.catch_up` calls it: each pod's refit status, and the
+    """The agents' client as :func:`catch_up.start` calls it: each pod's refit status, and the
     checkpoint refits it starts (a started one runs, then fails when ``failing``)."""
 
     def __init__(self) -> None:
@@ -92,7 +93,7 @@ def test_a_failing_catch_up_is_retried_after_growing_delays_and_reported_once_pe
 
     def reconcile_at(seconds: float) -> None:
         now[0] = seconds
-        asyncio.run(versions.catch_up(ctx, clock=lambda: now[0]))
+        asyncio.run(catch_up.start(ctx, clock=lambda: now[0]))
 
     reconcile_at(0)  # stale, nothing ran yet: start at once
     assert client.started == ["10.0.0.5"] and events[-1][0] == "ShardCatchingUp"

@@ -6,13 +6,14 @@ from __future__ import annotations
 
 import asyncio
 from pathlib import Path
-from typing import Any, cast
+from typing import Any
 
 import yaml
 
 from helpers import kube_fakes
-from megafleet import agent_client, conditions, kube, reconcile, refit_driver, settings
+from megafleet import agent_client, conditions, reconcile, settings
 from megafleet.reconcile import context
+from megafleet.refits import refit_controller
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -61,14 +62,7 @@ def test_a_fleet_at_zero_shards_has_nothing_running_and_a_refit_for_it_waits_pen
         "spec": {"fleetRef": {"name": "tiny"}, "version": 1, "source": {"checkpoint": {"path": "/ckpt/1"}}},
     }
     api.objects[("Refit", "rl", "tiny-v1")] = refit
-    asyncio.run(
-        refit_driver.advance(
-            cast(kube.Api, api),
-            cast(agent_client.AgentClient, agents),
-            refit,
-            settings=settings.RefitSettings(),
-        )
-    )
+    asyncio.run(refit_controller.advance(runtime, refit))
     refit_status = api.objects[("Refit", "rl", "tiny-v1")]["status"]
     assert (refit_status["phase"], refit_status["message"]) == ("Pending", "no live shard to refit yet")
     assert not (api.objects[("MegatronGeneration", "rl", "tiny")]["status"].get("refit") or {}).get("active")

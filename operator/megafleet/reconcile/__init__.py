@@ -5,15 +5,16 @@ events of the fleet's pods, one reconcile per fleet at a time. Level-based and i
 step reads what exists, compares it with the spec and writes only the difference, so a reconcile
 with nothing to change makes no API writes. Endpoints are reserved, and published in status and the
 ConfigMap, before any pod exists. While a refit runs, nothing is scaled, rolled or placed; while a
-RefitSession holds the fleet (:mod:`.hold`), nothing is scaled, rolled, placed or caught up either,
-but broken shards are still healed.
+RefitSession holds the fleet (:mod:`megafleet.fleet_state.hold`), nothing is scaled, rolled, placed
+or caught up either, but broken shards are still healed.
 
-Steps, each in the module named for it: :mod:`.validate`, :mod:`.endpoints`, :mod:`.pods` (observe),
-:mod:`.shards` (scale down, heal, roll, place; :mod:`.nodes` releases shards on lost nodes after
-healing), :mod:`.versions` (fence, catch up), :mod:`.status`.
+Steps, each in the module named for it: :mod:`.validate`, :mod:`.endpoints`,
+:mod:`megafleet.fleet_state.pods` (observe), :mod:`.shards` (scale down, heal, roll, place;
+:mod:`.lost_nodes` releases shards on lost nodes after healing), :mod:`.fencing`, :mod:`.catch_up`,
+:mod:`.status`.
 Pods, Services and nodes are read from the watch-fed :mod:`.cache` when the operator runs one.
-An object under a derived name that the fleet does not own stops the sequence (:mod:`.ownership`):
-NameConflict, nothing adopted or published.
+An object under a derived name that the fleet does not own stops the sequence
+(:mod:`megafleet.fleet_state.ownership`): NameConflict, nothing adopted or published.
 """
 
 from __future__ import annotations
@@ -21,8 +22,8 @@ from __future__ import annotations
 from typing import Any
 
 from megafleet import conditions
-from megafleet.reconcile import context, endpoints, hold, ownership, pacing, pods, shards, status, validate, versions
-from megafleet.reconcile import nodes as lost_nodes
+from megafleet.fleet_state import hold, ownership, pods
+from megafleet.reconcile import catch_up, context, endpoints, fencing, lost_nodes, pacing, shards, status, validate
 
 __all__ = ["reconcile"]
 
@@ -48,7 +49,7 @@ async def reconcile(
 
 async def _steps(ctx: context.FleetContext) -> None:
     ctx.token = await endpoints.agent_token(ctx)
-    await hold.verify(ctx)
+    await _verify_hold(ctx)
     await endpoints.reserve(ctx)
     await status.write(ctx.api, ctx.body, ctx.status)  # published before any pod is created
     ctx.shards = await pods.observe(ctx.api, ctx.fleet, ctx.runtime.cache)
@@ -61,11 +62,21 @@ async def _steps(ctx: context.FleetContext) -> None:
         await shards.roll(ctx)
         await shards.place(ctx)
     ctx.reports = await pods.ask_agents(ctx.agents, ctx.shards, ctx.token)
-    await versions.fence(ctx)
+    await fencing.fence(ctx)
     if ctx.held is None:  # a checkpoint load would drop the members' place in the trainer's world
-        await versions.catch_up(ctx)
+        await catch_up.start(ctx)
     await _write_observed(ctx)
     pacing.record(ctx)
+
+
+async def _verify_hold(ctx: context.FleetContext) -> None:
+    """Drop a hold whose session is gone or ended: a fleet is never held by nothing. The caller
+    writes the status."""
+    session = ctx.held
+    if session is None or not await hold.orphaned(ctx.api, ctx.fleet.namespace, session):
+        return
+    ctx.status = {**ctx.status, "refit": {**ctx.refit, "session": None}}
+    ctx.notify("Warning", "RefitSessionReleased", f"RefitSession {session} is gone or ended: the hold is released")
 
 
 async def _report_conflict(ctx: context.FleetContext, message: str) -> None:

@@ -3,9 +3,10 @@ LIST calls.
 
 Filled by Kopf indexes (:mod:`megafleet.handlers` declares them and hands them over with
 :meth:`Cache.attach`); read by :func:`megafleet.handlers._reconcile` (the fleet itself,
-:meth:`Cache.fleet`), :mod:`.pods` (a fleet's pods), :mod:`.endpoints` (its Services) and
-:mod:`.shards` (the GPU inventory). Without a cache (in-process tests, the Refit drivers) those
-steps GET and LIST as before.
+:meth:`Cache.fleet`), :func:`megafleet.fleet_state.pods.observe` (a fleet's pods, through its
+:class:`~megafleet.fleet_state.pods.Index`), :mod:`.endpoints` (its Services) and :mod:`.shards`
+(the GPU inventory). Without a cache (in-process tests, the Refit and RefitSession controllers)
+those steps GET and LIST as before.
 
 Freshness, what a reader can count on:
 
@@ -24,7 +25,7 @@ Freshness, what a reader can count on:
   (``clusterwide``); an operator limited to some namespaces LISTs the cluster's pods at placement,
   as GPUs other namespaces' pods hold must still count.
 - A fleet is the newer of what the watch delivered and what the operator's own last write of it
-  (a status or metadata patch, by any of its drivers) returned, by resource version: Kubernetes
+  (a status or metadata patch, by any of its controllers) returned, by resource version: Kubernetes
   1.35 made resource versions of one resource comparable as integers (KEP-5504). So a reconcile
   never reads a status older than the operator's own last write, nor a spec older than the watch
   delivered. A fleet the index does not hold (not delivered yet, or deleted), or whose versions do

@@ -14,9 +14,9 @@ from typing import Any
 
 from megafleet import agent_client, backoff, desired, kube
 from megafleet import settings as operator_settings
+from megafleet.fleet_state import ownership, pods
 from megafleet.objects import Object
 from megafleet.reconcile import cache as watch_cache
-from megafleet.reconcile import ownership, pods
 
 Notify = Callable[[str, str, str], None]
 """Emits a Kubernetes Event about the fleet: (type Normal|Warning, reason, message)."""
@@ -88,13 +88,13 @@ class Runtime:
     )
     """Bounds the ClusterIP Service creates in flight across fleets
     (``settings.api.service_creates_in_flight``: kube-apiserver allocates ClusterIPs one at a time,
-    so more in flight only queue there, and at ~1,000 in one burst it stopped completing them,
-    issue 18). Taken before the API client's own request slot, so creates waiting here hold none;
+    so more in flight only queue there, and at ~1,000 in one burst it stopped completing them).
+    Taken before the API client's own request slot, so creates waiting here hold none;
     waiters are served in arrival order, so the fleets that asked first get their endpoints, and
     their pods, first."""
     recent: ownership.Recent = dataclasses.field(default_factory=ownership.Recent)
     """The fleets' own Secrets and ConfigMaps as last read or written, so a burst of reconciles reads
-    each once (:class:`.ownership.Recent` says how fresh)."""
+    each once (:class:`megafleet.fleet_state.ownership.Recent` says how fresh)."""
     observed: dict[tuple[str, str], Observation] = dataclasses.field(default_factory=dict)
     """What the last reconcile of each fleet, keyed by (namespace, name), saw of its pods and agents,
     and whether it left the fleet settled (:mod:`megafleet.reconcile.pacing` compares probes with it)."""

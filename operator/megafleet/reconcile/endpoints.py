@@ -7,7 +7,7 @@ shards), fixed for the shard's life; a fleet made by an older operator keeps one
 (:func:`megafleet.desired.legacy_frontends`). A fleet of multi-pod shards also gets one headless
 ranks Service (a shard's own, made by an older operator, is kept while its shard lives, as its
 pods' rendezvous address may name it). Ports and Services no longer needed go. Only
-objects the fleet owns are read, published or deleted (:mod:`.ownership`).
+objects the fleet owns are read, published or deleted (:mod:`megafleet.fleet_state.ownership`).
 """
 
 from __future__ import annotations
@@ -17,21 +17,24 @@ import base64
 import secrets
 from typing import Any
 
-from megafleet import conditions, desired, kube, names
+from megafleet import conditions, desired, names
 from megafleet.api import v1alpha1
-from megafleet.reconcile import context, ownership, pods, status
+from megafleet.fleet_state import ownership, pods
+from megafleet.reconcile import context, status
 
 
 def fresh(ctx: context.FleetContext) -> bool:
     """No endpoints were ever published for the fleet: its Secret and ConfigMap most likely do not
     exist yet, so they are created without a GET first (a create that finds one returns it, and
-    :func:`.ownership.create` checks whose it is): two round trips fewer before the first pod."""
+    :func:`megafleet.fleet_state.ownership.create` checks whose it is): two round trips fewer before
+    the first pod."""
     return not ctx.status.get("endpoints")
 
 
 async def agent_token(ctx: context.FleetContext) -> str:
     """The fleet's agent token, created once and never rotated by a reconcile. A Secret of that name
-    the fleet does not own is a :class:`~.ownership.NameConflict`, never read."""
+    the fleet does not own is a :class:`~megafleet.fleet_state.ownership.NameConflict`, never read.
+    The Refit and RefitSession controllers read it with :func:`megafleet.fleet_state.token.read`."""
     fleet = ctx.fleet
     name = names.agent_secret(fleet.name)
     recent = ctx.runtime.recent
@@ -45,16 +48,6 @@ async def agent_token(ctx: context.FleetContext) -> str:
         patched = await ctx.api.patch("Secret", name, fleet.namespace, {"data": {names.AGENT_TOKEN_KEY: encoded}})
         recent.put("Secret", patched)
     return base64.b64decode(encoded).decode()
-
-
-async def read_token(api: kube.Api, fleet: desired.ParsedFleet) -> str:
-    """The fleet's agent token as the Refit and RefitSession drivers read it: '' before it exists or
-    when the Secret of that name is not the fleet's own (a squatter's token is never sent to agents;
-    the reconcile reports the name conflict)."""
-    secret = await api.get("Secret", names.agent_secret(fleet.name), fleet.namespace)
-    if secret is None or not ownership.owned(secret, fleet):
-        return ""
-    return base64.b64decode((secret.get("data") or {}).get(names.AGENT_TOKEN_KEY, "")).decode()
 
 
 async def reserve(ctx: context.FleetContext) -> None:

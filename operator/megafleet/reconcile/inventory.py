@@ -1,8 +1,8 @@
 """Node inventory for placement, from raw Node and Pod JSON: free GPUs, taints, cordons.
 
-Pure; called by :mod:`megafleet.reconcile.shards` (placement) and :mod:`megafleet.reconcile.pods`
-(a pod's pinned node). GPUs count as taken on a pod's bound node, else on the node its affinity
-pins it to, so GPUs promised to pods the scheduler has not bound yet are not handed out twice.
+Pure; called by :mod:`megafleet.reconcile.shards` (placement). GPUs count as taken on a pod's
+bound node, else on the node its affinity pins it to (:func:`megafleet.fleet_state.pods.pinned_node`),
+so GPUs promised to pods the scheduler has not bound yet are not handed out twice.
 """
 
 from __future__ import annotations
@@ -11,10 +11,8 @@ from typing import Any
 
 from megafleet import planner
 from megafleet.api import v1alpha1
+from megafleet.fleet_state import pods
 from megafleet.objects import Object
-
-HOSTNAME_LABEL = "kubernetes.io/hostname"
-NODE_NAME_FIELD = "metadata.name"
 
 
 def nodes(
@@ -48,25 +46,10 @@ def allocated_gpus(pod_objects: list[Object], resource: str) -> dict[str, int]:
     """GPUs requested per node, by each pod's bound node, else its pinned node."""
     used: dict[str, int] = {}
     for pod in pod_objects:
-        node = pod.get("spec", {}).get("nodeName") or pinned_node(pod)
+        node = pod.get("spec", {}).get("nodeName") or pods.pinned_node(pod)
         if node:
             used[node] = used.get(node, 0) + requested_gpus(pod, resource)
     return used
-
-
-def pinned_node(pod: Object) -> str | None:
-    """The node a pod is pinned to by a one-node affinity (the operator's pods are): a
-    ``metadata.name`` field term, or the hostname label term pods created before it carry."""
-    affinity = pod.get("spec", {}).get("affinity") or {}
-    required = (affinity.get("nodeAffinity") or {}).get("requiredDuringSchedulingIgnoredDuringExecution") or {}
-    for term in required.get("nodeSelectorTerms", []):
-        for key, expression in [(NODE_NAME_FIELD, e) for e in term.get("matchFields", [])] + [
-            (HOSTNAME_LABEL, e) for e in term.get("matchExpressions", [])
-        ]:
-            values = expression.get("values", [])
-            if expression.get("key") == key and expression.get("operator") == "In":
-                return str(values[0]) if len(values) == 1 else None
-    return None
 
 
 def requested_gpus(pod: Object, resource: str) -> int:

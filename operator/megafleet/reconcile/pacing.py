@@ -20,9 +20,9 @@ from __future__ import annotations
 
 from typing import Any
 
+from megafleet.fleet_state import pods
 from megafleet.objects import Object
-from megafleet.reconcile import context, pods
-from megafleet.reconcile import nodes as lost_nodes
+from megafleet.reconcile import context, lost_nodes
 
 
 def pod_view(pod: pods.Pod) -> tuple[Any, ...]:

@@ -14,7 +14,8 @@ from lightkube import operators
 
 from megafleet import desired, planner
 from megafleet.api import checks
-from megafleet.reconcile import context, inventory, ownership, pods
+from megafleet.fleet_state import ownership, pods
+from megafleet.reconcile import context, inventory
 
 
 async def scale_down(ctx: context.FleetContext) -> None:

@@ -2,17 +2,17 @@
 
 Pure except :func:`write`; called by :func:`megafleet.reconcile.reconcile` and its steps. Each
 function returns a new status or condition list; recomputing an unchanged state yields an equal
-status, and :func:`write` patches only what changed, so an idle reconcile writes nothing.
+status, and :func:`write` patches only what changed, so an idle reconcile writes nothing. The Ready,
+Degraded and WeightsCurrent conditions are built by :mod:`megafleet.fleet_state.readiness`, which
+the Refit controller also calls when a refit settles.
 """
 
 from __future__ import annotations
 
-import json
-
-from megafleet import agent_client, conditions, desired, kube, planner
+from megafleet import agent_client, conditions, desired, kube
 from megafleet.api import v1alpha1
+from megafleet.fleet_state import patches, pods, readiness
 from megafleet.objects import Object
-from megafleet.reconcile import pods
 
 Report = agent_client.AgentState | None
 
@@ -137,9 +137,9 @@ def observed(
         updated.pop("weightVersion", None)
     replicas, generation = fleet.spec.replicas, fleet.generation
     found = placed(list(updated.get("conditions", [])), unplaced, replicas, generation=generation, now=now)
-    found = ready_condition(found, ready, replicas, generation=generation, now=now)
-    found = degraded(found, ready, replicas, generation=generation, now=now)
-    updated["conditions"] = weights_current(found, entries, refit, generation=generation, now=now)
+    found = readiness.ready_condition(found, ready, replicas, generation=generation, now=now)
+    found = readiness.degraded(found, ready, replicas, generation=generation, now=now)
+    updated["conditions"] = readiness.weights_current(found, entries, refit, generation=generation, now=now)
     return updated
 
 
@@ -154,57 +154,6 @@ def placed(
         )
     return conditions.set_condition(
         found, conditions.PLACED, True, "AllShardsPlaced", f"{replicas} shards placed", generation=generation, now=now
-    )
-
-
-def ready_condition(
-    found: list[conditions.Condition], ready: int, replicas: int, *, generation: int, now: str
-) -> list[conditions.Condition]:
-    """Ready: every shard serves."""
-    every = ready == replicas
-    reason = "AllShardsReady" if every else "ShardsNotReady"
-    message = f"{ready} of {replicas} shards ready"
-    return conditions.set_condition(found, conditions.READY, every, reason, message, generation=generation, now=now)
-
-
-def degraded(
-    found: list[conditions.Condition], ready: int, replicas: int, *, generation: int, now: str
-) -> list[conditions.Condition]:
-    """Degraded: some shards serve, not all (none serving is not Ready, but not Degraded)."""
-    is_degraded = 0 < ready < replicas
-    reason = "ShardsUnavailable" if is_degraded else "AsDesired"
-    message = f"{replicas - ready} of {replicas} shards not ready" if is_degraded else ""
-    return conditions.set_condition(
-        found, conditions.DEGRADED, is_degraded, reason, message, generation=generation, now=now
-    )
-
-
-def weights_current(
-    found: list[conditions.Condition], entries: list[Object], refit: Object, *, generation: int, now: str
-) -> list[conditions.Condition]:
-    """WeightsCurrent: every shard serves the fleet's current version (the last successful Refit's,
-    else the one every shard started with) and no refit is running."""
-    if refit.get("active"):
-        message = f"refit {refit['active']} is running"
-        return conditions.set_condition(
-            found, conditions.WEIGHTS_CURRENT, False, "Refitting", message, generation=generation, now=now
-        )
-    versions = {entry.get("weightVersion") for entry in entries}
-    target = refit.get("currentVersion")
-    current = (
-        bool(entries) and None not in versions and (versions == {target} if target is not None else len(versions) == 1)
-    )
-    stale = sorted(entry["index"] for entry in entries if target is not None and entry.get("weightVersion") != target)
-    message = (
-        f"every shard serves version {versions.pop()}"
-        if current
-        else f"shards {stale} are not at version {target}"
-        if stale
-        else "not every shard has weights yet"
-    )
-    reason = "Current" if current else "Behind"
-    return conditions.set_condition(
-        found, conditions.WEIGHTS_CURRENT, current, reason, message, generation=generation, now=now
     )
 
 
@@ -283,28 +232,10 @@ def invalid(status: Object, message: str, *, generation: int, now: str, kind: st
     return {**status, "conditions": found, "observedGeneration": generation}
 
 
-def membership(found: planner.Membership) -> Object:
-    """A membership as the Refit and RefitSession statuses (and the fleet's ``status.refit``) publish it."""
-    return {
-        "worldSize": found.world_size,
-        "trainerWorldSize": found.trainer_world_size,
-        "rankOffsets": [{"shard": shard, "offset": offset} for shard, offset in sorted(found.offsets.items())],
-    }
-
-
-def unchanged(current: Object, update: Object) -> bool:
-    """Whether merging ``update`` into ``current`` changes nothing."""
-    return _comparable(current) == _comparable({**current, **update})
-
-
-def _comparable(status: Object) -> str:
-    return json.dumps(status, sort_keys=True, default=str)
-
-
 async def write(api: kube.Api, body: Object, status: Object) -> None:
     """Merge-patch ``status`` into the fleet's, only when that changes it; ``body`` follows."""
     current = body.get("status") or {}
-    if unchanged(current, status):
+    if patches.unchanged(current, status):
         return
     metadata = body["metadata"]
     await api.patch_status("MegatronGeneration", metadata["name"], metadata["namespace"], status)

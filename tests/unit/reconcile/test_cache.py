@@ -10,7 +10,8 @@ from typing import Any
 
 from helpers import kube_fakes
 from megafleet import agent_client, handlers, reconcile, settings
-from megafleet.reconcile import cache, context, inventory
+from megafleet.fleet_state import pods as pod_view
+from megafleet.reconcile import cache, context
 
 ROOT = Path(__file__).resolve().parents[3]
 GPU = "nvidia.com/gpu"
@@ -70,7 +71,7 @@ def test_placement_counts_pods_the_watch_has_not_delivered_and_lists_nothing() -
     reconcile_fleet(runtime, api, "b")
 
     pods = [obj for (kind, _, _), obj in api.objects.items() if kind == "Pod"]
-    pinned = sorted(inventory.pinned_node(pod) or "" for pod in pods)
+    pinned = sorted(pod_view.pinned_node(pod) or "" for pod in pods)
     assert pinned == ["n0", "n1"]  # b did not get a's node although the watch never showed a's pod
     assert not any(verb.startswith("list") for verb in api.reads)
     assert api.writes["create Pod"] == 2
@@ -233,7 +234,7 @@ def test_a_placement_plans_while_another_fleets_pod_creates_are_in_flight() -> N
         while len(watched.reserved) < 2:  # both planned, neither pod created yet
             await asyncio.sleep(0.01)
         assert not runtime.placement_lock.locked()
-        assert sorted(inventory.pinned_node(pod) or "" for pod in watched.reserved.values()) == ["n0", "n1"]
+        assert sorted(pod_view.pinned_node(pod) or "" for pod in watched.reserved.values()) == ["n0", "n1"]
         api.gate.set()
         await both
 
@@ -241,7 +242,7 @@ def test_a_placement_plans_while_another_fleets_pod_creates_are_in_flight() -> N
 
     assert watched.reserved == {}  # released once the creates returned
     pods = [obj for (kind, _, _), obj in api.objects.items() if kind == "Pod"]
-    assert sorted(inventory.pinned_node(pod) or "" for pod in pods) == ["n0", "n1"]
+    assert sorted(pod_view.pinned_node(pod) or "" for pod in pods) == ["n0", "n1"]
 
 
 # -- the fleet itself: the watch's copy or the operator's own last write, whichever is newer ---------

@@ -1,4 +1,4 @@
-"""Reserving endpoints at scale (issue 18): Service creates are bounded across fleets, and a fresh
+"""Reserving endpoints at scale: Service creates are bounded across fleets, and a fresh
 fleet's Secret and ConfigMap are created without reading them first. Against the in-memory API
 (tests/helpers/kube_fakes.py)."""
 
@@ -16,7 +16,8 @@ import yaml
 from helpers import kube_fakes
 from megafleet import agent_client, desired, reconcile, settings
 from megafleet.api import v1alpha1
-from megafleet.reconcile import context, ownership
+from megafleet.fleet_state import ownership
+from megafleet.reconcile import context
 
 ROOT = Path(__file__).resolve().parents[3]
 SPEC = v1alpha1.MegatronGenerationSpec.model_validate({"model": {"source": "tiny://llama"}})

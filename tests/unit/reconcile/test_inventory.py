@@ -1,4 +1,4 @@
-"""Node inventory for placement: taints against tolerations, pinned nodes, GPUs offered and taken."""
+"""Node inventory for placement: taints against tolerations, pinned nodes (the pod view's), GPUs offered and taken."""
 
 from __future__ import annotations
 
@@ -8,6 +8,7 @@ import pytest
 
 from megafleet import planner
 from megafleet.api import v1alpha1
+from megafleet.fleet_state import pods as pod_view
 from megafleet.reconcile import inventory
 
 GPU = "nvidia.com/gpu"
@@ -87,7 +88,7 @@ def by_name(values: list[str]) -> dict[str, Any]:
     ids=["no-spec", "null-affinity", "one-node", "two-nodes", "not-in", "other-key", "by-name", "by-two-names"],
 )
 def test_pinned_node_only_for_a_one_node_hostname_affinity(spec: dict[str, Any], expected: str | None) -> None:
-    assert inventory.pinned_node({"spec": spec}) == expected
+    assert pod_view.pinned_node({"spec": spec}) == expected
 
 
 def pod(node: str | None = None, gpus: list[str] | None = None, pinned: str | None = None) -> dict[str, Any]:
@@ -148,7 +149,7 @@ def test_nodes_report_gpus_offered_taken_and_schedulability(
 
 
 def test_an_empty_key_exists_toleration_lets_placement_use_tainted_nodes() -> None:
-    """Kubernetes reads ``key: "", operator: Exists`` as "tolerate every taint" (issue 16): the planner
+    """Kubernetes reads ``key: "", operator: Exists`` as "tolerate every taint": the planner
     must see such nodes as schedulable and place the shard there."""
     tainted = {
         "metadata": {"name": "n0", "labels": {}},

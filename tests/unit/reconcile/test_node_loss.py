@@ -1,4 +1,4 @@
-"""Shards on a lost node (megafleet.reconcile.nodes): when a node counts as lost (deleted, unreachable
+"""Shards on a lost node (megafleet.reconcile.lost_nodes): when a node counts as lost (deleted, unreachable
 past the pod's toleration, out of service), and a reconcile that force-deletes the shard's pods at
 once and re-places it on a remaining node behind the same Services, with the node named."""
 
@@ -10,11 +10,12 @@ from typing import Any
 
 from helpers import kube_fakes
 from megafleet import agent_client, reconcile, settings
-from megafleet.reconcile import cache, context, inventory, nodes
+from megafleet.fleet_state import pods as pod_view
+from megafleet.reconcile import cache, context, lost_nodes
 
 NOW = datetime.datetime(2026, 12, 2, 1, 0, 0, tzinfo=datetime.UTC)
 DEFAULT: list[dict[str, Any]] = [
-    {"key": nodes.UNREACHABLE, "operator": "Exists", "effect": "NoExecute", "tolerationSeconds": 300},
+    {"key": lost_nodes.UNREACHABLE, "operator": "Exists", "effect": "NoExecute", "tolerationSeconds": 300},
     {"key": "node.kubernetes.io/not-ready", "operator": "Exists", "effect": "NoExecute", "tolerationSeconds": 300},
 ]
 """What the API server's DefaultTolerationSeconds admission adds to a pod without its own."""
@@ -39,35 +40,35 @@ def by_name(*found: dict[str, Any]) -> dict[str, dict[str, Any]]:
 
 
 def test_a_deleted_node_is_lost_at_once() -> None:
-    assert nodes.loss("n1", by_name(node("n0")), DEFAULT, NOW) == nodes.Loss("n1", "deleted")
-    assert str(nodes.loss("n1", {}, DEFAULT, NOW)) == "node n1 deleted"
+    assert lost_nodes.loss("n1", by_name(node("n0")), DEFAULT, NOW) == lost_nodes.Loss("n1", "deleted")
+    assert str(lost_nodes.loss("n1", {}, DEFAULT, NOW)) == "node n1 deleted"
 
 
 def test_an_unreachable_node_is_lost_when_the_pods_toleration_runs_out() -> None:
-    assert nodes.loss("n0", by_name(node("n0", taint(nodes.UNREACHABLE, 299))), DEFAULT, NOW) is None
-    lost = nodes.loss("n0", by_name(node("n0", taint(nodes.UNREACHABLE, 300))), DEFAULT, NOW)
+    assert lost_nodes.loss("n0", by_name(node("n0", taint(lost_nodes.UNREACHABLE, 299))), DEFAULT, NOW) is None
+    lost = lost_nodes.loss("n0", by_name(node("n0", taint(lost_nodes.UNREACHABLE, 300))), DEFAULT, NOW)
     assert lost is not None and lost.why == "unreachable since 2026-12-02T00:55:00Z"
 
 
 def test_no_toleration_means_at_once_and_one_without_seconds_means_never() -> None:
-    fresh = by_name(node("n0", taint(nodes.UNREACHABLE, 0)))
-    assert nodes.loss("n0", fresh, [], NOW) is not None
+    fresh = by_name(node("n0", taint(lost_nodes.UNREACHABLE, 0)))
+    assert lost_nodes.loss("n0", fresh, [], NOW) is not None
     forever: list[dict[str, Any]] = [{"operator": "Exists"}]  # an empty key with Exists tolerates every taint, for ever
-    assert nodes.loss("n0", by_name(node("n0", taint(nodes.UNREACHABLE, 10**6))), forever, NOW) is None
+    assert lost_nodes.loss("n0", by_name(node("n0", taint(lost_nodes.UNREACHABLE, 10**6))), forever, NOW) is None
     longest: list[dict[str, Any]] = [
         {**DEFAULT[0], "tolerationSeconds": 30},
-        {"key": nodes.UNREACHABLE, "operator": "Exists"},
+        {"key": lost_nodes.UNREACHABLE, "operator": "Exists"},
     ]
-    assert nodes.loss("n0", by_name(node("n0", taint(nodes.UNREACHABLE, 10**6))), longest, NOW) is None
+    assert lost_nodes.loss("n0", by_name(node("n0", taint(lost_nodes.UNREACHABLE, 10**6))), longest, NOW) is None
 
 
 def test_not_ready_is_left_to_kubernetes_and_out_of_service_is_lost() -> None:
     not_ready = by_name(node("n0", taint("node.kubernetes.io/not-ready", 10**6)))
-    assert nodes.loss("n0", not_ready, [], NOW) is None
-    out = nodes.loss("n0", by_name(node("n0", taint(nodes.OUT_OF_SERVICE, 0))), DEFAULT, NOW)
+    assert lost_nodes.loss("n0", not_ready, [], NOW) is None
+    out = lost_nodes.loss("n0", by_name(node("n0", taint(lost_nodes.OUT_OF_SERVICE, 0))), DEFAULT, NOW)
     assert out is not None and out.why.startswith("out of service since ")
-    no_start = by_name(node("n0", {"key": nodes.UNREACHABLE, "effect": "NoExecute"}))
-    assert nodes.loss("n0", no_start, [], NOW) is None
+    no_start = by_name(node("n0", {"key": lost_nodes.UNREACHABLE, "effect": "NoExecute"}))
+    assert lost_nodes.loss("n0", no_start, [], NOW) is None
 
 
 def pod(name: str, shard: int, *, bound: str = "", pinned: str = "", deleting: bool = False) -> dict[str, Any]:
@@ -75,7 +76,7 @@ def pod(name: str, shard: int, *, bound: str = "", pinned: str = "", deleting: b
         "nodeAffinity": {
             "requiredDuringSchedulingIgnoredDuringExecution": {
                 "nodeSelectorTerms": [
-                    {"matchExpressions": [{"key": inventory.HOSTNAME_LABEL, "operator": "In", "values": [pinned]}]}
+                    {"matchExpressions": [{"key": pod_view.HOSTNAME_LABEL, "operator": "In", "values": [pinned]}]}
                 ]
             }
         }
@@ -96,14 +97,14 @@ def test_lost_shards_names_the_pods_on_lost_nodes_and_the_others() -> None:
         pod("a-s3-p0", 3, bound="n1", deleting=True),  # evicted, stuck Terminating
         pod("a-s4-p0", 4),  # on no node yet
     ]
-    found = nodes.lost_shards(pods, {"n0": node("n0")}, NOW)
+    found = lost_nodes.lost_shards(pods, {"n0": node("n0")}, NOW)
     assert [(s.shard, sorted(s.lost), s.others) for s in found] == [
         (1, ["a-s1-p0"], ["a-s1-p1"]),
         (2, ["a-s2-p0"], []),
         (3, ["a-s3-p0"], []),
     ]
-    assert nodes.lost_shards(pods[:1], {"n0": node("n0")}, NOW) == []
-    assert nodes.lost_shards(pods, {}, NOW) == [], "an empty node index is no proof that every node is gone"
+    assert lost_nodes.lost_shards(pods[:1], {"n0": node("n0")}, NOW) == []
+    assert lost_nodes.lost_shards(pods, {}, NOW) == [], "an empty node index is no proof that every node is gone"
 
 
 class Agents:
@@ -132,7 +133,7 @@ def run_pinned(api: kube_fakes.Api) -> None:
     """The scheduler and kubelet: bind each new pod to the node it is pinned to and run it."""
     for (kind, _, _), obj in api.objects.items():
         if kind == "Pod" and not obj["spec"].get("nodeName"):
-            obj["spec"]["nodeName"] = inventory.pinned_node(obj)
+            obj["spec"]["nodeName"] = pod_view.pinned_node(obj)
             obj["status"] = {"phase": "Running", "podIP": f"127.0.1.{len(api.objects)}"}
 
 
@@ -158,12 +159,12 @@ def test_a_deleted_nodes_shard_is_force_deleted_and_re_placed_behind_the_same_se
     lost = settled["shards"][1]["nodes"][0]
     services = {name: obj["metadata"].get("uid") for (kind, _, name), obj in api.objects.items() if kind == "Service"}
     parsed = runtime.observed[("rl", "a")].fleet
-    assert not nodes.due(watched, parsed)
+    assert not lost_nodes.due(watched, parsed)
 
     del api.objects[("Node", None, lost)]
     indexes.sync()
-    assert nodes.due(watched, parsed)  # the settled fleet's probe starts a reconcile
-    assert nodes.fleets_on(watched, lost) == [("rl", "a")]
+    assert lost_nodes.due(watched, parsed)  # the settled fleet's probe starts a reconcile
+    assert lost_nodes.fleets_on(watched, lost) == [("rl", "a")]
     released = reconcile_once()
 
     assert api.writes["delete Pod grace=0"] == 1 and api.writes["delete Pod"] == 0

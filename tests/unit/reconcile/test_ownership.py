@@ -1,4 +1,4 @@
-"""A fleet never adopts, reads, publishes or deletes what it does not own (issue 16), against an
+"""A fleet never adopts, reads, publishes or deletes what it does not own, against an
 in-memory API (tests/helpers/kube_fakes.py); the same against the real control plane:
 tests/e2e/test_hostile_specs.py."""
 
@@ -12,7 +12,8 @@ import yaml
 
 from helpers import kube_fakes
 from megafleet import agent_client, conditions, kube, names, reconcile, settings
-from megafleet.reconcile import context, endpoints, validate
+from megafleet.fleet_state import token
+from megafleet.reconcile import context, validate
 
 ROOT = Path(__file__).resolve().parents[3]
 NODE = {"kind": "Node", "metadata": {"name": "n0", "labels": {}}, "spec": {}, "status": {"allocatable": {}}}
@@ -141,18 +142,18 @@ def test_the_fleets_own_token_secret_emptied_by_hand_gets_a_new_token() -> None:
 
 
 def driver_token(api: kube_fakes.Api) -> str:
-    """The agent token as the Refit and RefitSession drivers read it."""
+    """The agent token as the Refit and RefitSession controllers read it."""
 
     async def read() -> str:
         real = cast(kube.Api, api)  # the fake has the methods the two calls use
         fleet = await validate.fleet(real, await api.get("MegatronGeneration", "tiny", "rl") or {}, context.ignore)
         assert fleet is not None
-        return await endpoints.read_token(real, fleet)
+        return await token.read(real, fleet)
 
     return asyncio.run(read())
 
 
-def test_the_refit_drivers_read_only_the_fleets_own_token_secret() -> None:
+def test_the_refit_controllers_read_only_the_fleets_own_token_secret() -> None:
     squatted = kube_fakes.Api(
         tiny(), foreign("Secret", names.agent_secret("tiny"), data={names.AGENT_TOKEN_KEY: "c3RvbGVu"})
     )

@@ -13,7 +13,8 @@ from typing import Any
 
 from helpers import kube_fakes
 from megafleet import agent_client, handlers, reconcile, settings
-from megafleet.reconcile import cache, context, inventory, pacing
+from megafleet.fleet_state import pods as pod_view
+from megafleet.reconcile import cache, context, pacing
 
 FAST = settings.OperatorSettings(
     triggers=settings.TriggerSettings(observe_interval_seconds=0.1, probe_first_seconds=0.05, probe_most_seconds=0.2)
@@ -225,7 +226,7 @@ def test_a_pod_event_that_changes_nothing_the_reconcile_saw_needs_no_reconcile()
     pod = api.objects[("Pod", "rl", name)]
 
     assert pacing.pod_unchanged(runtime, "rl", "a", pod)  # the watch confirming the create
-    bound = {**pod, "spec": {**pod["spec"], "nodeName": inventory.pinned_node(pod)}}
+    bound = {**pod, "spec": {**pod["spec"], "nodeName": pod_view.pinned_node(pod)}}
     assert pacing.pod_unchanged(runtime, "rl", "a", bound)  # bound where it was pinned
     running = {**bound, "status": {"phase": "Running", "podIP": "127.0.0.9"}}
     assert not pacing.pod_unchanged(runtime, "rl", "a", running)

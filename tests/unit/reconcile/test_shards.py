@@ -36,7 +36,7 @@ def gpu_fleet(pipeline: int) -> dict[str, Any]:
 
 
 def test_changing_the_pipeline_size_rolls_the_shard_instead_of_counting_a_failure() -> None:
-    """Issue 16: a pipeline change made the old 2-pod shard "-1 of 1 pods missing" (a restart)."""
+    """A pipeline change once made the old 2-pod shard "-1 of 1 pods missing" (a restart)."""
     nodes = [
         {"kind": "Node", "metadata": {"name": f"n{i}", "labels": {}}, "spec": {}, "status": {"allocatable": {GPU: "8"}}}
         for i in range(4)

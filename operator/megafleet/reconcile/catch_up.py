@@ -1,9 +1,9 @@
-"""Version fencing and catch-up: never a mix of weight versions behind the fleet's endpoints.
+"""Checkpoint catch-up: a shard behind the fleet's current version loads the current checkpoint.
 
-Called by :func:`megafleet.reconcile.reconcile` after the agents were asked, while no refit runs.
-The fleet's current version is ``status.refit.currentVersion`` (set by a successful Refit). A shard
-serving another version is fenced (suspended); a shard behind it loads the current checkpoint, if
-the last Refit came from one, with growing delays between failed tries (``Runtime.catch_up``).
+Called by :func:`megafleet.reconcile.reconcile` after fencing (:mod:`.fencing`), while no refit runs
+and no RefitSession holds the fleet. The fleet's current version is ``status.refit.currentVersion``
+(set by a successful Refit); a shard behind it loads the current checkpoint, if the last Refit came
+from one, with growing delays between failed tries (``Runtime.catch_up``).
 """
 
 from __future__ import annotations
@@ -20,28 +20,7 @@ _SETTLED = ("idle", "succeeded", "failed")
 """Refit phases an agent reports when no attempt runs."""
 
 
-async def fence(ctx: context.FleetContext) -> None:
-    """Suspend every pod of a shard that serves another version than the fleet's current one
-    (restarted, or added by scaling after a refit) until a refit brings it up to date."""
-    current = ctx.refit.get("currentVersion")
-    if current is None or ctx.refitting:
-        return
-    for shard, answers in ctx.reports.items():
-        serving = [a for a in answers if a is not None and a.state == "ready" and a.weight_version != current]
-        for pod, answer in zip(ctx.shards.pods[shard], answers, strict=True):
-            if answer in serving:
-                timeout = ctx.settings.shards.fence_timeout_seconds
-                await ctx.agents.suspend(pod.ip, ctx.token, mode="abort", timeout_seconds=timeout)
-        if serving:
-            ctx.notify(
-                "Warning",
-                "ShardStale",
-                f"shard {shard} serves version {serving[0].weight_version}, "
-                f"the fleet is at {current}: fenced until the next refit",
-            )
-
-
-async def catch_up(ctx: context.FleetContext, *, clock: Callable[[], float] = time.monotonic) -> None:
+async def start(ctx: context.FleetContext, *, clock: Callable[[], float] = time.monotonic) -> None:
     """Start a checkpoint load on each whole shard behind the current version (restarted or added
     after a refit, or left Stale by a failed attempt). A failed catch-up is tried again after the
     delays of ``ctx.runtime.catch_up``, each failure reported once as a ``CatchUpFailed`` Warning.

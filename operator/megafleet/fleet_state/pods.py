@@ -1,22 +1,35 @@
 """A typed view of a fleet's pods, parsed once where they are listed, and their agents' reports.
 
-Called by the reconcile steps and by :mod:`megafleet.refit_driver`. Control logic reads these
-fields, never the pod JSON. A shard's pods are in pod order (pod 0 hosts the frontend); a shard
-with a terminating pod is only ``terminating``: pod names are stable, so it is placed again only
-once the old pods are gone.
+Called by the reconcile steps (:mod:`megafleet.reconcile`) and by the Refit and RefitSession
+controllers (:mod:`megafleet.refits`). Control logic reads these fields, never the pod JSON. A
+shard's pods are in pod order (pod 0 hosts the frontend); a shard with a terminating pod is only
+``terminating``: pod names are stable, so it is placed again only once the old pods are gone.
 """
 
 from __future__ import annotations
 
 import dataclasses
+from typing import Protocol
 
 from megafleet import agent_client, desired, kube, names
+from megafleet.fleet_state import ownership
 from megafleet.objects import Object
-from megafleet.reconcile import cache as watch_cache
-from megafleet.reconcile import inventory, ownership
 
 Reports = dict[int, list[agent_client.AgentState | None]]
 """Agent reports by shard, in pod order; ``None`` for a pod that is not running yet."""
+
+HOSTNAME_LABEL = "kubernetes.io/hostname"
+NODE_NAME_FIELD = "metadata.name"
+
+
+class Index(Protocol):
+    """What :func:`observe` reads of the operator's watch-fed cache
+    (:class:`megafleet.reconcile.cache.Cache`): the objects carrying a fleet's label, once filled."""
+
+    @property
+    def ready(self) -> bool: ...
+
+    def fleet_objects(self, kind: str, namespace: str, fleet: str) -> list[Object]: ...
 
 
 @dataclasses.dataclass(frozen=True)
@@ -64,11 +77,26 @@ def parse(raw: Object, *, clique_label: str) -> Pod:
         phase=status.get("phase") or "",
         ip=status.get("podIP") or "",
         node=spec.get("nodeName") or "",
-        pinned_node=inventory.pinned_node(raw),
+        pinned_node=pinned_node(raw),
         clique=_required_label(spec, clique_label),
         template_hash=(metadata.get("annotations") or {}).get(names.ANNOTATION_TEMPLATE_HASH),
         deleting=bool(metadata.get("deletionTimestamp")),
     )
+
+
+def pinned_node(pod: Object) -> str | None:
+    """The node a pod is pinned to by a one-node affinity (the operator's pods are): a
+    ``metadata.name`` field term, or the hostname label term pods created before it carry."""
+    affinity = pod.get("spec", {}).get("affinity") or {}
+    required = (affinity.get("nodeAffinity") or {}).get("requiredDuringSchedulingIgnoredDuringExecution") or {}
+    for term in required.get("nodeSelectorTerms", []):
+        for key, expression in [(NODE_NAME_FIELD, e) for e in term.get("matchFields", [])] + [
+            (HOSTNAME_LABEL, e) for e in term.get("matchExpressions", [])
+        ]:
+            values = expression.get("values", [])
+            if expression.get("key") == key and expression.get("operator") == "In":
+                return str(values[0]) if len(values) == 1 else None
+    return None
 
 
 def _required_label(spec: Object, label: str) -> str | None:
@@ -107,7 +135,7 @@ class Shards:
         return self.pods.pop(shard, [])
 
 
-async def observe(api: kube.Api, fleet: desired.ParsedFleet, cache: watch_cache.Cache | None = None) -> Shards:
+async def observe(api: kube.Api, fleet: desired.ParsedFleet, cache: Index | None = None) -> Shards:
     """The fleet's pods, from the watch-fed ``cache`` when there is one (else a LIST), each parsed
     once. A pod that carries the fleet's label but is not the fleet's own is ignored: it is never
     given the agent token nor counted as a shard."""
@@ -116,9 +144,7 @@ async def observe(api: kube.Api, fleet: desired.ParsedFleet, cache: watch_cache.
     return Shards.of([parse(pod, clique_label=clique_label) for pod in ownership.only_owned(labelled, fleet)])
 
 
-async def labelled_objects(
-    api: kube.Api, cache: watch_cache.Cache | None, kind: str, fleet: desired.ParsedFleet
-) -> list[Object]:
+async def labelled_objects(api: kube.Api, cache: Index | None, kind: str, fleet: desired.ParsedFleet) -> list[Object]:
     """The pods or Services carrying the fleet's label: from ``cache`` when it is filled, else a LIST."""
     if cache is not None and cache.ready:
         return cache.fleet_objects(kind, fleet.namespace, fleet.name)

@@ -7,7 +7,7 @@ from typing import Any
 import pytest
 
 from megafleet import names
-from megafleet.reconcile import pods
+from megafleet.fleet_state import pods
 
 CLIQUE = "nvidia.com/gpu.clique"
 

@@ -1,10 +1,11 @@
 """What a fleet may touch: only the objects whose controller reference is the fleet itself.
 
-Called by the reconcile steps that create, read or list the fleet's objects by name or label
-(:mod:`.endpoints`, :mod:`.pods`, :mod:`.shards`). Names and labels are guessable: a Service, Secret
-or pod someone else made under a derived name, or with the fleet's label, is never adopted, read,
-published or deleted. The reconcile stops at the first such name and reports it as the NameConflict
-condition (:func:`megafleet.reconcile.reconcile`).
+Called wherever a fleet's objects are created, read or listed by name or label: the pod view
+(:mod:`.pods`), the agent token (:mod:`.token`) and the reconcile steps
+(:mod:`megafleet.reconcile.endpoints`, :mod:`megafleet.reconcile.shards`). Names and labels are
+guessable: a Service, Secret or pod someone else made under a derived name, or with the fleet's
+label, is never adopted, read, published or deleted. The reconcile stops at the first such name and
+reports it as the NameConflict condition (:func:`megafleet.reconcile.reconcile`).
 """
 
 from __future__ import annotations

@@ -4,32 +4,59 @@ While ``status.refit.session`` names a session, the fleet's shards are members o
 world that cannot grow, shrink or be rebuilt (NeMo RL builds its collective once per run): the
 reconcile (:func:`megafleet.reconcile.reconcile`) then scales, rolls, places and catches up
 nothing, and heals broken shards only (by then the world is lost anyway). The condition
-``RefitSessionHeld`` says which changes wait. Pure except :func:`verify`; called by the reconcile and
-by :mod:`megafleet.session_driver` when it takes or releases the hold.
+``RefitSessionHeld`` says which changes wait. The RefitSession controller takes the hold
+(:func:`take`) as its session starts to join and releases it (:func:`release`) as the session ends;
+the reconcile drops a hold whose session is gone (:func:`orphaned`) and keeps the condition.
+Pure except those three.
 """
 
 from __future__ import annotations
 
-from megafleet import conditions, desired
-from megafleet.reconcile import context, pods
+from megafleet import conditions, desired, kube
+from megafleet.fleet_state import pods
+from megafleet.objects import Object
 
 HELD = "Held"
 RELEASED = "Released"
 ENDED = ("Broken", "Closed", "Failed")
-"""RefitSession phases that never hold a fleet (the session driver releases the hold as it ends one)."""
+"""RefitSession phases that never hold a fleet (the RefitSession controller releases the hold as it
+ends one)."""
 
 
-async def verify(ctx: context.FleetContext) -> None:
-    """Drop a hold whose session is gone or ended (its finalizer removed by hand, an operator that
-    stopped between two writes): a fleet is never held by nothing. The caller writes the status."""
-    session = ctx.held
-    if session is None:
+async def orphaned(api: kube.Api, namespace: str, session: str) -> bool:
+    """Whether the RefitSession ``session`` that holds a fleet is gone or ended (its finalizer
+    removed by hand, an operator that stopped between two writes): a fleet is never held by nothing."""
+    found = await api.get("RefitSession", session, namespace)
+    return found is None or (found.get("status") or {}).get("phase", "Pending") in ENDED
+
+
+async def take(api: kube.Api, fleet_body: Object, session: str) -> None:
+    """Take the fleet's hold for ``session``: ``status.refit.session`` and RefitSessionHeld."""
+    status = fleet_body.get("status") or {}
+    refit = {**(status.get("refit") or {}), "session": session}
+    generation = int(fleet_body["metadata"].get("generation", 1))
+    found = held(list(status.get("conditions") or []), session, [], generation=generation, now=conditions.now())
+    metadata = fleet_body["metadata"]
+    await api.patch_status(
+        "MegatronGeneration", metadata["name"], metadata["namespace"], {"refit": refit, "conditions": found}
+    )
+
+
+async def release(api: kube.Api, fleet_body: Object, session: str) -> None:
+    """Release the fleet's hold if ``session`` has it (else nothing is written)."""
+    refit = dict((fleet_body.get("status") or {}).get("refit") or {})
+    if refit.get("session") != session:
         return
-    found = await ctx.api.get("RefitSession", session, ctx.fleet.namespace)
-    if found is not None and (found.get("status") or {}).get("phase", "Pending") not in ENDED:
-        return
-    ctx.status = {**ctx.status, "refit": {**ctx.refit, "session": None}}
-    ctx.notify("Warning", "RefitSessionReleased", f"RefitSession {session} is gone or ended: the hold is released")
+    refit["session"] = None
+    metadata = fleet_body["metadata"]
+    found = released(
+        list((fleet_body.get("status") or {}).get("conditions") or []),
+        generation=int(metadata.get("generation", 1)),
+        now=conditions.now(),
+    )
+    await api.patch_status(
+        "MegatronGeneration", metadata["name"], metadata["namespace"], {"refit": refit, "conditions": found}
+    )
 
 
 def waiting(fleet: desired.ParsedFleet, shards: pods.Shards) -> list[str]:

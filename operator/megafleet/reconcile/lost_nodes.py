@@ -5,7 +5,7 @@ Called by :func:`megafleet.reconcile.reconcile` right after :func:`.shards.heal`
 runs or a session holds the fleet: a shard on a lost node is broken either way), by the pacing probe
 of a settled fleet (:func:`due`) and by the node-event handler of :mod:`megafleet.handlers`
 (:func:`fleets_on`). Reads the watch-fed :mod:`.cache` only: the operator always runs one; the
-in-process drivers, which have none, leave lost nodes to Kubernetes.
+in-process reconciles of the tests, which have none, leave lost nodes to Kubernetes.
 
 When a pod's node (bound, else pinned) counts as lost, decided by :func:`loss` (pure):
 
@@ -35,9 +35,11 @@ import datetime
 from collections.abc import Iterable, Mapping
 
 from megafleet import desired, names
+from megafleet.fleet_state import ownership
+from megafleet.fleet_state import pods as pod_view
 from megafleet.objects import Object
 from megafleet.reconcile import cache as watch_cache
-from megafleet.reconcile import context, inventory, ownership
+from megafleet.reconcile import context
 
 UNREACHABLE = "node.kubernetes.io/unreachable"
 OUT_OF_SERVICE = "node.kubernetes.io/out-of-service"
@@ -140,7 +142,7 @@ def lost_shards(pods: Iterable[Object], by_name: Mapping[str, Object], now: date
     for shard, shard_pods in sorted(members.items()):
         lost: dict[str, Loss] = {}
         for pod in shard_pods:
-            node = (pod.get("spec") or {}).get("nodeName") or inventory.pinned_node(pod)
+            node = (pod.get("spec") or {}).get("nodeName") or pod_view.pinned_node(pod)
             gone = loss(node, by_name, (pod.get("spec") or {}).get("tolerations") or [], now) if node else None
             if gone is not None:
                 lost[pod["metadata"]["name"]] = gone
@@ -157,7 +159,7 @@ def fleets_on(cache: watch_cache.Cache | None, node: str) -> list[tuple[str, str
     found = set()
     for key, pods in cache.indexes[watch_cache.FLEET_PODS].items():
         for pod in pods:
-            if node in ((pod.get("spec") or {}).get("nodeName"), inventory.pinned_node(pod)):
+            if node in ((pod.get("spec") or {}).get("nodeName"), pod_view.pinned_node(pod)):
                 found.add(key)
     return sorted(found)
 

@@ -1,0 +1,107 @@
+"""The one attempt of a Refit through a RefitSession (``source.session``, NeMo RL's own collective).
+
+Called by the Refit controller (:mod:`.refit_controller`) for a Pending Refit that names a session;
+its progress is collected like any attempt's (:func:`.attempts.collect`). The session's membership
+and held world are used as they are (never recomputed), every member pod is told to receive
+(``POST /v1/refit/nemo`` or ``/v1/refit/megatron`` in the session form), and there is exactly one
+attempt: a trainer's broadcast cannot be replayed, so a failure breaks the session. A Refit through
+a session that is not ``Joined`` (or not this fleet's) fails ``SessionNotJoined``; a NeMo session
+without usable refit info fails ``RefitInfoMissing``.
+"""
+
+from __future__ import annotations
+
+from megafleet import conditions
+from megafleet.api import v1alpha1
+from megafleet.refits import attempts, context, fleet_lock, refit_info_check, refit_status, session_view
+from megafleet_protocol import agent_api
+
+
+async def start(ctx: context.RefitContext) -> None:
+    """Start the one attempt: the session's membership published as the Refit's (and the fleet's
+    lock), then every member pod told to receive."""
+    assert ctx.spec.source.session is not None
+    session = await session_view.load(ctx.api, ctx.namespace, ctx.spec.source.session.name)
+    refused = not_joined(session, ctx.spec)
+    if refused is not None or session is None:
+        await fleet_lock.finish(
+            ctx.api, ctx.body, None, refit_status.failed(refused or "", refit_status.SESSION_NOT_JOINED)
+        )
+        return
+    info: list[agent_api.NemoTensor] = []
+    if session.spec.nemo_collective is not None:
+        try:
+            info = await refit_info_check.read(ctx.api, session)
+        except refit_info_check.RefitInfoError as error:
+            message = f"RefitSession {session.name} has no usable refitInfo: {error}"
+            await fleet_lock.finish(
+                ctx.api, ctx.body, None, refit_status.failed(message, refit_status.REFIT_INFO_MISSING)
+            )
+            return
+    membership = session.status.membership
+    assert membership is not None  # published before the session could join
+    published = membership.model_dump(mode="json", by_alias=True)
+    await fleet_lock.take(ctx, published)
+    await ctx.write(
+        {
+            "phase": "Running",
+            "membership": published,
+            "attempts": 1,
+            "startTime": conditions.now(),
+            "message": f"{len(session.members)} shards receive version {ctx.spec.version} through RefitSession "
+            f"{session.name}",
+        }
+    )
+    body = _request(ctx, session, info)
+    ctx.body = {**ctx.body, "status": {**ctx.status, "attempts": 1}}
+    members = [shard for shard, _ in session.members]
+    for shard in members:
+        if shard not in ctx.pods:
+            await attempts.fail(ctx, members, f"shard {shard} of RefitSession {session.name} has no running pods")
+            return
+        for pod in ctx.pods[shard]:
+            refusal = await ctx.agents.refit_start(pod.ip, ctx.token, body)
+            if refusal is not None:
+                await attempts.fail(ctx, members, f"{pod.name} refused: {refusal}")
+                return
+
+
+def not_joined(session: session_view.Session | None, spec: v1alpha1.RefitObjectSpec) -> str | None:
+    """Why a Refit cannot go through its session (it does not exist, serves another fleet, or its
+    world is not joined), or None."""
+    assert spec.source.session is not None
+    named = spec.source.session.name
+    if session is None:
+        return f"RefitSession {named} does not exist"
+    if session.spec.fleet_ref.name != spec.fleet_ref.name:
+        return f"RefitSession {named} holds fleet {session.spec.fleet_ref.name}, not {spec.fleet_ref.name}"
+    if session.phase != "Joined":
+        detail = f": {session.status.message}" if session.status.message else ""
+        return f"RefitSession {named} is {session.phase}, not Joined{detail}"
+    return None
+
+
+def _request(
+    ctx: context.RefitContext, session: session_view.Session, info: list[agent_api.NemoTensor]
+) -> agent_api.NemoRefitRequest | agent_api.MegatronRefitRequest:
+    """The body every member pod gets: the same for all (each rank knows its place in the world)."""
+    fleet = ctx.fleet
+    version, timeout, kv_cache_mode = (
+        ctx.spec.version,
+        fleet.spec.refit.timeout_seconds,
+        fleet.spec.engine.kv_cache_mode,
+    )
+    nemo = session.spec.nemo_collective
+    if nemo is None:
+        return agent_api.MegatronRefitRequest(
+            version=version, timeout_seconds=timeout, kv_cache_mode=kv_cache_mode, session=session.key
+        )
+    return agent_api.NemoRefitRequest(
+        version=version,
+        timeout_seconds=timeout,
+        kv_cache_mode=kv_cache_mode,
+        session=session.key,
+        refit_info=info,
+        bucket_bytes=nemo.bucket_bytes,
+        generation=session.status.generation or nemo.generation,
+    )
