@@ -1,7 +1,7 @@
 """The cost of turning a completion's tokens into text, per token, as completions grow long.
 
 Each served choice detokenizes on the engine's event loop, token by token (stop strings and
-streaming need the text as it grows): :class:`megafleet_engine.openai.generation.ChoiceState`.
+streaming need the text as it grows): :class:`megafleet_engine.openai.choices.ChoiceState`.
 It used to decode every token so far at every step (time quadratic in the completion's length);
 it now decodes a window of the last few tokens. This measures, in one run on one machine, both
 ways over the same tokens: ``window`` is ``ChoiceState.feed`` itself; ``whole`` is the former
@@ -32,14 +32,14 @@ from typing import Any
 
 from megafleet_engine.backends import base
 from megafleet_engine.models import tiny
-from megafleet_engine.openai import generation
+from megafleet_engine.openai import choices
 
 TEXT = "The answer is 42, é, €, 😀. " * 1000
 
 
 def window(tokenizer: Any, ids: list[int]) -> str:
-    spec = generation.SequenceSpec(0, (1,), base.SamplingParams(max_tokens=len(ids)), ("</answer>",))
-    state = generation.ChoiceState(spec)
+    spec = choices.SequenceSpec(0, (1,), base.SamplingParams(max_tokens=len(ids)), ("</answer>",))
+    state = choices.ChoiceState(spec)
     for position, token in enumerate(ids, start=1):
         state.feed(base.TokenStep("r", token, None, (), "length" if position == len(ids) else None), tokenizer)
     return state.text

@@ -150,7 +150,7 @@ class Settings:
     ``EngineOptions.prefill_graphs``; set it through ``spec.engine.env``), so a short prompt's
     prefill is one graph replay instead of the layers' eager forward. Default ``false``: more graphs
     to capture at start, and it pays only where the time outside decode steps counts (batch 1:
-    with ``gemv``, 222 tok/s on an H200, issue 19). Does nothing without decode CUDA graphs
+    with ``gemv``, 222 tok/s on an H200: ``bench/README.md``). Does nothing without decode CUDA graphs
     (``MEGAFLEET_CUDA_GRAPHS``)."""
 
     kv_cache_gib: int = 20

@@ -11,7 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from megafleet_engine.backends import base
-from megafleet_engine.openai import generation
+from megafleet_engine.openai import choices
 
 
 class ByteTokenizer:
@@ -29,11 +29,11 @@ class ByteTokenizer:
 
 def _run(
     text: str, stop: tuple[str, ...] = (), finish_after: int | None = None
-) -> tuple[list[str], generation.ChoiceState]:
+) -> tuple[list[str], choices.ChoiceState]:
     tokenizer = ByteTokenizer()
     ids = tokenizer.encode(text)
-    spec = generation.SequenceSpec(0, (1,), base.SamplingParams(max_tokens=len(ids)), stop)
-    state = generation.ChoiceState(spec)
+    spec = choices.SequenceSpec(0, (1,), base.SamplingParams(max_tokens=len(ids)), stop)
+    state = choices.ChoiceState(spec)
     deltas = []
     last = len(ids) if finish_after is None else finish_after
     for position, token in enumerate(ids[:last], start=1):
@@ -89,9 +89,9 @@ def _reference(tokenizer: Any, ids: list[int], stop: tuple[str, ...]) -> str:
     return str(full[: min(found)] if found else full)
 
 
-def _feed_all(tokenizer: Any, ids: list[int], stop: tuple[str, ...]) -> tuple[list[str], generation.ChoiceState]:
-    spec = generation.SequenceSpec(0, (1,), base.SamplingParams(max_tokens=len(ids)), stop)
-    state = generation.ChoiceState(spec)
+def _feed_all(tokenizer: Any, ids: list[int], stop: tuple[str, ...]) -> tuple[list[str], choices.ChoiceState]:
+    spec = choices.SequenceSpec(0, (1,), base.SamplingParams(max_tokens=len(ids)), stop)
+    state = choices.ChoiceState(spec)
     deltas = []
     for position, token in enumerate(ids, start=1):
         finish: base.FinishReason | None = "length" if position == len(ids) else None

@@ -1,4 +1,4 @@
-"""Generation log-probabilities in NeMo RL's convention (issue 13, point 2), on the transformers
+"""Generation log-probabilities in NeMo RL's convention, on the transformers
 backend (CPU, the tiny fp32 model): what the fleet reports for each sampled token equals what NeMo's
 trainer recomputes for it (``TrainingSamplingParams``: temperature, then top-k, then top-p, then
 ``log_softmax``), within 1e-4; the per-request ``raw`` mode gives ``log_softmax`` of the logits;
@@ -207,11 +207,11 @@ class FakeContext:
 
 
 def test_megatron_sampler_filters_like_nemo_and_honours_raw_requests() -> None:
-    from megafleet_engine.backends.megatron import sampling as megatron_sampling
+    from megafleet_engine.backends.megatron import nemo_sampler
 
     knobs = [(0.7, 5, 0.9), (0.7, 5, 0.9), (1.0, 1, 0.0), (0.7, 0, 0.0), (0.7, 5, 0.9)]
     context = FakeContext([10, 11, 12, 13, 14], knobs)
-    sampler = megatron_sampling.NemoSampling(torch.Generator().manual_seed(0), vocab_size=64)
+    sampler = nemo_sampler.NemoSampling(torch.Generator().manual_seed(0), vocab_size=64)
     sampler.raw_request_ids.add(11)
     logits = torch.randn(5, 64, generator=torch.Generator().manual_seed(1)) * 4
 

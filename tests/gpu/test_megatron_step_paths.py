@@ -1,6 +1,6 @@
-"""The megatron backend's per-step fast paths (issue 19 point 2, issue 14's leftover), on the CPU:
-the sampler without host synchronisation draws exactly what the per-bucket path draws, and the
-runner's step arrays give exactly the token steps megatron's request records give.
+"""The megatron backend's per-step fast paths, on the CPU: the sampler without host
+synchronisation draws exactly what the per-bucket path draws, and the runner's step arrays give
+exactly the token steps megatron's request records give.
 
 megatron-core is not needed: the sampler reads only the context megatron hands it (faked here),
 and the runner is driven by a fake engine that keeps megatron's step contract (one token per
@@ -26,10 +26,9 @@ import pytest
 import torch
 
 from megafleet_engine.backends import base, megatron
+from megafleet_engine.backends.megatron import batch_runner, lockstep, nemo_sampler
 from megafleet_engine.backends.megatron import build as megatron_build
-from megafleet_engine.backends.megatron import generation, lockstep
-from megafleet_engine.backends.megatron import sampling as megatron_sampling
-from megafleet_engine.backends.megatron.sampling import NemoSampling
+from megafleet_engine.backends.megatron.nemo_sampler import NemoSampling
 
 VOCAB = 64
 EOS = 2
@@ -190,14 +189,14 @@ def no_megatron(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
     sampling_params = types.SimpleNamespace(SamplingParams=lambda **kwargs: types.SimpleNamespace(**kwargs))
     monkeypatch.setattr(megatron_build, "megatron_core", lambda module: sampling_params)
     monkeypatch.setattr(megatron, "megatron_core", lambda module: sampling_params)
-    monkeypatch.setattr(megatron_sampling, "install", lambda controller: NemoSampling(torch.Generator(), VOCAB))
+    monkeypatch.setattr(nemo_sampler, "install", lambda controller: NemoSampling(torch.Generator(), VOCAB))
     monkeypatch.setattr(torch.cuda, "set_device", lambda device: None)
     yield
 
 
 def run(batch: list[base.SequenceRequest], array_collect: bool) -> list[list[base.TokenStep]]:
     info = base.ModelInfo(name="fake", max_sequence_length=40, vocab_size=VOCAB, eos_token_id=EOS)
-    runner = generation.Runner(
+    runner = batch_runner.Runner(
         FakeEngine(),
         info,
         lockstep.Lockstep(None, leader=True, device=0),
@@ -256,13 +255,13 @@ def test_step_arrays_give_the_records_token_steps(no_megatron: None) -> None:
 def test_the_runner_step_reads_arrays_only_with_array_collect(no_megatron: None) -> None:
     info = base.ModelInfo(name="fake", max_sequence_length=40, vocab_size=VOCAB, eos_token_id=EOS)
     engine = FakeEngine()
-    runner = generation.Runner(
+    runner = batch_runner.Runner(
         engine, info, lockstep.Lockstep(None, leader=True, device=0), max_requests=8, other_eos=frozenset()
     )
     try:
         runner.apply(lockstep.Tick(join=(request("a", 1),)))
         runner.step()
-        assert runner._arrays is not None and runner._arrays[0] == [generation._FIRST_REQUEST_ID]
+        assert runner._arrays is not None and runner._arrays[0] == [batch_runner._FIRST_REQUEST_ID]
         runner.array_collect = False
         runner.step()
         assert runner._arrays is None
@@ -280,13 +279,13 @@ class FakeShape:
 
 class FakeBackend:
     """What ``bench/engine_megatron.py`` and ``bench/profile_decode.py`` use of a megatron backend,
-    over :class:`FakeEngine` and the real :class:`~.generation.Runner`."""
+    over :class:`FakeEngine` and the real :class:`~.batch_runner.Runner`."""
 
     def __init__(self, graph_scope: str = "layer", **options: Any) -> None:
         self.info = base.ModelInfo(name="fake", max_sequence_length=64, vocab_size=VOCAB, eos_token_id=EOS)
         self.shape = FakeShape()
         self.engine = FakeEngine()
-        self._batch = generation.Runner(
+        self._batch = batch_runner.Runner(
             self.engine,
             self.info,
             lockstep.Lockstep(None, leader=True, device=0),

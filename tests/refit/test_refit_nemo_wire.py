@@ -22,7 +22,7 @@ from torch._C import _distributed_c10d as c10d
 from helpers import nemo_trainer
 from helpers import refit_harness as harness
 from megafleet_engine.refit_runner import nemo_source, sinks
-from megafleet_protocol.refit import communicator, errors, nemo
+from megafleet_protocol.refit import communicator, errors, nemo, nemo_rendezvous
 
 ADDRESS = nemo_trainer.ADDRESS
 GLOO_PREFIX = nemo_trainer.GLOO_PREFIX
@@ -93,7 +93,7 @@ def bits(tensor: torch.Tensor) -> bytes:
     ("generation", "trainers", "fleet"), [("nemo", 2, 2), ("vllm", 1, 1)], ids=["nemo-0.6+", "vllm-nemo-0.5"]
 )
 def test_the_fleet_receives_nemos_packed_broadcast_bit_for_bit(
-    generation: nemo.Generation, trainers: int, fleet: int
+    generation: nemo_rendezvous.Generation, trainers: int, fleet: int
 ) -> None:
     tensors = weights()
     specs = info_of(tensors)
@@ -183,12 +183,12 @@ def test_a_pickled_unique_id_naming_anything_else_is_refused() -> None:
     raw = os.urandom(128)
     pickled = nemo_trainer.vllm_pickled_id(raw)
     assert len(pickled) == 247 and b"_ctypes" in pickled, "the shape the notes measured with vLLM"
-    assert nemo.decode_vllm_unique_id(pickled) == raw
+    assert nemo_rendezvous.decode_vllm_unique_id(pickled) == raw
     evil = b"cos\nsystem\n(S'true'\ntR."
     with pytest.raises(errors.ProtocolError, match=r"may not name os\.system"):
-        nemo.decode_vllm_unique_id(evil)
+        nemo_rendezvous.decode_vllm_unique_id(evil)
     with pytest.raises(errors.ProtocolError, match="holds a bytes"):
-        nemo.decode_vllm_unique_id(pickle.dumps(raw))
+        nemo_rendezvous.decode_vllm_unique_id(pickle.dumps(raw))
 
 
 def test_a_refit_info_that_does_not_fit_the_rank_is_refused_before_any_byte() -> None:
@@ -205,7 +205,7 @@ def test_a_refit_info_that_does_not_fit_the_rank_is_refused_before_any_byte() ->
         def broadcast(self, tensor: torch.Tensor, *, deadline: communicator.Deadline, what: str) -> None:
             raise AssertionError("nothing is received once the refit info is refused")
 
-        def warm_up(self, generation: nemo.Generation, deadline: communicator.Deadline) -> None: ...
+        def warm_up(self, generation: nemo_rendezvous.Generation, deadline: communicator.Deadline) -> None: ...
         def abort(self) -> None: ...
 
     world = nemo.NemoWorld(ADDRESS, 1, 2, 1, 1)
@@ -225,7 +225,7 @@ def test_a_trainer_that_never_comes_ends_at_the_deadline() -> None:
     world = nemo.NemoWorld(ADDRESS, harness.free_port(), 2, 1, 1)
     started = time.monotonic()
     with pytest.raises(errors.RefitTimeout, match="accepted a connection"):
-        nemo.rendezvous(world, deadline=communicator.Deadline(1.0))
+        nemo_rendezvous.rendezvous(world, deadline=communicator.Deadline(1.0))
     assert time.monotonic() - started < 3
 
 
@@ -239,7 +239,7 @@ def test_a_trainer_that_never_publishes_its_id_ends_at_the_deadline() -> None:
 
     started = time.monotonic()
     with nemo_trainer.running(master) as failures, pytest.raises(errors.RefitTimeout, match="NCCL unique id"):
-        nemo.rendezvous(world, deadline=communicator.Deadline(1.5))
+        nemo_rendezvous.rendezvous(world, deadline=communicator.Deadline(1.5))
     assert not failures and len(masters) == 1, "the trainer's store counted the receiver (world_size given)"
     assert time.monotonic() - started < 5
 
@@ -254,7 +254,9 @@ def test_an_abort_ends_the_wait_for_the_id() -> None:
         aborted.set()
 
     with nemo_trainer.running(master), pytest.raises(errors.RefitAborted):
-        nemo.rendezvous(nemo.NemoWorld(ADDRESS, port, 2, 1, 1), deadline=communicator.Deadline(20), aborted=aborted)
+        nemo_rendezvous.rendezvous(
+            nemo.NemoWorld(ADDRESS, port, 2, 1, 1), deadline=communicator.Deadline(20), aborted=aborted
+        )
 
 
 def test_the_default_bucket_target_is_nemos_formula() -> None:

@@ -1,7 +1,7 @@
 """How both backends turn a row of logits into a token and the log-probabilities they report.
 
 Called per sequence by the ``transformers`` backend (:mod:`.transformers_backend`) and per bucket
-of rows by the megatron backend's sampler (:mod:`.megatron.sampling`), so the two filter, sample
+of rows by the megatron backend's sampler (:mod:`.megatron.nemo_sampler`), so the two filter, sample
 and report alike.
 
 The filter is NeMo RL's trainer's (``TrainingSamplingParams``), in its order: divide by the

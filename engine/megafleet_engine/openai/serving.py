@@ -30,7 +30,7 @@ import msgspec
 from megafleet_engine import engine as engine_module
 from megafleet_engine import metrics as metrics_module
 from megafleet_engine.backends import base
-from megafleet_engine.openai import engine_client, errors, generation, protocol
+from megafleet_engine.openai import choices, engine_client, errors, protocol
 
 __all__ = ["ChatServing", "CompletionServing", "ModelServing", "ServingContext", "Stream"]
 
@@ -102,7 +102,7 @@ class _Prepared:
     wants text (``False``: ``detokenize: false``, token ids only)."""
 
     request_id: str
-    specs: list[generation.SequenceSpec]
+    specs: list[choices.SequenceSpec]
     prompts: list[tuple[int, ...]]
     text: bool = True
 
@@ -132,7 +132,7 @@ class _Pipeline:
         info = self.context.info
         check_model(info, request.model)
         check_sequences(len(prompts), request.n, noun=each or "prompt")
-        specs: list[generation.SequenceSpec] = []
+        specs: list[choices.SequenceSpec] = []
         for prompt_index, prompt in enumerate(prompts):
             where = param if each is None else f"{param}.{prompt_index}"
             subject = "the prompt" if each is None else f"the prompt of {each} {prompt_index}"
@@ -141,11 +141,11 @@ class _Pipeline:
             for sample in range(request.n):
                 index = prompt_index * request.n + sample
                 params = request.to_sampling_params(max_tokens=max_tokens, choice=index)
-                specs.append(generation.SequenceSpec(index, tuple(prompt), params, request.stop_strings))
+                specs.append(choices.SequenceSpec(index, tuple(prompt), params, request.stop_strings))
         prompt_tuples = [tuple(prompt) for prompt in prompts]
         return _Prepared(f"{prefix}-{uuid.uuid4().hex}", specs, prompt_tuples, text=request.detokenize)
 
-    async def complete(self, prepared: _Prepared) -> tuple[dict[int, generation.ChoiceState], int | None]:
+    async def complete(self, prepared: _Prepared) -> tuple[dict[int, choices.ChoiceState], int | None]:
         """Run every choice to its end (a non-streaming response): their states and the weight
         version served. Text is made incrementally only where a stop string needs it, else once."""
         batch, first = await self.start(prepared)
@@ -195,10 +195,10 @@ class _Pipeline:
         self,
         batch: engine_client.Batch,
         first: Step,
-        states: dict[int, generation.ChoiceState],
+        states: dict[int, choices.ChoiceState],
         *,
         text: bool,
-    ) -> AsyncIterator[list[generation.Delta]]:
+    ) -> AsyncIterator[list[choices.Delta]]:
         """Every engine step's deltas, one list per step; stop a choice whose stop string matched.
         ``text``: detokenize as the tokens come (else only keep them)."""
         tokenizer = self.context.tokenizer
@@ -232,7 +232,7 @@ class _Pipeline:
             batch.close()
         yield b"data: [DONE]\n\n"
 
-    def usage(self, prepared: _Prepared, states: dict[int, generation.ChoiceState]) -> protocol.Usage:
+    def usage(self, prepared: _Prepared, states: dict[int, choices.ChoiceState]) -> protocol.Usage:
         prompt_tokens = sum(len(prompt) for prompt in prepared.prompts)
         completion_tokens = sum(len(state.steps) for state in states.values())
         return protocol.Usage(
@@ -342,8 +342,8 @@ class _Frame:
         return self._head + _encode(choice) + self._tail
 
 
-def _states(prepared: _Prepared) -> dict[int, generation.ChoiceState]:
-    return {spec.index: generation.ChoiceState(spec) for spec in prepared.specs}
+def _states(prepared: _Prepared) -> dict[int, choices.ChoiceState]:
+    return {spec.index: choices.ChoiceState(spec) for spec in prepared.specs}
 
 
 # -- completions ------------------------------------------------------------------------------------
@@ -359,12 +359,12 @@ class CompletionServing:
     async def create(self, request: protocol.CompletionRequest) -> protocol.CompletionResponse:
         prepared = self._prepare(request)
         states, weight_version = await self._pipeline.complete(prepared)
-        choices = [self._choice(request, state, state.steps, state.text, 0) for state in states.values()]
+        response_choices = [self._choice(request, state, state.steps, state.text, 0) for state in states.values()]
         return protocol.CompletionResponse(
             id=prepared.request_id,
             created=int(time.time()),
             model=request.model,
-            choices=choices,
+            choices=response_choices,
             usage=self._pipeline.usage(prepared, states),
             weight_version=weight_version,
         )
@@ -423,7 +423,7 @@ class CompletionServing:
     def _choice(
         self,
         request: protocol.CompletionRequest,
-        state: generation.ChoiceState,
+        state: choices.ChoiceState,
         steps: Sequence[base.TokenStep],
         text: str,
         offset: int,
@@ -473,7 +473,7 @@ class ChatServing:
         prepared = self._prepare(request)
         states, weight_version = await self._pipeline.complete(prepared)
         ids = request.wants_token_ids
-        choices = [
+        response_choices = [
             protocol.ChatChoice(
                 index=state.spec.index,
                 message=protocol.AssistantMessage(content=state.text),
@@ -488,7 +488,7 @@ class ChatServing:
             id=prepared.request_id,
             created=int(time.time()),
             model=request.model,
-            choices=choices,
+            choices=response_choices,
             usage=self._pipeline.usage(prepared, states),
             weight_version=weight_version,
         )

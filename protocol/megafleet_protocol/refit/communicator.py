@@ -1,230 +1,66 @@
-"""The refit world's communicator: the trainer's session in its ``TCPStore``, and a transfer group
-built by hand over the ranks that move data, kept from one refit to the next while nothing changes.
+"""The refit world's communicator: one rank's client (or, on the trainer, server) of the trainer's
+session in its ``TCPStore``, and the transfer group over the ranks that move data, kept from one
+refit to the next while nothing changes.
 
 Used by both ends: the trainer's :mod:`~megafleet_protocol.refit.sender` and the engine's
 :mod:`~megafleet_protocol.refit.receiver` (through :mod:`megafleet_engine.refit_runner`). Invariants:
 every store key of a refit lives under its round (``round/<version>/``); every blocking call is
-bounded by the round's :class:`Deadline`; :meth:`Communicator.abort` (from any thread) tears the
-group down so a blocked collective returns. docs/refit-protocol.md tells the ranks, the session and
-rounds, group reuse, the deadlines and the asynchronous ops this implements.
+bounded by the round's :class:`~megafleet_protocol.refit.deadlines.Deadline`;
+:meth:`Communicator.abort` (from any thread) tears the group down so a blocked collective returns.
+docs/refit-protocol.md tells the ranks, the session and rounds, group reuse, the deadlines and the
+asynchronous ops this implements.
 
-One module, not a session half and a transport half: one :class:`Communicator` owns both the store
+One class, not a session half and a transport half: one :class:`Communicator` owns both the store
 and the group under one lock and abort flag (a round's decision keeps or rebuilds the group, the
 handshake is the group's first collective, an abort must reach both), so splitting it would split
-that state.
+that state. What it is built from lives beside it: where the world meets and the store
+(:mod:`~megafleet_protocol.refit.rendezvous_store`), the deadline
+(:mod:`~megafleet_protocol.refit.deadlines`), the round's messages
+(:mod:`~megafleet_protocol.refit.round_messages`) and the group itself
+(:mod:`~megafleet_protocol.refit.transfer_group`). :class:`Deadline`, :class:`Rendezvous` and
+:func:`local_address_towards`, the arguments of :meth:`Communicator.connect`, are importable from
+here too.
 """
 
 from __future__ import annotations
 
-import contextlib
-import dataclasses
 import datetime
-import json
 import logging
 import secrets
-import socket
 import threading
-import time
 from collections.abc import Callable
-from typing import Any, Protocol, cast
 
 import torch
 import torch.distributed as dist
 from torch._C import _distributed_c10d as c10d  # Store classes: torch.distributed re-exports them untyped
 
 from megafleet_protocol import vocabulary
-from megafleet_protocol.refit import errors, wire
+from megafleet_protocol.refit import (
+    cuda_streams,
+    deadlines,
+    errors,
+    rendezvous_store,
+    round_messages,
+    transfer_group,
+    wire,
+)
+from megafleet_protocol.refit.deadlines import Deadline
+from megafleet_protocol.refit.rendezvous_store import Rendezvous, local_address_towards
 
-__all__ = [
-    "Communicator",
-    "Deadline",
-    "Pending",
-    "Rendezvous",
-    "local_address_towards",
-    "new_event",
-    "on_stream",
-    "side_stream",
-]
+__all__ = ["STORE_PREFIX", "Communicator", "Deadline", "Rendezvous", "local_address_towards"]
 
 log = logging.getLogger(__name__)
 
 STORE_PREFIX = "megafleet/refit/"
+"""Every key of the refit in the trainer's store: ``session``, ``round/<version>/...`` and each
+group's ``group/<name>/`` prefix."""
 SESSION_KEY = "session"
 """The trainer's session id (outside any round): a receiver holding a group of another session never reuses it."""
-GROUP_KEY = "group"
-"""The trainer's decision of a round: ``{"group": name, "keep": bool}``."""
-NCCL_TIMEOUT_MARGIN_SECONDS = 600.0
-"""NCCL's own per-op timeout is set this far past the deadline, so the refit watchdog (which aborts
-the group at the deadline) always acts first: NCCL's timeout handling may end the whole process."""
 POLL_SECONDS = 0.0002
 """How often a host wait on an NCCL op or a CUDA event checks for completion, abort and the deadline
 (only where the host must wait: the handshake, the end of a transfer; never per bucket)."""
-STORE_PROBE_FIRST_SECONDS = 0.002
-STORE_PROBE_MAX_SECONDS = 0.05
-"""Backoff between probes for the trainer's store, which the trainer may open after the agents join
-(a TCP connect to one address: cheap enough to repeat every 50 ms, and the store is found within
-that once it listens)."""
 STORE_WAIT_SLICE_SECONDS = 1.0
 """The longest single wait for a store key: how soon an abort ends a wait for a peer that never answers."""
-DEADLINE_SLACK_SECONDS = 0.25
-"""A torch wait that fails this close to the deadline ran out of time (its own timer may end a moment
-early), and is reported as the deadline passing."""
-
-
-def hello_key(group_rank: int) -> str:
-    return f"hello/{group_rank}"
-
-
-def side_stream(device: torch.device) -> torch.cuda.Stream | None:
-    """A CUDA stream of ``device`` for work that overlaps a transfer (packing, writing), or ``None`` on CPU."""
-    if device.type != "cuda":
-        return None
-    make: Any = torch.cuda.Stream  # untyped constructor in torch's stubs
-    stream: torch.cuda.Stream = make(device)
-    return stream
-
-
-def new_event() -> torch.cuda.Event:
-    """A CUDA event (no timing) to order streams and to wait for on the host."""
-    make: Any = torch.cuda.Event  # untyped constructor in torch's stubs
-    event: torch.cuda.Event = make()
-    return event
-
-
-def on_stream(stream: torch.cuda.Stream | None) -> contextlib.AbstractContextManager[Any]:
-    """``torch.cuda.stream(stream)``, or nothing on CPU."""
-    return torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext()
-
-
-class Deadline:
-    """The instant a refit attempt must be over by (monotonic clock)."""
-
-    def __init__(self, seconds: float) -> None:
-        self.seconds = seconds
-        self.at = time.monotonic() + seconds
-
-    @property
-    def remaining(self) -> float:
-        """Seconds left; zero or negative once passed."""
-        return self.at - time.monotonic()
-
-    @property
-    def passed(self) -> bool:
-        return self.remaining <= 0
-
-    def left(self, what: str) -> datetime.timedelta:
-        """The time left as a timeout for the step ``what``; :class:`RefitTimeout` if none is left."""
-        remaining = self.remaining
-        if remaining <= 0:
-            raise errors.RefitTimeout(f"the refit's {self.seconds:g} s deadline passed before {what}")
-        return datetime.timedelta(seconds=remaining)
-
-
-@dataclasses.dataclass(frozen=True)
-class Rendezvous:
-    """Where and how large the trainer+fleet world of one attempt is.
-
-    Attributes:
-        address: host or IP of the trainer's rank 0, where its ``TCPStore`` listens.
-        port: the store's port; a fresh one per attempt.
-        world_size: trainer ranks plus the ranks of every live shard.
-        trainer_world_size: trainer ranks (they come first).
-    """
-
-    address: str
-    port: int
-    world_size: int
-    trainer_world_size: int = 1
-
-    def __post_init__(self) -> None:
-        if self.trainer_world_size < 1 or self.world_size <= self.trainer_world_size:
-            raise ValueError(
-                f"a refit world of {self.world_size} ranks with {self.trainer_world_size} trainer ranks has no fleet"
-            )
-
-    @property
-    def group_size(self) -> int:
-        """Ranks of the transfer group: trainer rank 0 and every fleet rank."""
-        return self.world_size - self.trainer_world_size + 1
-
-    def group_rank(self, global_rank: int) -> int:
-        """The transfer-group rank of global rank ``global_rank`` (trainer rank 0 or a fleet rank)."""
-        if global_rank == 0:
-            return 0
-        if not self.trainer_world_size <= global_rank < self.world_size:
-            raise ValueError(
-                f"rank {global_rank} is not trainer rank 0 nor a fleet rank "
-                f"({self.trainer_world_size}..{self.world_size - 1}) of this refit world"
-            )
-        return global_rank - self.trainer_world_size + 1
-
-    def global_rank(self, group_rank: int) -> int:
-        return 0 if group_rank == 0 else group_rank + self.trainer_world_size - 1
-
-
-class _Group(Protocol):
-    """What we call on a hand-built gloo or NCCL backend (torch's stubs do not list its collectives)."""
-
-    def broadcast(self, tensors: list[torch.Tensor], opts: dist.BroadcastOptions) -> dist.Work: ...
-    def send(self, tensors: list[torch.Tensor], dstRank: int, tag: int) -> dist.Work: ...
-    def recv(self, tensors: list[torch.Tensor], srcRank: int, tag: int) -> dist.Work: ...
-    def abort(self) -> None: ...
-    def shutdown(self) -> None: ...
-
-
-@dataclasses.dataclass(frozen=True)
-class Pending:
-    """An op in flight (:meth:`Communicator.start_broadcast`, :meth:`Communicator.start_recv`)."""
-
-    work: dist.Work
-    what: str
-    self_bounded: bool  # a gloo broadcast: it ends itself at the deadline
-
-
-@dataclasses.dataclass(frozen=True)
-class _Hello:
-    """A receiver's opening of a round: the session it read, the group it still holds and the
-    manifest it accepted last (its id, see :meth:`Communicator.open_round`)."""
-
-    session: str
-    group: str | None
-    manifest: str | None = None
-
-    def encode(self) -> str:
-        return json.dumps({"session": self.session, "group": self.group, "manifest": self.manifest})
-
-    @classmethod
-    def decode(cls, raw: bytes) -> _Hello:
-        try:
-            value = json.loads(raw)
-            return cls(str(value["session"]), _optional_str(value["group"]), _optional_str(value.get("manifest")))
-        except (KeyError, TypeError, AttributeError, json.JSONDecodeError) as error:
-            raise errors.ProtocolError(f"malformed hello: {error!r}") from None
-
-
-@dataclasses.dataclass(frozen=True)
-class _Decision:
-    """The trainer's decision for a round: the group every rank uses, whether it is kept, and the
-    manifest every receiver already holds (``None``: the manifest exchange follows)."""
-
-    group: str
-    keep: bool
-    manifest: str | None = None
-
-    def encode(self) -> str:
-        return json.dumps({"group": self.group, "keep": self.keep, "manifest": self.manifest})
-
-    @classmethod
-    def decode(cls, raw: bytes) -> _Decision:
-        try:
-            value = json.loads(raw)
-            return cls(str(value["group"]), bool(value["keep"]), _optional_str(value.get("manifest")))
-        except (KeyError, TypeError, AttributeError, json.JSONDecodeError) as error:
-            raise errors.ProtocolError(f"malformed group decision: {error!r}") from None
-
-
-def _optional_str(value: object) -> str | None:
-    return None if value is None else str(value)
 
 
 class Communicator:
@@ -239,11 +75,11 @@ class Communicator:
         self,
         store: c10d.Store,
         *,
-        rendezvous: Rendezvous,
+        rendezvous: rendezvous_store.Rendezvous,
         group_rank: int,
         backend: vocabulary.CollectiveBackend,
         device: torch.device,
-        deadline: Deadline,
+        deadline: deadlines.Deadline,
         local_address: str,
         aborted: threading.Event | None = None,
     ) -> None:
@@ -267,7 +103,7 @@ class Communicator:
         self.rounds = 0
         """Rounds opened on this communicator."""
         self._store: c10d.Store | None = store
-        self._group: _Group | None = None
+        self._group: transfer_group.Group | None = None
         self._aborted = aborted or threading.Event()
         self._group_aborted = False
         self._lock = threading.Lock()
@@ -275,12 +111,12 @@ class Communicator:
     @classmethod
     def connect(
         cls,
-        rendezvous: Rendezvous,
+        rendezvous: rendezvous_store.Rendezvous,
         *,
         global_rank: int,
         backend: vocabulary.CollectiveBackend,
         device: torch.device,
-        deadline: Deadline,
+        deadline: deadlines.Deadline,
         local_address: str,
         aborted: threading.Event | None = None,
     ) -> Communicator:
@@ -297,8 +133,14 @@ class Communicator:
         if backend == "nccl":
             torch.cuda.set_device(device)  # the current device is per thread; NCCL uses it
         if group_rank != 0:
-            _wait_for_store(rendezvous, deadline, aborted)
-        store = _store(rendezvous, is_master=group_rank == 0, deadline=deadline)
+            rendezvous_store.wait_listening(
+                rendezvous.address,
+                rendezvous.port,
+                deadline=deadline,
+                aborted=aborted,
+                what="the trainer's rendezvous store accepted a connection",
+            )
+        store = rendezvous_store.open_store(rendezvous, is_master=group_rank == 0, deadline=deadline)
         comm = cls(
             store,
             rendezvous=rendezvous,
@@ -340,10 +182,11 @@ class Communicator:
         return self.reused
 
     def _decide(self, version: int, manifest: str | None) -> None:
-        hellos: dict[int, _Hello] = {}
+        hellos: dict[int, round_messages.Hello] = {}
         for group_rank in range(1, self.rendezvous.group_size):
             what = f"the hello of rank {self.rendezvous.global_rank(group_rank)}"
-            hellos[group_rank] = _Hello.decode(self.get(hello_key(group_rank), what=what))
+            raw = self.get(round_messages.hello_key(group_rank), what=what)
+            hellos[group_rank] = round_messages.Hello.decode(raw)
         keep = (
             self.group_name is not None
             and self._group is not None
@@ -353,15 +196,17 @@ class Communicator:
         name = self.group_name if keep and self.group_name is not None else f"v{version}"
         held = manifest is not None and all(hello.manifest == manifest for hello in hellos.values())
         self.held_manifest = manifest if held else None
-        self.set(GROUP_KEY, _Decision(name, keep, self.held_manifest).encode())
+        self.set(round_messages.GROUP_KEY, round_messages.Decision(name, keep, self.held_manifest).encode())
         self.reused = keep
         if not keep:
             self._regroup(name)
             self.handshake()
 
     def _follow(self, manifest: str | None) -> None:
-        self.set(hello_key(self.group_rank), _Hello(self.session, self.group_name, manifest).encode())
-        decision = _Decision.decode(self.get(GROUP_KEY, what="the trainer's group decision"))
+        hello = round_messages.Hello(self.session, self.group_name, manifest)
+        self.set(round_messages.hello_key(self.group_rank), hello.encode())
+        raw = self.get(round_messages.GROUP_KEY, what="the trainer's group decision")
+        decision = round_messages.Decision.decode(raw)
         if decision.manifest is not None and decision.manifest != manifest:
             raise errors.ProtocolError(
                 f"the trainer says this rank holds manifest {decision.manifest!r}, but it holds {manifest!r}"
@@ -383,11 +228,11 @@ class Communicator:
         self._drop_group()
         prefixed = c10d.PrefixStore(f"{STORE_PREFIX}group/{name}/", self._live_store())
         try:
-            group = _group(
+            group = transfer_group.build(
                 prefixed, self.group_rank, self.rendezvous.group_size, self.backend, self.local_address, self.deadline
             )
         except RuntimeError as error:
-            raise _translate(error, self.deadline, "every rank joined the refit group") from None
+            raise deadlines.translate(error, self.deadline, "every rank joined the refit group") from None
         with self._lock:
             self._group, self.group_name, self._group_aborted = group, name, False
         if self._aborted.is_set():  # aborted while building: the abort did not see this group
@@ -399,7 +244,7 @@ class Communicator:
         with self._lock:
             self._group, self.group_name, self._group_aborted = None, None, False
 
-    def rearm(self, deadline: Deadline, aborted: threading.Event) -> None:
+    def rearm(self, deadline: deadlines.Deadline, aborted: threading.Event) -> None:
         """Give a parked communicator the next attempt's deadline and abort flag (receiver side)."""
         with self._lock:
             if self._group_aborted or self._store is None or self._aborted.is_set():
@@ -417,7 +262,7 @@ class Communicator:
             store.set_timeout(bound)
             value = store.get(STORE_PREFIX + SESSION_KEY).decode()
         except RuntimeError as error:
-            raise _translate(error, self.deadline, "checking the trainer's session") from None
+            raise deadlines.translate(error, self.deadline, "checking the trainer's session") from None
         if value != self.session:
             raise errors.RefitError("the trainer's session changed")
 
@@ -445,10 +290,10 @@ class Communicator:
                 value: bytes = store.get(full_key)
                 return value
             except dist.DistStoreError as error:  # this slice timed out (a network error is a DistNetworkError)
-                if self._aborted.is_set() or self.deadline.remaining <= DEADLINE_SLACK_SECONDS:
-                    raise _translate(error, self.deadline, what, aborted=self._aborted.is_set()) from None
+                if self._aborted.is_set() or self.deadline.remaining <= deadlines.DEADLINE_SLACK_SECONDS:
+                    raise deadlines.translate(error, self.deadline, what, aborted=self._aborted.is_set()) from None
             except RuntimeError as error:
-                raise _translate(error, self.deadline, what, aborted=self._aborted.is_set()) from None
+                raise deadlines.translate(error, self.deadline, what, aborted=self._aborted.is_set()) from None
 
     def delete(self, keys: list[str], *, namespace: str) -> None:
         """Delete ``keys`` of the round ``namespace`` (best effort: a finished round's messages)."""
@@ -477,7 +322,7 @@ class Communicator:
                 f"protocol {wire.PROTOCOL_MAJOR}, group size {self.rendezvous.group_size}]"
             )
 
-    def start_broadcast(self, tensor: torch.Tensor, *, what: str) -> Pending:
+    def start_broadcast(self, tensor: torch.Tensor, *, what: str) -> transfer_group.Pending:
         """Start broadcasting ``tensor`` from group rank 0 (in place on the others); :meth:`finish` it.
         NCCL orders it after the work already queued on the calling thread's current stream."""
         options = dist.BroadcastOptions()
@@ -487,11 +332,11 @@ class Communicator:
             options.timeout = self.deadline.left(what)  # gloo ends the op itself at the deadline
         return self._start(lambda group: group.broadcast([tensor], options), what=what, self_bounded=True)
 
-    def start_recv(self, tensor: torch.Tensor, *, src: int, tag: int, what: str) -> Pending:
+    def start_recv(self, tensor: torch.Tensor, *, src: int, tag: int, what: str) -> transfer_group.Pending:
         """Start receiving ``tensor`` from group rank ``src`` (the whole tensor, in place)."""
         return self._start(lambda group: group.recv([tensor], src, tag), what=what, self_bounded=False)
 
-    def finish(self, pending: Pending, *, stream: torch.cuda.Stream | None = None) -> None:
+    def finish(self, pending: transfer_group.Pending, *, stream: torch.cuda.Stream | None = None) -> None:
         """Complete ``pending`` as far as its user needs: gloo waits on the host until it is done;
         NCCL makes ``stream`` (default: the current stream) wait for it, without a host wait."""
         self._check_open(pending.what)
@@ -502,14 +347,14 @@ class Communicator:
                 else:  # a point-to-point op: wait(timeout) leaves nothing pending behind
                     pending.work.wait(self.deadline.left(pending.what))
                 return
-            with on_stream(stream):
+            with cuda_streams.on_stream(stream):
                 pending.work.wait()
         except RuntimeError as error:
             if isinstance(error, errors.RefitError):
                 raise
-            raise _translate(error, self.deadline, pending.what, aborted=self._aborted.is_set()) from None
+            raise deadlines.translate(error, self.deadline, pending.what, aborted=self._aborted.is_set()) from None
 
-    def complete(self, pending: Pending) -> None:
+    def complete(self, pending: transfer_group.Pending) -> None:
         """Wait on the host until ``pending`` is done (NCCL: polled, so an abort or the deadline ends the wait)."""
         if self.backend == "nccl":
             self._poll(pending.work.is_completed, what=pending.what)
@@ -533,16 +378,18 @@ class Communicator:
 
     def wait(self, work: dist.Work, *, what: str) -> None:
         """Wait on the host for ``work`` (from :meth:`send`) until the deadline."""
-        self.complete(Pending(work, what, self_bounded=False))
+        self.complete(transfer_group.Pending(work, what, self_bounded=False))
 
-    def _start(self, start: Callable[[_Group], dist.Work], *, what: str, self_bounded: bool) -> Pending:
+    def _start(
+        self, start: Callable[[transfer_group.Group], dist.Work], *, what: str, self_bounded: bool
+    ) -> transfer_group.Pending:
         self._check_open(what)
         try:
-            return Pending(start(self._live_group()), what, self_bounded)
+            return transfer_group.Pending(start(self._live_group()), what, self_bounded)
         except RuntimeError as error:
             if isinstance(error, errors.RefitError):
                 raise
-            raise _translate(error, self.deadline, what, aborted=self._aborted.is_set()) from None
+            raise deadlines.translate(error, self.deadline, what, aborted=self._aborted.is_set()) from None
 
     def _poll(self, done: Callable[[], bool], *, what: str) -> None:
         try:
@@ -555,7 +402,7 @@ class Communicator:
         except RuntimeError as error:
             if isinstance(error, errors.RefitError):
                 raise
-            raise _translate(error, self.deadline, what, aborted=self._aborted.is_set()) from None
+            raise deadlines.translate(error, self.deadline, what, aborted=self._aborted.is_set()) from None
 
     # -- teardown ------------------------------------------------------------------------------
 
@@ -613,7 +460,7 @@ class Communicator:
             raise errors.RefitAborted(f"the refit was aborted before {what}")
         self.deadline.left(what)
 
-    def _live_group(self) -> _Group:
+    def _live_group(self) -> transfer_group.Group:
         group = self._group
         if group is None or self._group_aborted:
             raise errors.RefitAborted("the refit group is closed")
@@ -624,105 +471,3 @@ class Communicator:
         if store is None:
             raise errors.RefitAborted("the refit store is closed")
         return store
-
-
-def _wait_for_store(rendezvous: Rendezvous, deadline: Deadline, aborted: threading.Event) -> None:
-    """Wait until the trainer's store accepts connections, or the deadline or an abort.
-
-    A plain TCP probe, retried with backoff: ``TCPStore``'s own client retries until its timeout
-    but overruns it and cannot be interrupted (docs/incidents.md), so probing first keeps a receiver
-    whose trainer never comes exactly to its deadline and abortable.
-    """
-    what = "the trainer's rendezvous store accepted a connection"
-    delay = STORE_PROBE_FIRST_SECONDS
-    while True:
-        remaining = deadline.left(what).total_seconds()
-        try:
-            with socket.create_connection((rendezvous.address, rendezvous.port), timeout=min(remaining, 5.0)):
-                return
-        except OSError:
-            pass
-        if aborted.wait(min(delay, max(deadline.remaining, 0.0))):
-            raise errors.RefitAborted(f"the refit was aborted before {what}")
-        delay = min(delay * 2, STORE_PROBE_MAX_SECONDS)
-
-
-def _store(rendezvous: Rendezvous, *, is_master: bool, deadline: Deadline) -> c10d.Store:
-    """The trainer's store server (listening on its address only) or a client of it."""
-    what = "connecting to the trainer's rendezvous store" if not is_master else "starting the rendezvous store"
-    timeout = deadline.left(what)
-    try:
-        if not is_master:
-            return c10d.TCPStore(rendezvous.address, rendezvous.port, None, False, timeout)
-        listener = _listen(rendezvous.address, rendezvous.port)
-        try:
-            store = c10d.TCPStore(
-                rendezvous.address,
-                rendezvous.port,
-                None,
-                True,
-                timeout,
-                wait_for_workers=False,
-                master_listen_fd=listener.fileno(),
-            )
-        except BaseException:
-            listener.close()
-            raise
-        listener.detach()  # the store owns the socket now and closes it
-        return store
-    except RuntimeError as error:
-        raise _translate(error, deadline, what) from None
-
-
-def _listen(address: str, port: int) -> socket.socket:
-    """A listening socket on ``address:port`` only (the store would otherwise listen everywhere)."""
-    family = socket.AF_INET6 if ":" in address else socket.AF_INET
-    listener = socket.socket(family, socket.SOCK_STREAM)
-    try:
-        listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        listener.bind((address, port))
-        listener.listen(1024)
-    except OSError as error:
-        listener.close()
-        raise errors.RefitError(
-            f"cannot listen on {address}:{port} for the refit rendezvous: {error.strerror}"
-        ) from None
-    return listener
-
-
-def _group(
-    store: c10d.Store,
-    rank: int,
-    size: int,
-    backend: vocabulary.CollectiveBackend,
-    local_address: str,
-    deadline: Deadline,
-) -> _Group:
-    timeout = deadline.left("building the refit group")
-    distributed: Any = dist  # the option classes' constructors and fields are not in torch's stubs
-    if backend == "gloo":
-        options = distributed.ProcessGroupGloo._Options()
-        options._devices = [distributed.ProcessGroupGloo.create_device(hostname=local_address)]
-        options._timeout = timeout
-        return cast(_Group, distributed.ProcessGroupGloo(store, rank, size, options))
-    options = distributed.ProcessGroupNCCL.Options()
-    options._timeout = timeout + datetime.timedelta(seconds=NCCL_TIMEOUT_MARGIN_SECONDS)
-    return cast(_Group, distributed.ProcessGroupNCCL(store, rank, size, options))
-
-
-def _translate(error: RuntimeError, deadline: Deadline, what: str, *, aborted: bool = False) -> errors.RefitError:
-    """A torch error of a refit step as a :class:`RefitError` that says which step failed and why."""
-    if aborted:
-        return errors.RefitAborted(f"the refit was aborted during {what}")
-    if deadline.remaining <= DEADLINE_SLACK_SECONDS:
-        return errors.RefitTimeout(f"the refit's {deadline.seconds:g} s deadline passed during {what}")
-    first_line = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
-    return errors.RefitError(f"{what} failed: {first_line}")
-
-
-def local_address_towards(host: str) -> str:
-    """The local address this host uses to reach ``host`` (no packet is sent)."""
-    family, _, _, _, address = socket.getaddrinfo(host, 9, type=socket.SOCK_DGRAM)[0]
-    with socket.socket(family, socket.SOCK_DGRAM) as probe:
-        probe.connect(address)
-        return str(probe.getsockname()[0])

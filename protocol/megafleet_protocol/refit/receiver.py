@@ -28,7 +28,13 @@ from typing import Protocol, TypeVar
 import torch
 
 from megafleet_protocol import vocabulary
-from megafleet_protocol.refit import communicator, errors, wire
+from megafleet_protocol.refit import (
+    communicator,
+    cuda_streams,
+    errors,
+    transfer_group,
+    wire,
+)
 
 __all__ = ["Accepted", "Apply", "Received", "Record", "Sink", "check_manifest", "receive"]
 
@@ -213,7 +219,7 @@ def _transfer(
     for placement in plan.placements:
         by_bucket[placement.bucket].append(placement)
     device = sink.device
-    stream = communicator.side_stream(device)
+    stream = cuda_streams.side_stream(device)
     slots = min(2, count)
     buffers = [torch.empty(plan.largest, dtype=torch.uint8, device=device) for _ in range(slots)]
     if stream is not None:
@@ -225,7 +231,7 @@ def _transfer(
     def chunk(bucket: int) -> torch.Tensor:
         return buffers[bucket % slots].narrow(0, 0, plan.sizes[bucket])
 
-    def start(bucket: int) -> communicator.Pending:
+    def start(bucket: int) -> transfer_group.Pending:
         event = written[bucket % slots]
         if event is not None:
             torch.cuda.current_stream(device).wait_event(event)
@@ -239,11 +245,11 @@ def _transfer(
         with record.timed("receive"):
             comm.finish(pending, stream=stream)  # gloo: the bucket is here; NCCL: the side stream waits for it
         if stream is not None:
-            received = communicator.new_event()
+            received = cuda_streams.new_event()
             received.record(stream)
         if bucket + 1 < count:
             pending = start(bucket + 1)  # travels while this bucket is written
-        done = communicator.new_event() if stream is not None else None
+        done = cuda_streams.new_event() if stream is not None else None
         with record.timed("apply"):
             count_written = apply(
                 functools.partial(_write, sink, chunk(bucket), by_bucket[bucket], tensors, stream, done)
@@ -336,7 +342,7 @@ def _write(
     """Write one received bucket into the sink (on the backend thread), on ``stream`` when given,
     and record ``done`` there after the last copy."""
     written = 0
-    with communicator.on_stream(stream):
+    with cuda_streams.on_stream(stream):
         for placement in placements:
             info = tensors[placement.region.name]
             written += sink.write(placement.region, wire.unpack(bucket, placement, info))

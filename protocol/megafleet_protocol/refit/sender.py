@@ -27,7 +27,16 @@ import torch
 import torch.distributed as dist
 
 from megafleet_protocol import vocabulary
-from megafleet_protocol.refit import communicator, errors, wire
+from megafleet_protocol.refit import (
+    communicator,
+    cuda_streams,
+    deadlines,
+    errors,
+    rendezvous_store,
+    round_messages,
+    transfer_group,
+    wire,
+)
 
 __all__ = ["SendReport", "WeightSender"]
 
@@ -83,7 +92,7 @@ class WeightSender:
         if rank != 0:
             raise ValueError(f"trainer rank {rank} sends nothing in protocol 1; only trainer rank 0 runs a sender")
         self.address = address or socket.gethostbyname(socket.gethostname())
-        self.rendezvous = communicator.Rendezvous(self.address, rendezvous_port, world_size, trainer_world_size)
+        self.rendezvous = rendezvous_store.Rendezvous(self.address, rendezvous_port, world_size, trainer_world_size)
         self.backend = backend
         self.timeout_seconds = timeout_seconds
         if device is None:
@@ -116,7 +125,7 @@ class WeightSender:
             global_rank=0,
             backend=self.backend,
             device=self.device,
-            deadline=communicator.Deadline(self.timeout_seconds),
+            deadline=deadlines.Deadline(self.timeout_seconds),
             local_address=self.address,
             aborted=self._aborted,
         )
@@ -158,7 +167,7 @@ class WeightSender:
                 raise ValueError("tensors produced one at a time (shapes=...) go with the broadcast transport only")
             source = _Streamed(iter(named_tensors), _infos(shapes))
         self._versions.add(version)
-        comm.deadline = communicator.Deadline(self.timeout_seconds)
+        comm.deadline = deadlines.Deadline(self.timeout_seconds)
         try:
             return self._send(comm, source, bucket_size_mib, version, transport)
         except BaseException:
@@ -235,7 +244,7 @@ class WeightSender:
         """The keys a round writes (deleted during the next round's transfer: every receiver is
         done with them by then, and a store that serves refit after refit does not grow)."""
         receivers = range(1, self.rendezvous.group_size)
-        keys = [communicator.GROUP_KEY] + [communicator.hello_key(r) for r in receivers]
+        keys = [round_messages.GROUP_KEY] + [round_messages.hello_key(r) for r in receivers]
         keys += [wire.done_key(r) for r in receivers]
         if exchanged:
             keys += [wire.MANIFEST_KEY, wire.GO_KEY] + [wire.verdict_key(r) for r in receivers]
@@ -317,7 +326,7 @@ class WeightSender:
         that wait."""
         count = len(plan.sizes)
         slots = min(2, count)
-        stream = communicator.side_stream(self.device)
+        stream = cuda_streams.side_stream(self.device)
         buffers = [torch.empty(plan.largest, dtype=torch.uint8, device=self.device) for _ in range(slots)]
         current = torch.cuda.current_stream(self.device) if stream is not None else None
         if stream is not None and current is not None:
@@ -325,8 +334,8 @@ class WeightSender:
             for buffer in buffers:
                 buffer.record_stream(stream)
         by_bucket = _by_bucket(plan)
-        in_flight: list[communicator.Pending | None] = [None] * slots
-        issued: list[communicator.Pending] = []
+        in_flight: list[transfer_group.Pending | None] = [None] * slots
+        issued: list[transfer_group.Pending] = []
         for bucket, size in enumerate(plan.sizes):
             slot = bucket % slots
             previous = in_flight[slot]
@@ -338,7 +347,7 @@ class WeightSender:
                 if stream is not None and current is not None and isinstance(source, _Streamed):
                     stream.wait_stream(current)  # the tensor may have just been produced there
                     tensor.record_stream(stream)  # its memory is not reused before the packing ran
-                with communicator.on_stream(stream):
+                with cuda_streams.on_stream(stream):
                     wire.pack(chunk, placement, tensor)
             if bucket == count - 1:
                 source.finish()  # before the last bucket goes: a stream with more tensors fails here

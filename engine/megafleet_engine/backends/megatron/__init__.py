@@ -10,9 +10,9 @@ Modules, along the backend's seams:
 * :mod:`.sources`: what a model source string names (``tiny://``, ``random://``, a checkpoint
   folder) and its tokenizer;
 * :mod:`.build`: the process and model-parallel groups, the ``GPTModel``, megatron's engine;
-* :mod:`.weights`: HF-named views over the live parameters and every write into them;
-* :mod:`.generation`: the sampling mapping, the first rank's batch loop, token steps;
-* :mod:`.sampling`: NeMo RL's filter as megatron's sampler (processed and per-request raw logprobs);
+* :mod:`.live_weights`: HF-named views over the live parameters and every write into them;
+* :mod:`.batch_runner`: the sampling mapping, the first rank's batch loop, token steps;
+* :mod:`.nemo_sampler`: NeMo RL's filter as megatron's sampler (processed and per-request raw logprobs);
 * :mod:`.lockstep`: what the first rank of a model-parallel shard tells the others;
 * :mod:`.backend`: :class:`MegatronBackend`, wiring them, and :func:`load`.
 
@@ -22,8 +22,8 @@ shard resumes only when every rank holds the new version, so it never computes w
 """
 
 from megafleet_engine.backends.megatron.backend import MegatronBackend, load
+from megafleet_engine.backends.megatron.batch_runner import to_megatron_sampling
 from megafleet_engine.backends.megatron.build import EngineOptions, megatron_core
-from megafleet_engine.backends.megatron.generation import to_megatron_sampling
 from megafleet_engine.backends.megatron.sources import PRESETS, ModelSource, parse_source
 
 __all__ = [

@@ -31,7 +31,15 @@ from typing import Any
 import torch
 
 from megafleet_engine.backends import base
-from megafleet_engine.backends.megatron import build, fused, generation, lockstep, native_refit, sources, weights
+from megafleet_engine.backends.megatron import (
+    batch_runner,
+    build,
+    fused,
+    live_weights,
+    lockstep,
+    native_refit,
+    sources,
+)
 from megafleet_engine.backends.weight_maps import Layout
 from megafleet_protocol import vocabulary
 
@@ -77,15 +85,15 @@ class MegatronBackend:
         )
         leader = group is None or (layout.tp_rank == 0 and layout.pp_rank == 0)
         self._lockstep = lockstep.Lockstep(group, leader=leader, device=torch.cuda.current_device())
-        self._settlement = weights.Settlement()  # following ranks: their own writes, for settle
-        self._batch = generation.Runner(
+        self._settlement = live_weights.Settlement()  # following ranks: their own writes, for settle
+        self._batch = batch_runner.Runner(
             engine,
             self.info,
             self._lockstep,
             max_requests=max_requests,
             other_eos=frozenset(source.eos_token_ids[1:]),
         )
-        self._weights = weights.Weights(model, self.shape, layout)
+        self._weights = live_weights.Weights(model, self.shape, layout)
 
     # -- weights -------------------------------------------------------------------------------
 
@@ -242,8 +250,8 @@ class MegatronBackend:
         """Switch the per-step options that need no rebuild, between batches (nothing in flight;
         ``None`` leaves one as it is): megatron's asynchronous scheduling
         (:attr:`.build.EngineOptions.async_schedule`), the sampler's host-sync-free path
-        (:attr:`.sampling.NemoSampling.sync_free`) and the step arrays of
-        :attr:`.generation.Runner.array_collect`. Called by the benchmark to compare them on one
+        (:attr:`.nemo_sampler.NemoSampling.sync_free`) and the step arrays of
+        :attr:`.batch_runner.Runner.array_collect`. Called by the benchmark to compare them on one
         engine; the first rank of a model-parallel shard only (the others keep their build's
         scheduling mode, so keep ``async_schedule`` as built there)."""
         if self.engine.has_unfinished_requests():

@@ -84,18 +84,18 @@ class EngineOptions:
     (:meth:`.backend.MegatronBackend.set_step_options`). On one rank only (:func:`effective_options`)."""
     fused_kernels: FusedChoice = "rope-swiglu"
     """Fused Triton kernels swapped into megatron's ``local`` layers before the decode graphs are
-    captured (:mod:`.fused`, issue 19; :data:`FUSED_CHOICES`): ``rope-swiglu`` (the default, the
-    name kept from when it held only those two), every fusion that is bitwise megatron's unfused
-    result: RoPE and the gated SiLU (one kernel each instead of ~27 and 3 per layer), the RMSNorms
-    (one kernel per row adding the squares in torch's CUDA order instead of torch's 6 us kernel), and
-    per layer one kernel for the query's copy, RoPE on q and k and the KV-cache append (instead of
-    four), and each residual add in the RMSNorm after it (across layers with block graphs); ``gemv``
-    also the linear layers of one-token steps (batch-1 decode) through a Triton GEMV instead of
-    cuBLAS (fc1 with the SwiGLU in its kernel, no split-K reductions) with every fused kernel
-    launched as a programmatic dependent launch (the next kernel's weights read while the one
-    before finishes): within bf16 rounding, not bitwise, so greedy tokens may part from megatron's
-    at near-ties; ``all`` also a Triton decode attention for one-request decode steps
-    (instead of FlashAttention; not bitwise either); ``off``, megatron's ops.
+    captured (:mod:`.fused`, measured in ``bench/README.md``; :data:`FUSED_CHOICES`): ``rope-swiglu``
+    (the default, the name kept from when it held only those two), every fusion that is bitwise
+    megatron's unfused result: RoPE and the gated SiLU (one kernel each instead of ~27 and 3 per layer),
+    the RMSNorms (one kernel per row adding the squares in torch's CUDA order instead of torch's 6 us
+    kernel), and per layer one kernel for the query's copy, RoPE on q and k and the KV-cache append
+    (instead of four), and each residual add in the RMSNorm after it (across layers with block graphs);
+    ``gemv`` also the linear layers of one-token steps (batch-1 decode) through a Triton GEMV instead of
+    cuBLAS (fc1 with the SwiGLU in its kernel, no split-K reductions) with every fused kernel launched
+    as a programmatic dependent launch (the next kernel's weights read while the one before finishes):
+    within bf16 rounding, not bitwise, so greedy tokens may part from megatron's at near-ties; ``all``
+    also a Triton decode attention for one-request decode steps (instead of FlashAttention; not bitwise
+    either); ``off``, megatron's ops.
     ``rope-swiglu-only``, ``rope-swiglu-norm``, ``rope-swiglu-norm-qkv`` and ``gemv-no-pdl`` (the
     benchmark's steps) leave the later fusions out. Fixed when the model is built; one rank only
     (:func:`effective_options`); models the kernels do not fit keep megatron's ops (a log line says
@@ -103,9 +103,9 @@ class EngineOptions:
     prefill_graphs: bool = False
     """Also capture megatron's CUDA graphs for prefill and mixed steps (up to megatron's
     ``cuda_graph_max_tokens``, 512 tokens: ``use_cuda_graphs_for_non_decode_steps``), so a short
-    prompt's prefill is one graph replay instead of the layers' eager forward (issue 19: the time of
-    a batch-1 generation outside its decode steps). Needs ``cuda_graphs``; more graphs to capture
-    at start."""
+    prompt's prefill is one graph replay instead of the layers' eager forward (it shortens the time
+    of a batch-1 generation outside its decode steps: ``bench/README.md``). Needs ``cuda_graphs``;
+    more graphs to capture at start."""
     seed: int = 0
     """Seed of megatron's RNG trackers (sampling)."""
     kv_cache_mode: vocabulary.KvCacheMode = "persist"
@@ -261,7 +261,7 @@ def _one_kv_split_on_hopper(model: Any) -> None:
 def effective_options(options: EngineOptions, world_size: int) -> EngineOptions:
     """``options`` as a shard of ``world_size`` rank processes runs them: with more than one rank,
     per-layer graphs, megatron's ordinary step order and megatron's own ops (block graphs,
-    asynchronous scheduling and the fused kernels were measured on one GPU only; issue 19 point 5),
+    asynchronous scheduling and the fused kernels were measured on one GPU only: ``bench/README.md``),
     with a log line when that changes them."""
     single = options.graph_scope == "layer" and not options.async_schedule and options.fused_kernels == "off"
     if world_size == 1 or single:
@@ -284,7 +284,7 @@ def build_engine(model: Any, tokenizer: IdTokenizer, max_sequence_length: int, o
     """Megatron's ``DynamicInferenceEngine`` over ``model``, with its paged KV cache (and, with
     ``options.cuda_graphs``, decode CUDA graphs) sized by ``options``. Its log-probabilities are
     megatron's ``processed_logprobs``: computed by the sampler, which the runner replaces with
-    :class:`.sampling.NemoSampling` (:func:`.sampling.install`)."""
+    :class:`.nemo_sampler.NemoSampling` (:func:`.nemo_sampler.install`)."""
     config_module = megatron_core("inference.config")
     config = config_module.InferenceConfig(
         block_size_tokens=options.block_size_tokens,
@@ -296,7 +296,7 @@ def build_engine(model: Any, tokenizer: IdTokenizer, max_sequence_length: int, o
         use_cuda_graphs_for_non_decode_steps=options.cuda_graphs and options.prefill_graphs,
         materialize_only_last_token_logits=True,
         kv_cache_management_mode=config_module.KVCacheManagementMode(options.kv_cache_mode),
-        sampling_backend="torch",  # replaced by NeMo's filter (.sampling.install), which also computes
+        sampling_backend="torch",  # replaced by NeMo's filter (.nemo_sampler.install), which also computes
         logprobs_mode="processed_logprobs",  # the log-probabilities megatron returns
         async_sched_mode=schedule_mode(options.async_schedule),
     )

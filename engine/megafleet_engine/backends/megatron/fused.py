@@ -1,10 +1,10 @@
-"""Fused Triton kernels for megatron's ``local`` layer implementation (issue 19, stage 2), and
-:func:`install`, which swaps them into a built ``GPTModel`` and its dynamic inference context.
+"""Fused Triton kernels for megatron's ``local`` layer implementation, and :func:`install`, which
+swaps them into a built ``GPTModel`` and its dynamic inference context.
 
-Why: on an H200 a batch-1 decode step of the Llama-3.1-8B shape was GPU-bound at 6.3 ms, ~2.4 ms
-of it in ~1,230 small kernels per step (``bench/README.md``, issue 19): RoPE alone is ~20 kernels
-per layer (index, cos, sin, casts, neg, cat, two muls, add, copies, for q and for k) and SwiGLU 3
-(silu, ``x_linear + 0.0``, mul). Here each is one kernel:
+Why: on an H200 a batch-1 decode step of the Llama-3.1-8B shape was GPU-bound at 6.3 ms, ~2.4 ms of
+it in ~1,230 small kernels per step (``bench/README.md``): RoPE alone is ~20 kernels per layer
+(index, cos, sin, casts, neg, cat, two muls, add, copies, for q and for k) and SwiGLU 3 (silu,
+``x_linear + 0.0``, mul). Here each is one kernel:
 
 * :func:`rope_` applies megatron's unfused rotary embedding (``rope_utils._apply_rotary_pos_emb_bshd``,
   not interleaved) to the rows of q or k in place, gathering each row's frequencies by its position;
@@ -543,7 +543,7 @@ def gemv(
     this function's ungated result with the same ``config``: the SwiGLU in the same kernel). One kernel, no split-K
     reduction: ``n / block_n`` programs each stream ``block_n`` rows of the weight; for decode steps
     of up to :data:`GEMV_MAX_ROWS` tokens, where a GEMM reads the weights at less than the GPU's
-    bandwidth (issue 19). ``pdl``: :func:`_pdl`."""
+    bandwidth. ``pdl``: :func:`_pdl`."""
     n, k = weight.shape
     if not gemv_fits(x, weight) or (gated and n % 2):
         raise ValueError(f"gemv: x {tuple(x.shape)} {x.dtype} against weight {tuple(weight.shape)} {weight.dtype}")

@@ -2,7 +2,7 @@
 the other ranks, and how they follow it.
 
 Called by :class:`.backend.MegatronBackend` (a refit's suspend, resume and settle; close) and
-:class:`.generation.Runner` (one tick per engine step). Every rank of the model-parallel group builds
+:class:`.batch_runner.Runner` (one tick per engine step). Every rank of the model-parallel group builds
 the backend with the same arguments; the first rank's ``generate`` broadcasts one small
 :class:`Tick` per engine step (sequences joining and leaving) and the refit's suspend, resume and
 settle, and the other ranks run :func:`follow` (``serve_followers``), which applies them in the same

@@ -2,7 +2,7 @@
 inside megatron's engine, and per-request raw log-probabilities.
 
 Called by megatron's ``TextGenerationController`` at every step, in place of megatron-core's
-``TorchSampling`` (:func:`install` swaps it in; :class:`.generation.Runner` does so once per
+``TorchSampling`` (:func:`install` swaps it in; :class:`.batch_runner.Runner` does so once per
 engine): ``sample_kernel`` draws each active request's token and ``log_probs_kernel`` computes the
 log-probabilities megatron returns (the engine is built with ``logprobs_mode="processed_logprobs"``
 by :func:`.build.build_engine`, so megatron asks this sampler for them; top-n alternatives are taken
@@ -17,7 +17,7 @@ the argmax with raw log-probabilities. Requests whose megatron id is in
 (``log_softmax`` of the logits) whatever they sample with. Imports no megatron: it only reads the
 context megatron hands it.
 
-No host synchronisation (issue 19): megatron calls the sampler between launching a forward pass and
+No host synchronisation: megatron calls the sampler between launching a forward pass and
 reading its tokens back, and with asynchronous scheduling it launches the next forward right after
 it, so a sampler that waits for the GPU stalls the launch queue. The request metadata megatron
 hands over is in pinned host memory (reading it waits for nothing); when every active request

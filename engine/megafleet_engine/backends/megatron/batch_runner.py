@@ -8,17 +8,18 @@ steps: megatron schedules them into the next step with the running ones) and nam
 closed, which end through megatron's own early-finish path (the set its stop-word logic uses), as
 do sequences that sampled a stop id megatron does not know. Each step yields the tokens it
 produced. Sampling maps onto megatron's per-request parameters (greedy = ``top_k=1``; megatron
-has one sampling generator, so per-request seeds are ignored), which :mod:`.sampling`'s sampler
+has one sampling generator, so per-request seeds are ignored), which :mod:`.nemo_sampler`'s sampler
 (installed on megatron's controller here) filters as NeMo RL's trainer does, top-k and top-p
 together allowed. EOS stops through megatron's ``termination_id``. Log-probabilities are processed
 ones (those of the distribution the token was drawn from; raw when greedy), or ``log_softmax`` of
 the raw logits for sequences that ask for ``raw``: the runner keeps their megatron ids in the
-sampler's :attr:`~.sampling.NemoSampling.raw_request_ids` on every rank while they run.
+sampler's :attr:`~.nemo_sampler.NemoSampling.raw_request_ids` on every rank while they run.
 
-Step outputs as arrays (issue 14): a step's request ids, sampled tokens and finished ids are read
-from megatron's step result (host tensors megatron already copied back) with one ``tolist()`` each,
-between megatron's forward and its bookkeeping; sequences without log-probabilities (the RL
-rollout's case) take their token from those lists, with no lookup of megatron's request record.
+Step outputs as arrays, so that a step costs no Python work per sequence (``bench/README.md``): a
+step's request ids, sampled tokens and finished ids are read from megatron's step result (host
+tensors megatron already copied back) with one ``tolist()`` each, between megatron's forward and its
+bookkeeping; sequences without log-probabilities (the RL rollout's case) take their token from those
+lists, with no lookup of megatron's request record.
 Sequences that asked for log-probabilities read them from their record as before.
 :attr:`Runner.array_collect` ``False`` reads every sequence from its record (the benchmark's A/B).
 """
@@ -36,7 +37,7 @@ from typing import Any
 import torch
 
 from megafleet_engine.backends import base
-from megafleet_engine.backends.megatron import build, lockstep, sampling
+from megafleet_engine.backends.megatron import build, lockstep, nemo_sampler
 
 __all__ = ["Runner", "to_megatron_sampling"]
 
@@ -104,7 +105,7 @@ class Runner:
         self._loop = asyncio.new_event_loop()  # megatron's engine runs its coroutines on this loop
         engine._loop = self._loop
         self._ids = itertools.count(_FIRST_REQUEST_ID)
-        self.sampler = sampling.install(engine.controller)
+        self.sampler = nemo_sampler.install(engine.controller)
         self._raw = self.sampler.raw_request_ids  # on every rank alike
         self.array_collect = True
         """Read plain sequences' tokens from the step's arrays (see the module's docstring)."""

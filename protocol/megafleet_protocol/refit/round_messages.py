@@ -1,0 +1,71 @@
+"""What the ranks write in the trainer's store to open a round: each receiver's :class:`Hello` and
+the trainer's :class:`Decision`, and the keys they go under.
+
+Called by :meth:`Communicator.open_round <megafleet_protocol.refit.communicator.Communicator.open_round>`
+(every rank) and by the trainer's :mod:`~megafleet_protocol.refit.sender`, which deletes a finished
+round's keys. Both messages are JSON; a malformed one is a
+:class:`~megafleet_protocol.refit.errors.ProtocolError`. docs/refit-protocol.md ("Session, rounds
+and group reuse") tells what they decide. Imports no torch.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+
+from megafleet_protocol.refit import errors
+
+__all__ = ["GROUP_KEY", "Decision", "Hello", "hello_key"]
+
+GROUP_KEY = "group"
+"""The trainer's decision of a round: ``{"group": name, "keep": bool}``."""
+
+
+def hello_key(group_rank: int) -> str:
+    return f"hello/{group_rank}"
+
+
+@dataclasses.dataclass(frozen=True)
+class Hello:
+    """A receiver's opening of a round: the session it read, the group it still holds and the
+    manifest it accepted last (its id, see :meth:`Communicator.open_round`)."""
+
+    session: str
+    group: str | None
+    manifest: str | None = None
+
+    def encode(self) -> str:
+        return json.dumps({"session": self.session, "group": self.group, "manifest": self.manifest})
+
+    @classmethod
+    def decode(cls, raw: bytes) -> Hello:
+        try:
+            value = json.loads(raw)
+            return cls(str(value["session"]), _optional_str(value["group"]), _optional_str(value.get("manifest")))
+        except (KeyError, TypeError, AttributeError, json.JSONDecodeError) as error:
+            raise errors.ProtocolError(f"malformed hello: {error!r}") from None
+
+
+@dataclasses.dataclass(frozen=True)
+class Decision:
+    """The trainer's decision for a round: the group every rank uses, whether it is kept, and the
+    manifest every receiver already holds (``None``: the manifest exchange follows)."""
+
+    group: str
+    keep: bool
+    manifest: str | None = None
+
+    def encode(self) -> str:
+        return json.dumps({"group": self.group, "keep": self.keep, "manifest": self.manifest})
+
+    @classmethod
+    def decode(cls, raw: bytes) -> Decision:
+        try:
+            value = json.loads(raw)
+            return cls(str(value["group"]), bool(value["keep"]), _optional_str(value.get("manifest")))
+        except (KeyError, TypeError, AttributeError, json.JSONDecodeError) as error:
+            raise errors.ProtocolError(f"malformed group decision: {error!r}") from None
+
+
+def _optional_str(value: object) -> str | None:
+    return None if value is None else str(value)
