@@ -1,7 +1,7 @@
 """One engine's refits: admit a request, run it as an attempt, report it; and NeMo's joined world.
 
-Called by the agent's refit routes (:mod:`megafleet_engine.agent_server`) in the engine process: one
-:class:`RefitController` per engine process. It decides what may start (at most one attempt at a
+Called by the agent's refit routes (:mod:`megafleet_engine.agent_server`) in each engine rank's process:
+one :class:`RefitController` per process. It decides what may start (at most one attempt at a
 time; none on a failed engine; a repeated request answers its status), hands an admitted request's
 source (:mod:`~megafleet_engine.refit_attempts.sources`) to an attempt
 (:mod:`~megafleet_engine.refit_attempts.attempt`, which runs on a thread of its own) together with
