@@ -46,8 +46,8 @@ class Attempt:
     :class:`~megafleet_engine.refit_attempts.sources.Run`).
 
     Args:
-        source: the request's source (made by the controller, which so checked the request fits
-            this rank before admitting it).
+        source: the request's source (made by the controller before it admitted the request:
+            making it checks that the request fits this rank).
         target: the engine's live weights.
         loop: the agent's event loop, where the engine's calls run.
         parked: what the last successful refit kept; the attempt's thread reuses it or discards it.
