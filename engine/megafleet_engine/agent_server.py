@@ -9,7 +9,7 @@ beyond "the process answers".
 
 Routes: ``GET /healthz``, ``GET /readyz``, ``GET /v1/state``, ``POST /v1/suspend``,
 ``POST /v1/resume``, and the refit routes (:data:`refit_router`, carried out by
-:mod:`megafleet_engine.refit_runner`). The bodies are :mod:`megafleet_protocol.agent_api`'s models:
+:mod:`megafleet_engine.refit_attempts`). The bodies are :mod:`megafleet_protocol.agent_api`'s models:
 
 * ``POST /v1/refit/prepare`` (202): receive weight version ``version`` from the trainer's world at
   ``rendezvous`` (address, port, worldSize, rankOffset = the shard's offset, trainerWorldSize) with
@@ -28,7 +28,7 @@ Routes: ``GET /healthz``, ``GET /readyz``, ``GET /v1/state``, ``POST /v1/suspend
   the trainer's store every 10 s (``world.storeReachable`` in the status).
 * ``POST /v1/refit/megatron/join`` (202), ``POST /v1/refit/megatron`` (202) and
   ``POST /v1/refit/megatron/leave``: megatron-core's own refit from a megatron-core trainer
-  (:mod:`megafleet_engine.refit_runner.megatron_native`): join its refit group at the store at
+  (:mod:`megafleet_engine.refit_attempts.megatron_group`): join its refit group at the store at
   ``port + 1`` and prepare the plan without suspending, then one ``swap_model_weights`` per refit of the
   session; 409 ``backend_cannot_swap`` on a backend without a megatron-core model (or megatron-core
   < 0.17), 409 ``megatron_not_joined`` for a refit without a joined group.
@@ -68,9 +68,11 @@ from megafleet_engine import engine as engine_module
 from megafleet_engine import metrics as metrics_module
 from megafleet_engine import siblings as siblings_module
 from megafleet_engine.openai import errors
-from megafleet_engine.refit_runner import controller as refit_controller
-from megafleet_engine.refit_runner import megatron_native
-from megafleet_engine.refit_runner import progress as refit_progress
+from megafleet_engine.refit_attempts import controller as refit_controller
+from megafleet_engine.refit_attempts import megatron_group, memberships, sources
+from megafleet_engine.refit_attempts import phases as refit_phases
+from megafleet_engine.refit_attempts.sources import checkpoint, nemo_collective
+from megafleet_engine.refit_attempts.sources import rendezvous as rendezvous_source
 from megafleet_protocol import agent_api
 
 __all__ = [
@@ -96,12 +98,12 @@ class AgentServer:
     siblings: siblings_module.Siblings | None = None  # the pod's other local ranks (local rank 0 only)
     transfer_address: str | None = None  # where refit transports bind; None: the address this agent serves on
     refits: refit_controller.RefitController = dataclasses.field(init=False, repr=False, compare=False)
-    megatron: megatron_native.NativeRefits = dataclasses.field(init=False, repr=False, compare=False)
+    megatron: megatron_group.NativeRefits = dataclasses.field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         controller = refit_controller.RefitController(self.engine, rank=self.rank, metrics=self.metrics)
         object.__setattr__(self, "refits", controller)
-        object.__setattr__(self, "megatron", megatron_native.NativeRefits(controller))
+        object.__setattr__(self, "megatron", megatron_group.NativeRefits(controller))
 
 
 def _agent(request: fastapi.Request) -> AgentServer:
@@ -131,7 +133,7 @@ def read_token(path: Path) -> str:
 
 class _TokenFirst(fastapi.routing.APIRoute):
     """A route that checks the agent token before FastAPI reads the body: a caller without the token
-    learns nothing from a 400 about what it sent, only a 401 (issue 16)."""
+    learns nothing from a 400 about what it sent, only a 401."""
 
     def get_route_handler(self) -> Callable[[fastapi.Request], Coroutine[Any, Any, responses.Response]]:
         handler = super().get_route_handler()
@@ -218,7 +220,7 @@ async def refit_prepare(
     body: agent_api.PrepareRequest, request: fastapi.Request, agent: AgentDep
 ) -> responses.JSONResponse:
     rendezvous = body.rendezvous
-    refit = refit_controller.RendezvousRequest(
+    refit = rendezvous_source.RendezvousRequest(
         version=body.version,
         **_trainer_world(rendezvous),
         transport=body.transport,
@@ -233,7 +235,7 @@ async def refit_prepare(
 
 @refit_router.post("/checkpoint", status_code=202)
 async def refit_checkpoint(body: agent_api.CheckpointRefitRequest, agent: AgentDep) -> responses.JSONResponse:
-    refit = refit_controller.CheckpointRequest(
+    refit = checkpoint.CheckpointRequest(
         version=body.version,
         path=body.path,
         timeout_seconds=body.timeout_seconds,
@@ -248,7 +250,7 @@ async def refit_nemo_join(
     body: agent_api.NemoJoinRequest, request: fastapi.Request, agent: AgentDep
 ) -> responses.JSONResponse:
     rendezvous = body.rendezvous
-    join = refit_controller.NemoJoinRequest(
+    join = nemo_collective.NemoJoinRequest(
         session=body.session,
         **_trainer_world(rendezvous),
         generation=body.generation,
@@ -297,7 +299,7 @@ async def refit_nemo(
             kv_cache_mode=body.kv_cache_mode,
         )
         return await _start_refit(agent, session_refit, agent_api.REFIT_NEMO, body)
-    refit = refit_controller.NemoRequest(
+    refit = nemo_collective.NemoRequest(
         version=body.version,
         **_trainer_world(rendezvous),
         refit_info=info,
@@ -340,7 +342,7 @@ async def refit_abort(body: agent_api.RefitAbortRequest, agent: AgentDep) -> res
 @refit_router.post("/megatron/join", status_code=202)
 async def refit_megatron_join(body: agent_api.MegatronJoinRequest, agent: AgentDep) -> responses.JSONResponse:
     rendezvous = body.rendezvous
-    join = megatron_native.JoinRequest(
+    join = megatron_group.JoinRequest(
         session=body.session,
         **_trainer_world(rendezvous),
         copy_backend=body.copy_backend,
@@ -355,7 +357,7 @@ async def refit_megatron_join(body: agent_api.MegatronJoinRequest, agent: AgentD
 
 @refit_router.post("/megatron", status_code=202)
 async def refit_megatron(body: agent_api.MegatronRefitRequest, agent: AgentDep) -> responses.JSONResponse:
-    refit = megatron_native.RefitRequest(
+    refit = megatron_group.RefitRequest(
         version=body.version,
         session=body.session,
         timeout_seconds=body.timeout_seconds,
@@ -383,9 +385,9 @@ def _megatron_refusals() -> Iterator[None]:
     with _refusals():
         try:
             yield
-        except megatron_native.CannotSwap as error:
+        except megatron_group.CannotSwap as error:
             raise errors.Conflict(str(error), code="backend_cannot_swap") from None
-        except megatron_native.NotJoined as error:
+        except megatron_group.NotJoined as error:
             raise errors.Conflict(str(error), code="megatron_not_joined") from None
 
 
@@ -395,7 +397,7 @@ async def refit_unknown(operation: str) -> None:
 
 
 async def _start_refit(
-    agent: AgentServer, refit: refit_controller.Request, path: str, body: agent_api.RefitRequest
+    agent: AgentServer, refit: sources.Request, path: str, body: agent_api.RefitRequest
 ) -> responses.JSONResponse:
     """Start ``refit`` on this rank, then on the pod's other ranks (the same body: each joins as its
     own rank); when one of them refuses, this rank's attempt is aborted too and the call fails."""
@@ -444,7 +446,7 @@ def _pod_address(request: fastapi.Request) -> str | None:
     return None if address.is_unspecified else str(address)
 
 
-def _refit_status_body(agent: AgentServer, snapshot: refit_progress.Snapshot) -> dict[str, Any]:
+def _refit_status_body(agent: AgentServer, snapshot: refit_phases.Snapshot) -> dict[str, Any]:
     engine = agent.engine
     body = agent_api.RefitStatusResponse(
         phase=snapshot.phase,
@@ -471,7 +473,7 @@ def _refit_status_body(agent: AgentServer, snapshot: refit_progress.Snapshot) ->
     return body.model_dump(mode="json", by_alias=True)
 
 
-def _last_world(agent: AgentServer) -> tuple[refit_controller.WorldSnapshot | None, str]:
+def _last_world(agent: AgentServer) -> tuple[memberships.WorldSnapshot | None, str]:
     """The membership the refit status shows: a megatron-native one while it is joining or joined
     (or when there is no NeMo one), else NeMo's, with its protocol."""
     megatron = agent.megatron.world()
@@ -481,9 +483,7 @@ def _last_world(agent: AgentServer) -> tuple[refit_controller.WorldSnapshot | No
     return nemo, "nemo"
 
 
-def _world_model(
-    world: refit_controller.WorldSnapshot | None, protocol: str = "nemo"
-) -> agent_api.NemoWorldStatus | None:
+def _world_model(world: memberships.WorldSnapshot | None, protocol: str = "nemo") -> agent_api.NemoWorldStatus | None:
     if world is None:
         return None
     return agent_api.NemoWorldStatus.model_validate(
@@ -499,7 +499,7 @@ def _world_model(
     )
 
 
-def _world_body(world: refit_controller.WorldSnapshot, protocol: str = "nemo") -> dict[str, Any]:
+def _world_body(world: memberships.WorldSnapshot, protocol: str = "nemo") -> dict[str, Any]:
     model = _world_model(world, protocol)
     assert model is not None
     return model.model_dump(mode="json", by_alias=True)

@@ -25,7 +25,7 @@ from helpers import megatron_trainer, refit_harness
 from megafleet_engine.backends import transformers_backend
 from megafleet_engine.backends.megatron import native_refit
 from megafleet_engine.models import tiny
-from megafleet_engine.refit_runner import controller
+from megafleet_engine.refit_attempts import memberships
 
 SOURCE = "tiny://llama"
 PROMPT = [40, 41, 42, 43, 44]
@@ -118,7 +118,7 @@ def swapping(tmp_path: Path) -> Iterator[tuple[harness.Served, FakeReceiver]]:
 @pytest.fixture
 def probing(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[tuple[harness.Served, FakeReceiver]]:
     """:func:`swapping` with the store probed every 0.2 s (10 s in production)."""
-    monkeypatch.setattr(controller, "STORE_PROBE_SECONDS", 0.2)
+    monkeypatch.setattr(memberships, "STORE_PROBE_SECONDS", 0.2)
     yield from _swapping(tmp_path)
 
 

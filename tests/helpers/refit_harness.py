@@ -31,7 +31,7 @@ from helpers import engine_command
 from megafleet_engine import backends, engine, metrics, server
 from megafleet_engine.backends import transformers_backend, weight_maps
 from megafleet_engine.models import tiny
-from megafleet_engine.refit_runner import controller as refit_controller
+from megafleet_engine.refit_attempts import controller as refit_controller
 from megafleet_protocol import vocabulary
 from megafleet_protocol.refit import sender as sdk
 

@@ -25,7 +25,7 @@ import pytest
 import torch
 
 from megafleet_engine.backends import weight_maps
-from megafleet_engine.refit_runner import progress, sinks, watchdog
+from megafleet_engine.refit_attempts import phases, sinks, watchdog
 from megafleet_protocol import vocabulary
 from megafleet_protocol.refit import communicator, errors, receiver, wire
 from megafleet_protocol.refit import sender as sdk
@@ -201,7 +201,7 @@ def _receiver(arguments: dict[str, Any]) -> dict[str, Any]:
     accepted: receiver.Accepted | None = None
     try:
         for version in range(1, int(arguments.get("rounds", 1)) + 1):
-            record = progress.Progress(version=version, source="rendezvous")
+            record = phases.Progress(version=version, source="rendezvous")
             received = receiver.receive(
                 comm,
                 sink,

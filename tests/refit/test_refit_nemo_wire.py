@@ -21,7 +21,8 @@ from torch._C import _distributed_c10d as c10d
 
 from helpers import nemo_trainer
 from helpers import refit_harness as harness
-from megafleet_engine.refit_runner import nemo_source, sinks
+from megafleet_engine.refit_attempts import sinks
+from megafleet_engine.refit_attempts.sources import nemo_collective
 from megafleet_protocol.refit import communicator, errors, nemo, nemo_rendezvous
 
 ADDRESS = nemo_trainer.ADDRESS
@@ -267,7 +268,7 @@ def test_the_default_bucket_target_is_nemos_formula() -> None:
 
 
 def test_the_engines_sink_takes_refit_after_refit_in_place_over_one_world() -> None:
-    """The engine's side (:mod:`megafleet_engine.refit_runner.nemo_source`): joined once, two refits
+    """The engine's side (:mod:`megafleet_engine.refit_attempts.sources.nemo_collective`): joined once, two refits
     written into a sink's live tensors in place through ``apply``; a tensor of the refit info the rank
     does not hold is received and dropped."""
     first, second = weights(), {name: tensor + 1 for name, tensor in weights().items()}
@@ -293,7 +294,7 @@ def test_the_engines_sink_takes_refit_after_refit_in_place_over_one_world() -> N
         try:
             for _ in range(2):
                 stats.append(
-                    nemo_source.receive(
+                    nemo_collective.receive(
                         joined, sink.fresh(), specs=specs, bucket_bytes=TARGET, apply=apply, deadline=deadline
                     )
                 )

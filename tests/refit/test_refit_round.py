@@ -18,7 +18,7 @@ import torch
 from torch._C import _distributed_c10d as c10d
 
 from helpers import refit_harness as harness
-from megafleet_engine.refit_runner import sinks
+from megafleet_engine.refit_attempts import sinks
 from megafleet_protocol.refit import communicator, errors, wire
 from megafleet_protocol.refit import sender as sdk
 

@@ -16,7 +16,7 @@ from typing import Any
 import torch
 
 from megafleet_engine.backends import weight_maps
-from megafleet_engine.refit_runner import progress, sinks
+from megafleet_engine.refit_attempts import phases, sinks
 from megafleet_protocol.refit import communicator, receiver, wire
 
 
@@ -48,7 +48,7 @@ def main(args: dict[str, Any]) -> None:
             transport=args["transport"],
             bucket_limit_bytes=2**20,
             apply=lambda write: write(),
-            record=progress.Progress(version=1, source="rendezvous"),
+            record=phases.Progress(version=1, source="rendezvous"),
         )
         comm.set(wire.done_key(comm.group_rank), wire.Done(ok=True, bytes_received=received.nbytes).encode())
     finally:

@@ -13,7 +13,7 @@ import torch
 
 from helpers import refit_harness as harness
 from megafleet_engine.backends import weight_maps
-from megafleet_engine.refit_runner import progress, sinks, watchdog
+from megafleet_engine.refit_attempts import phases, sinks, watchdog
 from megafleet_protocol import ports
 from megafleet_protocol.refit import communicator, receiver, wire
 from megafleet_protocol.refit import sender as sdk
@@ -161,7 +161,7 @@ def test_the_watchdog_fires_once_unless_stopped() -> None:
 
 
 def test_the_first_outcome_wins_and_a_commit_cannot_be_failed() -> None:
-    record = progress.Progress(version=1, source="rendezvous")
+    record = phases.Progress(version=1, source="rendezvous")
     with record.timed("suspend"):
         assert record.snapshot().phases[0][0] == "suspend"  # reported while running
     assert record.begin_commit() and record.snapshot().phase == "resuming"
@@ -169,7 +169,7 @@ def test_the_first_outcome_wins_and_a_commit_cannot_be_failed() -> None:
     assert record.finish(error=None) and not record.finish(error="again")
     final = record.snapshot()
     assert (final.phase, final.error, final.timed_out) == ("succeeded", None, False)
-    failed = progress.Progress(version=2, source="checkpoint")
+    failed = phases.Progress(version=2, source="checkpoint")
     assert failed.finish(error="boom") and not failed.begin_commit()
     assert failed.snapshot().phase == "failed" and failed.snapshot().duration_seconds is not None
 

@@ -158,7 +158,7 @@ class Backend(Protocol):
 
     Called by the scheduler (:class:`megafleet_engine.engine.Engine`), the command
     (:mod:`megafleet_engine.cli`), the frontend (its :attr:`tokenizer`) and the refit receiver
-    (:mod:`megafleet_engine.refit_runner.controller` and :mod:`~megafleet_engine.refit_runner.sinks`); this is
+    (:mod:`megafleet_engine.refit_attempts` and :mod:`~megafleet_engine.refit_attempts.sinks`); this is
     all they use of a backend.
 
     Lifecycle: construct (loads the model skeleton; with deferred init, no weights), then

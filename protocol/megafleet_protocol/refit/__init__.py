@@ -14,7 +14,7 @@ the protocol as a whole (session, rounds, group reuse, manifest shortcut, deadli
 * :mod:`~megafleet_protocol.refit.sender`: the trainer's end (:class:`~.sender.WeightSender`), used
   by the RL job through :mod:`megafleet.sdk`.
 * :mod:`~megafleet_protocol.refit.receiver`: an engine rank's end, driven by
-  :mod:`megafleet_engine.refit_runner` into its ``Sink``.
+  :mod:`megafleet_engine.refit_attempts` into its ``Sink``.
 * :mod:`~megafleet_protocol.refit.nemo`: the receiving side of NeMo RL's own collective (a NeMo
   trainer's ``init_collective`` world and packed broadcasts), another wire than the one above;
   built from :mod:`~megafleet_protocol.refit.nemo_rendezvous` (the trainer's store and unique id)

@@ -3,7 +3,7 @@ session in its ``TCPStore``, and the transfer group over the ranks that move dat
 refit to the next while nothing changes.
 
 Used by both ends: the trainer's :mod:`~megafleet_protocol.refit.sender` and the engine's
-:mod:`~megafleet_protocol.refit.receiver` (through :mod:`megafleet_engine.refit_runner`). Invariants:
+:mod:`~megafleet_protocol.refit.receiver` (through :mod:`megafleet_engine.refit_attempts`). Invariants:
 every store key of a refit lives under its round (``round/<version>/``); every blocking call is
 bounded by the round's :class:`~megafleet_protocol.refit.deadlines.Deadline`;
 :meth:`Communicator.abort` (from any thread) tears the group down so a blocked collective returns.

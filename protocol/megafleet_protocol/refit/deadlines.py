@@ -2,7 +2,7 @@
 
 Every blocking call of a refit is bounded by the attempt's :class:`Deadline`: the trainer's
 :mod:`~megafleet_protocol.refit.sender`, an engine rank's :mod:`~megafleet_protocol.refit.receiver`
-(through :mod:`megafleet_engine.refit_runner`), the :mod:`~megafleet_protocol.refit.communicator`
+(through :mod:`megafleet_engine.refit_attempts`), the :mod:`~megafleet_protocol.refit.communicator`
 they share and the NeMo collective's receiver (:mod:`~megafleet_protocol.refit.nemo`) all take one.
 :func:`translate` turns the ``RuntimeError`` a torch store or collective raises into the
 :class:`~megafleet_protocol.refit.errors.RefitError` that says which step failed and why, a timeout

@@ -2,7 +2,7 @@
 trainer builds with ``policy.init_collective(ip, port, world_size, train_world_size=T)`` and takes
 the packed broadcasts of ``policy.broadcast_weights_for_collective()``.
 
-Used by the engine's refit attempts (:mod:`megafleet_engine.refit_runner`) when a refit names NeMo's
+Used by the engine's refit attempts (:mod:`megafleet_engine.refit_attempts`) when a refit names NeMo's
 format, by the SDK's NeMo adapter (:func:`nemo_bucket_bytes`), and by tests that play NeMo's trainer
 from the same description. This is NeMo's protocol, not megafleet's
 (:mod:`~megafleet_protocol.refit.wire`): no session, round, manifest, verdict or done message; the

@@ -1,6 +1,6 @@
 """Receive one weight version from the trainer into a sink: the receiver's half of the wire protocol.
 
-Called by a refit attempt (:mod:`megafleet_engine.refit_runner.controller`) on its own thread, while its
+Called by a refit attempt (:mod:`megafleet_engine.refit_attempts.attempt`) on its own thread, while its
 engine suspends (no byte is received before the suspend ended), and by tests that receive straight
 into a sink. :func:`receive` checks the trainer's manifest against the sink (answering with a
 verdict, so a mismatch is refused before any byte moves) unless it holds that manifest from the

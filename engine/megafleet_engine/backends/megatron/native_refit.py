@@ -1,7 +1,7 @@
 """megatron-core's own refit receiver on this rank: the trainer's hand-built refit group and
 ``prepare_swap_model_weights``/``swap_model_weights`` into the live ``GPTModel``.
 
-Called by the engine's megatron-native refits (:mod:`megafleet_engine.refit_runner.megatron_native`)
+Called by the engine's megatron-native refits (:mod:`megafleet_engine.refit_attempts.megatron_group`)
 through :meth:`.backend.MegatronBackend.native_receiver`: :func:`unsupported` when a join is asked for,
 :meth:`NativeRefit.connect` on the join's thread, then :meth:`RefitGroup.prepare` and each
 :meth:`RefitGroup.swap` on the backend thread, :meth:`RefitGroup.close` at leave.

@@ -1,8 +1,9 @@
-"""The record of one refit attempt: phase, per-phase timings, counters, outcome.
+"""The phases of one refit attempt as its record keeps them: phase, per-phase timings, counters, outcome.
 
-Written by the attempt's thread and by its watchdog (:mod:`megafleet_engine.refit_runner.controller`)
-and by the receiver (:func:`megafleet_protocol.refit.receiver.receive`, through its ``Record``), read
-by the agent's ``GET /v1/refit/status``; every access holds one lock. The outcome is decided once:
+Written by the attempt's thread and by its watchdog (:mod:`megafleet_engine.refit_attempts.attempt`),
+by the attempt's source (:mod:`megafleet_engine.refit_attempts.sources`) and by the receiver
+(:func:`megafleet_protocol.refit.receiver.receive`, through its ``Record``), read by the agent's
+``GET /v1/refit/status``; every access holds one lock. The outcome is decided once:
 :meth:`Progress.finish` returns ``True`` only to the first caller, and :meth:`Progress.begin_commit`
 lets the attempt claim success before it resumes the engine, after which the watchdog can no longer
 fail it (so an engine is never resumed by an attempt that was already reported failed).

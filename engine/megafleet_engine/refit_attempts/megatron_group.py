@@ -1,10 +1,12 @@
-"""Megatron-native refits: megatron-core's own receiver (``prepare_swap_model_weights`` and
-``swap_model_weights``) joined to a megatron-core trainer's refit group, as NeMo RL's Megatron
-synchronizer (``init_collective_mcore_generation``, ``swap_weights_via_reshard``) runs it.
+"""megatron-core's refit group as this engine joins, keeps and leaves it, for megatron-native refits:
+megatron-core's own receiver (``prepare_swap_model_weights`` and ``swap_model_weights``) joined to a
+megatron-core trainer's refit group, as NeMo RL's Megatron synchronizer
+(``init_collective_mcore_generation``, ``swap_weights_via_reshard``) runs it.
 
 Called by the agent's routes ``POST /v1/refit/megatron/join``, ``POST /v1/refit/megatron`` and
 ``POST /v1/refit/megatron/leave`` (:mod:`megafleet_engine.agent_server`): one :class:`NativeRefits`
-per engine process, next to its :class:`~megafleet_engine.refit_runner.controller.RefitController`.
+per engine process, next to its :class:`~megafleet_engine.refit_attempts.controller.RefitController`;
+its join and its store probe run on a thread of their own.
 
 * **Join** (no version, nothing suspended; returns at once): on a thread of its own, connect to the
   trainer's store at ``port + 1`` and build its refit group (the backend's
@@ -14,9 +16,9 @@ per engine process, next to its :class:`~megafleet_engine.refit_runner.controlle
   trainer's store at ``port + 1`` as the NeMo world's probe does (a TCP connect every
   ``store_probe_seconds`` of the controller: ``world.storeReachable``, from which the operator
   closes a session whose trainer is gone).
-* **Refit**: a controller attempt (:class:`~megafleet_engine.refit_runner.controller.SwapRequest`)
-  with the controller's phases, status and watchdog: suspend, one ``swap_model_weights`` on the
-  backend thread, check the parameters' storage did not move, resume with the new version.
+* **Refit**: a controller attempt from :mod:`~megafleet_engine.refit_attempts.sources.megatron_swap`
+  with the attempt's phases, status and watchdog: suspend, one ``swap_model_weights`` on the backend
+  thread, check the parameters' storage did not move, resume with the new version.
 * **Leave**: drop the group (and end a swap of the session still running).
 
 Invariants: only a backend holding a megatron-core model with megatron-core >= 0.17 joins (others
@@ -36,7 +38,8 @@ import threading
 import time
 from typing import TYPE_CHECKING, Any, Literal, Protocol
 
-from megafleet_engine.refit_runner import controller, progress
+from megafleet_engine.refit_attempts import controller, memberships, phases
+from megafleet_engine.refit_attempts.sources import megatron_swap
 from megafleet_protocol import vocabulary
 
 if TYPE_CHECKING:
@@ -151,7 +154,7 @@ class RefitRequest:
 
 class _Membership:
     """One join of a trainer's refit group (its thread's outcome) and the swaps made over it;
-    implements the controller's :class:`~megafleet_engine.refit_runner.controller.Swappable`.
+    implements :class:`~megafleet_engine.refit_attempts.sources.megatron_swap.Swappable`.
     ``phase`` and ``error`` change under ``lock``."""
 
     def __init__(self, request: JoinRequest, rank: int) -> None:
@@ -165,9 +168,9 @@ class _Membership:
         self.aborted = threading.Event()
         self.store_reachable: bool | None = None  # the last probe of the trainer's store; None: not probed yet
 
-    def snapshot(self) -> controller.WorldSnapshot:
+    def snapshot(self) -> memberships.WorldSnapshot:
         with self.lock:
-            return controller.WorldSnapshot(
+            return memberships.WorldSnapshot(
                 self.request.session, self.phase, self.rank, None, self.error, self.store_reachable
             )
 
@@ -177,7 +180,7 @@ class _Membership:
         A plain connect, never a call on the store the group was built over."""
         address, port = self.request.address, self.request.port + 1
         while self.snapshot().phase == "joined":
-            reachable = controller.store_listening(address, port, timeout=controller.STORE_PROBE_TIMEOUT_SECONDS)
+            reachable = memberships.store_listening(address, port, timeout=memberships.STORE_PROBE_TIMEOUT_SECONDS)
             with self.lock:
                 self.store_reachable = reachable
             if self.aborted.wait(every_seconds):
@@ -245,14 +248,14 @@ class NativeRefits:
             raise CannotSwap(reason)
         return receiver
 
-    def join(self, request: JoinRequest, loop: asyncio.AbstractEventLoop) -> controller.WorldSnapshot:
+    def join(self, request: JoinRequest, loop: asyncio.AbstractEventLoop) -> memberships.WorldSnapshot:
         """Join the trainer's refit group for ``request.session`` on a thread of its own and prepare
         the plan with it, without suspending the engine; returns at once.
 
         The same session again while it joins or is joined answers its status; a join for another
         session leaves the old group first. Raises :class:`CannotSwap`, :class:`ValueError` (a rank
-        outside the inference ranks), :class:`~megafleet_engine.refit_runner.controller.Busy` while
-        a refit runs and :class:`~megafleet_engine.refit_runner.controller.Refused` when the engine failed.
+        outside the inference ranks), :class:`~megafleet_engine.refit_attempts.controller.Busy` while
+        a refit runs and :class:`~megafleet_engine.refit_attempts.controller.Refused` when the engine failed.
         """
         receiver = self.receiver()
         rank = request.rank(self.refits.rank)
@@ -319,16 +322,16 @@ class NativeRefits:
         )  # fmt: skip
         membership.probe_store(self.refits.store_probe_seconds)  # this thread probes until the membership ends
 
-    def world(self) -> controller.WorldSnapshot | None:
+    def world(self) -> memberships.WorldSnapshot | None:
         """The last join, if any."""
         with self._lock:
             membership = self._membership
         return membership.snapshot() if membership is not None else None
 
-    def refit(self, request: RefitRequest, loop: asyncio.AbstractEventLoop) -> progress.Snapshot:
+    def refit(self, request: RefitRequest, loop: asyncio.AbstractEventLoop) -> phases.Snapshot:
         """Start one swap over the group joined for ``request.session`` as a controller attempt;
         :class:`NotJoined` when this rank holds no joined group for it (never joins), else what
-        :meth:`~megafleet_engine.refit_runner.controller.RefitController.start` raises."""
+        :meth:`~megafleet_engine.refit_attempts.controller.RefitController.start` raises."""
         self.receiver()
         with self._lock:
             membership = self._membership
@@ -342,7 +345,7 @@ class NativeRefits:
         if snapshot.phase != "joined":
             detail = f": {snapshot.error}" if snapshot.error else ""
             raise NotJoined(f"this rank's refit group for session {request.session!r} is {snapshot.phase}{detail}")
-        swap = controller.SwapRequest(
+        swap = megatron_swap.SwapRequest(
             version=request.version,
             session=request.session,
             rank=membership.rank,
@@ -354,7 +357,7 @@ class NativeRefits:
         )
         return self.refits.start(swap, loop)
 
-    def leave(self, session: str) -> controller.WorldSnapshot | None:
+    def leave(self, session: str) -> memberships.WorldSnapshot | None:
         """Leave ``session``'s group (a swap of it still running is aborted first); idempotent. Returns
         the membership as it ends, or ``None`` when this rank holds none for ``session``."""
         with self._lock:

@@ -1,6 +1,6 @@
 """The refit watchdog: a thread that ends an attempt that outlives its deadline.
 
-Started by each refit attempt (:mod:`megafleet_engine.refit_runner.controller`) when the agent accepts it,
+Started by each refit attempt (:mod:`megafleet_engine.refit_attempts.attempt`) when the agent accepts it,
 and stopped when the attempt ends. If the deadline comes first it calls the attempt's abort, which
 marks the engine ``stale``, records the failure and aborts the attempt's process group, so blocked
 collectives return (an HTTP abort could not do this on its own: the transfer thread is blocked inside

@@ -1,8 +1,11 @@
 """Where received weights go: the live parameters of one engine rank, always written in place.
 
-Called by the receiver (:mod:`megafleet_protocol.refit.receiver`), which hands each received tensor (a
-whole Hugging Face tensor, or a contiguous region of one) to a sink; the sink copies into the live
-tensors whatever part of it this rank holds and ignores the rest. Writes are ``copy_`` into the
+Built by the weight target (:mod:`~megafleet_engine.refit_attempts.weight_target`) and called by the
+receiver (:mod:`megafleet_protocol.refit.receiver`) or NeMo's (through
+:mod:`~megafleet_engine.refit_attempts.sources.nemo_collective`), which hand each received tensor (a
+whole Hugging Face tensor, or a contiguous region of one) to a sink; its writes run on the engine's
+backend thread (through the attempt's ``apply``). The sink copies into the live tensors whatever part
+of it this rank holds and ignores the rest. Writes are ``copy_`` into the
 existing storage, never a rebinding, so CUDA graphs captured on those addresses stay valid.
 
 Two sinks cover the backends:

@@ -1,0 +1,235 @@
+"""One engine's refits: admit a request, run it as an attempt, report it; and NeMo's joined world.
+
+Called by the agent's refit routes (:mod:`megafleet_engine.agent_server`) in each engine rank's process:
+one :class:`RefitController` per process. It decides what may start (at most one attempt at a
+time; none on a failed engine; a repeated request answers its status), hands an admitted request's
+source (:mod:`~megafleet_engine.refit_attempts.sources`) to an attempt
+(:mod:`~megafleet_engine.refit_attempts.attempt`, which runs on a thread of its own) together with
+what the last successful refit parked, and keeps the weight target
+(:mod:`~megafleet_engine.refit_attempts.weight_target`: dirty, parked) and the membership of NeMo's
+world joined for a session (:mod:`~megafleet_engine.refit_attempts.nemo_world`).
+:meth:`RefitController.start` returns at once.
+
+Invariants: nothing is received or written before the suspend ended, so no response comes from two
+versions; the engine resumes only once every parameter of the version is written in place (and, on a
+shard of several ranks, every rank says so); any failure, the deadline or an abort leaves the engine
+``stale`` and the group aborted, never parked; once any weight was written the engine is *dirty* and
+only a later complete refit brings it back. Only a successful refit parks its communicator for the
+next one, and the trainer hears ``done`` only after the engine serves the version.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+from typing import TYPE_CHECKING
+
+from megafleet_engine.refit_attempts import attempt as attempt_module
+from megafleet_engine.refit_attempts import memberships, nemo_world, phases, sources, weight_target
+from megafleet_protocol.refit import errors
+
+if TYPE_CHECKING:
+    from megafleet_engine import engine as engine_module
+    from megafleet_engine import metrics as metrics_module
+    from megafleet_engine.refit_attempts.sources import nemo_collective
+
+__all__ = ["Busy", "NotJoined", "RefitController", "Refused"]
+
+log = logging.getLogger(__name__)
+
+
+class Refused(errors.RefitError):
+    """The engine cannot take a refit now (another one runs, or the engine failed)."""
+
+
+class NotJoined(Refused):
+    """A session refit on a rank that holds no joined membership of NeMo's world for it."""
+
+
+class Busy(Refused):
+    """Another attempt is running; ``snapshot`` is its status."""
+
+    def __init__(self, snapshot: phases.Snapshot) -> None:
+        super().__init__(f"a refit to weight version {snapshot.version} is {snapshot.phase}")
+        self.snapshot = snapshot
+
+
+class RefitController:
+    """The refits of one engine process: at most one attempt runs at a time.
+
+    Args:
+        engine: the engine whose weights are replaced.
+        rank: this process's rank inside its shard (``MEGAFLEET_RANK`` + local rank); its rank in
+            the trainer+fleet world is the request's ``rank_offset`` plus this.
+        metrics: where refit durations are recorded, if anywhere.
+    """
+
+    def __init__(
+        self, engine: engine_module.Engine, *, rank: int = 0, metrics: metrics_module.Metrics | None = None
+    ) -> None:
+        self.engine = engine
+        self.rank = rank
+        self.metrics = metrics
+        self.target = weight_target.WeightTarget(engine, rank)
+        self._lock = threading.Lock()
+        self._attempt: attempt_module.Attempt | None = None
+        self._world: nemo_world.NemoMembership | None = None  # the last join of NeMo's world
+        self.store_probe_seconds = memberships.STORE_PROBE_SECONDS  # shorter in tests
+
+    @property
+    def dirty(self) -> bool:
+        """Weights were written by an attempt that did not complete: the engine holds no one version."""
+        return self.target.dirty
+
+    @property
+    def parked(self) -> bool:
+        """Whether a transfer group is parked for the next refit."""
+        return self.target.parked
+
+    @property
+    def running(self) -> bool:
+        with self._lock:
+            return self._attempt is not None and not self._attempt.record.finished
+
+    def snapshot(self) -> phases.Snapshot:
+        with self._lock:
+            attempt = self._attempt
+        return attempt.record.snapshot() if attempt is not None else phases.Snapshot()
+
+    def wait_settled(self, timeout: float) -> bool:
+        """Wait until the last attempt's thread has ended, not just its outcome been decided (an
+        aborted attempt's thread can stay blocked in a gloo wait until its deadline; it writes
+        nothing more meanwhile). For orderly shutdown and tests; returns whether it ended."""
+        with self._lock:
+            attempt = self._attempt
+        return attempt is None or attempt.join(timeout)
+
+    def start(self, request: sources.Request, loop: asyncio.AbstractEventLoop) -> phases.Snapshot:
+        """Start an attempt for ``request`` (on ``loop``, the agent's event loop, engine calls run).
+
+        The same request again (same version and rendezvous, or the same checkpoint) while it runs
+        or after it succeeded returns its status instead of starting it twice; a failed one is
+        retried. Raises :class:`Busy` while another attempt runs, :class:`Refused` when the engine
+        failed, and :class:`ValueError` for a request whose ranks do not fit this process.
+        """
+        try:
+            source = request.source(self.target)
+        except sources.Unfit:
+            if not self.running:
+                self.target.discard_parked()
+            raise
+        with self._lock:
+            current = self._attempt
+            if current is not None:
+                snapshot = current.record.snapshot()
+                if current.request.key == request.key and snapshot.phase != "failed":
+                    return snapshot
+                if snapshot.phase not in ("succeeded", "failed"):
+                    raise Busy(snapshot)
+            if self.engine.state == "failed":
+                raise Refused(f"the engine failed ({self.engine.last_error}); a refit cannot repair it")
+            # the attempt reuses what is parked or closes it, on its own thread
+            parked = self.target.take_parked()
+            attempt = attempt_module.Attempt(source, self.target, loop, parked=parked, metrics=self.metrics)
+            self._attempt = attempt
+        attempt.start()
+        return attempt.record.snapshot()
+
+    def join(self, request: nemo_collective.NemoJoinRequest) -> memberships.WorldSnapshot:
+        """Join NeMo's world for ``request.session`` on a thread of its own (the trainer's store master
+        waits for every rank, so the join takes as long as the slowest rank) without suspending the
+        engine, and keep the membership for that session's refits. Returns at once.
+
+        The same session again while it joins or is joined answers its status; a join for another
+        session leaves the old world first. Raises :class:`Busy` while a refit runs and
+        :class:`ValueError` for a rank outside NeMo's inference ranks."""
+        request.world(self.rank)  # ValueError: not an inference rank
+        with self._lock:
+            current = self._world
+            if current is not None and current.request.session == request.session:
+                snapshot = current.snapshot()
+                if snapshot.phase in ("joining", "joined"):
+                    return snapshot
+            if self._attempt is not None and not self._attempt.record.finished:
+                raise Busy(self._attempt.record.snapshot())
+            if self.engine.state == "failed":
+                raise Refused(f"the engine failed ({self.engine.last_error}); it cannot join NeMo's world")
+            world = nemo_world.NemoMembership(request, self.rank, self._lock)
+            self._world = world
+        if current is not None:
+            current.aborted.set()
+        self.target.discard_parked()  # another world (or a failed join of this one): NeMo's world cannot be rejoined
+        world.start(self.target, current=self._holds, probe_seconds=lambda: self.store_probe_seconds)
+        return world.snapshot()
+
+    def _holds(self, world: nemo_world.NemoMembership) -> bool:
+        """Whether ``world`` is still the membership this rank keeps (not left, not replaced)."""
+        with self._lock:
+            return self._world is world and not world.aborted.is_set()
+
+    def world(self) -> memberships.WorldSnapshot | None:
+        """The last join of NeMo's world, if any."""
+        with self._lock:
+            world = self._world
+            return world.snapshot() if world is not None else None
+
+    def joined(self, session: str | None) -> nemo_collective.NemoJoinRequest:
+        """The join request of the world this rank holds for ``session`` (any session when ``None``);
+        raises :class:`NotJoined` when it holds none (never joined, still joining, failed or left)."""
+        with self._lock:
+            world = self._world
+            snapshot = world.snapshot() if world is not None else None
+        if world is None or snapshot is None:
+            raise NotJoined("this rank has not joined NeMo's world: call POST /v1/refit/nemo/join first")
+        if session is not None and world.request.session != session:
+            raise NotJoined(f"this rank joined NeMo's world for session {world.request.session!r}, not {session!r}")
+        if snapshot.phase != "joined":
+            detail = f": {snapshot.error}" if snapshot.error else ""
+            raise NotJoined(
+                f"this rank's membership of NeMo's world for session {snapshot.session!r} is {snapshot.phase}{detail}"
+            )
+        return world.request
+
+    def leave(self, session: str) -> memberships.WorldSnapshot:
+        """Drop this rank's membership of ``session``'s world (``POST /v1/refit/nemo/leave``): stop a
+        join in progress, fail a refit running over it (the engine stays stale, as after any failed
+        refit) and close the communicator; an engine with nothing running serves on. Idempotent: a
+        session this rank does not hold answers ``left`` and changes nothing."""
+        with self._lock:
+            world, attempt = self._world, self._attempt
+            if world is None or world.request.session != session:
+                return memberships.WorldSnapshot(session, "left", self.rank)
+            world.phase = "left"
+        world.aborted.set()
+        if attempt is not None and attempt.source.runs_over(session):
+            attempt.abort(f"aborted: this rank left RefitSession {session}'s world", timed_out=False)
+        parked = self.target.take_parked(world.holds)
+        if parked is not None:
+            parked.discard()
+        if world.receiver is not None:
+            world.receiver.close()
+        log.info("left NeMo's world for session %s", session)
+        return world.snapshot()
+
+    def abort(self, reason: str) -> phases.Snapshot:
+        """End the running attempt now (as the watchdog would), and close a parked transfer group
+        (and a join of NeMo's world still in progress)."""
+        with self._lock:
+            attempt = self._attempt
+            world = self._world
+        if world is not None:
+            world.aborted.set()
+        if attempt is not None:
+            attempt.abort(f"aborted: {reason}", timed_out=False)
+        self.target.discard_parked()
+        return self.snapshot()
+
+    def close(self) -> None:
+        """Engine shutdown: close the parked transfer group, if any, and stop a join in progress (a
+        running attempt is left to its watchdog)."""
+        with self._lock:
+            world = self._world
+        if world is not None:
+            world.aborted.set()
+        self.target.discard_parked()

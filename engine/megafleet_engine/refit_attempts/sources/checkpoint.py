@@ -1,0 +1,84 @@
+"""A checkpoint as a refit source: every shard reads the version from a path it can see itself.
+
+Built by the agent's ``POST /v1/refit/checkpoint`` (:class:`CheckpointRequest`) and run by the refit
+attempt (:mod:`megafleet_engine.refit_attempts.attempt`) on its thread: drop any transfer group kept
+by an earlier refit (the next rendezvous joins afresh), suspend, then the backend's
+``load_checkpoint`` on the backend thread, which must write every parameter in place. Nothing is
+kept afterwards and no trainer is told (it reads the status).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import TYPE_CHECKING
+
+from megafleet_engine.refit_attempts import phases
+from megafleet_protocol import vocabulary
+
+if TYPE_CHECKING:
+    from megafleet_engine.backends import base
+    from megafleet_engine.refit_attempts import sources, weight_target
+
+__all__ = ["CheckpointRequest", "CheckpointSource"]
+
+
+@dataclasses.dataclass(frozen=True)
+class CheckpointRequest:
+    """Load ``version`` from the checkpoint at ``path`` (``POST /v1/refit/checkpoint``)."""
+
+    version: int
+    path: str
+    timeout_seconds: float = 300.0
+    suspend_mode: vocabulary.SuspendMode = "drain"
+    kv_cache_mode: vocabulary.KvCacheMode | None = None
+
+    @property
+    def key(self) -> tuple[object, ...]:
+        return ("checkpoint", self.version, self.path)
+
+    def source(self, target: weight_target.WeightTarget) -> CheckpointSource:
+        return CheckpointSource(self)
+
+
+class CheckpointSource:
+    """One attempt of a :class:`CheckpointRequest`."""
+
+    def __init__(self, request: CheckpointRequest) -> None:
+        self.request = request
+
+    def record(self) -> phases.Progress:
+        return phases.Progress(version=self.request.version, source="checkpoint")
+
+    def describe(self) -> str:
+        return f"checkpoint {self.request.path}, timeout {self.request.timeout_seconds:g} s"
+
+    def run(self, run: sources.Run) -> None:
+        run.drop_parked()  # another kind of refit: the next rendezvous joins afresh
+        run.suspend()
+        run.record.enter("applying")
+        backend = run.target.backend
+        before = run.target.live_pointers()
+        with run.record.timed("apply"):
+            run.apply(lambda: _load_checkpoint(backend, self.request.path))
+        run.target.verify_in_place(before)
+
+    def keep(self, target: weight_target.WeightTarget) -> None:
+        """Nothing to keep: a checkpoint builds no group."""
+
+    def report(self, error: str | None) -> None:
+        """Nobody to tell: the caller reads the status."""
+
+    def abort(self, reason: str) -> None:
+        """Nothing to unblock: a load already on the backend thread runs to its end (the engine
+        stays stale), and one that had not started yet is refused."""
+
+    def close(self) -> None:
+        """Nothing was opened."""
+
+    def runs_over(self, session: str) -> bool:
+        return False
+
+
+def _load_checkpoint(backend: base.Backend, path: str) -> int:
+    backend.load_checkpoint(path)
+    return len(backend.parameters())
