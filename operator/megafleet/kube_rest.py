@@ -17,12 +17,13 @@ Kopf's own HTTP client, so this adds no dependency.
 from __future__ import annotations
 
 import base64
+import contextlib
 import dataclasses
 import ssl
 import time
 import urllib.parse
 import urllib.request
-from collections.abc import Mapping
+from collections.abc import AsyncGenerator, AsyncIterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -52,6 +53,8 @@ are rotated by the kubelet."""
 PAGE_SIZE = 500
 """Objects per page of a LIST (``limit``/``continue``)."""
 TIMEOUT = aiohttp.ClientTimeout(total=120, sock_connect=10, sock_read=60)
+WATCH_TIMEOUT = aiohttp.ClientTimeout(total=None, sock_connect=10, sock_read=None)
+"""A watch stays open until the API server ends it (its own watch timeout) and may be quiet for long."""
 
 
 class ApiError(Exception):
@@ -183,10 +186,27 @@ class RestTransport:
         content_type: str = "application/json",
     ) -> Any:
         """The decoded answer to one request; :class:`ApiError` for an error status."""
+        data = msgspec.json.encode(body) if body is not None else None
+        async with self._answer(method, path, params=params, data=data, content_type=content_type) as response:
+            content = await response.read()
+        return msgspec.json.decode(content) if content else None
+
+    @contextlib.asynccontextmanager
+    async def _answer(
+        self,
+        method: str,
+        path: str,
+        *,
+        params: Mapping[str, str] | None,
+        data: bytes | None = None,
+        content_type: str = "application/json",
+        timeout: aiohttp.ClientTimeout | None = None,
+    ) -> AsyncIterator[aiohttp.ClientResponse]:
+        """The response to one request, its body not read yet; a 401 is retried once with the token
+        file read again, an error status raised as :class:`ApiError`."""
         if self._session is None:
             connector = aiohttp.TCPConnector(limit=self._connections, ssl=self._ssl if self._ssl is not None else False)
             self._session = aiohttp.ClientSession(connector=connector, timeout=TIMEOUT, trust_env=False)
-        data = msgspec.json.encode(body) if body is not None else None
         for attempt in (1, 2):
             headers = {"User-Agent": self._user_agent, "Accept": "application/json"}
             if data is not None:
@@ -195,14 +215,20 @@ class RestTransport:
             if authorization is not None:
                 headers["Authorization"] = authorization
             async with self._session.request(
-                method, self._server + path, params=params, data=data, headers=headers, proxy=self._proxy
+                method,
+                self._server + path,
+                params=params,
+                data=data,
+                headers=headers,
+                proxy=self._proxy,
+                timeout=timeout or TIMEOUT,
             ) as response:
-                content = await response.read()
                 if response.status == 401 and attempt == 1 and self._credentials.refresh():
                     continue
                 if response.status >= 400:
-                    raise _error(response.status, content)
-                return msgspec.json.decode(content) if content else None
+                    raise _error(response.status, await response.read())
+                yield response
+                return
         raise AssertionError("unreachable")  # pragma: no cover
 
     async def get(self, kind: str, name: str, namespace: str | None) -> Object:
@@ -231,6 +257,39 @@ class RestTransport:
             if not token:
                 return items
             params["continue"] = token
+
+    async def watch(
+        self, kind: str, namespace: str | None, *, labels: Selector | None = None, fields: Selector | None = None
+    ) -> AsyncGenerator[tuple[str, Object], None]:
+        """The objects the selectors choose as they are now (``ADDED``), then every change, without
+        end: a stream the server ends (its watch timeout) is started again from the last object's
+        resource version, as lightkube's watch does. An ``ERROR`` event (410: that version is gone)
+        is raised as :class:`ApiError`."""
+        params: dict[str, str] = {"watch": "true"}
+        if labels:
+            params["labelSelector"] = build_selector(labels)
+        if fields:
+            params["fieldSelector"] = build_selector(fields, for_fields=True)
+        path = RESOURCES[kind].path(namespace)
+        while True:
+            async with self._answer("GET", path, params=params, timeout=WATCH_TIMEOUT) as response:
+                pending = b""
+                async for chunk in response.content.iter_any():  # one event a line; a line may be long
+                    pending += chunk
+                    *lines, pending = pending.split(b"\n")
+                    for line in lines:
+                        if not line.strip():
+                            continue
+                        event = msgspec.json.decode(line)
+                        obj: Object = event.get("object") or {}
+                        if event.get("type") == "ERROR":
+                            raise ApiError(
+                                int(obj.get("code") or 0), str(obj.get("reason") or ""), str(obj.get("message") or "")
+                            )
+                        version = (obj.get("metadata") or {}).get("resourceVersion")
+                        if version:
+                            params["resourceVersion"] = version
+                        yield str(event["type"]), obj
 
     async def create(self, obj: Object) -> Object:
         metadata = obj["metadata"]

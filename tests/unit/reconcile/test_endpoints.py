@@ -164,7 +164,7 @@ def test_what_is_remembered_of_a_deleted_fleets_objects_never_counts_as_a_new_fl
     recent.put("Secret", old)
     api = kube_fakes.Api(fleet("tiny", replicas=1))
     new = desired.ParsedFleet("tiny", "rl", "uid-tiny", 1, SPEC)
-    assert asyncio.run(ownership.get(api, new, "Secret", "tiny-agent-token", recent)) is None  # type: ignore[arg-type]
+    assert asyncio.run(ownership.get(api, new, "Secret", "tiny-agent-token", recent)) is None
     assert api.reads["get Secret"] == 1
 
 

@@ -166,7 +166,8 @@ def test_a_deleted_nodes_shard_is_force_deleted_and_re_placed_behind_the_same_se
     assert nodes.fleets_on(watched, lost) == [("rl", "a")]
     released = reconcile_once()
 
-    assert api.writes["delete Pod grace=0"] == 1 and api.writes["delete Pod"] == 0
+    pod_deletes = [grace for (kind, _, _), grace in api.memory.deleted if kind == "Pod"]
+    assert api.writes["delete Pod"] == 1 and pod_deletes == [0]  # force-deleted: grace 0
     assert released["shards"][1] == {
         "index": 1,
         "restarts": 1,

@@ -85,7 +85,7 @@ class Watched:
         self.indexes = kube_fakes.Indexes(self.api)
         watched = cache.Cache(clusterwide=True)
         watched.attach(self.indexes)
-        self.runtime = context.Runtime.of(self.api, agents, FAST, cache=watched)  # type: ignore[arg-type]
+        self.runtime = context.Runtime.of(self.api, agents, FAST, cache=watched)
         self.reconciles: list[float] = []
 
     async def step(self) -> bool:
