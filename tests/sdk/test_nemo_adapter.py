@@ -21,12 +21,13 @@ import re
 import sys
 import threading
 from collections.abc import Iterator
-from typing import Any, cast
+from typing import Any
 
 import httpx
 import pytest
 import torch
 
+from helpers import kube_fakes
 from megafleet.api import v1alpha1
 from megafleet.sdk import errors, fleet, generation, nemo, routing
 from megafleet.sdk.nemo import clients as nemo_clients
@@ -327,10 +328,9 @@ class FakeFleet(fleet.Fleet):
         super().__init__(
             MODEL,
             "ns",
-            client=cast(Any, object()),
+            client=kube_fakes.Api(),  # never asked: this fleet's state is made up below
             http=httpx.AsyncClient(transport=httpx.MockTransport(frontend)),
         )
-        self._owns_client = False
         self.current = current
         self.kv_cache_mode = kv_cache_mode
         self.refits: list[int] = []

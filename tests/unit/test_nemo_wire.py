@@ -23,7 +23,7 @@ import threading
 import time
 import warnings
 from collections.abc import Callable, Iterator
-from typing import Any, cast
+from typing import Any
 
 import httpx
 import pytest
@@ -149,14 +149,7 @@ class FakeFleet(fleet.Fleet):
     """The fleet client reading the fake API server (routing is not what these tests are about)."""
 
     def __init__(self, api: FakeOperator) -> None:
-        super().__init__(FLEET, NAMESPACE, client=cast(Any, object()), http=httpx.AsyncClient())
-        self._owns_client = False
-        self.api = api
-
-    async def get(self) -> fleet.FleetState:
-        found = await self.api.get("MegatronGeneration", FLEET, NAMESPACE)
-        assert found is not None
-        return self._state(found)
+        super().__init__(FLEET, NAMESPACE, client=api, http=httpx.AsyncClient())
 
     async def wait_ready(self, timeout: float = 0) -> fleet.FleetState:
         return await self.get()
