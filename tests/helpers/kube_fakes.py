@@ -131,10 +131,9 @@ class MemoryTransport:
                 yield "ADDED", obj
             while True:
                 event, obj = await changes.get()
-                metadata = obj["metadata"]
-                if obj["kind"] == kind and namespace in (None, metadata.get("namespace")):
-                    if _chosen(obj, labels, fields):
-                        yield event, obj
+                found_namespace = obj["metadata"].get("namespace")
+                if obj["kind"] == kind and namespace in (None, found_namespace) and _chosen(obj, labels, fields):
+                    yield event, obj
         finally:
             self._watchers.remove(changes)
 

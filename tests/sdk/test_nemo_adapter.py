@@ -206,7 +206,7 @@ def expected_parameters(node: ast.FunctionDef | ast.AsyncFunctionDef) -> list[tu
 
 def normalised(annotation: str) -> str:
     text = ast.unparse(ast.parse(annotation, mode="eval"))
-    text = re.sub(r"\b(?:refs|wire|config_)\.", "", text)  # the adapter's modules qualify its type names
+    text = re.sub(r"\b(?:refs|refit_wires|config_)\.", "", text)  # the adapter's modules qualify its type names
     text = RETURNS.get(text, text)
     if text.startswith("Optional[") and text.endswith("]"):
         text = f"{text[len('Optional[') : -1]} | None"

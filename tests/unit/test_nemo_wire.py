@@ -31,7 +31,7 @@ import torch
 
 from helpers import kube_fakes
 from megafleet.sdk import errors, fleet, generation, nemo, routing
-from megafleet.sdk.nemo import buckets, refit_info, wire_nemo
+from megafleet.sdk.nemo import buckets, refit_info, refit_wire_nemo
 from megafleet.sdk.nemo import clients as nemo_clients
 from megafleet_protocol.refit import nemo as nemo_protocol
 
@@ -161,7 +161,7 @@ class FakeFleet(fleet.Fleet):
 @pytest.fixture(autouse=True)
 def no_ray(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delitem(sys.modules, "ray", raising=False)  # results are plain booleans here
-    monkeypatch.setattr(wire_nemo, "POLL_SECONDS", 0.01)
+    monkeypatch.setattr(refit_wire_nemo, "POLL_SECONDS", 0.01)
 
 
 @pytest.fixture

@@ -26,7 +26,7 @@ __all__ = ["Clients", "Handle", "Loop", "RefitWire", "make_clients"]
 T = TypeVar("T")
 RefitWire = Literal["megafleet", "nemo"]
 """How refits travel: ``nemo`` (NeMo RL's own trainer broadcast over a RefitSession) or
-``megafleet`` (this process's ``WeightSender``); :mod:`megafleet.sdk.nemo.wire`."""
+``megafleet`` (this process's ``WeightSender``); :mod:`megafleet.sdk.nemo.refit_wires`."""
 
 
 @dataclasses.dataclass(frozen=True)
