@@ -23,7 +23,7 @@ import ssl
 import time
 import urllib.parse
 import urllib.request
-from collections.abc import AsyncGenerator, AsyncIterator, Mapping
+from collections.abc import AsyncGenerator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -176,6 +176,21 @@ class RestTransport:
             await self._session.close()
             self._session = None
 
+    def _client(self) -> aiohttp.ClientSession:
+        if self._session is None:
+            connector = aiohttp.TCPConnector(limit=self._connections, ssl=self._ssl if self._ssl is not None else False)
+            self._session = aiohttp.ClientSession(connector=connector, timeout=TIMEOUT, trust_env=False)
+        return self._session
+
+    def _headers(self, content_type: str | None) -> dict[str, str]:
+        headers = {"User-Agent": self._user_agent, "Accept": "application/json"}
+        if content_type is not None:
+            headers["Content-Type"] = content_type
+        authorization = self._credentials.header()
+        if authorization is not None:
+            headers["Authorization"] = authorization
+        return headers
+
     async def request(
         self,
         method: str,
@@ -186,49 +201,19 @@ class RestTransport:
         content_type: str = "application/json",
     ) -> Any:
         """The decoded answer to one request; :class:`ApiError` for an error status."""
+        session = self._client()
         data = msgspec.json.encode(body) if body is not None else None
-        async with self._answer(method, path, params=params, data=data, content_type=content_type) as response:
-            content = await response.read()
-        return msgspec.json.decode(content) if content else None
-
-    @contextlib.asynccontextmanager
-    async def _answer(
-        self,
-        method: str,
-        path: str,
-        *,
-        params: Mapping[str, str] | None,
-        data: bytes | None = None,
-        content_type: str = "application/json",
-        timeout: aiohttp.ClientTimeout | None = None,
-    ) -> AsyncIterator[aiohttp.ClientResponse]:
-        """The response to one request, its body not read yet; a 401 is retried once with the token
-        file read again, an error status raised as :class:`ApiError`."""
-        if self._session is None:
-            connector = aiohttp.TCPConnector(limit=self._connections, ssl=self._ssl if self._ssl is not None else False)
-            self._session = aiohttp.ClientSession(connector=connector, timeout=TIMEOUT, trust_env=False)
         for attempt in (1, 2):
-            headers = {"User-Agent": self._user_agent, "Accept": "application/json"}
-            if data is not None:
-                headers["Content-Type"] = content_type
-            authorization = self._credentials.header()
-            if authorization is not None:
-                headers["Authorization"] = authorization
-            async with self._session.request(
-                method,
-                self._server + path,
-                params=params,
-                data=data,
-                headers=headers,
-                proxy=self._proxy,
-                timeout=timeout or TIMEOUT,
+            headers = self._headers(content_type if data is not None else None)
+            async with session.request(
+                method, self._server + path, params=params, data=data, headers=headers, proxy=self._proxy
             ) as response:
+                content = await response.read()
                 if response.status == 401 and attempt == 1 and self._credentials.refresh():
                     continue
                 if response.status >= 400:
-                    raise _error(response.status, await response.read())
-                yield response
-                return
+                    raise _error(response.status, content)
+                return msgspec.json.decode(content) if content else None
         raise AssertionError("unreachable")  # pragma: no cover
 
     async def get(self, kind: str, name: str, namespace: str | None) -> Object:
@@ -272,24 +257,40 @@ class RestTransport:
             params["fieldSelector"] = build_selector(fields, for_fields=True)
         path = RESOURCES[kind].path(namespace)
         while True:
-            async with self._answer("GET", path, params=params, timeout=WATCH_TIMEOUT) as response:
+            async with contextlib.aclosing(self._stream(path, params)) as events:
+                async for event, obj in events:
+                    version = (obj.get("metadata") or {}).get("resourceVersion")
+                    if version:
+                        params["resourceVersion"] = version
+                    yield event, obj
+
+    async def _stream(self, path: str, params: Mapping[str, str]) -> AsyncGenerator[tuple[str, Object], None]:
+        """The events of one watch request, until the API server ends it."""
+        session = self._client()
+        for attempt in (1, 2):
+            async with session.request(
+                "GET",
+                self._server + path,
+                params=params,
+                headers=self._headers(None),
+                proxy=self._proxy,
+                timeout=WATCH_TIMEOUT,
+            ) as response:
+                if response.status >= 400:
+                    content = await response.read()
+                    if response.status == 401 and attempt == 1 and self._credentials.refresh():
+                        continue
+                    raise _error(response.status, content)
                 pending = b""
                 async for chunk in response.content.iter_any():  # one event a line; a line may be long
                     pending += chunk
+                    if b"\n" not in chunk:
+                        continue
                     *lines, pending = pending.split(b"\n")
                     for line in lines:
-                        if not line.strip():
-                            continue
-                        event = msgspec.json.decode(line)
-                        obj: Object = event.get("object") or {}
-                        if event.get("type") == "ERROR":
-                            raise ApiError(
-                                int(obj.get("code") or 0), str(obj.get("reason") or ""), str(obj.get("message") or "")
-                            )
-                        version = (obj.get("metadata") or {}).get("resourceVersion")
-                        if version:
-                            params["resourceVersion"] = version
-                        yield str(event["type"]), obj
+                        if line.strip():
+                            yield _event(line)
+                return
 
     async def create(self, obj: Object) -> Object:
         metadata = obj["metadata"]
@@ -313,6 +314,15 @@ class RestTransport:
             content_type="application/merge-patch+json",
         )
         return patched
+
+
+def _event(line: bytes) -> tuple[str, Object]:
+    """One line of a watch stream: its event type and object; an ``ERROR`` event is raised."""
+    event = msgspec.json.decode(line)
+    obj: Object = event.get("object") or {}
+    if event.get("type") == "ERROR":
+        raise ApiError(int(obj.get("code") or 0), str(obj.get("reason") or ""), str(obj.get("message") or ""))
+    return str(event["type"]), obj
 
 
 def _error(status: int, content: bytes) -> ApiError:
