@@ -17,12 +17,13 @@ Kopf's own HTTP client, so this adds no dependency.
 from __future__ import annotations
 
 import base64
+import contextlib
 import dataclasses
 import ssl
 import time
 import urllib.parse
 import urllib.request
-from collections.abc import Mapping
+from collections.abc import AsyncGenerator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -52,6 +53,8 @@ are rotated by the kubelet."""
 PAGE_SIZE = 500
 """Objects per page of a LIST (``limit``/``continue``)."""
 TIMEOUT = aiohttp.ClientTimeout(total=120, sock_connect=10, sock_read=60)
+WATCH_TIMEOUT = aiohttp.ClientTimeout(total=None, sock_connect=10, sock_read=None)
+"""A watch stays open until the API server ends it (its own watch timeout) and may be quiet for long."""
 
 
 class ApiError(Exception):
@@ -173,6 +176,21 @@ class RestTransport:
             await self._session.close()
             self._session = None
 
+    def _client(self) -> aiohttp.ClientSession:
+        if self._session is None:
+            connector = aiohttp.TCPConnector(limit=self._connections, ssl=self._ssl if self._ssl is not None else False)
+            self._session = aiohttp.ClientSession(connector=connector, timeout=TIMEOUT, trust_env=False)
+        return self._session
+
+    def _headers(self, content_type: str | None) -> dict[str, str]:
+        headers = {"User-Agent": self._user_agent, "Accept": "application/json"}
+        if content_type is not None:
+            headers["Content-Type"] = content_type
+        authorization = self._credentials.header()
+        if authorization is not None:
+            headers["Authorization"] = authorization
+        return headers
+
     async def request(
         self,
         method: str,
@@ -183,18 +201,11 @@ class RestTransport:
         content_type: str = "application/json",
     ) -> Any:
         """The decoded answer to one request; :class:`ApiError` for an error status."""
-        if self._session is None:
-            connector = aiohttp.TCPConnector(limit=self._connections, ssl=self._ssl if self._ssl is not None else False)
-            self._session = aiohttp.ClientSession(connector=connector, timeout=TIMEOUT, trust_env=False)
+        session = self._client()
         data = msgspec.json.encode(body) if body is not None else None
         for attempt in (1, 2):
-            headers = {"User-Agent": self._user_agent, "Accept": "application/json"}
-            if data is not None:
-                headers["Content-Type"] = content_type
-            authorization = self._credentials.header()
-            if authorization is not None:
-                headers["Authorization"] = authorization
-            async with self._session.request(
+            headers = self._headers(content_type if data is not None else None)
+            async with session.request(
                 method, self._server + path, params=params, data=data, headers=headers, proxy=self._proxy
             ) as response:
                 content = await response.read()
@@ -232,6 +243,55 @@ class RestTransport:
                 return items
             params["continue"] = token
 
+    async def watch(
+        self, kind: str, namespace: str | None, *, labels: Selector | None = None, fields: Selector | None = None
+    ) -> AsyncGenerator[tuple[str, Object], None]:
+        """The objects the selectors choose as they are now (``ADDED``), then every change, without
+        end: a stream the server ends (its watch timeout) is started again from the last object's
+        resource version, as lightkube's watch does. An ``ERROR`` event (410: that version is gone)
+        is raised as :class:`ApiError`."""
+        params: dict[str, str] = {"watch": "true"}
+        if labels:
+            params["labelSelector"] = build_selector(labels)
+        if fields:
+            params["fieldSelector"] = build_selector(fields, for_fields=True)
+        path = RESOURCES[kind].path(namespace)
+        while True:
+            async with contextlib.aclosing(self._stream(path, params)) as events:
+                async for event, obj in events:
+                    version = (obj.get("metadata") or {}).get("resourceVersion")
+                    if version:
+                        params["resourceVersion"] = version
+                    yield event, obj
+
+    async def _stream(self, path: str, params: Mapping[str, str]) -> AsyncGenerator[tuple[str, Object], None]:
+        """The events of one watch request, until the API server ends it."""
+        session = self._client()
+        for attempt in (1, 2):
+            async with session.request(
+                "GET",
+                self._server + path,
+                params=params,
+                headers=self._headers(None),
+                proxy=self._proxy,
+                timeout=WATCH_TIMEOUT,
+            ) as response:
+                if response.status >= 400:
+                    content = await response.read()
+                    if response.status == 401 and attempt == 1 and self._credentials.refresh():
+                        continue
+                    raise _error(response.status, content)
+                pending = b""
+                async for chunk in response.content.iter_any():  # one event a line; a line may be long
+                    pending += chunk
+                    if b"\n" not in chunk:
+                        continue
+                    *lines, pending = pending.split(b"\n")
+                    for line in lines:
+                        if line.strip():
+                            yield _event(line)
+                return
+
     async def create(self, obj: Object) -> Object:
         metadata = obj["metadata"]
         path = RESOURCES[obj["kind"]].path(metadata.get("namespace"))
@@ -254,6 +314,15 @@ class RestTransport:
             content_type="application/merge-patch+json",
         )
         return patched
+
+
+def _event(line: bytes) -> tuple[str, Object]:
+    """One line of a watch stream: its event type and object; an ``ERROR`` event is raised."""
+    event = msgspec.json.decode(line)
+    obj: Object = event.get("object") or {}
+    if event.get("type") == "ERROR":
+        raise ApiError(int(obj.get("code") or 0), str(obj.get("reason") or ""), str(obj.get("message") or ""))
+    return str(event["type"]), obj
 
 
 def _error(status: int, content: bytes) -> ApiError:

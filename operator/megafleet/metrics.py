@@ -18,7 +18,7 @@ API_WRITES = prometheus_client.Counter(
     "megafleet_operator_api_writes_total", "Kubernetes API writes by the operator.", ["verb", "kind"]
 )
 API_READS = prometheus_client.Counter(
-    "megafleet_operator_api_reads_total", "Kubernetes API reads (get, list) by the operator.", ["verb", "kind"]
+    "megafleet_operator_api_reads_total", "Kubernetes API reads (get, list, watch) by the operator.", ["verb", "kind"]
 )
 AGENT_CALLS = prometheus_client.Counter(
     "megafleet_operator_agent_calls_total", "HTTP calls from the operator to pod agents.", ["method"]

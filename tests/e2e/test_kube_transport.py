@@ -2,8 +2,9 @@
 operator's own; lightkube, the SDK's) give :class:`megafleet.kube.Api` the same answers from the
 real local API server: creates (and a create that finds the object there), reads, a missing object,
 LISTs with label and field selectors over several pages, merge patches of an object and of its
-status, deletes, refusals as :class:`megafleet.kube.ApiError` with the server's code and message,
-and a token file read again after a 401 (a rotated service-account token)."""
+status, deletes, watches (the objects now, then every change), refusals as
+:class:`megafleet.kube.ApiError` with the server's code and message, and a token file read again
+after a 401 (a rotated service-account token)."""
 
 from __future__ import annotations
 
@@ -106,6 +107,40 @@ def test_reads_and_writes_answer_alike(
     api = api_for(Path(kubeconfig), transport)
     run(api, scenario)
     assert api.writes["create ConfigMap"] == 7 and api.reads["list ConfigMap"] == 3
+
+
+@pytest.mark.parametrize("transport", TRANSPORTS)
+def test_a_watch_sends_the_objects_now_then_every_change(transport: str, kubeconfig: Path, namespace: str) -> None:
+    async def scenario(api: operator_kube.Api) -> None:
+        await api.create(config_map(namespace, "a", role="x"))
+        await api.create(config_map(namespace, "b", role="y"))
+        chosen = api.watch("ConfigMap", namespace=namespace, labels={"role": "x"})
+        try:
+            event, obj = await anext(chosen)
+            assert (event, obj["metadata"]["name"], obj["data"]) == ("ADDED", "a", {"key": "a"})
+            await api.patch("ConfigMap", "a", namespace, {"data": {"more": "1"}})
+            await api.create(config_map(namespace, "c", role="x"))
+            await api.create(config_map(namespace, "d", role="y"))  # not chosen
+            await api.delete("ConfigMap", "a", namespace)
+            seen = [await anext(chosen) for _ in range(3)]
+            assert [(event, obj["metadata"]["name"]) for event, obj in seen] == [
+                ("MODIFIED", "a"),
+                ("ADDED", "c"),
+                ("DELETED", "a"),
+            ]
+            assert seen[0][1]["data"] == {"key": "a", "more": "1"}
+        finally:
+            await chosen.aclose()
+        named = api.watch("ConfigMap", namespace=namespace, fields={"metadata.name": "b"})
+        try:
+            event, obj = await anext(named)
+            assert (event, obj["metadata"]["name"]) == ("ADDED", "b")
+        finally:
+            await named.aclose()
+
+    api = api_for(Path(kubeconfig), transport)
+    run(api, scenario)
+    assert api.reads["watch ConfigMap"] == 2
 
 
 @pytest.mark.parametrize("transport", TRANSPORTS)

@@ -1,34 +1,48 @@
-"""Shared test helper (it holds no tests): an in-memory stand-in for :class:`megafleet.kube.Api`.
+"""Shared test helper (it holds no tests): :class:`MemoryTransport`, an in-memory
+:class:`megafleet.kube.Transport`, and :class:`Api`, the real :class:`megafleet.kube.Api` over one.
 
-For the fast tier only: it stores plain JSON objects by (kind, namespace, name) and counts writes
-and reads as the real one does (``writes``, ``reads``, keyed ``"<verb> <kind>"``) and tells its
-``observers`` of creates, deletes and patches, so a unit test can drive reconcile
-steps and check what they wrote. It is no API server: no admission, no garbage collection,
-deletion is immediate, and pods run only when the test says so (:meth:`Api.run_pods`). Every e2e
-test still runs against the real control plane.
+For the fast tier only. The transport stores plain JSON objects by (kind, namespace, name) and
+answers as the API server does where the operator and the SDK look: a missing object is a 404 and a
+create of an existing one a 409 (:class:`megafleet.kube.ApiError`), ``generateName`` gets a suffix,
+writes set ``uid``, ``generation`` and a per-object ``resourceVersion``, Services get a ClusterIP,
+patches are JSON merge patches (a ``status`` patch merges into the status only) and a watch sends the
+objects now, then every change. The counting, the 404/409 handling and the write observers are the
+real :class:`~megafleet.kube.Api`'s.
+
+It is no API server: no admission or validation, no defaulting beyond the above, no garbage
+collection or finalizers, deletion is immediate, ``generation`` never moves, a patch of the object
+may change its status too (the server ignores that for kinds with a status subresource), selectors
+are label equality and field equality or ``notin`` only, and pods run only when the test says so
+(:meth:`MemoryTransport.run_pods`). Every e2e test still runs against the real control plane.
 """
 
 from __future__ import annotations
 
-import collections
+import asyncio
 import copy
 import itertools
+from collections.abc import AsyncGenerator
 from typing import Any
 
 from lightkube import operators
 
+from megafleet import kube
 from megafleet.objects import Object
 
+Key = tuple[str, str | None, str]
+"""(kind, namespace, name); namespace None for a cluster-scoped kind."""
 
-class Api:
-    """Async access to an in-memory store, with a per-verb count of writes."""
+
+class MemoryTransport:
+    """The objects of an API server in memory (see the module docstring)."""
 
     def __init__(self, *objects: Object) -> None:
-        self.objects: dict[tuple[str, str | None, str], Object] = {}
-        self.writes: collections.Counter[str] = collections.Counter()
-        self.reads: collections.Counter[str] = collections.Counter()
-        self.observers: list[Any] = []
+        self.objects: dict[Key, Object] = {}
+        self.deleted: list[tuple[Key, int | None]] = []
+        """Every delete asked for, of an object there or not, with its grace seconds (None: the pod's own)."""
         self._addresses = itertools.count(10)
+        self._suffixes = itertools.count(1)
+        self._watchers: list[asyncio.Queue[tuple[str, Object]]] = []
         for obj in objects:
             self._store(copy.deepcopy(obj))
 
@@ -42,67 +56,86 @@ class Api:
         self.objects[(obj["kind"], metadata.get("namespace"), metadata["name"])] = obj
         return obj
 
+    def _found(self, kind: str, name: str, namespace: str | None) -> Object:
+        found = self.objects.get((kind, namespace, name))
+        if found is None:
+            raise kube.ApiError(404, "NotFound", f'{kind} "{name}" not found')
+        return found
+
+    def _changed(self, event: str, obj: Object) -> None:
+        for queue in self._watchers:
+            queue.put_nowait((event, copy.deepcopy(obj)))
+
     async def close(self) -> None:
         pass
 
-    async def get(self, kind: str, name: str, namespace: str | None = None) -> Object | None:
-        self.reads[f"get {kind}"] += 1
-        found = self.objects.get((kind, namespace, name))
-        return copy.deepcopy(found) if found is not None else None
+    async def get(self, kind: str, name: str, namespace: str | None) -> Object:
+        return copy.deepcopy(self._found(kind, name, namespace))
 
     async def list(
         self,
         kind: str,
+        namespace: str | None,
         *,
-        namespace: str | None = None,
-        labels: dict[str, Any] | None = None,
-        fields: dict[str, Any] | None = None,
+        labels: kube.Selector | None = None,
+        fields: kube.Selector | None = None,
     ) -> list[Object]:
-        self.reads[f"list {kind}"] += 1
         return [
             copy.deepcopy(obj)
             for (found_kind, found_namespace, _), obj in sorted(self.objects.items())
-            if found_kind == kind
-            and namespace in (None, found_namespace)
-            and all(obj["metadata"].get("labels", {}).get(key) == value for key, value in (labels or {}).items())
-            and all(_field_matches(obj, path, selector) for path, selector in (fields or {}).items())
+            if found_kind == kind and namespace in (None, found_namespace) and _chosen(obj, labels, fields)
         ]
 
     async def create(self, obj: Object) -> Object:
-        self.writes[f"create {obj['kind']}"] += 1
-        existing = await self.get(obj["kind"], obj["metadata"]["name"], obj["metadata"].get("namespace"))
-        created = existing if existing is not None else copy.deepcopy(self._store(copy.deepcopy(obj)))
-        for observer in self.observers:
-            observer("create", obj["kind"], obj["metadata"].get("namespace"), obj["metadata"]["name"], created)
-        return created
+        created = copy.deepcopy(obj)
+        metadata = created["metadata"]
+        if "name" not in metadata:
+            metadata["name"] = f"{metadata['generateName']}{next(self._suffixes):05d}"
+        if (obj["kind"], metadata.get("namespace"), metadata["name"]) in self.objects:
+            raise kube.ApiError(409, "AlreadyExists", f'{obj["kind"]} "{metadata["name"]}" already exists')
+        self._changed("ADDED", self._store(created))
+        return copy.deepcopy(created)
 
-    async def delete(
-        self, kind: str, name: str, namespace: str | None = None, *, grace_seconds: int | None = None
-    ) -> None:
-        self.writes[f"delete {kind}" if grace_seconds is None else f"delete {kind} grace={grace_seconds}"] += 1
-        self.objects.pop((kind, namespace, name), None)
-        for observer in self.observers:
-            observer("delete", kind, namespace, name, None)
+    async def delete(self, kind: str, name: str, namespace: str | None, grace_seconds: int | None) -> None:
+        self.deleted.append(((kind, namespace, name), grace_seconds))
+        gone = self._found(kind, name, namespace)
+        del self.objects[(kind, namespace, name)]
+        self._changed("DELETED", gone)
 
-    async def patch(self, kind: str, name: str, namespace: str | None, patch: Object) -> Object:
-        self.writes[f"patch {kind}"] += 1
-        obj = self.objects[(kind, namespace, name)]
-        merge_patch(obj, copy.deepcopy(patch))
-        return self._patched("patch", obj)
-
-    async def patch_status(self, kind: str, name: str, namespace: str, status: Object) -> Object:
-        self.writes[f"status {kind}"] += 1
-        obj = self.objects[(kind, namespace, name)]
-        obj["status"] = {**obj.get("status", {}), **copy.deepcopy(status)}
-        return self._patched("status", obj)
-
-    def _patched(self, verb: str, obj: Object) -> Object:
-        """A patch's answer: the object with a new resource version, told to the observers."""
+    async def patch(
+        self, kind: str, name: str, namespace: str | None, patch: Object, *, subresource: str | None = None
+    ) -> Object:
+        obj = self._found(kind, name, namespace)
+        if subresource == "status":
+            obj["status"] = obj.get("status") or {}
+            merge_patch(obj["status"], copy.deepcopy(patch.get("status") or {}))
+        else:
+            merge_patch(obj, copy.deepcopy(patch))
         metadata = obj["metadata"]
         metadata["resourceVersion"] = str(int(metadata.get("resourceVersion") or "0") + 1)
-        for observer in self.observers:
-            observer(verb, obj["kind"], metadata.get("namespace"), metadata["name"], copy.deepcopy(obj))
+        self._changed("MODIFIED", obj)
         return copy.deepcopy(obj)
+
+    async def watch(
+        self,
+        kind: str,
+        namespace: str | None,
+        *,
+        labels: kube.Selector | None = None,
+        fields: kube.Selector | None = None,
+    ) -> AsyncGenerator[kube.Event, None]:
+        changes: asyncio.Queue[tuple[str, Object]] = asyncio.Queue()
+        self._watchers.append(changes)
+        try:
+            for obj in await self.list(kind, namespace, labels=labels, fields=fields):
+                yield "ADDED", obj
+            while True:
+                event, obj = await changes.get()
+                found_namespace = obj["metadata"].get("namespace")
+                if obj["kind"] == kind and namespace in (None, found_namespace) and _chosen(obj, labels, fields):
+                    yield event, obj
+        finally:
+            self._watchers.remove(changes)
 
     def run_pods(self, node: str) -> None:
         """What a scheduler and kubelet would do: bind every pod to ``node`` and run it with an IP."""
@@ -110,6 +143,22 @@ class Api:
             if kind == "Pod" and not obj.get("status", {}).get("podIP"):
                 obj["spec"]["nodeName"] = node
                 obj["status"] = {"phase": "Running", "podIP": f"127.0.0.{next(self._addresses)}"}
+
+
+class Api(kube.Api):
+    """The real :class:`megafleet.kube.Api` over a :class:`MemoryTransport` holding ``objects``."""
+
+    def __init__(self, *objects: Object) -> None:
+        self.memory = MemoryTransport(*objects)
+        super().__init__(self.memory)
+
+    @property
+    def objects(self) -> dict[Key, Object]:
+        """The stored objects themselves (a test may change them as a controller would)."""
+        return self.memory.objects
+
+    def run_pods(self, node: str) -> None:
+        self.memory.run_pods(node)
 
 
 def merge_patch(target: Object, patch: Object) -> None:
@@ -169,10 +218,22 @@ class Indexes(dict[str, Any]):
             index.update(values)
 
 
+def _chosen(obj: Object, labels: kube.Selector | None, fields: kube.Selector | None) -> bool:
+    found = obj["metadata"].get("labels") or {}
+    for key, value in (labels or {}).items():
+        if not isinstance(value, str):
+            raise NotImplementedError(f"label selector {key}={value!r}")
+        if found.get(key) != value:
+            return False
+    return all(_field_matches(obj, path, selector) for path, selector in (fields or {}).items())
+
+
 def _field_matches(obj: Object, path: str, selector: Any) -> bool:
     value: Any = obj
     for part in path.split("."):
         value = (value or {}).get(part)
+    if isinstance(selector, str):
+        return bool(value == selector)
     if isinstance(selector, operators.SequenceOperator) and selector.op == "notin":
         return value not in selector.value
     raise NotImplementedError(f"field selector {path}={selector!r}")

@@ -21,12 +21,13 @@ import re
 import sys
 import threading
 from collections.abc import Iterator
-from typing import Any, cast
+from typing import Any
 
 import httpx
 import pytest
 import torch
 
+from helpers import kube_fakes
 from megafleet.api import v1alpha1
 from megafleet.sdk import errors, fleet, generation, nemo, routing
 from megafleet.sdk.nemo import clients as nemo_clients
@@ -205,7 +206,7 @@ def expected_parameters(node: ast.FunctionDef | ast.AsyncFunctionDef) -> list[tu
 
 def normalised(annotation: str) -> str:
     text = ast.unparse(ast.parse(annotation, mode="eval"))
-    text = re.sub(r"\b(?:refs|wire|config_)\.", "", text)  # the adapter's modules qualify its type names
+    text = re.sub(r"\b(?:refs|refit_wires|config_)\.", "", text)  # the adapter's modules qualify its type names
     text = RETURNS.get(text, text)
     if text.startswith("Optional[") and text.endswith("]"):
         text = f"{text[len('Optional[') : -1]} | None"
@@ -327,10 +328,9 @@ class FakeFleet(fleet.Fleet):
         super().__init__(
             MODEL,
             "ns",
-            client=cast(Any, object()),
+            client=kube_fakes.Api(),  # never asked: this fleet's state is made up below
             http=httpx.AsyncClient(transport=httpx.MockTransport(frontend)),
         )
-        self._owns_client = False
         self.current = current
         self.kv_cache_mode = kv_cache_mode
         self.refits: list[int] = []

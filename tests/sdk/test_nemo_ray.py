@@ -144,7 +144,7 @@ def test_a_batch_goes_to_the_engine_as_one_request_sync_and_async(engine: engine
 def test_sampled_logprobs_are_the_trainers_processed_logprobs_of_nemos_sampling_config(
     engine: engine_command.EngineProcess,
 ) -> None:
-    """Issue 13 point 2 through the adapter: NeMo's ``temperature``/``top_k``/``top_p`` reach the
+    """Sampled logprobs through the adapter: NeMo's ``temperature``/``top_k``/``top_p`` reach the
     engine and each returned logprob equals NeMo's trainer-side recomputation (a fresh forward pass
     over prompt + generated tokens, then :func:`nemo_processed_logprobs`) within 1e-4; raw
     logprobs, or the sampling knobs dropped on the way, would differ by more."""

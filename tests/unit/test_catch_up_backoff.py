@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 from typing import Any
 
+from helpers import agent_fakes, kube_fakes
 from megafleet import agent_client, backoff, desired, settings
 from megafleet.api import v1alpha1
 from megafleet.fleet_state import pods
@@ -46,11 +47,12 @@ IDLE_FIELDS: dict[str, Any] = {
 """The status fields the catch-up does not look at."""
 
 
-class StandInAgents:
+class StandInAgents(agent_fakes.Agents):
     """The agents' client as :func:`catch_up.start` calls it: each pod's refit status, and the
     checkpoint refits it starts (a started one runs, then fails when ``failing``)."""
 
     def __init__(self) -> None:
+        super().__init__()
         self.started: list[str] = []
         self.phase = "idle"
         self.failing = True
@@ -78,7 +80,8 @@ def test_a_failing_catch_up_is_retried_after_growing_delays_and_reported_once_pe
     }
     client = StandInAgents()
     events: list[tuple[str, str]] = []
-    runtime = context.Runtime.of(None, client, settings.OperatorSettings())  # type: ignore[arg-type]
+    api = kube_fakes.Api()
+    runtime = context.Runtime.of(api, client, settings.OperatorSettings())
     assert (runtime.catch_up.first_seconds, runtime.catch_up.most_seconds) == (10, 300)
     ctx = context.FleetContext(
         runtime,
@@ -111,3 +114,4 @@ def test_a_failing_catch_up_is_retried_after_growing_delays_and_reported_once_pe
     client.failing = False
     reconcile_at(41)
     assert len(client.started) == 3 and client.phase == "running"
+    assert not api.writes and not api.reads  # the catch-up only asks the agents

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import asyncio
 
-from helpers import kube_fakes
+from helpers import agent_fakes, kube_fakes
 from megafleet import handlers, settings
 from megafleet.reconcile import context
 
@@ -19,7 +19,7 @@ def going_fleet() -> tuple[kube_fakes.Api, context.Runtime]:
         "spec": {},
     }
     api = kube_fakes.Api(going)
-    return api, context.Runtime.of(api, None, settings.OperatorSettings())  # type: ignore[arg-type]
+    return api, context.Runtime.of(api, agent_fakes.Agents(), settings.OperatorSettings())
 
 
 def test_triggers_waiting_for_the_lock_are_folded_into_one_reconcile() -> None:

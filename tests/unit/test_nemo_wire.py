@@ -23,7 +23,7 @@ import threading
 import time
 import warnings
 from collections.abc import Callable, Iterator
-from typing import Any, cast
+from typing import Any
 
 import httpx
 import pytest
@@ -31,7 +31,7 @@ import torch
 
 from helpers import kube_fakes
 from megafleet.sdk import errors, fleet, generation, nemo, routing
-from megafleet.sdk.nemo import buckets, refit_info, wire_nemo
+from megafleet.sdk.nemo import buckets, refit_info, refit_wire_nemo
 from megafleet.sdk.nemo import clients as nemo_clients
 from megafleet_protocol.refit import nemo as nemo_protocol
 
@@ -149,14 +149,7 @@ class FakeFleet(fleet.Fleet):
     """The fleet client reading the fake API server (routing is not what these tests are about)."""
 
     def __init__(self, api: FakeOperator) -> None:
-        super().__init__(FLEET, NAMESPACE, client=cast(Any, object()), http=httpx.AsyncClient())
-        self._owns_client = False
-        self.api = api
-
-    async def get(self) -> fleet.FleetState:
-        found = await self.api.get("MegatronGeneration", FLEET, NAMESPACE)
-        assert found is not None
-        return self._state(found)
+        super().__init__(FLEET, NAMESPACE, client=api, http=httpx.AsyncClient())
 
     async def wait_ready(self, timeout: float = 0) -> fleet.FleetState:
         return await self.get()
@@ -168,7 +161,7 @@ class FakeFleet(fleet.Fleet):
 @pytest.fixture(autouse=True)
 def no_ray(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delitem(sys.modules, "ray", raising=False)  # results are plain booleans here
-    monkeypatch.setattr(wire_nemo, "POLL_SECONDS", 0.01)
+    monkeypatch.setattr(refit_wire_nemo, "POLL_SECONDS", 0.01)
 
 
 @pytest.fixture

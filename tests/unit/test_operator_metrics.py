@@ -9,7 +9,7 @@ from pathlib import Path
 import prometheus_client
 import yaml
 
-from helpers import kube_fakes
+from helpers import agent_fakes, kube_fakes
 from megafleet import agent_client, metrics, reconcile, settings
 from megafleet.reconcile import context
 
@@ -40,7 +40,7 @@ def test_a_fleet_s_shards_version_and_refit_state_are_recorded_and_forgotten() -
     assert sample("megafleet_operator_fleet_refit_state", **fleet, state="idle") is None
 
 
-class ServingAgents:
+class ServingAgents(agent_fakes.Agents):
     async def states(self, pod_ips: list[str], token: str) -> list[agent_client.AgentState]:
         return [agent_client.AgentState(state="ready", weight_version=1, served_address=f"{ip}:8000") for ip in pod_ips]
 
@@ -53,7 +53,7 @@ def test_the_reconcile_returns_the_status_it_wrote() -> None:
     manifest["metadata"]["namespace"] = "rl"
     node = {"kind": "Node", "metadata": {"name": "n0", "labels": {}}, "spec": {}, "status": {"allocatable": {}}}
     api = kube_fakes.Api(manifest, node)
-    runtime = context.Runtime.of(api, ServingAgents(), settings.OperatorSettings())  # type: ignore[arg-type]
+    runtime = context.Runtime.of(api, ServingAgents(), settings.OperatorSettings())
 
     async def once() -> dict[str, object] | None:
         return await reconcile.reconcile(runtime, await api.get("MegatronGeneration", "tiny", "rl") or {})

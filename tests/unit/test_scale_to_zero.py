@@ -10,7 +10,7 @@ from typing import Any
 
 import yaml
 
-from helpers import kube_fakes
+from helpers import agent_fakes, kube_fakes
 from megafleet import agent_client, conditions, reconcile, settings
 from megafleet.reconcile import context
 from megafleet.refits import refit_controller
@@ -18,7 +18,7 @@ from megafleet.refits import refit_controller
 ROOT = Path(__file__).resolve().parents[2]
 
 
-class ServingAgents:
+class ServingAgents(agent_fakes.Agents):
     async def states(self, pod_ips: list[str], token: str) -> list[agent_client.AgentState]:
         return [agent_client.AgentState(state="ready", weight_version=0, served_address=f"{ip}:8000") for ip in pod_ips]
 
@@ -35,7 +35,7 @@ def test_a_fleet_at_zero_shards_has_nothing_running_and_a_refit_for_it_waits_pen
     node = {"kind": "Node", "metadata": {"name": "n0", "labels": {}}, "spec": {}, "status": {"allocatable": {}}}
     api = kube_fakes.Api(manifest, node)
     agents = ServingAgents()
-    runtime = context.Runtime.of(api, agents, settings.OperatorSettings())  # type: ignore[arg-type]
+    runtime = context.Runtime.of(api, agents, settings.OperatorSettings())
 
     async def once() -> None:
         await reconcile.reconcile(runtime, await api.get("MegatronGeneration", "tiny", "rl") or {})

@@ -1,8 +1,9 @@
 """The RL job's side of megafleet: find a fleet, generate with it, refit it. Never imports kopf or ray.
 
 * :mod:`megafleet.sdk.fleet`: :class:`~megafleet.sdk.fleet.Fleet`, the client of one MegatronGeneration
-  (wait until Ready, frontends, Refit objects, generation spread over the frontends); lightkube and
-  httpx only.
+  (wait until Ready, frontends, Refit objects, generation spread over the frontends); the API server
+  through :class:`megafleet.kube.Api` (the operator's own client, over lightkube), the frontends
+  through httpx.
 * :mod:`megafleet.sdk.generation` and :mod:`megafleet.sdk.routing`: the OpenAI-compatible client and
   least-outstanding-requests routing over Ready, non-stale frontends (usable without the API server).
 * :class:`~megafleet_protocol.refit.sender.WeightSender`, the trainer's end of the refit protocol
@@ -13,7 +14,9 @@
   ``GenerationInterface`` over a fleet (needs torch).
 
 Names are imported on first use, so ``import megafleet.sdk`` (or :mod:`megafleet.sdk.fleet`) does not
-import torch.
+import torch. ``__all__`` is fixed by ``tests/sdk/test_sdk_exports.py``. The SDK imports only the
+layers the operator's controllers share (``kube``, ``objects``, ``api``, ``names``, the protocol):
+an import-linter contract in ``pyproject.toml`` keeps it so.
 """
 
 from __future__ import annotations

@@ -2,8 +2,9 @@
 generation over its frontends, and refit it through Refit objects.
 
 Called by the RL job (directly, or through the NeMo RL adapter :mod:`megafleet.sdk.nemo`). It talks to
-the API server with lightkube (a kubeconfig, ``$KUBECONFIG``, or the pod's service account) and reads
-status through the operator's own typed models (:mod:`megafleet.api.v1alpha1`)::
+the API server through :class:`megafleet.kube.Api`, the operator's own client, over lightkube (a
+kubeconfig, ``$KUBECONFIG``, or the pod's service account; exec-plugin logins too) and reads status
+through the operator's own typed models (:mod:`megafleet.api.v1alpha1`)::
 
     async with Fleet("tiny", "rl-team-a") as fleet:
         await fleet.wait_ready(timeout=600)            # the Ready condition, through a watch
@@ -41,18 +42,13 @@ import threading
 from collections.abc import AsyncIterator, Callable, Sequence
 from pathlib import Path
 from types import TracebackType
-from typing import Any
 
 import httpx
 import lightkube
 import pydantic
-from lightkube import codecs
 from lightkube.config.kubeconfig import KubeConfig
-from lightkube.core.exceptions import ApiError
-from lightkube.generic_resource import create_namespaced_resource
-from lightkube.resources.core_v1 import Pod
 
-from megafleet import names
+from megafleet import kube, names
 from megafleet.api import v1alpha1
 from megafleet.objects import Object
 from megafleet.sdk import errors, generation, routing
@@ -68,11 +64,6 @@ DEFAULT_READY_TIMEOUT_SECONDS = 600.0
 """Waiting for a fleet: engines load their checkpoints first, which takes minutes for large models."""
 DEFAULT_REFIT_TIMEOUT_SECONDS = 900.0
 """Waiting for a Refit: up to two attempts of the fleet's ``refit.timeoutSeconds`` (300 s by default)."""
-
-MegatronGeneration = create_namespaced_resource(
-    v1alpha1.GROUP, v1alpha1.VERSION, "MegatronGeneration", "megatrongenerations"
-)
-Refit = create_namespaced_resource(v1alpha1.GROUP, v1alpha1.VERSION, "Refit", "refits")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -147,7 +138,8 @@ class Fleet:
         name: the fleet's name.
         namespace: its namespace; default: the kubeconfig context's (or the pod's) namespace.
         kubeconfig: a kubeconfig file; default: ``$KUBECONFIG``, ``~/.kube/config`` or in-cluster.
-        client: a lightkube ``AsyncClient`` to use instead (closed by its owner).
+        client: a lightkube ``AsyncClient``, or a :class:`megafleet.kube.Api` (then give the
+            namespace), to use instead (closed by its owner).
         addressing: how frontends are reached (:data:`megafleet.sdk.routing.Addressing`).
         api_key: the frontends' API key, when the fleet sets ``frontend.apiKeySecret``.
         http: an ``httpx.AsyncClient`` for generation (closed by its owner).
@@ -159,7 +151,7 @@ class Fleet:
         namespace: str | None = None,
         *,
         kubeconfig: str | Path | None = None,
-        client: lightkube.AsyncClient | None = None,
+        client: lightkube.AsyncClient | kube.Api | None = None,
         addressing: routing.Addressing = "service",
         api_key: str | None = None,
         http: httpx.AsyncClient | None = None,
@@ -169,8 +161,15 @@ class Fleet:
         if client is None:
             config = KubeConfig.from_file(kubeconfig) if kubeconfig is not None else None
             client = lightkube.AsyncClient(config=config, namespace=namespace, field_manager=FIELD_MANAGER)
-        self._client = client
-        self.namespace: str = namespace or client.namespace
+        # the API server's one client: the NeMo RL adapter's RefitSessions and ConfigMaps go through it too
+        if isinstance(client, kube.Api):
+            if namespace is None:
+                raise ValueError("a Fleet over a megafleet.kube.Api needs its namespace")
+            self.namespace: str = namespace
+            self.api = client
+        else:
+            self.namespace = namespace or client.namespace
+            self.api = kube.Api(client)
         self.addressing = addressing
         self.router = routing.Router()
         self.generator = generation.Generator(self.router, model=name, api_key=api_key, http=http)
@@ -178,7 +177,7 @@ class Fleet:
     async def aclose(self) -> None:
         await self.generator.aclose()
         if self._owns_client:
-            await self._client.close()
+            await self.api.close()
 
     async def __aenter__(self) -> Fleet:
         return self
@@ -196,13 +195,10 @@ class Fleet:
         Raises:
             FleetNotFound: there is no such fleet.
         """
-        try:
-            found = await self._client.get(MegatronGeneration, self.name, namespace=self.namespace)
-        except ApiError as error:
-            if error.status.code == 404:
-                raise errors.FleetNotFound(f"fleet {self.namespace}/{self.name} does not exist") from None
-            raise
-        return self._state(_plain(found))
+        found = await self.api.get("MegatronGeneration", self.name, self.namespace)
+        if found is None:
+            raise errors.FleetNotFound(f"fleet {self.namespace}/{self.name} does not exist")
+        return self._state(found)
 
     async def wait_ready(self, timeout: float = DEFAULT_READY_TIMEOUT_SECONDS) -> FleetState:
         """Watch the fleet until its Ready condition is True for its current spec, then route to it.
@@ -215,7 +211,7 @@ class Fleet:
         state = await self.get()
         try:
             async with asyncio.timeout(timeout):
-                async for obj in self._objects(MegatronGeneration, self.name):
+                async for obj in self._objects("MegatronGeneration", self.name):
                     if obj is None:
                         raise errors.FleetNotFound(f"fleet {self.namespace}/{self.name} was deleted")
                     state = self._state(obj)
@@ -304,17 +300,15 @@ class Fleet:
             rendezvous=rendezvous, checkpoint=None if checkpoint is None else v1alpha1.CheckpointSource(path=checkpoint)
         )
         spec = v1alpha1.RefitObjectSpec(fleet_ref=v1alpha1.FleetRef(name=self.name), version=version, source=source)
-        created = await self._client.create(
-            codecs.from_dict(
-                {
-                    "apiVersion": v1alpha1.API_VERSION,
-                    "kind": "Refit",
-                    "metadata": {"generateName": f"{self.name}-v{version}-", "namespace": self.namespace},
-                    "spec": spec.model_dump(mode="json", by_alias=True, exclude_none=True),
-                }
-            )
+        created = await self.api.create(
+            {
+                "apiVersion": v1alpha1.API_VERSION,
+                "kind": "Refit",
+                "metadata": {"generateName": f"{self.name}-v{version}-", "namespace": self.namespace},
+                "spec": spec.model_dump(mode="json", by_alias=True, exclude_none=True),
+            }
         )
-        name = _plain(created)["metadata"]["name"]
+        name = created["metadata"]["name"]
         log.info("refit %s/%s: version %d of fleet %s", self.namespace, name, version, self.name)
         senders: dict[int, tuple[Attempt, asyncio.Future[None]]] = {}
         try:
@@ -348,7 +342,7 @@ class Fleet:
         refit_spec = state.spec.refit if state.spec is not None else v1alpha1.RefitSpec()
         try:
             async with asyncio.timeout(timeout):
-                async for obj in self._objects(Refit, name):
+                async for obj in self._objects("Refit", name):
                     if obj is None:
                         raise errors.RefitFailed(name, "the Refit was deleted", status)
                     status = v1alpha1.RefitObjectStatus.model_validate(obj.get("status") or {})
@@ -383,7 +377,7 @@ class Fleet:
                 + (f"; the trainer's sender: {failures}" if failures else ""),
                 status,
             ) from None
-        raise errors.RefitFailed(name, "the watch ended", status)  # lightkube's watch only ends by an error
+        raise errors.RefitFailed(name, "the watch ended", status)  # a watch only ends by an error
 
     # -- plumbing --------------------------------------------------------------------------------
 
@@ -407,24 +401,22 @@ class Fleet:
             self.generator.max_sequence_length = spec.model.max_sequence_length
         return state
 
-    async def _objects(self, resource: Any, name: str) -> AsyncIterator[Object | None]:
+    async def _objects(self, kind: str, name: str) -> AsyncIterator[Object | None]:
         """The object now (the watch's first event), then after every change; ``None`` once deleted."""
-        watch = self._client.watch(resource, namespace=self.namespace, fields={"metadata.name": name})
+        watch = self.api.watch(kind, namespace=self.namespace, fields={"metadata.name": name})
         try:
             async for event, obj in watch:
-                yield None if event == "DELETED" else _plain(obj)
+                yield None if event == "DELETED" else obj
         finally:
             with contextlib.suppress(Exception):
-                await watch.aclose()  # type: ignore[attr-defined]
+                await watch.aclose()
 
     async def _urls(self, state: FleetState) -> dict[int, str]:
         if self.addressing != "pod":
             return routing.endpoint_urls(state.status, self.addressing)
-        pods = self._client.list(Pod, namespace=self.namespace, labels={names.LABEL_FLEET: self.name})
+        pods = await self.api.list("Pod", namespace=self.namespace, labels={names.LABEL_FLEET: self.name})
         ips = {
-            pod.metadata.name: pod.status.podIP
-            async for pod in pods
-            if pod.metadata is not None and pod.metadata.name and pod.status is not None and pod.status.podIP
+            pod["metadata"]["name"]: pod["status"]["podIP"] for pod in pods if (pod.get("status") or {}).get("podIP")
         }
         port = state.spec.frontend.port if state.spec is not None else v1alpha1.FrontendSpec().port
         return routing.pod_urls(state.status, ips, port)
@@ -437,13 +429,6 @@ class Fleet:
     async def _ensure_routed(self) -> None:
         if not self.router.frontends:
             await self.refresh()
-
-
-def _plain(obj: Any) -> Object:
-    if isinstance(obj, dict):
-        return obj
-    result: Object = obj.to_dict()
-    return result
 
 
 def _not_ready(state: FleetState, detail: str) -> errors.FleetNotReady:

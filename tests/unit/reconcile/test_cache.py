@@ -8,7 +8,7 @@ import asyncio
 from pathlib import Path
 from typing import Any
 
-from helpers import kube_fakes
+from helpers import agent_fakes, kube_fakes
 from megafleet import agent_client, handlers, reconcile, settings
 from megafleet.fleet_state import pods as pod_view
 from megafleet.reconcile import cache, context
@@ -17,7 +17,7 @@ ROOT = Path(__file__).resolve().parents[3]
 GPU = "nvidia.com/gpu"
 
 
-class ReadyAgents:
+class ReadyAgents(agent_fakes.Agents):
     async def states(self, pod_ips: list[str], token: str) -> list[agent_client.AgentState]:
         return [agent_client.AgentState(state="ready", weight_version=1, served_address=f"{ip}:8000") for ip in pod_ips]
 
@@ -54,7 +54,7 @@ class Clock:
 def cached_runtime(api: kube_fakes.Api, indexes: kube_fakes.Indexes, clock: Clock | None = None) -> context.Runtime:
     watched = cache.Cache(clusterwide=True, clock=clock or Clock())
     watched.attach(indexes)
-    return context.Runtime.of(api, ReadyAgents(), settings.OperatorSettings(), cache=watched)  # type: ignore[arg-type]
+    return context.Runtime.of(api, ReadyAgents(), settings.OperatorSettings(), cache=watched)
 
 
 def reconcile_fleet(runtime: context.Runtime, api: kube_fakes.Api, name: str) -> None:
@@ -128,7 +128,7 @@ def test_an_operator_watching_some_namespaces_lists_the_clusters_pods_at_placeme
     api = kube_fakes.Api(gpu_fleet("a"), gpu_node("n0"))
     watched = cache.Cache(clusterwide=False)
     watched.attach(kube_fakes.Indexes(api))
-    runtime = context.Runtime.of(api, ReadyAgents(), settings.OperatorSettings(), cache=watched)  # type: ignore[arg-type]
+    runtime = context.Runtime.of(api, ReadyAgents(), settings.OperatorSettings(), cache=watched)
 
     reconcile_fleet(runtime, api, "a")
 

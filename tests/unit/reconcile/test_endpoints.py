@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 import yaml
 
-from helpers import kube_fakes
+from helpers import agent_fakes, kube_fakes
 from megafleet import agent_client, desired, reconcile, settings
 from megafleet.api import v1alpha1
 from megafleet.fleet_state import ownership
@@ -24,7 +24,7 @@ SPEC = v1alpha1.MegatronGenerationSpec.model_validate({"model": {"source": "tiny
 NODE = {"kind": "Node", "metadata": {"name": "n0", "labels": {}}, "spec": {}, "status": {"allocatable": {}}}
 
 
-class Agents:
+class Agents(agent_fakes.Agents):
     async def states(self, pod_ips: list[str], token: str) -> list[agent_client.AgentState]:
         return [agent_client.AgentState(state="loading") for _ in pod_ips]
 
@@ -69,7 +69,7 @@ def test_service_creates_across_fleets_stay_within_the_bound_and_fleets_are_serv
     fleets = [fleet(f"f{index}", replicas=250) for index in range(4)]
     api = SlowServices(*fleets, NODE)
     environ = {} if bound is None else {"MEGAFLEET_API_SERVICE_CREATES_IN_FLIGHT": str(bound)}
-    runtime = context.Runtime.of(api, Agents(), settings.OperatorSettings.from_environ(environ))  # type: ignore[arg-type]
+    runtime = context.Runtime.of(api, Agents(), settings.OperatorSettings.from_environ(environ))
 
     async def all_at_once() -> None:
         bodies = [await api.get("MegatronGeneration", f"f{index}", "rl") or {} for index in range(4)]
@@ -118,7 +118,7 @@ class Clock:
 
 def remembering(api: kube_fakes.Api, clock: Clock) -> context.Runtime:
     """A runtime whose memory of the fleets' own objects runs on ``clock``."""
-    runtime = context.Runtime.of(api, Agents(), settings.OperatorSettings())  # type: ignore[arg-type]
+    runtime = context.Runtime.of(api, Agents(), settings.OperatorSettings())
     return dataclasses.replace(runtime, recent=ownership.Recent(clock=clock))
 
 
@@ -165,7 +165,7 @@ def test_what_is_remembered_of_a_deleted_fleets_objects_never_counts_as_a_new_fl
     recent.put("Secret", old)
     api = kube_fakes.Api(fleet("tiny", replicas=1))
     new = desired.ParsedFleet("tiny", "rl", "uid-tiny", 1, SPEC)
-    assert asyncio.run(ownership.get(api, new, "Secret", "tiny-agent-token", recent)) is None  # type: ignore[arg-type]
+    assert asyncio.run(ownership.get(api, new, "Secret", "tiny-agent-token", recent)) is None
     assert api.reads["get Secret"] == 1
 
 
@@ -181,7 +181,7 @@ def test_a_configmap_left_by_an_earlier_reconcile_is_corrected_by_a_fresh_one() 
         "data": {"endpoints.json": "[]"},
     }
     api = kube_fakes.Api(fleet("tiny", replicas=1), NODE, stale)
-    runtime = context.Runtime.of(api, Agents(), settings.OperatorSettings())  # type: ignore[arg-type]
+    runtime = context.Runtime.of(api, Agents(), settings.OperatorSettings())
 
     async def once() -> None:
         await reconcile.reconcile(runtime, await api.get("MegatronGeneration", "tiny", "rl") or {})
@@ -194,7 +194,7 @@ def test_a_configmap_left_by_an_earlier_reconcile_is_corrected_by_a_fresh_one() 
 def reconciled(api: kube_fakes.Api, replicas: int, events: list[tuple[str, str, str]] | None = None) -> dict[str, Any]:
     """Set ``spec.replicas`` (as ``kubectl scale`` does), reconcile once, return the fleet."""
     api.objects[("MegatronGeneration", "rl", "tiny")]["spec"]["replicas"] = replicas
-    runtime = context.Runtime.of(api, Agents(), settings.OperatorSettings())  # type: ignore[arg-type]
+    runtime = context.Runtime.of(api, Agents(), settings.OperatorSettings())
     notes = events if events is not None else []
 
     async def once() -> dict[str, Any]:

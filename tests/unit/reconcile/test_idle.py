@@ -9,14 +9,14 @@ from pathlib import Path
 
 import yaml
 
-from helpers import kube_fakes
+from helpers import agent_fakes, kube_fakes
 from megafleet import agent_client, conditions, reconcile, settings
 from megafleet.reconcile import context
 
 ROOT = Path(__file__).resolve().parents[3]
 
 
-class ServingAgents:
+class ServingAgents(agent_fakes.Agents):
     """Every agent answers Ready at version 1, serving on its pod's frontend port."""
 
     async def states(self, pod_ips: list[str], token: str) -> list[agent_client.AgentState]:
@@ -31,7 +31,7 @@ def test_a_settled_fleet_is_ready_and_its_next_reconcile_writes_nothing() -> Non
     manifest["metadata"]["namespace"] = "rl"
     node = {"kind": "Node", "metadata": {"name": "n0", "labels": {}}, "spec": {}, "status": {"allocatable": {}}}
     api = kube_fakes.Api(manifest, node)
-    runtime = context.Runtime.of(api, ServingAgents(), settings.OperatorSettings())  # type: ignore[arg-type]
+    runtime = context.Runtime.of(api, ServingAgents(), settings.OperatorSettings())
 
     async def reconcile_once() -> dict[str, int]:
         api.writes.clear()

@@ -8,7 +8,7 @@ import asyncio
 import datetime
 from typing import Any
 
-from helpers import kube_fakes
+from helpers import agent_fakes, kube_fakes
 from megafleet import agent_client, reconcile, settings
 from megafleet.fleet_state import pods as pod_view
 from megafleet.reconcile import cache, context, lost_nodes
@@ -107,7 +107,7 @@ def test_lost_shards_names_the_pods_on_lost_nodes_and_the_others() -> None:
     assert lost_nodes.lost_shards(pods, {}, NOW) == [], "an empty node index is no proof that every node is gone"
 
 
-class Agents:
+class Agents(agent_fakes.Agents):
     async def states(self, pod_ips: list[str], token: str) -> list[agent_client.AgentState]:
         return [agent_client.AgentState(state="ready", weight_version=0, served_address=f"{ip}:8000") for ip in pod_ips]
 
@@ -142,7 +142,7 @@ def test_a_deleted_nodes_shard_is_force_deleted_and_re_placed_behind_the_same_se
     indexes = kube_fakes.Indexes(api)
     watched = cache.Cache(clusterwide=True)
     watched.attach(indexes)
-    runtime = context.Runtime.of(api, Agents(), settings.OperatorSettings(), cache=watched)  # type: ignore[arg-type]
+    runtime = context.Runtime.of(api, Agents(), settings.OperatorSettings(), cache=watched)
     events: list[tuple[str, str, str]] = []
 
     def reconcile_once() -> dict[str, Any]:
@@ -167,7 +167,8 @@ def test_a_deleted_nodes_shard_is_force_deleted_and_re_placed_behind_the_same_se
     assert lost_nodes.fleets_on(watched, lost) == [("rl", "a")]
     released = reconcile_once()
 
-    assert api.writes["delete Pod grace=0"] == 1 and api.writes["delete Pod"] == 0
+    pod_deletes = [grace for (kind, _, _), grace in api.memory.deleted if kind == "Pod"]
+    assert api.writes["delete Pod"] == 1 and pod_deletes == [0]  # force-deleted: grace 0
     assert released["shards"][1] == {
         "index": 1,
         "restarts": 1,

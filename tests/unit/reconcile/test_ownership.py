@@ -10,7 +10,7 @@ from typing import Any, cast
 
 import yaml
 
-from helpers import kube_fakes
+from helpers import agent_fakes, kube_fakes
 from megafleet import agent_client, conditions, kube, names, reconcile, settings
 from megafleet.fleet_state import token
 from megafleet.reconcile import context, validate
@@ -19,10 +19,11 @@ ROOT = Path(__file__).resolve().parents[3]
 NODE = {"kind": "Node", "metadata": {"name": "n0", "labels": {}}, "spec": {}, "status": {"allocatable": {}}}
 
 
-class Agents:
+class Agents(agent_fakes.Agents):
     """Records which pod IPs were asked (and so given the agent token)."""
 
     def __init__(self) -> None:
+        super().__init__()
         self.asked: list[str] = []
 
     async def states(self, pod_ips: list[str], token: str) -> list[agent_client.AgentState]:
@@ -46,7 +47,7 @@ def foreign(kind: str, name: str, **fields: Any) -> dict[str, Any]:
 
 
 def reconciled(api: kube_fakes.Api, agents: Agents | None = None) -> dict[str, Any]:
-    runtime = context.Runtime.of(api, agents or Agents(), settings.OperatorSettings())  # type: ignore[arg-type]
+    runtime = context.Runtime.of(api, agents or Agents(), settings.OperatorSettings())
 
     async def once() -> dict[str, Any]:
         await reconcile.reconcile(runtime, await api.get("MegatronGeneration", "tiny", "rl") or {})

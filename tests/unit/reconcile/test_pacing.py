@@ -11,7 +11,7 @@ import contextlib
 import time
 from typing import Any
 
-from helpers import kube_fakes
+from helpers import agent_fakes, kube_fakes
 from megafleet import agent_client, handlers, reconcile, settings
 from megafleet.fleet_state import pods as pod_view
 from megafleet.reconcile import cache, context, pacing
@@ -21,11 +21,12 @@ FAST = settings.OperatorSettings(
 )
 
 
-class Agents:
+class Agents(agent_fakes.Agents):
     """Agents that answer Ready until ``silent`` (then as the client reports an agent that does not
     answer), counting every state call."""
 
     def __init__(self) -> None:
+        super().__init__()
         self.silent = False
         self.calls = 0
 
@@ -86,7 +87,7 @@ class Watched:
         self.indexes = kube_fakes.Indexes(self.api)
         watched = cache.Cache(clusterwide=True)
         watched.attach(self.indexes)
-        self.runtime = context.Runtime.of(self.api, agents, FAST, cache=watched)  # type: ignore[arg-type]
+        self.runtime = context.Runtime.of(self.api, agents, FAST, cache=watched)
         self.reconciles: list[float] = []
 
     async def step(self) -> bool:
@@ -209,7 +210,7 @@ def test_a_starting_fleet_is_probed_not_reconciled_until_an_agent_changes() -> N
 
 def test_a_fleet_waiting_for_gpus_is_not_starting() -> None:
     api = kube_fakes.Api(fleet(), node("n0"))  # room for one of the two shards
-    runtime = context.Runtime.of(api, LoadingAgents(), FAST)  # type: ignore[arg-type]
+    runtime = context.Runtime.of(api, LoadingAgents(), FAST)
     body = asyncio.run(api.get("MegatronGeneration", "a", "rl")) or {}
     asyncio.run(reconcile.reconcile(runtime, body))
     last = runtime.observed[("rl", "a")]
@@ -218,7 +219,7 @@ def test_a_fleet_waiting_for_gpus_is_not_starting() -> None:
 
 def test_a_pod_event_that_changes_nothing_the_reconcile_saw_needs_no_reconcile() -> None:
     api = kube_fakes.Api(fleet(), node("n0"), node("n1"))
-    runtime = context.Runtime.of(api, Agents(), FAST)  # type: ignore[arg-type]
+    runtime = context.Runtime.of(api, Agents(), FAST)
     assert pacing.pod_unchanged(runtime, "rl", "a", {"metadata": {"name": "x"}}) is False  # no reconcile yet
     body = asyncio.run(api.get("MegatronGeneration", "a", "rl")) or {}
     asyncio.run(reconcile.reconcile(runtime, body))

@@ -5,20 +5,20 @@ from __future__ import annotations
 import asyncio
 from typing import Any
 
-from helpers import kube_fakes
+from helpers import agent_fakes, kube_fakes
 from megafleet import agent_client, reconcile, settings
 from megafleet.reconcile import context
 
 GPU = "nvidia.com/gpu"
 
 
-class Agents:
+class Agents(agent_fakes.Agents):
     """Every agent serves version 1; a drain succeeds at once."""
 
     async def states(self, pod_ips: list[str], token: str) -> list[agent_client.AgentState]:
         return [agent_client.AgentState(state="ready", weight_version=1, served_address=f"{ip}:8000") for ip in pod_ips]
 
-    async def suspend(self, ip: str, token: str, **_: Any) -> None:
+    async def suspend(self, pod_ip: str, token: str, *, mode: str, timeout_seconds: float) -> None:
         pass
 
     async def close(self) -> None:
@@ -42,7 +42,7 @@ def test_changing_the_pipeline_size_rolls_the_shard_instead_of_counting_a_failur
         for i in range(4)
     ]
     api = kube_fakes.Api(gpu_fleet(pipeline=2), *nodes)
-    runtime = context.Runtime.of(api, Agents(), settings.OperatorSettings())  # type: ignore[arg-type]
+    runtime = context.Runtime.of(api, Agents(), settings.OperatorSettings())
 
     async def reconcile_once() -> dict[str, Any]:
         await reconcile.reconcile(runtime, await api.get("MegatronGeneration", "gen", "rl") or {})
@@ -70,7 +70,7 @@ def test_placing_several_shards_is_one_event_each_for_endpoints_and_placement() 
         for i in range(4)
     ]
     api = kube_fakes.Api(fleet, *nodes)
-    runtime = context.Runtime.of(api, Agents(), settings.OperatorSettings())  # type: ignore[arg-type]
+    runtime = context.Runtime.of(api, Agents(), settings.OperatorSettings())
     events: list[tuple[str, str, str]] = []
 
     asyncio.run(reconcile.reconcile(runtime, fleet, notify=lambda *event: events.append(event)))

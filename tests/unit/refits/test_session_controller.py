@@ -147,7 +147,7 @@ def test_a_failed_join_makes_every_member_leave_and_releases_the_hold(world: Wor
     assert found["reason"] == session_status.JOIN_FAILED and "shard 1, pod tiny-s1-p0" in found["message"]
     assert ("a refit to weight version 3" if refused else "the trainer's store timed out") in found["message"]
     assert sorted(world.agents.leaves) == sorted((ip, "grpo-uid") for ip in ips.values())
-    assert world.fleet()["status"]["refit"]["session"] is None
+    assert world.fleet()["status"]["refit"].get("session") is None
     assert condition(world.fleet(), conditions.REFIT_SESSION_HELD)["status"] == "False"
 
 
@@ -187,7 +187,7 @@ def test_a_lost_member_breaks_the_session_naming_shard_and_pod(world: World, los
     if loss != "pod-deleted":
         assert "pod tiny-s1-p0" in broken["message"]
     assert (ips["tiny-s0-p0"], "grpo-uid") in world.agents.leaves, "the survivor leaves"
-    assert world.fleet()["status"]["refit"]["session"] is None
+    assert world.fleet()["status"]["refit"].get("session") is None
 
 
 def test_a_trainer_whose_store_stays_unreachable_for_a_minute_closes_the_session(world: World) -> None:
@@ -211,7 +211,7 @@ def test_a_trainer_whose_store_stays_unreachable_for_a_minute_closes_the_session
     assert status["phase"] == "Closed" and "unreachable for 60 s" in status["message"]
     found = condition(world.api.objects[("RefitSession", NS, "grpo")], session_status.JOINED)
     assert found["reason"] == session_status.TRAINER_GONE
-    assert len(world.agents.leaves) == 2 and world.fleet()["status"]["refit"]["session"] is None
+    assert len(world.agents.leaves) == 2 and world.fleet()["status"]["refit"].get("session") is None
 
 
 def test_a_refit_info_that_does_not_match_its_sha256_breaks_the_session(world: World) -> None:
@@ -233,7 +233,7 @@ def test_deleting_a_session_makes_its_members_leave_and_releases_the_hold(world:
     asyncio.run(session_end.release(world.runtime.api, world.runtime.agents, session_view.Session.parse(session)))
 
     assert sorted(world.agents.leaves) == sorted((ip, "grpo-uid") for ip in world.pod_ips().values())
-    assert world.fleet()["status"]["refit"]["session"] is None
+    assert world.fleet()["status"]["refit"].get("session") is None
 
 
 # -- the hold in the fleet's reconcile -------------------------------------------------------------
@@ -273,7 +273,7 @@ def test_a_hold_whose_session_is_gone_is_released_by_the_fleets_reconcile(world:
 
     world.reconcile()
 
-    assert world.fleet()["status"]["refit"]["session"] is None
+    assert world.fleet()["status"]["refit"].get("session") is None
     assert condition(world.fleet(), conditions.REFIT_SESSION_HELD)["status"] == "False"
     assert ("Pod", NS, "tiny-s2-p0") in world.api.objects, "the held scale is applied"
 

@@ -13,13 +13,14 @@ Modules:
 * :mod:`~megafleet.sdk.nemo.batching`: input checks (right padding) and NeMo RL's output shapes.
 * :mod:`~megafleet.sdk.nemo.config`: the ``cfg`` NeMo RL reads; refusal of ``bad_words`` and colocation.
 * :mod:`~megafleet.sdk.nemo.versions`: the version a refit targets, whatever NeMo RL's call order.
-* :mod:`~megafleet.sdk.nemo.wire`: the refit seam, with :mod:`~megafleet.sdk.nemo.wire_nemo`
+* :mod:`~megafleet.sdk.nemo.refit_wires`: the refit seam, with :mod:`~megafleet.sdk.nemo.refit_wire_nemo`
   (``refit_wire="nemo"``, the default: NeMo's policy workers send, the fleet joins their world through
   a RefitSession; :mod:`~megafleet.sdk.nemo.sessions` builds its objects, :mod:`~megafleet.sdk.nemo.refit_info`
   stores the tensor list, :mod:`~megafleet.sdk.nemo.buckets` resolves the bucket target) and
-  :mod:`~megafleet.sdk.nemo.wire_megafleet` (this process sends with ``WeightSender``).
+  :mod:`~megafleet.sdk.nemo.refit_wire_megafleet` (this process sends with ``WeightSender``);
+  :mod:`~megafleet.sdk.nemo.refit_wire_choice` picks the one the adapter's handle names.
 * :mod:`~megafleet.sdk.nemo.clients`: the connection made on first use, and :class:`Handle`, what
-  pickling keeps; :mod:`~megafleet.sdk.nemo.metrics`: NeMo RL's logger and step counters.
+  pickling keeps; :mod:`~megafleet.sdk.nemo.generation_counters`: NeMo RL's logger and step counters.
 * :mod:`~megafleet.sdk.nemo.factory`: :func:`nemo_factory`, the stand-in for NeMo RL's constructors.
 """
 
@@ -29,7 +30,7 @@ from megafleet.sdk.nemo.adapter import MegafleetGeneration
 from megafleet.sdk.nemo.batching import check_right_padding, pack_outputs
 from megafleet.sdk.nemo.clients import Handle
 from megafleet.sdk.nemo.factory import nemo_factory
-from megafleet.sdk.nemo.wire import CollectiveSenderSpec
+from megafleet.sdk.nemo.refit_wires import CollectiveSenderSpec
 
 __all__ = [
     "CollectiveSenderSpec",

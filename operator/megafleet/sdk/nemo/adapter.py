@@ -1,7 +1,7 @@
 """The adapter: NeMo RL's ``GenerationInterface`` and ``MegatronGeneration`` over a megafleet fleet.
 
 :class:`MegafleetGeneration` is the call surface; it keeps the version rule and the connection and
-delegates the rest: refits to a :class:`~megafleet.sdk.nemo.wire.Wire`, batches to
+delegates the rest: refits to a :class:`~megafleet.sdk.nemo.refit_wires.Wire`, batches to
 :mod:`~megafleet.sdk.nemo.batching`, what a fleet refuses to :class:`~megafleet.sdk.nemo.unsupported.Unsupported`,
 the configuration pickling keeps to :class:`~megafleet.sdk.nemo.clients.Handle`.
 Called by NeMo RL's GRPO on its driver (through :func:`~megafleet.sdk.nemo.factory.nemo_factory`) and,
@@ -22,7 +22,15 @@ import torch
 
 from megafleet.sdk import errors, fleet, generation, routing
 from megafleet.sdk import weights as weight_senders
-from megafleet.sdk.nemo import batching, metrics, refs, unsupported, versions, wire, wire_megafleet, wire_nemo
+from megafleet.sdk.nemo import (
+    batching,
+    generation_counters,
+    refit_wire_choice,
+    refit_wires,
+    refs,
+    unsupported,
+    versions,
+)
 from megafleet.sdk.nemo import clients as connection
 from megafleet.sdk.nemo import config as config_
 from megafleet_protocol import vocabulary
@@ -56,7 +64,7 @@ class MegafleetGeneration(unsupported.Unsupported):
             spec is used otherwise); unknown counts as not recomputing.
         max_sequence_length: the fleet's ``model.maxSequenceLength`` with fixed ``frontends``; default:
             the frontends' ``/v1/models``.
-        refit_wire: how refits travel (:mod:`megafleet.sdk.nemo.wire`): ``nemo`` (NeMo RL's own
+        refit_wire: how refits travel (:mod:`megafleet.sdk.nemo.refit_wires`): ``nemo`` (NeMo RL's own
             trainer broadcast over a RefitSession; the default without ``weights`` and ``frontends``)
             or ``megafleet`` (this process sends ``weights``; the default otherwise).
         trainer_bucket_bytes: ``nemo``: the trainer's exact packed-bucket target (bytes).
@@ -117,10 +125,10 @@ class MegafleetGeneration(unsupported.Unsupported):
         self._clients: connection.Clients | None = None
         self._prepared = False
         self._closed = False
-        self._wire: wire.Wire = _wire(self._handle, self._connect, weights)
+        self._wire: refit_wires.Wire = refit_wire_choice.choose(self._handle, self._connect, weights)
         self._trainer_version: int | None = None  # set_rollout_weight_version
         self._refit_target: int | None = None  # chosen by suspend_for_refit, kept until resume_after_refit
-        self._metrics = metrics.Metrics()
+        self._counters = generation_counters.Counters()
         self.weight_version: int | None = None
         """The weight version the fleet serves, as far as this adapter knows."""
         self.weight_synchronizer: Any = None
@@ -289,11 +297,11 @@ class MegafleetGeneration(unsupported.Unsupported):
 
     def clear_logger_metrics(self) -> None:
         """Restart the counters :meth:`get_logger_metrics` reports."""
-        self._metrics.clear()
+        self._counters.clear()
 
     def get_logger_metrics(self) -> dict[str, Any]:
         """Counters since :meth:`clear_logger_metrics`: requests, generated tokens, truncated answers."""
-        return self._metrics.logger()
+        return self._counters.logger()
 
     def drain_latest_logger_metrics(self) -> dict[str, Any]:
         """:meth:`get_logger_metrics` (nothing is buffered elsewhere)."""
@@ -301,11 +309,11 @@ class MegafleetGeneration(unsupported.Unsupported):
 
     def snapshot_step_metrics(self) -> None:
         """Start a step: :meth:`get_step_metrics` reports what happens from here."""
-        self._metrics.snapshot()
+        self._counters.snapshot()
 
     def get_step_metrics(self) -> dict[str, float]:
         """Counters since :meth:`snapshot_step_metrics` (since creation without one)."""
-        return self._metrics.step()
+        return self._counters.step()
 
     # -- generation ------------------------------------------------------------------------------
 
@@ -321,7 +329,7 @@ class MegafleetGeneration(unsupported.Unsupported):
         clients = self._connect()
         prompts = batching.prompts(input_ids, input_lengths)
         answers = clients.loop.run(self._answers(clients, prompts, samplings))
-        self._metrics.add(answers)
+        self._counters.add(answers)
         return batching.like(data, batching.pack_outputs(input_ids, input_lengths, answers, self._pad_token_id))
 
     async def generate_async(self, data: Mapping[str, Any], greedy: bool = False) -> AsyncIterator[tuple[int, Any]]:
@@ -342,7 +350,7 @@ class MegafleetGeneration(unsupported.Unsupported):
         waiting = [answered(members, clients.loop.submit(request)) for members, request in requests]
         for done in asyncio.as_completed(waiting):
             for index, answer in await done:
-                self._metrics.add([answer])
+                self._counters.add([answer])
                 one = slice(index, index + 1)
                 packed = batching.pack_outputs(input_ids[one], input_lengths[one], [answer], self._pad_token_id)
                 yield index, batching.like(data, packed)
@@ -408,7 +416,7 @@ class MegafleetGeneration(unsupported.Unsupported):
     ) -> refs.ObjectRefs:
         """The trainer's ``init_collective`` (``ip`` and ``port`` of its store, ``world_size`` ranks of
         which ``train_world_size`` are the trainer's); what it does depends on the refit wire
-        (:mod:`megafleet.sdk.nemo.wire`). ``refit_backend`` (the Megatron synchronizer's) picks the
+        (:mod:`megafleet.sdk.nemo.refit_wires`). ``refit_backend`` (the Megatron synchronizer's) picks the
         transfer backend, ``gloo`` or ``nccl``.
 
         Raises:
@@ -458,7 +466,7 @@ class MegafleetGeneration(unsupported.Unsupported):
         """False: see :meth:`pause_generation_for_refit`."""
         return False
 
-    def get_collective_sender_spec(self) -> wire.CollectiveSenderSpec:
+    def get_collective_sender_spec(self) -> refit_wires.CollectiveSenderSpec:
         """How the trainer's own broadcast should send (NeMo RL's defaults when this adapter sends)."""
         return self._wire.sender_spec()
 
@@ -574,20 +582,6 @@ def _from_handle(handle: connection.Handle) -> MegafleetGeneration:
         trainer_gpu_memory_bytes=handle.trainer_gpu_memory_bytes,
         join_timeout_s=handle.join_timeout_s,
     )
-
-
-def _wire(
-    handle: connection.Handle, connect: Callable[[], connection.Clients], weights: weight_senders.NamedTensors | None
-) -> wire.Wire:
-    """The refit wire ``handle.refit_wire`` names."""
-    if handle.refit_wire == "megafleet":
-        return wire_megafleet.MegafleetWire(connect, weights, handle.backend)
-    options = wire_nemo.NemoOptions(
-        trainer_bucket_bytes=handle.trainer_bucket_bytes,
-        trainer_gpu_memory_bytes=handle.trainer_gpu_memory_bytes,
-        join_timeout_s=handle.join_timeout_s,
-    )
-    return wire_nemo.NemoWire(connect, handle.fleet_name, options)
 
 
 def _bound(refit_timeout_s: float | None) -> float:

@@ -1,7 +1,7 @@
 """The trainer's packed-bucket target ``B`` (proposal 0001, section 5): NeMo RL's packed broadcast
 carries no sizes, so the fleet must unpack with exactly the target the trainer packs with.
 
-Called by :class:`~megafleet.sdk.nemo.wire_nemo.NemoWire` when it hands out a sender spec and before
+Called by :class:`~megafleet.sdk.nemo.refit_wire_nemo.NemoWire` when it hands out a sender spec and before
 ``init_collective`` creates anything. Pure, apart from reading the environment's ratio and Ray's
 runtime env (:func:`ray_runtime_env`). Order:
 

@@ -17,9 +17,6 @@ import threading
 from collections.abc import Coroutine
 from typing import Any, Literal, TypeVar
 
-import lightkube
-from lightkube.config.kubeconfig import KubeConfig
-
 from megafleet import kube
 from megafleet.sdk import fleet, generation, routing
 from megafleet_protocol import vocabulary
@@ -29,7 +26,7 @@ __all__ = ["Clients", "Handle", "Loop", "RefitWire", "make_clients"]
 T = TypeVar("T")
 RefitWire = Literal["megafleet", "nemo"]
 """How refits travel: ``nemo`` (NeMo RL's own trainer broadcast over a RefitSession) or
-``megafleet`` (this process's ``WeightSender``); :mod:`megafleet.sdk.nemo.wire`."""
+``megafleet`` (this process's ``WeightSender``); :mod:`megafleet.sdk.nemo.refit_wires`."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -81,21 +78,21 @@ class Clients:
     loop: Loop
     fleet: fleet.Fleet | None
     generator: generation.Generator
-    api: kube.Api | None  # the API server for RefitSessions, ConfigMaps and Refits; None with fixed frontends
+    api: kube.Api | None
+    """The API server for RefitSessions, ConfigMaps and Refits: the fleet client's; None with fixed frontends."""
 
     async def aclose(self) -> None:
         """Close the HTTP and API server clients (on :attr:`loop`)."""
         if self.fleet is not None:
-            await self.fleet.aclose()
+            await self.fleet.aclose()  # its generator and API server client
         else:
             await self.generator.aclose()
-        if self.api is not None:
-            await self.api.close()
 
 
 async def make_clients(handle: Handle) -> tuple[fleet.Fleet | None, generation.Generator, kube.Api | None]:
-    """The fleet client (or a generator over fixed frontends) and the API server's client, made on
-    the adapter's loop (its HTTP clients belong to that loop); the two share one lightkube client."""
+    """The fleet client (or a generator over fixed frontends) and the API server's client, the
+    fleet client's own :attr:`~megafleet.sdk.fleet.Fleet.api`, made on the adapter's loop (its HTTP
+    clients belong to that loop)."""
     if handle.frontends is not None:
         fixed = [routing.Frontend(index, url, None) for index, url in enumerate(handle.frontends)]
         generator = generation.Generator(
@@ -105,9 +102,11 @@ async def make_clients(handle: Handle) -> tuple[fleet.Fleet | None, generation.G
             max_sequence_length=handle.max_sequence_length,
         )
         return None, generator, None
-    config = KubeConfig.from_file(handle.kubeconfig) if handle.kubeconfig is not None else None
-    client = lightkube.AsyncClient(config=config, namespace=handle.namespace, field_manager=fleet.FIELD_MANAGER)
     found = fleet.Fleet(
-        handle.fleet_name, handle.namespace, client=client, addressing=handle.addressing, api_key=handle.api_key
+        handle.fleet_name,
+        handle.namespace,
+        kubeconfig=handle.kubeconfig,
+        addressing=handle.addressing,
+        api_key=handle.api_key,
     )
-    return found, found.generator, kube.Api(client)
+    return found, found.generator, found.api

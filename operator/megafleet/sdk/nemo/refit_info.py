@@ -3,7 +3,7 @@ order) as the fleet reads it: gzip'd JSON ``[[name, shape, dtype], ...]`` in an 
 owned by the RefitSession, named by the session's ``spec.refitInfo`` with its sha256 and count
 (proposal 0001, section 1).
 
-Called by :class:`~megafleet.sdk.nemo.wire_nemo.NemoWire`. Pure: the gzip is deterministic
+Called by :class:`~megafleet.sdk.nemo.refit_wire_nemo.NemoWire`. Pure: the gzip is deterministic
 (no timestamp), so the same info always has the same sha256.
 """
 

@@ -6,7 +6,7 @@
 * :func:`outcome` / :func:`refit_outcome`: whether a session joined and a Refit succeeded, and the
   message the adapter raises when not (with the restart advice: NeMo RL cannot rebuild its world).
 
-Called by :class:`~megafleet.sdk.nemo.wire_nemo.NemoWire`. Pure: JSON objects in and out.
+Called by :class:`~megafleet.sdk.nemo.refit_wire_nemo.NemoWire`. Pure: JSON objects in and out.
 """
 
 from __future__ import annotations

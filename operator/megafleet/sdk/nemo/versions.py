@@ -1,4 +1,4 @@
-"""The version a refit targets, whatever order NeMo RL calls the adapter in (issue 13, point 4).
+"""The version a refit targets, whatever order NeMo RL calls the adapter in.
 
 Called by the adapter when a refit starts (``suspend_for_refit`` in the Megatron synchronizer's
 order, else ``update_weights_from_collective``). Pure. Versions never go backwards: the target is

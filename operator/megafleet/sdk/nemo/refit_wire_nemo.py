@@ -34,7 +34,7 @@ from megafleet import kube
 from megafleet.api import v1alpha1
 from megafleet.sdk import errors
 from megafleet.sdk import weights as weight_senders
-from megafleet.sdk.nemo import buckets, refit_info, sessions, wire
+from megafleet.sdk.nemo import buckets, refit_info, refit_wires, sessions
 from megafleet.sdk.nemo import clients as connection
 
 __all__ = ["POLL_SECONDS", "NemoOptions", "NemoWire"]
@@ -81,7 +81,7 @@ class NemoWire:
 
     # -- NeMo RL's calls --------------------------------------------------------------------------
 
-    def sender_spec(self) -> wire.CollectiveSenderSpec:
+    def sender_spec(self) -> refit_wires.CollectiveSenderSpec:
         """``B`` for the trainer's broadcast: ``trainer_bucket_bytes``, else the fleet's
         ``spec.refit.bucketSizeMiB``; remembered, so the session uses exactly what was handed out."""
         if self._handed_out is None:
@@ -91,7 +91,7 @@ class NemoWire:
                 found = self._clients().loop.run(self._fleet())
                 spec = v1alpha1.MegatronGenerationSpec.model_validate(found.get("spec") or {})
                 self._handed_out = spec.refit.bucket_size_mi_b * MIB
-        return wire.CollectiveSenderSpec(nccl_peer="nemo", buffer_size_bytes=self._handed_out)
+        return refit_wires.CollectiveSenderSpec(nccl_peer="nemo", buffer_size_bytes=self._handed_out)
 
     def inference_world_size(self) -> int | None:
         """The fleet's ranks: ``spec.replicas`` x ranks per shard."""

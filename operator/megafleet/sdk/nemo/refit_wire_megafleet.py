@@ -18,7 +18,7 @@ from megafleet.api import v1alpha1
 from megafleet.sdk import errors
 from megafleet.sdk import weights as weight_senders
 from megafleet.sdk.nemo import clients as connection
-from megafleet.sdk.nemo import wire
+from megafleet.sdk.nemo import refit_wires
 from megafleet_protocol import vocabulary
 
 __all__ = ["MegafleetWire"]
@@ -56,9 +56,9 @@ class MegafleetWire:
         """Remember the names every refit must send; ``None`` (MegatronGeneration's call) checks nothing."""
         self._refit_info = None if state_dict_info is None else set(state_dict_info)
 
-    def sender_spec(self) -> wire.CollectiveSenderSpec:
+    def sender_spec(self) -> refit_wires.CollectiveSenderSpec:
         """NeMo RL's defaults: the trainer's own broadcast is not used."""
-        return wire.CollectiveSenderSpec()
+        return refit_wires.CollectiveSenderSpec()
 
     def inference_world_size(self) -> int | None:
         """``None``: the receiving ranks are the live shards the operator picks per refit."""

@@ -3,9 +3,9 @@
 The adapter (:class:`~megafleet.sdk.nemo.MegafleetGeneration`) owns the call surface and the version
 rule; a :class:`Wire` does the refit itself. Two implement it:
 
-* :class:`~megafleet.sdk.nemo.wire_megafleet.MegafleetWire` (``refit_wire="megafleet"``): a Refit with
+* :class:`~megafleet.sdk.nemo.refit_wire_megafleet.MegafleetWire` (``refit_wire="megafleet"``): a Refit with
   a rendezvous source, sent by this process's ``WeightSender`` from the tensors given as ``weights=``.
-* :class:`~megafleet.sdk.nemo.wire_nemo.NemoWire` (``refit_wire="nemo"``): NeMo RL's own trainer
+* :class:`~megafleet.sdk.nemo.refit_wire_nemo.NemoWire` (``refit_wire="nemo"``): NeMo RL's own trainer
   broadcast, received by the fleet over a ``RefitSession`` it joins at ``init_collective``.
 
 Every call that NeMo RL puts in a ``ray.get`` blocks until the fleet is done and raises on failure:

@@ -1,5 +1,10 @@
 """Generation counters for NeMo RL's logger and step metrics (``get_logger_metrics``,
-``get_step_metrics``); thread-safe, because the async collector generates from many threads."""
+``get_step_metrics``); thread-safe, because the async collector generates from many threads.
+
+Called by :class:`~megafleet.sdk.nemo.MegafleetGeneration` after every generation and when NeMo RL
+reads or clears its metrics. Not Prometheus metrics (those are the engine's and the operator's
+``metrics`` modules): plain totals NeMo RL logs under ``megafleet/``.
+"""
 
 from __future__ import annotations
 
@@ -9,10 +14,10 @@ from typing import Any
 
 from megafleet.sdk import generation
 
-__all__ = ["Metrics"]
+__all__ = ["Counters"]
 
 
-class Metrics:
+class Counters:
     """Totals since creation, and the marks each of NeMo RL's two views counts from."""
 
     NAMES = ("requests", "generated_tokens", "truncated")

@@ -1,0 +1,161 @@
+"""The fleet client's side of the API server, over the tests' in-memory transport: finding a fleet,
+waiting for Ready through a watch (and the errors that name why not), routing by pod IPs, and a
+checkpoint refit followed through its Refit object. The same client against the real control plane:
+tests/e2e/test_sdk.py."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+from typing import Any, TypeVar
+
+import pytest
+import yaml
+
+from helpers import kube_fakes
+from megafleet import names
+from megafleet.sdk import errors, fleet
+
+T = TypeVar("T")
+ROOT = Path(__file__).resolve().parents[2]
+NS = "rl"
+READY = {"type": "Ready", "status": "True", "reason": "Ready", "message": ""}
+
+
+def tiny(**status: Any) -> dict[str, Any]:
+    manifest: dict[str, Any] = yaml.safe_load((ROOT / "examples" / "tiny-cpu.yaml").read_text())
+    manifest["metadata"]["namespace"] = NS
+    manifest["status"] = status
+    return manifest
+
+
+def serving(version: int = 0) -> dict[str, Any]:
+    """A Ready status: both shards serve ``version`` behind their reserved endpoints."""
+    return {
+        "observedGeneration": 1,
+        "conditions": [READY],
+        "endpoints": [
+            {
+                "shard": i,
+                "url": f"http://10.96.0.{10 + i}:8000/v1",
+                "dnsURL": f"http://tiny-s{i}.rl.svc:8000/v1",
+                "service": f"tiny-s{i}",
+            }
+            for i in (0, 1)
+        ],
+        "shards": [{"index": i, "phase": "Ready", "pods": [f"tiny-s{i}-p0"], "weightVersion": version} for i in (0, 1)],
+        "refit": {"currentVersion": version},
+    }
+
+
+async def watching(api: kube_fakes.Api, kind: str) -> None:
+    """Until the client's watch of ``kind`` started (it then sees every later change)."""
+    while not api.reads[f"watch {kind}"]:
+        await asyncio.sleep(0)
+
+
+def run(api: kube_fakes.Api, scenario: Callable[[fleet.Fleet], Awaitable[T]], **options: Any) -> T:
+    async def main() -> T:
+        async with fleet.Fleet("tiny", NS, client=api, **options) as client:
+            return await scenario(client)
+
+    return asyncio.run(asyncio.wait_for(main(), timeout=30))
+
+
+def test_a_missing_fleet_is_not_found() -> None:
+    with pytest.raises(errors.FleetNotFound, match="rl/tiny does not exist"):
+        run(kube_fakes.Api(), lambda client: client.get())
+
+
+def test_wait_ready_follows_the_watch_until_ready_then_routes_to_the_ready_shards() -> None:
+    api = kube_fakes.Api(tiny(conditions=[{"type": "Ready", "status": "False", "reason": "ShardsNotReady"}]))
+
+    async def scenario(client: fleet.Fleet) -> tuple[fleet.FleetState, list[str]]:
+        waiting = asyncio.create_task(client.wait_ready(timeout=10))
+        await watching(api, "MegatronGeneration")
+        assert not waiting.done()  # not Ready yet
+        await api.patch_status("MegatronGeneration", "tiny", NS, serving())
+        state = await waiting
+        return state, [frontend.url for frontend in client.router.frontends]
+
+    state, urls = run(api, scenario)
+    assert state.ready and state.status.refit is not None and state.status.refit.current_version == 0
+    assert urls == ["http://10.96.0.10:8000/v1", "http://10.96.0.11:8000/v1"]
+    assert api.reads["watch MegatronGeneration"] == 1
+
+
+def test_wait_ready_names_why_a_fleet_is_not_ready() -> None:
+    invalid = {"type": "InvalidSpec", "status": "True", "reason": "NoSuchBackend", "message": "engine.backend"}
+    with pytest.raises(errors.FleetNotReady, match="NoSuchBackend") as raised:
+        run(kube_fakes.Api(tiny(conditions=[invalid])), lambda client: client.wait_ready(timeout=10))
+    assert raised.value.reason == "NoSuchBackend"
+
+    stuck = tiny(
+        conditions=[{"type": "Ready", "status": "False", "reason": "ShardsNotReady", "message": "0 of 2"}],
+        shards=[{"index": 0, "phase": "Ready"}, {"index": 1, "phase": "Failed", "lastError": "image pull"}],
+    )
+    with pytest.raises(errors.FleetNotReady, match=r"still not Ready after 0 s; shard 1: Failed \(image pull\)"):
+        run(kube_fakes.Api(stuck), lambda client: client.wait_ready(timeout=0.2))
+
+
+def test_a_fleet_deleted_while_waiting_is_not_found() -> None:
+    api = kube_fakes.Api(tiny())
+
+    async def scenario(client: fleet.Fleet) -> fleet.FleetState:
+        waiting = asyncio.create_task(client.wait_ready(timeout=10))
+        await watching(api, "MegatronGeneration")
+        await api.delete("MegatronGeneration", "tiny", NS)
+        return await waiting
+
+    with pytest.raises(errors.FleetNotFound, match="was deleted"):
+        run(api, scenario)
+
+
+def test_pod_addressing_routes_to_the_pods_ips() -> None:
+    pods = [
+        {
+            "kind": "Pod",
+            "metadata": {"name": f"tiny-s{i}-p0", "namespace": NS, "labels": {names.LABEL_FLEET: "tiny"}},
+            "spec": {},
+            "status": {"podIP": f"127.0.0.{20 + i}"},
+        }
+        for i in (0, 1)
+    ]
+    api = kube_fakes.Api(tiny(**serving()), *pods)
+    frontends = run(api, lambda client: client.refresh(), addressing="pod")
+    assert [(f.shard, f.url) for f in frontends] == [(0, "http://127.0.0.20:8000/v1"), (1, "http://127.0.0.21:8000/v1")]
+
+
+def test_a_checkpoint_refit_is_followed_through_its_refit_object_then_routed() -> None:
+    api = kube_fakes.Api(tiny(**serving()))
+
+    async def operator() -> None:
+        """What the operator does with the Refit: run it over both shards, then end it."""
+        async for event, obj in api.watch("Refit", namespace=NS):
+            if event != "ADDED":
+                continue
+            name = obj["metadata"]["name"]
+            membership = {"worldSize": 2, "trainerWorldSize": 1, "rankOffsets": [{"shard": 0, "offset": 1}]}
+            await api.patch_status("Refit", name, NS, {"phase": "Running", "attempts": 1, "membership": membership})
+            await api.patch_status("Refit", name, NS, {"phase": "Succeeded", "message": "version 1"})
+            await api.patch_status("MegatronGeneration", "tiny", NS, serving(1))
+            return
+
+    async def scenario(client: fleet.Fleet) -> tuple[fleet.RefitResult, list[tuple[int, int | None]]]:
+        acting = asyncio.create_task(operator())
+        result = await client.refit(1, checkpoint="/ckpt/v1", timeout=10)
+        await acting
+        return result, [(frontend.shard, frontend.weight_version) for frontend in client.router.frontends]
+
+    result, routed = run(api, scenario)
+    assert routed == [(0, 1)]  # the Refit's members, at once
+    assert result.name == "tiny-v1-00001" and result.version == 1 and result.members == (0,)
+    refit = api.objects[("Refit", NS, result.name)]
+    assert refit["spec"] == {"fleetRef": {"name": "tiny"}, "version": 1, "source": {"checkpoint": {"path": "/ckpt/v1"}}}
+    assert api.writes["create Refit"] == 1
+
+
+def test_a_fleet_over_an_api_needs_its_namespace() -> None:
+    with pytest.raises(ValueError, match="needs its namespace"):
+        fleet.Fleet("tiny", client=kube_fakes.Api())
