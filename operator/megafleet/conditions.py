@@ -7,7 +7,7 @@ same state yields the same list and the reconcile writes nothing.
 from __future__ import annotations
 
 import datetime
-from typing import Any
+from typing import Any, NamedTuple
 
 ENDPOINTS_RESERVED = "EndpointsReserved"
 PLACED = "Placed"
@@ -28,10 +28,20 @@ def now() -> str:
     return datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
 
 
+class Verdict(NamedTuple):
+    """What a condition says: its status, a CamelCase reason and a message for people."""
+
+    status: bool
+    reason: str
+    message: str
+
+
 def set_condition(
-    conditions: list[Condition], kind: str, status: bool, reason: str, message: str, *, generation: int, now: str
+    conditions: list[Condition], kind: str, verdict: Verdict, *, generation: int, now: str
 ) -> list[Condition]:
-    """A copy of ``conditions`` with ``kind`` set; other conditions are kept as they are."""
+    """A copy of ``conditions`` with ``kind`` set to ``verdict``, stamped with the object's
+    ``generation`` and, when its status changes, ``now``; other conditions are kept as they are."""
+    status, reason, message = verdict
     value = "True" if status else "False"
     previous = next((c for c in conditions if c.get("type") == kind), None)
     changed = previous is None or previous.get("status") != value

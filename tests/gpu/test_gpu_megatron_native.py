@@ -207,10 +207,10 @@ def _say(line: str) -> None:
 def _trainer(port: int, copy_backend: str) -> None:
     """NeMo RL's Megatron synchronizer on the trainer's side, on its own world of one rank."""
     faulthandler.dump_traceback_later(240, exit=True)  # a hang prints every thread's stack and ends
-    from megafleet_engine.backends.megatron import build, live_weights, sources
+    from megafleet_engine.backends.megatron import build, live_weights, model_sources
 
     torch.cuda.set_device(0)
-    parsed = sources.parse_source(gpu.SOURCE)
+    parsed = model_sources.parse_source(gpu.SOURCE)
     layout, _ = build.init_parallel(base.Parallel(), seed=0)
     model = build.build_model(parsed.shape, layout, torch.bfloat16, gpu.MAX_SEQUENCE_LENGTH, megatron.EngineOptions())
     writer = live_weights.Weights(model, parsed.shape, layout)

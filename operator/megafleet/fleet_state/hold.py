@@ -82,7 +82,7 @@ def held(
     else:
         message = f"scaling and template rolls wait until RefitSession {session} ends"
     return conditions.set_condition(
-        found, conditions.REFIT_SESSION_HELD, True, HELD, message, generation=generation, now=now
+        found, conditions.REFIT_SESSION_HELD, conditions.Verdict(True, HELD, message), generation=generation, now=now
     )
 
 
@@ -91,5 +91,5 @@ def released(found: list[conditions.Condition], *, generation: int, now: str) ->
     if conditions.find(found, conditions.REFIT_SESSION_HELD) is None:
         return found
     return conditions.set_condition(
-        found, conditions.REFIT_SESSION_HELD, False, RELEASED, "", generation=generation, now=now
+        found, conditions.REFIT_SESSION_HELD, conditions.Verdict(False, RELEASED, ""), generation=generation, now=now
     )

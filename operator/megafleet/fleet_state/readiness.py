@@ -20,7 +20,9 @@ def ready_condition(
     every = ready == replicas
     reason = "AllShardsReady" if every else "ShardsNotReady"
     message = f"{ready} of {replicas} shards ready"
-    return conditions.set_condition(found, conditions.READY, every, reason, message, generation=generation, now=now)
+    return conditions.set_condition(
+        found, conditions.READY, conditions.Verdict(every, reason, message), generation=generation, now=now
+    )
 
 
 def degraded(
@@ -31,7 +33,7 @@ def degraded(
     reason = "ShardsUnavailable" if is_degraded else "AsDesired"
     message = f"{replicas - ready} of {replicas} shards not ready" if is_degraded else ""
     return conditions.set_condition(
-        found, conditions.DEGRADED, is_degraded, reason, message, generation=generation, now=now
+        found, conditions.DEGRADED, conditions.Verdict(is_degraded, reason, message), generation=generation, now=now
     )
 
 
@@ -43,7 +45,11 @@ def weights_current(
     if refit.get("active"):
         message = f"refit {refit['active']} is running"
         return conditions.set_condition(
-            found, conditions.WEIGHTS_CURRENT, False, "Refitting", message, generation=generation, now=now
+            found,
+            conditions.WEIGHTS_CURRENT,
+            conditions.Verdict(False, "Refitting", message),
+            generation=generation,
+            now=now,
         )
     versions = {entry.get("weightVersion") for entry in entries}
     target = refit.get("currentVersion")
@@ -60,5 +66,5 @@ def weights_current(
     )
     reason = "Current" if current else "Behind"
     return conditions.set_condition(
-        found, conditions.WEIGHTS_CURRENT, current, reason, message, generation=generation, now=now
+        found, conditions.WEIGHTS_CURRENT, conditions.Verdict(current, reason, message), generation=generation, now=now
     )

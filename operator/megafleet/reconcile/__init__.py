@@ -94,16 +94,8 @@ async def _report_conflict(ctx: context.FleetContext, message: str) -> None:
 async def _write_observed(ctx: context.FleetContext) -> None:
     """Status as observed, with the frontends' served addresses checked against the endpoints."""
     now = conditions.now()
-    observed = status.observed(
-        ctx.status,
-        ctx.fleet,
-        ctx.shards,
-        unplaced=ctx.unplaced,
-        restarts=ctx.restarts,
-        reports=ctx.reports,
-        max_restarts=ctx.settings.shards.max_restarts,
-        now=now,
-    )
+    seen = status.FleetSeen(ctx.shards, ctx.unplaced, ctx.restarts, ctx.reports)
+    observed = status.observed(ctx.status, ctx.fleet, seen, max_restarts=ctx.settings.shards.max_restarts, now=now)
     port, generation = ctx.fleet.spec.frontend.port, ctx.fleet.generation
     ctx.status, mismatch = status.verify_addresses(
         observed, ctx.shards, ctx.reports, port=port, generation=generation, now=now

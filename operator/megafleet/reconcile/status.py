@@ -9,6 +9,8 @@ the Refit controller also calls when a refit settles.
 
 from __future__ import annotations
 
+import dataclasses
+
 from megafleet import agent_client, conditions, desired, kube
 from megafleet.api import v1alpha1
 from megafleet.fleet_state import patches, pods, readiness
@@ -45,19 +47,44 @@ def shard_phase(reports: list[Report], current_version: int | None = None) -> tu
     return phase, error, version
 
 
-def shard_entry(
-    shard: int,
-    members: list[pods.Pod] | None,
-    *,
-    unplaced: str | None,
-    restarts: tuple[int, str | None],
-    reports: list[Report],
-    terminating: bool,
-    current_version: int | None,
-    max_restarts: int,
-) -> Object:
+@dataclasses.dataclass(frozen=True)
+class ShardSeen:
+    """What one reconcile saw of one shard, as :func:`shard_entry` reads it."""
+
+    members: list[pods.Pod] | None
+    """Its pods in pod order, or None when it has none."""
+    unplaced: str | None = None
+    """Why it could not be placed this time, if it could not."""
+    restarts: tuple[int, str | None] = (0, None)
+    """How often it was placed again, and the last error the status holds."""
+    reports: list[Report] = dataclasses.field(default_factory=list)
+    """Its pods' agent answers, in pod order (None: no answer)."""
+    terminating: bool = False
+    """Its pods are being deleted (a scale-down drains it)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class FleetSeen:
+    """What one reconcile saw of the whole fleet, as :func:`observed` reads it."""
+
+    shards: pods.Shards
+    unplaced: dict[int, str]
+    restarts: dict[int, tuple[int, str | None]]
+    reports: pods.Reports
+
+    def shard(self, shard: int) -> ShardSeen:
+        return ShardSeen(
+            self.shards.pods.get(shard),
+            unplaced=self.unplaced.get(shard),
+            restarts=self.restarts.get(shard, (0, None)),
+            reports=self.reports.get(shard, []),
+            terminating=shard in self.shards.terminating,
+        )
+
+
+def shard_entry(shard: int, seen: ShardSeen, *, current_version: int | None, max_restarts: int) -> Object:
     """One item of ``status.shards``."""
-    count, last_error = restarts
+    members, (count, last_error) = seen.members, seen.restarts
     entry: Object = {"index": shard, "restarts": count}
     if members:
         entry["pods"] = [pod.name for pod in members]
@@ -66,7 +93,7 @@ def shard_entry(
         entry["nodes"] = [pod.placed_on for pod in members]
         if members[0].clique is not None:
             entry["clique"] = members[0].clique
-        phase, agent_error, version = shard_phase(reports, current_version)
+        phase, agent_error, version = shard_phase(seen.reports, current_version)
         entry["phase"] = phase
         # A shard that serves again has recovered: only its restart count remembers the failure.
         last_error = None if phase == "Ready" else agent_error or last_error
@@ -75,11 +102,11 @@ def shard_entry(
     elif count > max_restarts:
         entry["phase"] = "Failed"
         last_error = gave_up(count, last_error)
-    elif terminating:
+    elif seen.terminating:
         entry["phase"] = "Draining"
     else:
         entry["phase"] = "Pending"
-    error = unplaced or last_error
+    error = seen.unplaced or last_error
     if error:
         entry["lastError"] = error
     return entry
@@ -95,31 +122,12 @@ def gave_up(count: int, last_error: str | None) -> str:
     return f"{prefix}{last_error}"
 
 
-def observed(
-    status: Object,
-    fleet: desired.ParsedFleet,
-    shards: pods.Shards,
-    *,
-    unplaced: dict[int, str],
-    restarts: dict[int, tuple[int, str | None]],
-    reports: pods.Reports,
-    max_restarts: int,
-    now: str,
-) -> Object:
+def observed(status: Object, fleet: desired.ParsedFleet, seen: FleetSeen, *, max_restarts: int, now: str) -> Object:
     """``status`` with the shards as observed: entries, counters, weight version and conditions."""
     refit: Object = status.get("refit") or {}
     current_version = None if refit.get("active") else refit.get("currentVersion")
     entries = [
-        shard_entry(
-            shard,
-            shards.pods.get(shard),
-            unplaced=unplaced.get(shard),
-            restarts=restarts.get(shard, (0, None)),
-            reports=reports.get(shard, []),
-            terminating=shard in shards.terminating,
-            current_version=current_version,
-            max_restarts=max_restarts,
-        )
+        shard_entry(shard, seen.shard(shard), current_version=current_version, max_restarts=max_restarts)
         for shard in range(fleet.spec.replicas)
     ]
     ready = sum(1 for entry in entries if entry["phase"] == "Ready")
@@ -136,7 +144,7 @@ def observed(
     else:
         updated.pop("weightVersion", None)
     replicas, generation = fleet.spec.replicas, fleet.generation
-    found = placed(list(updated.get("conditions", [])), unplaced, replicas, generation=generation, now=now)
+    found = placed(list(updated.get("conditions", [])), seen.unplaced, replicas, generation=generation, now=now)
     found = readiness.ready_condition(found, ready, replicas, generation=generation, now=now)
     found = readiness.degraded(found, ready, replicas, generation=generation, now=now)
     updated["conditions"] = readiness.weights_current(found, entries, refit, generation=generation, now=now)
@@ -150,10 +158,18 @@ def placed(
     if unplaced:
         message = "; ".join(unplaced[s] for s in sorted(unplaced))
         return conditions.set_condition(
-            found, conditions.PLACED, False, "Unschedulable", message, generation=generation, now=now
+            found,
+            conditions.PLACED,
+            conditions.Verdict(False, "Unschedulable", message),
+            generation=generation,
+            now=now,
         )
     return conditions.set_condition(
-        found, conditions.PLACED, True, "AllShardsPlaced", f"{replicas} shards placed", generation=generation, now=now
+        found,
+        conditions.PLACED,
+        conditions.Verdict(True, "AllShardsPlaced", f"{replicas} shards placed"),
+        generation=generation,
+        now=now,
     )
 
 
@@ -186,13 +202,17 @@ def endpoints_verified(
     if not served:
         message = "no frontend reports an address yet"
         return conditions.set_condition(
-            found, kind, False, "NoFrontendServing", message, generation=generation, now=now
+            found, kind, conditions.Verdict(False, "NoFrontendServing", message), generation=generation, now=now
         )
     if reserved == served:
         message = f"{len(served)} frontends serve where their endpoints point"
-        return conditions.set_condition(found, kind, True, "Verified", message, generation=generation, now=now)
+        return conditions.set_condition(
+            found, kind, conditions.Verdict(True, "Verified", message), generation=generation, now=now
+        )
     message = f"reserved: {', '.join(reserved)}; served: {', '.join(served)}"
-    return conditions.set_condition(found, kind, False, "Mismatch", message, generation=generation, now=now)
+    return conditions.set_condition(
+        found, kind, conditions.Verdict(False, "Mismatch", message), generation=generation, now=now
+    )
 
 
 def with_endpoints(
@@ -202,17 +222,19 @@ def with_endpoints(
     found = conditions.set_condition(
         list(status.get("conditions", [])),
         conditions.ENDPOINTS_RESERVED,
-        True,
-        "ServicesCreated",
-        f"{len(endpoints)} frontend endpoints reserved",
+        conditions.Verdict(True, "ServicesCreated", f"{len(endpoints)} frontend endpoints reserved"),
         generation=fleet.generation,
         now=now,
     )
     found = conditions.set_condition(
-        found, conditions.INVALID_SPEC, False, "Valid", "", generation=fleet.generation, now=now
+        found, conditions.INVALID_SPEC, conditions.Verdict(False, "Valid", ""), generation=fleet.generation, now=now
     )
     found = conditions.set_condition(
-        found, conditions.NAME_CONFLICT, False, "NoConflict", "", generation=fleet.generation, now=now
+        found,
+        conditions.NAME_CONFLICT,
+        conditions.Verdict(False, "NoConflict", ""),
+        generation=fleet.generation,
+        now=now,
     )
     return {
         **status,
@@ -226,9 +248,15 @@ def invalid(status: Object, message: str, *, generation: int, now: str, kind: st
     """``status`` of a fleet that cannot be acted on: ``kind`` (InvalidSpec, or NameConflict when a
     derived name is taken) True and not Ready, both with ``message``."""
     found = conditions.set_condition(
-        list(status.get("conditions", [])), kind, True, kind, message, generation=generation, now=now
+        list(status.get("conditions", [])),
+        kind,
+        conditions.Verdict(True, kind, message),
+        generation=generation,
+        now=now,
     )
-    found = conditions.set_condition(found, conditions.READY, False, kind, message, generation=generation, now=now)
+    found = conditions.set_condition(
+        found, conditions.READY, conditions.Verdict(False, kind, message), generation=generation, now=now
+    )
     return {**status, "conditions": found, "observedGeneration": generation}
 
 

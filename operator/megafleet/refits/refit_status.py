@@ -132,9 +132,7 @@ def final(refit: Object, outcome: Outcome, now: str) -> Object:
     found = conditions.set_condition(
         list((refit.get("status") or {}).get("conditions", [])),
         "Complete" if outcome.phase == "Succeeded" else "Failed",
-        True,
-        outcome.reason or outcome.phase,
-        outcome.message,
+        conditions.Verdict(True, outcome.reason or outcome.phase, outcome.message),
         generation=int(refit["metadata"].get("generation", 1)),
         now=now,
     )

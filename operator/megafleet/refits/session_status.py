@@ -88,7 +88,11 @@ def joined(session: session_view.Session, worlds: tuple[agent_api.NemoWorldStatu
     ranks = world.world_size - world.trainer_world_size
     message = f"{ranks} fleet ranks joined the trainer's world at {session.world_address} ({world.world_size} ranks)"
     found = conditions.set_condition(
-        session.conditions, JOINED, True, "AllMembersJoined", message, generation=session.generation, now=now
+        session.conditions,
+        JOINED,
+        conditions.Verdict(True, "AllMembersJoined", message),
+        generation=session.generation,
+        now=now,
     )
     update: Object = {"phase": "Joined", "message": message, "conditions": found}
     generation = next((found.generation for found in worlds if found.generation is not None), None)
@@ -101,16 +105,24 @@ def ended(session: session_view.Session, phase: str, reason: str, message: str, 
     """The update that ends a session in ``phase`` (Failed, Broken or Closed) for ``reason``:
     Joined=False, and Broken=True for a broken one."""
     generation = session.generation
-    found = conditions.set_condition(session.conditions, JOINED, False, reason, message, generation=generation, now=now)
+    found = conditions.set_condition(
+        session.conditions, JOINED, conditions.Verdict(False, reason, message), generation=generation, now=now
+    )
     if phase == "Broken":
-        found = conditions.set_condition(found, BROKEN, True, reason, message, generation=generation, now=now)
+        found = conditions.set_condition(
+            found, BROKEN, conditions.Verdict(True, reason, message), generation=generation, now=now
+        )
     return {"phase": phase, "message": message, "conditions": found}
 
 
 def refit_info_waiting(session: session_view.Session, why: str, now: str) -> Object:
     """RefitInfoAccepted=False, Waiting: the trainer has not written its refit info yet."""
     found = conditions.set_condition(
-        session.conditions, REFIT_INFO_ACCEPTED, False, "Waiting", why, generation=session.generation, now=now
+        session.conditions,
+        REFIT_INFO_ACCEPTED,
+        conditions.Verdict(False, "Waiting", why),
+        generation=session.generation,
+        now=now,
     )
     return {"conditions": found}
 
@@ -120,7 +132,11 @@ def refit_info_accepted(session: session_view.Session, tensors: int, now: str) -
     ref = session.spec.refit_info
     message = f"{tensors} tensors, sha256 {ref.sha256[:12]}…" if ref is not None else ""
     found = conditions.set_condition(
-        session.conditions, REFIT_INFO_ACCEPTED, True, "Checked", message, generation=session.generation, now=now
+        session.conditions,
+        REFIT_INFO_ACCEPTED,
+        conditions.Verdict(True, "Checked", message),
+        generation=session.generation,
+        now=now,
     )
     return {"conditions": found}
 

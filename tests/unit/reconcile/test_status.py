@@ -93,14 +93,12 @@ def test_shard_phase_against_the_current_version(
     assert status.shard_phase(reports, current) == expected
 
 
-ENTRY_DEFAULTS: dict[str, Any] = {
-    "unplaced": None,
-    "restarts": (0, None),
-    "reports": [],
-    "terminating": False,
-    "current_version": None,
-    "max_restarts": 5,
-}
+def entry(members: list[pods.Pod] | None, **overrides: Any) -> dict[str, Any]:
+    """:func:`status.shard_entry` of shard 0 with ``overrides`` of what was seen, the fleet at no
+    current version and 5 restarts allowed unless overridden."""
+    current_version = overrides.pop("current_version", None)
+    seen = status.ShardSeen(members, **overrides)
+    return status.shard_entry(0, seen, current_version=current_version, max_restarts=5)
 
 
 @pytest.mark.parametrize(
@@ -165,15 +163,15 @@ ENTRY_DEFAULTS: dict[str, Any] = {
     ids=["pending", "draining", "unplaced", "gave-up", "ready-recovered", "starting-keeps-error", "stale"],
 )
 def test_shard_entry(members: list[pods.Pod] | None, overrides: dict[str, Any], expected: dict[str, Any]) -> None:
-    assert status.shard_entry(0, members, **{**ENTRY_DEFAULTS, **overrides}) == expected
+    assert entry(members, **overrides) == expected
 
 
 def test_a_failed_shard_keeps_the_same_entry_at_every_reconcile() -> None:
     """Each reconcile reads lastError back from the status (once, it grew "gave up after 5
     restarts; last: gave up after ..." at every pass, so status was written forever)."""
-    first = status.shard_entry(0, None, **{**ENTRY_DEFAULTS, "restarts": (6, "pods ended: p0")})
-    again = status.shard_entry(0, None, **{**ENTRY_DEFAULTS, "restarts": (6, first["lastError"])})
-    third = status.shard_entry(0, None, **{**ENTRY_DEFAULTS, "restarts": (6, again["lastError"])})
+    first = entry(None, restarts=(6, "pods ended: p0"))
+    again = entry(None, restarts=(6, first["lastError"]))
+    third = entry(None, restarts=(6, again["lastError"]))
 
     assert first == again == third
     assert first["lastError"] == "gave up after 5 restarts; last: pods ended: p0"
@@ -245,9 +243,9 @@ def test_invalid_spec_sets_invalid_and_not_ready_and_a_valid_one_clears_it() -> 
 
 def test_observed_counts_shards_and_sets_every_condition_and_is_stable() -> None:
     shards = pods.Shards({0: [pod(0)], 1: [pod(1)]}, set())
-    reports = {0: [ready(2)], 1: [None]}
-    kwargs: dict[str, Any] = {"unplaced": {}, "restarts": {}, "reports": reports, "max_restarts": 5}
-    first = status.observed({"refit": {"currentVersion": 2}}, fleet(), shards, now=NOW, **kwargs)
+    reports: pods.Reports = {0: [ready(2)], 1: [None]}
+    seen = status.FleetSeen(shards, unplaced={}, restarts={}, reports=reports)
+    first = status.observed({"refit": {"currentVersion": 2}}, fleet(), seen, max_restarts=5, now=NOW)
     assert (first["observedGeneration"], first["replicas"], first["readyReplicas"]) == (3, 2, 1)
     assert first["weightVersion"] == 2
     assert [entry["phase"] for entry in first["shards"]] == ["Ready", "Starting"]
@@ -257,7 +255,7 @@ def test_observed_counts_shards_and_sets_every_condition_and_is_stable() -> None
         conditions.DEGRADED,
         conditions.WEIGHTS_CURRENT,
     ]
-    again = status.observed(first, fleet(), shards, now=LATER, **kwargs)
+    again = status.observed(first, fleet(), seen, max_restarts=5, now=LATER)
     assert patches.unchanged(first, again)  # nothing changed: nothing to write
 
 
@@ -265,6 +263,6 @@ def test_observed_drops_the_weight_version_when_shards_disagree() -> None:
     shards = pods.Shards({0: [pod(0)], 1: [pod(1)]}, set())
     reports: pods.Reports = {0: [ready(2)], 1: [ready(3)]}
     found = status.observed(
-        {"weightVersion": 2}, fleet(), shards, unplaced={}, restarts={}, reports=reports, max_restarts=5, now=NOW
+        {"weightVersion": 2}, fleet(), status.FleetSeen(shards, {}, {}, reports), max_restarts=5, now=NOW
     )
     assert "weightVersion" not in found

@@ -7,7 +7,7 @@ imports (and type-checks) anywhere.
 
 Modules, along the backend's seams:
 
-* :mod:`.sources`: what a model source string names (``tiny://``, ``random://``, a checkpoint
+* :mod:`.model_sources`: what a model source string names (``tiny://``, ``random://``, a checkpoint
   folder) and its tokenizer;
 * :mod:`.build`: the process and model-parallel groups, the ``GPTModel``, megatron's engine;
 * :mod:`.live_weights`: HF-named views over the live parameters and every write into them;
@@ -24,7 +24,7 @@ shard resumes only when every rank holds the new version, so it never computes w
 from megafleet_engine.backends.megatron.backend import MegatronBackend, load
 from megafleet_engine.backends.megatron.batch_runner import to_megatron_sampling
 from megafleet_engine.backends.megatron.build import EngineOptions, megatron_core
-from megafleet_engine.backends.megatron.sources import PRESETS, ModelSource, parse_source
+from megafleet_engine.backends.megatron.model_sources import PRESETS, ModelSource, parse_source
 
 __all__ = [
     "PRESETS",

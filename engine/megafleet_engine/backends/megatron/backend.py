@@ -37,8 +37,8 @@ from megafleet_engine.backends.megatron import (
     fused,
     live_weights,
     lockstep,
+    model_sources,
     native_refit,
-    sources,
 )
 from megafleet_engine.backends.weight_maps import Layout
 from megafleet_protocol import vocabulary
@@ -60,7 +60,7 @@ class MegatronBackend:
         *,
         engine: Any,
         model: Any,
-        source: sources.ModelSource,
+        source: model_sources.ModelSource,
         layout: Layout,
         name: str,
         max_sequence_length: int,
@@ -334,7 +334,7 @@ def load(
         raise ValueError(f"the megatron backend needs a CUDA device, not {device!r}")
     parallel = parallel or base.Parallel()
     options = build.effective_options(options or build.EngineOptions(), parallel.world_size)
-    parsed = sources.parse_source(source)
+    parsed = model_sources.parse_source(source)
     torch_dtype: torch.dtype = getattr(torch, dtype)
     index = torch.device(device).index
     torch.cuda.set_device(parallel.local_rank if parallel.world_size > 1 or index is None else index)
@@ -344,7 +344,7 @@ def load(
         warnings.simplefilter("ignore")
         layout, group = build.init_parallel(parallel, options.seed)
         model = build.build_model(parsed.shape, layout, torch_dtype, max_sequence_length, options)
-        tokenizer = sources.load_tokenizer(parsed)
+        tokenizer = model_sources.load_tokenizer(parsed)
         eod = parsed.eos_token_ids[0] if parsed.eos_token_ids else 0
         engine = build.build_engine(model, build.IdTokenizer(eod, parsed.bos_token_id), max_sequence_length, options)
     backend = MegatronBackend(

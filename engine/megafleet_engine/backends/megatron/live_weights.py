@@ -22,7 +22,7 @@ from typing import Any
 import torch
 
 from megafleet_engine.backends import base, weight_maps
-from megafleet_engine.backends.megatron import sources
+from megafleet_engine.backends.megatron import model_sources
 from megafleet_engine.backends.weight_maps import Layout, LlamaShape
 
 __all__ = ["RANDOM_STD", "Settlement", "Weights"]
@@ -81,7 +81,7 @@ class Weights:
 
     def load(self, source: str) -> None:
         """Load weights from a ``tiny://``, ``random://`` or checkpoint-folder source, in place."""
-        parsed = sources.parse_source(source)
+        parsed = model_sources.parse_source(source)
         if parsed.shape != self.shape:
             raise ValueError(f"{source} has shape {parsed.shape}, the loaded model {self.shape}")
         if parsed.kind == "tiny":
