@@ -1,7 +1,8 @@
 # The two commands of the README: `make up` (local control plane with simulated GPU nodes) and
 # `make test` (linters, type checker and the whole test suite, what CI runs). `make check` is the
-# fast tier for the edit loop: linters, types (tests included) and the tests that need no control
-# plane and start no engine process. Every target installs what is missing first.
+# fast tier for the edit loop: linters, types (tests included) and the unit, engine, refit and SDK
+# tests that need no control plane and start no engine, process group or subprocess (marker `slow`).
+# Every target installs what is missing first.
 PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
@@ -35,7 +36,7 @@ lint: $(STAMP)
 	$(BIN)/lint-imports
 
 check: lint
-	$(BIN)/pytest -q -m "not e2e and not slow" tests/unit tests/engine
+	$(BIN)/pytest -q -m "not e2e and not slow" tests/unit tests/engine tests/refit tests/sdk
 
 # Everything the tiers use is built first, with its progress shown and outside pytest's per-test
 # timeouts (a cold KEDA build alone takes longer than the autoscale tier's): the control plane, the

@@ -17,6 +17,8 @@ from helpers import refit_harness as harness
 from megafleet_protocol.refit import communicator, errors, wire
 from megafleet_protocol.refit import sender as sdk
 
+pytestmark = pytest.mark.slow  # each test starts engines, a process group, Ray or a subprocess
+
 PROMPT = [40, 41, 42, 43, 44]
 
 

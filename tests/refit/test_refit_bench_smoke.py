@@ -11,6 +11,10 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
+pytestmark = pytest.mark.slow  # each test starts engines, a process group, Ray or a subprocess
+
 ROOT = Path(__file__).resolve().parents[2]
 TIMEOUT_SECONDS = 120  # about 15 s on two cores; engine start-up dominates
 

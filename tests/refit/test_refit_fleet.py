@@ -20,6 +20,8 @@ from safetensors.torch import save_file
 from helpers import refit_harness as harness
 from megafleet.planner import layout
 
+pytestmark = pytest.mark.slow  # each test starts engines, a process group, Ray or a subprocess
+
 PROMPT = [50, 51, 52, 53]
 SHARD_SIZE = 1  # a CPU shard is one rank
 WATCHDOG_SLACK_SECONDS = 1.5

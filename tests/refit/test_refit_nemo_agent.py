@@ -25,6 +25,8 @@ from torch._C import _distributed_c10d as c10d
 from helpers import nemo_trainer
 from helpers import refit_harness as harness
 
+pytestmark = pytest.mark.slow  # each test starts engines, a process group, Ray or a subprocess
+
 PROMPT = [40, 41, 42, 43, 44]
 WAIT_SECONDS = 60.0
 

@@ -93,6 +93,7 @@ def bits(tensor: torch.Tensor) -> bytes:
 @pytest.mark.parametrize(
     ("generation", "trainers", "fleet"), [("nemo", 2, 2), ("vllm", 1, 1)], ids=["nemo-0.6+", "vllm-nemo-0.5"]
 )
+@pytest.mark.slow  # starts engines, a process group or a subprocess
 def test_the_fleet_receives_nemos_packed_broadcast_bit_for_bit(
     generation: nemo_rendezvous.Generation, trainers: int, fleet: int
 ) -> None:
@@ -222,6 +223,7 @@ def test_a_refit_info_that_does_not_fit_the_rank_is_refused_before_any_byte() ->
         )
 
 
+@pytest.mark.slow  # starts engines, a process group or a subprocess
 def test_a_trainer_that_never_comes_ends_at_the_deadline() -> None:
     world = nemo.NemoWorld(ADDRESS, harness.free_port(), 2, 1, 1)
     started = time.monotonic()
@@ -230,6 +232,7 @@ def test_a_trainer_that_never_comes_ends_at_the_deadline() -> None:
     assert time.monotonic() - started < 3
 
 
+@pytest.mark.slow  # starts engines, a process group or a subprocess
 def test_a_trainer_that_never_publishes_its_id_ends_at_the_deadline() -> None:
     port = harness.free_port()
     masters: list[c10d.Store] = []

@@ -15,6 +15,8 @@ import pytest
 from helpers import engine_command
 from helpers import refit_harness as harness
 
+pytestmark = pytest.mark.slow  # each test starts engines, a process group, Ray or a subprocess
+
 POD_IP = "127.0.12.1"
 PROMPT = [60, 61, 62]
 

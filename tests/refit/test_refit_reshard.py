@@ -20,6 +20,8 @@ from helpers import refit_harness as harness
 from megafleet_engine.backends import weight_maps
 from megafleet_protocol import vocabulary
 
+pytestmark = pytest.mark.slow  # each test starts engines, a process group, Ray or a subprocess
+
 TP = 2
 RECEIVER = Path(__file__).resolve().parent / "test_refit_shard_receiver.py"  # run as a script per rank
 

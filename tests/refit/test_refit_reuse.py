@@ -24,6 +24,8 @@ from megafleet.sdk import weights as sdk_weights
 from megafleet_protocol.refit import errors
 from megafleet_protocol.refit import sender as sdk
 
+pytestmark = pytest.mark.slow  # each test starts engines, a process group, Ray or a subprocess
+
 PROMPT = [60, 61, 62, 63]
 TOKENS = 6
 

@@ -22,6 +22,8 @@ from megafleet_engine.refit_attempts import sinks
 from megafleet_protocol.refit import communicator, errors, wire
 from megafleet_protocol.refit import sender as sdk
 
+pytestmark = pytest.mark.slow  # each test starts engines, a process group, Ray or a subprocess
+
 PROMPT = [50, 51, 52, 53]
 TOKENS = 5
 

@@ -17,6 +17,8 @@ import torch
 
 from helpers import refit_harness as harness
 
+pytestmark = pytest.mark.slow  # each test starts engines, a process group, Ray or a subprocess
+
 PROMPT = [70, 71, 72]
 TOKENS = 5
 

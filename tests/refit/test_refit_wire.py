@@ -174,6 +174,7 @@ def test_the_first_outcome_wins_and_a_commit_cannot_be_failed() -> None:
     assert failed.snapshot().phase == "failed" and failed.snapshot().duration_seconds is not None
 
 
+@pytest.mark.slow  # starts engines, a process group or a subprocess
 def test_the_trainer_sdk_imports_without_kopf() -> None:
     code = "import sys; sys.modules['kopf'] = None; import megafleet.sdk; print(megafleet.sdk.WeightSender.__name__)"
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=False)

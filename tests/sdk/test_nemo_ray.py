@@ -54,6 +54,7 @@ def adapter(engine: engine_command.EngineProcess, **config: Any) -> nemo.Megafle
     )
 
 
+@pytest.mark.slow  # starts engines, a process group or a subprocess
 def test_a_ray_actor_receives_the_adapter_and_generates_from_threads_under_asyncio_run(
     engine: engine_command.EngineProcess, local_ray: None
 ) -> None:
@@ -89,6 +90,7 @@ def test_methods_nemo_rl_passes_to_ray_get_return_object_refs(
         generation.shutdown()
 
 
+@pytest.mark.slow  # starts engines, a process group or a subprocess
 def test_asking_for_more_tokens_than_the_model_length_leaves_stops_there_as_truncated(
     engine: engine_command.EngineProcess,
 ) -> None:
@@ -106,6 +108,7 @@ def test_asking_for_more_tokens_than_the_model_length_leaves_stops_there_as_trun
     assert out["unpadded_sequence_lengths"].tolist() == [LIMIT]
 
 
+@pytest.mark.slow  # starts engines, a process group or a subprocess
 def test_a_batch_goes_to_the_engine_as_one_request_sync_and_async(engine: engine_command.EngineProcess) -> None:
     """Counted at the engine's own metrics: a fall-back to one request per prompt fails this."""
     reference = engine_command.Reference()
@@ -141,6 +144,7 @@ def test_a_batch_goes_to_the_engine_as_one_request_sync_and_async(engine: engine
     assert (after_sync - before, after_async - after_sync) == (1, 1)
 
 
+@pytest.mark.slow  # starts engines, a process group or a subprocess
 def test_sampled_logprobs_are_the_trainers_processed_logprobs_of_nemos_sampling_config(
     engine: engine_command.EngineProcess,
 ) -> None:

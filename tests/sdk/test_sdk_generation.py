@@ -20,6 +20,8 @@ from helpers import engine_command
 from megafleet.api import v1alpha1
 from megafleet.sdk import generation, nemo, routing
 
+pytestmark = pytest.mark.slow  # each test starts engines, a process group, Ray or a subprocess
+
 HOSTS = ("127.0.13.1", "127.0.13.2", "127.0.13.3")
 NOWHERE = "http://127.0.13.4:9/v1"  # shard 3's frontend: nothing listens there
 MAX_TOKENS = 8

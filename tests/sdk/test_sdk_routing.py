@@ -119,6 +119,7 @@ def answer(tokens: list[int], logprobs: list[float], finish: str, version: int) 
     return generation.Answer("", tokens, logprobs, None, finish, version, "http://f0/v1", 0)
 
 
+@pytest.mark.slow  # starts engines, a process group or a subprocess
 def test_the_fleet_client_imports_without_torch_kopf_or_ray() -> None:
     code = (
         "import sys; sys.modules['kopf'] = None; sys.modules['ray'] = None; "
