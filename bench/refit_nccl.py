@@ -529,7 +529,7 @@ def peer_main(spec: dict[str, Any]) -> int:
             store.wait([f"round/{name}"])  # idle (no kernel queued) while the refits run
         broadcast_round(spec["sizes_mib"], spec["warmup"], spec["iterations"], device)
         print(f"peer: round {name} done", flush=True)
-    return 0  # the group is left to process exit: destroy_process_group() can hang here (bench/README.md)
+    return 0  # the group is left to process exit: destroy_process_group() can hang here (docs/incidents.md#nccl-destroy-hang)
 
 
 # -- the trainer's tensors ---------------------------------------------------------------------------
@@ -1244,5 +1244,5 @@ if __name__ == "__main__":
     sys.stdout.flush()
     sys.stderr.flush()
     # Skip interpreter teardown: process groups are never destroyed here (destroy_process_group() can
-    # hang, bench/README.md), and the result file is already written.
+    # hang, docs/incidents.md#nccl-destroy-hang), and the result file is already written.
     os._exit(exit_status)

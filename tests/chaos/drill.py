@@ -1,4 +1,4 @@
-"""The operator chaos drill (issue 16, point 1): a tiny CPU fleet driven through create, scale up,
+"""The operator chaos drill (docs/development.md#chaos-drills-and-the-soak): a tiny CPU fleet driven through create, scale up,
 scale down, a template roll, a rendezvous refit and a checkpoint catch-up while a client hammers
 every Ready frontend, and the operator is SIGKILLed (and a new one started at once) at seeded random
 points of those steps. Each step must converge to its declared state; at the end nothing is orphaned

@@ -1,4 +1,4 @@
-"""The operator's traffic to one agent cut during a refit (issue 16, point 1). The cut is the engine
+"""The operator's traffic to one agent cut during a refit (docs/development.md#chaos-drills-and-the-soak). The cut is the engine
 core of shard 1 stopped (SIGSTOP) for :data:`CUT_SECONDS` and continued: its agent port still accepts
 connections but nothing answers, as behind a dropped network link; the shard's frontend holds its
 clients' requests meanwhile. The shard must show non-Ready with a reason naming the unreachable

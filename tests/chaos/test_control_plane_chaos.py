@@ -1,4 +1,4 @@
-"""Control-plane chaos (issue 16, point 1): the operator drill's steps (``tests/chaos/drill.py``:
+"""Control-plane chaos (docs/development.md#chaos-drills-and-the-soak): the operator drill's steps (``tests/chaos/drill.py``:
 create, scale up and down, a template roll, a refit and a catch-up) with the API server restarted and
 etcd SIGKILLed and restarted (its data kept) at seeded random points instead of operator kills. The
 operator, the engines and the client ride through the outages: every step converges, nothing is

@@ -1,4 +1,4 @@
-"""A node lost under a serving fleet (issue 16, point 1): the simulated node that holds shard 1 goes
+"""A node lost under a serving fleet (docs/development.md#chaos-drills-and-the-soak): the simulated node that holds shard 1 goes
 NotReady (KWOK stops managing it and its Ready condition turns False), then is deleted.
 
 While it is NotReady its engines still run (the node is simulated), so the fleet keeps serving (the

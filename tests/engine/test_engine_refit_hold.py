@@ -1,5 +1,5 @@
 """Requests that arrive while the engine is suspended for a refit wait at the gate and run on the new
-weights (issue 13 point 5): on a backend double whose tokens name the weights that made them, and
+weights, so no request fails around a refit: on a backend double whose tokens name the weights that made them, and
 through the frontend's HTTP API (``/health`` and a completion held across a refit's suspend).
 
 Bounded by ``refit_wait_seconds``; a drain still drains what was accepted before the suspend; a

@@ -15,7 +15,7 @@ ones (those of the distribution the token was drawn from; raw when greedy), or `
 the raw logits for sequences that ask for ``raw``: the runner keeps their megatron ids in the
 sampler's :attr:`~.nemo_sampler.NemoSampling.raw_request_ids` on every rank while they run.
 
-Step outputs as arrays, so that a step costs no Python work per sequence (``bench/README.md``): a
+Step outputs as arrays, so that a step costs no Python work per sequence (``bench/HISTORY.md``): a
 step's request ids, sampled tokens and finished ids are read from megatron's step result (host
 tensors megatron already copied back) with one ``tolist()`` each, between megatron's forward and its
 bookkeeping; sequences without log-probabilities (the RL rollout's case) take their token from those
