@@ -80,7 +80,7 @@ NEW_TOKENS = 16
 SEEDS = (202, 101)  # tensors of even and odd versions; the engine's own (version 0) come from seed 0
 STORE_TIMEOUT = datetime.timedelta(seconds=900)
 SERVING = re.compile(r"serving the (\w+) on http://(\S+)")
-"""The engine's log line for each server it started (what tests/refit/test_refit_harness.py reads too)."""
+"""The engine's log line for each server it started (what tests/helpers/engine_command.py reads too)."""
 READY_POLL_SECONDS = 0.5
 PROGRESS_EVERY_SECONDS = 5.0
 ENGINE_OPTION_FIELDS = {

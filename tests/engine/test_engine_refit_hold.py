@@ -101,7 +101,7 @@ async def until(condition: Any, what: str) -> None:
 
 
 async def refit(core: engine.Engine, double: VersionedBackend, version: int) -> None:
-    """What the refit runner does once suspended: write the weights, then resume at ``version``."""
+    """What a refit attempt does once suspended: write the weights, then resume at ``version``."""
 
     def write() -> None:
         double.version = version

@@ -259,8 +259,8 @@ class Runner:
         """The tokens one step produced for the running sequences, in one list for the step.
 
         With the step's arrays (:meth:`_step`), a plain sequence costs one dict lookup and one
-        :class:`~.base.TokenStep`; the others (and all of them without arrays) read their new
-        tokens from megatron's request record."""
+        :class:`~megafleet_engine.backends.base.TokenStep`; the others (and all of them without
+        arrays) read their new tokens from megatron's request record."""
         steps: list[base.TokenStep] = []
         sequences = self._sequences
         requests = self.engine.requests
