@@ -1,7 +1,8 @@
 """Generation throughput of the megatron backend, megatron-core's engine called directly vs through
-our backend (and optionally our scheduler), under several settings of the per-step path compared
-in the same run (to find where a decode step goes beyond the GPU's work), with a decode-step profile (``profile_decode.py``) of chosen settings.
-One GPU, random weights, greedy, every sequence generates exactly ``--new-tokens``.
+our backend (and optionally our scheduler), under several settings of the per-step path compared in
+the same run (to find where a decode step goes beyond the GPU's work), with a decode-step profile
+(``profile_decode.py``) of chosen settings. One GPU, random weights, greedy, every sequence
+generates exactly ``--new-tokens``.
 
 Run on a GPU machine with megatron-core and a flash-attention kernel installed::
 

@@ -529,7 +529,9 @@ def peer_main(spec: dict[str, Any]) -> int:
             store.wait([f"round/{name}"])  # idle (no kernel queued) while the refits run
         broadcast_round(spec["sizes_mib"], spec["warmup"], spec["iterations"], device)
         print(f"peer: round {name} done", flush=True)
-    return 0  # the group is left to process exit: destroy_process_group() can hang here (docs/incidents.md#nccl-destroy-hang)
+    # the group is left to process exit: destroy_process_group() can hang here
+    # (docs/incidents.md#nccl-destroy-hang)
+    return 0
 
 
 # -- the trainer's tensors ---------------------------------------------------------------------------

@@ -1,8 +1,8 @@
-"""The soak (docs/development.md#chaos-drills-and-the-soak): a 3-shard tiny fleet under client load for ``minutes``, a checkpoint
-Refit every :data:`REFIT_SECONDS` (weights alternating between two sources, versions 1, 2, 3...) and
-a scale change (3 → 2 → 3 ...) every :data:`SCALE_SECONDS` (shorter for short runs: three changes in
-all). The operator's and every engine's resident memory, open file descriptors and threads are
-sampled from ``/proc`` throughout.
+"""The soak (docs/development.md#chaos-drills-and-the-soak): a 3-shard tiny fleet under client load
+for ``minutes``, a checkpoint Refit every :data:`REFIT_SECONDS` (weights alternating between two
+sources, versions 1, 2, 3...) and a scale change (3 → 2 → 3 ...) every :data:`SCALE_SECONDS`
+(shorter for short runs: three changes in all). The operator's and every engine's resident memory,
+open file descriptors and threads are sampled from ``/proc`` throughout.
 
 Used by ``tests/chaos/test_soak.py``: ``make test`` runs a short soak, ``make soak`` the full 30
 minutes (``MEGAFLEET_SOAK_MINUTES``) and writes its figures to ``bench/results/``.

@@ -492,9 +492,9 @@ def direct_tokens(backend: megatron.MegatronBackend, prompts: list[list[int]]) -
 
 
 class TestStepPaths:
-    """The backend's per-step settings (``set_step_options``) on megatron itself: the sampler without host synchronisation,
-    the step arrays, asynchronous scheduling and one decode graph for the whole block keep greedy
-    tokens, continuous batching and in-place refits as they were."""
+    """The backend's per-step settings (``set_step_options``) on megatron itself: the sampler
+    without host synchronisation, the step arrays, asynchronous scheduling and one decode graph for
+    the whole block keep greedy tokens, continuous batching and in-place refits as they were."""
 
     pytestmark = ON_GPU
 
@@ -592,9 +592,9 @@ class TestStepPaths:
 
 
 class TestPrefillGraphs:
-    """``MEGAFLEET_PREFILL_GRAPHS`` (docs/operations.md#decode-settings-of-the-megatron-backend), as a pod reads it from ``spec.engine.env``: megatron's
-    CUDA graphs for prefill and mixed steps keep the greedy tokens of a model with decode graphs
-    only."""
+    """``MEGAFLEET_PREFILL_GRAPHS`` (docs/operations.md#decode-settings-of-the-megatron-backend), as
+    a pod reads it from ``spec.engine.env``: megatron's CUDA graphs for prefill and mixed steps keep
+    the greedy tokens of a model with decode graphs only."""
 
     pytestmark = ON_GPU
 

@@ -79,9 +79,9 @@ def wait_listening(
     """Wait until ``address:port`` accepts connections, or the deadline or an abort (``what``, the
     awaited event, names it in errors).
 
-    A plain TCP probe, retried with backoff: ``TCPStore``'s own client retries until its timeout
-    but overruns it and cannot be interrupted (docs/incidents.md#gloo-abort-tcpstore-timeout), so probing first keeps a receiver
-    whose trainer never comes exactly to its deadline and abortable.
+    A plain TCP probe, retried with backoff: ``TCPStore``'s own client retries until its timeout but
+    overruns it and cannot be interrupted (docs/incidents.md#gloo-abort-tcpstore-timeout), so
+    probing first keeps a receiver whose trainer never comes exactly to its deadline and abortable.
     """
     delay = STORE_PROBE_FIRST_SECONDS
     while True:
