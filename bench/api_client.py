@@ -1,4 +1,5 @@
-"""Microbenchmark: the operator's CPU per Kubernetes API request, by transport (issue 18).
+"""Microbenchmark: the operator's CPU per Kubernetes API request, by transport (what moved the operator's
+requests to aiohttp: bench/HISTORY.md, "sixth session" of ``controlplane.py``).
 
 :class:`megafleet.kube.Api` sends the operator's requests over :mod:`megafleet.kube_rest` (aiohttp)
 and a lightkube client's over lightkube (httpx). This starts a fresh local control plane (one KWOK

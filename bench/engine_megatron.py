@@ -1,7 +1,8 @@
 """Generation throughput of the megatron backend, megatron-core's engine called directly vs through
-our backend (and optionally our scheduler), under several settings of the per-step path compared
-in the same run (issue 19), with a decode-step profile (``profile_decode.py``) of chosen settings.
-One GPU, random weights, greedy, every sequence generates exactly ``--new-tokens``.
+our backend (and optionally our scheduler), under several settings of the per-step path compared in
+the same run (to find where a decode step goes beyond the GPU's work), with a decode-step profile
+(``profile_decode.py``) of chosen settings. One GPU, random weights, greedy, every sequence
+generates exactly ``--new-tokens``.
 
 Run on a GPU machine with megatron-core and a flash-attention kernel installed::
 
@@ -12,7 +13,7 @@ switched between batches on the same engine, :meth:`MegatronBackend.set_step_opt
 
 * ``baseline``: per-layer decode graphs, megatron's ordinary step order, the sampler's per-bucket
   index tensors (a blocking copy per step), tokens read from megatron's request records (the
-  backend as it was before issue 19);
+  backend as it was before the per-step work was cut: bench/HISTORY.md, ``engine_megatron.py``);
 * ``fast``: the sampler without host synchronisation and the step arrays;
 * ``fast-async``: ``fast`` with megatron's asynchronous scheduling (step N+1's forward is launched
   before step N's tokens are read back);

@@ -1,4 +1,4 @@
-"""How fast the decode GEMMs of a Llama shape read their weights at a few rows (issue 19): cuBLAS
+"""How fast the decode GEMMs of a Llama shape read their weights at a few rows (batch-1 decode): cuBLAS
 (``torch.nn.functional.linear``, what megatron runs) against :func:`fused.gemv` in several
 :class:`fused.GemvConfig`s, each alone in a CUDA graph over distinct copies of the weight (so none
 is read from L2), then the layers' chain (norm, qkv, proj, add+norm, fc1, SwiGLU, fc2; 32 layers

@@ -1,11 +1,12 @@
 #!/usr/bin/env bash
-# Issue 19's GPU run on one H200 (the device machine), from a checkout of this repository whose
-# wheels are installed in /tmp/site (bench/README.md: carrying the wheels): the GPU tests of the
-# megatron backend start in the background while the benchmark builds its two models; the
-# benchmark (decode profile, then the A/B of step settings at batch 1, 64, 256) times nothing
-# until the tests are done. Usage: bench/h200_run.sh OUT_DIR DEADLINE_S (no new measurement starts
-# after DEADLINE_S seconds; everything written under OUT_DIR is kept if the call is cut short).
-# Further arguments go to bench/engine_megatron.py (e.g. --variants, --kv-cache-gib, --profile).
+# The megatron backend's decode run (bench/HISTORY.md, `engine_megatron.py`) on one H200 (the device
+# machine), from a checkout of this repository whose wheels are installed in /tmp/site
+# (bench/README.md, "Carrying the packages and the code to the device machine"): the GPU tests of
+# the megatron backend start in the background while the benchmark builds its two models; the
+# benchmark (decode profile, then the A/B of step settings at batch 1, 64, 256) times nothing until
+# the tests are done. Usage: bench/h200_run.sh OUT_DIR DEADLINE_S (no new measurement starts after
+# DEADLINE_S seconds; everything written under OUT_DIR is kept if the call is cut short). Further
+# arguments go to bench/engine_megatron.py (e.g. --variants, --kv-cache-gib, --profile).
 set -u
 out=$1
 deadline=$2

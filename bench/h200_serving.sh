@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
-# Issue 14's serving run on one H200 (the device machine), from a checkout of this repository whose
-# wheels are installed in /tmp/site (bench/README.md: carrying the wheels; the streaming clients
-# also need aiohttp's wheels). Usage: bench/h200_serving.sh OUT_FILE TIMEOUT_S [serving.py args]
-# (the JSON is written as each batch ends, so a run cut short by TIMEOUT_S keeps what it measured).
+# The serving run (bench/HISTORY.md, `serving.py`) on one H200 (the device machine), from a checkout
+# of this repository whose wheels are installed in /tmp/site (bench/README.md, "Carrying the
+# packages and the code to the device machine"; the streaming clients also need aiohttp's wheels).
+# Usage: bench/h200_serving.sh OUT_FILE TIMEOUT_S [serving.py args] (the JSON is written as each
+# batch ends, so a run cut short by TIMEOUT_S keeps what it measured).
 set -u
 out=$1
 limit=$2

@@ -1,6 +1,6 @@
-"""Where a decode step of the megatron backend goes (issue 19 point 1): steady-state decode steps at
-one batch size, through our backend (``backend``) or megatron-core's engine alone (``direct``),
-measured three ways:
+"""Where a decode step of the megatron backend goes (kernels, graph replay, Python, host syncs):
+steady-state decode steps at one batch size, through our backend (``backend``) or megatron-core's
+engine alone (``direct``), measured three ways:
 
 1. **phases, no profiler**: the wall time per step and the host time per step inside megatron's
    and our per-step functions (timers wrapped around them; nested phases are inclusive);

@@ -80,7 +80,7 @@ NEW_TOKENS = 16
 SEEDS = (202, 101)  # tensors of even and odd versions; the engine's own (version 0) come from seed 0
 STORE_TIMEOUT = datetime.timedelta(seconds=900)
 SERVING = re.compile(r"serving the (\w+) on http://(\S+)")
-"""The engine's log line for each server it started (what tests/refit/test_refit_harness.py reads too)."""
+"""The engine's log line for each server it started (what tests/helpers/engine_command.py reads too)."""
 READY_POLL_SECONDS = 0.5
 PROGRESS_EVERY_SECONDS = 5.0
 ENGINE_OPTION_FIELDS = {
@@ -529,7 +529,9 @@ def peer_main(spec: dict[str, Any]) -> int:
             store.wait([f"round/{name}"])  # idle (no kernel queued) while the refits run
         broadcast_round(spec["sizes_mib"], spec["warmup"], spec["iterations"], device)
         print(f"peer: round {name} done", flush=True)
-    return 0  # the group is left to process exit: destroy_process_group() can hang here (bench/README.md)
+    # the group is left to process exit: destroy_process_group() can hang here
+    # (docs/incidents.md#nccl-destroy-hang)
+    return 0
 
 
 # -- the trainer's tensors ---------------------------------------------------------------------------
@@ -1244,5 +1246,5 @@ if __name__ == "__main__":
     sys.stdout.flush()
     sys.stderr.flush()
     # Skip interpreter teardown: process groups are never destroyed here (destroy_process_group() can
-    # hang, bench/README.md), and the result file is already written.
+    # hang, docs/incidents.md#nccl-destroy-hang), and the result file is already written.
     os._exit(exit_status)

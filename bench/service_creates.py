@@ -1,5 +1,6 @@
 """Microbenchmark: how fast does kube-apiserver create ClusterIP Services, and where does a create's
-time go? (issue 18: the control-plane benchmark's megafleet runs are paced by Service creates.)
+time go? (The control-plane benchmark's megafleet runs are paced by Service creates:
+docs/incidents.md#clusterip-service-creates.)
 
 Starts a fresh local control plane (optionally with the control-plane benchmark's KWOK H200 nodes and
 audit log), then for each concurrency creates ``--count`` ClusterIP Services shaped like the

@@ -133,7 +133,7 @@ def _client_main(pipe: multiprocessing.connection.Connection, url: str, model: s
 class _Sessions:
     """A client process's HTTP clients: httpx for the batched path (the SDK's library), aiohttp for
     the streams. One Python process reading hundreds of SSE streams through httpx is bound by httpx
-    itself (bench/README.md: 256 streams in one process get 0.26x of the server's rate through
+    itself (bench/HISTORY.md, `serving.py`: 256 streams in one process get 0.26x of the server's rate through
     httpx, 0.88x through aiohttp), so the streaming figure would measure the client."""
 
     def __init__(self, httpx_client: Any, aiohttp_session: Any) -> None:

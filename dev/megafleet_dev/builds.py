@@ -4,7 +4,7 @@ and the images (mmdebstrap and buildah: mostly downloading wheels and writing la
 Called by ``megafleet dev build`` (what ``make test`` runs before pytest) and by
 :func:`megafleet_dev.realnode.start`. On a 2-core machine two Go builds at once only share the
 same cores, so the Go components stay one after another in their lane; the image lane overlaps
-them (measured: README, "Measured start-up"). Each lane reports through the same
+them (measured: docs/development.md, "Measured start-up"). Each lane reports through the same
 :data:`~megafleet_dev.progress.Progress` sink, every line naming its component; a failure in one
 lane lets the other finish (its product is cached for the next run) and is raised afterwards.
 """

@@ -80,7 +80,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--autoscale",
         action="store_true",
         help="also Prometheus (scraping every engine pod) and KEDA (operator, external metrics API), "
-        "built on first use; README, 'Autoscaling'",
+        "built on first use; docs/autoscaling.md",
     )
     commands.add_parser("down", help="stop every process of the local cluster and delete its files")
     built = commands.add_parser(

@@ -49,7 +49,7 @@ CONTEXT_ENTRIES = ("Dockerfile", "pyproject.toml", "README.md", "docker", "proto
 UNHASHED_ENTRIES = ("dev", "README.md")
 TARGETS = ("operator", "engine")
 PAUSE_REFERENCE = "localhost/megafleet/pause:catatonit"
-# Free GB a build needs on the cache's filesystem, measured (README, "Real containers"): ``cold``
+# Free GB a build needs on the cache's filesystem, measured (docs/development.md, "Real containers"): ``cold``
 # when buildah's storage holds no image of the target (every layer is built), ``warm`` when it
 # does (the dependency layers are usually reused; the export still writes the whole archive).
 BUILD_NEEDS_GB = {"engine": {"cold": 16.0, "warm": 8.0}, "operator": {"cold": 2.0, "warm": 1.0}}

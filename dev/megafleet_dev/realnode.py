@@ -502,7 +502,7 @@ def _wait_namespaced(pid: int) -> None:
 
 def import_needs_gb(archive_bytes: int) -> float:
     """Free GB importing an archive of this size needs: containerd keeps the layers twice, in its
-    content store and unpacked as snapshots (measured: README, "Real containers") (pure)."""
+    content store and unpacked as snapshots (measured: docs/development.md, "Real containers") (pure)."""
     return 2 * archive_bytes / 1e9 + 1.0
 
 

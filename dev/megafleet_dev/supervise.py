@@ -4,7 +4,7 @@ Started by :mod:`megafleet_dev.cluster` as ``python -m megafleet_dev.supervise P
 kube-scheduler and kube-controller-manager. Both may exit on purpose and count on being restarted:
 kube-scheduler exits (``klog.FlushAndExit``) when an event contradicts its cache ("Scheduler cache is
 corrupted"), which a watch gap across an etcd or API-server restart causes when a pod is deleted and
-re-created under the same name on another node (see ``docs/incidents.md``); the restarted program
+re-created under the same name on another node (``docs/incidents.md#scheduler-cache-exit``); the restarted program
 rebuilds its cache from a fresh LIST. Without a supervisor the local cluster lost its scheduler for
 good and new pods stayed Pending.
 

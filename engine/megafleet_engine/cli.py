@@ -114,7 +114,8 @@ def run_rank(settings: settings_module.Settings, local_rank: int) -> int:
     finally:
         engine.close()
         released = _release(backend, follower, rank)
-        # NCCL groups are left to the process's exit: destroy_process_group() hangs (docs/incidents.md).
+        # NCCL groups are left to the process's exit: destroy_process_group() hangs
+        # (docs/incidents.md#nccl-destroy-hang).
         if settings.world_size > 1 and released and settings.local_gpus == 0:
             _leave_process_group()
     log.info("rank %d: stopped", rank)

@@ -20,7 +20,7 @@ per token): the OpenAI frontend's in-process client hands a request's step to it
 hop, and the engine core's IPC server (:mod:`megafleet_engine.core_ipc.core`) turns a step into one
 message per API-server process. :meth:`Engine.submit` is the one-sequence async view on top.
 
-Holding at the gate: a suspend *for a refit* (``suspend(..., hold=True)``, what the refit runner
+Holding at the gate: a suspend *for a refit* (``suspend(..., hold=True)``, what a refit attempt
 does) keeps the gate closed but makes new requests wait there instead of answering
 :class:`NotServing`: each waits (on an asyncio future woken by :meth:`Engine.resume` or
 :meth:`Engine.mark`, no polling) for at most ``refit_wait_seconds`` and then enters the queue

@@ -11,7 +11,7 @@ state are read from the engine at scrape time. :func:`build_app` is called by
 
 Names follow Prometheus's conventions (``megafleet_`` prefix, base units, ``_total`` counters,
 ``_ratio`` for 0..1): tokens per second is ``rate(megafleet_generated_tokens_total[1m])``, not a
-gauge. What an autoscaler reads (README, "Autoscaling"): ``megafleet_waiting_sequences`` and
+gauge. What an autoscaler reads (docs/autoscaling.md): ``megafleet_waiting_sequences`` and
 ``megafleet_running_sequences`` per pod, summed per fleet by the ``fleet`` label Prometheus adds.
 """
 

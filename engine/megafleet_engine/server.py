@@ -76,7 +76,7 @@ def bind(host: str, port: int) -> socket.socket:
     Made with ``IPPROTO_TCP`` explicitly: asyncio turns Nagle's algorithm off (``TCP_NODELAY``) only
     on connections whose socket says so, and an accepted connection inherits the listener's
     protocol number; with the default (0) every kept-alive response waited 40 ms
-    (``docs/incidents.md``)."""
+    (``docs/incidents.md#nagle-40ms``)."""
     family = socket.AF_INET6 if ipaddress.ip_address(host).version == 6 else socket.AF_INET
     sock = socket.socket(family, socket.SOCK_STREAM, socket.IPPROTO_TCP)
     try:

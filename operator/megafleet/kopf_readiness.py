@@ -7,7 +7,7 @@ object seen during that LIST owns one more, dropped once it is indexed. A watche
 before its LIST finished (its namespace was deleted meanwhile, the usual case in a cluster where
 namespaces come and go) never drops its toggles, and from then on no handler of the operator runs
 again: fleets stay without status for good. The e2e tier hit it when the operator started while a
-test namespace was being deleted (``docs/incidents.md``, 2026-12-02).
+test namespace was being deleted (``docs/incidents.md#kopf-index-readiness``).
 
 :func:`install` wraps Kopf's per-resource watcher so that every readiness toggle made by or for one
 watcher is dropped when that watcher ends, however it ends. A watcher that ended can no longer

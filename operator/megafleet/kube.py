@@ -1,8 +1,9 @@
 """The one Kubernetes client of the operator and the SDK: :class:`Api`, over a :class:`Transport`.
 
-Called by :mod:`megafleet.reconcile` and the Refit drivers, and by the SDK (:mod:`megafleet.sdk.fleet`,
-:mod:`megafleet.sdk.nemo`). Objects go in and come out as plain JSON dicts (the shapes the pure
-builders in :mod:`megafleet.desired` produce). The operator's requests go over
+Called by :mod:`megafleet.reconcile`, :mod:`megafleet.fleet_state` and the Refit controllers
+(:mod:`megafleet.refits`), and by the SDK (:mod:`megafleet.sdk.fleet`, :mod:`megafleet.sdk.nemo`).
+Objects go in and come out as plain JSON dicts (the shapes the pure builders in
+:mod:`megafleet.desired` produce). The operator's requests go over
 :mod:`megafleet.kube_rest` (aiohttp, with the login lightkube reads from the environment); a
 lightkube client given to :class:`Api` (the SDK's), or a login only lightkube handles (an exec
 plugin), goes through lightkube instead; tests give it an in-memory transport

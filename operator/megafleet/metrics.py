@@ -3,7 +3,7 @@
 Updated by :mod:`megafleet.kube` (every API write and read) and :mod:`megafleet.handlers` (every
 reconcile, which also records each fleet's shards, weight version and refit state through
 :func:`record_fleet`, and forgets a fleet once it is gone); read by Prometheus, the chart's
-ServiceMonitor, the control-plane benchmark and autoscaling dashboards (README, "Autoscaling").
+ServiceMonitor, the control-plane benchmark and autoscaling dashboards (docs/autoscaling.md).
 """
 
 from __future__ import annotations

@@ -8,7 +8,7 @@ heartbeat Kopf writes (``status.<identity>: {priority, lifetime, lastseen}``, un
 then keeps using) and waits ``settle`` seconds. Anyone started within that window is already in the
 object when Kopf first reads it, and a replica started later only acts ``settle`` seconds after it
 announced itself, long after the watches of the others have seen it and paused them.
-See ``docs/incidents.md`` (2026-12-01).
+See ``docs/incidents.md#peering-replicas-both-acted``.
 """
 
 from __future__ import annotations

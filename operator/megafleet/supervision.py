@@ -6,7 +6,7 @@ server that is starting (a restart, a control-plane upgrade) can answer discover
 resource groups for a moment; a scan in that moment makes Kopf log "Unresolved resources cannot be
 served" and stop watching them, and only a later change of a CRD would make it look again, so the
 operator would sit idle. The chaos drill with API server restarts found it (``tests/chaos``; see
-``docs/incidents.md``, 2026-12-01).
+``docs/incidents.md#kopf-discovery-after-restart``).
 
 The supervisor runs Kopf, and when Kopf logs that warning it stops Kopf (its ``stop_flag``) and starts
 it again after a back-off (doubling from :data:`FIRST_BACKOFF_SECONDS` to :data:`MAX_BACKOFF_SECONDS`,

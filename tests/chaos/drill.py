@@ -1,8 +1,8 @@
-"""The operator chaos drill (issue 16, point 1): a tiny CPU fleet driven through create, scale up,
-scale down, a template roll, a rendezvous refit and a checkpoint catch-up while a client hammers
-every Ready frontend, and the operator is SIGKILLed (and a new one started at once) at seeded random
-points of those steps. Each step must converge to its declared state; at the end nothing is orphaned
-or duplicated, and no client request failed or got a mixed-version answer.
+"""The operator chaos drill (docs/development.md#chaos-drills-and-the-soak): a tiny CPU fleet driven
+through create, scale up, scale down, a template roll, a rendezvous refit and a checkpoint catch-up
+while a client hammers every Ready frontend, and the operator is SIGKILLed (and a new one started at
+once) at seeded random points of those steps. Each step must converge to its declared state; at the
+end nothing is orphaned or duplicated, and no client request failed or got a mixed-version answer.
 
 Used by ``tests/chaos/test_operator_chaos.py`` (``make chaos``; ``make test`` runs a short one).
 Knobs: ``MEGAFLEET_CHAOS_KILLS`` (kill points, default :data:`DEFAULT_KILLS`) and

@@ -1,10 +1,10 @@
-"""The soak (issue 16, point 2): a 3-shard tiny fleet under client load for ``minutes``, a checkpoint
-Refit every :data:`REFIT_SECONDS` (weights alternating between two sources, versions 1, 2, 3...) and
-a scale change (3 → 2 → 3 ...) every :data:`SCALE_SECONDS` (shorter for short runs: three changes in
-all). The operator's and every engine's resident memory, open file descriptors and threads are
-sampled from ``/proc`` throughout.
+"""The soak (docs/development.md#chaos-drills-and-the-soak): a 3-shard tiny fleet under client load
+for ``minutes``, a checkpoint Refit every :data:`REFIT_SECONDS` (weights alternating between two
+sources, versions 1, 2, 3...) and a scale change (3 → 2 → 3 ...) every :data:`SCALE_SECONDS`
+(shorter for short runs: three changes in all). The operator's and every engine's resident memory,
+open file descriptors and threads are sampled from ``/proc`` throughout.
 
-Used by ``tests/chaos/test_soak.py``: ``make test`` runs a short soak, ``make soak`` the issue's 30
+Used by ``tests/chaos/test_soak.py``: ``make test`` runs a short soak, ``make soak`` the full 30
 minutes (``MEGAFLEET_SOAK_MINUTES``) and writes its figures to ``bench/results/``.
 What must hold: every request served (0 failed, 0 mixed), versions never backwards on any frontend,
 every Refit Succeeded, and after warm-up no process grows its memory by more than

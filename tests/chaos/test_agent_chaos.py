@@ -1,10 +1,11 @@
-"""The operator's traffic to one agent cut during a refit (issue 16, point 1). The cut is the engine
-core of shard 1 stopped (SIGSTOP) for :data:`CUT_SECONDS` and continued: its agent port still accepts
-connections but nothing answers, as behind a dropped network link; the shard's frontend holds its
-clients' requests meanwhile. The shard must show non-Ready with a reason naming the unreachable
-agent, the Refit must end (Succeeded or Failed, never left Running), no engine may stay suspended,
-and a following checkpoint Refit must bring every shard to one version, with no client request
-failed or mixed throughout."""
+"""The operator's traffic to one agent cut during a refit
+(docs/development.md#chaos-drills-and-the-soak). The cut is the engine core of shard 1 stopped
+(SIGSTOP) for :data:`CUT_SECONDS` and continued: its agent port still accepts connections but
+nothing answers, as behind a dropped network link; the shard's frontend holds its clients' requests
+meanwhile. The shard must show non-Ready with a reason naming the unreachable agent, the Refit must
+end (Succeeded or Failed, never left Running), no engine may stay suspended, and a following
+checkpoint Refit must bring every shard to one version, with no client request failed or mixed
+throughout."""
 
 from __future__ import annotations
 

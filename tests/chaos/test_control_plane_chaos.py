@@ -1,8 +1,9 @@
-"""Control-plane chaos (issue 16, point 1): the operator drill's steps (``tests/chaos/drill.py``:
-create, scale up and down, a template roll, a refit and a catch-up) with the API server restarted and
-etcd SIGKILLed and restarted (its data kept) at seeded random points instead of operator kills. The
-operator, the engines and the client ride through the outages: every step converges, nothing is
-orphaned or duplicated, and no client request fails or gets a mixed-version answer.
+"""Control-plane chaos (docs/development.md#chaos-drills-and-the-soak): the operator drill's steps
+(``tests/chaos/drill.py``: create, scale up and down, a template roll, a refit and a catch-up) with
+the API server restarted and etcd SIGKILLed and restarted (its data kept) at seeded random points
+instead of operator kills. The operator, the engines and the client ride through the outages: every
+step converges, nothing is orphaned or duplicated, and no client request fails or gets a
+mixed-version answer.
 ``MEGAFLEET_CHAOS_CP_FAULTS`` sets the number of restarts (default 4, over the :data:`SHORT_STEPS`:
 the API server during create and the refit, etcd during scale-up and the catch-up; ``make chaos``
 runs 12, two in each of the six steps)."""

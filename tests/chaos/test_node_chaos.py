@@ -1,5 +1,6 @@
-"""A node lost under a serving fleet (issue 16, point 1): the simulated node that holds shard 1 goes
-NotReady (KWOK stops managing it and its Ready condition turns False), then is deleted.
+"""A node lost under a serving fleet (docs/development.md#chaos-drills-and-the-soak): the simulated
+node that holds shard 1 goes NotReady (KWOK stops managing it and its Ready condition turns False),
+then is deleted.
 
 While it is NotReady its engines still run (the node is simulated), so the fleet keeps serving (the
 pods tolerate the node lifecycle controller's taints for 300 s), and a scale-up must place the new

@@ -1,4 +1,4 @@
-"""Fleet autoscaling end to end (issue 17), with the real components: Prometheus scrapes every
+"""Fleet autoscaling end to end (docs/autoscaling.md), with the real components: Prometheus scrapes every
 engine pod (Kubernetes service discovery against the local API server), KEDA's operator and
 metrics API server feed the HPA controller of kube-controller-manager, and the HPA writes the
 fleet's ``/scale``. The ScaledObject is the chart's (``autoscaling.fleets``), rendered by helm.
@@ -11,7 +11,8 @@ fails. A second test shows the interlock: a scale decision taken while a refit r
 until the refit has ended.
 
 Its own tier (marker ``autoscale``; ``pytest -m autoscale tests/e2e/test_autoscale.py``): Prometheus
-and KEDA are built on first use (README, "Autoscaling", gives the cold build time). Timings go to
+and KEDA are built on first use (docs/autoscaling.md#cold-builds-of-prometheus-and-keda gives the cold
+build time). Timings go to
 ``$MEGAFLEET_AUTOSCALE_RESULTS`` (JSON) when set.
 """
 

@@ -1,6 +1,8 @@
-"""Hostile and edge-case specs against the real control plane (issue 16): names the fleet does not
-own, a spec near the object size limit, a malformed Kopf annotation, and deletion while no operator
-runs. Bad specs the API server refuses at admission are tests/e2e/invalid/ (test_admission.py)."""
+"""Hostile and edge-case specs against the real control plane: names the fleet does not own, a spec
+near the object size limit (docs/incidents.md#kopf-last-handled-size), a malformed Kopf annotation
+(docs/incidents.md#kopf-malformed-record), and deletion while no operator runs
+(docs/incidents.md#kopf-timer-finalizers). Bad specs the API server refuses at admission are
+tests/e2e/invalid/ (test_admission.py)."""
 
 from __future__ import annotations
 

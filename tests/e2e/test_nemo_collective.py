@@ -1,4 +1,5 @@
-"""NeMo RL's own trainer-driven refits of a fleet, end to end (proposal 0001, issue 13 point 7).
+"""NeMo RL's own trainer-driven refits of a fleet, end to end (docs/proposals/0001-nemo-collective-refits.md,
+docs/nemo-rl.md).
 
 The real local control plane, the operator and two tiny CPU engine pods; NeMo RL's policy side is
 :class:`helpers.nemo_trainer.PolicyWorkers` in a Ray actor (its own process: two trainer ranks, the

@@ -1,7 +1,8 @@
-"""Operator restarts and replicas against the real control plane with real engine processes (issue 16,
-point 3): an operator SIGKILLed while a Refit runs leaves that Refit to its successor, which finishes
-it, and no engine stays suspended; two operators started at once with peering keep exactly one
-acting, and killing the active one lets the other take over."""
+"""Operator restarts and replicas against the real control plane with real engine processes: an
+operator SIGKILLed while a Refit runs leaves that Refit to its successor, which finishes it, and no
+engine stays suspended; two operators started at once with peering keep exactly one acting
+(docs/incidents.md#peering-replicas-both-acted), and killing the active one lets the other take
+over."""
 
 from __future__ import annotations
 

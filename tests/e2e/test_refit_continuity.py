@@ -1,5 +1,6 @@
-"""No failed requests around a refit, and versions never go backwards (issue 13 points 5 and 4),
-against the real control plane, the operator and engine pods run by the local runner.
+"""No failed requests around a refit, and versions never go backwards
+(docs/architecture.md#what-every-refit-shares), against the real control plane, the operator and
+engine pods run by the local runner.
 
 A trainer refits a two-shard tiny fleet 20 times in a row through the SDK (each version other
 weights: a seed whose greedy output differs from every other version's, sent over gloo with a

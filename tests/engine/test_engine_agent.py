@@ -55,7 +55,8 @@ def test_agent_refuses_calls_without_the_token(
 @pytest.mark.parametrize("body", [b"{not json", b'{"mode": 7}'], ids=["malformed", "wrong-types"])
 @pytest.mark.parametrize("path", ["/v1/suspend", "/v1/refit/prepare", "/v1/refit/nemo"])
 def test_agent_authenticates_before_reading_the_body(served: harness.Served, path: str, body: bytes) -> None:
-    """A caller without the token gets 401, never a 400 that tells it about its body (issue 16)."""
+    """A caller without the token gets 401, never a 400 that tells it about its body
+    (docs/incidents.md#agent-token-before-body)."""
     with httpx.Client(base_url=served.agent_url, timeout=30) as agent:
         response = agent.post(path, content=body, headers={"Content-Type": "application/json"})
     assert response.status_code == 401, response.text

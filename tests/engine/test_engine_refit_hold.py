@@ -1,5 +1,5 @@
 """Requests that arrive while the engine is suspended for a refit wait at the gate and run on the new
-weights (issue 13 point 5): on a backend double whose tokens name the weights that made them, and
+weights, so no request fails around a refit: on a backend double whose tokens name the weights that made them, and
 through the frontend's HTTP API (``/health`` and a completion held across a refit's suspend).
 
 Bounded by ``refit_wait_seconds``; a drain still drains what was accepted before the suspend; a
@@ -101,7 +101,7 @@ async def until(condition: Any, what: str) -> None:
 
 
 async def refit(core: engine.Engine, double: VersionedBackend, version: int) -> None:
-    """What the refit runner does once suspended: write the weights, then resume at ``version``."""
+    """What a refit attempt does once suspended: write the weights, then resume at ``version``."""
 
     def write() -> None:
         double.version = version

@@ -306,7 +306,7 @@ class TestOnGpu:
     def test_sampled_logprobs_follow_nemos_convention(
         self, backend: megatron.MegatronBackend, prompts: list[list[int]], mode: base.LogprobsMode
     ) -> None:
-        """Issue 13 point 2 on megatron: T=0.7, top_k=5, top_p=0.9. Exact part: every reported
+        """NeMo's processed-logprob convention on megatron: T=0.7, top_k=5, top_p=0.9. Exact part: every reported
         log-probability equals NeMo's processed one (raw mode: ``log_softmax``) of the very logits
         row megatron sampled from (recorded at the sampler), within 1e-4, and is finite. Model part:
         it equals the HF fp32 model's (the same bf16 weights) within :data:`TIE`-like bf16 noise
@@ -492,9 +492,9 @@ def direct_tokens(backend: megatron.MegatronBackend, prompts: list[list[int]]) -
 
 
 class TestStepPaths:
-    """Issue 19's per-step settings on megatron itself: the sampler without host synchronisation,
-    the step arrays, asynchronous scheduling and one decode graph for the whole block keep greedy
-    tokens, continuous batching and in-place refits as they were."""
+    """The backend's per-step settings (``set_step_options``) on megatron itself: the sampler
+    without host synchronisation, the step arrays, asynchronous scheduling and one decode graph for
+    the whole block keep greedy tokens, continuous batching and in-place refits as they were."""
 
     pytestmark = ON_GPU
 
@@ -592,9 +592,9 @@ class TestStepPaths:
 
 
 class TestPrefillGraphs:
-    """``MEGAFLEET_PREFILL_GRAPHS`` (issue 19), as a pod reads it from ``spec.engine.env``: megatron's
-    CUDA graphs for prefill and mixed steps keep the greedy tokens of a model with decode graphs
-    only."""
+    """``MEGAFLEET_PREFILL_GRAPHS`` (docs/operations.md#decode-settings-of-the-megatron-backend), as
+    a pod reads it from ``spec.engine.env``: megatron's CUDA graphs for prefill and mixed steps keep
+    the greedy tokens of a model with decode graphs only."""
 
     pytestmark = ON_GPU
 
@@ -646,7 +646,7 @@ class TestPrefillGraphs:
 
 
 class TestFusedKernels:
-    """Issue 19's fused Triton kernels (``backends/megatron/fused.py``) on the GPU: each equals the
+    """The fused Triton kernels (``backends/megatron/fused.py``) on the GPU: each equals the
     unfused PyTorch ops megatron's ``local`` layer runs (RoPE and SwiGLU bitwise, RMSNorm within a
     bf16 step), and a model built with them decodes megatron's greedy tokens (the unfused model's,
     bitwise, with ``rope-swiglu``, the default: the module's backend has them), takes joining

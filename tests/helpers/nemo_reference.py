@@ -1,6 +1,6 @@
 """NeMo RL's trainer-side processed log-probabilities, written in the tests from NeMo's algorithm
 (``nemo_rl/algorithms/logits_sampling_utils.py``, ``TrainingSamplingParams``), never imported from
-the engine: the independent reference of issue 13 point 2.
+the engine, so the engine's logprobs are checked against NeMo's definition, not against themselves.
 
 Used by tests/engine/test_engine_logprobs.py (the backend) and tests/sdk/test_nemo_ray.py (the NeMo
 adapter against a real engine process).

@@ -1,4 +1,4 @@
-"""The control-plane benchmark's audit-log reading (bench/controlplane.py, issue 18): its timeline
+"""The control-plane benchmark's audit-log reading (bench/controlplane.py): its timeline
 shows the API server's own ClusterIP records (IPAddress creates) of the measured window beside the
 systems' writes, so where a ClusterIP Service create's time goes is visible."""
 

@@ -157,7 +157,8 @@ def test_tolerations_match_taints_as_the_scheduler_does() -> None:
 
 
 def test_env_values_reach_the_engine_as_written_never_expanded_by_the_kubelet() -> None:
-    """The kubelet expands ``$(NAME)`` in env values and turns ``$$`` into ``$`` (issue 16)."""
+    """The kubelet expands ``$(NAME)`` in env values and turns ``$$`` into ``$``
+    (docs/incidents.md#env-dollar-expansion)."""
     parsed = fleet(model={"source": "/models/$(MEGAFLEET_HOST)", "servedName": "a$$b$(MEGAFLEET_SHARD)"})
 
     values = env(desired.shard_pods(parsed, 0, PLACEMENT)[0])

@@ -59,7 +59,7 @@ def test_pod_event_triggers_within_the_gather_window_are_one_reconcile() -> None
 
 def test_a_trigger_that_only_needs_a_reconcile_leaves_it_to_the_one_running() -> None:
     """The creation (or resumption) trigger and the observation daemon's first pass start together
-    (issue 18: each fleet was reconciled twice as it was created); a spec change still waits for
+    (with 125 fleets created at once, each was reconciled twice as it was created); a spec change still waits for
     the running reconcile and then runs its own, since that one may have read the old spec."""
     api, runtime = going_fleet()
 

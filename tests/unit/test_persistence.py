@@ -26,7 +26,8 @@ def stored(storage: persistence.DigestDiffBase, body: kopf.Body) -> str:
 
 
 def test_a_spec_near_the_object_size_limit_keeps_a_small_annotation() -> None:
-    """Kopf stored the whole spec: past 256 KiB the fleet could not be updated or deleted (issue 16)."""
+    """Kopf stored the whole spec: past 256 KiB the fleet could not be updated or deleted
+    (docs/incidents.md#kopf-last-handled-size)."""
     storage = persistence.DigestDiffBase(prefix=names.PREFIX, key="last-handled-configuration")
     big = {
         "model": {"source": "/m"},
@@ -54,7 +55,7 @@ class NotToCopy:
 
 def test_the_essence_is_kopfs_without_copying_the_status_or_managed_fields() -> None:
     """Kopf deep-copied every fleet event's whole body (status and managedFields too) to drop them
-    again: ~10 % of the operator's CPU with 125 fleets starting (issue 18). The digests are Kopf's own
+    again: ~10 % of the operator's CPU with 125 fleets starting. The digests are Kopf's own
     essence's, so an upgraded operator sees no change in a fleet."""
     storage = persistence.DigestDiffBase(prefix=names.PREFIX, key="last-handled-configuration")
     plain = fleet({"replicas": 2}, {"team": "rl"})
@@ -91,7 +92,8 @@ def test_a_malformed_record_reads_as_none_so_the_object_is_handled_again() -> No
 
 
 def test_no_handler_puts_a_finalizer_on_fleets_or_refits_only_sessions_have_one() -> None:
-    """Kopf gave every object with a timer a finalizer: without an operator, deletion hung (issue 16).
+    """Kopf gave every object with a timer a finalizer: without an operator, deletion hung
+    (docs/incidents.md#kopf-timer-finalizers).
     The end-to-end proof is tests/e2e/test_hostile_specs.py."""
     registry = kopf.get_default_registry()
     spawning = registry._spawning.get_all_handlers()
@@ -128,7 +130,7 @@ def test_a_poll_ends_by_itself_once_its_object_is_gone() -> None:
 
 def test_only_the_operators_own_kinds_get_an_essence_a_pod_event_is_not_copied() -> None:
     """Kopf built an essence of every pod event (a deep copy and a sorted dump of its spec) that only
-    change handlers and daemons read, and pods have neither (issue 18)."""
+    change handlers and daemons read, and pods have neither."""
     storage = persistence.DigestDiffBase(prefix=names.PREFIX, key="last-handled-configuration", group="megafleet.dev")
     pod = kopf.Body(
         cast(

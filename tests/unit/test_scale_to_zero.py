@@ -1,4 +1,4 @@
-"""A fleet scaled to zero shards (an autoscaler's minReplicaCount 0, README "Autoscaling"): no pods,
+"""A fleet scaled to zero shards (an autoscaler's minReplicaCount 0, docs/autoscaling.md): no pods,
 Services or endpoints are left, its status says 0 of 0 shards, and a Refit for it waits Pending
 without taking the fleet's refit lock until a shard is live again."""
 

@@ -146,6 +146,8 @@ def definition(info: v1alpha1.KindInfo) -> dict[str, Any]:
 
 def render(info: v1alpha1.KindInfo) -> str:
     """The CRD as YAML text, stable across runs."""
+    # The header names the module the models lived in before v1alpha1 became a package
+    # (operator/megafleet/api/v1alpha1/): kept so the generated files stayed byte-identical.
     header = "# Generated from operator/megafleet/api/v1alpha1.py by `megafleet crds`; do not edit.\n"
     return header + yaml.safe_dump(definition(info), sort_keys=False, width=100, allow_unicode=True)
 

@@ -112,6 +112,8 @@ def render() -> str:
     lines = [
         "# API reference: `megafleet.dev/v1alpha1`",
         "",
+        # The header names the module the models lived in before v1alpha1 became a package
+        # (operator/megafleet/api/v1alpha1/): kept so the generated files stayed byte-identical.
         "Generated from `operator/megafleet/api/v1alpha1.py` by `megafleet crds`; do not edit.",
         "",
     ]

@@ -28,7 +28,8 @@ async def finish(api: kube.Api, refit: Object, fleet_body: Object | None, outcom
     update = refit_status.final(refit, outcome, now)
     # The fleet first, then the Refit: a write lost in between (an API server restart, an operator
     # killed) leaves the Refit unfinished, so its poll runs again and finishes it. The other order
-    # left the fleet locked by a Succeeded Refit that nothing polls any more (docs/incidents.md).
+    # left the fleet locked by a Succeeded Refit that nothing polls any more
+    # (docs/incidents.md#refit-left-fleet-locked).
     patch = None if fleet_body is None else refit_status.released_fleet(fleet_body, name, outcome, now)
     if fleet_body is not None and patch is not None:
         fleet = fleet_body["metadata"]

@@ -3,13 +3,14 @@
 Used by :mod:`megafleet.sdk.fleet` (frontends from the fleet's status) and
 :mod:`megafleet.sdk.generation` (one :class:`Router` per client). A frontend takes traffic only when
 its shard is ``Ready`` and, once a Refit has succeeded, serves the fleet's current weight version:
-``Stale`` shards (restarted, or added by scaling after a refit) and shards still starting or
-loading get nothing (DESIGN.md section 6). The members of a running refit keep traffic: their
-engines hold requests during the refit's suspend and serve them with the new version, and the
-operator marks them ``Ready`` at it in the very status patch that ends the refit, so no client
-waits for the operator's next observation (:mod:`megafleet.refit_driver`). Among the routable
-frontends the :class:`Router` picks the one with the fewest outstanding requests, rotating among
-ties, so a batch submitted at once spreads evenly and a slow frontend gets less.
+``Stale`` shards (restarted, or added by scaling after a refit) and shards still starting or loading
+get nothing (docs/architecture.md, "Shards that fall behind"). The members of a running refit keep
+traffic: their engines hold requests during the refit's suspend and serve them with the new version,
+and the operator marks them ``Ready`` at it in the very status patch that ends the refit, so no
+client waits for the operator's next observation
+(:func:`megafleet.refits.refit_status.settled_status`). Among the routable frontends the
+:class:`Router` picks the one with the fewest outstanding requests, rotating among ties, so a batch
+submitted at once spreads evenly and a slow frontend gets less.
 """
 
 from __future__ import annotations

@@ -449,7 +449,7 @@ class Communicator:
             group_aborted = self._group_aborted
         if group is not None and self.backend == "nccl" and not group_aborted:
             # Abort, not shutdown(): a graceful shutdown waits for the receivers' parked side of the
-            # group (docs/incidents.md, "the trainer's close() hung"). Nothing is in flight here.
+            # group (docs/incidents.md#trainer-close-hang). Nothing is in flight here.
             try:
                 group.abort()
             except RuntimeError as error:

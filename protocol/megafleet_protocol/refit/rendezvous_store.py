@@ -4,10 +4,11 @@ ranks), hosting or joining the trainer's ``TCPStore`` there, and the local addre
 Called by :meth:`Communicator.connect <megafleet_protocol.refit.communicator.Communicator.connect>`
 (:func:`open_store`, after :func:`wait_listening` on a receiver), by the NeMo collective's rendezvous
 (:mod:`~megafleet_protocol.refit.nemo_rendezvous`, :func:`wait_listening`), and by the engine's refit
-runner (:func:`local_address_towards`, through :mod:`~megafleet_protocol.refit.communicator`).
+attempts (:mod:`megafleet_engine.refit_attempts`: :func:`local_address_towards`, through
+:mod:`~megafleet_protocol.refit.communicator`).
 Every wait here ends at the attempt's deadline or its abort: ``TCPStore``'s own client retries
-until its timeout but overruns it and cannot be interrupted (docs/incidents.md, "gloo cannot be
-interrupted, and TCPStore overruns its timeout"), so a client is built only once a plain TCP probe
+until its timeout but overruns it and cannot be interrupted
+(docs/incidents.md#gloo-abort-tcpstore-timeout), so a client is built only once a plain TCP probe
 found the store listening.
 """
 
@@ -78,9 +79,9 @@ def wait_listening(
     """Wait until ``address:port`` accepts connections, or the deadline or an abort (``what``, the
     awaited event, names it in errors).
 
-    A plain TCP probe, retried with backoff: ``TCPStore``'s own client retries until its timeout
-    but overruns it and cannot be interrupted (docs/incidents.md), so probing first keeps a receiver
-    whose trainer never comes exactly to its deadline and abortable.
+    A plain TCP probe, retried with backoff: ``TCPStore``'s own client retries until its timeout but
+    overruns it and cannot be interrupted (docs/incidents.md#gloo-abort-tcpstore-timeout), so
+    probing first keeps a receiver whose trainer never comes exactly to its deadline and abortable.
     """
     delay = STORE_PROBE_FIRST_SECONDS
     while True:

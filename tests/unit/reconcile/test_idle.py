@@ -1,4 +1,4 @@
-"""The reconcile sequence against an in-memory API (tests/kube_fakes.py): the first pass reserves
+"""The reconcile sequence against an in-memory API (tests/helpers/kube_fakes.py): the first pass reserves
 endpoints and places every shard, a settled fleet is Ready, and reconciling it again writes nothing.
 The same property against the real control plane: tests/e2e/test_reconcile_idle.py."""
 

@@ -15,7 +15,7 @@ ones (those of the distribution the token was drawn from; raw when greedy), or `
 the raw logits for sequences that ask for ``raw``: the runner keeps their megatron ids in the
 sampler's :attr:`~.nemo_sampler.NemoSampling.raw_request_ids` on every rank while they run.
 
-Step outputs as arrays, so that a step costs no Python work per sequence (``bench/README.md``): a
+Step outputs as arrays, so that a step costs no Python work per sequence (``bench/HISTORY.md``): a
 step's request ids, sampled tokens and finished ids are read from megatron's step result (host
 tensors megatron already copied back) with one ``tolist()`` each, between megatron's forward and its
 bookkeeping; sequences without log-probabilities (the RL rollout's case) take their token from those
@@ -259,8 +259,8 @@ class Runner:
         """The tokens one step produced for the running sequences, in one list for the step.
 
         With the step's arrays (:meth:`_step`), a plain sequence costs one dict lookup and one
-        :class:`~.base.TokenStep`; the others (and all of them without arrays) read their new
-        tokens from megatron's request record."""
+        :class:`~megafleet_engine.backends.base.TokenStep`; the others (and all of them without
+        arrays) read their new tokens from megatron's request record."""
         steps: list[base.TokenStep] = []
         sequences = self._sequences
         requests = self.engine.requests

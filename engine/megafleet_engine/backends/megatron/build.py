@@ -247,7 +247,7 @@ def build_model(
 def _one_kv_split_on_hopper(model: Any) -> None:
     """FlashAttention-4 has no split-KV kernel for SM 9.x (Hopper: H100, H200), and megatron's
     automatic ``num_splits=0`` picks one for a small decode batch over a long KV cache
-    (``docs/incidents.md``). Megatron passes ``num_splits=1`` when an attention module's
+    (``docs/incidents.md#fa4-splitkv-hopper``). Megatron passes ``num_splits=1`` when an attention module's
     ``batch_invariant_mode`` is set, and reads nothing else from that attribute on the FA4 path, so
     it is set on each attention module (not the config, which would switch other kernels)."""
     attention = megatron_core("transformer.attention")

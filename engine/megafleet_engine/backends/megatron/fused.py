@@ -2,7 +2,7 @@
 swaps them into a built ``GPTModel`` and its dynamic inference context.
 
 Why: on an H200 a batch-1 decode step of the Llama-3.1-8B shape was GPU-bound at 6.3 ms, ~2.4 ms of
-it in ~1,230 small kernels per step (``bench/README.md``): RoPE alone is ~20 kernels per layer
+it in ~1,230 small kernels per step (``bench/HISTORY.md``, ``engine_megatron.py``): RoPE alone is ~20 kernels per layer
 (index, cos, sin, casts, neg, cat, two muls, add, copies, for q and for k) and SwiGLU 3 (silu,
 ``x_linear + 0.0``, mul). Here each is one kernel:
 
