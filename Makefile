@@ -46,7 +46,7 @@ test: lint
 	$(BIN)/megafleet dev build --real-node --autoscale
 	$(BIN)/pytest
 
-# The chaos drills at full strength (issue 16): CHAOS_KILLS SIGKILLs of the operator at seeded random
+# The chaos drills at full strength: CHAOS_KILLS SIGKILLs of the operator at seeded random
 # points (CHAOS_SEED) and CHAOS_CP_FAULTS restarts of the API server and etcd; the node-loss, agent-cut
 # drills and a short soak run as they do in `make test` (which runs 5 kills and 4 restarts).
 CHAOS_KILLS ?= 20
@@ -56,7 +56,7 @@ chaos: build
 	MEGAFLEET_CHAOS_KILLS=$(CHAOS_KILLS) MEGAFLEET_CHAOS_CP_FAULTS=$(CHAOS_CP_FAULTS) MEGAFLEET_CHAOS_SEED=$(CHAOS_SEED) \
 		$(BIN)/pytest -m chaos -s tests/chaos
 
-# The soak (issue 16, point 2): SOAK_MINUTES of client load, a Refit every 10 s and a scale change
+# The soak: SOAK_MINUTES of client load, a Refit every 10 s and a scale change
 # every 2 minutes on a 3-shard fleet; its figures go to bench/results/ (`make test` runs 1 minute).
 SOAK_MINUTES ?= 30
 soak: build
