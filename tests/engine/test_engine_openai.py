@@ -247,7 +247,7 @@ def test_completion_stream_with_n_and_logprobs(served: harness.Served) -> None:
 
 
 def test_streamed_chunks_carry_what_the_whole_response_carries(served: harness.Served) -> None:
-    """Streamed choices are built without the response models (``serving._Frame``): each choice's
+    """Streamed choices are built without the response models (``sse_frames.Frame``): each choice's
     prompt ids come once, in its first chunk, and its log-probabilities (tokens, values,
     alternatives) add up to the non-streaming response's; a chat stream opens each choice with its
     prompt ids."""
@@ -294,6 +294,39 @@ def test_streamed_chunks_carry_what_the_whole_response_carries(served: harness.S
     assert opening.delta.role == "assistant"
     assert _extra(opening, "prompt_token_ids") == _extra(chat_whole.choices[0], "prompt_token_ids")
     assert not any(_extra(choice, "prompt_token_ids") for chunk in chat_chunks[1:] for choice in chunk.choices)
+
+
+def test_every_choice_carries_its_version_spans(served: harness.Served) -> None:
+    """One version throughout: every choice, whole or streamed, has one span from its first token at
+    the response's ``weight_version``; each streamed choice with tokens carries their version, and the
+    chunk that finishes a choice carries its spans."""
+    one_span = [{"start": 0, "version": 0}]
+    body = {"ignore_eos": True, "return_token_ids": True}
+    with served.openai_client() as client:
+        completion = client.completions.create(
+            model=harness.MODEL, prompt=["abc", "Hello"], n=2, max_tokens=5, temperature=1.0, seed=3, extra_body=body
+        )
+        chat = client.chat.completions.create(model=harness.MODEL, messages=CHAT, max_tokens=5, extra_body=body)
+        stream = client.completions.create(
+            model=harness.MODEL, prompt="abc", n=2, max_tokens=5, stream=True, extra_body=body
+        )
+        with stream:
+            chunks = [choice for chunk in stream for choice in chunk.choices]
+        chat_stream = client.chat.completions.create(
+            model=harness.MODEL, messages=CHAT, max_tokens=5, stream=True, extra_body=body
+        )
+        with chat_stream:
+            chat_chunks = [choice for chunk in chat_stream for choice in chunk.choices]
+    assert _extra(completion, "weight_version") == 0 and _extra(chat, "weight_version") == 0
+    for choice in [*completion.choices, *chat.choices]:
+        assert len(_extra(choice, "token_ids")) == 5
+        assert _extra(choice, "weight_version_spans") == one_span
+    for streamed in (chunks, chat_chunks):
+        with_tokens = [choice for choice in streamed if _extra(choice, "token_ids")]
+        assert with_tokens and all(_extra(choice, "weight_version") == 0 for choice in with_tokens)
+        finals = [_extra(choice, "weight_version_spans") for choice in streamed if choice.finish_reason]
+        assert finals == [one_span] * len({choice.index for choice in streamed})
+        assert not any(_extra(choice, "weight_version_spans") for choice in streamed if not choice.finish_reason)
 
 
 def test_stop_string_ends_the_choice_before_the_stop(served: harness.Served) -> None:

@@ -1,4 +1,4 @@
-"""A streamed chunk framed once per stream (``serving._Frame``) says exactly what the chunk model
+"""A streamed chunk framed once per stream (``sse_frames.Frame``) says exactly what the chunk model
 dumped per token said: the fast path must not change a byte a client parses."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from megafleet_engine.openai import protocol, serving
+from megafleet_engine.openai import protocol, sse_frames
 
 
 def parsed(event: bytes) -> dict[str, object]:
@@ -65,8 +65,8 @@ def test_a_completion_frame_says_what_the_chunk_model_says(
             id="cmpl-1", created=1700000000, model='m"odel', choices=choices, weight_version=weight_version
         )
 
-    framed = serving._Frame(chunk([])).event(protocol.dump(choice))
-    assert parsed(framed) == parsed(serving._event(protocol.dump(chunk([choice]))))
+    framed = sse_frames.Frame(chunk([])).event(protocol.dump(choice))
+    assert parsed(framed) == parsed(sse_frames.event(protocol.dump(chunk([choice]))))
 
 
 @pytest.mark.parametrize("choice", CHAT_CHOICES)
@@ -74,20 +74,20 @@ def test_a_chat_frame_says_what_the_chunk_model_says(choice: protocol.ChatStream
     def chunk(choices: list[protocol.ChatStreamChoice]) -> protocol.ChatCompletionChunk:
         return protocol.ChatCompletionChunk(id="chatcmpl-1", created=1, model="m", choices=choices, weight_version=3)
 
-    framed = serving._Frame(chunk([])).event(protocol.dump(choice))
-    assert parsed(framed) == parsed(serving._event(protocol.dump(chunk([choice]))))
+    framed = sse_frames.Frame(chunk([])).event(protocol.dump(choice))
+    assert parsed(framed) == parsed(sse_frames.event(protocol.dump(chunk([choice]))))
 
 
 def test_ascii_frames_are_byte_for_byte_the_old_events() -> None:
     choice = protocol.CompletionChoice(index=0, text=" hi", token_ids=[4])
     envelope = protocol.CompletionChunk(id="cmpl-2", created=5, model="m", choices=[], weight_version=1)
     full = protocol.CompletionChunk(id="cmpl-2", created=5, model="m", choices=[choice], weight_version=1)
-    assert serving._Frame(envelope).event(protocol.dump(choice)) == serving._event(protocol.dump(full))
+    assert sse_frames.Frame(envelope).event(protocol.dump(choice)) == sse_frames.event(protocol.dump(full))
 
 
 def test_a_chunk_with_choices_cannot_be_a_frame() -> None:
     with pytest.raises(ValueError, match="no empty choices"):
-        serving._Frame(
+        sse_frames.Frame(
             protocol.CompletionChunk(
                 id="c", created=1, model="m", choices=[protocol.CompletionChoice(index=0, text="")], weight_version=None
             )

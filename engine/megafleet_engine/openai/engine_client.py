@@ -12,12 +12,14 @@ core over IPC). Imports no torch.
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 from collections.abc import Callable, Sequence
 from typing import Protocol
 
 from megafleet_engine import engine as engine_module
 from megafleet_engine.backends import base
+from megafleet_engine.openai import version_spans
 from megafleet_protocol import vocabulary
 
 __all__ = ["Batch", "EngineClient", "LocalClient", "StepItem"]
@@ -29,47 +31,60 @@ StepItem = tuple[int, "base.TokenStep | BaseException"]
 class Batch:
     """The sequences of one request in flight; fed one engine step at a time on the event loop.
 
-    ``weight_version`` is the version that produced the batch's first items (the engine cannot
-    change it while any of them runs). ``abort`` tells the engine to stop the given indexes (a stop
-    string matched, the client went away)."""
+    ``weight_version`` is the version that produced the batch's first items. Every step comes with
+    the version that computed it; :meth:`next` never returns tokens of two versions at once (steps
+    queued meanwhile are split where the version changes), :attr:`version` is the version of the
+    tokens it returned last, and :meth:`spans` says per sequence which of its tokens came from which
+    version (:mod:`~megafleet_engine.openai.version_spans`). ``abort`` tells the engine to stop the
+    given indexes (a stop string matched, the client went away)."""
 
     def __init__(self, size: int, abort: Callable[[list[int]], None]) -> None:
         self.weight_version: int | None = None
-        self._items: list[StepItem] = []
+        self.version: int | None = None
+        self._steps: collections.deque[tuple[int | None, Sequence[StepItem]]] = collections.deque()
         self._wake = asyncio.Event()
         self._open = set(range(size))
+        self._spans = [version_spans.VersionSpans() for _ in range(size)]
         self._abort = abort
         self._started = False
 
     def push(self, items: Sequence[StepItem], weight_version: int | None) -> None:
-        """Add one step's items (called on the batch's event loop)."""
+        """Add one step's items, computed with ``weight_version`` (called on the batch's event loop)."""
         if not self._started:
             self._started = True
             self.weight_version = weight_version
-        self._items.extend(items)
+        self._steps.append((weight_version, items))
         self._wake.set()
 
     async def next(self) -> list[tuple[int, base.TokenStep]] | None:
-        """The tokens of the next step(s) for the open sequences; ``None`` once all finished or
-        stopped. Raises the first error the engine gave an open sequence."""
+        """The tokens of the next step(s) for the open sequences, all of one version (then
+        :attr:`version`); ``None`` once all finished or stopped. Raises the first error the engine
+        gave an open sequence."""
         while self._open:
-            if not self._items:
+            if not self._steps:
                 self._wake.clear()
                 await self._wake.wait()
                 continue
-            items, self._items = self._items, []
+            version = self._steps[0][0]
             tokens: list[tuple[int, base.TokenStep]] = []
-            for index, item in items:
-                if index not in self._open:
-                    continue  # stopped early: drop what it still had in flight
-                if isinstance(item, BaseException):
-                    raise item
-                if item.finish_reason is not None:
-                    self._open.discard(index)
-                tokens.append((index, item))
+            while self._steps and self._steps[0][0] == version:
+                for index, item in self._steps.popleft()[1]:
+                    if index not in self._open:
+                        continue  # stopped early: drop what it still had in flight
+                    if isinstance(item, BaseException):
+                        raise item
+                    if item.finish_reason is not None:
+                        self._open.discard(index)
+                    self._spans[index].add(version)
+                    tokens.append((index, item))
             if tokens:
+                self.version = version
                 return tokens
         return None
+
+    def spans(self, index: int) -> tuple[version_spans.Span, ...]:
+        """The version spans of sequence ``index``'s tokens returned so far."""
+        return self._spans[index].spans
 
     def stop(self, index: int) -> None:
         """Stop one sequence early; the others go on."""

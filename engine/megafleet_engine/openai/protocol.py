@@ -7,7 +7,9 @@ Imports only pydantic and the backend's plain dataclasses (no torch).
 
 RL extensions beyond OpenAI: ``top_k``, ``ignore_eos``, ``stop_token_ids``, ``return_token_ids``,
 ``detokenize`` (``false``: token ids only), ``logprobs_mode`` (requests); ``token_ids`` and
-``prompt_token_ids`` per choice and ``weight_version`` on every response and stream chunk; and
+``prompt_token_ids`` per choice, ``weight_version`` on every response and stream chunk (the version
+of the first token), ``weight_version_spans`` per choice (:class:`VersionSpan`: which tokens came
+from which version) and ``weight_version`` per streamed choice (its tokens' version); and
 :class:`ChatBatchRequest`, several conversations in one request (``/v1/chat/completions/batch``).
 """
 
@@ -283,6 +285,14 @@ class CompletionLogprobs(OpenAIBaseModel):
     text_offset: list[int] = Field(default_factory=list)
 
 
+class VersionSpan(OpenAIBaseModel):
+    """Extension: the choice's generated tokens from ``start`` (counted from 0) up to the next
+    span's start came from weight ``version`` (left out when the engine had none)."""
+
+    start: int
+    version: int | None = None
+
+
 class CompletionChoice(OpenAIBaseModel):
     index: int
     text: str
@@ -290,6 +300,8 @@ class CompletionChoice(OpenAIBaseModel):
     finish_reason: str | None = None
     token_ids: list[int] | None = None
     prompt_token_ids: list[int] | None = None
+    weight_version: int | None = None  # extension, streams only: the version of this chunk's tokens
+    weight_version_spans: list[VersionSpan] | None = None  # extension; streams: on the last chunk
 
 
 class Usage(OpenAIBaseModel):
@@ -410,6 +422,7 @@ class ChatChoice(OpenAIBaseModel):
     finish_reason: str | None = None
     token_ids: list[int] | None = None
     prompt_token_ids: list[int] | None = None
+    weight_version_spans: list[VersionSpan] | None = None  # extension
 
 
 class ChatCompletionResponse(OpenAIBaseModel):
@@ -434,6 +447,8 @@ class ChatStreamChoice(OpenAIBaseModel):
     finish_reason: str | None = None
     token_ids: list[int] | None = None
     prompt_token_ids: list[int] | None = None
+    weight_version: int | None = None  # extension: the version of this chunk's tokens
+    weight_version_spans: list[VersionSpan] | None = None  # extension: on the chunk with finish_reason
 
 
 class ChatCompletionChunk(OpenAIBaseModel):

@@ -6,8 +6,11 @@ non-streaming method from ``request.stream``. Serving raises typed errors
 after a stream has started become an SSE error chunk followed by ``data: [DONE]``.
 
 Every response is stamped with the weight version that produced it: the version the engine
-reported with the request's first tokens (the engine drains or aborts every request before a refit
-changes it).
+reported with the request's first tokens; every choice carries its ``weight_version_spans``
+(:mod:`~megafleet_engine.openai.version_spans`: which of its tokens came from which version). A
+stream's choice carries its tokens' ``weight_version`` (a chunk never mixes versions:
+:meth:`~megafleet_engine.openai.engine_client.Batch.next` splits at a change), and its last chunk
+the whole spans.
 
 A request's choices (every prompt of a multi-prompt completion times ``n``) go to the engine as one
 batch and come back one engine step at a time (:class:`~megafleet_engine.openai.engine_client.Batch`):
@@ -18,19 +21,17 @@ once at its end; with ``detokenize: false`` (token-ids-only, for RL clients) not
 from __future__ import annotations
 
 import dataclasses
-import json
 import logging
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable, Sequence
 
 import jinja2
-import msgspec
 
 from megafleet_engine import engine as engine_module
 from megafleet_engine import metrics as metrics_module
 from megafleet_engine.backends import base
-from megafleet_engine.openai import choices, engine_client, errors, protocol
+from megafleet_engine.openai import choices, engine_client, errors, protocol, sse_frames
 
 __all__ = ["ChatServing", "CompletionServing", "ModelServing", "ServingContext", "Stream"]
 
@@ -145,9 +146,9 @@ class _Pipeline:
         prompt_tuples = [tuple(prompt) for prompt in prompts]
         return _Prepared(f"{prefix}-{uuid.uuid4().hex}", specs, prompt_tuples, text=request.detokenize)
 
-    async def complete(self, prepared: _Prepared) -> tuple[dict[int, choices.ChoiceState], int | None]:
-        """Run every choice to its end (a non-streaming response): their states and the weight
-        version served. Text is made incrementally only where a stop string needs it, else once."""
+    async def complete(self, prepared: _Prepared) -> tuple[dict[int, choices.ChoiceState], engine_client.Batch]:
+        """Run every choice to its end (a non-streaming response): their states and their batch
+        (its weight versions). Text is made incrementally only where a stop string needs it, else once."""
         batch, first = await self.start(prepared)
         states = _states(prepared)
         eager = prepared.text and any(spec.stop for spec in prepared.specs)
@@ -159,7 +160,7 @@ class _Pipeline:
         if prepared.text and not eager:
             for state in states.values():
                 state.settle(self.context.tokenizer)
-        return states, batch.weight_version
+        return states, batch
 
     async def start(self, prepared: _Prepared) -> tuple[engine_client.Batch, Step]:
         """Submit every choice as one batch and wait for the first step: errors here are plain HTTP
@@ -198,9 +199,10 @@ class _Pipeline:
         states: dict[int, choices.ChoiceState],
         *,
         text: bool,
-    ) -> AsyncIterator[list[choices.Delta]]:
-        """Every engine step's deltas, one list per step; stop a choice whose stop string matched.
-        ``text``: detokenize as the tokens come (else only keep them)."""
+    ) -> AsyncIterator[tuple[list[choices.Delta], int | None]]:
+        """Every engine step's deltas, one list per step, with the weight version of their tokens;
+        stop a choice whose stop string matched. ``text``: detokenize as the tokens come (else only
+        keep them)."""
         tokenizer = self.context.tokenizer
         tokens: Step | None = first
         while tokens is not None:
@@ -210,7 +212,7 @@ class _Pipeline:
                 deltas.append(state.feed(step, tokenizer) if text else state.append(step))
                 if state.finished:
                     batch.stop(index)
-            yield deltas
+            yield deltas, batch.version
             tokens = await self.next(batch)
 
     async def sse(
@@ -223,11 +225,11 @@ class _Pipeline:
                 if step_events:
                     yield b"".join(step_events)
         except errors.HTTPError as error:
-            yield _event({**errors.envelope(error), "weight_version": weight_version})
+            yield sse_frames.event({**errors.envelope(error), "weight_version": weight_version})
         except Exception as error:
             log.exception("stream failed")
             internal = errors.InternalError(f"internal error ({type(error).__name__})")
-            yield _event({**errors.envelope(internal), "weight_version": weight_version})
+            yield sse_frames.event({**errors.envelope(internal), "weight_version": weight_version})
         finally:
             batch.close()
         yield b"data: [DONE]\n\n"
@@ -312,34 +314,17 @@ def _token_prompts(prompt: protocol.Prompt, tokenizer: base.Tokenizer) -> list[l
     return [single] if single else prompts
 
 
-def _event(data: dict[str, object]) -> bytes:
-    return f"data: {json.dumps(data, separators=(',', ':'))}\n\n".encode()
+def spans(batch: engine_client.Batch, index: int) -> list[protocol.VersionSpan]:
+    """Choice ``index``'s version spans as the API shows them."""
+    return [protocol.VersionSpan(start=span.start, version=span.version) for span in batch.spans(index)]
 
 
-_encode = msgspec.json.Encoder().encode
-
-
-class _Frame:
-    """One stream's SSE event around its choices, made once per stream from the chunk model (with
-    no choices), so a token costs one small dict and one fast encode, not a pydantic model built,
-    validated and dumped per token (``bench/serving.py``'s streaming path). :meth:`event` equals
-    :func:`_event` of the same chunk dumped with that choice (a test compares them).
-
-    Args:
-        envelope: the stream's chunk with ``choices=[]``: its id, model, weight version.
-    """
-
-    def __init__(self, envelope: protocol.OpenAIBaseModel) -> None:
-        text = json.dumps(protocol.dump(envelope), separators=(",", ":"))
-        head, marker, tail = text.partition('"choices":[]')
-        if not marker:
-            raise ValueError(f"{type(envelope).__name__} has no empty choices to frame")
-        self._head = f'data: {head}"choices":['.encode()
-        self._tail = f"]{tail}\n\n".encode()
-
-    def event(self, choice: dict[str, object]) -> bytes:
-        """The event of one chunk with ``choice`` (JSON-ready data, ``None`` fields left out)."""
-        return self._head + _encode(choice) + self._tail
+def _stamp(choice: dict[str, object], batch: engine_client.Batch, delta: choices.Delta, version: int | None) -> None:
+    """Add to a streamed ``choice`` its tokens' weight ``version`` and, on its last chunk, its spans."""
+    if version is not None:
+        choice["weight_version"] = version
+    if delta.finish_reason is not None:
+        choice["weight_version_spans"] = [protocol.dump(span) for span in spans(batch, delta.index)]
 
 
 def _states(prepared: _Prepared) -> dict[int, choices.ChoiceState]:
@@ -358,15 +343,15 @@ class CompletionServing:
 
     async def create(self, request: protocol.CompletionRequest) -> protocol.CompletionResponse:
         prepared = self._prepare(request)
-        states, weight_version = await self._pipeline.complete(prepared)
-        response_choices = [self._choice(request, state, state.steps, state.text, 0) for state in states.values()]
+        states, batch = await self._pipeline.complete(prepared)
+        response_choices = [self._choice(request, state, spans(batch, state.spec.index)) for state in states.values()]
         return protocol.CompletionResponse(
             id=prepared.request_id,
             created=int(time.time()),
             model=request.model,
             choices=response_choices,
             usage=self._pipeline.usage(prepared, states),
-            weight_version=weight_version,
+            weight_version=batch.weight_version,
         )
 
     async def stream(self, request: protocol.CompletionRequest) -> Stream:
@@ -396,13 +381,14 @@ class CompletionServing:
         envelope = protocol.CompletionChunk(
             id=prepared.request_id, created=created, model=request.model, choices=[], weight_version=weight_version
         )
-        frame = _Frame(envelope)
-        async for deltas in self._pipeline.steps(batch, first, states, text=prepared.text):
+        frame = sse_frames.Frame(envelope)
+        async for deltas, version in self._pipeline.steps(batch, first, states, text=prepared.text):
             events: list[bytes] = []
             for delta in deltas:
                 if not (delta.text or delta.finish_reason or wants_steps):
                     continue
                 choice: dict[str, object] = {"index": delta.index, "text": delta.text}
+                _stamp(choice, batch, delta, version)
                 if request.logprobs is not None:
                     offset = states[delta.index].text_length - len(delta.text)
                     logprobs = self._logprobs(delta.steps, offset, text=request.detokenize)
@@ -418,24 +404,21 @@ class CompletionServing:
             yield events
         if request.include_usage:
             envelope.usage = self._pipeline.usage(prepared, states)
-            yield [_event(protocol.dump(envelope))]
+            yield [sse_frames.event(protocol.dump(envelope))]
 
     def _choice(
-        self,
-        request: protocol.CompletionRequest,
-        state: choices.ChoiceState,
-        steps: Sequence[base.TokenStep],
-        text: str,
-        offset: int,
+        self, request: protocol.CompletionRequest, state: choices.ChoiceState, version_spans: list[protocol.VersionSpan]
     ) -> protocol.CompletionChoice:
         ids = request.wants_token_ids
+        steps = state.steps
         return protocol.CompletionChoice(
             index=state.spec.index,
-            text=text,
-            logprobs=self._logprobs(steps, offset, text=request.detokenize) if request.logprobs is not None else None,
+            text=state.text,
+            logprobs=self._logprobs(steps, 0, text=request.detokenize) if request.logprobs is not None else None,
             finish_reason=state.finish_reason,
             token_ids=[step.token_id for step in steps] if ids else None,
             prompt_token_ids=list(state.spec.prompt_token_ids) if ids else None,
+            weight_version_spans=version_spans,
         )
 
     def _logprobs(self, steps: Sequence[base.TokenStep], offset: int, *, text: bool) -> protocol.CompletionLogprobs:
@@ -471,7 +454,7 @@ class ChatServing:
 
     async def create(self, request: protocol.ChatSamplingRequest) -> protocol.ChatCompletionResponse:
         prepared = self._prepare(request)
-        states, weight_version = await self._pipeline.complete(prepared)
+        states, batch = await self._pipeline.complete(prepared)
         ids = request.wants_token_ids
         response_choices = [
             protocol.ChatChoice(
@@ -481,6 +464,7 @@ class ChatServing:
                 finish_reason=state.finish_reason,
                 token_ids=state.token_ids if ids else None,
                 prompt_token_ids=list(state.spec.prompt_token_ids) if ids else None,
+                weight_version_spans=spans(batch, state.spec.index),
             )
             for state in states.values()
         ]
@@ -490,7 +474,7 @@ class ChatServing:
             model=request.model,
             choices=response_choices,
             usage=self._pipeline.usage(prepared, states),
-            weight_version=weight_version,
+            weight_version=batch.weight_version,
         )
 
     async def stream(self, request: protocol.ChatSamplingRequest) -> Stream:
@@ -542,7 +526,7 @@ class ChatServing:
             choices=[],
             weight_version=weight_version,
         )
-        frame = _Frame(envelope)
+        frame = sse_frames.Frame(envelope)
         opening: list[bytes] = []
         for spec in prepared.specs:  # OpenAI opens every choice with the role
             role: dict[str, object] = {"index": spec.index, "delta": {"role": "assistant", "content": ""}}
@@ -552,12 +536,13 @@ class ChatServing:
         yield opening
         states = _states(prepared)
         wants_steps = request.logprobs or ids
-        async for deltas in self._pipeline.steps(batch, first, states, text=prepared.text):
+        async for deltas, version in self._pipeline.steps(batch, first, states, text=prepared.text):
             events: list[bytes] = []
             for delta in deltas:
                 if not (delta.text or delta.finish_reason or wants_steps):
                     continue
                 choice: dict[str, object] = {"index": delta.index, "delta": {"content": delta.text}}
+                _stamp(choice, batch, delta, version)
                 if request.logprobs:
                     choice["logprobs"] = protocol.dump(self._logprobs(delta.steps, text=request.detokenize))
                 if delta.finish_reason is not None:
@@ -568,7 +553,7 @@ class ChatServing:
             yield events
         if request.include_usage:
             envelope.usage = self._pipeline.usage(prepared, states)
-            yield [_event(protocol.dump(envelope))]
+            yield [sse_frames.event(protocol.dump(envelope))]
 
     def _logprobs(self, steps: Sequence[base.TokenStep], *, text: bool) -> protocol.ChatLogprobs:
         token_text = self._pipeline.token_text

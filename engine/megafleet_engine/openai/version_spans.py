@@ -1,0 +1,55 @@
+"""Which weight version produced which generated tokens of a sequence: its version spans.
+
+Kept per sequence by :class:`~megafleet_engine.openai.engine_client.Batch` as its tokens arrive,
+one engine step at a time, each step stamped with the weight version that computed it; shown on
+every choice of a response (``weight_version_spans``) by :mod:`megafleet_engine.openai.serving`.
+A span is ``(start, version)``: ``start`` counts the sequence's generated tokens from 0, and token
+``i`` was sampled from logits computed with the version of the span with the largest start ``<= i``.
+A sequence whose version never changed has one span starting at 0; the spans change only where a
+step's version differs from the one before it. Imports nothing of the engine.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Iterable
+
+__all__ = ["Span", "VersionSpans", "spans_of"]
+
+
+@dataclasses.dataclass(frozen=True)
+class Span:
+    """From generated token ``start`` on (until the next span), the tokens came from ``version``
+    (``None``: the engine had no version)."""
+
+    start: int
+    version: int | None
+
+
+class VersionSpans:
+    """One sequence's spans, grown one step's tokens at a time."""
+
+    def __init__(self) -> None:
+        self._spans: list[Span] = []
+        self.tokens = 0
+        """Generated tokens counted so far."""
+
+    @property
+    def spans(self) -> tuple[Span, ...]:
+        return tuple(self._spans)
+
+    def add(self, version: int | None, count: int = 1) -> None:
+        """Count ``count`` more tokens, all computed with ``version``."""
+        if count < 1:
+            return
+        if not self._spans or self._spans[-1].version != version:
+            self._spans.append(Span(self.tokens, version))
+        self.tokens += count
+
+
+def spans_of(versions: Iterable[int | None]) -> tuple[Span, ...]:
+    """The spans of a sequence whose generated tokens came from ``versions``, one per token."""
+    spans = VersionSpans()
+    for version in versions:
+        spans.add(version)
+    return spans.spans
