@@ -137,7 +137,7 @@ class _Scripted:
 
     @property
     def state(self) -> vocabulary.EngineState:
-        return vocabulary.EngineState.READY
+        return "ready"
 
     @property
     def accepting(self) -> bool:
