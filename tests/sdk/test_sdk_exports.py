@@ -37,6 +37,7 @@ SDK_NAMES = [
     "Router",
     "Sampling",
     "SendReport",
+    "VersionSpan",
     "WeightSender",
     "attempt_port",
 ]

@@ -92,6 +92,7 @@ def test_a_batch_spreads_over_every_ready_frontend_and_never_reaches_stale_or_st
     for prompt, answer in zip(PROMPTS, answers, strict=True):
         assert answer.token_ids == reference.greedy(prompt, MAX_TOKENS, ignore_eos=True)
         assert answer.weight_version == 0 and answer.shard in (0, 1)
+        assert answer.weight_version_spans == (generation.VersionSpan(0, 0),) and answer.last_weight_version == 0
         assert answer.prompt_token_ids == prompt
         assert answer.logprobs is not None and len(answer.logprobs) == len(answer.token_ids)
         assert all(math.isfinite(value) and value <= 0 for value in answer.logprobs)
@@ -125,6 +126,7 @@ def test_a_chat_batch_is_one_batched_request_per_ready_frontend_answering_the_te
         assert answer.token_ids == reference.greedy(answer.prompt_token_ids, MAX_TOKENS)
         assert answer.logprobs is not None and len(answer.logprobs) == len(answer.token_ids)
         assert answer.weight_version == 0 and answer.shard in (0, 1)
+        assert answer.weight_version_spans == (generation.VersionSpan(0, 0),)
 
 
 def test_a_frontend_that_cannot_be_reached_is_skipped(engines: list[engine_command.EngineProcess]) -> None:
@@ -175,9 +177,13 @@ def test_the_nemo_adapter_returns_nemo_rls_tensors(
         len(p) + len(t) for p, t in zip(prompts, expected, strict=True)
     ]
     assert out["weight_versions"].tolist() == [0, 0, 0]
+    assert out["last_weight_versions"].tolist() == [0, 0, 0]
+    assert out["token_weight_versions"].shape == out["logprobs"].shape
     for i, (prompt, tokens) in enumerate(zip(prompts, expected, strict=True)):
         end = len(prompt) + len(tokens)
         assert out["output_ids"][i, :end].tolist() == prompt + tokens
+        versions = out["token_weight_versions"][i].tolist()
+        assert versions == [-1] * len(prompt) + [0] * len(tokens) + [-1] * (len(versions) - end)
         assert (out["output_ids"][i, end:] == pad).all()
         assert (out["logprobs"][i, : len(prompt)] == 0).all() and (out["logprobs"][i, end:] == 0).all()
         assert (out["logprobs"][i, len(prompt) : end] < 0).all()

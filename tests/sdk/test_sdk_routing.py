@@ -113,6 +113,8 @@ def test_nemo_outputs_follow_nemo_rls_layout() -> None:
     assert out["unpadded_sequence_lengths"].tolist() == [5, 5]
     assert out["truncated"].tolist() == [True, False]
     assert out["weight_versions"].tolist() == [4, 4]
+    assert out["last_weight_versions"].tolist() == [4, 4]
+    assert out["token_weight_versions"].tolist() == [[-1, -1, -1, 4, 4, -1, -1], [-1, -1, 4, 4, 4, -1, -1]]
 
 
 def answer(tokens: list[int], logprobs: list[float], finish: str, version: int) -> generation.Answer:

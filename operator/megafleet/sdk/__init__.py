@@ -34,7 +34,7 @@ if TYPE_CHECKING:
         RefitFailed,
     )
     from megafleet.sdk.fleet import Attempt, Fleet, FleetState, RefitResult
-    from megafleet.sdk.generation import Answer, Generator, Sampling
+    from megafleet.sdk.generation import Answer, Generator, Sampling, VersionSpan
     from megafleet.sdk.nemo import MegafleetGeneration
     from megafleet.sdk.routing import Frontend, Router
     from megafleet_protocol.ports import attempt_port
@@ -55,6 +55,7 @@ _HOMES = {
     "Answer": "megafleet.sdk.generation",
     "Generator": "megafleet.sdk.generation",
     "Sampling": "megafleet.sdk.generation",
+    "VersionSpan": "megafleet.sdk.generation",
     "MegafleetGeneration": "megafleet.sdk.nemo",
     "Frontend": "megafleet.sdk.routing",
     "Router": "megafleet.sdk.routing",
@@ -89,6 +90,7 @@ __all__ = [
     "Router",
     "Sampling",
     "SendReport",
+    "VersionSpan",
     "WeightSender",
     "attempt_port",
 ]

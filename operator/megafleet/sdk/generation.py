@@ -18,7 +18,9 @@ engine: the client needs no tokenizer); OpenAI's chat API has no batch form.
 ``Sampling(text=False)`` asks for token ids only (the engine's ``detokenize: false``: no text is
 made). The engine's RL extensions are always asked for:
 ``return_token_ids`` (the completion's token ids) and the weight version (``weight_version`` in the
-body, ``X-Megafleet-Weight-Version`` header), so every :class:`Answer` says which weights made it.
+body, ``X-Megafleet-Weight-Version`` header), so every :class:`Answer` says which weights made it;
+its ``weight_version_spans`` (:class:`VersionSpan`, the engine's per choice) say which of its tokens
+came from which version.
 A frontend that answers 503 (suspended for a refit, loading, fenced as stale), 5xx or cannot be reached
 is skipped and the request goes to the next one; a 4xx is the request's own fault and is raised at once.
 Plain httpx underneath: the OpenAI wire format without the ``openai`` package.
@@ -46,7 +48,7 @@ import httpx
 from megafleet.sdk import errors, routing
 from megafleet_protocol import frontend as frontend_limits
 
-__all__ = ["DEFAULT_SAMPLING", "WEIGHT_VERSION_HEADER", "Answer", "Generator", "Sampling", "chunks"]
+__all__ = ["DEFAULT_SAMPLING", "WEIGHT_VERSION_HEADER", "Answer", "Generator", "Sampling", "VersionSpan", "chunks"]
 
 WEIGHT_VERSION_HEADER = "X-Megafleet-Weight-Version"
 """Response header the engine stamps with the weight version (``none`` before any weights)."""
@@ -106,6 +108,15 @@ DEFAULT_SAMPLING = Sampling()
 
 
 @dataclasses.dataclass(frozen=True)
+class VersionSpan:
+    """From generated token ``start`` on (counted from 0, up to the next span's start), an answer's
+    tokens came from weight ``version`` (``None``: the engine had none)."""
+
+    start: int
+    version: int | None
+
+
+@dataclasses.dataclass(frozen=True)
 class Answer:
     """One generated choice and where it came from."""
 
@@ -114,9 +125,28 @@ class Answer:
     logprobs: list[float] | None  # one per generated token, when asked for
     prompt_token_ids: list[int] | None
     finish_reason: str | None  # "stop" or "length"
-    weight_version: int | None  # the weights that generated it, as the engine stamped it
+    weight_version: int | None  # the weights that generated its first tokens, as the engine stamped it
     url: str  # the frontend that answered
     shard: int
+    weight_version_spans: tuple[VersionSpan, ...] = ()
+    """Which generated tokens came from which version, in order; empty from an engine that does not say."""
+
+    @property
+    def last_weight_version(self) -> int | None:
+        """The version of the last generated token (``weight_version`` when the engine gave no spans)."""
+        return self.weight_version_spans[-1].version if self.weight_version_spans else self.weight_version
+
+    @property
+    def token_weight_versions(self) -> list[int | None]:
+        """The version of each generated token, aligned with ``token_ids`` (all ``weight_version``
+        when the engine gave no spans)."""
+        spans = self.weight_version_spans or (VersionSpan(0, self.weight_version),)
+        count = len(self.token_ids)
+        ends = [span.start for span in spans[1:]] + [count]
+        versions: list[int | None] = []
+        for span, end in zip(spans, ends, strict=True):
+            versions.extend([span.version] * max(0, min(end, count) - len(versions)))
+        return versions
 
 
 def chunks(count: int, frontends: int, *, limit: int = frontend_limits.MAX_SEQUENCES_PER_REQUEST) -> list[range]:
@@ -383,6 +413,7 @@ def _completion_choice(
         weight_version=_weight_version(response, body),
         url=frontend.url,
         shard=frontend.shard,
+        weight_version_spans=_spans(choice),
     )
 
 
@@ -408,6 +439,15 @@ def _chat_choice(
         weight_version=_weight_version(response, body),
         url=frontend.url,
         shard=frontend.shard,
+        weight_version_spans=_spans(choice),
+    )
+
+
+def _spans(choice: Mapping[str, Any]) -> tuple[VersionSpan, ...]:
+    """A choice's ``weight_version_spans`` (empty when the engine gave none)."""
+    return tuple(
+        VersionSpan(int(span["start"]), None if span.get("version") is None else int(span["version"]))
+        for span in choice.get("weight_version_spans") or ()
     )
 
 

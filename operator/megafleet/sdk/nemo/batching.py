@@ -6,8 +6,11 @@ Called by :class:`~megafleet.sdk.nemo.adapter.MegafleetGeneration` (``generate``
 
 Output shapes (NeMo RL's ``interfaces.py``): ``output_ids`` ``[B, L+G]`` (each prompt, its generated
 tokens, then pad), ``logprobs`` ``[B, L+G]`` float32 with zeros on the prompt and the padding,
-``generation_lengths`` and ``unpadded_sequence_lengths`` ``[B]``, plus ``truncated`` (the answer hit
-its length limit) and ``weight_versions`` (the version that generated it; -1 unknown).
+``generation_lengths`` and ``unpadded_sequence_lengths`` ``[B]``, plus (NeMo RL admits extra keys)
+``truncated`` (the answer hit its length limit), ``weight_versions`` and ``last_weight_versions``
+``[B]`` (the versions of its first and last generated tokens; -1 unknown) and
+``token_weight_versions`` ``[B, L+G]`` int64, aligned exactly like ``logprobs``: each generated
+token's version at its output position, -1 on the prompt and the padding.
 """
 
 from __future__ import annotations
@@ -74,10 +77,13 @@ def pack_outputs(
     total = padded_input + max((len(tokens) for tokens in generated), default=0)
     output_ids = torch.full((batch, total), pad_token_id, dtype=input_ids.dtype)
     logprobs = torch.zeros((batch, total), dtype=torch.float32)
+    token_versions = torch.full((batch, total), -1, dtype=torch.long)
     for i, (answer, tokens) in enumerate(zip(answers, generated, strict=True)):
         length = int(input_lengths[i])
         output_ids[i, :length] = input_ids[i, :length]
         output_ids[i, length : length + len(tokens)] = torch.tensor(tokens, dtype=input_ids.dtype)
+        versions = [_known(version) for version in answer.token_weight_versions]
+        token_versions[i, length : length + len(versions)] = torch.tensor(versions, dtype=torch.long)
         if answer.logprobs is not None:
             logprobs[i, length : length + len(answer.logprobs)] = torch.tensor(answer.logprobs, dtype=torch.float32)
     generation_lengths = torch.tensor([len(tokens) for tokens in generated], dtype=torch.long)
@@ -87,7 +93,14 @@ def pack_outputs(
         "generation_lengths": generation_lengths,
         "unpadded_sequence_lengths": input_lengths.to(torch.long).cpu() + generation_lengths,
         "truncated": torch.tensor([answer.finish_reason == "length" for answer in answers], dtype=torch.bool),
-        "weight_versions": torch.tensor(
-            [-1 if answer.weight_version is None else answer.weight_version for answer in answers], dtype=torch.long
+        "weight_versions": torch.tensor([_known(answer.weight_version) for answer in answers], dtype=torch.long),
+        "last_weight_versions": torch.tensor(
+            [_known(answer.last_weight_version) for answer in answers], dtype=torch.long
         ),
+        "token_weight_versions": token_versions,
     }
+
+
+def _known(version: int | None) -> int:
+    """A version as NeMo RL's tensors carry it: -1 unknown."""
+    return -1 if version is None else version
