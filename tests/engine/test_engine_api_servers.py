@@ -101,6 +101,10 @@ def test_the_official_client_through_api_servers_with_metrics_from_the_core(engi
     assert (completion.model_extra or {})["weight_version"] == 0
     assert chunks[-1].choices[-1].finish_reason is not None
     assert all((chunk.model_extra or {})["weight_version"] == 0 for chunk in chunks)
+    # the spans come through the core's per-step outputs: one version, one span from the first token
+    one_span = [{"start": 0, "version": 0}]
+    assert [(choice.model_extra or {})["weight_version_spans"] for choice in completion.choices] == [one_span] * 2
+    assert (chunks[-1].choices[-1].model_extra or {})["weight_version_spans"] == one_span
     # metrics live in the core: the API servers forward what they observed
     assert engine.metric("megafleet_requests_total", endpoint="/v1/completions", status="200") == 1
     assert engine.metric("megafleet_requests_total", endpoint="/v1/chat/completions", status="200") == 1
@@ -197,6 +201,7 @@ def test_suspend_abort_and_resume_reach_requests_through_api_servers(engine: Spl
         models = client.models.list()
     assert raw.headers["X-Megafleet-Weight-Version"] == "3"
     assert (raw.parse().model_extra or {})["weight_version"] == 3
+    assert (raw.parse().choices[0].model_extra or {})["weight_version_spans"] == [{"start": 0, "version": 3}]
     assert (models.model_extra or {})["weight_version"] == 3
 
 
