@@ -314,7 +314,7 @@ def _token_prompts(prompt: protocol.Prompt, tokenizer: base.Tokenizer) -> list[l
     return [single] if single else prompts
 
 
-def spans(batch: engine_client.Batch, index: int) -> list[protocol.VersionSpan]:
+def _spans(batch: engine_client.Batch, index: int) -> list[protocol.VersionSpan]:
     """Choice ``index``'s version spans as the API shows them."""
     return [protocol.VersionSpan(start=span.start, version=span.version) for span in batch.spans(index)]
 
@@ -324,7 +324,7 @@ def _stamp(choice: dict[str, object], batch: engine_client.Batch, delta: choices
     if version is not None:
         choice["weight_version"] = version
     if delta.finish_reason is not None:
-        choice["weight_version_spans"] = [protocol.dump(span) for span in spans(batch, delta.index)]
+        choice["weight_version_spans"] = [protocol.dump(span) for span in _spans(batch, delta.index)]
 
 
 def _states(prepared: _Prepared) -> dict[int, choices.ChoiceState]:
@@ -344,7 +344,7 @@ class CompletionServing:
     async def create(self, request: protocol.CompletionRequest) -> protocol.CompletionResponse:
         prepared = self._prepare(request)
         states, batch = await self._pipeline.complete(prepared)
-        response_choices = [self._choice(request, state, spans(batch, state.spec.index)) for state in states.values()]
+        response_choices = [self._choice(request, state, _spans(batch, state.spec.index)) for state in states.values()]
         return protocol.CompletionResponse(
             id=prepared.request_id,
             created=int(time.time()),
@@ -464,7 +464,7 @@ class ChatServing:
                 finish_reason=state.finish_reason,
                 token_ids=state.token_ids if ids else None,
                 prompt_token_ids=list(state.spec.prompt_token_ids) if ids else None,
-                weight_version_spans=spans(batch, state.spec.index),
+                weight_version_spans=_spans(batch, state.spec.index),
             )
             for state in states.values()
         ]
