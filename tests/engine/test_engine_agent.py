@@ -14,6 +14,8 @@ import pytest
 
 from helpers import engine_harness as harness
 
+pytestmark = pytest.mark.slow  # each test starts an engine, a server, Ray or a subprocess, or computes for a while
+
 AUTHENTICATED = [
     ("GET", "/readyz", None),
     ("GET", "/v1/state", None),

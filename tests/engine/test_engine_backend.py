@@ -216,6 +216,7 @@ def test_transformers_backend_stops_sequences_the_scheduler_closed(
     assert produced["b"] == [step.token_id for step in alone]
 
 
+@pytest.mark.slow  # starts an engine, a server, Ray or a subprocess, or computes for a while
 def test_cancelled_request_stops_and_the_others_go_on(backend: transformers_backend.TransformersBackend) -> None:
     core = engine.Engine(backend)
     prompts = [backend.tokenizer.encode(text) for text in PROMPTS[:2]]
@@ -279,6 +280,7 @@ def test_weight_writes_wait_for_the_batch_and_never_overlap_generation(
     assert len(tokens) == 40
 
 
+@pytest.mark.slow  # starts an engine, a server, Ray or a subprocess, or computes for a while
 def test_refit_between_suspend_and_resume_never_mixes_weight_versions(
     backend: transformers_backend.TransformersBackend,
 ) -> None:

@@ -81,6 +81,7 @@ def test_token_ids_only_answers_ids_and_no_text(served: harness.Served) -> None:
     assert refused.status_code == 400 and refused.json()["error"]["type"] == "invalid_request_error"
 
 
+@pytest.mark.slow  # starts an engine, a server, Ray or a subprocess, or computes for a while
 def test_a_stream_writes_one_piece_per_engine_step(served: harness.Served) -> None:
     """Two prompts x n=2 streamed: every engine step's deltas arrive in one network write, so the
     response has at most one piece per step (steps = max_tokens), never one per token."""

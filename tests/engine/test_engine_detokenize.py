@@ -106,6 +106,7 @@ def _feed_all(tokenizer: Any, ids: list[int], stop: tuple[str, ...]) -> tuple[li
     ids=st.lists(st.integers(0, 255), min_size=1, max_size=60),
     stop=st.lists(st.text(alphabet="ab\u00e9\ufffd", min_size=1, max_size=3), max_size=2).map(tuple),
 )
+@pytest.mark.slow  # starts an engine, a server, Ray or a subprocess, or computes for a while
 def test_any_bytes_give_the_text_of_decoding_everything_at_once(ids: list[int], stop: tuple[str, ...]) -> None:
     """Invalid and split UTF-8 included: the deltas join to the whole decode (cut at a stop string)."""
     tokenizer = ByteTokenizer()
@@ -123,6 +124,7 @@ def tiny_tokenizer() -> Any:
 
 @settings(max_examples=150, deadline=None)
 @given(data=st.data())
+@pytest.mark.slow  # starts an engine, a server, Ray or a subprocess, or computes for a while
 def test_the_tiny_models_tokenizer_special_tokens_included(tiny_tokenizer: Any, data: st.DataObject) -> None:
     """The byte-level BPE tokenizer the tiny models serve with (special tokens skipped): windows
     decode to exactly the whole decode."""

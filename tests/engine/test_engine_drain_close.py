@@ -20,6 +20,8 @@ import pytest
 
 from helpers import engine_harness as harness
 
+pytestmark = pytest.mark.slow  # each test starts an engine, a server, Ray or a subprocess, or computes for a while
+
 
 @pytest.fixture
 def served(tmp_path: Path) -> Iterator[harness.Served]:

@@ -137,6 +137,7 @@ def test_printable_escapes_controls_and_cuts() -> None:
     assert protocol.printable("\n" * 100, limit=None) == "\\n" * 100
 
 
+@pytest.mark.slow  # starts an engine, a server, Ray or a subprocess, or computes for a while
 def test_find_lone_surrogate_names_the_path_and_takes_deep_nesting() -> None:
     assert protocol.find_lone_surrogate({"a": ["ok", {"b": "x\udc00"}]}) == "a.1.b"
     assert protocol.find_lone_surrogate({"k\ud800": 1}) == "body"

@@ -8,6 +8,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 import megafleet_engine
 
 ENGINE_ROOT = Path(megafleet_engine.__file__).parent
@@ -18,6 +20,7 @@ import importlib, pkgutil, sys
 sys.modules["kopf"] = None        # any 'import kopf' now raises ImportError
 sys.modules["megafleet"] = None   # likewise for the operator package
 import megafleet_engine
+
 imported, optional = [], []
 for module in pkgutil.walk_packages(megafleet_engine.__path__, "megafleet_engine."):
     try:
@@ -32,6 +35,7 @@ print("\\n".join(imported))
 """
 
 
+@pytest.mark.slow  # a subprocess imports every engine module
 def test_engine_modules_import_with_kopf_and_the_operator_unimportable() -> None:
     result = subprocess.run(
         [sys.executable, "-c", IMPORT_EVERYTHING], capture_output=True, text=True, timeout=240, check=False

@@ -196,6 +196,7 @@ def assert_error(response: httpx.Response, status: int, code: str, *words: str) 
 # -- refusals ----------------------------------------------------------------------------------------
 
 
+@pytest.mark.slow  # starts an engine, a server, Ray or a subprocess, or computes for a while
 def test_a_backend_without_a_megatron_core_model_cannot_swap(served: harness.Served) -> None:
     assert_error(
         post(served, "/v1/refit/megatron/join", join_body()), 409, "backend_cannot_swap", "TransformersBackend"
@@ -204,6 +205,7 @@ def test_a_backend_without_a_megatron_core_model_cannot_swap(served: harness.Ser
     assert served.engine.state == "ready" and world(served) == {}
 
 
+@pytest.mark.slow  # starts an engine, a server, Ray or a subprocess, or computes for a while
 def test_an_old_megatron_core_is_refused_naming_its_version(
     swapping: tuple[harness.Served, FakeReceiver], monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -231,12 +233,14 @@ def test_an_old_megatron_core_is_refused_naming_its_version(
     ],
     ids=["copy-backend", "trainer-rank", "unknown-field", "empty-session"],
 )
+@pytest.mark.slow  # starts an engine, a server, Ray or a subprocess, or computes for a while
 def test_bad_join_bodies_are_refused(served: harness.Served, change: dict[str, Any], word: str) -> None:
     response = post(served, "/v1/refit/megatron/join", join_body(**change))
     assert response.status_code == 400, response.text
     assert word in response.text
 
 
+@pytest.mark.slow  # starts an engine, a server, Ray or a subprocess, or computes for a while
 def test_a_rank_outside_the_group_is_refused(swapping: tuple[harness.Served, FakeReceiver]) -> None:
     served, receiver = swapping
     rendezvous = {"address": "127.0.0.1", "port": 29600, "worldSize": 2, "rankOffset": 2, "trainerWorldSize": 1}
@@ -246,6 +250,7 @@ def test_a_rank_outside_the_group_is_refused(swapping: tuple[harness.Served, Fak
     assert receiver.connects == []
 
 
+@pytest.mark.slow  # starts an engine, a server, Ray or a subprocess, or computes for a while
 def test_a_refit_never_joins(swapping: tuple[harness.Served, FakeReceiver]) -> None:
     served, receiver = swapping
     assert_error(post(served, "/v1/refit/megatron", refit_body(1)), 409, "megatron_not_joined", "join first")
@@ -255,6 +260,7 @@ def test_a_refit_never_joins(swapping: tuple[harness.Served, FakeReceiver]) -> N
 # -- the join --------------------------------------------------------------------------------------
 
 
+@pytest.mark.slow  # starts an engine, a server, Ray or a subprocess, or computes for a while
 def test_join_prepares_on_the_backend_thread_while_the_engine_serves(
     swapping: tuple[harness.Served, FakeReceiver],
 ) -> None:
@@ -284,6 +290,7 @@ def test_join_prepares_on_the_backend_thread_while_the_engine_serves(
     assert served.engine.state == "ready"
 
 
+@pytest.mark.slow  # starts an engine, a server, Ray or a subprocess, or computes for a while
 def test_a_joined_membership_probes_the_trainers_store_at_port_plus_one(
     probing: tuple[harness.Served, FakeReceiver],
 ) -> None:
@@ -313,6 +320,7 @@ def wait_store(served: harness.Served, reachable: bool) -> dict[str, Any]:
         time.sleep(0.05)  # polling the agent's status with a deadline, as the operator does
 
 
+@pytest.mark.slow  # starts an engine, a server, Ray or a subprocess, or computes for a while
 def test_a_failed_join_reports_why_and_refits_stay_refused(swapping: tuple[harness.Served, FakeReceiver]) -> None:
     served, receiver = swapping
     receiver.connect_error = "the trainer's store at 127.0.0.1:29601 did not answer"
@@ -326,6 +334,7 @@ def test_a_failed_join_reports_why_and_refits_stay_refused(swapping: tuple[harne
 # -- the swaps -------------------------------------------------------------------------------------
 
 
+@pytest.mark.slow  # starts an engine, a server, Ray or a subprocess, or computes for a while
 def test_swaps_suspend_write_in_place_and_serve_each_version(swapping: tuple[harness.Served, FakeReceiver]) -> None:
     served, receiver = swapping
     group = receiver.group
@@ -353,6 +362,7 @@ def test_swaps_suspend_write_in_place_and_serve_each_version(swapping: tuple[har
     assert again.status_code == 202 and again.json()["phase"] == "succeeded" and len(group.swapped) == 3
 
 
+@pytest.mark.slow  # starts an engine, a server, Ray or a subprocess, or computes for a while
 def test_a_refit_for_another_session_is_refused(swapping: tuple[harness.Served, FakeReceiver]) -> None:
     served, _ = swapping
     assert post(served, "/v1/refit/megatron/join", join_body()).status_code == 202
@@ -361,6 +371,7 @@ def test_a_refit_for_another_session_is_refused(swapping: tuple[harness.Served, 
     assert_error(response, 409, "megatron_not_joined", "grpo-1", "other")
 
 
+@pytest.mark.slow  # starts an engine, a server, Ray or a subprocess, or computes for a while
 def test_a_failed_swap_leaves_the_engine_stale_and_the_group_broken(
     swapping: tuple[harness.Served, FakeReceiver],
 ) -> None:
@@ -376,6 +387,7 @@ def test_a_failed_swap_leaves_the_engine_stale_and_the_group_broken(
     assert_error(post(served, "/v1/refit/megatron", refit_body(2)), 409, "megatron_not_joined", "failed")
 
 
+@pytest.mark.slow  # starts an engine, a server, Ray or a subprocess, or computes for a while
 def test_a_swap_past_its_deadline_fails_and_closes_the_group(swapping: tuple[harness.Served, FakeReceiver]) -> None:
     served, receiver = swapping
     assert post(served, "/v1/refit/megatron/join", join_body()).status_code == 202
@@ -388,6 +400,7 @@ def test_a_swap_past_its_deadline_fails_and_closes_the_group(swapping: tuple[har
     assert wait_world(served, "failed")["error"]
 
 
+@pytest.mark.slow  # starts an engine, a server, Ray or a subprocess, or computes for a while
 def test_leave_closes_the_group_and_is_idempotent(swapping: tuple[harness.Served, FakeReceiver]) -> None:
     served, receiver = swapping
     assert post(served, "/v1/refit/megatron/leave", {"session": SESSION}).json() == {"world": None}
@@ -401,6 +414,7 @@ def test_leave_closes_the_group_and_is_idempotent(swapping: tuple[harness.Served
     assert served.engine.state == "ready"
 
 
+@pytest.mark.slow  # starts an engine, a server, Ray or a subprocess, or computes for a while
 def test_leave_during_a_swap_aborts_it(swapping: tuple[harness.Served, FakeReceiver]) -> None:
     served, receiver = swapping
     assert post(served, "/v1/refit/megatron/join", join_body()).status_code == 202

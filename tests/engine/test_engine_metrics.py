@@ -36,6 +36,7 @@ def _scrape(served: harness.Served) -> dict[tuple[str, tuple[tuple[str, str], ..
     }
 
 
+@pytest.mark.slow  # starts an engine, a server, Ray or a subprocess, or computes for a while
 def test_metrics_count_requests_tokens_and_read_engine_state(served: harness.Served) -> None:
     with served.openai_client() as client:
         completion = client.completions.create(model=harness.MODEL, prompt="hello", max_tokens=5, temperature=0)

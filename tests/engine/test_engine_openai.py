@@ -20,6 +20,8 @@ from openai.types.chat import ChatCompletionMessageParam
 
 from helpers import engine_harness as harness
 
+pytestmark = pytest.mark.slow  # each test starts an engine, a server, Ray or a subprocess, or computes for a while
+
 WEIGHT_HEADER = "x-megafleet-weight-version"
 CHAT: list[ChatCompletionMessageParam] = [
     {"role": "system", "content": "You are tiny."},

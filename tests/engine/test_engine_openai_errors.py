@@ -164,6 +164,7 @@ def test_openai_client_raises_typed_errors_with_the_message(module_served: harne
         assert client.completions.create(model=harness.MODEL, prompt="hi", max_tokens=2).choices[0].text is not None
 
 
+@pytest.mark.slow  # starts an engine, a server, Ray or a subprocess, or computes for a while
 def test_deferred_weights_answer_503_loading_until_the_first_version(tmp_path: Path) -> None:
     with (
         harness.serve(harness.tiny_backend(), harness.token_file(tmp_path), weight_version=None) as served,
@@ -188,6 +189,7 @@ def test_deferred_weights_answer_503_loading_until_the_first_version(tmp_path: P
         assert agent.get("/readyz").status_code == 200
 
 
+@pytest.mark.slow  # starts an engine, a server, Ray or a subprocess, or computes for a while
 def test_api_key_is_required_when_configured(tmp_path: Path) -> None:
     with harness.serve(harness.tiny_backend(), harness.token_file(tmp_path), api_key="sk-fleet") as served:
         for key in ("wrong", "sk-fleetx"):
@@ -213,6 +215,7 @@ def test_unreadable_secret_file_stops_start_up(tmp_path: Path) -> None:
         server.read_secret(tmp_path / "empty", what="API key")
 
 
+@pytest.mark.slow  # starts an engine, a server, Ray or a subprocess, or computes for a while
 def test_http_client_sees_weight_version_on_streams(module_served: harness.Served) -> None:
     with (
         module_served.http() as http,

@@ -197,6 +197,7 @@ def test_an_abort_for_a_refit_does_not_abort_the_waiting_requests(
     assert asyncio.run(scenario()) == [2001, 2002]
 
 
+@pytest.mark.slow  # starts an engine, a server, Ray or a subprocess, or computes for a while
 def test_the_wait_is_bounded_by_the_setting(double: VersionedBackend) -> None:
     core = engine.Engine(double, refit_wait_seconds=0.3)
 
@@ -276,6 +277,7 @@ def served(tmp_path: Path) -> Iterator[harness.Served]:
         yield running
 
 
+@pytest.mark.slow  # starts an engine, a server, Ray or a subprocess, or computes for a while
 def test_health_stays_ready_and_a_completion_is_held_across_a_refit_suspend(served: harness.Served) -> None:
     answers: list[Any] = []
     with served.http() as http, served.openai_client() as client:

@@ -307,6 +307,7 @@ def fake_megatron(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 @pytest.mark.parametrize("decode_only", [True, False])
+@pytest.mark.slow  # starts an engine, a server, Ray or a subprocess, or computes for a while
 def test_install_swaps_the_kernels_in_and_keeps_the_results(fake_megatron: None, decode_only: bool) -> None:
     model = fake_model()
     with torch.no_grad():
@@ -361,6 +362,7 @@ def test_install_leaves_a_model_it_does_not_fit_alone(fake_megatron: None) -> No
 
 
 @pytest.mark.parametrize("across_layers", [True, False])
+@pytest.mark.slow  # starts an engine, a server, Ray or a subprocess, or computes for a while
 def test_residual_adds_left_to_the_next_norm_give_the_same_bits(fake_megatron: None, across_layers: bool) -> None:
     """The layers' adds, done by the norm after each (in one kernel), give bitwise what the same
     norms give after megatron's own in-place adds; across layers only when asked, never the last
@@ -385,6 +387,7 @@ def test_residual_adds_left_to_the_next_norm_give_the_same_bits(fake_megatron: N
 
 
 @pytest.mark.parametrize(("lengths", "heads", "kv_heads"), [([5, 0, 1, 37], 4, 2), ([300], 8, 8)])
+@pytest.mark.slow  # starts an engine, a server, Ray or a subprocess, or computes for a while
 def test_decode_attention_is_softmax_attention_over_the_paged_cache(
     lengths: list[int], heads: int, kv_heads: int
 ) -> None:
@@ -420,6 +423,7 @@ def test_decode_attention_is_softmax_attention_over_the_paged_cache(
 
 
 @pytest.mark.parametrize(("rows", "n", "k"), [(1, 24, 64), (1, 10, 96), (3, 16, 200), (4, 8, 1024)])
+@pytest.mark.slow  # starts an engine, a server, Ray or a subprocess, or computes for a while
 def test_gemv_is_the_product_rounded_once(rows: int, n: int, k: int) -> None:
     """Each output is the row's float32 sum of products rounded once (within that rounding of the
     exact product), whatever the tile sizes: columns and widths that are not multiples of them."""
@@ -441,6 +445,7 @@ def test_gemv_is_the_product_rounded_once(rows: int, n: int, k: int) -> None:
         fused.gemv(x, weight.T)  # not contiguous
 
 
+@pytest.mark.slow  # starts an engine, a server, Ray or a subprocess, or computes for a while
 def test_gemv_gated_is_the_swiglu_of_the_gemv_bitwise() -> None:
     generator = torch.Generator().manual_seed(11)
     weight = (torch.randn(2 * 20, 64, generator=generator) / 2).to(torch.bfloat16)
@@ -487,6 +492,7 @@ class LinearMLP(torch.nn.Module):
         return self.linear_fc2(swiglu_reference(intermediate))
 
 
+@pytest.mark.slow  # starts an engine, a server, Ray or a subprocess, or computes for a while
 def test_gemv_takes_the_linear_layers_of_one_token_steps(fake_megatron: None, monkeypatch: pytest.MonkeyPatch) -> None:
     """With :attr:`FusedKernels.gemv`, megatron's linear layers multiply one-token steps through
     :func:`fused.gemv` (fc1 with the SwiGLU in its kernel), reading the weight parameters in place

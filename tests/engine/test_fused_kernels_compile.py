@@ -46,6 +46,7 @@ def approximations(code: str) -> set[str]:
 
 
 @pytest.mark.parametrize(("dtype", "positions", "heads", "dim"), [("bf16", "i64", 32, 128), ("fp16", "i32", 4, 64)])
+@pytest.mark.slow  # starts an engine, a server, Ray or a subprocess, or computes for a while
 def test_rope_compiles_with_precise_cos_and_sin(dtype: str, positions: str, heads: int, dim: int) -> None:
     code = ptx(
         "rope_kernel",

@@ -74,6 +74,7 @@ def test_a_ray_actor_receives_the_adapter_and_generates_from_threads_under_async
     assert {result["weight_version"] for result in results} == {0}
 
 
+@pytest.mark.slow  # starts an engine, a server, Ray or a subprocess, or computes for a while
 def test_methods_nemo_rl_passes_to_ray_get_return_object_refs(
     engine: engine_command.EngineProcess, local_ray: None
 ) -> None:

@@ -85,6 +85,7 @@ def test_wait_ready_follows_the_watch_until_ready_then_routes_to_the_ready_shard
     assert api.reads["watch MegatronGeneration"] == 1
 
 
+@pytest.mark.slow  # starts an engine, a server, Ray or a subprocess, or computes for a while
 def test_wait_ready_names_why_a_fleet_is_not_ready() -> None:
     invalid = {"type": "InvalidSpec", "status": "True", "reason": "NoSuchBackend", "message": "engine.backend"}
     with pytest.raises(errors.FleetNotReady, match="NoSuchBackend") as raised:
