@@ -124,8 +124,27 @@ class Runtime:
         await self.agents.close()
 
 
+class OnRuntime:
+    """The operator's clients and settings, as every controller's context reads them from its
+    :class:`Runtime` (the fleet reconcile's and the Refit and RefitSession controllers')."""
+
+    runtime: Runtime
+
+    @property
+    def api(self) -> kube.Api:
+        return self.runtime.api
+
+    @property
+    def agents(self) -> agent_client.AgentClient:
+        return self.runtime.agents
+
+    @property
+    def settings(self) -> operator_settings.OperatorSettings:
+        return self.runtime.settings
+
+
 @dataclasses.dataclass
-class FleetContext:
+class FleetContext(OnRuntime):
     """One reconcile of one valid fleet; the fields after ``notify`` are filled in by the steps."""
 
     runtime: Runtime
@@ -143,18 +162,6 @@ class FleetContext:
     unplaced: dict[int, str] = dataclasses.field(default_factory=dict)
     """Why each shard that could not be placed was not."""
     reports: pods.Reports = dataclasses.field(default_factory=dict)
-
-    @property
-    def api(self) -> kube.Api:
-        return self.runtime.api
-
-    @property
-    def agents(self) -> agent_client.AgentClient:
-        return self.runtime.agents
-
-    @property
-    def settings(self) -> operator_settings.OperatorSettings:
-        return self.runtime.settings
 
     @property
     def refit(self) -> Object:

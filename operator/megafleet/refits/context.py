@@ -13,8 +13,7 @@ from __future__ import annotations
 import dataclasses
 import datetime
 
-from megafleet import agent_client, desired, kube
-from megafleet import settings as operator_settings
+from megafleet import desired
 from megafleet.api import checks, v1alpha1
 from megafleet.fleet_state import pods as pod_view
 from megafleet.objects import Object
@@ -37,7 +36,7 @@ def parse_fleet(body: Object | None) -> desired.ParsedFleet | None:
 
 
 @dataclasses.dataclass
-class RefitContext:
+class RefitContext(context.OnRuntime):
     """One step of one Refit whose spec and fleet parse; the fields after ``fleet`` are filled in
     by the steps."""
 
@@ -53,18 +52,6 @@ class RefitContext:
     pods: dict[int, list[pod_view.Pod]] = dataclasses.field(default_factory=dict)
     """The shards whose pods all exist and run, by index, in pod order (the shards a refit can count
     on): below ``spec.replicas``, or every held one for a Refit through a RefitSession."""
-
-    @property
-    def api(self) -> kube.Api:
-        return self.runtime.api
-
-    @property
-    def agents(self) -> agent_client.AgentClient:
-        return self.runtime.agents
-
-    @property
-    def settings(self) -> operator_settings.OperatorSettings:
-        return self.runtime.settings
 
     @property
     def name(self) -> str:
@@ -108,7 +95,7 @@ class RefitContext:
 
 
 @dataclasses.dataclass
-class SessionContext:
+class SessionContext(context.OnRuntime):
     """One step of one RefitSession whose fleet parses; the fields after ``monotonic`` are filled in
     by the steps."""
 
@@ -125,18 +112,6 @@ class SessionContext:
     """The fleet's agent token."""
     pods: dict[int, list[pod_view.Pod]] = dataclasses.field(default_factory=dict)
     """Before the join: the fleet's shards whose pods all exist and run, by index, in pod order."""
-
-    @property
-    def api(self) -> kube.Api:
-        return self.runtime.api
-
-    @property
-    def agents(self) -> agent_client.AgentClient:
-        return self.runtime.agents
-
-    @property
-    def settings(self) -> operator_settings.OperatorSettings:
-        return self.runtime.settings
 
     @property
     def fleet_refit(self) -> Object:
