@@ -23,6 +23,10 @@ Predicate = Callable[[Object | None], bool]
 Events = list[Object]
 
 
+RETRY_AFTER_SECONDS = 1.0
+"""How long to wait before listing again when the API server answers 429 (its ``retryAfterSeconds``)."""
+
+
 class KubeError(RuntimeError):
     """The API server answered with an error status."""
 
@@ -140,7 +144,15 @@ class Kube:
         deadline = time.monotonic() + timeout
         last: Object | None = None
         while True:
-            listing = self.list(collection, field_selector=f"metadata.name={name}")
+            try:
+                listing = self.list(collection, field_selector=f"metadata.name={name}")
+            except KubeError as error:
+                # 429 "storage is (re)initializing": the API server rebuilds a resource's watch cache
+                # after its CRD changed (the chart installs CRDs) and asks to retry after a second
+                if error.status != 429 or time.monotonic() + RETRY_AFTER_SECONDS >= deadline:
+                    raise
+                time.sleep(RETRY_AFTER_SECONDS)
+                continue
             last = listing["items"][0] if listing["items"] else None
             if predicate(last):
                 return last
