@@ -73,7 +73,7 @@ from megafleet_engine.refit_attempts import megatron_group, memberships, sources
 from megafleet_engine.refit_attempts import phases as refit_phases
 from megafleet_engine.refit_attempts.sources import checkpoint, nemo_collective
 from megafleet_engine.refit_attempts.sources import rendezvous as rendezvous_source
-from megafleet_protocol import agent_api
+from megafleet_protocol import agent_api, vocabulary
 
 __all__ = [
     "AgentServer",
@@ -226,7 +226,7 @@ async def refit_prepare(
         transport=body.transport,
         bucket_size_mib=body.bucket_size_mib,
         timeout_seconds=body.timeout_seconds,
-        suspend_mode=body.suspend_mode,
+        suspend_mode=_suspend_mode(body),
         kv_cache_mode=body.kv_cache_mode,
         local_address=agent.transfer_address or _pod_address(request),
     )
@@ -239,7 +239,7 @@ async def refit_checkpoint(body: agent_api.CheckpointRefitRequest, agent: AgentD
         version=body.version,
         path=body.path,
         timeout_seconds=body.timeout_seconds,
-        suspend_mode=body.suspend_mode,
+        suspend_mode=_suspend_mode(body),
         kv_cache_mode=body.kv_cache_mode,
     )
     return await _start_refit(agent, refit, agent_api.REFIT_CHECKPOINT, body)
@@ -295,7 +295,7 @@ async def refit_nemo(
             refit_info=info,
             bucket_bytes=body.bucket_bytes,
             timeout_seconds=body.timeout_seconds,
-            suspend_mode=body.suspend_mode,
+            suspend_mode=_suspend_mode(body),
             kv_cache_mode=body.kv_cache_mode,
         )
         return await _start_refit(agent, session_refit, agent_api.REFIT_NEMO, body)
@@ -306,7 +306,7 @@ async def refit_nemo(
         bucket_bytes=body.bucket_bytes,
         generation=body.generation,
         timeout_seconds=body.timeout_seconds,
-        suspend_mode=body.suspend_mode,
+        suspend_mode=_suspend_mode(body),
         kv_cache_mode=body.kv_cache_mode,
         local_address=agent.transfer_address or _pod_address(request),
     )
@@ -361,7 +361,7 @@ async def refit_megatron(body: agent_api.MegatronRefitRequest, agent: AgentDep) 
         version=body.version,
         session=body.session,
         timeout_seconds=body.timeout_seconds,
-        suspend_mode=body.suspend_mode,
+        suspend_mode=_suspend_mode(body),
         kv_cache_mode=body.kv_cache_mode,
     )
     with _megatron_refusals():
@@ -406,6 +406,16 @@ async def _start_refit(
     own = _refit_status_body(agent, snapshot)
     others = await _forward(agent, path, body)
     return responses.JSONResponse(own if others is None else siblings_module.combine(own, others), status_code=202)
+
+
+def _suspend_mode(body: agent_api.RefitRequest) -> vocabulary.SuspendMode:
+    """The request's suspend mode; refuses what this engine does not do yet (keep, staging, integrity)."""
+    if body.suspend_mode == "keep" or body.staging != "off" or body.integrity != "none":
+        raise errors.Conflict(
+            "this engine drains or aborts only: suspendMode keep, staging and integrity are not built yet",
+            code="refit_mode_unsupported",
+        )
+    return body.suspend_mode
 
 
 @contextlib.contextmanager

@@ -34,7 +34,10 @@ __all__ = [
     "RESUME",
     "STATE",
     "SUSPEND",
+    "BucketMismatch",
+    "Capabilities",
     "CheckpointRefitRequest",
+    "InFlightReport",
     "MegatronJoinRequest",
     "MegatronRefitRequest",
     "NemoJoinRequest",
@@ -42,6 +45,7 @@ __all__ = [
     "NemoRefitRequest",
     "NemoTensor",
     "NemoWorldStatus",
+    "PauseReport",
     "PhaseTiming",
     "PrepareRequest",
     "RefitAbortRequest",
@@ -49,8 +53,10 @@ __all__ = [
     "RefitStatusResponse",
     "RendezvousBody",
     "ResumeRequest",
+    "StagingReport",
     "StateResponse",
     "SuspendRequest",
+    "VerificationReport",
 ]
 
 HEALTHZ = "/healthz"
@@ -103,10 +109,20 @@ class RendezvousBody(_Body):
 class _RefitBody(_Body):
     version: int = Field(ge=0, le=2**53, description="the weight version served once the refit completes.")
     timeout_seconds: int = Field(default=300, ge=1, le=86400, description="the watchdog's deadline, in seconds.")
-    suspend_mode: vocabulary.SuspendMode = Field(
-        default="drain", description="drain waits for requests in flight; abort ends them."
+    suspend_mode: vocabulary.InFlightMode = Field(
+        default="drain",
+        description="the sequences in flight: drain waits for them, abort ends them, keep pauses the engine "
+        "between two steps and continues them on the new weights (their KV as kvCacheMode says).",
     )
     kv_cache_mode: vocabulary.KvCacheMode | None = Field(default=None, description="unset: the engine's own mode.")
+    staging: vocabulary.StagingMode = Field(
+        default="off",
+        description="receive into a staging copy while serving (auto: when the memory allows; required: "
+        "fail otherwise) so that the pause covers the switch only; off: write in place.",
+    )
+    integrity: vocabulary.Integrity = Field(
+        default="none", description="checksum: verify every bucket's digest before the switch."
+    )
 
 
 class PrepareRequest(_RefitBody):
@@ -268,6 +284,56 @@ class PhaseTiming(_Response):
     milliseconds: int
 
 
+class InFlightReport(_Response):
+    """What an attempt did with the sequences in flight."""
+
+    requested: vocabulary.InFlightMode
+    effective: vocabulary.InFlightMode
+    kv_cache_mode: vocabulary.KvCacheMode
+    reason: str | None = Field(default=None, description="why effective differs from requested.")
+    kept: int = Field(default=0, ge=0, description="sequences that went on across the switch.")
+    drained: int = Field(default=0, ge=0, description="sequences the refit waited for.")
+    aborted: int = Field(default=0, ge=0, description="sequences the refit ended.")
+    aborted_tokens: int = Field(default=0, ge=0, description="tokens those sequences had produced, thrown away.")
+    recomputed_tokens: int = Field(default=0, ge=0, description="tokens whose KV was recomputed with the new weights.")
+
+
+class StagingReport(_Response):
+    """Where an attempt received its weights."""
+
+    requested: vocabulary.StagingMode
+    effective: vocabulary.StagingEffective
+    reason: str | None = Field(default=None, description="why it did not stage, when it was asked to.")
+    bytes: int = Field(default=0, ge=0, description="the staging copy's size on this rank.")
+
+
+class PauseReport(_Response):
+    """How long an attempt kept this rank from generating, in milliseconds."""
+
+    stall_milliseconds: float = Field(
+        ge=0, description="from the engine's last step before the refit to its first after."
+    )
+    gate_closed_milliseconds: float = Field(ge=0, description="how long new requests waited at the gate.")
+    switch_milliseconds: float = Field(default=0, ge=0, description="the switch itself (the staged copy going live).")
+    recompute_milliseconds: float = Field(default=0, ge=0, description="recomputing the kept sequences' KV.")
+
+
+class BucketMismatch(_Response):
+    """A bucket whose bytes did not match the sender's digest."""
+
+    bucket: int
+    first_tensor: str
+
+
+class VerificationReport(_Response):
+    """What verified the bytes of an attempt before the switch."""
+
+    integrity: vocabulary.Integrity
+    method: vocabulary.VerificationMethod
+    buckets: int = Field(default=0, ge=0, description="buckets verified.")
+    mismatch: BucketMismatch | None = None
+
+
 class RefitStatusResponse(_Response):
     """``GET /v1/refit/status`` (and the answer of every refit call): the current or last attempt."""
 
@@ -293,6 +359,10 @@ class RefitStatusResponse(_Response):
     world: NemoWorldStatus | None = Field(
         default=None, description="the membership of NeMo's world joined by POST /v1/refit/nemo/join, if any."
     )
+    in_flight: InFlightReport | None = None
+    staging: StagingReport | None = None
+    pause: PauseReport | None = None
+    verification: VerificationReport | None = None
 
 
 class NemoWorldStatus(_Response):
@@ -314,6 +384,16 @@ class NemoWorldStatus(_Response):
     )
 
 
+class Capabilities(_Response):
+    """What this engine can do across a refit (read by the operator before it asks for a mode)."""
+
+    keep_modes: list[vocabulary.KvCacheMode] = Field(
+        default_factory=list, description="the KV-cache modes it keeps sequences under; empty: it cannot keep."
+    )
+    staging_bytes: int | None = Field(default=None, ge=0, description="its staging copy's size; None: it cannot stage.")
+    staging_reason: str | None = Field(default=None, description="why it cannot stage, e.g. the memory rule's numbers.")
+
+
 class StateResponse(_Response):
     """``GET /v1/state`` (and the answer of suspend and resume)."""
 
@@ -324,3 +404,4 @@ class StateResponse(_Response):
     world_size: int
     last_error: str | None
     queue_depth: int
+    capabilities: Capabilities = Field(default_factory=Capabilities)

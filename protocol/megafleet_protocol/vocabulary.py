@@ -15,11 +15,16 @@ __all__ = [
     "CollectiveBackend",
     "Dtype",
     "EngineState",
+    "InFlightMode",
+    "Integrity",
     "KvCacheMode",
     "NemoGeneration",
     "RefitSource",
+    "StagingEffective",
+    "StagingMode",
     "SuspendMode",
     "Transport",
+    "VerificationMethod",
     "WeightsInitial",
 ]
 
@@ -37,11 +42,41 @@ EngineState = Literal["loading", "ready", "suspended", "stale", "failed"]
 """An engine's state as its agent reports it (``GET /v1/state``)."""
 SuspendMode = Literal["drain", "abort"]
 """How an engine suspends: ``drain`` waits for requests in flight, ``abort`` ends them."""
-AttemptPhase = Literal["idle", "suspending", "joining", "receiving", "applying", "resuming", "succeeded", "failed"]
+InFlightMode = Literal["drain", "abort", "keep"]
+"""What a refit does with the sequences in flight (``spec.refit.inFlight``, a Refit's ``inFlight``, the
+agent's ``suspendMode``): ``drain`` lets them finish on the old weights first, ``abort`` ends them,
+``keep`` pauses the engine between two steps, switches the weights and lets every sequence go on
+(what happens to its KV cache is the ``kvCacheMode``)."""
+StagingMode = Literal["off", "auto", "required"]
+"""Whether a refit receives into a staging copy while the engine serves (``spec.refit.staging``):
+``off`` writes in place, ``auto`` stages when the memory allows, ``required`` fails the refit otherwise."""
+StagingEffective = Literal["staged", "inPlace"]
+"""How a refit's weights were received: into the staging copy (the pause covers the switch only) or in place."""
+Integrity = Literal["none", "checksum"]
+"""Whether refit buckets carry a digest the receivers verify before the switch (``spec.refit.integrity``)."""
+VerificationMethod = Literal["trainerDigest", "agreement", "none"]
+"""What verified a refit's bytes: the sender's per-bucket digest, the receivers agreeing with each
+other (NeMo's wire carries no digest), or nothing."""
+AttemptPhase = Literal[
+    "idle",
+    "suspending",
+    "pausing",
+    "joining",
+    "receiving",
+    "staging",
+    "applying",
+    "staged",
+    "switching",
+    "resuming",
+    "succeeded",
+    "failed",
+]
 """Where an engine's refit attempt is (``GET /v1/refit/status``; a Refit object's own phase is the API
-models'): ``suspending`` the engine, ``joining`` the trainer's world (rendezvous, handshake, manifest
-check), ``receiving`` buckets (and writing each), ``applying`` a checkpoint, ``resuming``; then
-``succeeded`` or ``failed``. ``idle``: no attempt yet."""
+models'): ``suspending`` the engine (drain or abort), ``pausing`` it at a step boundary (keep, in
+place), ``joining`` the trainer's world (rendezvous, handshake, manifest check), ``receiving`` buckets
+(and writing each in place) or ``staging`` them (into the staging copy while serving), ``applying`` a
+checkpoint, ``staged`` (verified, waiting to switch), ``switching`` (the staged copy goes live at a
+step boundary), ``resuming``; then ``succeeded`` or ``failed``. ``idle``: no attempt yet."""
 RefitSource = Literal["rendezvous", "checkpoint", "nemo"]
 """Where a refit's weights come from: the trainer's rendezvous, a checkpoint path, or an unmodified
 NeMo RL trainer's own collective."""
