@@ -331,6 +331,7 @@ class VerificationReport(_Response):
     integrity: vocabulary.Integrity
     method: vocabulary.VerificationMethod
     buckets: int = Field(default=0, ge=0, description="buckets verified.")
+    bucket_digests: list[str] = Field(default_factory=list)
     mismatch: BucketMismatch | None = None
 
 
