@@ -63,6 +63,7 @@ class Agents:
         self.starts: list[tuple[str, agent_api.RefitRequest]] = []
         self.aborts: list[str] = []
         self.refuse_join: dict[str, str] = {}
+        self.refuse_refit: dict[str, str] = {}  # what a refit start answers, by pod IP (default: accepted)
         self.refit_phase: dict[str, str] = {}  # what a started refit reports, by pod IP (default succeeded)
         self.versions: dict[str, int] = {}
         self.engine_state: vocabulary.EngineState = "ready"
@@ -107,7 +108,7 @@ class Agents:
     async def refit_start(self, pod_ip: str, token: str, body: agent_api.RefitRequest) -> str | None:
         self.starts.append((pod_ip, body))
         self.versions[pod_ip] = body.version
-        return None
+        return self.refuse_refit.get(pod_ip)
 
     async def refit_abort(self, pod_ip: str, token: str, reason: str) -> None:
         self.aborts.append(pod_ip)

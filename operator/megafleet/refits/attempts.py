@@ -59,19 +59,18 @@ async def start(ctx: context.RefitContext) -> None:
     published = refit_status.membership(membership)
     await fleet_lock.take(ctx, published)
     attempt = int(ctx.status.get("attempts", 0)) + 1
-    await ctx.write(
-        {
-            "phase": "Running",
-            "membership": published,
-            "attempts": attempt,
-            "startTime": conditions.now(),
-            "message": f"attempt {attempt}: {len(reachable)} shards receive version {ctx.spec.version}",
-            **started(ctx, chosen),
-        }
-    )
+    running = {
+        "phase": "Running",
+        "membership": published,
+        "attempts": attempt,
+        "startTime": conditions.now(),
+        "message": f"attempt {attempt}: {len(reachable)} shards receive version {ctx.spec.version}",
+        **started(ctx, chosen),
+    }
+    await ctx.write(running)
     refused = await _tell(ctx, reachable, membership, attempt, chosen)
     if refused:  # a member that never started would leave the others waiting for it until their deadline
-        ctx.body = {**ctx.body, "status": {**ctx.status, "attempts": attempt}}
+        ctx.body = {**ctx.body, "status": {**ctx.status, **running}}
         await fail(ctx, sorted(reachable), refused[0])
 
 

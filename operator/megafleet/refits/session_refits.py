@@ -49,19 +49,18 @@ async def start(ctx: context.RefitContext) -> None:
     assert membership is not None  # published before the session could join
     published = membership.model_dump(mode="json", by_alias=True)
     await fleet_lock.take(ctx, published)
-    await ctx.write(
-        {
-            "phase": "Running",
-            "membership": published,
-            "attempts": 1,
-            "startTime": conditions.now(),
-            "message": f"{len(session.members)} shards receive version {ctx.spec.version} through RefitSession "
-            f"{session.name}",
-            **attempts.started(ctx, chosen),
-        }
-    )
+    running = {
+        "phase": "Running",
+        "membership": published,
+        "attempts": 1,
+        "startTime": conditions.now(),
+        "message": f"{len(session.members)} shards receive version {ctx.spec.version} through RefitSession "
+        f"{session.name}",
+        **attempts.started(ctx, chosen),
+    }
+    await ctx.write(running)
     body = _request(ctx, session, info, chosen)
-    ctx.body = {**ctx.body, "status": {**ctx.status, "attempts": 1}}
+    ctx.body = {**ctx.body, "status": {**ctx.status, **running}}
     for shard in members:
         if shard not in ctx.pods:
             await attempts.fail(ctx, members, f"shard {shard} of RefitSession {session.name} has no running pods")

@@ -205,3 +205,20 @@ def test_staging_required_that_the_engines_cannot_honour_fails_before_any_member
     assert failed["message"].startswith("staging required, but shard 0 (pod tiny-s0-p0) cannot stage")
     assert done["staging"]["effective"] == "inPlace"
     assert world.fleet()["status"].get("refit", {}).get("active") is None, "the fleet was never locked"
+
+
+def test_keep_unavailable_stays_on_a_refit_that_a_member_refused_at_once() -> None:
+    world = World(refit={"inFlight": "keep"})
+    world.start()
+    world.session()
+    world.refit_info()
+    world.joined()
+    world.agents.refuse_refit[world.pod_ips()["tiny-s1-p0"]] = "HTTP 409: busy"
+    world.refit(1, {"session": {"name": "grpo"}})
+
+    done = world.advance_refit("tiny-v1")["status"]
+
+    assert done["phase"] == "Failed" and "tiny-s1-p0 refused: HTTP 409: busy" in done["message"]
+    kinds = {c["type"]: c["reason"] for c in done["conditions"]}
+    assert kinds == {"Failed": "Failed", refit_status.KEEP_UNAVAILABLE: modes.BACKEND_CANNOT_KEEP}
+    assert done["inFlight"]["effective"] == "drain"
