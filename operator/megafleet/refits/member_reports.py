@@ -4,7 +4,8 @@ Called by :func:`.attempts.collect` with every member pod's ``GET /v1/refit/stat
 tagged with its shard and pod (:class:`MemberReport`):
 
 * a member that failed: :func:`failure`, the Refit's Failed reason and message (``BucketMismatch``
-  naming shard, pod, bucket and first tensor; ``StagingUnavailable``; else the member's error);
+  naming shard, pod, bucket and first tensor; ``NonFiniteWeights`` naming the tensor;
+  ``StagingUnavailable``; else the member's error);
 * every member succeeded: :func:`summary`, the status fields ``inFlight`` (:func:`in_flight_summary`,
   counts summed over the shards), ``staging`` (:func:`staging_summary`), ``pause``
   (:func:`pause_summary`) and ``verification`` (:func:`verification_summary`).
@@ -62,7 +63,8 @@ class Summary:
 
 def failure(member: MemberReport) -> Failure:
     """The failure of a member whose attempt failed: a bucket that did not verify
-    (``BucketMismatch``), staging required and not possible (``StagingUnavailable``), or its error."""
+    (``BucketMismatch``), a tensor holding NaN or Inf (``NonFiniteWeights``), staging required and not
+    possible (``StagingUnavailable``), or its error."""
     report = member.report
     verification, staging = report.verification, report.staging
     if verification is not None and verification.mismatch is not None:
@@ -81,6 +83,11 @@ def failure(member: MemberReport) -> Failure:
             mismatch=mismatch,
         )
         return Failure(message, refit_status.BUCKET_MISMATCH, {"verification": _dump(checked)})
+    if verification is not None and verification.non_finite is not None:
+        message = f"{member.where}: tensor {verification.non_finite} arrived holding NaN or Inf" + (
+            f" ({report.error})" if report.error else ""
+        )
+        return Failure(message, refit_status.NON_FINITE_WEIGHTS)
     if staging is not None and staging.requested == "required" and staging.effective != "staged":
         why = staging.reason or report.error or "no room for the staging copy"
         record = v1alpha1.StagingStatus(requested="required", effective=staging.effective, reason=why)

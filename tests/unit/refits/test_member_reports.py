@@ -239,6 +239,19 @@ def test_a_bucket_mismatch_fails_the_refit_naming_shard_pod_bucket_and_first_ten
             "shard 0, pod f-s0-p0: staging required, but free 9.8 GiB",
             id="staging-required",
         ),
+        pytest.param(
+            member(
+                1,
+                phase="failed",
+                error="refit to v2 failed",
+                verification=agent_api.VerificationReport(
+                    integrity="checksum", method="agreement", buckets=2, non_finite="lm_head.weight"
+                ),
+            ),
+            refit_status.NON_FINITE_WEIGHTS,
+            "shard 1, pod f-s1-p0: tensor lm_head.weight arrived holding NaN or Inf (refit to v2 failed)",
+            id="non-finite-weights",
+        ),
     ],
 )
 def test_a_failed_member_gives_the_refits_reason(
