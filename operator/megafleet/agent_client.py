@@ -35,6 +35,8 @@ class AgentState:
     weight_version: int | None = None
     served_address: str | None = None
     last_error: str | None = None
+    capabilities: agent_api.Capabilities = dataclasses.field(default_factory=agent_api.Capabilities)
+    """What its engine can do across a refit (keep modes, staging); an agent too old to say: nothing."""
     error: str | None = None
 
 
@@ -106,6 +108,7 @@ class AgentClient:
             weight_version=body.weight_version,
             served_address=body.served_address,
             last_error=body.last_error,
+            capabilities=body.capabilities,
         )
 
     async def suspend(

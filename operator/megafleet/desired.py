@@ -216,8 +216,9 @@ def endpoints_configmap(fleet: ParsedFleet, endpoints: list[v1alpha1.Endpoint]) 
 def template_hash(fleet: ParsedFleet) -> str:
     """A hash of every spec field that shapes a pod; pods with another hash are rolled.
 
-    Fields added after the first release enter only when set (:data:`_ADDED_LATER`, and ``pod`` when
-    not its default), so an operator upgrade never rolls a fleet that does not use them."""
+    Fields added after the first release enter only when set (:data:`_ADDED_LATER`, ``pod`` when not
+    its default, ``refit.staging`` and its headroom when staging is not off), so an operator upgrade
+    never rolls a fleet that does not use them."""
     spec = fleet.spec
     shaping: dict[str, object] = {
         "model": spec.model,
@@ -231,6 +232,8 @@ def template_hash(fleet: ParsedFleet) -> str:
     }
     if spec.pod != v1alpha1.PodSpec():
         shaping["pod"] = spec.pod
+    if spec.refit.staging != "off":  # the engines allocate the staging copy at start
+        shaping["refitStaging"] = {"staging": spec.refit.staging, "headroomMiB": spec.refit.staging_headroom_mi_b}
     text = json.dumps(
         {
             key: value if isinstance(value, dict) else _without_added_defaults(_dump(value))
@@ -466,6 +469,8 @@ def _env(fleet: ParsedFleet, shard: int, index: int, layout: planner.PodLayout, 
         env.WEIGHTS_INITIAL: "refit" if defer_weights else spec.weights.initial,
         env.KV_CACHE_MODE: spec.engine.kv_cache_mode,
         env.CUDA_GRAPHS: "true" if checks.cuda_graphs_enabled(spec) else "false",
+        env.REFIT_STAGING: spec.refit.staging,
+        env.REFIT_STAGING_HEADROOM_MIB: str(spec.refit.staging_headroom_mi_b),
         env.TENSOR_PARALLEL: str(spec.parallelism.tensor),
         env.PIPELINE_PARALLEL: str(spec.parallelism.pipeline),
         env.FRONTEND_PORT: str(spec.frontend.port),

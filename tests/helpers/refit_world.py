@@ -63,13 +63,23 @@ class Agents:
         self.starts: list[tuple[str, agent_api.RefitRequest]] = []
         self.aborts: list[str] = []
         self.refuse_join: dict[str, str] = {}
+        self.refuse_refit: dict[str, str] = {}  # what a refit start answers, by pod IP (default: accepted)
         self.refit_phase: dict[str, str] = {}  # what a started refit reports, by pod IP (default succeeded)
         self.versions: dict[str, int] = {}
         self.engine_state: vocabulary.EngineState = "ready"
         self.protocol = "nemo"  # the session's, which every leave must name
+        self.capabilities: dict[str, agent_api.Capabilities] = {}  # GET /v1/state's, by pod IP (default: none)
+        self.reports: dict[str, dict[str, Any]] = {}  # more fields of a refit's status, by pod IP
 
     async def states(self, pod_ips: list[str], token: str) -> list[agent_client.AgentState]:
-        return [agent_client.AgentState(state=self.engine_state, weight_version=0) for _ in pod_ips]
+        return [
+            agent_client.AgentState(
+                state=self.engine_state,
+                weight_version=0,
+                capabilities=self.capabilities.get(ip, agent_api.Capabilities()),
+            )
+            for ip in pod_ips
+        ]
 
     async def join(
         self, pod_ip: str, token: str, body: agent_api.NemoJoinRequest | agent_api.MegatronJoinRequest
@@ -98,7 +108,7 @@ class Agents:
     async def refit_start(self, pod_ip: str, token: str, body: agent_api.RefitRequest) -> str | None:
         self.starts.append((pod_ip, body))
         self.versions[pod_ip] = body.version
-        return None
+        return self.refuse_refit.get(pod_ip)
 
     async def refit_abort(self, pod_ip: str, token: str, reason: str) -> None:
         self.aborts.append(pod_ip)
@@ -106,24 +116,27 @@ class Agents:
     async def refit_status(self, pod_ip: str, token: str) -> agent_api.RefitStatusResponse | None:
         version = self.versions.get(pod_ip)
         phase = self.refit_phase.get(pod_ip, "succeeded") if version is not None else "idle"
+        answer: dict[str, Any] = {
+            "phase": phase,
+            "version": version,
+            "source": "nemo" if version is not None else None,
+            "transport": None,
+            "rank": None,
+            "world_size": None,
+            "phases": [agent_api.PhaseTiming(name="receive", milliseconds=5)],
+            "duration_milliseconds": 7,
+            "bytes_received": 0,
+            "buckets": 0,
+            "tensors_written": 0,
+            "error": "bucket 2 of 3 not received" if phase == "failed" else None,
+            "timed_out": False,
+            "dirty": False,
+            "state": "ready",
+            "weight_version": version if phase == "succeeded" else 0,
+            "world": self.worlds.get(pod_ip),
+        }
         return agent_api.RefitStatusResponse(
-            phase=phase,
-            version=version,
-            source="nemo" if version is not None else None,
-            transport=None,
-            rank=None,
-            world_size=None,
-            phases=[agent_api.PhaseTiming(name="receive", milliseconds=5)],
-            duration_milliseconds=7,
-            bytes_received=0,
-            buckets=0,
-            tensors_written=0,
-            error="bucket 2 of 3 not received" if phase == "failed" else None,
-            timed_out=False,
-            dirty=False,
-            state="ready",
-            weight_version=version if phase == "succeeded" else 0,
-            world=self.worlds.get(pod_ip),
+            **{**answer, **(self.reports.get(pod_ip, {}) if version is not None else {})}
         )
 
     async def close(self) -> None:

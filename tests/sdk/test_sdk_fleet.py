@@ -157,6 +157,49 @@ def test_a_checkpoint_refit_is_followed_through_its_refit_object_then_routed() -
     assert api.writes["create Refit"] == 1
 
 
+def test_a_refits_overrides_go_into_its_spec_and_its_result_says_what_ran() -> None:
+    """``Fleet.refit(..., in_flight=, kv_cache_mode=, staging=)`` set the Refit's overrides (the NeMo
+    adapter's async-GRPO flags arrive this way); the result carries the status's report of them."""
+    api = kube_fakes.Api(tiny(**serving()))
+    report = {
+        "inFlight": {"requested": "keep", "effective": "keep", "kvCacheMode": "recompute", "kept": 8},
+        "staging": {"requested": "auto", "effective": "staged", "bytes": 4096},
+        "pause": {
+            "stallP50Milliseconds": 11,
+            "stallMaxMilliseconds": 13,
+            "gateClosedMaxMilliseconds": 13,
+            "recomputeMaxMilliseconds": 4,
+            "shards": [{"shard": 0, "stallMilliseconds": 11}],
+        },
+    }
+
+    async def operator() -> None:
+        async for event, obj in api.watch("Refit", namespace=NS):
+            if event != "ADDED":
+                continue
+            name = obj["metadata"]["name"]
+            membership = {"worldSize": 2, "trainerWorldSize": 1, "rankOffsets": [{"shard": 0, "offset": 1}]}
+            await api.patch_status("Refit", name, NS, {"phase": "Running", "attempts": 1, "membership": membership})
+            await api.patch_status("Refit", name, NS, {"phase": "Succeeded", "message": "version 1", **report})
+            await api.patch_status("MegatronGeneration", "tiny", NS, serving(1))
+            return
+
+    async def scenario(client: fleet.Fleet) -> fleet.RefitResult:
+        acting = asyncio.create_task(operator())
+        result = await client.refit(
+            1, checkpoint="/ckpt/v1", timeout=10, in_flight="keep", kv_cache_mode="recompute", staging="auto"
+        )
+        await acting
+        return result
+
+    result = run(api, scenario)
+    spec = api.objects[("Refit", NS, result.name)]["spec"]
+    assert (spec["inFlight"], spec["kvCacheMode"], spec["staging"]) == ("keep", "recompute", "auto")
+    assert result.in_flight is not None and (result.in_flight.effective, result.in_flight.kept) == ("keep", 8)
+    assert result.staging is not None and result.staging.effective == "staged"
+    assert result.pause is not None and (result.pause.stall_max_milliseconds, result.pause.shards[0].shard) == (13, 0)
+
+
 def test_a_fleet_over_an_api_needs_its_namespace() -> None:
     with pytest.raises(ValueError, match="needs its namespace"):
         fleet.Fleet("tiny", client=kube_fakes.Api())

@@ -19,10 +19,21 @@ from megafleet.api.v1alpha1 import (
     fleet_status,
     megatron_generation,
     refit,
+    refit_report,
     refit_session,
 )
 
-MODULES = (common, fleet_engine, fleet_placement, fleet_pod, fleet_status, megatron_generation, refit, refit_session)
+MODULES = (
+    common,
+    fleet_engine,
+    fleet_placement,
+    fleet_pod,
+    fleet_status,
+    megatron_generation,
+    refit,
+    refit_report,
+    refit_session,
+)
 
 
 def ruff_order(name: str) -> tuple[int, str]:

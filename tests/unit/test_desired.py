@@ -320,6 +320,28 @@ def test_an_operator_upgrade_does_not_roll_fleets_that_leave_the_new_fields_unse
     assert desired.template_hash(cpu) == "f2c324051a1f41ad"
 
 
+def test_refit_staging_reaches_the_engines_and_rolls_the_fleet_only_when_on() -> None:
+    """The engines allocate the staging copy at start, so staging (and, while it is on, its headroom)
+    shapes the pod; the other refit settings are read per refit and roll nothing."""
+    base = desired.template_hash(fleet())
+    staged = fleet(refit={"staging": "auto", "stagingHeadroomMiB": 2048})
+    values = env(desired.shard_pods(staged, 0, PLACEMENT)[0])
+
+    assert (values["MEGAFLEET_REFIT_STAGING"], values["MEGAFLEET_REFIT_STAGING_HEADROOM_MIB"]) == ("auto", "2048")
+    assert env(desired.shard_pods(fleet(), 0, PLACEMENT)[0])["MEGAFLEET_REFIT_STAGING"] == "off"
+    assert desired.template_hash(staged) != base
+    assert desired.template_hash(fleet(refit={"staging": "required", "stagingHeadroomMiB": 2048})) not in (
+        base,
+        desired.template_hash(staged),
+    )
+    assert desired.template_hash(fleet(refit={"staging": "auto"})) != desired.template_hash(staged)
+    unchanged = [
+        {"refit": {"staging": "off", "stagingHeadroomMiB": 2048}},
+        {"refit": {"inFlight": "keep", "integrity": "checksum", "timeoutSeconds": 60}},
+    ]
+    assert {desired.template_hash(fleet(**spec)) for spec in unchanged} == {base}
+
+
 def test_user_mounts_may_not_take_or_cover_the_operators() -> None:
     assert v1alpha1.mount_problem("/models") is None
     assert v1alpha1.mount_problem("/tmp/checkpoint") is None  # inside the scratch emptyDir is fine

@@ -21,19 +21,35 @@ import logging
 import pydantic
 
 from megafleet import conditions, planner
+from megafleet.api import v1alpha1
 from megafleet.fleet_state import pods
-from megafleet.refits import context, fleet_lock, refit_status, session_end, session_status, session_view
+from megafleet.objects import Object
+from megafleet.refits import (
+    agreement,
+    context,
+    fleet_lock,
+    member_reports,
+    modes,
+    refit_status,
+    session_end,
+    session_status,
+    session_view,
+)
 from megafleet_protocol import agent_api, ports
 
 log = logging.getLogger(__name__)
 
 
 async def start(ctx: context.RefitContext) -> None:
-    """Start an attempt on every shard whose agents answer: publish its membership (the fleet's lock
-    and the Refit's status), then tell each pod's agent to receive."""
+    """Start an attempt on every shard whose agents answer: resolve its modes against what their
+    engines can do (:func:`.modes.resolve`), publish its membership (the fleet's lock and the Refit's
+    status, with the modes), then tell each pod's agent to receive."""
     reachable = await _reachable(ctx)
     if not reachable:
         await ctx.write({"phase": "Pending", "message": "no live shard to refit yet"})
+        return
+    chosen = modes.resolve(ctx.fleet.spec, ctx.spec, ctx.capabilities)
+    if await staging_unavailable(ctx, chosen):
         return
     layout = ctx.fleet.layout
     shard_size = layout.pods_per_shard * layout.ranks_per_pod
@@ -43,33 +59,75 @@ async def start(ctx: context.RefitContext) -> None:
     published = refit_status.membership(membership)
     await fleet_lock.take(ctx, published)
     attempt = int(ctx.status.get("attempts", 0)) + 1
-    await ctx.write(
-        {
-            "phase": "Running",
-            "membership": published,
-            "attempts": attempt,
-            "startTime": conditions.now(),
-            "message": f"attempt {attempt}: {len(reachable)} shards receive version {ctx.spec.version}",
-        }
-    )
-    refused = await _tell(ctx, reachable, membership, attempt)
+    running = {
+        "phase": "Running",
+        "membership": published,
+        "attempts": attempt,
+        "startTime": conditions.now(),
+        "message": f"attempt {attempt}: {len(reachable)} shards receive version {ctx.spec.version}",
+        **started(ctx, chosen),
+    }
+    await ctx.write(running)
+    refused = await _tell(ctx, reachable, membership, attempt, chosen)
     if refused:  # a member that never started would leave the others waiting for it until their deadline
-        ctx.body = {**ctx.body, "status": {**ctx.status, "attempts": attempt}}
+        ctx.body = {**ctx.body, "status": {**ctx.status, **running}}
         await fail(ctx, sorted(reachable), refused[0])
 
 
 async def _reachable(ctx: context.RefitContext) -> dict[int, list[pods.Pod]]:
-    """The running shards whose every agent answers and whose engine has not failed."""
+    """The running shards whose every agent answers and whose engine has not failed; their pods'
+    capabilities go to ``ctx.capabilities``."""
     reachable = {}
     for shard, members in sorted(ctx.pods.items()):
         states = await ctx.agents.states([pod.ip for pod in members], ctx.token)
         if all(state.error is None and state.state != "failed" for state in states):
             reachable[shard] = members
+            ctx.capabilities += [
+                modes.MemberCapabilities(shard, pod.name, state.capabilities)
+                for pod, state in zip(members, states, strict=True)
+            ]
     return reachable
 
 
+async def staging_unavailable(ctx: context.RefitContext, chosen: modes.Modes) -> bool:
+    """``staging: required`` that a member cannot honour ends the Refit before any member is told to
+    receive (Failed, ``StagingUnavailable``); the fleet is released if an earlier attempt held it."""
+    if chosen.staging_unavailable is None:
+        return False
+    record = v1alpha1.StagingStatus(requested="required", effective="inPlace", reason=chosen.staging_unavailable)
+    outcome = refit_status.failed(
+        f"staging required, but {chosen.staging_unavailable}",
+        refit_status.STAGING_UNAVAILABLE,
+        report={"staging": record.model_dump(mode="json", by_alias=True, exclude_none=True)},
+    )
+    holding = ctx.fleet_body if ctx.fleet_refit.get("active") == ctx.name else None
+    await fleet_lock.finish(ctx.api, ctx.body, holding, outcome)
+    return True
+
+
+def started(ctx: context.RefitContext, chosen: modes.Modes) -> Object:
+    """What an attempt's start writes of its modes: :func:`.modes.started_status`, and the condition
+    KeepUnavailable when the members were told to drain (False again when a retry keeps)."""
+    status = modes.started_status(chosen)
+    found = list(ctx.status.get("conditions") or [])
+    verdict = chosen.keep_unavailable
+    if verdict is None and conditions.find(found, refit_status.KEEP_UNAVAILABLE) is not None:
+        verdict = conditions.Verdict(False, "Kept", "the members were told to keep")
+    if verdict is not None:
+        generation = int(ctx.body["metadata"].get("generation", 1))
+        now = conditions.now()
+        status["conditions"] = conditions.set_condition(
+            found, refit_status.KEEP_UNAVAILABLE, verdict, generation=generation, now=now
+        )
+    return status
+
+
 async def _tell(
-    ctx: context.RefitContext, reachable: dict[int, list[pods.Pod]], membership: planner.Membership, attempt: int
+    ctx: context.RefitContext,
+    reachable: dict[int, list[pods.Pod]],
+    membership: planner.Membership,
+    attempt: int,
+    chosen: modes.Modes,
 ) -> list[str]:
     """Tell every pod of the member shards to receive; the refusals, each naming its pod."""
     refused: list[str] = []
@@ -77,7 +135,7 @@ async def _tell(
         for pod in members:
             # The shard's offset: each rank adds its own rank in the shard (MEGAFLEET_RANK).
             try:
-                body = _request(ctx, membership, membership.offsets[shard], attempt)
+                body = _request(ctx, membership, membership.offsets[shard], attempt, chosen)
             except pydantic.ValidationError as invalid:  # e.g. attempt 2 past port 65535: the agent would refuse it
                 refused.append(f"{pod.name} refused: {invalid.errors()[0]['msg']}")
                 continue
@@ -88,20 +146,20 @@ async def _tell(
 
 
 def _request(
-    ctx: context.RefitContext, membership: planner.Membership, rank_offset: int, attempt: int
+    ctx: context.RefitContext, membership: planner.Membership, rank_offset: int, attempt: int, chosen: modes.Modes
 ) -> agent_api.RefitRequest:
     spec, fleet = ctx.spec, ctx.fleet
-    version, timeout, kv_cache_mode = spec.version, fleet.spec.refit.timeout_seconds, fleet.spec.engine.kv_cache_mode
+    version, timeout, fields = spec.version, fleet.spec.refit.timeout_seconds, modes.request_fields(chosen)
     if spec.source.checkpoint is not None:
         return agent_api.CheckpointRefitRequest(
-            version=version, timeout_seconds=timeout, kv_cache_mode=kv_cache_mode, path=spec.source.checkpoint.path
+            version=version, timeout_seconds=timeout, path=spec.source.checkpoint.path, **fields
         )
     rendezvous = spec.source.rendezvous
     assert rendezvous is not None  # the model validator guarantees exactly one source
     return agent_api.PrepareRequest(
         version=version,
         timeout_seconds=timeout,
-        kv_cache_mode=kv_cache_mode,
+        **fields,
         transport=fleet.spec.refit.transport,
         bucket_size_mib=fleet.spec.refit.bucket_size_mi_b,
         rendezvous=agent_api.RendezvousBody(
@@ -118,25 +176,47 @@ def _request(
 class _Progress:
     """What the members' agents report of the running attempt."""
 
-    reports: list[agent_api.RefitStatusResponse] = dataclasses.field(default_factory=list)
+    reports: list[member_reports.MemberReport] = dataclasses.field(default_factory=list)
     serving: list[int] = dataclasses.field(default_factory=list)
     """Member shards whose every agent reports it ready at the new version."""
-    failure: str | None = None
+    failure: member_reports.Failure | None = None
 
 
 async def collect(ctx: context.RefitContext) -> None:
-    """Ask every member pod how the attempt goes: a member gone or failed fails the attempt; once
-    every one succeeded the Refit finishes, the fleet moving to its version."""
+    """Ask every member pod how the attempt goes: a member gone or failed fails the attempt (a bucket
+    that did not verify: ``BucketMismatch``), and so do members of NeMo's wire whose bucket digests
+    disagree (``DigestDisagreement``); once every one succeeded the Refit finishes with their reports
+    summed (:func:`.member_reports.summary`), the fleet moving to its version."""
     members = [entry["shard"] for entry in (ctx.status.get("membership") or {}).get("rankOffsets", [])]
     progress = await _progress(ctx, members)
     if progress is None:
         return  # not started on every member yet
     if progress.failure is not None:
-        await fail(ctx, members, progress.failure)
+        failure = progress.failure
+        await fail(ctx, members, failure.message, reason=failure.reason, report=failure.status)
         return
-    if not all(report.phase == "succeeded" for report in progress.reports):
+    if not all(member.report.phase == "succeeded" for member in progress.reports):
         return
-    outcome = refit_status.succeeded(ctx.spec, members, progress.reports, progress.serving)
+    disagreement = agreement.agreement([member for member in progress.reports if member.report.source == "nemo"])
+    if disagreement is not None:
+        checked = disagreement.verification(ctx.fleet.spec.refit.integrity)
+        report = {"verification": checked.model_dump(mode="json", by_alias=True, exclude_none=True)}
+        await fail(ctx, members, disagreement.message, reason=refit_status.DIGEST_DISAGREEMENT, report=report)
+        return
+    summed = member_reports.summary(
+        progress.reports,
+        ctx.status,
+        staging_requested=ctx.spec.staging or ctx.fleet.spec.refit.staging,
+        integrity=ctx.fleet.spec.refit.integrity,
+    )
+    outcome = refit_status.succeeded(
+        ctx.spec,
+        members,
+        [member.report for member in progress.reports],
+        progress.serving,
+        report=summed.status,
+        keep_unavailable=summed.keep_unavailable,
+    )
     await fleet_lock.finish(ctx.api, ctx.body, ctx.fleet_body, outcome)
     await _record_session_version(ctx)
 
@@ -146,35 +226,43 @@ async def _progress(ctx: context.RefitContext, members: list[int]) -> _Progress 
     found = _Progress()
     for shard in members:
         if shard not in ctx.pods:
-            found.failure = f"shard {shard} left the fleet during the refit"
+            found.failure = member_reports.Failure(f"shard {shard} left the fleet during the refit")
             return found
         for pod in ctx.pods[shard]:
             report = await ctx.agents.refit_status(pod.ip, ctx.token)
             if report is None:
-                found.failure = f"the agent of {pod.name} is gone"
+                found.failure = member_reports.Failure(f"the agent of {pod.name} is gone")
                 return found
             if report.version != ctx.spec.version:
                 return None  # not started there yet
+            member = member_reports.MemberReport(shard, pod.name, report)
             if report.phase == "failed":
-                found.failure = f"{pod.name}: {report.error}"
+                found.failure = member_reports.failure(member)
                 return found
-            found.reports.append(report)
-        shard_reports = found.reports[-len(ctx.pods[shard]) :]
+            found.reports.append(member)
+        shard_reports = [member.report for member in found.reports[-len(ctx.pods[shard]) :]]
         if all(report.state == "ready" and report.weight_version == ctx.spec.version for report in shard_reports):
             found.serving.append(shard)
     return found
 
 
-async def fail(ctx: context.RefitContext, members: list[int], failure: str) -> None:
-    """Stop every other member at once (not at its deadline), then retry or give up."""
+async def fail(
+    ctx: context.RefitContext,
+    members: list[int],
+    failure: str,
+    *,
+    reason: str | None = None,
+    report: Object | None = None,
+) -> None:
+    """Stop every other member at once (not at its deadline), then retry or give up; a Refit that
+    gives up ends Failed with ``reason`` (None: the generic one) and ``report``'s status fields."""
     for shard in members:
         for pod in ctx.pods.get(shard, []):
             await ctx.agents.refit_abort(pod.ip, ctx.token, f"another member failed: {failure}")
     attempts = int(ctx.status.get("attempts", 1))
     if attempts >= ctx.max_attempts:
-        await fleet_lock.finish(
-            ctx.api, ctx.body, ctx.fleet_body, refit_status.failed(f"attempt {attempts} failed: {failure}")
-        )
+        outcome = refit_status.failed(f"attempt {attempts} failed: {failure}", reason, report=report)
+        await fleet_lock.finish(ctx.api, ctx.body, ctx.fleet_body, outcome)
         await _break_session(ctx, failure)
         return
     log.warning(

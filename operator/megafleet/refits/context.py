@@ -18,7 +18,7 @@ from megafleet.api import checks, v1alpha1
 from megafleet.fleet_state import pods as pod_view
 from megafleet.objects import Object
 from megafleet.reconcile import context
-from megafleet.refits import session_view
+from megafleet.refits import modes, session_view
 
 
 def parse_fleet(body: Object | None) -> desired.ParsedFleet | None:
@@ -52,6 +52,9 @@ class RefitContext(context.OnRuntime):
     pods: dict[int, list[pod_view.Pod]] = dataclasses.field(default_factory=dict)
     """The shards whose pods all exist and run, by index, in pod order (the shards a refit can count
     on): below ``spec.replicas``, or every held one for a Refit through a RefitSession."""
+    capabilities: list[modes.MemberCapabilities] = dataclasses.field(default_factory=list)
+    """What the member pods' agents say their engines can do across a refit, in shard and pod order;
+    filled as an attempt starts, from the same ``GET /v1/state`` that finds the members."""
 
     @property
     def name(self) -> str:

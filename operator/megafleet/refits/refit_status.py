@@ -7,8 +7,9 @@ Called by the Refit controller's steps (:mod:`.refit_controller`, :mod:`.attempt
   Refit is refused (:func:`refused`: ``VersionNotNewer``, ``SessionHeld``);
 * the membership a Refit (and a RefitSession) publishes (:func:`membership`);
 * the end: the :class:`Outcome` of a refit, the Refit's last status (:func:`final`), the fleet's
-  patch that releases it and, on success, moves ``status.refit.currentVersion`` on and settles the
-  member shards' readiness (:func:`released_fleet`, :func:`settled_status`, :func:`settled_shards`);
+  patch that releases it and, on success, moves ``status.refit.currentVersion`` on, records how the
+  refit treated the sequences in flight (:func:`last_in_flight`) and settles the member shards'
+  readiness (:func:`released_fleet`, :func:`settled_status`, :func:`settled_shards`);
 * pruning: which finished Refits go (:func:`prunable`).
 """
 
@@ -25,6 +26,9 @@ from megafleet_protocol import agent_api
 
 FINISHED = ("Succeeded", "Failed")
 """Phases a Refit never leaves."""
+KEEP_UNAVAILABLE = "KeepUnavailable"
+"""Condition of a Refit that asked to keep the sequences in flight whose members drained instead
+(its reason: ``BackendCannotKeep``, ``KvCacheModeNotKept``, ``EngineDrained``, see :mod:`.modes`)."""
 INVALID_SPEC = "InvalidSpec"
 """Reason of the Failed condition of a Refit whose spec does not parse (admitted by an older CRD)."""
 VERSION_NOT_NEWER = "VersionNotNewer"
@@ -35,6 +39,14 @@ SESSION_NOT_JOINED = "SessionNotJoined"
 """Reason of the Failed condition of a Refit through a RefitSession that is not Joined (or not this fleet's)."""
 REFIT_INFO_MISSING = "RefitInfoMissing"
 """Reason of the Failed condition of a NeMo session Refit whose session has no usable refit info."""
+BUCKET_MISMATCH = "BucketMismatch"
+"""Reason of the Failed condition of a Refit whose member received a bucket that did not match its digest."""
+NON_FINITE_WEIGHTS = "NonFiniteWeights"
+"""Reason of the Failed condition of a Refit whose member received weights with NaN or Inf values."""
+STAGING_UNAVAILABLE = "StagingUnavailable"
+"""Reason of the Failed condition of a Refit with ``staging: required`` that a member cannot stage."""
+DIGEST_DISAGREEMENT = "DigestDisagreement"
+"""Reason of the Failed condition of a Refit whose members' bucket digests disagree (NeMo's wire)."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -55,10 +67,16 @@ class Outcome:
     """Where that version came from, for shards that catch up later (None: not a checkpoint)."""
     serving: tuple[int, ...] = ()
     """The member shards whose agents reported the new version ready."""
+    report: Object | None = None
+    """The members' reports as Refit status fields (``inFlight``, ``staging``, ``pause``,
+    ``verification``), see :mod:`.member_reports`; on success the fleet keeps ``lastInFlight`` and
+    ``lastStallMilliseconds`` from them."""
+    keep_unavailable: conditions.Verdict | None = None
+    """Set: the Refit's condition KeepUnavailable (a member drained on its own although told to keep)."""
 
 
-def failed(message: str, reason: str | None = None) -> Outcome:
-    return Outcome("Failed", message, reason=reason)
+def failed(message: str, reason: str | None = None, *, report: Object | None = None) -> Outcome:
+    return Outcome("Failed", message, reason=reason, report=report)
 
 
 def current_version(fleet_status: Object) -> int | None:
@@ -108,35 +126,48 @@ def succeeded(
     members: list[int],
     reports: list[agent_api.RefitStatusResponse],
     serving: list[int],
+    *,
+    report: Object | None = None,
+    keep_unavailable: conditions.Verdict | None = None,
 ) -> Outcome:
     """The outcome of an attempt every member's agents reported succeeded: the longest time any
-    spent in each phase, the longest duration, the new version and where it came from."""
+    spent in each phase, the longest duration, the new version and where it came from; ``report``
+    and ``keep_unavailable`` as :class:`Outcome` says."""
     phases: dict[str, int] = {}
-    for report in reports:
-        for timing in report.phases:
+    for answer in reports:
+        for timing in answer.phases:
             phases[timing.name] = max(phases.get(timing.name, 0), timing.milliseconds)
     return Outcome(
         "Succeeded",
         f"{len(members)} shards serve version {spec.version}",
         phases=[{"name": name, "milliseconds": milliseconds} for name, milliseconds in phases.items()],
-        duration=max(report.duration_milliseconds or 0 for report in reports),
+        duration=max(answer.duration_milliseconds or 0 for answer in reports),
         version=spec.version,
         checkpoint=spec.source.checkpoint.path if spec.source.checkpoint is not None else None,
         serving=tuple(serving),
+        report=report,
+        keep_unavailable=keep_unavailable,
     )
 
 
 def final(refit: Object, outcome: Outcome, now: str) -> Object:
     """The Refit's last status update: phase, message, completion time, its Complete (or Failed)
-    condition, and a success's phases and duration."""
+    condition (and KeepUnavailable when the outcome says so), the members' report, and a success's
+    phases and duration."""
+    generation = int(refit["metadata"].get("generation", 1))
     found = conditions.set_condition(
         list((refit.get("status") or {}).get("conditions", [])),
         "Complete" if outcome.phase == "Succeeded" else "Failed",
         conditions.Verdict(True, outcome.reason or outcome.phase, outcome.message),
-        generation=int(refit["metadata"].get("generation", 1)),
+        generation=generation,
         now=now,
     )
+    if outcome.keep_unavailable is not None:
+        found = conditions.set_condition(
+            found, KEEP_UNAVAILABLE, outcome.keep_unavailable, generation=generation, now=now
+        )
     update: Object = {"phase": outcome.phase, "message": outcome.message, "completionTime": now, "conditions": found}
+    update.update(outcome.report or {})
     if outcome.phases is not None:
         update["phases"] = outcome.phases
     if outcome.duration is not None:
@@ -161,6 +192,8 @@ def released_fleet(fleet_body: Object, refit: str, outcome: Outcome, now: str) -
         fleet_refit.update(
             {"currentVersion": version, "lastDurationMilliseconds": outcome.duration, "lastPhases": outcome.phases}
         )
+        if outcome.report is not None:
+            fleet_refit.update(last_in_flight(outcome.report))
         # What a shard that falls behind this version catches up from (None: the next refit).
         fleet_refit["currentCheckpoint"] = outcome.checkpoint
     patch: Object = {"refit": fleet_refit}
@@ -172,6 +205,23 @@ def released_fleet(fleet_body: Object, refit: str, outcome: Outcome, now: str) -
             settled_status(fleet_status, outcome.serving, version, replicas=replicas, generation=generation, now=now)
         )
     return patch
+
+
+def last_in_flight(report: Object) -> Object:
+    """What the fleet's ``status.refit`` keeps of a successful Refit's report: ``lastInFlight`` (the
+    mode the members ran, the KV mode, staged or in place) and ``lastStallMilliseconds`` (the longest
+    shard's stall); None for what the report does not say (an engine that reports neither)."""
+    in_flight, staging, pause = report.get("inFlight"), report.get("staging"), report.get("pause")
+    last: Object = {"lastInFlight": None, "lastStallMilliseconds": None}
+    if in_flight is not None:
+        last["lastInFlight"] = {
+            "mode": in_flight["effective"],
+            "kvCacheMode": in_flight["kvCacheMode"],
+            "staging": (staging or {}).get("effective", "inPlace"),
+        }
+    if pause is not None:
+        last["lastStallMilliseconds"] = pause["stallMaxMilliseconds"]
+    return last
 
 
 def settled_status(

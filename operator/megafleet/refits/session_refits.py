@@ -6,14 +6,15 @@ and held world are used as they are (never recomputed), every member pod is told
 (``POST /v1/refit/nemo`` or ``/v1/refit/megatron`` in the session form), and there is exactly one
 attempt: a trainer's broadcast cannot be replayed, so a failure breaks the session. A Refit through
 a session that is not ``Joined`` (or not this fleet's) fails ``SessionNotJoined``; a NeMo session
-without usable refit info fails ``RefitInfoMissing``.
+without usable refit info fails ``RefitInfoMissing``. Its modes are resolved against the members'
+capabilities as any attempt's (:func:`.modes.resolve`); megatron-core's own swap never stages.
 """
 
 from __future__ import annotations
 
 from megafleet import conditions
 from megafleet.api import v1alpha1
-from megafleet.refits import attempts, context, fleet_lock, refit_info_check, refit_status, session_view
+from megafleet.refits import attempts, context, fleet_lock, modes, refit_info_check, refit_status, session_view
 from megafleet_protocol import agent_api
 
 
@@ -38,23 +39,28 @@ async def start(ctx: context.RefitContext) -> None:
                 ctx.api, ctx.body, None, refit_status.failed(message, refit_status.REFIT_INFO_MISSING)
             )
             return
+    members = [shard for shard, _ in session.members]
+    await _capabilities(ctx, members)
+    native_swap = session.spec.megatron_native is not None
+    chosen = modes.resolve(ctx.fleet.spec, ctx.spec, ctx.capabilities, native_swap=native_swap)
+    if await attempts.staging_unavailable(ctx, chosen):
+        return
     membership = session.status.membership
     assert membership is not None  # published before the session could join
     published = membership.model_dump(mode="json", by_alias=True)
     await fleet_lock.take(ctx, published)
-    await ctx.write(
-        {
-            "phase": "Running",
-            "membership": published,
-            "attempts": 1,
-            "startTime": conditions.now(),
-            "message": f"{len(session.members)} shards receive version {ctx.spec.version} through RefitSession "
-            f"{session.name}",
-        }
-    )
-    body = _request(ctx, session, info)
-    ctx.body = {**ctx.body, "status": {**ctx.status, "attempts": 1}}
-    members = [shard for shard, _ in session.members]
+    running = {
+        "phase": "Running",
+        "membership": published,
+        "attempts": 1,
+        "startTime": conditions.now(),
+        "message": f"{len(session.members)} shards receive version {ctx.spec.version} through RefitSession "
+        f"{session.name}",
+        **attempts.started(ctx, chosen),
+    }
+    await ctx.write(running)
+    body = _request(ctx, session, info, chosen)
+    ctx.body = {**ctx.body, "status": {**ctx.status, **running}}
     for shard in members:
         if shard not in ctx.pods:
             await attempts.fail(ctx, members, f"shard {shard} of RefitSession {session.name} has no running pods")
@@ -64,6 +70,16 @@ async def start(ctx: context.RefitContext) -> None:
             if refusal is not None:
                 await attempts.fail(ctx, members, f"{pod.name} refused: {refusal}")
                 return
+
+
+async def _capabilities(ctx: context.RefitContext, members: list[int]) -> None:
+    """What the running pods of the member shards can do across a refit, into ``ctx.capabilities``
+    (an agent that does not answer now adds nothing: the refit finds it gone when it starts)."""
+    for shard in members:
+        pods = ctx.pods.get(shard, [])
+        for pod, state in zip(pods, await ctx.agents.states([pod.ip for pod in pods], ctx.token), strict=True):
+            if state.error is None:
+                ctx.capabilities.append(modes.MemberCapabilities(shard, pod.name, state.capabilities))
 
 
 def not_joined(session: session_view.Session | None, spec: v1alpha1.RefitObjectSpec) -> str | None:
@@ -82,24 +98,17 @@ def not_joined(session: session_view.Session | None, spec: v1alpha1.RefitObjectS
 
 
 def _request(
-    ctx: context.RefitContext, session: session_view.Session, info: list[agent_api.NemoTensor]
+    ctx: context.RefitContext, session: session_view.Session, info: list[agent_api.NemoTensor], chosen: modes.Modes
 ) -> agent_api.NemoRefitRequest | agent_api.MegatronRefitRequest:
     """The body every member pod gets: the same for all (each rank knows its place in the world)."""
-    fleet = ctx.fleet
-    version, timeout, kv_cache_mode = (
-        ctx.spec.version,
-        fleet.spec.refit.timeout_seconds,
-        fleet.spec.engine.kv_cache_mode,
-    )
+    version, timeout, fields = ctx.spec.version, ctx.fleet.spec.refit.timeout_seconds, modes.request_fields(chosen)
     nemo = session.spec.nemo_collective
     if nemo is None:
-        return agent_api.MegatronRefitRequest(
-            version=version, timeout_seconds=timeout, kv_cache_mode=kv_cache_mode, session=session.key
-        )
+        return agent_api.MegatronRefitRequest(version=version, timeout_seconds=timeout, session=session.key, **fields)
     return agent_api.NemoRefitRequest(
         version=version,
         timeout_seconds=timeout,
-        kv_cache_mode=kv_cache_mode,
+        **fields,
         session=session.key,
         refit_info=info,
         bucket_bytes=nemo.bucket_bytes,

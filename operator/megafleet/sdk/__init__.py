@@ -12,6 +12,8 @@
   ``engine`` extra).
 * :mod:`megafleet.sdk.nemo`: :class:`~megafleet.sdk.nemo.MegafleetGeneration`, NeMo RL's
   ``GenerationInterface`` over a fleet (needs torch).
+* The words a refit's overrides take (``Fleet.refit(..., in_flight=, kv_cache_mode=, staging=)``):
+  ``InFlightMode``, ``KvCacheMode`` and ``StagingMode``, from :mod:`megafleet_protocol.vocabulary`.
 
 Names are imported on first use, so ``import megafleet.sdk`` (or :mod:`megafleet.sdk.fleet`) does not
 import torch. ``__all__`` is fixed by ``tests/sdk/test_sdk_exports.py``. The SDK imports only the
@@ -40,6 +42,7 @@ if TYPE_CHECKING:
     from megafleet_protocol.ports import attempt_port
     from megafleet_protocol.refit.errors import ReceiverFailed, RefitError, RefitRejected, RefitTimeout
     from megafleet_protocol.refit.sender import SendReport, WeightSender
+    from megafleet_protocol.vocabulary import InFlightMode, KvCacheMode, StagingMode
 
 _HOMES = {
     "FleetError": "megafleet.sdk.errors",
@@ -66,6 +69,9 @@ _HOMES = {
     "RefitError": "megafleet_protocol.refit.errors",
     "RefitRejected": "megafleet_protocol.refit.errors",
     "RefitTimeout": "megafleet_protocol.refit.errors",
+    "InFlightMode": "megafleet_protocol.vocabulary",
+    "KvCacheMode": "megafleet_protocol.vocabulary",
+    "StagingMode": "megafleet_protocol.vocabulary",
 }
 
 __all__ = [
@@ -79,6 +85,8 @@ __all__ = [
     "Frontend",
     "GenerationFailed",
     "Generator",
+    "InFlightMode",
+    "KvCacheMode",
     "MegafleetGeneration",
     "NoFrontend",
     "ReceiverFailed",
@@ -90,6 +98,7 @@ __all__ = [
     "Router",
     "Sampling",
     "SendReport",
+    "StagingMode",
     "VersionSpan",
     "WeightSender",
     "attempt_port",

@@ -130,6 +130,23 @@ class RefitResult:
     status: v1alpha1.RefitObjectStatus
     members: tuple[int, ...]  # shard indexes that received the version
 
+    @property
+    def in_flight(self) -> v1alpha1.InFlightStatus | None:
+        """What the refit did with the sequences in flight (mode asked and run, counts summed over
+        the member shards); None from an operator that does not report it."""
+        return self.status.in_flight
+
+    @property
+    def staging(self) -> v1alpha1.StagingStatus | None:
+        """Whether the members received into their staging copy while serving, or in place."""
+        return self.status.staging
+
+    @property
+    def pause(self) -> v1alpha1.PauseStatus | None:
+        """How long the refit kept the member shards from generating (median, longest, per shard);
+        None when no member reported it."""
+        return self.status.pause
+
 
 class Fleet:
     """Client of one MegatronGeneration.
@@ -277,6 +294,9 @@ class Fleet:
         checkpoint: str | None = None,
         send: SendFn | None = None,
         timeout: float = DEFAULT_REFIT_TIMEOUT_SECONDS,
+        in_flight: vocabulary.InFlightMode | None = None,
+        kv_cache_mode: vocabulary.KvCacheMode | None = None,
+        staging: vocabulary.StagingMode | None = None,
     ) -> RefitResult:
         """Create a Refit to ``version`` and see it through; afterwards route to its member shards.
 
@@ -286,6 +306,12 @@ class Fleet:
             checkpoint: a path every shard loads by itself (instead of ``rendezvous``).
             send: the trainer side of each attempt, called on a thread (see :class:`Attempt`).
             timeout: bound of the whole refit, retry included.
+            in_flight: the sequences in flight: ``drain``, ``abort`` or ``keep`` (the Refit's
+                ``inFlight``); None: the fleet's ``refit.inFlight``. An engine that cannot keep
+                drains, and :attr:`RefitResult.in_flight` says why.
+            kv_cache_mode: the KV cache of kept sequences: ``persist``, ``recompute`` or ``offload``
+                (megatron); None: the fleet's ``engine.kvCacheMode``.
+            staging: ``off``, ``auto`` or ``required`` (the Refit's ``staging``); None: the fleet's.
 
         Raises:
             RefitFailed: the Refit ended Failed, was deleted, or did not finish in time; the message
@@ -299,7 +325,14 @@ class Fleet:
         source = v1alpha1.RefitSourceSpec(
             rendezvous=rendezvous, checkpoint=None if checkpoint is None else v1alpha1.CheckpointSource(path=checkpoint)
         )
-        spec = v1alpha1.RefitObjectSpec(fleet_ref=v1alpha1.FleetRef(name=self.name), version=version, source=source)
+        spec = v1alpha1.RefitObjectSpec(
+            fleet_ref=v1alpha1.FleetRef(name=self.name),
+            version=version,
+            source=source,
+            in_flight=in_flight,
+            kv_cache_mode=kv_cache_mode,
+            staging=staging,
+        )
         created = await self.api.create(
             {
                 "apiVersion": v1alpha1.API_VERSION,

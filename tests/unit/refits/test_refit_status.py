@@ -9,10 +9,10 @@ from typing import Any
 import pytest
 
 from helpers.refit_world import T, refit
-from megafleet import planner
+from megafleet import conditions, planner
 from megafleet.api import v1alpha1
 from megafleet.objects import Object
-from megafleet.refits import refit_status
+from megafleet.refits import modes, refit_status
 from megafleet_protocol import agent_api
 
 
@@ -316,3 +316,54 @@ def test_the_patch_that_ends_a_successful_refit_settles_its_members_readiness() 
     }
     unsettled = refit_status.released_fleet(fleet, "tiny-v4", refit_status.failed("no"), NOW)
     assert unsettled is not None and set(unsettled) == {"refit"}, "a failure settles no shard"
+
+
+REPORT: Object = {
+    "inFlight": {"requested": "keep", "effective": "drain", "kvCacheMode": "persist", "reason": "shard 0 cannot keep"},
+    "staging": {"requested": "auto", "effective": "staged", "bytes": 8},
+    "pause": {"stallP50Milliseconds": 9, "stallMaxMilliseconds": 11, "gateClosedMaxMilliseconds": 11},
+}
+
+
+def test_a_refits_last_status_carries_the_members_report_and_keep_unavailable() -> None:
+    drained = conditions.Verdict(True, modes.ENGINE_DRAINED, "shard 1, pod tiny-s1-p0 ran drain")
+    outcome = refit_status.Outcome(
+        "Succeeded", "done", phases=[], duration=9, version=4, report=REPORT, keep_unavailable=drained
+    )
+
+    found = refit_status.final(refit("tiny-v4", 4, "Running", f"{T}01Z"), outcome, NOW)
+
+    assert {key: found[key] for key in REPORT} == REPORT
+    kinds = {condition["type"]: (condition["status"], condition["reason"]) for condition in found["conditions"]}
+    assert kinds == {"Complete": ("True", "Succeeded"), "KeepUnavailable": ("True", "EngineDrained")}
+    failed = refit_status.final(refit("tiny-v4", 4, "Running", f"{T}01Z"), refit_status.failed("x", report={}), NOW)
+    assert [condition["type"] for condition in failed["conditions"]] == ["Failed"]
+
+
+@pytest.mark.parametrize(
+    ("report", "expected"),
+    [
+        pytest.param(
+            REPORT,
+            {
+                "lastInFlight": {"mode": "drain", "kvCacheMode": "persist", "staging": "staged"},
+                "lastStallMilliseconds": 11,
+            },
+            id="everything-reported",
+        ),
+        pytest.param(
+            {"inFlight": REPORT["inFlight"]},
+            {
+                "lastInFlight": {"mode": "drain", "kvCacheMode": "persist", "staging": "inPlace"},
+                "lastStallMilliseconds": None,
+            },
+            id="no-staging-no-pause",
+        ),
+        pytest.param({}, {"lastInFlight": None, "lastStallMilliseconds": None}, id="nothing-reported-clears"),
+    ],
+)
+def test_the_fleet_keeps_how_its_last_refit_treated_the_sequences_in_flight(report: Object, expected: Object) -> None:
+    assert refit_status.last_in_flight(report) == expected
+    succeeded = refit_status.Outcome("Succeeded", "done", phases=[], duration=7, version=4, serving=(0,), report=report)
+    patch = refit_status.released_fleet(fleet_body({"active": "tiny-v4"}), "tiny-v4", succeeded, NOW)
+    assert patch is not None and {key: patch["refit"][key] for key in expected} == expected

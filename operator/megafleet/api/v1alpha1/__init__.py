@@ -9,10 +9,11 @@ server at admission; the operator re-checks them, and the rules CEL cannot expre
 :func:`megafleet.planner.validate` and reports ``InvalidSpec``.
 
 One module per kind: :mod:`.megatron_generation` (the parts of its spec in :mod:`.fleet_placement`,
-:mod:`.fleet_engine` and :mod:`.fleet_pod`, its status in :mod:`.fleet_status`), :mod:`.refit` and
-:mod:`.refit_session`; what they share is in :mod:`.common`. Callers import this package and qualify
-its names (``v1alpha1.MegatronGenerationSpec``); :data:`KINDS` lists the kinds in the order the
-generated files show them.
+:mod:`.fleet_engine` and :mod:`.fleet_pod`, its status in :mod:`.fleet_status`), :mod:`.refit` (the
+members' reports in its status in :mod:`.refit_report`) and :mod:`.refit_session`; what they share
+is in :mod:`.common`. Callers import this package and qualify its names
+(``v1alpha1.MegatronGenerationSpec``); :data:`KINDS` lists the kinds in the order the generated
+files show them.
 """
 
 from megafleet.api.v1alpha1 import megatron_generation, refit, refit_session
@@ -76,6 +77,7 @@ from megafleet.api.v1alpha1.fleet_status import (
 )
 from megafleet.api.v1alpha1.megatron_generation import (
     DNS_1035_LABEL,
+    KEEP_OFFLOAD_NEEDS_MEGATRON,
     NAME_MAX,
     NAME_NOT_DNS_1035,
     NAME_TOO_LONG,
@@ -92,6 +94,15 @@ from megafleet.api.v1alpha1.refit import (
     RefitSourceSpec,
     RendezvousSource,
     SessionSource,
+)
+from megafleet.api.v1alpha1.refit_report import (
+    InFlightStatus,
+    LastInFlight,
+    MismatchStatus,
+    PauseStatus,
+    ShardPause,
+    StagingStatus,
+    VerificationStatus,
 )
 from megafleet.api.v1alpha1.refit_session import (
     ConfigMapKeyRef,
@@ -111,6 +122,7 @@ __all__ = [
     "API_VERSION",
     "DNS_1035_LABEL",
     "GROUP",
+    "KEEP_OFFLOAD_NEEDS_MEGATRON",
     "KINDS",
     "NAME_MAX",
     "NAME_NOT_DNS_1035",
@@ -140,19 +152,23 @@ __all__ = [
     "GangSpec",
     "HostPathSource",
     "ImageSource",
+    "InFlightStatus",
     "KeySelector",
     "KindInfo",
+    "LastInFlight",
     "LocalObjectReference",
     "MegatronGenerationSpec",
     "MegatronGenerationStatus",
     "MegatronNativeSpec",
     "Membership",
+    "MismatchStatus",
     "ModelSpec",
     "NemoCollectiveSpec",
     "NfsSource",
     "NvlinkPolicy",
     "ObjectRef",
     "ParallelismSpec",
+    "PauseStatus",
     "PersistentVolumeClaimSource",
     "PhaseTiming",
     "PlacementSpec",
@@ -173,9 +189,12 @@ __all__ = [
     "SecretKeyRef",
     "SecretVolumeSource",
     "SessionSource",
+    "ShardPause",
     "ShardPhase",
     "ShardStatus",
+    "StagingStatus",
     "Toleration",
+    "VerificationStatus",
     "Volume",
     "VolumeMount",
     "WeightsSpec",

@@ -9,7 +9,7 @@ from typing import Literal
 
 from pydantic import Field
 
-from megafleet.api.v1alpha1 import common
+from megafleet.api.v1alpha1 import common, refit_report
 
 ShardPhase = Literal["Pending", "Starting", "Loading", "Ready", "Stale", "Refitting", "Draining", "Failed"]
 
@@ -71,6 +71,12 @@ class FleetRefitStatus(common.ApiModel):
         default=None, ge=0, description="lastDurationMilliseconds of the last refit."
     )
     last_phases: list[common.PhaseTiming] = Field(default_factory=list, description="lastPhases of the last refit.")
+    last_in_flight: refit_report.LastInFlight | None = Field(
+        default=None, description="lastInFlight says how the last refit treated the sequences in flight."
+    )
+    last_stall_milliseconds: int | None = Field(
+        default=None, ge=0, description="lastStallMilliseconds is the longest member's stall in the last refit."
+    )
 
 
 class MegatronGenerationStatus(common.ApiModel):

@@ -20,6 +20,10 @@ NAME_MAX = 63
 """Derived names (Services, pod host names) and the fleet label value are at most 63 characters."""
 
 
+KEEP_OFFLOAD_NEEDS_MEGATRON = "refit.inFlight keep with engine.kvCacheMode offload needs the megatron backend"
+"""Only megatron moves a kept sequence's KV cache to host memory during a refit and back."""
+
+
 class ModelSpec(common.ApiModel):
     """What model the engines serve."""
 
@@ -91,6 +95,35 @@ class RefitSpec(common.ApiModel):
         le=1000,
         description="historyLimit is how many finished Refit objects of this fleet are kept.",
     )
+    in_flight: vocabulary.InFlightMode = Field(
+        default="drain",
+        description="inFlight is what a refit does with the sequences in flight: drain (they finish on the old "
+        "weights first), abort (they end) or keep (the engine pauses between two decode steps, the new "
+        "weights go in and every sequence goes on, its KV cache as engine.kvCacheMode or the Refit's "
+        "kvCacheMode says). An engine that cannot keep in that KV mode drains, and the Refit says so "
+        "(condition KeepUnavailable). A Refit's own inFlight overrides it.",
+    )
+    staging: vocabulary.StagingMode = Field(
+        default="off",
+        description="staging is whether a refit receives into a staging copy of the weights while the "
+        "engines serve, so that the pause covers only the switch: off (write in place), auto (stage when "
+        "the memory allows, else in place, and say so) or required (a Refit fails StagingUnavailable "
+        "without room). The engines allocate the copy at start (MEGAFLEET_REFIT_STAGING), so changing it "
+        "rolls the fleet. A Refit's own staging overrides it within what the engines allocated.",
+    )
+    staging_headroom_mi_b: int = Field(
+        default=1024,
+        ge=0,
+        le=65536,
+        alias="stagingHeadroomMiB",
+        description="stagingHeadroomMiB is the device memory, in MiB, that staging must leave free beside "
+        "the staging copy and two receive buffers (staging auto stages only if it fits).",
+    )
+    integrity: vocabulary.Integrity = Field(
+        default="none",
+        description="integrity is none or checksum (every bucket carries a digest that the receivers verify "
+        "before the switch; on NeMo RL's wire, which carries none, the members compare their digests).",
+    )
 
 
 class MegatronGenerationSpec(common.ApiModel):
@@ -130,6 +163,12 @@ class MegatronGenerationSpec(common.ApiModel):
                     "self.resources.gpusPerNode > 0 || !has(self.engine.cudaGraphs) || !self.engine.cudaGraphs",
                     "CUDA graphs need GPUs: unset engine.cudaGraphs on a CPU fleet",
                     field_path=".engine.cudaGraphs",
+                ),
+                common.cel(
+                    "self.refit.inFlight != 'keep' || self.engine.kvCacheMode != 'offload' || "
+                    "self.engine.backend == 'megatron'",
+                    KEEP_OFFLOAD_NEEDS_MEGATRON,
+                    field_path=".refit.inFlight",
                 ),
                 common.cel(
                     "!has(self.pod.shmSize) || "

@@ -10,7 +10,8 @@ from typing import Literal
 import pydantic
 from pydantic import Field
 
-from megafleet.api.v1alpha1 import common, fleet_placement
+from megafleet.api.v1alpha1 import common, fleet_placement, refit_report
+from megafleet_protocol import vocabulary
 
 RefitPhase = Literal["Pending", "Running", "Succeeded", "Failed"]
 
@@ -82,6 +83,21 @@ class RefitObjectSpec(common.ApiModel):
     fleet_ref: common.FleetRef = Field(description="fleetRef names the fleet to refit.")
     version: int = Field(ge=0, le=2**53, description="version is the weight version the fleet serves afterwards.")
     source: RefitSourceSpec = Field(description="source of the weights.")
+    in_flight: vocabulary.InFlightMode | None = Field(
+        default=None,
+        description="inFlight overrides the fleet's refit.inFlight for this refit (drain, abort or keep); "
+        "unset: the fleet's.",
+    )
+    kv_cache_mode: vocabulary.KvCacheMode | None = Field(
+        default=None,
+        description="kvCacheMode overrides the fleet's engine.kvCacheMode for the sequences this refit keeps "
+        "(persist, recompute, or offload on megatron); unset: the fleet's.",
+    )
+    staging: vocabulary.StagingMode | None = Field(
+        default=None,
+        description="staging overrides the fleet's refit.staging for this refit (off, auto or required; "
+        "staging needs the copy the engines allocated at start); unset: the fleet's.",
+    )
 
 
 class RefitObjectStatus(common.ApiModel):
@@ -91,7 +107,10 @@ class RefitObjectStatus(common.ApiModel):
     conditions: list[common.Condition] = Field(
         default_factory=list,
         json_schema_extra={"x-kubernetes-list-type": "map", "x-kubernetes-list-map-keys": ["type"]},
-        description="conditions of the refit (Complete, Failed).",
+        description="conditions of the refit: Complete, Failed (its reason says why: VersionNotNewer, "
+        "SessionHeld, SessionNotJoined, RefitInfoMissing, InvalidSpec, BucketMismatch, NonFiniteWeights, "
+        "StagingUnavailable, DigestDisagreement, or Failed), KeepUnavailable (keep was asked for, and the "
+        "members drained: BackendCannotKeep, KvCacheModeNotKept, EngineDrained).",
     )
     membership: common.Membership | None = Field(default=None, description="membership the refit ran with.")
     attempts: int = Field(default=0, ge=0, description="attempts made (a failed attempt is retried once).")
@@ -106,6 +125,18 @@ class RefitObjectStatus(common.ApiModel):
         default=None, json_schema_extra={"format": "date-time"}, description="completionTime of the refit."
     )
     message: str = Field(default="", description="message explains the phase.")
+    in_flight: refit_report.InFlightStatus | None = Field(
+        default=None, description="inFlight says what the refit did with the sequences in flight."
+    )
+    staging: refit_report.StagingStatus | None = Field(
+        default=None, description="staging says where the members received the weights."
+    )
+    pause: refit_report.PauseStatus | None = Field(
+        default=None, description="pause says how long the refit kept the members from generating."
+    )
+    verification: refit_report.VerificationStatus | None = Field(
+        default=None, description="verification says what checked the weights' bytes before the switch."
+    )
 
 
 KIND = common.KindInfo(
