@@ -79,6 +79,10 @@ class Collector:
     def invalidate_kv_cache(self) -> bool:
         return self.policy_generation.invalidate_kv_cache()
 
+    def refit_record(self) -> tuple[list[bool], int]:
+        """(:attr:`invalidations`, :attr:`waited_for_generations`), for a caller through Ray."""
+        return list(self.invalidations), self.waited_for_generations
+
     def metrics(self) -> dict[str, Any]:
         """The copy's ``get_logger_metrics()``: it counts what it generated."""
         return self.policy_generation.get_logger_metrics()
@@ -88,15 +92,18 @@ class Collector:
     def set_weight_version(self, version: int) -> None:
         self.current_weight_version = version
 
-    def start(self, prompts: list[list[int]], greedy: bool = True) -> int:
-        """Start one batch (one-row ``generate_async`` calls under ``asyncio.run`` on a new thread)
-        and return its number at once; the thread waits first while a refit pauses new starts."""
+    def start(self, prompts: list[list[int]], greedy: bool = True, together: bool = False) -> int:
+        """Start one batch on a new thread under ``asyncio.run`` and return its number at once: one-row
+        ``generate_async`` calls (NeMo's per-sample rollouts), or with ``together`` one call for the
+        whole batch (NeMo's ``generate_responses_async``; the adapter then sends one request per
+        frontend, which a batch-at-a-time engine starts together). The thread waits first while a
+        refit pauses new starts."""
         batch = self._batches
         self._batches += 1
 
         def run(stamped: int) -> None:
             try:
-                asyncio.run(self._generate(batch, prompts, greedy, stamped))
+                asyncio.run(self._generate(batch, prompts, greedy, stamped, together))
             except BaseException as error:  # reported by finish
                 self._failures.append(error)
 
@@ -152,17 +159,18 @@ class Collector:
         indexes = sorted(index for found, index in self._rows if found == batch)
         return [self._rows[(batch, index)] for index in indexes]
 
-    async def _generate(self, batch: int, prompts: list[list[int]], greedy: bool, stamped: int) -> None:
-        async def one(index: int) -> None:
-            prompt = prompts[index]
+    async def _generate(self, batch: int, prompts: list[list[int]], greedy: bool, stamped: int, together: bool) -> None:
+        async def rows(indexes: list[int]) -> None:
+            width = max(len(prompts[index]) for index in indexes)
             data = {
-                "input_ids": torch.tensor([prompt]),
-                "input_lengths": torch.tensor([len(prompt)]),
-                "stop_strings": [None],
+                "input_ids": torch.tensor([prompts[index] + [0] * (width - len(prompts[index])) for index in indexes]),
+                "input_lengths": torch.tensor([len(prompts[index]) for index in indexes]),
+                "stop_strings": [None] * len(indexes),
             }
-            async for _, single in self.policy_generation.generate_async(data, greedy=greedy):
+            async for row, single in self.policy_generation.generate_async(data, greedy=greedy):
+                prompt = prompts[indexes[row]]
                 generated = slice(len(prompt), len(prompt) + int(single["generation_lengths"][0]))
-                self._rows[(batch, index)] = {
+                self._rows[(batch, indexes[row])] = {
                     "tokens": single["output_ids"][0, generated].tolist(),
                     "logprobs": single["logprobs"][0, generated].tolist(),
                     "token_weight_versions": single["token_weight_versions"][0, generated].tolist(),
@@ -172,7 +180,8 @@ class Collector:
                     "truncated": bool(single["truncated"][0]),
                 }
 
-        await asyncio.gather(*(one(index) for index in range(len(prompts))))
+        everything = list(range(len(prompts)))
+        await asyncio.gather(*([rows(everything)] if together else [rows([index]) for index in everything]))
 
     def _is_async_engine(self) -> bool:
         """NeMo's test: ``policy.generation.backend`` megatron, or vLLM with ``async_engine``."""
