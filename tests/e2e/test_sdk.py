@@ -193,7 +193,9 @@ def test_a_nemo_style_loop_generates_refits_and_generates_the_trainers_tokens(
             seen = ray.get(collector.collect.remote(PROMPTS, 2), timeout=WAIT)
             assert [row["weight_version"] for row in seen] == [3] * len(PROMPTS)
             assert [row["tokens"] for row in seen] == greedy(trainers[0])
-            assert ray.get(collector.invalidate_kv_cache.remote()) is False  # the fleet's kvCacheMode is persist
+            # the copy reads the last Refit's status: it drained (no async flags given), so no KV
+            # computed with the old weights serves after it
+            assert ray.get(collector.invalidate_kv_cache.remote()) is True
         finally:
             ray.kill(collector)
 

@@ -440,6 +440,8 @@ def test_cfg_reads_as_an_async_megatron_backend_and_unsupported_paths_refuse_lou
         "megafleet/requests": 0.0,
         "megafleet/generated_tokens": 0.0,
         "megafleet/truncated": 0.0,
+        "megafleet/samples_spanning_refit": 0.0,
+        "megafleet/tokens_older_than_latest": 0.0,
     }
     with pytest.raises(NotImplementedError, match="CUDA IPC"):
         generation_.update_weights_via_ipc_zmq()

@@ -2,7 +2,7 @@
 
 NeMo RL's policy workers send the weights; the adapter only makes the fleet the receiving ranks,
 through a RefitSession, its refit-info ConfigMap and one Refit per version (proposal 0001, section 4).
-Here :class:`FakeOperator` (an in-memory API server, :mod:`helpers.kube_fakes`) plays the operator:
+Here :class:`~helpers.nemo_fakes.FakeOperator` (an in-memory API server) plays the operator:
 a session joins, its refit info is accepted when the ConfigMap's bytes match the sha256, and a Refit
 runs until the test releases it. Covered: NeMo RL's three call orders, calls that return only once
 the Refit succeeded, an exception (never a ``False`` result) when it fails, the bucket target ``B``
@@ -12,7 +12,6 @@ in all four cases, ``W - T`` checked before anything exists, and the ConfigMap's
 from __future__ import annotations
 
 import base64
-import copy
 import gzip
 import hashlib
 import json
@@ -25,137 +24,21 @@ import warnings
 from collections.abc import Callable, Iterator
 from typing import Any
 
-import httpx
 import pytest
 import torch
 
-from helpers import kube_fakes
-from megafleet.sdk import errors, fleet, generation, nemo, routing
+from helpers.nemo_fakes import FLEET, NAMESPACE, FakeOperator, fleet_object, install
+from megafleet.sdk import errors, nemo
 from megafleet.sdk.nemo import buckets, refit_info, refit_wire_nemo
-from megafleet.sdk.nemo import clients as nemo_clients
 from megafleet_protocol.refit import nemo as nemo_protocol
 
-NAMESPACE = "ns"
-FLEET = "tiny"
-MIB = 1024 * 1024
 INFO = {
     "model.embed_tokens.weight": (torch.Size([64, 16]), torch.float32),
     "model.layers.0.mlp.up_proj.weight": ((32, 16), torch.bfloat16),
     "lm_head.weight": ([64, 16], "torch.float32"),
 }
 
-
-def fleet_object(replicas: int = 2, tensor: int = 1, bucket_mib: int = 3) -> dict[str, Any]:
-    return {
-        "apiVersion": "megafleet.dev/v1alpha1",
-        "kind": "MegatronGeneration",
-        "metadata": {"name": FLEET, "namespace": NAMESPACE, "uid": "fleet-uid", "generation": 1},
-        "spec": {
-            "model": {"source": "tiny://llama", "maxSequenceLength": 64},
-            "replicas": replicas,
-            "parallelism": {"tensor": tensor},
-            "resources": {"gpusPerNode": 0},
-            "refit": {"bucketSizeMiB": bucket_mib},
-        },
-        "status": {"observedGeneration": 1, "refit": {"currentVersion": 4}},
-    }
-
-
-def deep_merge(into: dict[str, Any], patch: dict[str, Any]) -> None:
-    for key, value in patch.items():
-        if isinstance(value, dict) and isinstance(into.get(key), dict):
-            deep_merge(into[key], value)
-        else:
-            into[key] = copy.deepcopy(value)
-
-
-class FakeOperator(kube_fakes.Api):
-    """The API server plus the operator's side of sessions and session Refits, advanced on every read."""
-
-    def __init__(self, fleet_obj: dict[str, Any]) -> None:
-        super().__init__(fleet_obj)
-        self.release = threading.Event()  # a Running Refit finishes only once set
-        self.release.set()
-        self.break_with: tuple[str, str] | None = None  # (reason, message): the next Refit fails, session Broken
-        self.session_phase = "Joined"  # what a new session reaches
-        self.lock = threading.RLock()  # create reads through get
-
-    def of(self, kind: str) -> list[dict[str, Any]]:
-        with self.lock:
-            return [copy.deepcopy(obj) for (k, _, _), obj in sorted(self.objects.items()) if k == kind]
-
-    async def create(self, obj: dict[str, Any]) -> dict[str, Any]:
-        with self.lock:
-            return await super().create(obj)
-
-    async def delete(
-        self, kind: str, name: str, namespace: str | None = None, *, grace_seconds: int | None = None
-    ) -> None:
-        with self.lock:
-            await super().delete(kind, name, namespace, grace_seconds=grace_seconds)
-
-    async def patch(self, kind: str, name: str, namespace: str | None, patch: dict[str, Any]) -> dict[str, Any]:
-        with self.lock:
-            self.writes[f"patch {kind}"] += 1
-            deep_merge(self.objects[(kind, namespace, name)], patch)
-            return copy.deepcopy(self.objects[(kind, namespace, name)])
-
-    async def get(self, kind: str, name: str, namespace: str | None = None) -> dict[str, Any] | None:
-        with self.lock:
-            self._advance()
-            return await super().get(kind, name, namespace)
-
-    def _advance(self) -> None:
-        for (kind, namespace, _), obj in list(self.objects.items()):
-            status = obj.setdefault("status", {})
-            if kind == "RefitSession":
-                if status.get("phase", "Pending") == "Pending":
-                    status["phase"] = self.session_phase
-                    status["message"] = "" if self.session_phase == "Joined" else "JoinFailed: pod tiny-s1-p0 refused"
-                reference = obj["spec"].get("refitInfo")
-                if reference and not status.get("conditions"):
-                    status["conditions"] = [self._info_condition(namespace, reference)]
-            elif kind == "Refit":
-                phase = status.get("phase")
-                if phase is None:
-                    status["phase"] = "Running"
-                elif phase == "Running" and self.release.is_set():
-                    self._finish(namespace, obj)
-
-    def _info_condition(self, namespace: str | None, reference: dict[str, Any]) -> dict[str, Any]:
-        stored = self.objects.get(("ConfigMap", namespace, reference["configMapRef"]["name"]))
-        data = base64.b64decode((stored or {}).get("binaryData", {}).get(reference["configMapRef"]["key"], ""))
-        good = hashlib.sha256(data).hexdigest() == reference["sha256"]
-        return {"type": "RefitInfoAccepted", "status": "True" if good else "False", "reason": "Checked", "message": ""}
-
-    def _finish(self, namespace: str | None, refit: dict[str, Any]) -> None:
-        session = self.objects[("RefitSession", namespace, refit["spec"]["source"]["session"]["name"])]
-        if self.break_with is not None:
-            reason, message = self.break_with
-            refit["status"].update(phase="Failed", message=f"{reason}: {message}")
-            session["status"].update(
-                phase="Broken",
-                message=message,
-                conditions=[{"type": "Broken", "status": "True", "reason": reason, "message": message}],
-            )
-            return
-        refit["status"]["phase"] = "Succeeded"
-        fleet_obj = self.objects[("MegatronGeneration", NAMESPACE, FLEET)]
-        fleet_obj["status"]["refit"]["currentVersion"] = refit["spec"]["version"]
-        session["status"]["lastVersion"] = refit["spec"]["version"]
-
-
-class FakeFleet(fleet.Fleet):
-    """The fleet client reading the fake API server (routing is not what these tests are about)."""
-
-    def __init__(self, api: FakeOperator) -> None:
-        super().__init__(FLEET, NAMESPACE, client=api, http=httpx.AsyncClient())
-
-    async def wait_ready(self, timeout: float = 0) -> fleet.FleetState:
-        return await self.get()
-
-    async def refresh(self) -> list[routing.Frontend]:
-        return []
+MIB = 1024 * 1024
 
 
 @pytest.fixture(autouse=True)
@@ -167,17 +50,6 @@ def no_ray(monkeypatch: pytest.MonkeyPatch) -> None:
 @pytest.fixture
 def operator(monkeypatch: pytest.MonkeyPatch) -> FakeOperator:
     return install(monkeypatch, fleet_object())
-
-
-def install(monkeypatch: pytest.MonkeyPatch, fleet_obj: dict[str, Any]) -> FakeOperator:
-    api = FakeOperator(fleet_obj)
-
-    async def make_clients(handle: nemo.Handle) -> tuple[fleet.Fleet, generation.Generator, Any]:
-        found = FakeFleet(api)
-        return found, found.generator, api
-
-    monkeypatch.setattr(nemo_clients, "make_clients", make_clients)
-    return api
 
 
 @pytest.fixture

@@ -9,7 +9,11 @@ Modules:
 * :mod:`~megafleet.sdk.nemo.adapter`: :class:`MegafleetGeneration`, the call surface (every public
   method and property of NeMo RL's ``GenerationInterface`` and ``MegatronGeneration``, main and the
   development line); methods NeMo RL hands to ``ray.get`` return Ray refs (:mod:`~megafleet.sdk.nemo.refs`).
+* :mod:`~megafleet.sdk.nemo.class_hooks`: NeMo RL's class-level hooks (``validate_settings`` and the rest).
 * :mod:`~megafleet.sdk.nemo.unsupported`: what a fleet refuses, loudly, with what to use instead.
+* :mod:`~megafleet.sdk.nemo.async_flags`: NeMo RL's async flags (in-flight weight updates, KV
+  recompute) and the in-flight modes of every Refit the adapter makes;
+  :mod:`~megafleet.sdk.nemo.kv_invalidation`: ``invalidate_kv_cache()``'s answer from the last Refit.
 * :mod:`~megafleet.sdk.nemo.batching`: input checks (right padding) and NeMo RL's output shapes.
 * :mod:`~megafleet.sdk.nemo.config`: the ``cfg`` NeMo RL reads; refusal of ``bad_words`` and colocation.
 * :mod:`~megafleet.sdk.nemo.versions`: the version a refit targets, whatever NeMo RL's call order.

@@ -20,11 +20,15 @@ from typing import Any
 
 import torch
 
+from megafleet import kube
 from megafleet.sdk import errors, fleet, generation, routing
 from megafleet.sdk import weights as weight_senders
+from megafleet.sdk.nemo import async_flags as async_flags_
 from megafleet.sdk.nemo import (
     batching,
+    class_hooks,
     generation_counters,
+    kv_invalidation,
     refit_wire_choice,
     refit_wires,
     refs,
@@ -40,7 +44,7 @@ __all__ = ["MegafleetGeneration"]
 log = logging.getLogger(__name__)
 
 
-class MegafleetGeneration(unsupported.Unsupported):
+class MegafleetGeneration(class_hooks.ClassHooks, unsupported.Unsupported):
     """NeMo RL's ``GenerationInterface`` backed by a MegatronGeneration fleet.
 
     Args:
@@ -73,6 +77,8 @@ class MegafleetGeneration(unsupported.Unsupported):
             :mod:`megafleet.sdk.nemo.buckets` for the order.
         join_timeout_s: ``nemo``: how long the fleet may take to join NeMo's world (the session's
             ``joinTimeoutSeconds``; NeMo's store waits 300 s).
+        async_flags: NeMo RL's async flags (:mod:`megafleet.sdk.nemo.async_flags`; ``nemo_factory``
+            reads them from its ``master_config``): the in-flight modes of every Refit this adapter makes.
 
     Raises:
         NotImplementedError: ``config`` has a non-empty ``bad_words`` or asks for colocated inference.
@@ -98,6 +104,7 @@ class MegafleetGeneration(unsupported.Unsupported):
         trainer_bucket_bytes: int | None = None,
         trainer_gpu_memory_bytes: int | None = None,
         join_timeout_s: int = 240,
+        async_flags: async_flags_.AsyncFlags | None = None,
     ) -> None:
         config_.refuse_unsupported_config(config or {})
         if refit_wire not in (None, "nemo", "megafleet"):
@@ -119,6 +126,7 @@ class MegafleetGeneration(unsupported.Unsupported):
             trainer_bucket_bytes=trainer_bucket_bytes,
             trainer_gpu_memory_bytes=trainer_gpu_memory_bytes,
             join_timeout_s=join_timeout_s,
+            async_flags=async_flags,
         )
         self._kv_cache_mode = kv_cache_mode
         self._connecting = threading.Lock()
@@ -155,59 +163,6 @@ class MegafleetGeneration(unsupported.Unsupported):
     def connected(self) -> bool:
         """Whether the clients (event loop, HTTP, API server) exist yet; they are made on first use."""
         return self._clients is not None
-
-    # -- NeMo RL's class-level hooks ---------------------------------------------------------------
-
-    @classmethod
-    def validate_settings(cls, master_config: Mapping[str, Any]) -> None:
-        """Refuse a NeMo RL master config the fleet cannot serve: colocated inference, fleet health.
-
-        Raises:
-            NotImplementedError: ``policy.generation.colocated.enabled`` or
-                ``async_rl.generation_fleet_health.enabled`` is set.
-        """
-        policy = master_config.get("policy") or {}
-        config_.refuse_unsupported_config(policy.get("generation") or {})
-        health = ((master_config.get("async_rl") or {}).get("generation_fleet_health")) or {}
-        if health.get("enabled"):
-            raise NotImplementedError(
-                "async_rl.generation_fleet_health.enabled=true is not supported for MegafleetGeneration: "
-                "the operator watches the fleet's shards and refits only live ones; unset it"
-            )
-
-    @staticmethod
-    def effective_megatron_cfg(config: Mapping[str, Any]) -> dict[str, Any]:
-        """The policy's ``megatron_cfg`` as given: the fleet's own parallelism is in its spec."""
-        return dict(config.get("megatron_cfg") or {})
-
-    @classmethod
-    def nvlink_domain_span(cls, config: Mapping[str, Any]) -> int:
-        """1: the fleet runs on its own nodes and adds no NVLink domain to the trainer's placement."""
-        return 1
-
-    @classmethod
-    def init_cluster_placement_groups(cls, cluster: Any, config: Mapping[str, Any]) -> None:
-        """Nothing to place: the fleet's pods are placed by Kubernetes, not in NeMo RL's cluster."""
-
-    @staticmethod
-    def frontend_ranks(cluster: Any, config: Mapping[str, Any]) -> list[int]:
-        """No rank of NeMo RL's cluster hosts a frontend (``[]``): the fleet's frontends are in
-        :attr:`dp_openai_server_base_urls`."""
-        return []
-
-    @classmethod
-    def verify_served_addresses(cls, served_urls: list[str | None], reserved_urls: list[str]) -> None:
-        """Check that the servers came up at the pre-published addresses.
-
-        Raises:
-            RuntimeError: the sets of URLs differ.
-        """
-        served = sorted(url for url in served_urls if url)
-        if served != sorted(reserved_urls):
-            raise RuntimeError(
-                "the fleet's frontends serve at different addresses than the ones pre-published: "
-                f"reserved {sorted(reserved_urls)}, serving {served}"
-            )
 
     # -- properties NeMo RL reads ----------------------------------------------------------------
 
@@ -259,15 +214,22 @@ class MegafleetGeneration(unsupported.Unsupported):
         return False
 
     def invalidate_kv_cache(self) -> bool:
-        """Whether no KV computed with old weights is reused after a refit: true exactly when the
-        fleet's ``engine.kvCacheMode`` is ``recompute`` (``persist`` and ``offload`` keep prefix caches
-        across a refit). Unknown (fixed frontends without ``kv_cache_mode``) counts as False."""
+        """Whether no KV computed with old weights serves after the last refit, from the status of the
+        fleet's last Succeeded Refit (:mod:`megafleet.sdk.nemo.kv_invalidation`): true when the
+        sequences running at it were drained or aborted, or kept with ``kvCacheMode: recompute``.
+        Without such a Refit or its in-flight report, and with fixed frontends: true exactly when the
+        fleet's ``engine.kvCacheMode`` is ``recompute`` (unknown counts as False)."""
         mode = self._kv_cache_mode
-        if mode is None and self._handle.frontends is None:
+        if self._handle.frontends is None:
             clients = self._connect()
             assert clients.fleet is not None
-            self._observe(clients.loop.run(clients.fleet.get()))
-            mode = self._kv_cache_mode
+            api, namespace = clients.api, clients.fleet.namespace
+            answer = None if api is None else clients.loop.run(self._last_refit_answer(api, namespace))
+            if answer is not None:
+                return answer
+            if mode is None:
+                self._observe(clients.loop.run(clients.fleet.get()))
+                mode = self._kv_cache_mode
         return mode == "recompute"
 
     def shutdown(self) -> bool:
@@ -300,7 +262,9 @@ class MegafleetGeneration(unsupported.Unsupported):
         self._counters.clear()
 
     def get_logger_metrics(self) -> dict[str, Any]:
-        """Counters since :meth:`clear_logger_metrics`: requests, generated tokens, truncated answers."""
+        """Counters since :meth:`clear_logger_metrics`: requests, generated tokens, truncated answers,
+        samples spanning a refit and their tokens older than the sample's latest version
+        (:mod:`~megafleet.sdk.nemo.generation_counters`)."""
         return self._counters.logger()
 
     def drain_latest_logger_metrics(self) -> dict[str, Any]:
@@ -451,7 +415,7 @@ class MegafleetGeneration(unsupported.Unsupported):
         """Start a refit (MegatronWeightSynchronizer's order): choose its target version now. The fleet
         suspends its engines itself while the Refit runs."""
         self._refit_target = self._next_version()
-        self._wire.begin(self._refit_target)
+        self._wire.begin(self._refit_target, self._refit_modes())
 
     def resume_after_refit(self) -> None:
         """End the refit :meth:`suspend_for_refit` started; the fleet resumes its engines itself."""
@@ -493,7 +457,7 @@ class MegafleetGeneration(unsupported.Unsupported):
                 routed differently.
         """
         target = self._target() if version is None else version
-        self._wire.update(target, _bound(refit_timeout_s), weights)
+        self._wire.update(target, _bound(refit_timeout_s), weights, self._refit_modes())
         self.weight_version = target
         return refs.object_refs([True])
 
@@ -503,7 +467,8 @@ class MegafleetGeneration(unsupported.Unsupported):
         """Refit the fleet from a checkpoint every shard loads by itself (a Refit with a checkpoint source)."""
         target = self._target() if version is None else version
         timeout = _bound(refit_timeout_s)
-        self._refit(target, lambda live: live.refit(target, checkpoint=path, timeout=timeout))
+        options = self._refit_modes().fleet_options()
+        self._refit(target, lambda live: live.refit(target, checkpoint=path, timeout=timeout, **options))
         return True
 
     def shard_liveness_ref(self, shard_idx: int) -> refs.ObjectRef:
@@ -539,7 +504,8 @@ class MegafleetGeneration(unsupported.Unsupported):
         self.weight_version = current if current is not None else state.status.weight_version
         if state.spec is not None:
             self._kv_cache_mode = state.spec.engine.kv_cache_mode
-            self.cfg["mcore_generation_config"]["kv_cache_management_mode"] = self._kv_cache_mode
+            mode = config_.kv_cache_management_mode(self._handle.config, self._kv_cache_mode)
+            self.cfg["mcore_generation_config"]["kv_cache_management_mode"] = mode
             self.cfg["mcore_generation_config"]["max_model_len"] = state.spec.model.max_sequence_length
 
     def _refit(self, version: int, start: Callable[[fleet.Fleet], Coroutine[Any, Any, fleet.RefitResult]]) -> None:
@@ -549,6 +515,26 @@ class MegafleetGeneration(unsupported.Unsupported):
         result: fleet.RefitResult = clients.loop.run(start(clients.fleet))
         self.weight_version = version
         log.info("refit %s: version %d on shards %s", result.name, version, list(result.members))
+
+    async def _last_refit_answer(self, api: kube.Api, namespace: str) -> bool | None:
+        """:func:`~megafleet.sdk.nemo.kv_invalidation.answer` for the fleet's last Succeeded Refit."""
+        last = kv_invalidation.last_refit(await api.list("Refit", namespace=namespace), self._handle.fleet_name)
+        answer = None if last is None else kv_invalidation.answer(last)
+        if last is not None:
+            log.info("invalidate_kv_cache: %s after Refit %s", answer, last["metadata"]["name"])
+        return answer
+
+    def _refit_modes(self) -> async_flags_.RefitModes:
+        """The in-flight modes of this refit's Refit, from NeMo RL's async flags: the factory's
+        ``master_config``, else ``validate_settings``', else the generation config's KV mode."""
+        flags = async_flags_.resolve(
+            self._handle.async_flags,
+            self.validated_flags(),
+            async_flags_.from_generation_config(self._handle.config),
+        )
+        modes = async_flags_.modes_for(flags)
+        log.info("refit modes %s from %s", modes, flags.source)
+        return modes
 
     def _target(self) -> int:
         """The version this refit sends: the one :meth:`suspend_for_refit` chose, else a new one."""
@@ -581,6 +567,7 @@ def _from_handle(handle: connection.Handle) -> MegafleetGeneration:
         trainer_bucket_bytes=handle.trainer_bucket_bytes,
         trainer_gpu_memory_bytes=handle.trainer_gpu_memory_bytes,
         join_timeout_s=handle.join_timeout_s,
+        async_flags=handle.async_flags,
     )
 
 

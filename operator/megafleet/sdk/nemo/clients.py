@@ -19,6 +19,7 @@ from typing import Any, Literal, TypeVar
 
 from megafleet import kube
 from megafleet.sdk import fleet, generation, routing
+from megafleet.sdk.nemo import async_flags
 from megafleet_protocol import vocabulary
 
 __all__ = ["Clients", "Handle", "Loop", "RefitWire", "make_clients"]
@@ -49,6 +50,8 @@ class Handle:
     trainer_bucket_bytes: int | None = None
     trainer_gpu_memory_bytes: int | None = None
     join_timeout_s: int = 240
+    async_flags: async_flags.AsyncFlags | None = None
+    """NeMo RL's async flags as the factory read them from its ``master_config`` (None: not given)."""
 
 
 class Loop:

@@ -14,7 +14,13 @@ from typing import Any, Literal
 
 from megafleet_protocol import vocabulary
 
-__all__ = ["SUPPORTED_REFIT_BACKENDS", "RefitPayloadMode", "nemo_cfg", "refuse_unsupported_config"]
+__all__ = [
+    "SUPPORTED_REFIT_BACKENDS",
+    "RefitPayloadMode",
+    "kv_cache_management_mode",
+    "nemo_cfg",
+    "refuse_unsupported_config",
+]
 
 log = logging.getLogger(__name__)
 
@@ -31,8 +37,9 @@ def nemo_cfg(
     max_sequence_length: int | None,
 ) -> dict[str, Any]:
     """``config`` as NeMo RL reads it from a MegatronGeneration: not colocated, backend ``megatron``,
-    ``mcore_generation_config`` filled in from what the adapter knows, no ``vllm_cfg`` (a vLLM
-    generation config given to the adapter keeps everything else)."""
+    ``mcore_generation_config`` filled in from what the adapter knows (its
+    ``kv_cache_management_mode`` stays NeMo's own, see :func:`kv_cache_management_mode`), no
+    ``vllm_cfg`` (a vLLM generation config given to the adapter keeps everything else)."""
     cfg = dict(config)
     if cfg.get("backend") not in (None, "megatron"):
         log.info("MegafleetGeneration reads as backend 'megatron' (was %r): NeMo RL's async path", cfg["backend"])
@@ -44,11 +51,19 @@ def nemo_cfg(
     cfg["mcore_generation_config"] = {
         **(cfg.get("mcore_generation_config") or {}),
         "refit_backend": backend,
-        "kv_cache_management_mode": kv_cache_mode,
+        "kv_cache_management_mode": kv_cache_management_mode(config, kv_cache_mode),
         "expose_http_server": True,
         "max_model_len": max_sequence_length,
     }
     return cfg
+
+
+def kv_cache_management_mode(config: Mapping[str, Any], fleet_mode: vocabulary.KvCacheMode | None) -> str | None:
+    """The ``kv_cache_management_mode`` the adapter's ``cfg`` reports: NeMo's own when its generation
+    config names one (its setup writes ``recompute`` there from
+    ``recompute_kv_cache_after_weight_updates``), else the fleet's ``engine.kvCacheMode``."""
+    given = (config.get("mcore_generation_config") or {}).get("kv_cache_management_mode")
+    return fleet_mode if given is None else given
 
 
 def refuse_unsupported_config(config: Mapping[str, Any]) -> None:

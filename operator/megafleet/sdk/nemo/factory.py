@@ -7,24 +7,30 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from megafleet.sdk.nemo import adapter
+from megafleet.sdk.nemo import adapter, async_flags
 
 __all__ = ["nemo_factory"]
 
 
 def nemo_factory(
-    fleet_name: str, namespace: str | None = None, **options: Any
+    fleet_name: str, namespace: str | None = None, *, master_config: Any = None, **options: Any
 ) -> Callable[..., adapter.MegafleetGeneration]:
     """A stand-in for NeMo RL's ``MegatronGeneration``/``VllmGeneration`` constructors (GRPO's
     ``setup`` builds the backend by name): called with their keyword arguments, it returns a
     :class:`~megafleet.sdk.nemo.adapter.MegafleetGeneration` of ``fleet_name`` with
     ``config["generation"]`` (or ``config`` itself when it has no ``generation`` key); ``options`` go
-    to the adapter's constructor. With ``defer_model_load`` (``VllmGeneration``'s, GRPO with NeMo Gym)
-    it waits until the fleet is Ready, so ``dp_openai_server_base_urls`` lists its frontends at once.
+    to the adapter's constructor. ``master_config`` (NeMo RL's, a mapping or its ``MasterConfig``)
+    gives the async flags every Refit honours (:mod:`~megafleet.sdk.nemo.async_flags`): GRPO hands
+    the backend only ``policy.generation``. With ``defer_model_load`` (``VllmGeneration``'s, GRPO with
+    NeMo Gym) it waits until the fleet is Ready, so ``dp_openai_server_base_urls`` lists its frontends
+    at once.
 
     Raises (when called):
         NotImplementedError: a colocated setup (``policy=`` given): the fleet has its own GPUs.
     """
+
+    if master_config is not None:
+        options.setdefault("async_flags", async_flags.from_master_config(master_config))
 
     def build(
         config: Mapping[str, Any] | None = None,

@@ -17,8 +17,8 @@ from typing import Any
 from megafleet.api import v1alpha1
 from megafleet.sdk import errors
 from megafleet.sdk import weights as weight_senders
+from megafleet.sdk.nemo import async_flags, refit_wires
 from megafleet.sdk.nemo import clients as connection
-from megafleet.sdk.nemo import refit_wires
 from megafleet_protocol import vocabulary
 
 __all__ = ["MegafleetWire"]
@@ -64,12 +64,14 @@ class MegafleetWire:
         """``None``: the receiving ranks are the live shards the operator picks per refit."""
         return None
 
-    def begin(self, version: int) -> None:
+    def begin(self, version: int, modes: async_flags.RefitModes) -> None:
         """Nothing to start early: the Refit is made when the weights are at hand."""
 
-    def update(self, version: int, timeout: float, weights: weight_senders.NamedTensors | None) -> None:
-        """Create the Refit, send for each attempt, wait until it succeeded (the fleet client then
-        routes to its member shards).
+    def update(
+        self, version: int, timeout: float, weights: weight_senders.NamedTensors | None, modes: async_flags.RefitModes
+    ) -> None:
+        """Create the Refit (asking for ``modes``), send for each attempt, wait until it succeeded
+        (the fleet client then routes to its member shards).
 
         Raises:
             RuntimeError: ``init_collective`` was not called.
@@ -90,7 +92,8 @@ class MegafleetWire:
         clients = self._connect()
         if clients.fleet is None:
             raise errors.FleetError("refits need the API server: this adapter was made with fixed frontends")
-        result = clients.loop.run(clients.fleet.refit(version, rendezvous=rendezvous, send=send, timeout=timeout))
+        refit = clients.fleet.refit(version, rendezvous=rendezvous, send=send, timeout=timeout, **modes.fleet_options())
+        result = clients.loop.run(refit)
         log.info("refit %s: version %d on shards %s", result.name, version, list(result.members))
 
     def end(self) -> None:

@@ -10,8 +10,9 @@ section 4), through Kubernetes objects the operator acts on:
   passed ``refit_backend``) owned by the fleet; store the refit info if already held; wait for ``Joined``.
 * ``prepare_refit_info``: encode (:mod:`~megafleet.sdk.nemo.refit_info`); with a session, store it in
   an immutable ConfigMap the session owns, set ``spec.refitInfo`` and wait until the fleet accepted it.
-* ``update`` (``update_weights_from_collective``): a ``Refit`` with ``source.session``, created then
-  (or at ``begin``, the Megatron synchronizer's ``suspend_for_refit``); wait for ``Succeeded``. A failure
+* ``update`` (``update_weights_from_collective``): a ``Refit`` with ``source.session`` and the
+  in-flight modes of NeMo RL's async flags, created then (or at ``begin``, the Megatron
+  synchronizer's ``suspend_for_refit``); wait for ``Succeeded``. A failure
   raises :class:`~megafleet.sdk.errors.RefitFailed` naming the session's state and the restart advice.
 * ``close`` (``shutdown``): delete the session (its finalizer makes the members leave).
 
@@ -34,7 +35,7 @@ from megafleet import kube
 from megafleet.api import v1alpha1
 from megafleet.sdk import errors
 from megafleet.sdk import weights as weight_senders
-from megafleet.sdk.nemo import buckets, refit_info, refit_wires, sessions
+from megafleet.sdk.nemo import async_flags, buckets, refit_info, refit_wires, sessions
 from megafleet.sdk.nemo import clients as connection
 
 __all__ = ["POLL_SECONDS", "NemoOptions", "NemoWire"]
@@ -149,16 +150,18 @@ class NemoWire:
             )
         clients.loop.run(self._open(found, world))
 
-    def begin(self, version: int) -> None:
-        """The Megatron synchronizer's ``suspend_for_refit``: create the Refit now, so the engines
-        drain while the trainer offloads."""
+    def begin(self, version: int, modes: async_flags.RefitModes) -> None:
+        """The Megatron synchronizer's ``suspend_for_refit``: create the Refit now (asking for
+        ``modes``), so the engines drain while the trainer offloads."""
         self._require_session()
         if self._pending is None or self._pending[0] != version:
-            self._pending = (version, self._clients().loop.run(self._create_refit(version)))
+            self._pending = (version, self._clients().loop.run(self._create_refit(version, modes)))
 
-    def update(self, version: int, timeout: float, weights: weight_senders.NamedTensors | None) -> None:
-        """Wait until the fleet received ``version`` over the session (creating its Refit unless
-        ``begin`` did).
+    def update(
+        self, version: int, timeout: float, weights: weight_senders.NamedTensors | None, modes: async_flags.RefitModes
+    ) -> None:
+        """Wait until the fleet received ``version`` over the session (creating its Refit, asking for
+        ``modes``, unless ``begin`` did).
 
         Raises:
             ValueError: ``weights`` given (the trainer's policy sends them on this wire).
@@ -175,7 +178,7 @@ class NemoWire:
         pending, self._pending = self._pending, None
         name = pending[1] if pending is not None and pending[0] == version else None
         if name is None:
-            name = clients.loop.run(self._create_refit(version))
+            name = clients.loop.run(self._create_refit(version, modes))
         clients.loop.run(self._await_refit(name, session, timeout))
         if clients.fleet is not None:
             clients.loop.run(clients.fleet.refresh())  # route to the shards at the new version now
@@ -271,14 +274,14 @@ class NemoWire:
                 raise errors.RefitFailed(name, f"not joined after {self._options.join_timeout_s} s: {message}")
             await asyncio.sleep(POLL_SECONDS)
 
-    async def _create_refit(self, version: int) -> str:
+    async def _create_refit(self, version: int, modes: async_flags.RefitModes) -> str:
         api, namespace = self._api()
         session = self._require_session()
         if self._info is None and not self._native:
             raise RuntimeError("call prepare_refit_info(policy.prepare_refit_info()) before the first refit")
         name = f"{self._fleet_name}-v{version}-{secrets.token_hex(3)}"
-        await api.create(sessions.refit(name, namespace, self._fleet_name, version, session))
-        log.info("Refit %s/%s: version %d over RefitSession %s", namespace, name, version, session)
+        await api.create(sessions.refit(name, namespace, self._fleet_name, version, session, modes))
+        log.info("Refit %s/%s: version %d over RefitSession %s, %s", namespace, name, version, session, modes)
         return name
 
     async def _await_refit(self, name: str, session: str, timeout: float) -> None:

@@ -8,7 +8,9 @@ rule; a :class:`Wire` does the refit itself. Two implement it:
 * :class:`~megafleet.sdk.nemo.refit_wire_nemo.NemoWire` (``refit_wire="nemo"``): NeMo RL's own trainer
   broadcast, received by the fleet over a ``RefitSession`` it joins at ``init_collective``.
 
-Every call that NeMo RL puts in a ``ray.get`` blocks until the fleet is done and raises on failure:
+Both create Refits, so both carry the in-flight modes of NeMo RL's async flags
+(:mod:`~megafleet.sdk.nemo.async_flags`). Every call that NeMo RL puts in a ``ray.get`` blocks until
+the fleet is done and raises on failure:
 GRPO reads the trainer's futures before ours, so a failure reported as a value would leave it hanging.
 """
 
@@ -19,6 +21,7 @@ from collections.abc import Mapping
 from typing import Any, Protocol
 
 from megafleet.sdk import weights as weight_senders
+from megafleet.sdk.nemo import async_flags
 
 __all__ = ["CollectiveSenderSpec", "Wire"]
 
@@ -48,11 +51,15 @@ class Wire(Protocol):
     def inference_world_size(self) -> int | None:
         """The fleet's ranks in NeMo RL's world, if this wire knows it (``get_inference_world_size``)."""
 
-    def begin(self, version: int) -> None:
-        """A refit to ``version`` starts (``suspend_for_refit``, the Megatron synchronizer's order)."""
+    def begin(self, version: int, modes: async_flags.RefitModes) -> None:
+        """A refit to ``version`` starts (``suspend_for_refit``, the Megatron synchronizer's order); its
+        Refit asks for ``modes``."""
 
-    def update(self, version: int, timeout: float, weights: weight_senders.NamedTensors | None) -> None:
-        """Refit to ``version``; returns once the fleet serves it, raises otherwise."""
+    def update(
+        self, version: int, timeout: float, weights: weight_senders.NamedTensors | None, modes: async_flags.RefitModes
+    ) -> None:
+        """Refit to ``version`` with a Refit asking for ``modes`` (unless :meth:`begin` made it);
+        returns once the fleet serves it, raises otherwise."""
 
     def end(self) -> None:
         """The refit :meth:`begin` started is over (``resume_after_refit``)."""

@@ -2,7 +2,7 @@
 
 * :func:`world_check`: NeMo's inference world ``W - T`` against the fleet's ranks, before anything exists.
 * :func:`session` and :func:`refit`: the ``RefitSession`` made at ``init_collective`` (owned by the
-  fleet) and each ``Refit`` that names it.
+  fleet) and each ``Refit`` that names it, with the in-flight modes of NeMo RL's async flags.
 * :func:`outcome` / :func:`refit_outcome`: whether a session joined and a Refit succeeded, and the
   message the adapter raises when not (with the restart advice: NeMo RL cannot rebuild its world).
 
@@ -16,6 +16,7 @@ from typing import Any, Literal
 
 from megafleet.api import v1alpha1
 from megafleet.objects import Object
+from megafleet.sdk.nemo import async_flags
 
 __all__ = [
     "RESTART_ADVICE",
@@ -93,8 +94,11 @@ def session(
     }
 
 
-def refit(name: str, namespace: str, fleet_name: str, version: int, session_name: str) -> dict[str, Any]:
-    """A ``Refit`` of ``fleet_name`` to ``version`` over the world ``session_name`` holds."""
+def refit(
+    name: str, namespace: str, fleet_name: str, version: int, session_name: str, modes: async_flags.RefitModes
+) -> dict[str, Any]:
+    """A ``Refit`` of ``fleet_name`` to ``version`` over the world ``session_name`` holds, asking the
+    engines for ``modes`` (NeMo RL's async flags: in flight ``keep`` or ``drain``, ``kvCacheMode``)."""
     spec = v1alpha1.RefitObjectSpec(
         fleet_ref=v1alpha1.FleetRef(name=fleet_name),
         version=version,
@@ -104,7 +108,7 @@ def refit(name: str, namespace: str, fleet_name: str, version: int, session_name
         "apiVersion": v1alpha1.API_VERSION,
         "kind": "Refit",
         "metadata": {"name": name, "namespace": namespace},
-        "spec": spec.model_dump(mode="json", by_alias=True, exclude_none=True),
+        "spec": {**spec.model_dump(mode="json", by_alias=True, exclude_none=True), **modes.spec_fields()},
     }
 
 
