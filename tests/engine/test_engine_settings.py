@@ -7,7 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from megafleet_engine import backends, cli, settings
+from megafleet_engine import backends, cli
+from megafleet_protocol import engine_settings as settings
 
 
 def test_defaults_need_only_the_model_source() -> None:

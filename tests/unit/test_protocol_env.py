@@ -1,7 +1,7 @@
 """The ``MEGAFLEET_*`` contract: the env the operator writes on an engine pod is env the engine reads.
 
 The operator's pod builder (:func:`megafleet.desired.shard_pods`) and the engine's settings reader
-(:func:`megafleet_engine.settings.from_env`) both name the variables through
+(:func:`megafleet_protocol.engine_settings.from_env`) both name the variables through
 :mod:`megafleet_protocol.env`; this test runs one into the other, so a name that drifts on either
 side (or a constant that neither side uses) fails here.
 """
@@ -13,7 +13,7 @@ from collections.abc import Iterator, Mapping
 from megafleet import desired, planner
 from megafleet.api import v1alpha1
 from megafleet.objects import Object
-from megafleet_engine import settings
+from megafleet_protocol import engine_settings as settings
 from megafleet_protocol import env
 
 POD_IP = "10.0.0.7"

@@ -2,10 +2,15 @@
 
 The operator sets these variables on every engine pod (ranks, world size, master address, agent
 token; their names are :mod:`megafleet_protocol.env`); a person running ``megafleet-engine`` by hand
-sets them too.
-:func:`from_env` is called once by :mod:`megafleet_engine.cli`; everything else receives the
+sets them too, and a fleet's ``spec.engine.env`` may set the ones the operator leaves to the user
+(``env.SET_BY_OPERATOR`` says which are not).
+:func:`from_env` is the one parser of these variables: the engine calls it once at start
+(:mod:`megafleet_engine.cli`), and the operator runs it over the env it would give each pod of a
+fleet before it creates any (:mod:`megafleet.reconcile.pod_checks`), so a value the engine refuses
+makes the fleet ``InvalidSpec`` instead of a crash-looping pod. Everything else receives the
 resulting :class:`Settings` (or the parts it needs) as an argument and never reads the
 environment itself. Invalid values raise :class:`SettingsError` naming the variable.
+Standard library only: the operator imports it.
 """
 
 from __future__ import annotations
@@ -22,7 +27,7 @@ from megafleet_protocol import env, ports, vocabulary
 FusedKernels = Literal["off", "rope-swiglu", "gemv", "all"]
 """The megatron backend's fused-kernel choices (``EngineOptions.fused_kernels``)."""
 
-__all__ = ["Settings", "SettingsError", "from_env"]
+__all__ = ["Settings", "SettingsError", "default_api_servers", "from_env", "termination_log", "usable_cpus"]
 
 
 class SettingsError(ValueError):
@@ -162,8 +167,8 @@ class Settings:
     suspended for a refit waits at the gate for the new version before answering 503, in seconds.
     Default 60: a refit takes seconds, and a request held that long still beats a failed one the
     client must retry; bounded so a refit that hangs (until its own watchdog) cannot hold clients
-    forever. 0 answers 503 at once (the behaviour before holding existed). The operator sets it from
-    spec.engine.refitWaitSeconds."""
+    forever. 0 answers 503 at once (the behaviour before holding existed). Set it through
+    ``spec.engine.env``."""
 
     api_servers: int | None = None
     """``MEGAFLEET_API_SERVERS``: API-server processes that serve the OpenAI frontend of a frontend
@@ -171,6 +176,14 @@ class Settings:
     agent and the metrics); they share the frontend port. 0 serves the frontend in the rank
     process itself. Default (unset): :func:`default_api_servers` of the CPUs the pod may use, one
     on small pods."""
+
+    termination_log: Path | None = None
+    """``MEGAFLEET_TERMINATION_LOG``: the file the engine writes why it exited to, when it exits on an
+    error. Default (unset): the container's termination message file, ``/dev/termination-log``,
+    when it exists (the kubelet makes it; the operator's pods keep the default
+    ``terminationMessagePath``), so the reason shows in the pod's status and the operator puts it
+    into the shard's ``lastError``, an Event and ``Degraded``; nothing on a machine without one
+    (:mod:`megafleet_engine.termination`). The local pod runner points it at a file of its own."""
 
     def __post_init__(self) -> None:
         _check(self)
@@ -242,7 +255,16 @@ def from_env(environ: Mapping[str, str] | None = None) -> Settings:
         kv_cache_gib=reader.integer(env.KV_CACHE_GIB, defaults.kv_cache_gib),
         refit_wait_seconds=reader.integer(env.REFIT_WAIT_SECONDS, defaults.refit_wait_seconds),
         api_servers=reader.integer(env.API_SERVERS, -1) if reader.text(env.API_SERVERS) else None,
+        termination_log=termination_log(reader.env),
     )
+
+
+def termination_log(environ: Mapping[str, str] | None = None) -> Path | None:
+    """``MEGAFLEET_TERMINATION_LOG`` of ``environ`` (default: the process environment), or None when
+    unset. Read by :func:`from_env` and, before the settings are read (they may be what fails), by
+    :mod:`megafleet_engine.cli`."""
+    raw = (os.environ if environ is None else environ).get(env.TERMINATION_LOG, "").strip()
+    return Path(raw) if raw else None
 
 
 CPUS_PER_API_SERVER = 4
@@ -331,7 +353,7 @@ def _check(settings: Settings) -> None:
         (env.LOCAL_RANKS, settings.local_rank_count, 0),
         (env.KV_CACHE_GIB, settings.kv_cache_gib, 1),
         (env.REFIT_WAIT_SECONDS, settings.refit_wait_seconds, 0),
-        (env.API_SERVERS, settings.api_server_count, 0),
+        (env.API_SERVERS, 0 if settings.api_servers is None else settings.api_servers, 0),  # the default is >= 1
     ):
         if value < low:
             raise SettingsError(f"{name} must be at least {low}, got {value}")
