@@ -96,6 +96,9 @@ async def _write_observed(ctx: context.FleetContext) -> None:
     now = conditions.now()
     seen = status.FleetSeen(ctx.shards, ctx.unplaced, ctx.restarts, ctx.reports)
     observed = status.observed(ctx.status, ctx.fleet, seen, max_restarts=ctx.settings.shards.max_restarts, now=now)
+    exits = status.engine_exits(ctx.status, observed, seen)
+    if exits:  # the kubelet restarted an engine in place: no other step sees it
+        ctx.notify("Warning", "EngineExited", context.summary(exits))
     port, generation = ctx.fleet.spec.frontend.port, ctx.fleet.generation
     ctx.status, mismatch = status.verify_addresses(
         observed, ctx.shards, ctx.reports, port=port, generation=generation, now=now
