@@ -313,12 +313,12 @@ class _Reader:
         try:
             return int(raw)
         except ValueError:
-            raise SettingsError(f"{name} must be an integer, got {raw!r}") from None
+            raise SettingsError(f"{name} must be an integer, got {_shown(raw)}") from None
 
     def choice(self, name: str, allowed: tuple[str, ...], default: str) -> str:
         raw = self.text(name) or default
         if raw not in allowed:
-            raise SettingsError(f"{name} must be one of {', '.join(allowed)}, got {raw!r}")
+            raise SettingsError(f"{name} must be one of {', '.join(allowed)}, got {_shown(raw)}")
         return raw
 
     def flag(self, name: str, default: bool) -> bool:
@@ -340,6 +340,24 @@ class _Reader:
         return Path(raw) if raw else None
 
 
+MOST_KV_CACHE_GIB = 1 << 16
+"""``MEGAFLEET_KV_CACHE_GIB``'s bound: 64 TiB, far beyond any GPU's memory (a larger number is a
+typo, and one past a float's range breaks the engine far from its cause)."""
+MOST_REFIT_WAIT_SECONDS = 24 * 3600
+"""``MEGAFLEET_REFIT_WAIT_SECONDS``' bound: a day (a refit's own watchdog ends it long before)."""
+MOST_API_SERVERS = 256
+"""``MEGAFLEET_API_SERVERS``' bound: one process per CPU of the largest pods."""
+SHOWN_CHARACTERS = 64
+"""The most of a refused value an error message repeats: it reaches a fleet's status, its Events
+and a container's termination message, each bounded."""
+
+
+def _shown(value: object) -> str:
+    """``value`` as an error message shows it (a text quoted), cut to :data:`SHOWN_CHARACTERS`."""
+    text = repr(value) if isinstance(value, str) else str(value)
+    return text if len(text) <= SHOWN_CHARACTERS else f"{text[: SHOWN_CHARACTERS - 3]}..."
+
+
 def _check(settings: Settings) -> None:
     """Reject values no engine can run with; each message names the variable and the rule."""
     for name, value, low in (
@@ -356,7 +374,14 @@ def _check(settings: Settings) -> None:
         (env.API_SERVERS, 0 if settings.api_servers is None else settings.api_servers, 0),  # the default is >= 1
     ):
         if value < low:
-            raise SettingsError(f"{name} must be at least {low}, got {value}")
+            raise SettingsError(f"{name} must be at least {low}, got {_shown(value)}")
+    for name, value, high in (
+        (env.KV_CACHE_GIB, settings.kv_cache_gib, MOST_KV_CACHE_GIB),
+        (env.REFIT_WAIT_SECONDS, settings.refit_wait_seconds, MOST_REFIT_WAIT_SECONDS),
+        (env.API_SERVERS, settings.api_servers or 0, MOST_API_SERVERS),
+    ):
+        if value > high:
+            raise SettingsError(f"{name} must be at most {high}, got {_shown(value)}")
     for name, port in (
         (env.FRONTEND_PORT, settings.frontend_port),
         (env.AGENT_PORT, settings.agent_port),
@@ -364,7 +389,7 @@ def _check(settings: Settings) -> None:
         (env.MASTER_PORT, settings.master_port),
     ):
         if not 0 <= port <= 65535:
-            raise SettingsError(f"{name} must be a TCP port (0 to 65535), got {port}")
+            raise SettingsError(f"{name} must be a TCP port (0 to 65535), got {_shown(port)}")
     bound = [p for p in (settings.frontend_port, settings.agent_port, settings.metrics_port) if p != 0]
     if len(set(bound)) != len(bound):
         raise SettingsError(
@@ -405,4 +430,4 @@ def _check(settings: Settings) -> None:
     try:
         ipaddress.ip_address(settings.host)
     except ValueError:
-        raise SettingsError(f"{env.HOST} must be an IP address (the pod IP), got {settings.host!r}") from None
+        raise SettingsError(f"{env.HOST} must be an IP address (the pod IP), got {_shown(settings.host)}") from None
