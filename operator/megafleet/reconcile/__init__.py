@@ -36,7 +36,7 @@ async def reconcile(
     saw is kept for the observation daemon's probes (:mod:`.pacing`) only when every step ran."""
     metadata = body["metadata"]
     runtime.observed.pop((metadata.get("namespace") or "default", metadata["name"]), None)
-    fleet = await validate.fleet(runtime.api, body, notify)
+    fleet = await validate.fleet(runtime.api, body, notify, checked=runtime.checked_pods)
     if fleet is None:
         return None
     ctx = context.FleetContext(runtime, body, fleet, notify, status=dict(body.get("status") or {}))

@@ -17,6 +17,7 @@ the fleet ``InvalidSpec`` like one of :func:`megafleet.api.checks.parse_spec`'s,
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Mapping
 
 from megafleet import desired, planner
@@ -31,6 +32,31 @@ SECRET = "secret"
 ANNOTATIONS_BYTES = 256 * 1024
 """The API server's bound on a pod's annotations, keys and values together
 (``TotalAnnotationSizeLimitB``)."""
+
+
+@dataclasses.dataclass
+class Checked:
+    """The problems found of each fleet's spec, kept for its generation: a fleet is checked once per
+    spec change rather than at every reconcile (building a shard's pods takes up to a millisecond).
+    Lives in the operator's runtime (:class:`megafleet.reconcile.context.Runtime`)."""
+
+    found: dict[str, tuple[int, list[planner.Problem]]] = dataclasses.field(default_factory=dict)
+    """By fleet uid: the generation checked and what was found."""
+
+    def problems(self, fleet: desired.ParsedFleet) -> list[planner.Problem]:
+        """:func:`problems` of ``fleet``, from the last check of its generation when there was one."""
+        kept = self.found.get(fleet.uid)
+        if kept is not None and kept[0] == fleet.generation:
+            return kept[1]
+        if len(self.found) >= KEPT_FLEETS:  # fleets deleted long ago: start again
+            self.found.clear()
+        found = problems(fleet)
+        self.found[fleet.uid] = (fleet.generation, found)
+        return found
+
+
+KEPT_FLEETS = 10_000
+"""The most fleets :class:`Checked` keeps the result of."""
 
 
 def problems(fleet: desired.ParsedFleet) -> list[planner.Problem]:

@@ -13,15 +13,18 @@ from megafleet.objects import Object
 from megafleet.reconcile import context, pod_checks, status
 
 
-async def fleet(api: kube.Api, body: Object, notify: context.Notify) -> desired.ParsedFleet | None:
-    """The parsed fleet, or None once its problems are reported."""
+async def fleet(
+    api: kube.Api, body: Object, notify: context.Notify, *, checked: pod_checks.Checked | None = None
+) -> desired.ParsedFleet | None:
+    """The parsed fleet, or None once its problems are reported. ``checked``: the operator's record
+    of the pod checks by generation (None: check again)."""
     metadata = body["metadata"]
     generation = int(metadata.get("generation", 1))
     spec, problems = checks.parse_spec(body.get("spec") or {}, name=metadata["name"])
     parsed = None
     if spec is not None and not problems:
         parsed = desired.ParsedFleet(metadata["name"], metadata["namespace"], metadata["uid"], generation, spec)
-        problems = pod_checks.problems(parsed)
+        problems = (checked or pod_checks.Checked()).problems(parsed)
     if parsed is None or problems:
         message = "; ".join(f"{problem.field}: {problem.message}" for problem in problems)
         await _report_invalid(api, body, message, generation, notify)

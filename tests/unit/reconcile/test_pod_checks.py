@@ -5,6 +5,7 @@ start) and the pods' annotations against the API server's bound."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 from pathlib import Path
 from typing import Any
 
@@ -151,3 +152,12 @@ def test_the_example_fleets_make_pods_the_engine_and_the_api_server_accept(path:
     manifest = yaml.safe_load(path.read_text())
     spec = v1alpha1.MegatronGenerationSpec.model_validate(manifest["spec"])
     assert pod_checks.problems(desired.ParsedFleet(manifest["metadata"]["name"], "rl", "uid", 1, spec)) == []
+
+
+def test_a_fleet_is_checked_once_per_generation() -> None:
+    checked = pod_checks.Checked()
+    bad = fleet(variable("MEGAFLEET_REFIT_WAIT_SECONDS", "-5"))
+    first = checked.problems(bad)
+    assert checked.problems(bad) is first and len(first) == 1
+    fixed = dataclasses.replace(fleet(variable("MEGAFLEET_REFIT_WAIT_SECONDS", "5")), generation=2)
+    assert checked.problems(fixed) == []
