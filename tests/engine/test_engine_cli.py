@@ -105,7 +105,10 @@ def test_engine_command_rejects_invalid_settings(token_file: Path, tmp_path: Pat
     assert result.returncode == 2
     assert "MEGAFLEET_BACKEND must be one of transformers, megatron" in result.stderr
     # The container's termination message says why, for the pod's status and the operator.
-    assert message.read_text() == "invalid configuration: MEGAFLEET_BACKEND must be one of transformers, megatron, got 'vllm'"
+    assert (
+        message.read_text()
+        == "invalid configuration: MEGAFLEET_BACKEND must be one of transformers, megatron, got 'vllm'"
+    )
 
 
 def test_engine_command_refuses_to_start_without_its_agent_token(tmp_path: Path) -> None:
