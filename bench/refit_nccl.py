@@ -62,10 +62,9 @@ import torch
 import torch.distributed as dist
 from torch._C import _distributed_c10d as c10d  # TCPStore: torch.distributed re-exports it untyped
 
-from megafleet_protocol import engine_settings
 from megafleet_engine.backends import megatron, weight_maps
+from megafleet_protocol import engine_settings, vocabulary
 from megafleet_protocol import env as protocol_env
-from megafleet_protocol import vocabulary
 from megafleet_protocol.refit import errors as refit_errors
 from megafleet_protocol.refit import sender as sdk
 

@@ -360,6 +360,19 @@ def _shown(value: object) -> str:
 
 def _check(settings: Settings) -> None:
     """Reject values no engine can run with; each message names the variable and the rule."""
+    _check_ranges(settings)
+    _check_ports(settings)
+    _check_ranks(settings)
+    if settings.api_key is not None and settings.api_key_file is not None:
+        raise SettingsError(f"set {env.API_KEY} or {env.API_KEY_FILE}, not both")
+    try:
+        ipaddress.ip_address(settings.host)
+    except ValueError:
+        raise SettingsError(f"{env.HOST} must be an IP address (the pod IP), got {_shown(settings.host)}") from None
+
+
+def _check_ranges(settings: Settings) -> None:
+    """Every number within its bounds."""
     for name, value, low in (
         (env.MAX_SEQUENCE_LENGTH, settings.max_sequence_length, 2),
         (env.MAX_BATCH_SIZE, settings.max_batch_size, 1),
@@ -382,6 +395,10 @@ def _check(settings: Settings) -> None:
     ):
         if value > high:
             raise SettingsError(f"{name} must be at most {high}, got {_shown(value)}")
+
+
+def _check_ports(settings: Settings) -> None:
+    """Every port a TCP port, the pod's own ones apart."""
     for name, port in (
         (env.FRONTEND_PORT, settings.frontend_port),
         (env.AGENT_PORT, settings.agent_port),
@@ -396,6 +413,10 @@ def _check(settings: Settings) -> None:
             f"{env.FRONTEND_PORT}, {env.AGENT_PORT} and {env.METRICS_PORT} must differ, got "
             f"{settings.frontend_port}, {settings.agent_port} and {settings.metrics_port}"
         )
+
+
+def _check_ranks(settings: Settings) -> None:
+    """The pod's ranks fit its shard's world, and each rank's agent has its port."""
     if settings.world_size % (settings.tensor_parallel * settings.pipeline_parallel):
         raise SettingsError(
             f"{env.WORLD_SIZE} {settings.world_size} is not a multiple of {env.TENSOR_PARALLEL} x "
@@ -425,9 +446,3 @@ def _check(settings: Settings) -> None:
                 f"{env.AGENT_PORT} + {settings.local_ranks - 1} ({siblings[0]} to {siblings[-1]}); "
                 f"{env.FRONTEND_PORT} and {env.METRICS_PORT} must lie outside"
             )
-    if settings.api_key is not None and settings.api_key_file is not None:
-        raise SettingsError(f"set {env.API_KEY} or {env.API_KEY_FILE}, not both")
-    try:
-        ipaddress.ip_address(settings.host)
-    except ValueError:
-        raise SettingsError(f"{env.HOST} must be an IP address (the pod IP), got {_shown(settings.host)}") from None

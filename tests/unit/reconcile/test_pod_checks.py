@@ -63,7 +63,8 @@ def variable(name: str, value: str) -> dict[str, Any]:
             [
                 (
                     "spec.engine.env[0]",
-                    "MEGAFLEET_RANK 0 plus 2 local rank(s) (MEGAFLEET_LOCAL_RANKS or MEGAFLEET_LOCAL_GPUS) exceeds MEGAFLEET_WORLD_SIZE 1",
+                    "MEGAFLEET_RANK 0 plus 2 local rank(s) (MEGAFLEET_LOCAL_RANKS or MEGAFLEET_LOCAL_GPUS) exceeds "
+                    "MEGAFLEET_WORLD_SIZE 1",
                 )
             ],
         ),

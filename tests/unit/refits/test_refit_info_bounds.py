@@ -6,6 +6,7 @@ tracemalloc, which sees every buffer zlib and json allocate)."""
 from __future__ import annotations
 
 import base64
+import contextlib
 import functools
 import gzip
 import hashlib
@@ -47,10 +48,8 @@ def peak_bytes(call: Callable[[], object]) -> int:
     try:
         tracemalloc.reset_peak()
         before = tracemalloc.get_traced_memory()[0]
-        try:
+        with contextlib.suppress(refit_info_check.RefitInfoError):
             call()
-        except refit_info_check.RefitInfoError:
-            pass
         return tracemalloc.get_traced_memory()[1] - before
     finally:
         tracemalloc.stop()
