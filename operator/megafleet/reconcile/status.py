@@ -111,9 +111,14 @@ def shard_entry(shard: int, seen: ShardSeen, *, current_version: int | None, max
         phase, agent_error, version = shard_phase(seen.reports, current_version)
         entry["phase"] = phase
         # A shard that serves again has recovered: only its restart count remembers the failure. One
-        # whose agents do not answer says why its engine last exited, if it did, before "unreachable".
-        exited = seen.engine_exit if phase == "Starting" else None
-        last_error = None if phase == "Ready" else exited or agent_error or last_error
+        # restarted whose agents do not answer yet says why its engine last exited, else why it was
+        # placed again, before "unreachable".
+        if phase == "Ready":
+            last_error = None
+        elif phase == "Starting" and seen.restarted:
+            last_error = seen.engine_exit or last_error or agent_error
+        else:
+            last_error = agent_error or last_error
         if version is not None:
             entry["weightVersion"] = version
     elif count > max_restarts:

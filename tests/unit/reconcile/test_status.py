@@ -344,6 +344,14 @@ def test_only_shards_not_ready_after_restarts_make_a_fleet_with_none_ready_degra
     assert condition(found["conditions"], conditions.DEGRADED)[:2] == expected
 
 
+def test_a_restarted_shard_whose_agent_does_not_answer_yet_keeps_why_it_restarted() -> None:
+    unreachable = agent_client.AgentState(error="agent at 127.0.0.2:8471 unreachable: ClientConnectorError")
+    replaced = entry([pod(0)], reports=[unreachable], restarts=(1, f"pods ended: gen-s0-p0 ({EXITED})"))
+    assert (replaced["phase"], replaced["lastError"]) == ("Starting", f"pods ended: gen-s0-p0 ({EXITED})")
+    fresh = entry([pod(0)], reports=[unreachable])
+    assert fresh["lastError"] == "agent at 127.0.0.2:8471 unreachable: ClientConnectorError"
+
+
 def test_an_ended_pod_says_why_its_engine_exited_in_the_restart_reason() -> None:
     ended = dataclasses.replace(pod(0), phase="Failed", exit_reason=EXITED)
     layout = fleet().layout
