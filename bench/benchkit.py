@@ -46,7 +46,7 @@ def machine() -> dict[str, Any]:
     """The machine and library versions a result was measured with."""
     import torch
 
-    from megafleet_engine import settings
+    from megafleet_protocol import engine_settings as settings
 
     try:
         smi = subprocess.run(

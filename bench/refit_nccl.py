@@ -62,10 +62,9 @@ import torch
 import torch.distributed as dist
 from torch._C import _distributed_c10d as c10d  # TCPStore: torch.distributed re-exports it untyped
 
-from megafleet_engine import settings as engine_settings
 from megafleet_engine.backends import megatron, weight_maps
+from megafleet_protocol import engine_settings, vocabulary
 from megafleet_protocol import env as protocol_env
-from megafleet_protocol import vocabulary
 from megafleet_protocol.refit import errors as refit_errors
 from megafleet_protocol.refit import sender as sdk
 
@@ -89,7 +88,7 @@ ENGINE_OPTION_FIELDS = {
     "kv_cache_gib": "KV_CACHE_GIB",
 }
 """Engine settings this benchmark sets (settings field -> ``MEGAFLEET_*`` suffix); each is passed only
-when this checkout's :class:`megafleet_engine.settings.Settings` has the field (the CLI's way to
+when this checkout's :class:`megafleet_protocol.engine_settings.Settings` has the field (the CLI's way to
 megatron's ``EngineOptions`` is recent), and reported as not read otherwise."""
 
 STARTED = time.monotonic()

@@ -57,9 +57,9 @@ import benchkit
 from megafleet_engine import engine as engine_module
 from megafleet_engine import metrics as metrics_module
 from megafleet_engine import server
-from megafleet_engine import settings as settings_module
 from megafleet_engine.backends import base
 from megafleet_engine.openai import engine_client
+from megafleet_protocol import engine_settings as settings_module
 
 MAX_PROMPTS_PER_REQUEST = 128
 

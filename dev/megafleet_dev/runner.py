@@ -5,8 +5,10 @@ anything; this runner watches pods labelled ``megafleet.dev/component=engine`` t
 and, once such a pod is Running with a (loopback) pod IP, starts its container command as a local process with the pod's
 environment: ``fieldRef`` values are resolved, Secret volumes and ``secretKeyRef`` values are read
 from the API and written to a private folder, and the shard's master address (a headless-Service
-DNS name) is mapped to pod 0's IP. A deleted pod's process is stopped. Pods of the real node (routable pod IPs)
-are left to its kubelet. Started by
+DNS name) is mapped to pod 0's IP. A deleted pod's process is stopped; one that exits makes its pod
+Failed with the engine's termination message in its container status, as a kubelet reports it (the
+engine writes it to ``MEGAFLEET_TERMINATION_LOG``, a file of the pod's folder here). Pods of the real
+node (routable pod IPs) are left to its kubelet. Started by
 ``megafleet dev up`` and by the end-to-end test fixtures.
 """
 
@@ -26,11 +28,14 @@ from pathlib import Path
 from typing import Any
 
 from megafleet_dev import kube
+from megafleet_protocol import env as pod_env
 
 log = logging.getLogger(__name__)
 
 ENGINE_SELECTOR = "megafleet.dev/component=engine"
 STOP_SECONDS = 10.0
+TERMINATION_MESSAGE_BYTES = 4096
+"""What a kubelet keeps of a container's termination message."""
 
 
 @dataclasses.dataclass
@@ -39,6 +44,7 @@ class _Process:
     name: str
     popen: subprocess.Popen[bytes]
     log: Path
+    termination_log: Path
 
 
 class Runner:
@@ -114,6 +120,8 @@ class Runner:
         folder.mkdir(parents=True)
         mounts = self._materialise_volumes(pod, container, folder)
         env = self._environment(pod, container, pods, mounts)
+        termination_log = Path(env.setdefault(pod_env.TERMINATION_LOG, str(folder / "termination-log")))
+        termination_log.touch()  # the kubelet makes it empty; the engine writes why it exited
         command = [*container.get("command", []), *container.get("args", [])]
         if command and command[0] == "megafleet-engine":
             command = [self.python, "-m", "megafleet_engine.cli", *command[1:]]
@@ -128,7 +136,9 @@ class Runner:
                 cwd=folder,
                 start_new_session=True,
             )
-        self.processes[pod["metadata"]["uid"]] = _Process(pod["metadata"]["uid"], name, popen, log_path)
+        self.processes[pod["metadata"]["uid"]] = _Process(
+            pod["metadata"]["uid"], name, popen, log_path, termination_log
+        )
         log.info("started %s/%s as pid %d on %s", namespace, name, popen.pid, pod["status"]["podIP"])
 
     def _materialise_volumes(self, pod: dict[str, Any], container: dict[str, Any], folder: Path) -> dict[str, Path]:
@@ -169,11 +179,12 @@ class Runner:
         return env
 
     def _report_exit(self, pod: dict[str, Any], process: _Process) -> None:
-        """An engine that exited makes its pod Failed, as a kubelet would report it."""
+        """An engine that exited makes its pod Failed, as a kubelet would report it: the container
+        terminated, with its exit code and termination message."""
         code = process.popen.returncode
         self.processes.pop(process.uid)
         namespace, name = pod["metadata"]["namespace"], pod["metadata"]["name"]
-        status = {"status": {"phase": "Failed", "reason": "EngineExited", "message": f"engine exited with code {code}"}}
+        status = {"status": exit_status(pod, code, process.termination_log)}
         try:
             self.client.patch(f"/api/v1/namespaces/{namespace}/pods/{name}/status", status)
         except kube.KubeError:
@@ -188,6 +199,39 @@ class Runner:
             except subprocess.TimeoutExpired:
                 os.killpg(process.popen.pid, signal.SIGKILL)
                 process.popen.wait()
+
+
+def exit_status(pod: dict[str, Any], code: int, termination_log: Path) -> dict[str, Any]:
+    """The status of a pod whose engine process exited with ``code`` (negative: the signal), as a
+    kubelet reports a container that ended: Failed, the container terminated with its exit code and
+    what the engine wrote to ``termination_log`` (as much as a kubelet keeps)."""
+    try:
+        with termination_log.open("rb") as file:
+            message = file.read(TERMINATION_MESSAGE_BYTES).decode(errors="replace").strip()
+    except OSError:
+        message = ""
+    terminated: dict[str, Any] = {
+        "exitCode": code if code >= 0 else 128 - code,
+        "reason": "Completed" if code == 0 else "Error",
+        **({"message": message} if message else {}),
+    }
+    container = pod["spec"]["containers"][0]
+    return {
+        "phase": "Failed",
+        "reason": "EngineExited",
+        "message": f"engine exited with code {code}",
+        "containerStatuses": [
+            {
+                "name": container["name"],
+                "image": container.get("image", ""),
+                "imageID": "",
+                "ready": False,
+                "restartCount": 0,
+                "started": False,
+                "state": {"terminated": terminated},
+            }
+        ],
+    }
 
 
 def expand(value: str, defined: dict[str, str]) -> str:

@@ -1,6 +1,6 @@
 """The ``megafleet-engine`` command: the entry point of every engine pod.
 
-Reads :mod:`megafleet_engine.settings` from ``MEGAFLEET_*`` variables and starts the pod's rank
+Reads :mod:`megafleet_protocol.engine_settings` from ``MEGAFLEET_*`` variables and starts the pod's rank
 processes: one per local GPU (spawned, each with its own rank and device), or one on CPU, which
 runs in this process. Each rank process joins the shard's process group when the world has more
 than one rank (gloo on CPU, NCCL on GPU), loads the backend (megatron: into its TP/PP place), and
@@ -13,7 +13,8 @@ which local rank 0's agent forwards refits to (:mod:`megafleet_engine.siblings`)
 model-parallel megatron shard the ranks other than the first run
 :meth:`~megafleet_engine.backends.megatron.MegatronBackend.serve_followers` on a thread of their own
 and step in lockstep with the first. SIGTERM or SIGINT stops the servers gracefully (the first rank
-then releases its followers); a rank that fails stops its siblings.
+then releases its followers); a rank that fails stops its siblings. Every exit on an error writes
+its reason to the container's termination message first (:mod:`megafleet_engine.termination`).
 """
 
 from __future__ import annotations
@@ -33,9 +34,9 @@ from typing import TYPE_CHECKING
 import megafleet_engine
 from megafleet_engine import engine as engine_module
 from megafleet_engine import metrics as metrics_module
-from megafleet_engine import server
-from megafleet_engine import settings as settings_module
+from megafleet_engine import server, termination
 from megafleet_engine import siblings as siblings_module
+from megafleet_protocol import engine_settings as settings_module
 
 if TYPE_CHECKING:
     from megafleet_engine.backends import base
@@ -54,7 +55,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="megafleet-engine",
         description="Serve one engine pod of a megafleet generation fleet.",
-        epilog="Configured by MEGAFLEET_* environment variables (see megafleet_engine.settings).",
+        epilog="Configured by MEGAFLEET_* environment variables (see megafleet_protocol.engine_settings).",
     )
     parser.add_argument("--version", action="version", version=megafleet_engine.__version__)
     parser.parse_args(argv)
@@ -63,6 +64,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         settings = settings_module.from_env()
     except settings_module.SettingsError as error:
         log.error("invalid configuration: %s", error)
+        termination.record(f"invalid configuration: {error}", settings_module.termination_log())
         return 2
     if settings.local_ranks == 1:
         return run_rank(settings, 0)
@@ -70,8 +72,21 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def run_rank(settings: settings_module.Settings, local_rank: int) -> int:
-    """Run one rank process until SIGTERM/SIGINT; returns the exit status."""
+    """Run one rank process until SIGTERM/SIGINT; returns the exit status. A failure (an error
+    status or an exception) writes its reason to the termination message first."""
     rank = settings.rank + local_rank
+    try:
+        status, reason = _run_rank(settings, rank, local_rank)
+    except Exception as error:
+        termination.record(f"rank {rank}: {type(error).__name__}: {error}", settings.termination_log)
+        raise
+    if reason is not None:
+        termination.record(f"rank {rank}: {reason}", settings.termination_log)
+    return status
+
+
+def _run_rank(settings: settings_module.Settings, rank: int, local_rank: int) -> tuple[int, str | None]:
+    """:func:`run_rank`'s work: (exit status, why it failed or None)."""
     try:  # secrets first: a missing Secret should fail in a second, not after loading the model
         api_key = settings.api_key
         if settings.api_key_file is not None:
@@ -81,7 +96,7 @@ def run_rank(settings: settings_module.Settings, local_rank: int) -> int:
         server.read_secret(settings.agent_token_file, what="agent token")
     except RuntimeError as error:
         log.error("rank %d: %s", rank, error)
-        return 1
+        return 1, str(error)
     if settings.world_size > 1:
         _join_process_group(settings, rank, local_rank)
     device = "cpu" if settings.local_gpus == 0 else f"cuda:{local_rank}"
@@ -110,7 +125,7 @@ def run_rank(settings: settings_module.Settings, local_rank: int) -> int:
         asyncio.run(_serve_until_signal(servers))
     except RuntimeError as error:
         log.error("rank %d: %s", rank, error)
-        return 1
+        return 1, str(error)
     finally:
         engine.close()
         released = _release(backend, follower, rank)
@@ -119,7 +134,7 @@ def run_rank(settings: settings_module.Settings, local_rank: int) -> int:
         if settings.world_size > 1 and released and settings.local_gpus == 0:
             _leave_process_group()
     log.info("rank %d: stopped", rank)
-    return 0
+    return 0, None
 
 
 def _load_backend(
@@ -299,9 +314,21 @@ def _launch(settings: settings_module.Settings) -> int:
             code = process.exitcode or 0
             if code != 0 and status == 0:
                 log.error("%s exited with status %d; stopping the other ranks", process.name, code)
+                # Its own reason is there already unless it could not write one (killed by a signal).
+                termination.record(_exit_reason(process.name, code), settings.termination_log)
                 status = code if code > 0 else 1
                 forward(signal.SIGTERM, None)
     return status
+
+
+def _exit_reason(name: str, code: int) -> str:
+    """Why rank process ``name`` ended, from its exit ``code`` (negative: the signal that killed it)."""
+    if code < 0:
+        try:
+            return f"{name} was killed by {signal.Signals(-code).name}"
+        except ValueError:
+            return f"{name} was killed by signal {-code}"
+    return f"{name} exited with status {code}"
 
 
 def _rank_process(settings: settings_module.Settings, local_rank: int) -> None:

@@ -6,9 +6,9 @@ RefitSession controller (:mod:`megafleet.refits.session_controller`: join a trai
 it). Requests and responses are the models of :mod:`megafleet_protocol.agent_api`, which the agent
 itself validates with. Every call carries the
 fleet's bearer token; a pod whose agent does not answer within the timeout (or answers something
-malformed) is reported as unreachable, never as an exception. The calls go over aiohttp (Kopf's
-own HTTP client), as the operator's API requests do (:mod:`megafleet.kube_rest`): a starting fleet
-of a thousand pods is probed thousands of times a minute.
+malformed, or more than :data:`MAX_ANSWER_BYTES`) is reported as unreachable, never as an exception.
+The calls go over aiohttp (Kopf's own HTTP client), as the operator's API requests do
+(:mod:`megafleet.kube_rest`): a starting fleet of a thousand pods is probed thousands of times a minute.
 """
 
 from __future__ import annotations
@@ -40,8 +40,22 @@ class AgentState:
     error: str | None = None
 
 
+MAX_ANSWER_BYTES = 1024 * 1024
+"""The most of an agent's answer the operator reads: its answers are a few KB (a state, a refit's
+status), and what comes over the network is bounded before it is parsed. Read as it arrives and
+refused past this; an answer whose length says more is refused unread."""
+
+
+class AnswerTooLarge(aiohttp.ClientError):
+    """An agent answered more than :data:`MAX_ANSWER_BYTES` (one of :data:`Unreachable`)."""
+
+    def __init__(self, limit: int) -> None:
+        super().__init__(f"answered more than {limit} bytes: refused unread")
+
+
 Unreachable = (aiohttp.ClientError, asyncio.TimeoutError)
-"""What a call to an agent that cannot be reached (or that does not answer in time) raises."""
+"""What a call to an agent that cannot be reached (or that does not answer in time, or answers too
+much: :class:`AnswerTooLarge`) raises."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -76,13 +90,13 @@ class AgentClient:
         agent call is idempotent, and a live agent must never look unreachable because of it. A
         refused connection is not sent again: nothing listens there."""
         metrics.AGENT_CALLS.labels(method=method).inc()
-        if self._session is None:
-            self._session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0))
+        if self._session is None:  # agents never compress: nothing is inflated unbounded
+            self._session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0), auto_decompress=False)
         limit = aiohttp.ClientTimeout(total=timeout if timeout is not None else self.timeout_seconds)
         for attempt in (1, 2):
             try:
                 async with self._session.request(method, url, json=json, headers=headers, timeout=limit) as response:
-                    return _Answer(response.status, await response.read())
+                    return _Answer(response.status, await _bounded(response, MAX_ANSWER_BYTES))
             except aiohttp.ClientConnectorError:
                 raise
             except (aiohttp.ServerDisconnectedError, aiohttp.ClientOSError, aiohttp.ClientPayloadError):
@@ -95,6 +109,8 @@ class AgentClient:
             response = await self._call(
                 "GET", self._url(pod_ip, agent_api.STATE), headers={"Authorization": f"Bearer {token}"}
             )
+        except AnswerTooLarge as error:
+            return AgentState(error=f"agent at {pod_ip}:{self.port} {error}")
         except Unreachable as error:
             return AgentState(error=f"agent at {pod_ip}:{self.port} unreachable: {type(error).__name__}")
         if response.status_code != 200:
@@ -200,6 +216,19 @@ class AgentClient:
 
     def _url(self, pod_ip: str, path: str) -> str:
         return f"http://{pod_ip}:{self.port}{path}"
+
+
+async def _bounded(response: aiohttp.ClientResponse, limit: int) -> bytes:
+    """``response``'s body, read as it arrives; :class:`AnswerTooLarge` past ``limit`` bytes (at
+    once when its length says so)."""
+    if response.content_length is not None and response.content_length > limit:
+        raise AnswerTooLarge(limit)
+    body = bytearray()
+    async for chunk in response.content.iter_chunked(64 * 1024):
+        body += chunk
+        if len(body) > limit:
+            raise AnswerTooLarge(limit)
+    return bytes(body)
 
 
 _REFIT_PATHS: dict[type[pydantic.BaseModel], str] = {

@@ -4,8 +4,9 @@ Installed by :mod:`megafleet.handlers`. Three things Kopf does by default break 
 
 * it keeps the whole last-handled spec in one annotation, and annotations are limited to 256 KiB
   in all: a valid spec of ~330 KB could be created but never updated or deleted;
-* a malformed annotation of its own (edited by hand, truncated) raises ``JSONDecodeError`` on
-  every event, so the object is never reconciled again;
+* a malformed annotation of its own (edited by hand, truncated, or nested past the JSON parser's
+  depth) raises ``JSONDecodeError`` (or ``RecursionError``) on every event, so the object is never
+  reconciled again;
 * every object with a timer or daemon gets a finalizer, so deleting a fleet, a Refit or their
   namespace hangs for as long as no operator runs.
 
@@ -55,7 +56,7 @@ class DigestDiffBase(kopf.AnnotationsDiffBaseStorage):
     def fetch(self, *, body: kopf.Body) -> kopf.BodyEssence | None:
         try:
             found = super().fetch(body=body)
-        except ValueError as error:  # JSONDecodeError: the annotation is not JSON
+        except (ValueError, RecursionError) as error:  # not JSON, or nested past the parser's depth
             log.warning("ignoring a malformed last-handled configuration of %s: %s", body.metadata.name, error)
             return None
         return found if isinstance(found, dict) else None
@@ -67,7 +68,7 @@ class TolerantProgress(kopf.AnnotationsProgressStorage):
     def fetch(self, *, key: Any, body: kopf.Body) -> kopf.ProgressRecord | None:
         try:
             found = super().fetch(key=key, body=body)
-        except ValueError as error:
+        except (ValueError, RecursionError) as error:
             log.warning("ignoring a malformed progress record of %s: %s", body.metadata.name, error)
             return None
         return found if isinstance(found, dict) else None

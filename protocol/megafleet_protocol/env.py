@@ -1,7 +1,7 @@
 """The ``MEGAFLEET_*`` environment variables of an engine pod, one constant per variable.
 
 The operator writes them on every engine pod (:mod:`megafleet.desired`); the engine reads them once
-at start (:mod:`megafleet_engine.settings`), where each variable's meaning, unit and default are
+at start with :func:`megafleet_protocol.engine_settings.from_env`, where each variable's meaning, unit and default are
 documented. ``tests/unit/test_protocol_env.py`` builds a pod's env with the operator and reads it
 with the engine, so a name that drifts on either side fails there.
 """
@@ -43,6 +43,8 @@ __all__ = [
     "SET_BY_OPERATOR",
     "SHARD",
     "TENSOR_PARALLEL",
+    "TERMINATION_LOG",
+    "USER_SETTINGS",
     "WEIGHTS_INITIAL",
     "WORLD_SIZE",
 ]
@@ -85,6 +87,7 @@ MASTER_ADDR = "MEGAFLEET_MASTER_ADDR"
 MASTER_PORT = "MEGAFLEET_MASTER_PORT"
 LOCAL_GPUS = "MEGAFLEET_LOCAL_GPUS"
 LOCAL_RANKS = "MEGAFLEET_LOCAL_RANKS"
+TERMINATION_LOG = "MEGAFLEET_TERMINATION_LOG"
 
 SET_BY_OPERATOR = (
     FLEET,
@@ -117,3 +120,18 @@ SET_BY_OPERATOR = (
 """What the operator writes on every engine pod (``API_KEY`` with ``spec.frontend.apiKeySecret``): a
 fleet's ``spec.engine.env`` may not set them, so the checked ports, ranks and model stay the
 operator's. The others (``KV_CACHE_GIB``, ``REFIT_WAIT_SECONDS``, ...) are the user's to set."""
+
+USER_SETTINGS = (
+    KV_CACHE_GIB,
+    REFIT_WAIT_SECONDS,
+    FUSED_KERNELS,
+    PREFILL_GRAPHS,
+    API_SERVERS,
+    LOCAL_RANKS,
+    API_KEY_FILE,
+    TERMINATION_LOG,
+)
+"""The engine settings a fleet's ``spec.engine.env`` may set (every name that is neither the
+operator's nor informational; docs/operations.md lists them). The operator checks their values with
+the engine's own parser before it creates a pod, so a value the engine refuses is ``InvalidSpec``
+naming the variable."""

@@ -92,10 +92,11 @@ def test_engine_command_with_deferred_weights_starts_loading(token_file: Path) -
     assert refused.status_code == 503 and refused.json()["error"]["code"] == "loading"
 
 
-def test_engine_command_rejects_invalid_settings(token_file: Path) -> None:
+def test_engine_command_rejects_invalid_settings(token_file: Path, tmp_path: Path) -> None:
+    message = tmp_path / "termination-log"
     result = subprocess.run(
         [sys.executable, "-m", "megafleet_engine.cli"],
-        env=_env(token_file, MEGAFLEET_BACKEND="vllm"),
+        env=_env(token_file, MEGAFLEET_BACKEND="vllm", MEGAFLEET_TERMINATION_LOG=str(message)),
         capture_output=True,
         text=True,
         timeout=120,
@@ -103,12 +104,18 @@ def test_engine_command_rejects_invalid_settings(token_file: Path) -> None:
     )
     assert result.returncode == 2
     assert "MEGAFLEET_BACKEND must be one of transformers, megatron" in result.stderr
+    # The container's termination message says why, for the pod's status and the operator.
+    assert (
+        message.read_text()
+        == "invalid configuration: MEGAFLEET_BACKEND must be one of transformers, megatron, got 'vllm'"
+    )
 
 
 def test_engine_command_refuses_to_start_without_its_agent_token(tmp_path: Path) -> None:
+    message = tmp_path / "termination-log"
     result = subprocess.run(
         [sys.executable, "-m", "megafleet_engine.cli"],
-        env=_env(tmp_path / "missing-token"),
+        env=_env(tmp_path / "missing-token", MEGAFLEET_TERMINATION_LOG=str(message)),
         capture_output=True,
         text=True,
         timeout=120,
@@ -116,6 +123,24 @@ def test_engine_command_refuses_to_start_without_its_agent_token(tmp_path: Path)
     )
     assert result.returncode == 1
     assert "agent token" in result.stderr and "missing-token" in result.stderr
+    assert message.read_text().startswith("rank 0: ") and "missing-token" in message.read_text()
+
+
+def test_an_engine_that_fails_to_load_its_model_says_why_in_its_termination_message(
+    token_file: Path, tmp_path: Path
+) -> None:
+    message = tmp_path / "termination-log"
+    missing = tmp_path / "no-such-checkpoint"
+    result = subprocess.run(
+        [sys.executable, "-m", "megafleet_engine.cli"],
+        env=_env(token_file, MEGAFLEET_MODEL_SOURCE=str(missing), MEGAFLEET_TERMINATION_LOG=str(message)),
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
+    assert result.returncode != 0
+    assert message.read_text().startswith("rank 0: ") and str(missing) in message.read_text()
 
 
 def test_two_ranks_join_one_process_group_and_only_the_frontend_rank_serves_clients(token_file: Path) -> None:

@@ -7,7 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from megafleet_engine import backends, cli, settings
+from megafleet_engine import backends, cli
+from megafleet_protocol import engine_settings as settings
 
 
 def test_defaults_need_only_the_model_source() -> None:
@@ -141,6 +142,12 @@ INVALID = [
     ("MEGAFLEET_PREFILL_GRAPHS", "on", "one of true, false"),
     ("MEGAFLEET_KV_CACHE_GIB", "0", "at least 1"),
     ("MEGAFLEET_LOCAL_RANKS", "3", "exceeds"),
+    ("MEGAFLEET_REFIT_WAIT_SECONDS", "-5", "at least 0, got -5"),
+    ("MEGAFLEET_REFIT_WAIT_SECONDS", "86401", "at most 86400"),
+    ("MEGAFLEET_KV_CACHE_GIB", "1" + "0" * 400, "at most 65536"),
+    ("MEGAFLEET_API_SERVERS", "257", "at most 256"),
+    ("MEGAFLEET_FUSED_KERNELS", "rm -rf /", "one of rope-swiglu, off, gemv, all, got 'rm -rf /'"),
+    ("MEGAFLEET_KV_CACHE_GIB", "x" * 5000, "must be an integer, got 'xxx"),
 ]
 
 
@@ -216,3 +223,9 @@ def test_api_servers_zero_serves_in_process_and_negative_is_refused() -> None:
     assert settings.from_env({"MEGAFLEET_MODEL_SOURCE": "x", "MEGAFLEET_API_SERVERS": "0"}).api_server_count == 0
     with pytest.raises(settings.SettingsError, match="MEGAFLEET_API_SERVERS must be at least 0"):
         settings.from_env({"MEGAFLEET_MODEL_SOURCE": "x", "MEGAFLEET_API_SERVERS": "-1"})
+
+
+def test_a_refused_value_is_shown_cut_so_every_message_stays_short() -> None:
+    with pytest.raises(settings.SettingsError) as raised:
+        settings.from_env({"MEGAFLEET_MODEL_SOURCE": "x", "MEGAFLEET_FUSED_KERNELS": "y" * 32768})
+    assert len(str(raised.value)) < 200 and str(raised.value).endswith("...")

@@ -34,11 +34,12 @@ import pytest
 import torch
 
 from helpers import fused_reference, gpu
-from megafleet_engine import cli, settings
+from megafleet_engine import cli
 from megafleet_engine import engine as engine_module
 from megafleet_engine.backends import base, megatron, weight_maps
 from megafleet_engine.backends.megatron import fused
 from megafleet_engine.models import tiny
+from megafleet_protocol import engine_settings as settings
 from megafleet_protocol import env, vocabulary
 
 TIE = 0.1

@@ -1,7 +1,7 @@
 """The ``MEGAFLEET_*`` contract: the env the operator writes on an engine pod is env the engine reads.
 
 The operator's pod builder (:func:`megafleet.desired.shard_pods`) and the engine's settings reader
-(:func:`megafleet_engine.settings.from_env`) both name the variables through
+(:func:`megafleet_protocol.engine_settings.from_env`) both name the variables through
 :mod:`megafleet_protocol.env`; this test runs one into the other, so a name that drifts on either
 side (or a constant that neither side uses) fails here.
 """
@@ -9,11 +9,12 @@ side (or a constant that neither side uses) fails here.
 from __future__ import annotations
 
 from collections.abc import Iterator, Mapping
+from pathlib import Path
 
 from megafleet import desired, planner
 from megafleet.api import v1alpha1
 from megafleet.objects import Object
-from megafleet_engine import settings
+from megafleet_protocol import engine_settings as settings
 from megafleet_protocol import env
 
 POD_IP = "10.0.0.7"
@@ -98,3 +99,12 @@ def test_every_protocol_name_is_read_by_the_engine_or_informational() -> None:
     settings.from_env(environ)
     assert constants() == environ.asked | set(env.INFORMATIONAL)
     assert all(name.startswith(env.PREFIX) for name in constants())
+
+
+def test_every_name_is_the_operators_the_users_or_informational_and_the_users_are_documented() -> None:
+    """``env.USER_SETTINGS`` is what a fleet's ``spec.engine.env`` may set: every name the operator
+    does not, each listed in docs/operations.md's settings table."""
+    assert set(env.SET_BY_OPERATOR) | set(env.USER_SETTINGS) | set(env.INFORMATIONAL) == constants()
+    assert not set(env.SET_BY_OPERATOR) & set(env.USER_SETTINGS)
+    documented = (Path(__file__).resolve().parents[2] / "docs" / "operations.md").read_text()
+    assert [name for name in env.USER_SETTINGS if f"| `{name}` |" not in documented] == []

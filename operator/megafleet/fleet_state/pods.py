@@ -51,6 +51,13 @@ class Pod:
     """The clique label value the pod's node affinity requires."""
     template_hash: str | None
     deleting: bool
+    exit_reason: str | None = None
+    """Why its engine last exited on an error: the container's termination message (the engine writes
+    it: :mod:`megafleet_engine.termination`), else the kubelet's reason and exit code (``OOMKilled
+    (exit code 137)``), else, once the pod ended, the pod's own message (an eviction); cut to
+    :data:`REASON_CHARACTERS`. None: it never did."""
+    engine_restarts: int = 0
+    """How often the kubelet restarted its engine container in place."""
 
     @property
     def running(self) -> bool:
@@ -81,7 +88,28 @@ def parse(raw: Object, *, clique_label: str) -> Pod:
         clique=_required_label(spec, clique_label),
         template_hash=(metadata.get("annotations") or {}).get(names.ANNOTATION_TEMPLATE_HASH),
         deleting=bool(metadata.get("deletionTimestamp")),
+        exit_reason=exit_reason(status),
+        engine_restarts=sum(int(item.get("restartCount") or 0) for item in status.get("containerStatuses") or []),
     )
+
+
+REASON_CHARACTERS = 1000
+"""The most of an exit reason the operator keeps (a shard's ``lastError``, an Event's message): the
+kubelet keeps 4 KiB of a termination message, and anyone who may write a pod's status more."""
+
+
+def exit_reason(status: Object) -> str | None:
+    """Why a pod's engine last exited on an error (see :attr:`Pod.exit_reason`), from its ``status``."""
+    for container in status.get("containerStatuses") or []:
+        for state in (container.get("state") or {}, container.get("lastState") or {}):
+            ended = state.get("terminated") or {}
+            code = ended.get("exitCode")
+            if ended and code != 0:
+                message = str(ended.get("message") or "").strip()
+                return (message or f"{ended.get('reason') or 'Error'} (exit code {code})")[:REASON_CHARACTERS]
+    if status.get("phase") == "Failed" and status.get("message"):
+        return str(status["message"]).strip()[:REASON_CHARACTERS]
+    return None
 
 
 def pinned_node(pod: Object) -> str | None:

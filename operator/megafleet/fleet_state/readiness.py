@@ -9,6 +9,8 @@ time changes only when its status does (:func:`megafleet.conditions.set_conditio
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 from megafleet import conditions
 from megafleet.objects import Object
 
@@ -25,16 +27,33 @@ def ready_condition(
     )
 
 
+MESSAGE_CHARACTERS = 2000
+"""The longest Degraded message :func:`degraded` writes (each failing shard's line holds its
+``lastError``, up to a termination message's 1,000 characters)."""
+
+
 def degraded(
-    found: list[conditions.Condition], ready: int, replicas: int, *, generation: int, now: str
+    found: list[conditions.Condition],
+    ready: int,
+    replicas: int,
+    *,
+    failing: Sequence[str] = (),
+    generation: int,
+    now: str,
 ) -> list[conditions.Condition]:
-    """Degraded: some shards serve, not all (none serving is not Ready, but not Degraded)."""
-    is_degraded = 0 < ready < replicas
-    reason = "ShardsUnavailable" if is_degraded else "AsDesired"
-    message = f"{replicas - ready} of {replicas} shards not ready" if is_degraded else ""
-    return conditions.set_condition(
-        found, conditions.DEGRADED, conditions.Verdict(is_degraded, reason, message), generation=generation, now=now
-    )
+    """Degraded: some shards serve, not all; or a shard is not ready after restarts (``failing``: one
+    line per such shard saying why, from the reconcile's observation), even when none serves. A fleet
+    whose shards are all still starting for the first time is not Ready, but not Degraded."""
+    if failing:
+        message = f"{len(failing)} of {replicas} shards not ready after restarts: {'; '.join(failing)}"
+        if len(message) > MESSAGE_CHARACTERS:
+            message = message[: MESSAGE_CHARACTERS - 3] + "..."
+        verdict = conditions.Verdict(True, "ShardsFailing", message)
+    elif 0 < ready < replicas:
+        verdict = conditions.Verdict(True, "ShardsUnavailable", f"{replicas - ready} of {replicas} shards not ready")
+    else:
+        verdict = conditions.Verdict(False, "AsDesired", "")
+    return conditions.set_condition(found, conditions.DEGRADED, verdict, generation=generation, now=now)
 
 
 def weights_current(

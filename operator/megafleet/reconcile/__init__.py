@@ -36,7 +36,7 @@ async def reconcile(
     saw is kept for the observation daemon's probes (:mod:`.pacing`) only when every step ran."""
     metadata = body["metadata"]
     runtime.observed.pop((metadata.get("namespace") or "default", metadata["name"]), None)
-    fleet = await validate.fleet(runtime.api, body, notify)
+    fleet = await validate.fleet(runtime.api, body, notify, checked=runtime.checked_pods)
     if fleet is None:
         return None
     ctx = context.FleetContext(runtime, body, fleet, notify, status=dict(body.get("status") or {}))
@@ -96,6 +96,9 @@ async def _write_observed(ctx: context.FleetContext) -> None:
     now = conditions.now()
     seen = status.FleetSeen(ctx.shards, ctx.unplaced, ctx.restarts, ctx.reports)
     observed = status.observed(ctx.status, ctx.fleet, seen, max_restarts=ctx.settings.shards.max_restarts, now=now)
+    exits = status.engine_exits(ctx.status, observed, seen)
+    if exits:  # the kubelet restarted an engine in place: no other step sees it
+        ctx.notify("Warning", "EngineExited", context.summary(exits))
     port, generation = ctx.fleet.spec.frontend.port, ctx.fleet.generation
     ctx.status, mismatch = status.verify_addresses(
         observed, ctx.shards, ctx.reports, port=port, generation=generation, now=now

@@ -17,6 +17,7 @@ from megafleet import settings as operator_settings
 from megafleet.fleet_state import ownership, pods
 from megafleet.objects import Object
 from megafleet.reconcile import cache as watch_cache
+from megafleet.reconcile import pod_checks
 
 Notify = Callable[[str, str, str], None]
 """Emits a Kubernetes Event about the fleet: (type Normal|Warning, reason, message)."""
@@ -98,6 +99,9 @@ class Runtime:
     observed: dict[tuple[str, str], Observation] = dataclasses.field(default_factory=dict)
     """What the last reconcile of each fleet, keyed by (namespace, name), saw of its pods and agents,
     and whether it left the fleet settled (:mod:`megafleet.reconcile.pacing` compares probes with it)."""
+    checked_pods: pod_checks.Checked = dataclasses.field(default_factory=pod_checks.Checked)
+    """What each fleet's spec makes of its pods that the engine or the API server would refuse, by
+    generation (:mod:`megafleet.reconcile.pod_checks`)."""
 
     @classmethod
     def of(

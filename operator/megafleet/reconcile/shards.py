@@ -49,10 +49,10 @@ async def heal(ctx: context.FleetContext) -> None:
 
 
 def broken(members: list[pods.Pod], layout: planner.PodLayout, template: str) -> str | None:
-    """Why a shard cannot serve as it is (a pod missing or ended), or None. A shard on an older
-    ``template`` was placed with the old layout (a changed pipeline size changes its pod count):
-    only an ended pod breaks it; :func:`roll` replaces it."""
-    ended = [pod.name for pod in members if pod.ended]
+    """Why a shard cannot serve as it is (a pod missing or ended, with why its engine exited), or
+    None. A shard on an older ``template`` was placed with the old layout (a changed pipeline size
+    changes its pod count): only an ended pod breaks it; :func:`roll` replaces it."""
+    ended = [pod.name if pod.exit_reason is None else f"{pod.name} ({pod.exit_reason})" for pod in members if pod.ended]
     if ended:
         return f"pods ended: {', '.join(ended)}"
     current = all(pod.template_hash == template for pod in members)

@@ -62,6 +62,21 @@ class ShardSeen:
     terminating: bool = False
     """Its pods are being deleted (a scale-down drains it)."""
 
+    @property
+    def engine_exit(self) -> str | None:
+        """Why an engine of its pods last exited on an error, naming the pod and how often the
+        kubelet restarted it (the container's termination message: :attr:`pods.Pod.exit_reason`)."""
+        for pod in self.members or []:
+            if pod.exit_reason is not None:
+                restarted = f" (restarted {pod.engine_restarts} times)" if pod.engine_restarts else ""
+                return f"{pod.name}{restarted}: {pod.exit_reason}"
+        return None
+
+    @property
+    def restarted(self) -> bool:
+        """It was placed again, or the kubelet restarted one of its engines."""
+        return self.restarts[0] > 0 or any(pod.engine_restarts for pod in self.members or [])
+
 
 @dataclasses.dataclass(frozen=True)
 class FleetSeen:
@@ -95,8 +110,15 @@ def shard_entry(shard: int, seen: ShardSeen, *, current_version: int | None, max
             entry["clique"] = members[0].clique
         phase, agent_error, version = shard_phase(seen.reports, current_version)
         entry["phase"] = phase
-        # A shard that serves again has recovered: only its restart count remembers the failure.
-        last_error = None if phase == "Ready" else agent_error or last_error
+        # A shard that serves again has recovered: only its restart count remembers the failure. One
+        # restarted whose agents do not answer yet says why its engine last exited, else why it was
+        # placed again, before "unreachable".
+        if phase == "Ready":
+            last_error = None
+        elif phase == "Starting" and seen.restarted:
+            last_error = seen.engine_exit or last_error or agent_error
+        else:
+            last_error = agent_error or last_error
         if version is not None:
             entry["weightVersion"] = version
     elif count > max_restarts:
@@ -146,9 +168,38 @@ def observed(status: Object, fleet: desired.ParsedFleet, seen: FleetSeen, *, max
     replicas, generation = fleet.spec.replicas, fleet.generation
     found = placed(list(updated.get("conditions", [])), seen.unplaced, replicas, generation=generation, now=now)
     found = readiness.ready_condition(found, ready, replicas, generation=generation, now=now)
-    found = readiness.degraded(found, ready, replicas, generation=generation, now=now)
+    failing = failing_shards(entries, seen)
+    found = readiness.degraded(found, ready, replicas, failing=failing, generation=generation, now=now)
     updated["conditions"] = readiness.weights_current(found, entries, refit, generation=generation, now=now)
     return updated
+
+
+FAILING_PHASES = ("Pending", "Starting", "Loading", "Stale", "Failed")
+"""The phases in which a shard that was restarted counts as failing (not Refitting: every shard
+leaves Ready for a refit)."""
+
+
+def failing_shards(entries: list[Object], seen: FleetSeen) -> list[str]:
+    """One line per shard that is not ready after restarts (placed again, or its engine restarted by
+    the kubelet), with its ``lastError``: what makes the fleet Degraded even when no shard serves."""
+    return [
+        f"shard {entry['index']}: {entry.get('lastError') or entry['phase']}"
+        for entry in entries
+        if entry["phase"] in FAILING_PHASES and seen.shard(entry["index"]).restarted
+    ]
+
+
+def engine_exits(before: Object, after: Object, seen: FleetSeen) -> list[str]:
+    """The shards whose ``lastError`` turned into a new engine exit between the ``before`` and
+    ``after`` status, one line each (for a Warning Event: the kubelet restarts a crashed engine in
+    place, which no other step sees)."""
+    previous = {item["index"]: item.get("lastError") for item in before.get("shards") or []}
+    lines = []
+    for entry in after.get("shards") or []:
+        exited = seen.shard(entry["index"]).engine_exit
+        if exited is not None and entry.get("lastError") == exited and previous.get(entry["index"]) != exited:
+            lines.append(f"shard {entry['index']}: {exited}")
+    return lines
 
 
 def placed(

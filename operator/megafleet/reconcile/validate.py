@@ -1,4 +1,5 @@
-"""The first reconcile step: the spec parses, and the objects it names exist.
+"""The first reconcile step: the spec parses, its pods are ones the engine and the API server
+accept (:mod:`.pod_checks`), and the objects it names exist.
 
 Called by :func:`megafleet.reconcile.reconcile`. An invalid fleet gets InvalidSpec=True with every
 problem, and a Warning Event only when it turns invalid; nothing else is touched.
@@ -9,19 +10,25 @@ from __future__ import annotations
 from megafleet import conditions, desired, kube, names
 from megafleet.api import checks
 from megafleet.objects import Object
-from megafleet.reconcile import context, status
+from megafleet.reconcile import context, pod_checks, status
 
 
-async def fleet(api: kube.Api, body: Object, notify: context.Notify) -> desired.ParsedFleet | None:
-    """The parsed fleet, or None once its problems are reported."""
+async def fleet(
+    api: kube.Api, body: Object, notify: context.Notify, *, checked: pod_checks.Checked | None = None
+) -> desired.ParsedFleet | None:
+    """The parsed fleet, or None once its problems are reported. ``checked``: the operator's record
+    of the pod checks by generation (None: check again)."""
     metadata = body["metadata"]
     generation = int(metadata.get("generation", 1))
     spec, problems = checks.parse_spec(body.get("spec") or {}, name=metadata["name"])
-    if spec is None or problems:
+    parsed = None
+    if spec is not None and not problems:
+        parsed = desired.ParsedFleet(metadata["name"], metadata["namespace"], metadata["uid"], generation, spec)
+        problems = (checked or pod_checks.Checked()).problems(parsed)
+    if parsed is None or problems:
         message = "; ".join(f"{problem.field}: {problem.message}" for problem in problems)
         await _report_invalid(api, body, message, generation, notify)
         return None
-    parsed = desired.ParsedFleet(metadata["name"], metadata["namespace"], metadata["uid"], generation, spec)
     missing = await _missing_references(api, parsed)
     if missing:
         await _report_invalid(api, body, missing, generation, notify)
@@ -66,7 +73,14 @@ def _agent_token(secret: Object) -> bool:
     return labelled or any(owner.get("kind") == "MegatronGeneration" for owner in owners)
 
 
+MESSAGE_CHARACTERS = 8192
+"""The longest InvalidSpec message written (the schema allows a condition 32 KiB, and a problem
+may quote what the user wrote)."""
+
+
 async def _report_invalid(api: kube.Api, body: Object, message: str, generation: int, notify: context.Notify) -> None:
+    if len(message) > MESSAGE_CHARACTERS:
+        message = message[: MESSAGE_CHARACTERS - 3] + "..."
     current: Object = dict(body.get("status") or {})
     was_invalid = (conditions.find(current.get("conditions", []), conditions.INVALID_SPEC) or {}).get("status")
     await status.write(api, body, status.invalid(current, message, generation=generation, now=conditions.now()))

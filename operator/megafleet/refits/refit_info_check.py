@@ -5,14 +5,22 @@ NeMo RL's ``prepare_refit_info`` (written by :mod:`megafleet.sdk.nemo.refit_info
 and tensor count. The RefitSession controller checks it once, in the Joined phase (:func:`accept`:
 ``RefitInfoAccepted``, or the session ``Broken``, ``RefitInfoRejected``); each Refit through a NeMo
 session reads it again for the members' request (:func:`read`, from :mod:`.session_refits`).
+
+The ConfigMap is the user's (up to 1 MiB), and deflate expands about a thousand times, so nothing is
+expanded or parsed beyond what ``refitInfo.tensors`` entries can take: the gzip is inflated a piece
+at a time up to :func:`expanded_bound` and refused past it, and the JSON array is read one entry at
+a time, refused past the count. A bomb ends the session ``Broken`` (``RefitInfoRejected``, naming the
+ConfigMap) with the operator's memory flat.
 """
 
 from __future__ import annotations
 
 import base64
-import gzip
 import hashlib
 import json
+import re
+import zlib
+from typing import Any
 
 import pydantic
 
@@ -44,22 +52,113 @@ async def read(api: kube.Api, session: session_view.Session) -> list[agent_api.N
     return parse(base64.b64decode(encoded), sha256=ref.sha256, tensors=ref.tensors, source=source)
 
 
+MAX_EXPANDED_BYTES = 64 * 1024 * 1024
+"""The most refit info the operator inflates, whatever ``refitInfo.tensors`` says (a 235B MoE's is
+a few MB)."""
+ENTRY_BYTES = 2048
+"""The room :func:`expanded_bound` gives each tensor: an entry ``["model.layers.0.mlp.up_proj.weight",
+[14336, 4096], "bfloat16"]`` takes about 60 bytes; names run to 1,024 characters."""
+_CHUNK = 64 * 1024
+"""The gzip'd bytes inflated at a time."""
+_PIECE = 1024 * 1024
+"""The most output one inflate step makes (zlib builds it twice over before handing it back)."""
+
+
 def parse(packed: bytes, *, sha256: str, tensors: int, source: str) -> list[agent_api.NemoTensor]:
     """The refit info in ``packed`` (gzip'd JSON), checked; :class:`RefitInfoError` names what is wrong."""
     digest = hashlib.sha256(packed).hexdigest()
     if digest != sha256:
         raise RefitInfoError(f"{source}: sha256 {digest} is not refitInfo.sha256 {sha256}")
+    bound = expanded_bound(tensors)
     try:
-        entries = json.loads(gzip.decompress(packed))
-    except (OSError, EOFError, ValueError) as error:
+        text = gunzip(packed, bound=bound).decode()
+    except ExpandsTooFar:
+        raise RefitInfoError(
+            f"{source} expands past {bound} bytes ({len(packed)} gzip'd), more than refitInfo.tensors {tensors} "
+            "entries can take: refused unread (a decompression bomb?)"
+        ) from None
+    except (OSError, EOFError, ValueError, zlib.error) as error:
         raise RefitInfoError(f"{source} is not gzip'd JSON: {error}") from None
-    if not isinstance(entries, list) or len(entries) != tensors:
-        count = len(entries) if isinstance(entries, list) else "no list of"
-        raise RefitInfoError(f"{source} holds {count} tensors, refitInfo.tensors says {tensors}")
+    entries = _entries(text, tensors=tensors, source=source)
     try:
         return [agent_api.NemoTensor(name=name, shape=shape, dtype=dtype) for name, shape, dtype in entries]
     except (TypeError, ValueError, pydantic.ValidationError) as error:
         raise RefitInfoError(f"{source}: an entry is not [name, shape, dtype]: {error}") from None
+
+
+def expanded_bound(tensors: int) -> int:
+    """The most bytes the refit info of ``tensors`` entries may inflate to: :data:`ENTRY_BYTES` each,
+    at most :data:`MAX_EXPANDED_BYTES`."""
+    return min(MAX_EXPANDED_BYTES, max(tensors, 1) * ENTRY_BYTES)
+
+
+class ExpandsTooFar(ValueError):
+    """The gzip'd data inflates past the bound it was read with."""
+
+
+def gunzip(packed: bytes, *, bound: int) -> bytes:
+    """``packed`` inflated (every gzip member, as :func:`gzip.decompress`), never holding more than
+    ``bound`` bytes of output: :class:`ExpandsTooFar` past it. Raises :class:`zlib.error` or
+    :class:`EOFError` on data that is not (whole) gzip."""
+    pieces: list[bytes] = []
+    size = 0
+    rest = memoryview(packed)
+    while len(rest):
+        inflater = zlib.decompressobj(wbits=zlib.MAX_WBITS | 16)
+        while not inflater.eof:
+            if not len(rest) and not inflater.unconsumed_tail:
+                raise EOFError("the gzip data ends before its last member does")
+            most = min(_PIECE, bound + 1 - size)
+            if inflater.unconsumed_tail:  # held back by the output bound
+                piece = inflater.decompress(inflater.unconsumed_tail, most)
+            else:
+                piece = inflater.decompress(rest[:_CHUNK], most)
+                rest = rest[_CHUNK:]
+            size += len(piece)
+            if size > bound:
+                raise ExpandsTooFar(bound)
+            pieces.append(piece)
+        rest = memoryview(inflater.unused_data + bytes(rest))
+    return b"".join(pieces)
+
+
+def _entries(text: str, *, tensors: int, source: str) -> list[Any]:
+    """The JSON array ``text``, read one entry at a time and refused once it holds more than
+    ``tensors`` (or nests too deep), so no more is built than the count allows."""
+    decoder = json.JSONDecoder()
+    index = _skip_space(text, 0)
+    if not text.startswith("[", index):
+        raise RefitInfoError(f"{source} holds no list of tensors, refitInfo.tensors says {tensors}")
+    entries: list[Any] = []
+    try:
+        index = _skip_space(text, index + 1)
+        while not text.startswith("]", index) and len(entries) <= tensors:
+            if entries:
+                if not text.startswith(",", index):
+                    raise ValueError(f"expected ',' or ']' at character {index}")
+                index = _skip_space(text, index + 1)
+            entry, index = decoder.raw_decode(text, index)
+            entries.append(entry)
+            index = _skip_space(text, index)
+        if len(entries) <= tensors and _skip_space(text, index + 1) != len(text):
+            raise ValueError(f"extra data after the list at character {index + 1}")
+    except (ValueError, RecursionError) as error:
+        raise RefitInfoError(f"{source} is not gzip'd JSON: {error}") from None
+    if len(entries) > tensors:
+        raise RefitInfoError(f"{source} holds more than {tensors} tensors, refitInfo.tensors says {tensors}")
+    if len(entries) != tensors:
+        raise RefitInfoError(f"{source} holds {len(entries)} tensors, refitInfo.tensors says {tensors}")
+    return entries
+
+
+_SPACE = re.compile(r"[ \t\n\r]*")
+"""JSON's whitespace."""
+
+
+def _skip_space(text: str, index: int) -> int:
+    """The index of the first character at or after ``index`` that is not JSON whitespace."""
+    found = _SPACE.match(text, index)
+    return found.end() if found is not None else index
 
 
 async def accept(ctx: context.SessionContext) -> bool:

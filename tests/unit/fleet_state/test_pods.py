@@ -70,6 +70,75 @@ def test_parse(pod: dict[str, Any], expected: pods.Pod) -> None:
     assert pods.parse(pod, clique_label=CLIQUE) == expected
 
 
+def engine(*, state: dict[str, Any] | None = None, last: dict[str, Any] | None = None, restarts: int = 0) -> Any:
+    return {"name": "engine", "state": state or {}, "lastState": last or {}, "restartCount": restarts}
+
+
+MESSAGE = "invalid configuration: MEGAFLEET_REFIT_WAIT_SECONDS must be at least 0, got -5"
+
+
+@pytest.mark.parametrize(
+    ("status", "reason", "restarts"),
+    [
+        ({"phase": "Running", "containerStatuses": [engine(state={"running": {}})]}, None, 0),
+        (
+            {
+                "phase": "Running",
+                "containerStatuses": [engine(last={"terminated": {"exitCode": 2, "message": MESSAGE}}, restarts=3)],
+            },
+            MESSAGE,
+            3,
+        ),
+        (
+            {
+                "phase": "Failed",
+                "message": "engine exited",
+                "containerStatuses": [engine(state={"terminated": {"exitCode": 2, "message": MESSAGE + "\n"}})],
+            },
+            MESSAGE,
+            0,
+        ),
+        (
+            {
+                "phase": "Running",
+                "containerStatuses": [
+                    engine(last={"terminated": {"exitCode": 137, "reason": "OOMKilled"}}, restarts=1)
+                ],
+            },
+            "OOMKilled (exit code 137)",
+            1,
+        ),
+        (
+            {
+                "phase": "Running",
+                "containerStatuses": [engine(last={"terminated": {"exitCode": 0, "reason": "Completed"}}, restarts=1)],
+            },
+            None,
+            1,
+        ),
+        (
+            {"phase": "Failed", "reason": "Evicted", "message": "The node was low on resource: memory."},
+            "The node was low on resource: memory.",
+            0,
+        ),
+        (
+            {
+                "phase": "Running",
+                "containerStatuses": [engine(last={"terminated": {"exitCode": 1, "message": "x" * 5000}})],
+            },
+            "x" * pods.REASON_CHARACTERS,
+            0,
+        ),
+    ],
+    ids=["running", "restarted-with-message", "ended-with-message", "oom-killed", "exited-cleanly", "evicted", "cut"],
+)
+def test_why_an_engine_exited_is_read_from_its_termination_message(
+    status: dict[str, Any], reason: str | None, restarts: int
+) -> None:
+    pod = pods.parse(raw(status=status), clique_label=CLIQUE)
+    assert (pod.exit_reason, pod.engine_restarts) == (reason, restarts)
+
+
 @pytest.mark.parametrize(
     ("phase", "ip", "running", "ended"),
     [

@@ -40,6 +40,41 @@ def test_ready_and_degraded(
     assert condition(found, conditions.DEGRADED) == degraded_expected
 
 
+@pytest.mark.parametrize(
+    ("ready_shards", "failing", "expected"),
+    [
+        (
+            0,
+            ["shard 0: pods ended: gen-s0-p0 (OOMKilled (exit code 137))"],
+            (
+                "True",
+                "ShardsFailing",
+                "1 of 2 shards not ready after restarts: shard 0: pods ended: gen-s0-p0 (OOMKilled (exit code 137))",
+            ),
+        ),
+        (
+            1,
+            ["shard 1: Starting"],
+            ("True", "ShardsFailing", "1 of 2 shards not ready after restarts: shard 1: Starting"),
+        ),
+        (0, [], ("False", "AsDesired", "")),
+    ],
+    ids=["none-ready-after-restarts", "some-ready", "none-ready-first-start"],
+)
+def test_a_shard_not_ready_after_restarts_is_never_as_desired(
+    ready_shards: int, failing: list[str], expected: tuple[str, str, str]
+) -> None:
+    found = readiness.degraded([], ready_shards, 2, failing=failing, generation=3, now=NOW)
+    assert condition(found, conditions.DEGRADED) == expected
+
+
+def test_the_degraded_message_is_bounded() -> None:
+    failing = [f"shard {k}: " + "x" * 1000 for k in range(100)]
+    found = readiness.degraded([], 0, 100, failing=failing, generation=3, now=NOW)
+    message = condition(found, conditions.DEGRADED)[2]
+    assert len(message) == readiness.MESSAGE_CHARACTERS and message.startswith("100 of 100 shards not ready after")
+
+
 def entries(*versions: int | None) -> list[dict[str, Any]]:
     return [{"index": i, **({"weightVersion": v} if v is not None else {})} for i, v in enumerate(versions)]
 

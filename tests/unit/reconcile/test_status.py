@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import pytest
@@ -9,6 +10,7 @@ import pytest
 from megafleet import agent_client, conditions, desired
 from megafleet.api import v1alpha1
 from megafleet.fleet_state import patches, pods
+from megafleet.reconcile import shards as shard_steps
 from megafleet.reconcile import status
 
 NOW = "2026-12-01T00:00:00Z"
@@ -266,3 +268,92 @@ def test_observed_drops_the_weight_version_when_shards_disagree() -> None:
         {"weightVersion": 2}, fleet(), status.FleetSeen(shards, {}, {}, reports), max_restarts=5, now=NOW
     )
     assert "weightVersion" not in found
+
+
+EXITED = "invalid configuration: MEGAFLEET_REFIT_WAIT_SECONDS must be at least 0, got -5"
+
+
+def crashing(shard: int, restarts: int, reason: str | None = EXITED) -> pods.Pod:
+    """A pod whose engine the kubelet restarted ``restarts`` times, last for ``reason``."""
+    return dataclasses.replace(pod(shard), exit_reason=reason, engine_restarts=restarts)
+
+
+def test_a_shard_whose_engine_keeps_exiting_says_why_and_makes_the_fleet_degraded() -> None:
+    """0 of 1 shards ready and its engine restarted: never "AsDesired". The shard's lastError, the
+    Degraded message and one Event per new exit carry the engine's termination message."""
+    unreachable = agent_client.AgentState(error="agent at 127.0.0.2:8471 unreachable: ClientConnectorError")
+    seen = status.FleetSeen(pods.Shards({0: [crashing(0, 3)]}, set()), {}, {}, {0: [unreachable]})
+    found = status.observed({}, fleet(replicas=1), seen, max_restarts=5, now=NOW)
+
+    [shard] = found["shards"]
+    assert (shard["phase"], shard["lastError"]) == ("Starting", f"gen-s0-p0 (restarted 3 times): {EXITED}")
+    assert condition(found["conditions"], conditions.READY)[0] == "False"
+    assert condition(found["conditions"], conditions.DEGRADED) == (
+        "True",
+        "ShardsFailing",
+        f"1 of 1 shards not ready after restarts: shard 0: gen-s0-p0 (restarted 3 times): {EXITED}",
+    )
+    assert status.engine_exits({}, found, seen) == [f"shard 0: gen-s0-p0 (restarted 3 times): {EXITED}"]
+    again = status.observed(found, fleet(replicas=1), seen, max_restarts=5, now=LATER)
+    assert patches.unchanged(found, again) and status.engine_exits(found, again, seen) == []
+    restarted = status.FleetSeen(pods.Shards({0: [crashing(0, 4)]}, set()), {}, {}, {0: [unreachable]})
+    after = status.observed(again, fleet(replicas=1), restarted, max_restarts=5, now=LATER)
+    assert status.engine_exits(again, after, restarted) == [f"shard 0: gen-s0-p0 (restarted 4 times): {EXITED}"]
+
+
+@pytest.mark.parametrize(
+    ("members", "restarts", "reports", "expected"),
+    [
+        (None, (3, f"pods ended: gen-s0-p0 ({EXITED})"), [], ("True", "ShardsFailing")),
+        (None, (6, "pods ended: gen-s0-p0"), [], ("True", "ShardsFailing")),
+        ([pod(0)], (0, None), [None], ("False", "AsDesired")),
+        ([pod(0)], (1, "pods gone"), [ready(1)], ("False", "AsDesired")),
+        ([crashing(0, 2, reason="OOMKilled (exit code 137)")], (0, None), [ready(1)], ("False", "AsDesired")),
+        (
+            [crashing(0, 1, reason="OOMKilled (exit code 137)")],
+            (0, None),
+            [agent_client.AgentState(state="loading")],
+            ("True", "ShardsFailing"),
+        ),
+        (
+            [pod(0)],
+            (1, "pods gone"),
+            [agent_client.AgentState(state="suspended", weight_version=1)],
+            ("False", "AsDesired"),
+        ),
+    ],
+    ids=[
+        "re-placed",
+        "given-up",
+        "first-start",
+        "recovered",
+        "restarted-but-serving",
+        "reloading-after-oom",
+        "refitting",
+    ],
+)
+def test_only_shards_not_ready_after_restarts_make_a_fleet_with_none_ready_degraded(
+    members: list[pods.Pod] | None,
+    restarts: tuple[int, str | None],
+    reports: list[agent_client.AgentState | None],
+    expected: tuple[str, str],
+) -> None:
+    shards = pods.Shards({0: members} if members else {}, set())
+    seen = status.FleetSeen(shards, {}, {0: restarts}, {0: reports} if members else {})
+    found = status.observed({}, fleet(replicas=1), seen, max_restarts=5, now=NOW)
+    assert condition(found["conditions"], conditions.DEGRADED)[:2] == expected
+
+
+def test_a_restarted_shard_whose_agent_does_not_answer_yet_keeps_why_it_restarted() -> None:
+    unreachable = agent_client.AgentState(error="agent at 127.0.0.2:8471 unreachable: ClientConnectorError")
+    replaced = entry([pod(0)], reports=[unreachable], restarts=(1, f"pods ended: gen-s0-p0 ({EXITED})"))
+    assert (replaced["phase"], replaced["lastError"]) == ("Starting", f"pods ended: gen-s0-p0 ({EXITED})")
+    fresh = entry([pod(0)], reports=[unreachable])
+    assert fresh["lastError"] == "agent at 127.0.0.2:8471 unreachable: ClientConnectorError"
+
+
+def test_an_ended_pod_says_why_its_engine_exited_in_the_restart_reason() -> None:
+    ended = dataclasses.replace(pod(0), phase="Failed", exit_reason=EXITED)
+    layout = fleet().layout
+    assert shard_steps.broken([ended], layout, "h") == f"pods ended: gen-s0-p0 ({EXITED})"
+    assert shard_steps.broken([dataclasses.replace(pod(0), phase="Failed")], layout, "h") == "pods ended: gen-s0-p0"

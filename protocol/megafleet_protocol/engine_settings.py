@@ -2,10 +2,15 @@
 
 The operator sets these variables on every engine pod (ranks, world size, master address, agent
 token; their names are :mod:`megafleet_protocol.env`); a person running ``megafleet-engine`` by hand
-sets them too.
-:func:`from_env` is called once by :mod:`megafleet_engine.cli`; everything else receives the
+sets them too, and a fleet's ``spec.engine.env`` may set the ones the operator leaves to the user
+(``env.SET_BY_OPERATOR`` says which are not).
+:func:`from_env` is the one parser of these variables: the engine calls it once at start
+(:mod:`megafleet_engine.cli`), and the operator runs it over the env it would give each pod of a
+fleet before it creates any (:mod:`megafleet.reconcile.pod_checks`), so a value the engine refuses
+makes the fleet ``InvalidSpec`` instead of a crash-looping pod. Everything else receives the
 resulting :class:`Settings` (or the parts it needs) as an argument and never reads the
 environment itself. Invalid values raise :class:`SettingsError` naming the variable.
+Standard library only: the operator imports it.
 """
 
 from __future__ import annotations
@@ -22,7 +27,7 @@ from megafleet_protocol import env, ports, vocabulary
 FusedKernels = Literal["off", "rope-swiglu", "gemv", "all"]
 """The megatron backend's fused-kernel choices (``EngineOptions.fused_kernels``)."""
 
-__all__ = ["Settings", "SettingsError", "from_env"]
+__all__ = ["Settings", "SettingsError", "default_api_servers", "from_env", "termination_log", "usable_cpus"]
 
 
 class SettingsError(ValueError):
@@ -162,8 +167,8 @@ class Settings:
     suspended for a refit waits at the gate for the new version before answering 503, in seconds.
     Default 60: a refit takes seconds, and a request held that long still beats a failed one the
     client must retry; bounded so a refit that hangs (until its own watchdog) cannot hold clients
-    forever. 0 answers 503 at once (the behaviour before holding existed). The operator sets it from
-    spec.engine.refitWaitSeconds."""
+    forever. 0 answers 503 at once (the behaviour before holding existed). Set it through
+    ``spec.engine.env``."""
 
     refit_staging: vocabulary.StagingMode = "off"
     """``MEGAFLEET_REFIT_STAGING``: ``off``, ``auto`` or ``required``: whether the engine allocates, at
@@ -180,6 +185,14 @@ class Settings:
     agent and the metrics); they share the frontend port. 0 serves the frontend in the rank
     process itself. Default (unset): :func:`default_api_servers` of the CPUs the pod may use, one
     on small pods."""
+
+    termination_log: Path | None = None
+    """``MEGAFLEET_TERMINATION_LOG``: the file the engine writes why it exited to, when it exits on an
+    error. Default (unset): the container's termination message file, ``/dev/termination-log``,
+    when it exists (the kubelet makes it; the operator's pods keep the default
+    ``terminationMessagePath``), so the reason shows in the pod's status and the operator puts it
+    into the shard's ``lastError``, an Event and ``Degraded``; nothing on a machine without one
+    (:mod:`megafleet_engine.termination`). The local pod runner points it at a file of its own."""
 
     def __post_init__(self) -> None:
         _check(self)
@@ -255,7 +268,16 @@ def from_env(environ: Mapping[str, str] | None = None) -> Settings:
         ),  # type: ignore[arg-type]
         refit_staging_headroom_mib=reader.integer(env.REFIT_STAGING_HEADROOM_MIB, defaults.refit_staging_headroom_mib),
         api_servers=reader.integer(env.API_SERVERS, -1) if reader.text(env.API_SERVERS) else None,
+        termination_log=termination_log(reader.env),
     )
+
+
+def termination_log(environ: Mapping[str, str] | None = None) -> Path | None:
+    """``MEGAFLEET_TERMINATION_LOG`` of ``environ`` (default: the process environment), or None when
+    unset. Read by :func:`from_env` and, before the settings are read (they may be what fails), by
+    :mod:`megafleet_engine.cli`."""
+    raw = (os.environ if environ is None else environ).get(env.TERMINATION_LOG, "").strip()
+    return Path(raw) if raw else None
 
 
 CPUS_PER_API_SERVER = 4
@@ -304,12 +326,12 @@ class _Reader:
         try:
             return int(raw)
         except ValueError:
-            raise SettingsError(f"{name} must be an integer, got {raw!r}") from None
+            raise SettingsError(f"{name} must be an integer, got {_shown(raw)}") from None
 
     def choice(self, name: str, allowed: tuple[str, ...], default: str) -> str:
         raw = self.text(name) or default
         if raw not in allowed:
-            raise SettingsError(f"{name} must be one of {', '.join(allowed)}, got {raw!r}")
+            raise SettingsError(f"{name} must be one of {', '.join(allowed)}, got {_shown(raw)}")
         return raw
 
     def flag(self, name: str, default: bool) -> bool:
@@ -331,8 +353,39 @@ class _Reader:
         return Path(raw) if raw else None
 
 
+MOST_KV_CACHE_GIB = 1 << 16
+"""``MEGAFLEET_KV_CACHE_GIB``'s bound: 64 TiB, far beyond any GPU's memory (a larger number is a
+typo, and one past a float's range breaks the engine far from its cause)."""
+MOST_REFIT_WAIT_SECONDS = 24 * 3600
+"""``MEGAFLEET_REFIT_WAIT_SECONDS``' bound: a day (a refit's own watchdog ends it long before)."""
+MOST_API_SERVERS = 256
+"""``MEGAFLEET_API_SERVERS``' bound: one process per CPU of the largest pods."""
+SHOWN_CHARACTERS = 64
+"""The most of a refused value an error message repeats: it reaches a fleet's status, its Events
+and a container's termination message, each bounded."""
+
+
+def _shown(value: object) -> str:
+    """``value`` as an error message shows it (a text quoted), cut to :data:`SHOWN_CHARACTERS`."""
+    text = repr(value) if isinstance(value, str) else str(value)
+    return text if len(text) <= SHOWN_CHARACTERS else f"{text[: SHOWN_CHARACTERS - 3]}..."
+
+
 def _check(settings: Settings) -> None:
     """Reject values no engine can run with; each message names the variable and the rule."""
+    _check_ranges(settings)
+    _check_ports(settings)
+    _check_ranks(settings)
+    if settings.api_key is not None and settings.api_key_file is not None:
+        raise SettingsError(f"set {env.API_KEY} or {env.API_KEY_FILE}, not both")
+    try:
+        ipaddress.ip_address(settings.host)
+    except ValueError:
+        raise SettingsError(f"{env.HOST} must be an IP address (the pod IP), got {_shown(settings.host)}") from None
+
+
+def _check_ranges(settings: Settings) -> None:
+    """Every number within its bounds."""
     for name, value, low in (
         (env.MAX_SEQUENCE_LENGTH, settings.max_sequence_length, 2),
         (env.MAX_BATCH_SIZE, settings.max_batch_size, 1),
@@ -345,10 +398,22 @@ def _check(settings: Settings) -> None:
         (env.KV_CACHE_GIB, settings.kv_cache_gib, 1),
         (env.REFIT_WAIT_SECONDS, settings.refit_wait_seconds, 0),
         (env.REFIT_STAGING_HEADROOM_MIB, settings.refit_staging_headroom_mib, 0),
-        (env.API_SERVERS, settings.api_server_count, 0),
+        (env.API_SERVERS, 0 if settings.api_servers is None else settings.api_servers, 0),  # the default is >= 1
     ):
         if value < low:
-            raise SettingsError(f"{name} must be at least {low}, got {value}")
+            raise SettingsError(f"{name} must be at least {low}, got {_shown(value)}")
+    for name, value, high in (
+        (env.KV_CACHE_GIB, settings.kv_cache_gib, MOST_KV_CACHE_GIB),
+        (env.REFIT_WAIT_SECONDS, settings.refit_wait_seconds, MOST_REFIT_WAIT_SECONDS),
+        (env.API_SERVERS, settings.api_servers or 0, MOST_API_SERVERS),
+        (env.REFIT_STAGING_HEADROOM_MIB, settings.refit_staging_headroom_mib, 65536),
+    ):
+        if value > high:
+            raise SettingsError(f"{name} must be at most {high}, got {_shown(value)}")
+
+
+def _check_ports(settings: Settings) -> None:
+    """Every port a TCP port, the pod's own ones apart."""
     for name, port in (
         (env.FRONTEND_PORT, settings.frontend_port),
         (env.AGENT_PORT, settings.agent_port),
@@ -356,13 +421,17 @@ def _check(settings: Settings) -> None:
         (env.MASTER_PORT, settings.master_port),
     ):
         if not 0 <= port <= 65535:
-            raise SettingsError(f"{name} must be a TCP port (0 to 65535), got {port}")
+            raise SettingsError(f"{name} must be a TCP port (0 to 65535), got {_shown(port)}")
     bound = [p for p in (settings.frontend_port, settings.agent_port, settings.metrics_port) if p != 0]
     if len(set(bound)) != len(bound):
         raise SettingsError(
             f"{env.FRONTEND_PORT}, {env.AGENT_PORT} and {env.METRICS_PORT} must differ, got "
             f"{settings.frontend_port}, {settings.agent_port} and {settings.metrics_port}"
         )
+
+
+def _check_ranks(settings: Settings) -> None:
+    """The pod's ranks fit its shard's world, and each rank's agent has its port."""
     if settings.world_size % (settings.tensor_parallel * settings.pipeline_parallel):
         raise SettingsError(
             f"{env.WORLD_SIZE} {settings.world_size} is not a multiple of {env.TENSOR_PARALLEL} x "
@@ -392,9 +461,3 @@ def _check(settings: Settings) -> None:
                 f"{env.AGENT_PORT} + {settings.local_ranks - 1} ({siblings[0]} to {siblings[-1]}); "
                 f"{env.FRONTEND_PORT} and {env.METRICS_PORT} must lie outside"
             )
-    if settings.api_key is not None and settings.api_key_file is not None:
-        raise SettingsError(f"set {env.API_KEY} or {env.API_KEY_FILE}, not both")
-    try:
-        ipaddress.ip_address(settings.host)
-    except ValueError:
-        raise SettingsError(f"{env.HOST} must be an IP address (the pod IP), got {settings.host!r}") from None
