@@ -321,7 +321,7 @@ class PauseReport(_Response):
 class BucketMismatch(_Response):
     """A bucket whose bytes did not match the sender's digest."""
 
-    bucket: int
+    bucket: int = Field(description="its index in the plan, counted from 0.")
     first_tensor: str
 
 
@@ -332,6 +332,14 @@ class VerificationReport(_Response):
     method: vocabulary.VerificationMethod
     buckets: int = Field(default=0, ge=0, description="buckets verified.")
     mismatch: BucketMismatch | None = None
+    bucket_digests: list[str] = Field(
+        default_factory=list,
+        description="agreement (NeMo's wire): each bucket's mf64 digest as 16 hex digits, in wire order; "
+        "every member of a Refit receives the same bytes, so their lists must be equal.",
+    )
+    non_finite: str | None = Field(
+        default=None, description="agreement: the first tensor that arrived holding NaN or Inf (the attempt failed)."
+    )
 
 
 class RefitStatusResponse(_Response):
