@@ -126,7 +126,8 @@ def digest(data: torch.Tensor, bucket: int) -> torch.Tensor:
     words, tail = _words(data)
     total: torch.Tensor = kernel.digest_words(words, _signed(bucket & MASK64))
     if tail is not None:
-        total.add_(_terms(tail, words.numel(), bucket).sum())
+        steps = torch.zeros(1, dtype=torch.int64, device=data.device)
+        total.add_(_terms(tail, steps, words.numel(), bucket).sum())
     return total
 
 
@@ -134,12 +135,14 @@ def torch_digest(data: torch.Tensor, bucket: int, *, chunk_words: int | None = N
     """``mf64`` of the 1-D ``uint8`` tensor ``data`` with torch int64 arithmetic, ``chunk_words`` words
     at a time (default by device): a 0-d int64 tensor on ``data``'s device, with no host wait."""
     words, tail = _words(data)
-    chunk = chunk_words or (CUDA_CHUNK_WORDS if data.is_cuda else CPU_CHUNK_WORDS)
+    chunk = min(chunk_words or (CUDA_CHUNK_WORDS if data.is_cuda else CPU_CHUNK_WORDS), max(words.numel(), 1))
+    steps = torch.arange(chunk, dtype=torch.int64, device=data.device).mul_(_signed(MULTIPLIER))  # i * K, per chunk
     total = torch.zeros((), dtype=torch.int64, device=data.device)
     for start in range(0, words.numel(), chunk):
-        total.add_(_terms(words.narrow(0, start, min(chunk, words.numel() - start)), start, bucket).sum())
+        part = words.narrow(0, start, min(chunk, words.numel() - start))
+        total.add_(_terms(part, steps.narrow(0, 0, part.numel()), start, bucket).sum())
     if tail is not None:
-        total.add_(_terms(tail, words.numel(), bucket).sum())
+        total.add_(_terms(tail, steps.narrow(0, 0, 1), words.numel(), bucket).sum())
     return total
 
 
@@ -160,10 +163,10 @@ def _words(data: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
     return words, tail.view(torch.int64)
 
 
-def _terms(words: torch.Tensor, start: int, bucket: int) -> torch.Tensor:
-    """``fmix64(w_i ^ (i * MULTIPLIER + bucket))`` for the words ``words`` (word ``start`` first), as int64."""
-    k = torch.arange(start, start + words.numel(), dtype=torch.int64, device=words.device)
-    k.mul_(_signed(MULTIPLIER)).add_(_signed(bucket & MASK64)).bitwise_xor_(words)
+def _terms(words: torch.Tensor, steps: torch.Tensor, start: int, bucket: int) -> torch.Tensor:
+    """``fmix64(w_i ^ (i * MULTIPLIER + bucket))`` for the words ``words`` (word ``start`` first), as
+    int64; ``steps`` holds ``j * MULTIPLIER`` for ``j`` from 0, as many as there are words."""
+    k = torch.add(steps, _signed((start * MULTIPLIER + bucket) & MASK64)).bitwise_xor_(words)
     for multiplier in (FMIX_C1, FMIX_C2):
         k.bitwise_xor_(k.bitwise_right_shift(33).bitwise_and_(_LOW31))
         k.mul_(_signed(multiplier))
