@@ -51,6 +51,7 @@ __all__ = [
     "reference",
     "torch_digest",
     "unsigned",
+    "warm_up",
 ]
 
 NAME = "mf64"
@@ -129,6 +130,13 @@ def digest(data: torch.Tensor, bucket: int) -> torch.Tensor:
         steps = torch.zeros(1, dtype=torch.int64, device=data.device)
         total.add_(_terms(tail, steps, words.numel(), bucket).sum())
     return total
+
+
+def warm_up(device: torch.device) -> None:
+    """Compile the Triton kernel for ``device`` now (a CUDA device with Triton installed; else
+    nothing): its first use compiles it, which should not fall inside a transfer."""
+    if device.type == "cuda" and _kernel() is not None:
+        digest(torch.zeros(16 * 8, dtype=torch.uint8, device=device), 0)
 
 
 def torch_digest(data: torch.Tensor, bucket: int, *, chunk_words: int | None = None) -> torch.Tensor:

@@ -29,7 +29,7 @@ def _fmix64(k):
     return k
 
 
-@triton.jit(do_not_specialize=["bucket"])
+@triton.jit(do_not_specialize=["n_words", "bucket"])  # one compiled kernel for every bucket
 def _mf64_kernel(words_ptr, partial_ptr, n_words, bucket, BLOCK: tl.constexpr):
     program = tl.program_id(0)
     offsets = program.to(tl.int64) * BLOCK + tl.arange(0, BLOCK)

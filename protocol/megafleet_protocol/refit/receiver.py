@@ -177,6 +177,7 @@ def receive(
             manifest, plan = offer.manifest, offer.plan
         else:
             manifest, plan, offer = _agree(comm, sink, version, transport, (bucket_limit_bytes, integrity))
+        checks = trailers.Checks(plan, sink.device) if manifest.checksum is not None else None
     if before_transfer is not None:
         before_transfer()
     record.enter("receiving")
@@ -188,7 +189,6 @@ def receive(
         if after_writes is not None:
             after_writes()
 
-    checks = trailers.Checks(plan, sink.device) if manifest.checksum is not None else None
     _transfer(_Round(comm, sink, plan, transport, manifest.by_name(), apply, record, checks), issued)
     outcome = checks.settle(integrity) if checks is not None else verification.Verification.unverified(integrity)
     record.verified(outcome)

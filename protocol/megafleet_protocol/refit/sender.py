@@ -265,6 +265,8 @@ class WeightSender:
                 ((wire.Region.whole(i.name), _nbytes(i)) for i in infos), bucket_bytes, sealed=checksum is not None
             )
         manifest = wire.Manifest(version, transport, bucket_bytes, infos, broadcast_plan, checksum=checksum)
+        if checksum is not None:
+            digest.warm_up(self.device)  # its kernel compiles once, here rather than in the transfer
         comm.set(wire.MANIFEST_KEY, manifest.encode())
         manifest_id = secrets.token_hex(8)
         return _Offer(key, manifest_id, manifest, self._agree(comm, manifest, manifest_id))

@@ -29,9 +29,11 @@ def seal(chunk: torch.Tensor, bucket: int) -> None:
 
 
 class Checks:
-    """A receiver's comparisons of every bucket of ``plan`` with its trailer, on ``device``."""
+    """A receiver's comparisons of every bucket of ``plan`` with its trailer, on ``device`` (made
+    before the transfer: it compiles the digest's kernel, if it was not yet)."""
 
     def __init__(self, plan: wire.BucketPlan, device: torch.device) -> None:
+        digest.warm_up(device)
         self._first: dict[int, str] = {}
         for placement in plan.placements:
             self._first.setdefault(placement.bucket, placement.region.name)
