@@ -32,6 +32,11 @@ Run on a machine with two GPUs (megatron-core installed; see bench/README.md)::
 
 ``--cpu`` runs the same code path on CPU (gloo, transformers backend, ``tiny://llama``) in well
 under a minute: a smoke test of the script itself, no figure of interest.
+
+``--integrity none,checksum`` alternates the refits of every series between those integrities (ABAB;
+``checksum``: the engine asks for ``mf64``-sealed buckets and checks every trailer, the trainer seals
+them) and reports each integrity's medians and the cost of digests, (with - without) / without, of the
+reused-group refits; pass ``--repeats`` of at least 21 for ten of each after the first.
 """
 
 from __future__ import annotations
@@ -154,6 +159,15 @@ def sizes(text: str) -> list[int]:
     values = [int(part) for part in text.split(",") if part.strip()]
     if not values or min(values) < 1:
         raise argparse.ArgumentTypeError(f"expected positive integers separated by commas, got {text!r}")
+    return values
+
+
+def integrities(text: str) -> list[str]:
+    values = [part.strip() for part in text.split(",") if part.strip()]
+    if not values or any(value not in ("none", "checksum") for value in values) or len(set(values)) != len(values):
+        raise argparse.ArgumentTypeError(
+            f"expected distinct integrities (none, checksum) separated by commas, got {text!r}"
+        )
     return values
 
 
@@ -588,10 +602,11 @@ def refit(
     poll_seconds: float,
     timeout_seconds: int,
     fresh: bool,
+    integrity: str = "none",
 ) -> dict[str, Any]:
     """One refit to the next version, timed the way the operator and the trainer see it: over the
     target's open sender (the group kept), or, ``fresh``, a new sender on a new port (a new session
-    and group, as the first refit of a training run)."""
+    and group, as the first refit of a training run); ``integrity`` is the prepare body's."""
     version = target.version + 1
     fill(target.tensors, SEEDS[version % 2])
     synchronize(device)
@@ -606,6 +621,7 @@ def refit(
         "bucketSizeMiB": bucket_mib,
         "timeoutSeconds": timeout_seconds,
         "rendezvous": {"address": ADDRESS, "port": port, "worldSize": 2, "rankOffset": 1, "trainerWorldSize": 1},
+        "integrity": integrity,
     }
     started = time.perf_counter()
     code, answer = agent.call("POST", "/v1/refit/prepare", body)
@@ -638,6 +654,9 @@ def refit(
         "engine_name": target.engine.name,
         "version": version,
         "bucket_mib": bucket_mib,
+        "integrity": integrity,
+        "verified": report.verified,
+        "verification": status.get("verification"),
         "tensors": report.tensors,
         "buckets": report.buckets,
         "payload_bytes": payload,
@@ -741,6 +760,9 @@ def checked_refit(target: Target, results: list[dict[str, Any]], **options: Any)
         "completion_weight_version": completion["weight_version"] == version
         and completion["header_weight_version"] == str(version),
         "every_byte_received": run["bytes_received"] == run["bytes_sent"],
+        "verified_as_asked": run["verified"] == (run["integrity"] == "checksum")
+        and (run["verification"] or {}).get("method", "none")
+        == ("trainerDigest" if run["integrity"] == "checksum" else "none"),
         "engine_and_trainer_agree_on_the_group": run["engine_reused"] == (run["group"] == "reused"),
         "tokens_equal_same_weights": all(target.tokens[v] == completion["token_ids"] for v in same_set),
         "tokens_differ_other_weights": all(target.tokens[v] != completion["token_ids"] for v in other_set),
@@ -833,6 +855,12 @@ DEFINITIONS = {
     "transfer phase, / the engine's receive phase",
     "ratio_to_nccl_broadcast": "gb_per_s / the broadcast baseline's GB/s at --ratio-size-mib measured before "
     "the refits; goal end_to_end >= 0.75 (the refit issue's stretch tier)",
+    "integrity": "--integrity: the refits of each series alternate these integrities (ABAB), the prepare body's "
+    "integrity; checksum: the engine asks the trainer for mf64-sealed buckets and checks every bucket's trailer "
+    "as it lands (on its receive stream, one read of the outcome after the last write). Each series' median and "
+    "the headline are the first integrity's reused-group refits; by_integrity has each integrity's medians and "
+    "integrity_cost (with - without) / without of the transfer (sender's phase; engine receive + apply) and end "
+    "to end",
     "zero_byte": "an empty refit cannot be sent: WeightSender.send() refuses an empty tensor set and every "
     "receiver requires all of its parameters in the manifest (receiver.check_manifest). Reported instead: "
     "(a) full refits of a second engine of a ~6 MB model, started alongside on the same GPU (same code path, "
@@ -873,6 +901,12 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--tiny-kv-cache-gib", default="2", help="MEGAFLEET_KV_CACHE_GIB of the small engine")
     parser.add_argument("--engine-env", action="append", default=[], metavar="KEY=VALUE", help="extra engine env")
     parser.add_argument("--max-seconds", type=float, default=480.0, help="give up (saving what was measured)")
+    parser.add_argument(
+        "--integrity",
+        type=integrities,
+        default=["none"],
+        help="integrities the refits of each series alternate (ABAB), e.g. none,checksum; the first is the baseline",
+    )
     parser.add_argument("--peer", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     mode = CPU if args.cpu else GPU
@@ -940,6 +974,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             "engine_gpu": args.engine_gpu if mode.name == "gpu" else None,
             "bucket_sizes_mib": args.bucket_sizes_mib,
             "repeats": args.repeats,
+            "integrity": args.integrity,
             "nccl_sizes_mib": args.nccl_sizes_mib,
             "ratio_size_mib": args.ratio_size_mib,
             "poll_ms": args.poll_ms,
@@ -1137,6 +1172,7 @@ class Refits:
             "poll_seconds": args.poll_ms / 1e3,
             "timeout_seconds": args.refit_timeout_s,
         }
+        self.integrities: list[str] = args.integrity
         self.failures: list[str] = []
 
     def series(self, target: Target, bucket_mib: int, repeats: int, reference: float | None) -> dict[str, Any]:
@@ -1147,18 +1183,48 @@ class Refits:
         entry: dict[str, Any] = {"runs": runs}
         for index in range(repeats):
             try:
-                checked_refit(target, runs, bucket_mib=bucket_mib, fresh=index == 0, **self.options)
+                integrity = self.integrities[index % len(self.integrities)]  # ABAB across the series
+                checked_refit(
+                    target, runs, bucket_mib=bucket_mib, fresh=index == 0, integrity=integrity, **self.options
+                )
             except (BenchError, refit_errors.RefitError) as error:
                 self.failures.append(f"{target.engine.name}, {bucket_mib} MiB: {type(error).__name__}: {error}")
                 self.run.result["errors"][f"refit_{len(self.failures)}"] = self.failures[-1]
                 say(f"  REFIT FAILED: {self.failures[-1]}")
             self.run.save()
         target.close_sender()
-        reused = [run for run in runs if run["group"] == "reused"]
+        baseline = self.integrities[0]  # the median, and so the headline, are the first integrity's refits
+        reused = [run for run in runs if run["group"] == "reused" and run["integrity"] == baseline]
         fresh = [run for run in runs if run["group"] == "fresh"]
         entry["median"] = {"group": "reused" if reused else "fresh", **summary(reused or fresh, reference)}
         entry["first_refit"] = {"group": "fresh", **summary(fresh, reference)} if fresh else {}
+        if len(self.integrities) > 1:
+            entry["by_integrity"] = {
+                mode: summary([r for r in runs if r["group"] == "reused" and r["integrity"] == mode], reference)
+                for mode in self.integrities
+            }
+            entry["integrity_cost"] = integrity_cost(entry["by_integrity"], baseline)
         return entry
+
+
+def integrity_cost(by_integrity: dict[str, dict[str, Any]], baseline: str) -> dict[str, Any]:
+    """(with - without) / without of each integrity's medians against ``baseline``'s: the transfer
+    (the sender's phase; the engine's receive + apply, where the trailers are checked) and end to end."""
+    base = by_integrity.get(baseline) or {}
+    costs: dict[str, Any] = {}
+    for mode, row in by_integrity.items():
+        if mode == baseline or not row or not base:
+            continue
+        costs[mode] = {}
+        for name, key in (("transfer_sender", "transfer_sender_s"), ("end_to_end", "end_to_end_s")):
+            if row.get(key) and base.get(key):
+                costs[mode][name] = round(row[key] / base[key] - 1, 4)
+        phases, base_phases = row.get("engine_phases_s", {}), base.get("engine_phases_s", {})
+        engine = (phases.get("receive") or 0) + (phases.get("apply") or 0)
+        base_engine = (base_phases.get("receive") or 0) + (base_phases.get("apply") or 0)
+        if engine and base_engine:
+            costs[mode]["receive_apply_engine"] = round(engine / base_engine - 1, 4)
+    return costs
 
 
 def conclude(result: dict[str, Any], bucket_mib: int, reference: float, failures: list[str]) -> None:
@@ -1194,6 +1260,7 @@ def conclude(result: dict[str, Any], bucket_mib: int, reference: float, failures
         "gb_per_s": headline["gb_per_s"],
         "ratio_to_nccl_broadcast": headline.get("ratio_to_nccl_broadcast"),
         "tiny_refit_end_to_end_ms": round(tiny["end_to_end_s"] * 1e3, 1) if tiny else None,
+        "integrity": refits[f"bucket_{bucket_mib}_mib"].get("integrity_cost"),
         "first_refit": {
             "end_to_end_ms": round(first["end_to_end_s"] * 1e3, 1),
             "transfer_sender_ms": round(first["transfer_sender_s"] * 1e3, 1),
@@ -1232,6 +1299,9 @@ def print_summary(result: dict[str, Any]) -> None:
             f"GB/s, {ratio.get('transfer_sender')}), engine fixed {median_row['engine_fixed_s'] * 1e3:.0f} ms, "
             f"trainer init {median_row['trainer_init_s'] * 1e3:.0f} ms"
         )
+    for name, entry in result["refits"].items():
+        if entry.get("integrity_cost"):
+            say(f"  {name}, cost of digests (reused group, medians): {entry['integrity_cost']}")
     tiny = result["zero_byte"].get("tiny_refits")
     if tiny and "end_to_end_s" in tiny["median"]:
         row = tiny["median"]

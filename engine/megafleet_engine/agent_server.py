@@ -74,6 +74,7 @@ from megafleet_engine.refit_attempts import phases as refit_phases
 from megafleet_engine.refit_attempts.sources import checkpoint, nemo_collective
 from megafleet_engine.refit_attempts.sources import rendezvous as rendezvous_source
 from megafleet_protocol import agent_api, vocabulary
+from megafleet_protocol.refit import verification
 
 __all__ = [
     "AgentServer",
@@ -226,9 +227,10 @@ async def refit_prepare(
         transport=body.transport,
         bucket_size_mib=body.bucket_size_mib,
         timeout_seconds=body.timeout_seconds,
-        suspend_mode=_suspend_mode(body),
+        suspend_mode=_suspend_mode(body, verifies=True),
         kv_cache_mode=body.kv_cache_mode,
         local_address=agent.transfer_address or _pod_address(request),
+        integrity=body.integrity,
     )
     return await _start_refit(agent, refit, agent_api.REFIT_PREPARE, body)
 
@@ -295,9 +297,10 @@ async def refit_nemo(
             refit_info=info,
             bucket_bytes=body.bucket_bytes,
             timeout_seconds=body.timeout_seconds,
-            suspend_mode=_suspend_mode(body),
+            suspend_mode=_suspend_mode(body, verifies=True),
             kv_cache_mode=body.kv_cache_mode,
         )
+        session_refit = dataclasses.replace(session_refit, integrity=body.integrity)
         return await _start_refit(agent, session_refit, agent_api.REFIT_NEMO, body)
     refit = nemo_collective.NemoRequest(
         version=body.version,
@@ -306,9 +309,10 @@ async def refit_nemo(
         bucket_bytes=body.bucket_bytes,
         generation=body.generation,
         timeout_seconds=body.timeout_seconds,
-        suspend_mode=_suspend_mode(body),
+        suspend_mode=_suspend_mode(body, verifies=True),
         kv_cache_mode=body.kv_cache_mode,
         local_address=agent.transfer_address or _pod_address(request),
+        integrity=body.integrity,
     )
     return await _start_refit(agent, refit, agent_api.REFIT_NEMO, body)
 
@@ -408,9 +412,10 @@ async def _start_refit(
     return responses.JSONResponse(own if others is None else siblings_module.combine(own, others), status_code=202)
 
 
-def _suspend_mode(body: agent_api.RefitRequest) -> vocabulary.SuspendMode:
-    """The request's suspend mode; refuses what this engine does not do yet (keep, staging, integrity)."""
-    if body.suspend_mode == "keep" or body.staging != "off" or body.integrity != "none":
+def _suspend_mode(body: agent_api.RefitRequest, *, verifies: bool = False) -> vocabulary.SuspendMode:
+    """The request's suspend mode; refuses what this engine does not do yet (keep, staging, and
+    integrity on a source that does not ``verify``: checkpoint and megatron-native refits)."""
+    if body.suspend_mode == "keep" or body.staging != "off" or (body.integrity != "none" and not verifies):
         raise errors.Conflict(
             "this engine drains or aborts only: suspendMode keep, staging and integrity are not built yet",
             code="refit_mode_unsupported",
@@ -479,8 +484,25 @@ def _refit_status_body(agent: AgentServer, snapshot: refit_phases.Snapshot) -> d
         state=engine.state,
         weight_version=engine.weight_version,
         world=_world_model(*_last_world(agent)),
+        verification=_verification_model(snapshot.verification),
     )
     return body.model_dump(mode="json", by_alias=True)
+
+
+def _verification_model(outcome: verification.Verification | None) -> agent_api.VerificationReport | None:
+    if outcome is None:
+        return None
+    mismatch = outcome.mismatch
+    return agent_api.VerificationReport(
+        integrity=outcome.integrity,
+        method=outcome.method,
+        buckets=outcome.buckets,
+        mismatch=None
+        if mismatch is None
+        else agent_api.BucketMismatch(bucket=mismatch.bucket, first_tensor=mismatch.first_tensor),
+        bucket_digests=list(outcome.bucket_digests),
+        non_finite=outcome.non_finite,
+    )
 
 
 def _last_world(agent: AgentServer) -> tuple[memberships.WorldSnapshot | None, str]:

@@ -118,7 +118,9 @@ def combine(own: Mapping[str, Any], others: Sequence[Mapping[str, Any]]) -> dict
 
     The pod has failed when any rank failed (the first failure's error, naming its rank), and has
     succeeded only when every rank has; otherwise it is in the least advanced phase of any rank.
-    Timings are the slowest rank's, counters are summed, ``dirty`` and ``timedOut`` are any rank's.
+    Timings are the slowest rank's, counters are summed, ``dirty`` and ``timedOut`` are any rank's,
+    ``verification`` the first rank's that caught a mismatch or a non-finite tensor (else local rank
+    0's), with the buckets every rank verified.
     ``state`` and ``weightVersion`` stay local rank 0's: the pod serves what that rank serves."""
     ranks = [own, *others]
     combined = dict(own)
@@ -145,4 +147,8 @@ def combine(own: Mapping[str, Any], others: Sequence[Mapping[str, Any]]) -> dict
     combined["world"] = combine_world([status.get("world") for status in ranks])
     for flag in ("dirty", "timedOut"):
         combined[flag] = any(bool(status.get(flag)) for status in ranks)
+    verified = [status["verification"] for status in ranks if status.get("verification")]
+    if verified:  # a rank that caught something speaks for the pod; its buckets are summed like the counters
+        caught = [one for one in verified if one.get("mismatch") or one.get("nonFinite")]
+        combined["verification"] = {**(caught or verified)[0], "buckets": sum(int(one["buckets"]) for one in verified)}
     return combined

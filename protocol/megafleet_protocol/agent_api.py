@@ -321,7 +321,7 @@ class PauseReport(_Response):
 class BucketMismatch(_Response):
     """A bucket whose bytes did not match the sender's digest."""
 
-    bucket: int
+    bucket: int = Field(description="its index in the plan, counted from 0.")
     first_tensor: str
 
 

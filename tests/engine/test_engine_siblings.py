@@ -50,6 +50,22 @@ def test_a_rank_still_on_an_older_attempt_holds_the_pod_back() -> None:
     assert combined["phase"] == "suspending"
 
 
+def test_the_rank_that_caught_a_corrupt_bucket_speaks_for_the_pods_verification() -> None:
+    def verified(mismatch: dict[str, Any] | None = None) -> dict[str, Any]:
+        report = {"integrity": "checksum", "method": "trainerDigest", "buckets": 7, "mismatch": mismatch}
+        return report | {"bucketDigests": [], "nonFinite": None}
+
+    caught = {"bucket": 2, "firstTensor": "model.layers.0.mlp.up_proj.weight"}
+    combined = siblings.combine(
+        _status("succeeded", 1, verification=verified()),
+        [_status("failed", 2, verification=verified(caught)), _status("succeeded", 3, verification=verified())],
+    )
+    assert combined["verification"] == verified(caught) | {"buckets": 21}, "buckets summed like the counters"
+    clean = siblings.combine(_status("succeeded", 1, verification=verified()), [_status("succeeded", 2)])
+    assert clean["verification"] == verified(), "a rank without a report (an older engine) adds nothing"
+    assert "verification" not in siblings.combine(_status("succeeded", 1), [_status("succeeded", 2)])
+
+
 def test_sibling_ports_follow_the_agent_port() -> None:
     assert [siblings.sibling_port(8471, rank) for rank in range(3)] == [8471, 8472, 8473]
 

@@ -61,3 +61,44 @@ def test_refit_bench_cpu_smoke_run_passes_and_writes_its_result(tmp_path: Path) 
     assert result["refits"]["bucket_1_mib"]["median"]["runs"] == 1
     assert [run["group"] for run in result["zero_byte"]["tiny_refits"]["runs"]] == ["fresh", "reused"]
     assert result["zero_byte"]["tiny_refits"]["runs"][1]["checks"]["completion_weight_version"]
+
+
+def test_refit_bench_alternates_integrities_and_reports_the_cost_of_digests(tmp_path: Path) -> None:
+    """``--integrity none,checksum``: the refits of a series alternate (ABAB), every checksum refit is
+    sealed by the trainer and verified by the engine, and the cost of digests is reported."""
+    out = tmp_path / "result.json"
+    command = [
+        sys.executable,
+        str(ROOT / "bench" / "refit_nccl.py"),
+        "--cpu",
+        "--out",
+        str(out),
+        "--log-dir",
+        str(tmp_path / "logs"),
+        "--repeats",
+        "3",
+        "--no-tiny",
+        "--bucket-sizes-mib",
+        "1",
+        "--integrity",
+        "none,checksum",
+        "--max-seconds",
+        str(TIMEOUT_SECONDS - 10),
+    ]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=TIMEOUT_SECONDS, check=False)
+    assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-4000:]
+    result = json.loads(out.read_text())
+    assert result["errors"] == {} and result["verification"]["passed"], result["verification"]
+    series = result["refits"]["bucket_1_mib"]
+    runs = series["runs"]
+    assert [(run["integrity"], run["group"], run["verified"]) for run in runs] == [
+        ("none", "fresh", False),
+        ("checksum", "reused", True),
+        ("none", "reused", False),
+    ]
+    assert runs[1]["verification"]["method"] == "trainerDigest" and runs[1]["verification"]["buckets"] > 0
+    assert all(run["checks"]["verified_as_asked"] for run in runs)
+    assert series["median"]["runs"] == 1, "the median (and headline) are the first integrity's reused refits"
+    assert set(series["by_integrity"]) == {"none", "checksum"}
+    assert set(series["integrity_cost"]["checksum"]) == {"transfer_sender", "end_to_end", "receive_apply_engine"}
+    assert result["headline"]["integrity"] == series["integrity_cost"]

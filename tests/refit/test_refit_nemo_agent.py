@@ -24,6 +24,8 @@ from torch._C import _distributed_c10d as c10d
 
 from helpers import nemo_trainer
 from helpers import refit_harness as harness
+from megafleet_protocol.refit import digest
+from megafleet_protocol.refit import nemo as nemo_protocol
 
 pytestmark = pytest.mark.slow  # each test starts engines, a process group, Ray or a subprocess
 
@@ -445,3 +447,59 @@ def test_the_store_probe_reports_the_trainers_store_gone_once_the_trainer_exits(
     world = wait_store(served, False)
     assert (world["session"], world["phase"]) == ("grpo-11", "joined"), "an unreachable store is reported, not acted on"
     assert served.agent.status()["state"] == "ready"
+
+
+def test_session_refits_with_integrity_report_each_buckets_digest_and_name_a_non_finite_tensor(
+    served: harness.InProcessEngine, trainer: harness.Trainer
+) -> None:
+    """``integrity: checksum`` over NeMo's wire (which carries no digest): the status lists every
+    bucket's ``mf64`` for the operator to compare across members, and a tensor arriving with NaN
+    fails the refit naming it."""
+    weights = trainer.weights()
+    info = refit_info(weights)
+    total = sum(tensor.numel() * tensor.element_size() for tensor in weights.values())
+    bucket_bytes = total // 4
+    poisoned = {name: tensor.clone() for name, tensor in weights.items()}
+    poisoned["model.norm.weight"][3] = float("nan")
+    nemo = NemoTrainer({}, bucket_bytes)
+    try:
+        with served.agent.client() as agent:
+            assert agent.post("/v1/refit/nemo/join", json=join_body("grpo-9", nemo.port)).status_code == 202
+        wait_world(served, "joined")
+        nemo.send(weights)
+        body = session_body(5, "grpo-9", info, bucket_bytes) | {"integrity": "checksum"}
+        assert post_nemo(served, body).status_code == 202
+        verified = served.agent.wait_finished(WAIT_SECONDS)
+        nemo.send(poisoned)
+        assert post_nemo(served, body | {"version": 6}).status_code == 202
+        failed = served.agent.wait_finished(WAIT_SECONDS)
+    finally:
+        nemo.finish()
+
+    assert verified["phase"] == "succeeded", verified
+    specs = nemo_protocol.refit_info({name: (tensor.shape, tensor.dtype) for name, tensor in weights.items()})
+    buckets = nemo_protocol.plan_buckets(specs, bucket_bytes)
+    expected = [
+        digest.hex_digest(digest.reference(b"".join(bits(weights[spec.name]) for spec in bucket), index))
+        for index, bucket in enumerate(buckets)
+    ]
+    assert verified["verification"] == {
+        "integrity": "checksum",
+        "method": "agreement",
+        "buckets": len(buckets),
+        "mismatch": None,
+        "bucketDigests": expected,
+        "nonFinite": None,
+    }
+    assert (failed["phase"], failed["state"]) == ("failed", "stale"), failed
+    assert "model.norm.weight" in failed["error"] and "1 non-finite values" in failed["error"]
+    assert failed["verification"]["nonFinite"] == "model.norm.weight"
+    holding = [index for index, bucket in enumerate(buckets) if "model.norm.weight" in {s.name for s in bucket}]
+    got = failed["verification"]["bucketDigests"]
+    assert len(got) == len(expected)
+    changed = [index for index, (one, want) in enumerate(zip(got, expected, strict=True)) if one != want]
+    assert changed == holding, "only the poisoned tensor's bucket has another digest"
+
+
+def bits(tensor: torch.Tensor) -> bytes:
+    return tensor.contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()

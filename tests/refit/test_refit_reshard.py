@@ -3,7 +3,8 @@ and two TP=2 receivers (subprocesses holding only their megatron shards). With `
 receives exactly the slices its shard map names, about half the model each; with ``broadcast`` each
 receives everything and keeps its slices. Either way every rank ends with exactly what
 ``hf_to_megatron`` gives for its TP rank, written in place. (The megatron backend itself needs GPUs;
-this checks the receiver, the shard map and the wire protocol it uses.)"""
+this checks the receiver, the shard map and the wire protocol it uses.) With ``integrity: checksum``
+the reshard plans are sealed too, and each receiver checks every trailer of its own plan."""
 
 from __future__ import annotations
 
@@ -26,8 +27,12 @@ TP = 2
 RECEIVER = Path(__file__).resolve().parent / "test_refit_shard_receiver.py"  # run as a script per rank
 
 
-@pytest.mark.parametrize("transport", ["reshard", "broadcast"])
-def test_tp2_megatron_receivers_get_exactly_their_slices(transport: vocabulary.Transport, tmp_path: Path) -> None:
+@pytest.mark.parametrize(
+    ("transport", "integrity"), [("reshard", "none"), ("broadcast", "none"), ("reshard", "checksum")]
+)
+def test_tp2_megatron_receivers_get_exactly_their_slices(
+    transport: vocabulary.Transport, integrity: vocabulary.Integrity, tmp_path: Path
+) -> None:
     trainer = harness.Trainer()
     weights = trainer.weights()
     shape = harness.tiny_shape()
@@ -50,6 +55,7 @@ def test_tp2_megatron_receivers_get_exactly_their_slices(transport: vocabulary.T
                 "tp_rank": tp_rank,
                 "tp_size": TP,
                 "transport": transport,
+                "integrity": integrity,
                 "out": str(tmp_path / f"rank{tp_rank}.pt"),
             }
             for tp_rank in range(TP)
@@ -71,6 +77,8 @@ def test_tp2_megatron_receivers_get_exactly_their_slices(transport: vocabulary.T
     for tp_rank, (stdout, _) in enumerate(outputs):
         result = json.loads(stdout.strip().splitlines()[-1])
         assert result["inPlace"], "the receiver rebound a tensor"
+        assert result["verified"] == ("trainerDigest" if integrity == "checksum" else "none")
+        assert (result["bucketsVerified"] > 0) == (integrity == "checksum")
         received.append(result["received"])
         needed.append(result["needed"])
         got = torch.load(tmp_path / f"rank{tp_rank}.pt")
@@ -79,7 +87,7 @@ def test_tp2_megatron_receivers_get_exactly_their_slices(transport: vocabulary.T
         for name, tensor in expected.items():
             assert torch.equal(got[name], tensor), f"rank {tp_rank}: {name}"
 
-    assert report is not None and report.receivers == TP
+    assert report is not None and report.receivers == TP and report.verified == (integrity == "checksum")
     if transport == "reshard":
         for rank in range(TP):  # the slices its shard map names, plus alignment padding, nothing more
             assert needed[rank] <= received[rank] < needed[rank] + 256 * 64

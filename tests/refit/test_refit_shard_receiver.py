@@ -4,7 +4,7 @@ its megatron-layout tensors (zeros to start), receiving from the trainer over gl
 Run as ``python test_refit_shard_receiver.py ARGS_JSON``; imports only torch and the engine's refit
 modules, so it starts quickly. Saves the received tensors to ``out`` (``torch.save``) and prints a
 JSON report (bytes received, bytes of the regions it asked for, whether every tensor kept its
-storage) on stdout.
+storage, what verified the bytes) on stdout.
 """
 
 from __future__ import annotations
@@ -40,6 +40,7 @@ def main(args: dict[str, Any]) -> None:
         deadline=communicator.Deadline(60),
         local_address=f"127.0.10.{global_rank}",
     )
+    record = phases.Progress(version=1, source="rendezvous")
     try:
         received = receiver.receive(
             comm,
@@ -48,14 +49,19 @@ def main(args: dict[str, Any]) -> None:
             transport=args["transport"],
             bucket_limit_bytes=2**20,
             apply=lambda write: write(),
-            record=phases.Progress(version=1, source="rendezvous"),
+            record=record,
+            integrity=args.get("integrity", "none"),
         )
         comm.set(wire.done_key(comm.group_rank), wire.Done(ok=True, bytes_received=received.nbytes).encode())
     finally:
         comm.close()
     torch.save(live, str(args["out"]))
     in_place = all(tensor.data_ptr() == pointers[name] for name, tensor in live.items())
-    sys.stdout.write(json.dumps({"received": received.nbytes, "needed": needed, "inPlace": in_place}) + "\n")
+    verification = record.snapshot().verification
+    assert verification is not None
+    report: dict[str, object] = {"received": received.nbytes, "needed": needed, "inPlace": in_place}
+    report |= {"verified": verification.method, "bucketsVerified": verification.buckets}
+    sys.stdout.write(json.dumps(report) + "\n")
 
 
 if __name__ == "__main__":

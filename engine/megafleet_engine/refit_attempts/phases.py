@@ -18,6 +18,7 @@ import time
 from collections.abc import Iterator
 
 from megafleet_protocol import vocabulary
+from megafleet_protocol.refit import verification
 
 __all__ = ["TIMED_PHASES", "Progress", "Snapshot"]
 
@@ -46,6 +47,7 @@ class Snapshot:
     error: str | None = None
     timed_out: bool = False  # the watchdog (or a bounded wait) ended it at the deadline
     reused: bool = False  # the join kept the transfer group of the previous refit (none was built)
+    verification: verification.Verification | None = None  # what verified the bytes (set by the receiver)
 
 
 class Progress:
@@ -112,6 +114,11 @@ class Progress:
     def set_reused(self, reused: bool) -> None:
         with self._lock:
             self._state = dataclasses.replace(self._state, reused=reused)
+
+    def verified(self, outcome: verification.Verification) -> None:
+        """What verified the version's bytes (the receiver's trailers, or NeMo's digests)."""
+        with self._lock:
+            self._state = dataclasses.replace(self._state, verification=outcome)
 
     def begin_commit(self) -> bool:
         """Claim success before resuming; ``False`` when the attempt already failed (aborted)."""

@@ -4,6 +4,10 @@ Both ends import these modules, so they always speak the same version; docs/refi
 the protocol as a whole (session, rounds, group reuse, manifest shortcut, deadlines, buckets, ranks).
 
 * :mod:`~megafleet_protocol.refit.wire`: messages and bucket layout (pure data and torch views).
+* :mod:`~megafleet_protocol.refit.digest`: ``mf64``, the digest of a bucket (numpy reference, torch
+  and, on CUDA, :mod:`~megafleet_protocol.refit.digest_kernel`'s Triton kernel, all bit-identical);
+  :mod:`~megafleet_protocol.refit.trailers` seals buckets with it (trainer) and checks them as they
+  land (receiver); :mod:`~megafleet_protocol.refit.verification` is what an attempt verified.
 * :mod:`~megafleet_protocol.refit.communicator`: one rank's client of the trainer's session in its
   rendezvous store and of the hand-built gloo/NCCL transfer group, every wait bounded by the
   attempt's deadline. Built from :mod:`~megafleet_protocol.refit.rendezvous_store` (where the world
@@ -17,10 +21,11 @@ the protocol as a whole (session, rounds, group reuse, manifest shortcut, deadli
   :mod:`megafleet_engine.refit_attempts` into its ``Sink``.
 * :mod:`~megafleet_protocol.refit.nemo`: the receiving side of NeMo RL's own collective (a NeMo
   trainer's ``init_collective`` world and packed broadcasts), another wire than the one above;
-  built from :mod:`~megafleet_protocol.refit.nemo_rendezvous` (the trainer's store and unique id)
-  and :mod:`~megafleet_protocol.refit.nemo_collectives` (NCCL, or gloo on CPU).
+  built from :mod:`~megafleet_protocol.refit.nemo_rendezvous` (the trainer's store and unique id),
+  :mod:`~megafleet_protocol.refit.nemo_collectives` (NCCL, or gloo on CPU) and
+  :mod:`~megafleet_protocol.refit.nemo_checks` (digests for the members' agreement, non-finite counts).
 * :mod:`~megafleet_protocol.refit.errors`: the errors both ends raise.
 
 Importing this package (or :mod:`~megafleet_protocol.refit.errors`, :mod:`~.deadlines`,
-:mod:`~.round_messages`) does not import torch; the other modules do.
+:mod:`~.round_messages`, :mod:`~.verification`) does not import torch; the other modules do.
 """

@@ -100,6 +100,9 @@ class Communicator:
         self.held_manifest: str | None = None
         """The manifest id the trainer confirmed every receiver holds in the current round (no
         manifest exchange then), or ``None``."""
+        self.asked_checksums: frozenset[str] = frozenset()
+        """Trainer: the digests every receiver asked for in its hello of the current round (a receiver
+        older than digests asks for none)."""
         self.rounds = 0
         """Rounds opened on this communicator."""
         self._store: c10d.Store | None = store
@@ -160,7 +163,7 @@ class Communicator:
 
     # -- rounds --------------------------------------------------------------------------------
 
-    def open_round(self, version: int, *, manifest: str | None = None) -> bool:
+    def open_round(self, version: int, *, manifest: str | None = None, checksums: tuple[str, ...] = ()) -> bool:
         """Open the round of weight version ``version``: agree with every rank on the transfer group
         (keep the current one, or build a new one and handshake over it); returns whether the
         group was kept (also :attr:`reused`). The trainer waits for every receiver's hello; a
@@ -169,7 +172,9 @@ class Communicator:
         ``manifest`` carries the manifest exchange's shortcut: on a receiver, the id of the last
         manifest it accepted (and can take again as it is); on the trainer, the id of the manifest
         it is about to offer. When every receiver holds the trainer's id, the decision says so and
-        :attr:`held_manifest` is that id on every rank: the manifest, verdicts and go are skipped."""
+        :attr:`held_manifest` is that id on every rank: the manifest, verdicts and go are skipped.
+        ``checksums`` (a receiver): the digests it asks the trainer to seal its buckets with; the
+        trainer learns which every receiver asked for (:attr:`asked_checksums`)."""
         if self.backend == "nccl":
             torch.cuda.set_device(self.device)  # this round may run on another thread than the last
         self.namespace = f"round/{version}/"
@@ -178,7 +183,7 @@ class Communicator:
         if self.group_rank == 0:
             self._decide(version, manifest)
         else:
-            self._follow(manifest)
+            self._follow(manifest, checksums)
         return self.reused
 
     def _decide(self, version: int, manifest: str | None) -> None:
@@ -195,6 +200,8 @@ class Communicator:
         )
         name = self.group_name if keep and self.group_name is not None else f"v{version}"
         held = manifest is not None and all(hello.manifest == manifest for hello in hellos.values())
+        asked = [frozenset(hello.checksums) for hello in hellos.values()]
+        self.asked_checksums = frozenset.intersection(*asked) if asked else frozenset()
         self.held_manifest = manifest if held else None
         self.set(round_messages.GROUP_KEY, round_messages.Decision(name, keep, self.held_manifest).encode())
         self.reused = keep
@@ -202,8 +209,8 @@ class Communicator:
             self._regroup(name)
             self.handshake()
 
-    def _follow(self, manifest: str | None) -> None:
-        hello = round_messages.Hello(self.session, self.group_name, manifest)
+    def _follow(self, manifest: str | None, checksums: tuple[str, ...]) -> None:
+        hello = round_messages.Hello(self.session, self.group_name, manifest, checksums)
         self.set(round_messages.hello_key(self.group_rank), hello.encode())
         raw = self.get(round_messages.GROUP_KEY, what="the trainer's group decision")
         decision = round_messages.Decision.decode(raw)

@@ -7,6 +7,8 @@ Exception tree::
     ├── RefitAborted           the attempt was aborted on purpose (watchdog, ``POST /v1/refit/abort``)
     ├── ProtocolError          the peer does not speak this protocol, or sent something malformed
     ├── ManifestMismatch       receiver side: the manifest does not cover this rank's parameters
+    ├── BucketMismatch         receiver side: a bucket's bytes do not match the trainer's digest
+    ├── NonFiniteWeights       receiver side (NeMo's wire, integrity checksum): a tensor holds NaN or Inf
     ├── RefitRejected          trainer side: one or more receivers rejected the manifest (nothing sent)
     └── ReceiverFailed         trainer side: one or more receivers reported a failure after the transfer
 
@@ -16,9 +18,15 @@ Imports nothing heavy: the agent's HTTP layer imports this module at start-up.
 from __future__ import annotations
 
 from collections.abc import Mapping
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from megafleet_protocol.refit import verification
 
 __all__ = [
+    "BucketMismatch",
     "ManifestMismatch",
+    "NonFiniteWeights",
     "ProtocolError",
     "ReceiverFailed",
     "RefitAborted",
@@ -47,6 +55,38 @@ class ProtocolError(RefitError):
 class ManifestMismatch(RefitError):
     """The trainer's manifest does not give this rank a complete weight version (missing names,
     other shapes, another version or transport, buckets larger than this fleet allows)."""
+
+
+class BucketMismatch(RefitError):
+    """A bucket arrived with other bytes than the trainer digested (its trailer's ``mf64`` digest or
+    bucket index differs from what this rank computed): the transfer corrupted it. ``bucket`` is its
+    index in the plan (the digest's seed), ``first_tensor`` the name of the first tensor in it."""
+
+    def __init__(self, bucket: int, first_tensor: str, buckets: int) -> None:
+        self.bucket = bucket
+        self.first_tensor = first_tensor
+        super().__init__(
+            f"bucket {bucket} (of {buckets}, counted from 0; first tensor {first_tensor}) does not match the "
+            "trainer's mf64 digest: its bytes changed on the way"
+        )
+
+
+class NonFiniteWeights(RefitError):
+    """A floating tensor of the version holds NaN or Inf values (counted as it was cut out of its
+    bucket): on NeMo's wire, which carries no digest, the sign of a bucket cut at the wrong place.
+    ``outcome``: what the receiver verified, this included."""
+
+    def __init__(
+        self, tensor: str, count: int, bucket: int, *, outcome: verification.Verification | None = None
+    ) -> None:
+        self.tensor = tensor
+        self.count = count
+        self.bucket = bucket
+        self.outcome = outcome
+        super().__init__(
+            f"{tensor} (bucket {bucket}, counted from 0) holds {count} non-finite values: the trainer sent them, "
+            "or the buckets were cut at other places than the trainer's (a wrong bucketBytes)"
+        )
 
 
 class _PerRank(RefitError):

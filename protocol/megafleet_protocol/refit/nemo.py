@@ -21,6 +21,9 @@ from:
 * **Packing** (here): :func:`plan_buckets`: tensors in refit-info order, each's raw bytes back to
   back (no header, padding or alignment), a bucket closing right after the tensor that makes its
   size *strictly* exceed the target; :func:`unpack` cuts one received bucket back into tensors.
+* **Checks** (:mod:`~megafleet_protocol.refit.nemo_checks`, with ``integrity: checksum``): the wire
+  carries no digest, so each rank digests every bucket for the members to compare, and counts the
+  non-finite values of every floating tensor it cuts out.
 """
 
 from __future__ import annotations
@@ -34,7 +37,17 @@ from typing import Literal
 import torch
 from torch._C import _distributed_c10d as c10d  # Store classes: torch.distributed re-exports them untyped
 
-from megafleet_protocol.refit import deadlines, errors, nemo_collectives, nemo_rendezvous, rendezvous_store, wire
+from megafleet_protocol import vocabulary
+from megafleet_protocol.refit import (
+    deadlines,
+    errors,
+    nemo_checks,
+    nemo_collectives,
+    nemo_rendezvous,
+    rendezvous_store,
+    verification,
+    wire,
+)
 from megafleet_protocol.refit.nemo_rendezvous import NemoWorld
 
 __all__ = [
@@ -183,6 +196,7 @@ class Stats:
     buckets: int
     bytes_received: int
     tensors_written: int
+    verification: verification.Verification | None = None  # what was verified (None: not asked)
 
 
 class NemoReceiver:
@@ -254,16 +268,21 @@ class NemoReceiver:
         write: Write,
         deadline: deadlines.Deadline,
         required: Mapping[str, tuple[int, ...]] | None = None,
+        integrity: vocabulary.Integrity = "none",
     ) -> Stats:
         """Receive one refit: the buckets of ``specs`` (NeMo's refit info, in order) under the
         trainer's target ``bucket_bytes``, each unpacked and handed to ``write``.
 
         ``required`` (the sink's names and full shapes) is checked first: a refit info that lacks one
         or gives it another shape raises :class:`ManifestMismatch` before anything is received (the
-        trainer has no way to hear it: its broadcasts then block until they time out)."""
+        trainer has no way to hear it: its broadcasts then block until they time out).
+        ``integrity`` ``checksum``: digest every bucket and count every floating tensor's non-finite
+        values (:mod:`~megafleet_protocol.refit.nemo_checks`; :attr:`Stats.verification`); a tensor
+        holding NaN or Inf raises :class:`NonFiniteWeights` once every bucket was written."""
         if required is not None:
             check_refit_info(specs, required)
         buckets = plan_buckets(specs, bucket_bytes)
+        checks = nemo_checks.Checks(buckets, device) if integrity == "checksum" else None
         largest = max((sum(spec.nbytes for spec in bucket) for bucket in buckets), default=0)
         buffer = torch.empty(largest, dtype=torch.uint8, device=device)
         received = written = 0
@@ -279,11 +298,16 @@ class NemoReceiver:
                 raise errors.RefitAborted(f"the refit was aborted before {what}")
             self._collective.broadcast(chunk, deadline=deadline, what=what)
             received += size
-            written += write(unpack(chunk, bucket))
+            tensors = unpack(chunk, bucket)
+            if checks is not None:
+                checks.bucket(index, chunk)
+                checks.tensors(tensors)
+            written += write(tensors)
             if buffer.is_cuda:  # the writer's copies may run on another thread's stream: the buffer is reused next
                 torch.cuda.synchronize(device)
         self.refits += 1
-        return Stats(len(buckets), received, written)
+        outcome = checks.settle(integrity) if checks is not None else verification.Verification.unverified(integrity)
+        return Stats(len(buckets), received, written, outcome)
 
     @property
     def closed(self) -> bool:

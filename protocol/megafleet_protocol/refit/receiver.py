@@ -10,7 +10,12 @@ what it holds), ``reshard`` receives only the buckets of the plan the trainer ma
 from the regions it asked for (point-to-point sends of exactly the ``Piece`` ranges of its shard
 map). Each bucket is written through ``apply``, which runs the copies on the engine's backend thread,
 while the next bucket travels into a second buffer (see :func:`_transfer`: gloo overlaps through
-gloo's own threads, NCCL through CUDA streams and events, with one host wait at the end).
+gloo's own threads, NCCL through CUDA streams and events, with one host wait at the end). When the
+trainer sealed the buckets (the manifest names a ``checksum``, which it does when every receiver
+asked for one), each bucket is checked against its trailer as it lands, before it is written out of
+its buffer, and the outcome is read once, after the last write: a mismatch raises
+:class:`~megafleet_protocol.refit.errors.BucketMismatch` before ``receive`` returns, so the version
+never goes live (:mod:`~megafleet_protocol.refit.trailers`).
 
 Every key the receiver reads or writes lives under the round of its version
 (:meth:`Communicator.open_round`), so a trainer store that serves refit after refit never mixes
@@ -31,8 +36,11 @@ from megafleet_protocol import vocabulary
 from megafleet_protocol.refit import (
     communicator,
     cuda_streams,
+    digest,
     errors,
+    trailers,
     transfer_group,
+    verification,
     wire,
 )
 
@@ -92,6 +100,10 @@ class Record(Protocol):
         """Whether the round kept the transfer group of the last one."""
         ...
 
+    def verified(self, outcome: verification.Verification) -> None:
+        """What verified the version's bytes (recorded before a mismatch is raised)."""
+        ...
+
 
 @dataclasses.dataclass(frozen=True)
 class Accepted:
@@ -105,8 +117,14 @@ class Accepted:
     transport: vocabulary.Transport
     bucket_limit_bytes: int
 
-    def holds(self, transport: vocabulary.Transport, bucket_limit_bytes: int) -> bool:
-        return transport == self.transport and bucket_limit_bytes == self.bucket_limit_bytes
+    def holds(self, transport: vocabulary.Transport, bucket_limit_bytes: int, checksum: str | None = None) -> bool:
+        """Whether this round may take it again: the same transport and bucket limit, and buckets
+        sealed with exactly the digest this rank asks for now (``None``: none)."""
+        return (
+            transport == self.transport
+            and bucket_limit_bytes == self.bucket_limit_bytes
+            and self.manifest.checksum == checksum
+        )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -129,6 +147,7 @@ def receive(
     accepted: Accepted | None = None,
     before_transfer: Callable[[], None] | None = None,
     after_writes: Callable[[], None] | None = None,
+    integrity: vocabulary.Integrity = "none",
 ) -> Received:
     """Receive and write one complete weight version.
 
@@ -142,14 +161,23 @@ def receive(
     :class:`~megafleet_protocol.refit.errors.ManifestMismatch` (after answering the trainer with the
     refusing verdict) when the manifest does not fit this rank, and another :class:`RefitError` for
     any other failure.
+
+    ``integrity`` ``checksum``: ask the trainer to seal every bucket with its ``mf64`` digest; a
+    manifest without digests is refused (:class:`ManifestMismatch`), and a bucket that does not match
+    its trailer raises :class:`~megafleet_protocol.refit.errors.BucketMismatch` naming it and its first
+    tensor, after its writes were issued but before this returns. ``record.verified`` learns what was
+    verified either way.
     """
-    offer = accepted if accepted is not None and accepted.holds(transport, bucket_limit_bytes) else None
+    asked = digest.NAME if integrity == "checksum" else None
+    offer = accepted if accepted is not None and accepted.holds(transport, bucket_limit_bytes, asked) else None
     with record.timed("join"):
-        record.set_reused(comm.open_round(version, manifest=offer.id if offer is not None else None))
+        held = offer.id if offer is not None else None
+        record.set_reused(comm.open_round(version, manifest=held, checksums=(asked,) if asked else ()))
         if offer is not None and comm.held_manifest == offer.id:
             manifest, plan = offer.manifest, offer.plan
         else:
-            manifest, plan, offer = _agree(comm, sink, version, transport, bucket_limit_bytes)
+            manifest, plan, offer = _agree(comm, sink, version, transport, (bucket_limit_bytes, integrity))
+        checks = trailers.Checks(plan, sink.device) if manifest.checksum is not None else None
     if before_transfer is not None:
         before_transfer()
     record.enter("receiving")
@@ -161,7 +189,11 @@ def receive(
         if after_writes is not None:
             after_writes()
 
-    _transfer(comm, sink, plan, transport, manifest.by_name(), apply, record, issued)
+    _transfer(_Round(comm, sink, plan, transport, manifest.by_name(), apply, record, checks), issued)
+    outcome = checks.settle(integrity) if checks is not None else verification.Verification.unverified(integrity)
+    record.verified(outcome)
+    if outcome.mismatch is not None:
+        raise errors.BucketMismatch(outcome.mismatch.bucket, outcome.mismatch.first_tensor, len(plan.sizes))
     return Received(plan.total_bytes, offer)
 
 
@@ -170,12 +202,19 @@ def _agree(
     sink: Sink,
     version: int,
     transport: vocabulary.Transport,
-    bucket_limit_bytes: int,
+    limits: tuple[int, vocabulary.Integrity],
 ) -> tuple[wire.Manifest, wire.BucketPlan, Accepted | None]:
-    """Read the manifest, answer it, and read the trainer's go (and, reshard, this rank's plan)."""
+    """Read the manifest, answer it, and read the trainer's go (and, reshard, this rank's plan);
+    ``limits``: this rank's bucket limit in bytes and its integrity."""
+    bucket_limit_bytes, integrity = limits
     manifest = _read_manifest(comm)
     verdict = check_manifest(
-        manifest, sink, version=version, transport=transport, bucket_limit_bytes=bucket_limit_bytes
+        manifest,
+        sink,
+        version=version,
+        transport=transport,
+        bucket_limit_bytes=bucket_limit_bytes,
+        integrity=integrity,
     )
     comm.set(wire.verdict_key(comm.group_rank), verdict.encode())
     if not verdict.ok:
@@ -191,26 +230,34 @@ def _agree(
     return manifest, plan, accepted
 
 
-def _transfer(
-    comm: communicator.Communicator,
-    sink: Sink,
-    plan: wire.BucketPlan,
-    transport: vocabulary.Transport,
-    tensors: dict[str, wire.TensorInfo],
-    apply: Apply,
-    record: Record,
-    issued: Callable[[], None],
-) -> None:
-    """Receive the buckets of ``plan`` into two alternating buffers and write each through ``apply``
-    while the next one travels; ``issued`` runs once every write was issued, before the host waits
-    for the device (NCCL) to finish them.
+@dataclasses.dataclass(frozen=True)
+class _Round:
+    """What one round's transfer works with: the agreed plan, where its bytes come from and go, and
+    the checks of its trailers (``None``: the buckets are not sealed)."""
 
-    Gloo: the next bucket's op runs on gloo's threads while this thread waits for the backend
-    thread's writes. NCCL: nothing waits on the host per bucket; the writes run on a side stream
-    that waits for each bucket's op, a buffer is received into again only after the side stream
-    wrote it out (an event on the receiving thread's stream, which NCCL's stream follows), and the
-    host waits once, for the last write. Writes stay ``copy_`` into the live tensors.
+    comm: communicator.Communicator
+    sink: Sink
+    plan: wire.BucketPlan
+    transport: vocabulary.Transport
+    tensors: dict[str, wire.TensorInfo]
+    apply: Apply
+    record: Record
+    checks: trailers.Checks | None
+
+
+def _transfer(round_: _Round, issued: Callable[[], None]) -> None:
+    """Receive the buckets of the round's plan into two alternating buffers and write each through
+    ``apply`` while the next one travels; ``issued`` runs once every write was issued, before the
+    host waits for the device (NCCL) to finish them.
+
+    Gloo: the next bucket's op runs on gloo's threads while this thread checks the bucket's trailer
+    and waits for the backend thread's writes. NCCL: nothing waits on the host per bucket; the
+    trailer's check and the writes run on a side stream that waits for each bucket's op, a buffer is
+    received into again only after the side stream checked it and wrote it out (an event on the
+    receiving thread's stream, which NCCL's stream follows), and the host waits once, for the last
+    write. Writes stay ``copy_`` into the live tensors.
     """
+    comm, sink, plan, record, checks = round_.comm, round_.sink, round_.plan, round_.record, round_.checks
     count = len(plan.sizes)
     if count == 0:
         issued()
@@ -236,7 +283,7 @@ def _transfer(
         if event is not None:
             torch.cuda.current_stream(device).wait_event(event)
         what = f"bucket {bucket + 1} of {count}"
-        if transport == "broadcast":
+        if round_.transport == "broadcast":
             return comm.start_broadcast(chunk(bucket), what=what)
         return comm.start_recv(chunk(bucket), src=0, tag=bucket, what=what)
 
@@ -248,11 +295,14 @@ def _transfer(
             received = cuda_streams.new_event()
             received.record(stream)
         if bucket + 1 < count:
-            pending = start(bucket + 1)  # travels while this bucket is written
+            pending = start(bucket + 1)  # travels while this bucket is checked and written
         done = cuda_streams.new_event() if stream is not None else None
         with record.timed("apply"):
-            count_written = apply(
-                functools.partial(_write, sink, chunk(bucket), by_bucket[bucket], tensors, stream, done)
+            if checks is not None:
+                with cuda_streams.on_stream(stream):
+                    checks.check(bucket, chunk(bucket))  # before the write's event: the buffer waits for both
+            count_written = round_.apply(
+                functools.partial(_write, sink, chunk(bucket), by_bucket[bucket], round_.tensors, stream, done)
             )
         written[bucket % slots] = done
         record.count(bytes_received=plan.sizes[bucket], buckets=1, tensors_written=count_written)
@@ -272,10 +322,17 @@ def check_manifest(
     version: int,
     transport: vocabulary.Transport,
     bucket_limit_bytes: int,
+    integrity: vocabulary.Integrity = "none",
 ) -> wire.Verdict:
-    """Whether ``manifest`` gives this rank a complete ``version`` it can take; with reshard, the
-    accepting verdict carries the regions this rank needs."""
+    """Whether ``manifest`` gives this rank a complete ``version`` it can take (``integrity``
+    ``checksum``: in buckets sealed with a digest); with reshard, the accepting verdict carries the
+    regions this rank needs."""
     problems: list[str] = []
+    if integrity == "checksum" and manifest.checksum is None:
+        problems.append(
+            "this refit asks for integrity checksum, but the trainer's buckets carry no digest (its SDK is "
+            "older than digests, it was built with integrity none, or another receiver did not ask for them)"
+        )
     if manifest.version != version:
         problems.append(f"the trainer sends weight version {manifest.version}, this engine expects {version}")
     if manifest.transport != transport:
@@ -319,7 +376,7 @@ def _read_plan(
     raw = comm.get(wire.plan_key(comm.group_rank), what="the trainer's reshard plan")
     plan = _decode(wire.BucketPlan.decode, raw, "reshard plan")
     try:
-        plan.check(manifest.by_name())
+        plan.check(manifest.by_name(), sealed=manifest.checksum is not None)
     except ValueError as error:
         raise errors.ProtocolError(f"the trainer's reshard plan is invalid: {error}") from None
     placed = [placement.region for placement in plan.placements]

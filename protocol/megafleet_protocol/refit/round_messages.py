@@ -27,21 +27,34 @@ def hello_key(group_rank: int) -> str:
 
 @dataclasses.dataclass(frozen=True)
 class Hello:
-    """A receiver's opening of a round: the session it read, the group it still holds and the
-    manifest it accepted last (its id, see :meth:`Communicator.open_round`)."""
+    """A receiver's opening of a round: the session it read, the group it still holds, the
+    manifest it accepted last (its id, see :meth:`Communicator.open_round`) and the digests it asks
+    the trainer to seal its buckets with (empty: none; a receiver older than digests sends no such
+    field)."""
 
     session: str
     group: str | None
     manifest: str | None = None
+    checksums: tuple[str, ...] = ()
 
     def encode(self) -> str:
-        return json.dumps({"session": self.session, "group": self.group, "manifest": self.manifest})
+        return json.dumps(
+            {"session": self.session, "group": self.group, "manifest": self.manifest, "checksums": list(self.checksums)}
+        )
 
     @classmethod
     def decode(cls, raw: bytes) -> Hello:
         try:
             value = json.loads(raw)
-            return cls(str(value["session"]), _optional_str(value["group"]), _optional_str(value.get("manifest")))
+            checksums = value.get("checksums") or []
+            if not isinstance(checksums, list):
+                raise TypeError(f"checksums is {checksums!r}, not a list")
+            return cls(
+                str(value["session"]),
+                _optional_str(value["group"]),
+                _optional_str(value.get("manifest")),
+                tuple(str(name) for name in checksums),
+            )
         except (KeyError, TypeError, AttributeError, json.JSONDecodeError) as error:
             raise errors.ProtocolError(f"malformed hello: {error!r}") from None
 

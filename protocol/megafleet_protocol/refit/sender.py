@@ -9,8 +9,9 @@ docs/refit-protocol.md ("The trainer's side") shows the calls and the retry rule
 Invariants: a sender sends each version once; a failed :meth:`WeightSender.send` leaves it unusable
 (the retry is a new attempt on its own port); a receiver that rejects the manifest fails the send
 before any byte moves (:class:`~megafleet_protocol.refit.errors.RefitRejected`); tensors given one at
-a time with ``shapes=`` are read only when their bucket is packed. The receiver's half is
-:mod:`megafleet_protocol.refit.receiver`.
+a time with ``shapes=`` are read only when their bucket is packed; every bucket is sealed with its
+``mf64`` digest (:mod:`~megafleet_protocol.refit.trailers`) when every receiver asked for it. The
+receiver's half is :mod:`megafleet_protocol.refit.receiver`.
 """
 
 from __future__ import annotations
@@ -31,9 +32,11 @@ from megafleet_protocol.refit import (
     communicator,
     cuda_streams,
     deadlines,
+    digest,
     errors,
     rendezvous_store,
     round_messages,
+    trailers,
     transfer_group,
     wire,
 )
@@ -41,8 +44,9 @@ from megafleet_protocol.refit import (
 __all__ = ["SendReport", "WeightSender"]
 
 MIB = 2**20
-_OfferKey = tuple[tuple[wire.TensorInfo, ...], int, vocabulary.Transport]
-"""What makes two sends' manifests the same: every tensor's name, shape and dtype, bucket size, transport."""
+_OfferKey = tuple[tuple[wire.TensorInfo, ...], int, vocabulary.Transport, str | None]
+"""What makes two sends' manifests the same: every tensor's name, shape and dtype, bucket size,
+transport and the buckets' digest."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -59,6 +63,7 @@ class SendReport:
     phases: dict[str, float]  # "join" (round opened), "verdicts" (manifest to go), "transfer", "acknowledgements"
     reused: bool = False  # the transfer group of the previous send was kept (no group built)
     manifest_sent: bool = True  # False: every receiver held this manifest from the last send (none was sent)
+    verified: bool = False  # every bucket carried its mf64 digest, which every receiver checked
 
 
 class WeightSender:
@@ -75,6 +80,11 @@ class WeightSender:
         trainer_world_size: trainer ranks (the fleet's ranks start after them).
         timeout_seconds: bound of :meth:`init` and of each :meth:`send`.
         device: where buckets are staged; default ``cpu`` for gloo, the current CUDA device for NCCL.
+        integrity: ``checksum`` (default): seal every bucket with its ``mf64`` digest when every
+            receiver asks for it in its hello (engines whose refit asks for ``integrity: checksum``);
+            ``none``: never (a receiver that requires digests then rejects the manifest).
+        corrupt_bucket: test only: flip one byte of this bucket (its first payload byte) after its
+            digest was taken, so tests can prove that receivers catch and name a corrupt bucket.
     """
 
     def __init__(
@@ -88,6 +98,8 @@ class WeightSender:
         trainer_world_size: int = 1,
         timeout_seconds: float = 300.0,
         device: torch.device | str | None = None,
+        integrity: vocabulary.Integrity = "checksum",
+        corrupt_bucket: int | None = None,  # test only
     ) -> None:
         if rank != 0:
             raise ValueError(f"trainer rank {rank} sends nothing in protocol 1; only trainer rank 0 runs a sender")
@@ -104,6 +116,8 @@ class WeightSender:
         self._failed = False
         self._last_round: tuple[str, list[str]] | None = None  # namespace and keys of the last send
         self._offer: _Offer | None = None  # the last send's manifest, which every receiver holds
+        self.integrity = integrity
+        self._corrupt_bucket = corrupt_bucket
 
     @property
     def usable(self) -> bool:
@@ -185,10 +199,14 @@ class WeightSender:
     ) -> SendReport:
         started = time.monotonic()
         infos = source.infos
-        key = (infos, bucket_size_mib * MIB, transport)
-        offer = self._offer if self._offer is not None and self._offer.key == key else None
+        offer = self._offer
+        if offer is not None and offer.key[:3] != (infos, bucket_size_mib * MIB, transport):
+            offer = None
         reused = comm.open_round(version, manifest=offer.id if offer is not None else None)
         exchanged = offer is None or comm.held_manifest != offer.id
+        key = (infos, bucket_size_mib * MIB, transport, self._checksum(comm))
+        if not exchanged and offer is not None and offer.key != key:
+            raise errors.ProtocolError("the receivers hold a manifest whose digests differ from those they ask for")
         last_round, self._last_round = self._last_round, (comm.namespace, self._round_keys(transport, exchanged))
         joined = time.monotonic()
         if offer is None or exchanged:
@@ -200,12 +218,13 @@ class WeightSender:
                 comm.delete(last_round[1], namespace=last_round[0])
 
         broadcast_plan = offer.manifest.buckets
+        sealed = offer.manifest.checksum is not None
         if broadcast_plan is not None:
-            buckets = self._broadcast(comm, broadcast_plan, source, meanwhile)
+            buckets = self._broadcast(comm, broadcast_plan, source, meanwhile, sealed=sealed)
             sent = broadcast_plan.total_bytes
         else:
             assert isinstance(source, _Held)  # send() allows a stream with broadcast only
-            buckets = self._scatter(comm, offer.plans, source.tensors, meanwhile)
+            buckets = self._scatter(comm, offer.plans, source.tensors, meanwhile, sealed=sealed)
             sent = sum(plan.total_bytes for plan in offer.plans.values())
         transferred = time.monotonic()
         self._acknowledgements(comm)
@@ -227,15 +246,27 @@ class WeightSender:
             },
             reused=reused,
             manifest_sent=exchanged,
+            verified=offer.manifest.checksum is not None,
         )
+
+    def _checksum(self, comm: communicator.Communicator) -> str | None:
+        """The digest this round's buckets carry: ``mf64`` when this sender seals and every receiver
+        asked for it (a receiver older than digests asks for none: its buckets go unsealed)."""
+        if self.integrity == "checksum" and digest.NAME in comm.asked_checksums:
+            return digest.NAME
+        return None
 
     def _exchange(self, comm: communicator.Communicator, key: _OfferKey, version: int) -> _Offer:
         """Publish the manifest, read every verdict and publish go: the manifest under a new id."""
-        infos, bucket_bytes, transport = key
+        infos, bucket_bytes, transport, checksum = key
         broadcast_plan = None
         if transport == "broadcast":
-            broadcast_plan = wire.plan_buckets(((wire.Region.whole(i.name), _nbytes(i)) for i in infos), bucket_bytes)
-        manifest = wire.Manifest(version, transport, bucket_bytes, infos, broadcast_plan)
+            broadcast_plan = wire.plan_buckets(
+                ((wire.Region.whole(i.name), _nbytes(i)) for i in infos), bucket_bytes, sealed=checksum is not None
+            )
+        manifest = wire.Manifest(version, transport, bucket_bytes, infos, broadcast_plan, checksum=checksum)
+        if checksum is not None:
+            digest.warm_up(self.device)  # its kernel compiles once, here rather than in the transfer
         comm.set(wire.MANIFEST_KEY, manifest.encode())
         manifest_id = secrets.token_hex(8)
         return _Offer(key, manifest_id, manifest, self._agree(comm, manifest, manifest_id))
@@ -296,7 +327,7 @@ class WeightSender:
             try:
                 verdict = wire.Verdict.decode(raw)
                 if verdict.ok and manifest.transport == "reshard":
-                    plans[group_rank] = _reshard_plan(verdict.regions, offered, manifest.bucket_bytes)
+                    plans[group_rank] = _reshard_plan(verdict.regions, offered, manifest)
             except ValueError as error:
                 rejected[global_rank] = f"unusable verdict: {error}"
                 continue
@@ -316,14 +347,16 @@ class WeightSender:
         plan: wire.BucketPlan,
         source: _Held | _Streamed,
         meanwhile: Callable[[], None],
+        *,
+        sealed: bool,
     ) -> int:
-        """Broadcast the buckets of ``plan``, packing bucket k+1 into a second staging buffer while
-        bucket k travels. Gloo: packing runs here while gloo's threads send. NCCL: packing runs on
-        a side stream (after the caller's stream, which produced the tensors; tensors produced one at
-        a time are waited for, and kept from reuse, each on its own), each broadcast waits
-        for its bucket's packing, a buffer is packed again only once its broadcast ended (stream
-        waits), and the host waits once, for the last broadcast; ``meanwhile`` runs just before
-        that wait."""
+        """Broadcast the buckets of ``plan``, packing (and, ``sealed``, sealing) bucket k+1 into a
+        second staging buffer while bucket k travels. Gloo: packing runs here while gloo's threads
+        send. NCCL: packing runs on a side stream (after the caller's stream, which produced the
+        tensors; tensors produced one at a time are waited for, and kept from reuse, each on its
+        own), each broadcast waits for its bucket's packing, a buffer is packed again only once its
+        broadcast ended (stream waits), and the host waits once, for the last broadcast;
+        ``meanwhile`` runs just before that wait."""
         count = len(plan.sizes)
         slots = min(2, count)
         stream = cuda_streams.side_stream(self.device)
@@ -349,6 +382,8 @@ class WeightSender:
                     tensor.record_stream(stream)  # its memory is not reused before the packing ran
                 with cuda_streams.on_stream(stream):
                     wire.pack(chunk, placement, tensor)
+            with cuda_streams.on_stream(stream):
+                self._seal(chunk, bucket, sealed)
             if bucket == count - 1:
                 source.finish()  # before the last bucket goes: a stream with more tensors fails here
             if current is not None and stream is not None:
@@ -367,9 +402,12 @@ class WeightSender:
         plans: dict[int, wire.BucketPlan],
         tensors: dict[str, torch.Tensor],
         meanwhile: Callable[[], None],
+        *,
+        sealed: bool,
     ) -> int:
-        """Send each receiver its buckets, point to point; two staging buffers, so packing the next
-        bucket overlaps sending the previous one; ``meanwhile`` runs before the wait for the last."""
+        """Send each receiver its buckets, point to point; two staging buffers, so packing (and,
+        ``sealed``, sealing) the next bucket overlaps sending the previous one; ``meanwhile`` runs
+        before the wait for the last."""
         largest = max((plan.largest for plan in plans.values()), default=0)
         buffers = [torch.empty(largest, dtype=torch.uint8, device=self.device) for _ in range(2)]
         in_flight: list[dist.Work | None] = [None, None]
@@ -385,6 +423,7 @@ class WeightSender:
                 chunk = buffers[slot].narrow(0, 0, size)
                 for placement in by_bucket[bucket]:
                     wire.pack(chunk, placement, tensors[placement.region.name])
+                self._seal(chunk, bucket, sealed)
                 in_flight[slot] = comm.send(chunk, dst=group_rank, tag=bucket, what=what)
                 count += 1
         meanwhile()
@@ -392,6 +431,14 @@ class WeightSender:
             if work is not None:
                 comm.wait(work, what="the last buckets")
         return count
+
+    def _seal(self, chunk: torch.Tensor, bucket: int, sealed: bool) -> None:
+        """Seal packed bucket ``bucket`` with its trailer (``sealed``), on the current stream; under
+        test, then flip its first byte (``corrupt_bucket``), so its digest no longer matches."""
+        if sealed:
+            trailers.seal(chunk, bucket)
+        if bucket == self._corrupt_bucket:
+            chunk.narrow(0, 0, 1).bitwise_xor_(0xFF)
 
     def _acknowledgements(self, comm: communicator.Communicator) -> None:
         failed: dict[int, str] = {}
@@ -492,9 +539,10 @@ def _nbytes(info: wire.TensorInfo) -> int:
 
 
 def _reshard_plan(
-    regions: tuple[wire.Region, ...], offered: dict[str, wire.TensorInfo], bucket_bytes: int
+    regions: tuple[wire.Region, ...], offered: dict[str, wire.TensorInfo], manifest: wire.Manifest
 ) -> wire.BucketPlan:
-    """The buckets of one reshard receiver; :class:`ValueError` for a region outside the manifest."""
+    """The buckets of one reshard receiver (sealed when the manifest names a digest); :class:`ValueError`
+    for a region outside the manifest."""
     sized = []
     for region in regions:
         info = offered.get(region.name)
@@ -502,7 +550,7 @@ def _reshard_plan(
             raise ValueError(f"it asks for {region.name}, which the manifest does not offer")
         region.check(info)
         sized.append((region, region.nbytes(info)))
-    return wire.plan_buckets(sized, bucket_bytes)
+    return wire.plan_buckets(sized, manifest.bucket_bytes, sealed=manifest.checksum is not None)
 
 
 def _by_bucket(plan: wire.BucketPlan) -> list[list[wire.Placement]]:

@@ -5,7 +5,9 @@ Used by both ends, so there is one definition: the receiver (:mod:`megafleet_pro
 and the trainer (:mod:`megafleet_protocol.refit.sender`). Pure data and torch views; no networking.
 Control messages are small JSON documents in the trainer's rendezvous store; bulk data moves in
 flat ``uint8`` buckets, every tensor starting at a multiple of :data:`ALIGNMENT` bytes, never split
-across buckets. docs/refit-protocol.md draws one round's messages and the manifest shortcut.
+across buckets; when the manifest names a ``checksum``, every bucket ends in a trailer of
+:data:`TRAILER_BYTES` (its ``mf64`` digest, :mod:`~megafleet_protocol.refit.trailers`).
+docs/refit-protocol.md draws one round's messages, the manifest shortcut and the trailer.
 """
 
 from __future__ import annotations
@@ -19,14 +21,18 @@ from typing import Any, get_args
 import torch
 
 from megafleet_protocol import vocabulary
+from megafleet_protocol.refit import digest
 
 __all__ = [
     "ALIGNMENT",
+    "CHECKSUMS",
     "GO_KEY",
     "HANDSHAKE_MAGIC",
     "MANIFEST_KEY",
     "PROTOCOL",
     "PROTOCOL_MAJOR",
+    "TRAILER_BYTES",
+    "TRAILER_MAGIC",
     "TRANSPORTS",
     "BucketPlan",
     "Done",
@@ -42,6 +48,7 @@ __all__ = [
     "parse_dtype",
     "plan_buckets",
     "plan_key",
+    "sealed_size",
     "unpack",
     "verdict_key",
 ]
@@ -53,6 +60,14 @@ HANDSHAKE_MAGIC = 0x4D465246  # "MFRF"
 """First element of the handshake broadcast: a receiver connected to something else fails at once."""
 ALIGNMENT = 256
 """Byte alignment of every tensor in a bucket (enough for any dtype view and vectorised copies)."""
+
+TRAILER_BYTES = 16
+"""A checksummed bucket's last bytes: ``[h: u64, bucket: u32, "MFCK": u32]``, little-endian, at the
+first multiple of 16 after the payload (:func:`sealed_size`); ``h`` is the payload's ``mf64``."""
+TRAILER_MAGIC = int.from_bytes(b"MFCK", "little")
+"""The trailer's last four bytes (``b"MFCK"``) read as a little-endian u32."""
+CHECKSUMS: tuple[str, ...] = (digest.NAME,)
+"""The digests this protocol knows (``Manifest.checksum``, the hellos' ``checksums``)."""
 
 TRANSPORTS: tuple[str, ...] = get_args(vocabulary.Transport)
 
@@ -209,9 +224,14 @@ class BucketPlan:
             counts[placement.bucket] += 1
         return [bucket for bucket, size in enumerate(self.sizes) if size > limit and counts[bucket] > 1]
 
-    def check(self, tensors: Mapping[str, TensorInfo]) -> None:
+    def check(self, tensors: Mapping[str, TensorInfo], *, sealed: bool = False) -> None:
         """:class:`ValueError` unless every placement names an offered tensor, lies inside it and
-        inside its bucket, and is aligned."""
+        inside its bucket, and is aligned; ``sealed``: and every bucket ends in a trailer no
+        placement reaches into."""
+        if sealed:
+            unsealed = [bucket for bucket, size in enumerate(self.sizes) if size < TRAILER_BYTES or size % 16]
+            if unsealed:
+                raise ValueError(f"buckets {unsealed[:3]} have no room for their digest's trailer")
         for placement in self.placements:
             info = tensors.get(placement.region.name)
             if info is None:
@@ -219,7 +239,8 @@ class BucketPlan:
             placement.region.check(info)
             if not 0 <= placement.bucket < len(self.sizes) or placement.offset % ALIGNMENT:
                 raise ValueError(f"bad placement {placement}")
-            if placement.offset + placement.region.nbytes(info) > self.sizes[placement.bucket]:
+            room = self.sizes[placement.bucket] - (TRAILER_BYTES if sealed else 0)
+            if placement.offset + placement.region.nbytes(info) > room:
                 raise ValueError(f"{placement} overruns its bucket of {self.sizes[placement.bucket]} bytes")
 
     def to_json(self) -> dict[str, Any]:
@@ -250,11 +271,12 @@ class BucketPlan:
             raise ValueError(f"malformed bucket plan: {error!r}") from None
 
 
-def plan_buckets(regions: Iterable[tuple[Region, int]], bucket_bytes: int) -> BucketPlan:
+def plan_buckets(regions: Iterable[tuple[Region, int]], bucket_bytes: int, *, sealed: bool = False) -> BucketPlan:
     """Pack ``(region, nbytes)`` pairs, in order, into buckets of at most ``bucket_bytes`` bytes.
 
     Each region starts at a multiple of :data:`ALIGNMENT`; one larger than ``bucket_bytes`` gets a
-    bucket of its own, sized to fit it.
+    bucket of its own, sized to fit it. ``sealed``: every bucket's size includes its trailer
+    (:func:`sealed_size`), within ``bucket_bytes`` too.
     """
     if bucket_bytes < 1:
         raise ValueError(f"bucket size must be positive, got {bucket_bytes}")
@@ -263,13 +285,23 @@ def plan_buckets(regions: Iterable[tuple[Region, int]], bucket_bytes: int) -> Bu
     used = 0  # bytes used in the open bucket (the last one), or 0 when none is open
     for region, nbytes in regions:
         offset = _aligned(used)
-        if not sizes or (used and offset + nbytes > bucket_bytes):
+        if not sizes or (used and _size(offset + nbytes, sealed) > bucket_bytes):
             sizes.append(0)
             offset = 0
         placements.append(Placement(region, len(sizes) - 1, offset))
         used = offset + nbytes
-        sizes[-1] = used
+        sizes[-1] = _size(used, sealed)
     return BucketPlan(tuple(sizes), tuple(placements))
+
+
+def sealed_size(payload_bytes: int) -> int:
+    """The size of a bucket whose payload ends at ``payload_bytes``, with its trailer at the next
+    multiple of 16 (aligned for the u64 digest)."""
+    return -(-payload_bytes // 16) * 16 + TRAILER_BYTES
+
+
+def _size(used: int, sealed: bool) -> int:
+    return sealed_size(used) if sealed else used
 
 
 def _aligned(offset: int) -> int:
@@ -295,7 +327,9 @@ def unpack(bucket: torch.Tensor, placement: Placement, info: TensorInfo) -> torc
 @dataclasses.dataclass(frozen=True)
 class Manifest:
     """What the trainer will send: every tensor's name, shape and dtype, the weight version, the
-    transport, its bucket size and (broadcast) the bucket plan every receiver follows."""
+    transport, its bucket size, (broadcast) the bucket plan every receiver follows and the digest
+    every bucket's trailer carries (``None``: no trailers; a manifest from a trainer older than
+    trailers has no such field)."""
 
     version: int
     transport: vocabulary.Transport
@@ -303,6 +337,7 @@ class Manifest:
     tensors: tuple[TensorInfo, ...]
     buckets: BucketPlan | None = None  # broadcast only; reshard plans are per receiver
     protocol: str = PROTOCOL
+    checksum: str | None = None  # one of CHECKSUMS: every bucket (both transports) ends in a trailer
 
     def by_name(self) -> dict[str, TensorInfo]:
         return {info.name: info for info in self.tensors}
@@ -316,6 +351,7 @@ class Manifest:
                 "bucketBytes": self.bucket_bytes,
                 "tensors": [[info.name, list(info.shape), info.dtype] for info in self.tensors],
                 "buckets": None if self.buckets is None else self.buckets.to_json(),
+                "checksum": self.checksum,
             },
             separators=(",", ":"),
         )
@@ -336,7 +372,12 @@ class Manifest:
                 for name, shape, dtype in value["tensors"]
             )
             buckets = None if value["buckets"] is None else BucketPlan.from_json(value["buckets"])
-            manifest = cls(_int(value["version"]), transport, _int(value["bucketBytes"]), tensors, buckets, protocol)
+            checksum = value.get("checksum")
+            if checksum is not None and checksum not in CHECKSUMS:
+                raise ValueError(f"the trainer's buckets carry digest {checksum!r}; this engine knows {CHECKSUMS}")
+            manifest = cls(
+                _int(value["version"]), transport, _int(value["bucketBytes"]), tensors, buckets, protocol, checksum
+            )
         except (KeyError, TypeError, json.JSONDecodeError) as error:
             raise ValueError(f"malformed manifest: {error!r}") from None
         for info in tensors:
@@ -346,7 +387,7 @@ class Manifest:
         if (manifest.buckets is None) != (transport == "reshard"):
             raise ValueError("a broadcast manifest carries its bucket plan and a reshard manifest none")
         if manifest.buckets is not None:
-            manifest.buckets.check(manifest.by_name())
+            manifest.buckets.check(manifest.by_name(), sealed=manifest.checksum is not None)
         return manifest
 
 

@@ -55,6 +55,7 @@ class NemoRequest:
     kv_cache_mode: vocabulary.KvCacheMode | None = None
     local_address: str | None = None  # where this rank's gloo transport binds; None: the route to the trainer
     session: str | None = None  # set: receive over the world joined for this session, never join
+    integrity: vocabulary.Integrity = "none"  # checksum: digest every bucket, count non-finite values
 
     @property
     def key(self) -> tuple[object, ...]:
@@ -232,10 +233,17 @@ class NemoSource:
         run.wait_suspended(suspended)
         record.enter("receiving")
         with record.timed("receive"):
-            stats = receive(
-                joined, sink, specs=request.specs(), bucket_bytes=request.bucket_bytes, apply=run.apply,
-                deadline=run.deadline,
-            )  # fmt: skip
+            try:
+                stats = receive(
+                    joined, sink, specs=request.specs(), bucket_bytes=request.bucket_bytes, apply=run.apply,
+                    deadline=run.deadline, integrity=request.integrity,
+                )  # fmt: skip
+            except errors.NonFiniteWeights as error:
+                if error.outcome is not None:
+                    record.verified(error.outcome)
+                raise
+        if stats.verification is not None:
+            record.verified(stats.verification)
         record.count(bytes_received=stats.bytes_received, buckets=stats.buckets, tensors_written=stats.tensors_written)
         run.target.verify_in_place(before)
 
@@ -287,10 +295,12 @@ def receive(
     bucket_bytes: int,
     apply: receiver.Apply,
     deadline: communicator.Deadline,
+    integrity: vocabulary.Integrity = "none",
 ) -> nemo.Stats:
     """Receive one refit over ``joined`` into ``sink``: the refit info is checked against what the
     sink holds first (:class:`ManifestMismatch` before any byte), and the version must be complete
-    afterwards (:class:`RefitError` naming what was left unwritten)."""
+    afterwards (:class:`RefitError` naming what was left unwritten); ``integrity`` as
+    :meth:`NemoReceiver.receive <megafleet_protocol.refit.nemo.NemoReceiver.receive>` takes it."""
     stats = joined.receive(
         specs,
         bucket_bytes=bucket_bytes,
@@ -298,6 +308,7 @@ def receive(
         write=writer(sink, apply),
         deadline=deadline,
         required=sink.required(),
+        integrity=integrity,
     )
     missing = sink.missing()
     if missing:

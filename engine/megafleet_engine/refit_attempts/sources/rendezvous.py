@@ -51,6 +51,7 @@ class RendezvousRequest:
     suspend_mode: vocabulary.SuspendMode = "drain"
     kv_cache_mode: vocabulary.KvCacheMode | None = None
     local_address: str | None = None  # where this rank's gloo transport binds; None: the route to the trainer
+    integrity: vocabulary.Integrity = "none"  # checksum: ask for sealed buckets and check every trailer
 
     @property
     def key(self) -> tuple[object, ...]:
@@ -152,6 +153,7 @@ class RendezvousSource:
             accepted=accepted,
             before_transfer=lambda: run.wait_suspended(suspended),
             after_writes=lambda: run.target.verify_in_place(before),
+            integrity=request.integrity,
         )
 
     def _take_parked(

@@ -1,0 +1,96 @@
+"""``mf64`` on a GPU (:mod:`megafleet_protocol.refit.digest`): the Triton kernel and the chunked torch
+fallback give numpy's bits exactly, neither waits on the host (CUDA's sync debug mode would raise), the
+trailer checks catch a flipped byte on the device with one read at the end, and the kernel's
+throughput on a 1 GiB bucket (reported to ``$MEGAFLEET_GPU_REPORT``; the refit benchmark measures what
+it costs a transfer).
+
+Needs one NVIDIA GPU (and Triton for the kernel's tests); skips cleanly otherwise.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from typing import Any
+
+import pytest
+import torch
+
+from helpers import gpu
+from megafleet_protocol.refit import cuda_streams, digest, trailers, wire
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs an NVIDIA GPU")
+needs_triton = pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="needs triton")
+
+SIZES = [0, 1, 8, 4095, 16 * 2048 * 8 + 3, 3 * 2**20 + 5]
+
+
+def payload(size: int, seed: int) -> torch.Tensor:
+    return torch.randint(0, 256, (size,), dtype=torch.uint8, generator=torch.Generator().manual_seed(seed))
+
+
+@needs_triton
+@pytest.mark.parametrize("size", SIZES)
+@pytest.mark.parametrize("bucket", [0, 1, 2**32 - 1])
+def test_the_kernel_and_torch_on_the_gpu_equal_numpy(size: int, bucket: int) -> None:
+    host = payload(size, size + bucket)
+    expected = digest.reference(host.numpy().tobytes(), bucket)
+    device = host.cuda()
+    assert digest._kernel() is not None, "digest() on CUDA takes the Triton kernel"
+    assert digest.unsigned(int(digest.digest(device, bucket).item())) == expected
+    assert digest.unsigned(int(digest.torch_digest(device, bucket).item())) == expected
+    assert digest.unsigned(int(digest.torch_digest(device, bucket, chunk_words=1000).item())) == expected
+    if size > 3:
+        view = device[3:]  # not 8-byte aligned: copied once, same bits
+        assert digest.unsigned(int(digest.digest(view, bucket).item())) == digest.reference(
+            host[3:].numpy().tobytes(), bucket
+        )
+
+
+def test_digests_and_checks_queue_on_a_side_stream_without_a_host_wait() -> None:
+    plan = wire.plan_buckets(
+        [(wire.Region.whole("first.weight"), 5000), (wire.Region.whole("b"), 300)], 2**20, sealed=True
+    )
+    chunk = payload(plan.sizes[0], 5).cuda()
+    stream = cuda_streams.side_stream(chunk.device)
+    assert stream is not None
+    checks = trailers.Checks(plan, chunk.device)
+    stream.wait_stream(torch.cuda.current_stream())
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        with torch.cuda.stream(stream):
+            trailers.seal(chunk, 0)
+            digest.torch_digest(chunk, 0)
+            corrupt = chunk.clone()
+            corrupt[17] ^= 0x40
+            checks.check(0, corrupt)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    torch.cuda.current_stream().wait_stream(stream)
+    outcome = checks.settle("checksum")  # the one read
+    assert outcome.mismatch is not None and (outcome.mismatch.bucket, outcome.mismatch.first_tensor) == (
+        0,
+        "first.weight",
+    )
+    clean = trailers.Checks(plan, chunk.device)
+    clean.check(0, chunk)
+    assert clean.settle("checksum").mismatch is None
+
+
+@needs_triton
+def test_the_kernel_reads_a_1_gib_bucket_at_memory_speed() -> None:
+    data = torch.randint(0, 256, (2**30,), dtype=torch.uint8, device="cuda")
+    for _ in range(3):
+        digest.digest(data, 1)
+    torch.cuda.synchronize()
+    make: Any = torch.cuda.Event  # untyped constructor in torch's stubs
+    start, end = make(enable_timing=True), make(enable_timing=True)
+    runs = 10
+    start.record()
+    for index in range(runs):
+        digest.digest(data, index)
+    end.record()
+    torch.cuda.synchronize()
+    seconds = start.elapsed_time(end) / 1e3 / runs
+    gb_per_s = 2**30 / seconds / 1e9
+    gpu.report("mf64_kernel_1gib", milliseconds=round(seconds * 1e3, 3), gb_per_s=round(gb_per_s, 1))
+    assert gb_per_s > 200, f"{gb_per_s:.0f} GB/s"
