@@ -20,11 +20,12 @@ once at its end; with ``detokenize: false`` (token-ids-only, for RL clients) not
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 
 import jinja2
 
@@ -122,7 +123,7 @@ class _Pipeline:
         request: protocol.SamplingRequest,
         prompts: Sequence[Sequence[int]],
         *,
-        prefix: str,
+        request_id: str,
         param: str,
         each: str | None = None,
     ) -> _Prepared:
@@ -133,6 +134,7 @@ class _Pipeline:
         info = self.context.info
         check_model(info, request.model)
         check_sequences(len(prompts), request.n, noun=each or "prompt")
+        _check_stop_token_ids(request.stop_token_ids or (), info.vocab_size)
         specs: list[choices.SequenceSpec] = []
         for prompt_index, prompt in enumerate(prompts):
             where = param if each is None else f"{param}.{prompt_index}"
@@ -141,10 +143,10 @@ class _Pipeline:
             max_tokens = _max_tokens(len(prompt), request, info.max_sequence_length, param=where, subject=subject)
             for sample in range(request.n):
                 index = prompt_index * request.n + sample
-                params = request.to_sampling_params(max_tokens=max_tokens, choice=index)
+                params = request.to_sampling_params(max_tokens=max_tokens, choice=index, vocab_size=info.vocab_size)
                 specs.append(choices.SequenceSpec(index, tuple(prompt), params, request.stop_strings))
         prompt_tuples = [tuple(prompt) for prompt in prompts]
-        return _Prepared(f"{prefix}-{uuid.uuid4().hex}", specs, prompt_tuples, text=request.detokenize)
+        return _Prepared(request_id, specs, prompt_tuples, text=request.detokenize)
 
     async def complete(self, prepared: _Prepared) -> tuple[dict[int, choices.ChoiceState], engine_client.Batch]:
         """Run every choice to its end (a non-streaming response): their states and their batch
@@ -216,20 +218,20 @@ class _Pipeline:
             tokens = await self.next(batch)
 
     async def sse(
-        self, batch: engine_client.Batch, events: AsyncIterator[list[bytes]], weight_version: int | None
+        self, prepared: _Prepared, batch: engine_client.Batch, events: AsyncIterator[list[bytes]]
     ) -> AsyncIterator[bytes]:
         """Server-sent events, one write per engine step (``events`` yields each step's); a failure
-        mid-stream becomes an error event."""
+        mid-stream becomes an error event (logged with the request's id, as :func:`failures` does)."""
+        weight_version = batch.weight_version
         try:
             async for step_events in events:
                 if step_events:
                     yield b"".join(step_events)
-        except errors.HTTPError as error:
-            yield sse_frames.event({**errors.envelope(error), "weight_version": weight_version})
         except Exception as error:
-            log.exception("stream failed")
-            internal = errors.InternalError(f"internal error ({type(error).__name__})")
-            yield sse_frames.event({**errors.envelope(internal), "weight_version": weight_version})
+            failed = error if isinstance(error, errors.HTTPError) else None
+            if failed is None or failed.status == errors.InternalError.status:
+                failed = _failed(prepared.request_id, error)
+            yield sse_frames.event({**errors.envelope(failed), "weight_version": weight_version})
         finally:
             batch.close()
         yield b"data: [DONE]\n\n"
@@ -249,6 +251,39 @@ class _Pipeline:
         return self.context.tokenizer.decode([token_id]) if text else f"token_id:{token_id}"
 
 
+def new_request_id(prefix: str) -> str:
+    """A response's ``id`` (``cmpl-...``, ``chatcmpl-...``); its sequences' ids in the engine and every
+    log line about it start with it."""
+    return f"{prefix}-{uuid.uuid4().hex}"
+
+
+@contextlib.contextmanager
+def failures(request_id: str) -> Iterator[None]:
+    """Serve request ``request_id`` inside this: an internal error (500) raised in it, or anything
+    unexpected, is logged with the request's id (and a traceback when unexpected) and answered as a
+    500 whose message names the id; other HTTP errors pass as they are. Only this request fails:
+    the engine and every other request go on."""
+    try:
+        yield
+    except errors.HTTPError as error:
+        if error.status != errors.InternalError.status:
+            raise
+        raise _failed(request_id, error) from error
+    except Exception as error:
+        raise _failed(request_id, error) from error
+
+
+def _failed(request_id: str, error: BaseException) -> errors.InternalError:
+    """The 500 for request ``request_id`` that failed with ``error``, logged once with the id."""
+    if isinstance(error, errors.HTTPError):
+        log.error("request %s failed: %s", request_id, protocol.printable(error.message, limit=None))
+        return errors.InternalError(f"{error.message} (request {request_id})")
+    log.error("request %s failed", request_id, exc_info=error)
+    return errors.InternalError(
+        f"internal error ({type(error).__name__}) serving request {request_id}; the engine's log has the details"
+    )
+
+
 def engine_error(error: engine_module.EngineError) -> errors.HTTPError:
     """The HTTP error for an engine error."""
     if isinstance(error, engine_module.NotServing):
@@ -265,6 +300,14 @@ def check_sequences(prompts: int, n: int, *, noun: str) -> None:
         raise errors.InvalidRequest(
             f"{prompts} {noun}s x n={n} is {prompts * n} sequences; one request may ask for at most {protocol.MAX_N}",
             param="n",
+        )
+
+
+def _check_stop_token_ids(stop_token_ids: Sequence[int], vocab_size: int) -> None:
+    bad = [token for token in stop_token_ids if token >= vocab_size]
+    if bad:
+        raise errors.InvalidRequest(
+            f"stop token id {bad[0]} is outside the vocabulary (0 to {vocab_size - 1})", param="stop_token_ids"
         )
 
 
@@ -342,28 +385,34 @@ class CompletionServing:
         self._context = context
 
     async def create(self, request: protocol.CompletionRequest) -> protocol.CompletionResponse:
-        prepared = self._prepare(request)
-        states, batch = await self._pipeline.complete(prepared)
-        response_choices = [self._choice(request, state, _spans(batch, state.spec.index)) for state in states.values()]
-        return protocol.CompletionResponse(
-            id=prepared.request_id,
-            created=int(time.time()),
-            model=request.model,
-            choices=response_choices,
-            usage=self._pipeline.usage(prepared, states),
-            weight_version=batch.weight_version,
-        )
+        request_id = new_request_id("cmpl")
+        with failures(request_id):
+            prepared = self._prepare(request, request_id)
+            states, batch = await self._pipeline.complete(prepared)
+            response_choices = [
+                self._choice(request, state, _spans(batch, state.spec.index)) for state in states.values()
+            ]
+            return protocol.CompletionResponse(
+                id=prepared.request_id,
+                created=int(time.time()),
+                model=request.model,
+                choices=response_choices,
+                usage=self._pipeline.usage(prepared, states),
+                weight_version=batch.weight_version,
+            )
 
     async def stream(self, request: protocol.CompletionRequest) -> Stream:
-        prepared = self._prepare(request)
-        batch, first = await self._pipeline.start(prepared)
+        request_id = new_request_id("cmpl")
+        with failures(request_id):
+            prepared = self._prepare(request, request_id)
+            batch, first = await self._pipeline.start(prepared)
         weight_version = batch.weight_version
         chunks = self._chunks(request, prepared, batch, first, weight_version)
-        return Stream(weight_version, self._pipeline.sse(batch, chunks, weight_version), batch.close)
+        return Stream(weight_version, self._pipeline.sse(prepared, batch, chunks), batch.close)
 
-    def _prepare(self, request: protocol.CompletionRequest) -> _Prepared:
+    def _prepare(self, request: protocol.CompletionRequest, request_id: str) -> _Prepared:
         prompts = _token_prompts(request.prompt, self._context.tokenizer)
-        return self._pipeline.prepare(request, prompts, prefix="cmpl", param="prompt")
+        return self._pipeline.prepare(request, prompts, request_id=request_id, param="prompt")
 
     async def _chunks(
         self,
@@ -453,8 +502,28 @@ class ChatServing:
         self._context = context
 
     async def create(self, request: protocol.ChatSamplingRequest) -> protocol.ChatCompletionResponse:
-        prepared = self._prepare(request)
-        states, batch = await self._pipeline.complete(prepared)
+        request_id = new_request_id("chatcmpl")
+        with failures(request_id):
+            prepared = self._prepare(request, request_id)
+            states, batch = await self._pipeline.complete(prepared)
+            return self._response(request, prepared, states, batch)
+
+    async def stream(self, request: protocol.ChatSamplingRequest) -> Stream:
+        request_id = new_request_id("chatcmpl")
+        with failures(request_id):
+            prepared = self._prepare(request, request_id)
+            batch, first = await self._pipeline.start(prepared)
+        weight_version = batch.weight_version
+        chunks = self._chunks(request, prepared, batch, first, weight_version)
+        return Stream(weight_version, self._pipeline.sse(prepared, batch, chunks), batch.close)
+
+    def _response(
+        self,
+        request: protocol.ChatSamplingRequest,
+        prepared: _Prepared,
+        states: dict[int, choices.ChoiceState],
+        batch: engine_client.Batch,
+    ) -> protocol.ChatCompletionResponse:
         ids = request.wants_token_ids
         response_choices = [
             protocol.ChatChoice(
@@ -477,14 +546,7 @@ class ChatServing:
             weight_version=batch.weight_version,
         )
 
-    async def stream(self, request: protocol.ChatSamplingRequest) -> Stream:
-        prepared = self._prepare(request)
-        batch, first = await self._pipeline.start(prepared)
-        weight_version = batch.weight_version
-        chunks = self._chunks(request, prepared, batch, first, weight_version)
-        return Stream(weight_version, self._pipeline.sse(batch, chunks, weight_version), batch.close)
-
-    def _prepare(self, request: protocol.ChatSamplingRequest) -> _Prepared:
+    def _prepare(self, request: protocol.ChatSamplingRequest, request_id: str) -> _Prepared:
         check_model(self._context.info, request.model)
         conversations = request.conversations()
         batched = isinstance(request, protocol.ChatBatchRequest)
@@ -493,7 +555,7 @@ class ChatServing:
             self._render(conversation, index if batched else None) for index, conversation in enumerate(conversations)
         ]
         each = "conversation" if batched else None
-        return self._pipeline.prepare(request, prompts, prefix="chatcmpl", param="messages", each=each)
+        return self._pipeline.prepare(request, prompts, request_id=request_id, param="messages", each=each)
 
     def _render(self, conversation: list[dict[str, str]], index: int | None) -> list[int]:
         """One conversation's prompt: its messages through the chat template, as token ids; errors
