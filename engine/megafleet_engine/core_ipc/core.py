@@ -42,6 +42,7 @@ import zmq
 import zmq.asyncio
 
 from megafleet_engine import engine as engine_module
+from megafleet_engine import http_limits
 from megafleet_engine import metrics as metrics_module
 from megafleet_engine.backends import base
 from megafleet_engine.core_ipc import messages
@@ -162,6 +163,7 @@ class ApiServerConfig:
     weight_version: int | None
     accepting: bool
     api_key: str | None
+    http: dict[str, int]  # its server's bounds, a :class:`~megafleet_engine.http_limits.HttpLimits`
 
 
 class CoreServer:
@@ -174,6 +176,7 @@ class CoreServer:
         listener: the frontend's listening socket, bound by the caller.
         count: API-server processes to run.
         api_key: the frontend's API key, if any.
+        http: the bounds of each API server's HTTP server.
     """
 
     def __init__(
@@ -185,8 +188,10 @@ class CoreServer:
         listener: socket.socket,
         count: int,
         api_key: str | None = None,
+        http: http_limits.HttpLimits = http_limits.DEFAULTS.frontend,
     ) -> None:
         self._engine = engine
+        self._http = http
         self._metrics = metrics
         self._listener = listener
         self._count = count
@@ -279,6 +284,7 @@ class CoreServer:
             weight_version=self._engine.weight_version,
             accepting=self._engine.accepting,
             api_key=self._api_key,
+            http=dataclasses.asdict(self._http),
         )
         config_file = self._folder / f"api-server-{slot}-{epoch}.json"
         config_file.write_text(json.dumps(dataclasses.asdict(config)))
