@@ -83,6 +83,7 @@ async def _serve(config: dict[str, Any], tokenizer: base.Tokenizer) -> None:
     app = app_module.build_frontend_app(context, api_key=config["api_key"])
     sock = socket.socket(fileno=config["listen_fd"])
     limits = http_limits.HttpLimits(**config["http"])
+    http_server.allow_open_files(limits.max_connections)
     server = uvicorn.Server(http_server.config(app, limits, name="frontend"))
     reader = asyncio.create_task(client.run(), name="megafleet-api-server-outputs")
 

@@ -31,7 +31,10 @@ production HTTP servers set it (nginx's names in brackets); the values are
   is answered ``400`` by uvicorn.
 
 Every server speaks HTTP/1.1 through h11 (:class:`BoundedH11Protocol`, uvicorn's h11 protocol with a
-few timers per connection), whether or not httptools is installed, so these bounds always hold.
+few timers per connection), whether or not httptools is installed, so these bounds always hold; no
+server takes WebSocket upgrades. A process that serves up to N connections needs N file descriptors
+beside its own: :func:`allow_open_files` raises the process's soft limit toward its hard one (as
+Go's runtime does at start), since containerd 2 starts containers with a soft limit of 1,024.
 """
 
 from __future__ import annotations
@@ -39,6 +42,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import resource
 import time
 from typing import Any, ClassVar, cast
 
@@ -51,7 +55,15 @@ from uvicorn.protocols.http import h11_impl
 
 from megafleet_engine import http_limits
 
-__all__ = ["MAX_HEAD_BYTES", "REFUSED_LINGER_SECONDS", "BodyLimit", "BoundedH11Protocol", "config", "protocol_for"]
+__all__ = [
+    "MAX_HEAD_BYTES",
+    "REFUSED_LINGER_SECONDS",
+    "BodyLimit",
+    "BoundedH11Protocol",
+    "allow_open_files",
+    "config",
+    "protocol_for",
+]
 
 log = logging.getLogger(__name__)
 
@@ -63,6 +75,8 @@ WARN_EVERY_SECONDS = 10.0
 """Shortest interval between two log lines about refused connections of one server."""
 GRACEFUL_SHUTDOWN_SECONDS = 10
 """How long a stopping server waits for responses in flight before closing their connections."""
+OWN_FILES = 1024
+"""File descriptors a serving process keeps for itself beside its connections (files, pipes, IPC)."""
 
 
 def config(app: fastapi.FastAPI, limits: http_limits.HttpLimits, *, name: str) -> uvicorn.Config:
@@ -70,6 +84,7 @@ def config(app: fastapi.FastAPI, limits: http_limits.HttpLimits, *, name: str) -
     return uvicorn.Config(
         BodyLimit(app, max_bytes=limits.max_body_bytes),
         http=protocol_for(limits, name=name),
+        ws="none",
         lifespan="off",
         log_config=None,  # the process configures logging once
         log_level="warning",  # start/stop lines come from the callers, once per server
@@ -78,6 +93,27 @@ def config(app: fastapi.FastAPI, limits: http_limits.HttpLimits, *, name: str) -
         timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_SECONDS,
         h11_max_incomplete_event_size=MAX_HEAD_BYTES,
     )
+
+
+def allow_open_files(connections: int) -> int:
+    """Raise this process's soft limit of open files so it can hold ``connections`` connections
+    beside :data:`OWN_FILES` of its own, up to the hard limit (logged when that is too low: the
+    kernel then refuses connections before the servers' limits do). Returns the soft limit now."""
+    wanted = connections + OWN_FILES
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft == resource.RLIM_INFINITY or soft >= wanted:
+        return soft
+    target = wanted if hard == resource.RLIM_INFINITY else min(wanted, hard)
+    if target > soft:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
+    if target < wanted:
+        log.warning(
+            "the open-files limit (hard %d) is below the %d this process's servers may need for %d connections",
+            hard,
+            wanted,
+            connections,
+        )
+    return max(target, soft)
 
 
 def protocol_for(limits: http_limits.HttpLimits, *, name: str) -> type[BoundedH11Protocol]:
@@ -206,11 +242,15 @@ class BoundedH11Protocol(h11_impl.H11Protocol):
     # -- send stall --------------------------------------------------------------------------------
 
     def pause_writing(self) -> None:
+        if self._refused:
+            return  # nothing of uvicorn's was set up: the answer is tiny and the connection closing
         super().pause_writing()
-        if self._send_timer is None and not self._refused:
+        if self._send_timer is None:
             self._send_timer = self.loop.call_later(self.limits.stall_timeout_seconds, self._send_stalled)
 
     def resume_writing(self) -> None:
+        if self._refused:
+            return
         super().resume_writing()
         if self._send_timer is not None:
             self._send_timer.cancel()

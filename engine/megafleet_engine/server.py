@@ -204,6 +204,7 @@ class EngineServers:
             _Server(http_server.config(listener.app, listener.limits, name=listener.name))
             for listener in self.listeners
         ]
+        http_server.allow_open_files(sum(listener.limits.max_connections for listener in self.listeners))
 
     def _listen(self, name: str, app: fastapi.FastAPI, host: str, port: int, limits: http_limits.HttpLimits) -> None:
         sock = bind(host, port)
