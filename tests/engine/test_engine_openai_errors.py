@@ -1,16 +1,20 @@
 """Bad input to the frontend: each malformed request gets a 4xx with the OpenAI error envelope, and
 the same server (one per module) keeps answering good requests afterwards. Also: an engine that is
-not serving answers 503 with Retry-After, and the optional API key."""
+not serving answers 503 with Retry-After, a failure inside the engine is a 500 naming the request
+(and its log line), and the optional API key."""
 
 from __future__ import annotations
 
 import json
+import logging
+import re
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import openai
 import pytest
+import torch
 
 from helpers import engine_harness as harness
 
@@ -299,3 +303,37 @@ def test_http_client_sees_weight_version_on_streams(module_served: harness.Serve
         events = [line for line in response.iter_lines() if line.startswith("data: ")]
     assert events[-1] == "data: [DONE]"
     assert all(json.loads(event[len("data: ") :])["weight_version"] == 0 for event in events[:-1])
+
+
+@pytest.mark.slow  # starts an engine, a server, Ray or a subprocess, or computes for a while
+def test_a_failure_inside_the_engine_is_a_500_naming_the_request_and_serving_goes_on(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A row of NaN weights makes sampling fail inside the engine's backend (torch refuses a NaN
+    distribution): that request is a 500 with the OpenAI body, its message and an error log line name
+    its id; with the weights back, the engine serves the same greedy tokens as before."""
+    backend = harness.tiny_backend()
+    weight = backend.model.get_output_embeddings().weight
+    saved = weight.detach().clone()
+    greedy = {**GOOD_COMPLETION, "max_tokens": 4, "temperature": 0}
+    with harness.serve(backend, harness.token_file(tmp_path)) as served, served.http() as http:
+        before = http.post("/v1/completions", json=greedy).json()["choices"][0]["text"]
+        try:
+            with torch.no_grad():
+                weight[7] = float("nan")
+            failed = http.post("/v1/completions", json={**GOOD_COMPLETION, "temperature": 1.0})
+        finally:
+            with torch.no_grad():
+                weight.copy_(saved)
+        assert failed.status_code == 500, failed.text
+        error = failed.json()["error"]
+        assert (error["type"], error["code"]) == ("internal_error", "internal_error")
+        named = re.search(r"\(request (cmpl-[0-9a-f]+)\)", error["message"])
+        assert named is not None and error["message"].startswith("generation failed"), error["message"]
+        assert [
+            record
+            for record in caplog.records
+            if record.levelno == logging.ERROR and f"request {named.group(1)} failed" in record.getMessage()
+        ]
+        after = http.post("/v1/completions", json=greedy)
+        assert after.status_code == 200 and after.json()["choices"][0]["text"] == before
