@@ -11,6 +11,11 @@ RL extensions beyond OpenAI: ``top_k``, ``ignore_eos``, ``stop_token_ids``, ``re
 of the first token), ``weight_version_spans`` per choice (:class:`VersionSpan`: which tokens came
 from which version) and ``weight_version`` per streamed choice (its tokens' version); and
 :class:`ChatBatchRequest`, several conversations in one request (``/v1/chat/completions/batch``).
+
+Every number a request carries is bounded here, or by serving against the model (token ids against
+the vocabulary, lengths against the context): out of range is a 400 naming the field, so nothing
+reaches the engine that it cannot take (its core's messages carry at most 64-bit integers,
+``docs/incidents.md#number-beyond-64-bits-hang``). ``docs/operations.md`` lists the bounds.
 """
 
 from __future__ import annotations
