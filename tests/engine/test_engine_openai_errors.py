@@ -337,3 +337,13 @@ def test_a_failure_inside_the_engine_is_a_500_naming_the_request_and_serving_goe
         ]
         after = http.post("/v1/completions", json=greedy)
         assert after.status_code == 200 and after.json()["choices"][0]["text"] == before
+
+
+def test_the_agent_refuses_a_weight_version_beyond_what_every_message_carries(module_served: harness.Served) -> None:
+    """A version is bounded like a Refit's (2**53): a larger one would reach the engine core's
+    64-bit messages to its API servers, and every answer stamped with it."""
+    with module_served.agent() as agent:
+        refused = agent.post("/v1/resume", json={"weightVersion": 2**64})
+        assert refused.status_code == 400, refused.text
+        assert refused.json()["error"]["param"] == "weightVersion"
+        assert agent.get("/v1/state").json()["weightVersion"] == 0
