@@ -1,8 +1,10 @@
 """The logic behind ``/v1/models``, ``/v1/completions``, ``/v1/chat/completions`` and its batch extension.
 
 Called by the thin router (:mod:`megafleet_engine.openai.router`), which picks the streaming or the
-non-streaming method from ``request.stream``. Serving raises typed errors
-(:mod:`megafleet_engine.openai.errors`) and never builds error responses itself; errors that occur
+non-streaming method from ``request.stream``. Serving checks a request against the model
+(:mod:`~megafleet_engine.openai.request_checks`) and raises typed errors
+(:mod:`megafleet_engine.openai.errors`), never building error responses itself; a request that fails
+inside the engine is a 500 naming it (:mod:`~megafleet_engine.openai.failures`); errors that occur
 after a stream has started become an SSE error chunk followed by ``data: [DONE]``.
 
 Every response is stamped with the weight version that produced it: the version the engine
@@ -20,27 +22,22 @@ once at its end; with ``detokenize: false`` (token-ids-only, for RL clients) not
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import logging
 import time
-import uuid
-from collections.abc import AsyncIterator, Callable, Iterator, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 
 import jinja2
 
 from megafleet_engine import engine as engine_module
 from megafleet_engine import metrics as metrics_module
 from megafleet_engine.backends import base
-from megafleet_engine.openai import choices, engine_client, errors, protocol, sse_frames
+from megafleet_engine.openai import choices, engine_client, errors, failures, protocol, request_checks, sse_frames
 
 __all__ = ["ChatServing", "CompletionServing", "ModelServing", "ServingContext", "Stream"]
 
 log = logging.getLogger(__name__)
 
-DEFAULT_COMPLETION_TOKENS = 16
-"""``max_tokens`` of a completion that does not say (OpenAI's default); chat defaults to the rest
-of the context."""
 MISSING_LOGPROB = -9999.0
 """What chat log-probabilities show when the backend gave none (OpenAI's own placeholder), and the
 floor of every log-probability shown: a token the sampling filter cut (an alternative in
@@ -84,15 +81,8 @@ class ModelServing:
         return protocol.ModelList(data=[card], weight_version=self._context.client.weight_version)
 
     def get_model(self, name: str) -> protocol.ModelCard:
-        check_model(self._context.info, name)
+        request_checks.check_model(self._context.info, name)
         return self.list_models().data[0]
-
-
-def check_model(info: base.ModelInfo, name: str) -> None:
-    if name != info.name:
-        raise errors.ModelNotFound(
-            f"the model `{name}` does not exist; this engine serves `{info.name}`", param="model"
-        )
 
 
 # -- the shared request pipeline --------------------------------------------------------------------
@@ -132,15 +122,17 @@ class _Pipeline:
         Errors name ``param``; with ``each`` (a batch of conversations: ``"conversation"``) they name
         the prompt at fault, ``param.<index>``, and their message says ``conversation <index>``."""
         info = self.context.info
-        check_model(info, request.model)
-        check_sequences(len(prompts), request.n, noun=each or "prompt")
-        _check_stop_token_ids(request.stop_token_ids or (), info.vocab_size)
+        request_checks.check_model(info, request.model)
+        request_checks.check_sequences(len(prompts), request.n, noun=each or "prompt")
+        request_checks.check_stop_token_ids(request.stop_token_ids or (), info.vocab_size)
         specs: list[choices.SequenceSpec] = []
         for prompt_index, prompt in enumerate(prompts):
             where = param if each is None else f"{param}.{prompt_index}"
             subject = "the prompt" if each is None else f"the prompt of {each} {prompt_index}"
-            _check_token_ids(prompt, info.vocab_size, param=where, subject=subject)
-            max_tokens = _max_tokens(len(prompt), request, info.max_sequence_length, param=where, subject=subject)
+            request_checks.check_token_ids(prompt, info.vocab_size, param=where, subject=subject)
+            max_tokens = request_checks.max_tokens(
+                len(prompt), request, info.max_sequence_length, param=where, subject=subject
+            )
             for sample in range(request.n):
                 index = prompt_index * request.n + sample
                 params = request.to_sampling_params(max_tokens=max_tokens, choice=index, vocab_size=info.vocab_size)
@@ -175,7 +167,7 @@ class _Pipeline:
         try:
             batch = await self.context.client.submit(requests)
         except engine_module.EngineError as error:
-            raise engine_error(error) from error
+            raise failures.engine_error(error) from error
         try:
             first = await self.next(batch)
         except BaseException:
@@ -192,7 +184,7 @@ class _Pipeline:
         try:
             return await batch.next()
         except engine_module.EngineError as error:
-            raise engine_error(error) from error
+            raise failures.engine_error(error) from error
 
     async def steps(
         self,
@@ -230,7 +222,7 @@ class _Pipeline:
         except Exception as error:
             failed = error if isinstance(error, errors.HTTPError) else None
             if failed is None or failed.status == errors.InternalError.status:
-                failed = _failed(prepared.request_id, error)
+                failed = failures.failed(prepared.request_id, error)
             yield sse_frames.event({**errors.envelope(failed), "weight_version": weight_version})
         finally:
             batch.close()
@@ -249,96 +241,6 @@ class _Pipeline:
         """A token as log-probabilities show it: its text, or ``token_id:<id>`` without text
         (``detokenize: false``; vLLM's ``return_tokens_as_token_ids`` form)."""
         return self.context.tokenizer.decode([token_id]) if text else f"token_id:{token_id}"
-
-
-def new_request_id(prefix: str) -> str:
-    """A response's ``id`` (``cmpl-...``, ``chatcmpl-...``); its sequences' ids in the engine and every
-    log line about it start with it."""
-    return f"{prefix}-{uuid.uuid4().hex}"
-
-
-@contextlib.contextmanager
-def failures(request_id: str) -> Iterator[None]:
-    """Serve request ``request_id`` inside this: an internal error (500) raised in it, or anything
-    unexpected, is logged with the request's id (and a traceback when unexpected) and answered as a
-    500 whose message names the id; other HTTP errors pass as they are. Only this request fails:
-    the engine and every other request go on."""
-    try:
-        yield
-    except errors.HTTPError as error:
-        if error.status != errors.InternalError.status:
-            raise
-        raise _failed(request_id, error) from error
-    except Exception as error:
-        raise _failed(request_id, error) from error
-
-
-def _failed(request_id: str, error: BaseException) -> errors.InternalError:
-    """The 500 for request ``request_id`` that failed with ``error``, logged once with the id."""
-    if isinstance(error, errors.HTTPError):
-        log.error("request %s failed: %s", request_id, protocol.printable(error.message, limit=None))
-        return errors.InternalError(f"{error.message} (request {request_id})")
-    log.error("request %s failed", request_id, exc_info=error)
-    return errors.InternalError(
-        f"internal error ({type(error).__name__}) serving request {request_id}; the engine's log has the details"
-    )
-
-
-def engine_error(error: engine_module.EngineError) -> errors.HTTPError:
-    """The HTTP error for an engine error."""
-    if isinstance(error, engine_module.NotServing):
-        return errors.ServiceUnavailable(f"the engine is {error.state} and does not accept requests", code=error.state)
-    if isinstance(error, engine_module.Aborted):
-        return errors.ServiceUnavailable(f"the request was aborted ({error}); retry it", code="aborted")
-    return errors.InternalError(str(error))
-
-
-def check_sequences(prompts: int, n: int, *, noun: str) -> None:
-    """Refuse a request whose ``prompts`` (of kind ``noun``) times ``n`` exceed the per-request
-    bound (a 400 naming ``n``); cheap, so callers run it before any tokenising."""
-    if prompts * n > protocol.MAX_N:
-        raise errors.InvalidRequest(
-            f"{prompts} {noun}s x n={n} is {prompts * n} sequences; one request may ask for at most {protocol.MAX_N}",
-            param="n",
-        )
-
-
-def _check_stop_token_ids(stop_token_ids: Sequence[int], vocab_size: int) -> None:
-    bad = [token for token in stop_token_ids if token >= vocab_size]
-    if bad:
-        raise errors.InvalidRequest(
-            f"stop token id {bad[0]} is outside the vocabulary (0 to {vocab_size - 1})", param="stop_token_ids"
-        )
-
-
-def _check_token_ids(prompt: Sequence[int], vocab_size: int, *, param: str, subject: str) -> None:
-    if not prompt:
-        raise errors.InvalidRequest(f"{subject} is empty", param=param)
-    bad = [token for token in prompt if not 0 <= token < vocab_size]
-    if bad:
-        raise errors.InvalidRequest(
-            f"token id {bad[0]} of {subject} is outside the vocabulary (0 to {vocab_size - 1})", param=param
-        )
-
-
-def _max_tokens(prompt_length: int, request: protocol.SamplingRequest, limit: int, *, param: str, subject: str) -> int:
-    room = limit - prompt_length
-    if room < 1:
-        raise errors.ContextLengthExceeded(
-            f"{subject} is {prompt_length} tokens; the maximum sequence length is {limit}", param=param
-        )
-    requested = request.requested_max_tokens()
-    if requested is None:
-        default = DEFAULT_COMPLETION_TOKENS if isinstance(request, protocol.CompletionRequest) else room
-        return min(default, room)
-    if prompt_length + requested > limit:
-        chat_limit = isinstance(request, protocol.ChatSamplingRequest) and request.max_completion_tokens is not None
-        name = "max_completion_tokens" if chat_limit else "max_tokens"
-        raise errors.ContextLengthExceeded(
-            f"{subject} ({prompt_length} tokens) plus {name} ({requested}) exceeds the maximum sequence length {limit}",
-            param=name,
-        )
-    return requested
 
 
 def _token_prompts(prompt: protocol.Prompt, tokenizer: base.Tokenizer) -> list[list[int]]:
@@ -385,8 +287,8 @@ class CompletionServing:
         self._context = context
 
     async def create(self, request: protocol.CompletionRequest) -> protocol.CompletionResponse:
-        request_id = new_request_id("cmpl")
-        with failures(request_id):
+        request_id = failures.new_request_id("cmpl")
+        with failures.failures(request_id):
             prepared = self._prepare(request, request_id)
             states, batch = await self._pipeline.complete(prepared)
             response_choices = [
@@ -402,8 +304,8 @@ class CompletionServing:
             )
 
     async def stream(self, request: protocol.CompletionRequest) -> Stream:
-        request_id = new_request_id("cmpl")
-        with failures(request_id):
+        request_id = failures.new_request_id("cmpl")
+        with failures.failures(request_id):
             prepared = self._prepare(request, request_id)
             batch, first = await self._pipeline.start(prepared)
         weight_version = batch.weight_version
@@ -502,15 +404,15 @@ class ChatServing:
         self._context = context
 
     async def create(self, request: protocol.ChatSamplingRequest) -> protocol.ChatCompletionResponse:
-        request_id = new_request_id("chatcmpl")
-        with failures(request_id):
+        request_id = failures.new_request_id("chatcmpl")
+        with failures.failures(request_id):
             prepared = self._prepare(request, request_id)
             states, batch = await self._pipeline.complete(prepared)
             return self._response(request, prepared, states, batch)
 
     async def stream(self, request: protocol.ChatSamplingRequest) -> Stream:
-        request_id = new_request_id("chatcmpl")
-        with failures(request_id):
+        request_id = failures.new_request_id("chatcmpl")
+        with failures.failures(request_id):
             prepared = self._prepare(request, request_id)
             batch, first = await self._pipeline.start(prepared)
         weight_version = batch.weight_version
@@ -547,10 +449,10 @@ class ChatServing:
         )
 
     def _prepare(self, request: protocol.ChatSamplingRequest, request_id: str) -> _Prepared:
-        check_model(self._context.info, request.model)
+        request_checks.check_model(self._context.info, request.model)
         conversations = request.conversations()
         batched = isinstance(request, protocol.ChatBatchRequest)
-        check_sequences(len(conversations), request.n, noun="conversation")
+        request_checks.check_sequences(len(conversations), request.n, noun="conversation")
         prompts = [
             self._render(conversation, index if batched else None) for index, conversation in enumerate(conversations)
         ]
