@@ -3,12 +3,13 @@
 Started by :class:`megafleet_engine.core_ipc.core.CoreServer` as ``python -m
 megafleet_engine.api_server CONFIG`` (a JSON :class:`~megafleet_engine.core_ipc.core.ApiServerConfig`),
 never by hand. It serves the frontend's routes (:func:`megafleet_engine.openai.app.build_frontend_app`)
-on the listening socket it inherited, tokenises and detokenises with the tokenizer the core pickled,
-and reaches the engine through :class:`~megafleet_engine.core_ipc.client.CoreClient`. It imports
-neither torch nor any backend, and loads no model (``tests/engine/test_engine_api_servers.py``
-checks ``sys.modules``). When the core's pipe reads end-of-file (the core died), it exits at once:
-its requests could never be answered. SIGTERM (the core stopping) finishes the responses in
-flight, then exits.
+on the listening socket it inherited (bounded as :mod:`megafleet_engine.http_server` says, with the
+frontend's limits, which bound each API-server process on its own), tokenises and detokenises with
+the tokenizer the core pickled, and reaches the engine through
+:class:`~megafleet_engine.core_ipc.client.CoreClient`. It imports neither torch nor any backend,
+and loads no model (``tests/engine/test_engine_api_servers.py`` checks ``sys.modules``). When the
+core's pipe reads end-of-file (the core died), it exits at once: its requests could never be
+answered. SIGTERM (the core stopping) finishes the responses in flight, then exits.
 """
 
 from __future__ import annotations
@@ -26,17 +27,16 @@ from typing import Any
 
 import uvicorn
 
+from megafleet_engine import http_server
 from megafleet_engine.backends import base
 from megafleet_engine.core_ipc import client as client_module
 from megafleet_engine.openai import app as app_module
 from megafleet_engine.openai import protocol, serving
+from megafleet_protocol import http_limits
 
 __all__ = ["main"]
 
 log = logging.getLogger("megafleet_engine.api_server")
-
-GRACEFUL_SHUTDOWN_SECONDS = 10
-"""How long a stopping API server waits for its responses in flight (as the core's own servers)."""
 
 
 class OneLineFormatter(logging.Formatter):
@@ -83,16 +83,9 @@ async def _serve(config: dict[str, Any], tokenizer: base.Tokenizer) -> None:
     context = serving.ServingContext(client, tokenizer, client.metrics)
     app = app_module.build_frontend_app(context, api_key=config["api_key"])
     sock = socket.socket(fileno=config["listen_fd"])
-    server = uvicorn.Server(
-        uvicorn.Config(
-            app,
-            lifespan="off",
-            log_config=None,
-            log_level="warning",
-            access_log=False,
-            timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_SECONDS,
-        )
-    )
+    limits = http_limits.HttpLimits(**config["http"])
+    http_server.allow_open_files(limits.max_connections)
+    server = uvicorn.Server(http_server.config(app, limits, name="frontend"))
     reader = asyncio.create_task(client.run(), name="megafleet-api-server-outputs")
 
     def reader_ended(task: asyncio.Task[None]) -> None:

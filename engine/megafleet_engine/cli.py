@@ -235,6 +235,7 @@ def _servers(
         siblings=siblings,
         agent_host=sibling_host if local_rank > 0 else None,
         api_servers=settings.api_server_count,
+        http=settings.http_bounds,
     )
 
 

@@ -2,7 +2,9 @@
 
 Called by :mod:`megafleet_engine.cli` for each rank process and by tests. :class:`EngineServers`
 binds its sockets first (so the address the frontend really serves is known before any app is
-built, and port 0 works) and then runs one uvicorn server per socket until :meth:`EngineServers.stop`.
+built, and port 0 works) and then runs one uvicorn server per socket until :meth:`EngineServers.stop`,
+each bounded as :mod:`megafleet_engine.http_server` says (the frontend's limits, or the agent's for
+the agent and the metrics server).
 Which servers a process runs is the caller's choice: frontend ranks serve the frontend, every rank
 an agent (local rank 0's is the pod's and forwards refits to the others), local rank 0 the metrics.
 """
@@ -21,7 +23,7 @@ from pathlib import Path
 import fastapi
 import uvicorn
 
-from megafleet_engine import agent_server
+from megafleet_engine import agent_server, http_server
 from megafleet_engine import engine as engine_module
 from megafleet_engine import metrics as metrics_module
 from megafleet_engine import siblings as siblings_module
@@ -29,15 +31,13 @@ from megafleet_engine.backends import base
 from megafleet_engine.core_ipc import core as core_module
 from megafleet_engine.openai import app as frontend_app
 from megafleet_engine.openai import engine_client, errors, serving
+from megafleet_protocol import http_limits
 
 __all__ = ["EngineServers", "Listener", "bind", "build_agent_app", "build_frontend_app", "read_secret", "tokenizer_of"]
 
 build_frontend_app = frontend_app.build_frontend_app
 
 log = logging.getLogger(__name__)
-
-GRACEFUL_SHUTDOWN_SECONDS = 10
-"""How long a stopping server waits for responses in flight before closing their connections."""
 
 
 def build_agent_app(agent: agent_server.AgentServer) -> fastapi.FastAPI:
@@ -104,6 +104,7 @@ class Listener:
     app: fastapi.FastAPI
     sock: socket.socket
     address: str  # host:port the socket is bound to
+    limits: http_limits.HttpLimits
 
 
 class _Server(uvicorn.Server):
@@ -133,6 +134,8 @@ class EngineServers:
             loopback); its refit transports still bind ``host``.
         api_servers: API-server processes that serve the frontend (the engine core split,
             :mod:`megafleet_engine.core_ipc`); 0 serves it in this process's event loop.
+        http: the bounds of the servers (:mod:`megafleet_engine.http_server`); default: the
+            documented defaults.
     """
 
     def __init__(
@@ -152,6 +155,7 @@ class EngineServers:
         siblings: siblings_module.Siblings | None = None,
         agent_host: str | None = None,
         api_servers: int = 0,
+        http: http_limits.HttpBounds = http_limits.DEFAULTS,
     ) -> None:
         if agent_port is not None:
             if agent_token_file is None:
@@ -167,12 +171,18 @@ class EngineServers:
                 self._frontend_sock = bind(host, frontend_port)
                 self.served_address = address_of(self._frontend_sock)
                 self._core = core_module.CoreServer(
-                    engine, metrics, tokenizer, listener=self._frontend_sock, count=api_servers, api_key=api_key
+                    engine,
+                    metrics,
+                    tokenizer,
+                    listener=self._frontend_sock,
+                    count=api_servers,
+                    api_key=api_key,
+                    http=http.frontend,
                 )
             elif frontend_port is not None:
                 context = serving.ServingContext(engine_client.LocalClient(engine), tokenizer, metrics)
                 app = build_frontend_app(context, api_key=api_key)
-                self._listen("frontend", app, host, frontend_port)
+                self._listen("frontend", app, host, frontend_port, http.frontend)
                 self.served_address = self.listeners[-1].address
             if agent_port is not None and agent_token_file is not None:
                 agent = agent_server.AgentServer(
@@ -185,17 +195,21 @@ class EngineServers:
                     siblings=siblings,
                     transfer_address=host if agent_host not in (None, host) else None,
                 )
-                self._listen("agent", build_agent_app(agent), agent_host or host, agent_port)
+                self._listen("agent", build_agent_app(agent), agent_host or host, agent_port, http.agent)
             if metrics_port is not None:
-                self._listen("metrics", metrics_module.build_app(metrics), host, metrics_port)
+                self._listen("metrics", metrics_module.build_app(metrics), host, metrics_port, http.agent)
         except BaseException:
             self.close_sockets()
             raise
-        self._servers = [_Server(_config(listener.app)) for listener in self.listeners]
+        self._servers = [
+            _Server(http_server.config(listener.app, listener.limits, name=listener.name))
+            for listener in self.listeners
+        ]
+        http_server.allow_open_files(sum(listener.limits.max_connections for listener in self.listeners))
 
-    def _listen(self, name: str, app: fastapi.FastAPI, host: str, port: int) -> None:
+    def _listen(self, name: str, app: fastapi.FastAPI, host: str, port: int, limits: http_limits.HttpLimits) -> None:
         sock = bind(host, port)
-        self.listeners.append(Listener(name, app, sock, address_of(sock)))
+        self.listeners.append(Listener(name, app, sock, address_of(sock), limits))
 
     def address(self, name: str) -> str | None:
         """Where the server called ``name`` (frontend, agent, metrics) listens, if it runs."""
@@ -248,14 +262,3 @@ class EngineServers:
             listener.sock.close()
         if self._frontend_sock is not None:
             self._frontend_sock.close()
-
-
-def _config(app: fastapi.FastAPI) -> uvicorn.Config:
-    return uvicorn.Config(
-        app,
-        lifespan="off",
-        log_config=None,  # the process configures logging once
-        log_level="warning",  # start/stop lines come from this module, once per server
-        access_log=False,
-        timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_SECONDS,
-    )

@@ -95,7 +95,9 @@ class SuspendRequest(_Body):
 
 
 class ResumeRequest(_Body):
-    weight_version: int | None = Field(default=None, ge=0, description="the version now served; unchanged if unset.")
+    weight_version: int | None = Field(
+        default=None, ge=0, le=2**53, description="the version now served; unchanged if unset."
+    )
 
 
 class RendezvousBody(_Body):

@@ -22,7 +22,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Literal, get_args
 
-from megafleet_protocol import env, ports, vocabulary
+from megafleet_protocol import env, http_limits, ports, vocabulary
 
 FusedKernels = Literal["off", "rope-swiglu", "gemv", "all"]
 """The megatron backend's fused-kernel choices (``EngineOptions.fused_kernels``)."""
@@ -193,9 +193,60 @@ class Settings:
     ``terminationMessagePath``), so the reason shows in the pod's status and the operator puts it
     into the shard's ``lastError``, an Event and ``Degraded``; nothing on a machine without one
     (:mod:`megafleet_engine.termination`). The local pod runner points it at a file of its own."""
+    frontend_max_connections: int = http_limits.FRONTEND_MAX_CONNECTIONS
+    """``MEGAFLEET_FRONTEND_MAX_CONNECTIONS``: open connections one frontend server process holds at
+    most (each API-server process; with ``MEGAFLEET_API_SERVERS=0`` the rank process). One more is
+    answered ``503`` (OpenAI error body, ``Retry-After: 1``) and closed at once. Default 4096: far
+    above what RL clients keep open (the ``openai`` client pools up to 1,000 per process), low
+    enough that connections nobody uses cannot exhaust the process's file descriptors or memory."""
+
+    agent_max_connections: int = http_limits.AGENT_MAX_CONNECTIONS
+    """``MEGAFLEET_AGENT_MAX_CONNECTIONS``: the same bound for the agent server and for the metrics
+    server, each. Default 64: only the operator, the pod's other ranks and the kubelet's probes call
+    the agent, and a scraper or two the metrics."""
+
+    http_header_timeout_seconds: int = http_limits.HttpLimits.header_timeout_seconds
+    """``MEGAFLEET_HTTP_HEADER_TIMEOUT_SECONDS``: every server closes a connection whose request head
+    (request line and headers) has not arrived whole this many seconds after the connection opened,
+    or after the first byte of a kept-alive connection's next request (nginx's
+    ``client_header_timeout``); a client that sent part of one gets ``408``. Default 10: a head is a
+    few hundred bytes, so only a client that trickles it (slowloris) or opens a connection and
+    sends nothing takes that long. uvicorn has no such timeout of its own."""
+
+    http_stall_timeout_seconds: int = http_limits.HttpLimits.stall_timeout_seconds
+    """``MEGAFLEET_HTTP_STALL_TIMEOUT_SECONDS``: every server closes a connection whose request body
+    stops arriving for this many seconds (then ``408``), or whose client reads nothing of a response
+    for as long while the server has more to send (nginx's ``client_body_timeout`` and
+    ``send_timeout``); the request is cancelled as if the client had gone. Default 60 (nginx's)."""
+
+    http_keep_alive_seconds: int = http_limits.HttpLimits.keep_alive_seconds
+    """``MEGAFLEET_HTTP_KEEP_ALIVE_SECONDS``: how long every server keeps an idle connection open
+    between two requests (uvicorn's ``timeout_keep_alive``). Default 75 (nginx's): longer than the
+    usual client pool's own expiry (``httpx`` and the ``openai`` client 5 s, aiohttp 15 s), so the
+    client closes an idle connection first and never sends a request on one the server is closing
+    at that moment."""
+
+    http_max_body_mib: int = http_limits.HttpLimits.max_body_bytes // http_limits.MIB
+    """``MEGAFLEET_HTTP_MAX_BODY_MIB``: largest request body every server reads, in MiB; a larger one
+    is answered ``413`` and its connection closed. Default 64: the largest request the frontend
+    takes (128 sequences of token ids at a 32k context) is about 25 MiB of JSON."""
 
     def __post_init__(self) -> None:
         _check(self)
+
+    @property
+    def http_bounds(self) -> http_limits.HttpBounds:
+        """The limits of the pod's HTTP servers."""
+        timeouts = {
+            "header_timeout_seconds": self.http_header_timeout_seconds,
+            "stall_timeout_seconds": self.http_stall_timeout_seconds,
+            "keep_alive_seconds": self.http_keep_alive_seconds,
+            "max_body_bytes": self.http_max_body_mib * http_limits.MIB,
+        }
+        return http_limits.HttpBounds(
+            frontend=http_limits.HttpLimits(self.frontend_max_connections, **timeouts),
+            agent=http_limits.HttpLimits(self.agent_max_connections, **timeouts),
+        )
 
     @property
     def api_server_count(self) -> int:
@@ -269,6 +320,14 @@ def from_env(environ: Mapping[str, str] | None = None) -> Settings:
         refit_staging_headroom_mib=reader.integer(env.REFIT_STAGING_HEADROOM_MIB, defaults.refit_staging_headroom_mib),
         api_servers=reader.integer(env.API_SERVERS, -1) if reader.text(env.API_SERVERS) else None,
         termination_log=termination_log(reader.env),
+        frontend_max_connections=reader.integer(env.FRONTEND_MAX_CONNECTIONS, defaults.frontend_max_connections),
+        agent_max_connections=reader.integer(env.AGENT_MAX_CONNECTIONS, defaults.agent_max_connections),
+        http_header_timeout_seconds=reader.integer(
+            env.HTTP_HEADER_TIMEOUT_SECONDS, defaults.http_header_timeout_seconds
+        ),
+        http_stall_timeout_seconds=reader.integer(env.HTTP_STALL_TIMEOUT_SECONDS, defaults.http_stall_timeout_seconds),
+        http_keep_alive_seconds=reader.integer(env.HTTP_KEEP_ALIVE_SECONDS, defaults.http_keep_alive_seconds),
+        http_max_body_mib=reader.integer(env.HTTP_MAX_BODY_MIB, defaults.http_max_body_mib),
     )
 
 
@@ -399,6 +458,12 @@ def _check_ranges(settings: Settings) -> None:
         (env.REFIT_WAIT_SECONDS, settings.refit_wait_seconds, 0),
         (env.REFIT_STAGING_HEADROOM_MIB, settings.refit_staging_headroom_mib, 0),
         (env.API_SERVERS, 0 if settings.api_servers is None else settings.api_servers, 0),  # the default is >= 1
+        (env.FRONTEND_MAX_CONNECTIONS, settings.frontend_max_connections, 1),
+        (env.AGENT_MAX_CONNECTIONS, settings.agent_max_connections, 1),
+        (env.HTTP_HEADER_TIMEOUT_SECONDS, settings.http_header_timeout_seconds, 1),
+        (env.HTTP_STALL_TIMEOUT_SECONDS, settings.http_stall_timeout_seconds, 1),
+        (env.HTTP_KEEP_ALIVE_SECONDS, settings.http_keep_alive_seconds, 1),
+        (env.HTTP_MAX_BODY_MIB, settings.http_max_body_mib, 1),
     ):
         if value < low:
             raise SettingsError(f"{name} must be at least {low}, got {_shown(value)}")

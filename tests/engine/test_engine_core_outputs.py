@@ -1,8 +1,9 @@
 """One engine step over the core's IPC channel: the core's sink packs a step's tokens as arrays
 (:class:`megafleet_engine.core_ipc.messages.Outputs`) and the API server's client unpacks them into
 the same token steps, per request, with logprobs, alternatives, finish reasons, failures and the
-weight version intact; and the scheduler's once-per-step cancellation (a handle cancelled while
-queued still ends when it opens)."""
+weight version intact; what cannot be encoded fails its own sequences, never the others and never
+silently; and the scheduler's once-per-step cancellation (a handle cancelled while queued still ends
+when it opens)."""
 
 from __future__ import annotations
 
@@ -11,6 +12,8 @@ import collections
 import threading
 from pathlib import Path
 from typing import Any
+
+import zmq
 
 from megafleet_engine import engine as engine_module
 from megafleet_engine.backends import base
@@ -97,6 +100,55 @@ async def _round_trip(tmp_path: Path) -> None:
             raise AssertionError("the failure did not reach its batch")
     finally:
         client.close()
+
+
+def test_a_sequence_that_cannot_be_sent_fails_alone(tmp_path: Path) -> None:
+    """A number beyond 64 bits (which the frontend refuses, but a client of the engine core could
+    pass) fails its own request at once; the request submitted in the same event-loop turn still
+    reaches the core. Once, the whole flush failed and both waited forever."""
+    asyncio.run(_unsendable(tmp_path))
+
+
+async def _unsendable(tmp_path: Path) -> None:
+    context = zmq.Context()
+    inbox = context.socket(zmq.PULL)
+    inbox.bind(f"ipc://{tmp_path}/core")
+    client = client_module.CoreClient(
+        epoch=1,
+        core_address=f"ipc://{tmp_path}/core",
+        own_address=f"ipc://{tmp_path}/own",
+        info=INFO,
+        state="ready",
+        weight_version=7,
+        accepting=True,
+    )
+    try:
+        huge = base.SamplingParams(max_tokens=4, top_k=10**20)
+        bad = await client.submit([base.SequenceRequest("bad", (1, 2), huge)])
+        good = await client.submit([base.SequenceRequest("good", (1, 2), PARAMS)])
+        try:
+            await asyncio.wait_for(bad.next(), 5)
+        except engine_module.EngineError as error:
+            assert "cannot be sent to the engine core" in str(error)
+        else:
+            raise AssertionError("the unsendable sequence did not fail")
+        assert inbox.poll(5000), "the sendable sequence never reached the core"
+        message = messages.core_decoder.decode(inbox.recv())
+        assert isinstance(message, messages.Submit)
+        assert [sequence.request_id for sequence in message.sequences] == ["good"]
+        assert good.weight_version is None, "nothing came back for it yet: it is in flight, not failed"
+    finally:
+        client.close()
+        inbox.close(linger=0)
+        context.term()
+
+
+def test_a_step_that_cannot_be_encoded_fails_its_sequences() -> None:
+    """The core's sink cannot drop a step silently: if it cannot be encoded, its sequences fail."""
+    items: list[engine_module.Item] = [(3, base.TokenStep("a", 10**20, None)), (5, base.TokenStep("b", 12, None))]
+    outputs = _pack(items)
+    assert outputs.seqs == [] and [failure.seq for failure in outputs.failures] == [3, 5]
+    assert all(failure.kind == "error" and "could not be sent" in failure.message for failure in outputs.failures)
 
 
 class _SteppedBackend:

@@ -96,6 +96,61 @@ def test_lone_surrogates_are_a_400_naming_the_field(
     assert response.json()["weight_version"] == 0
 
 
+# (id, path, JSON body, the field the 400 must name): numbers beyond 64 bits, which the API server
+# once could not encode for the engine core, so the request (and every other of that event-loop
+# turn) was never answered.
+BEYOND_64_BITS = [
+    ("top-k", "/v1/completions", {"model": MODEL, "prompt": "a", "max_tokens": 2, "top_k": 10**20}, "top_k"),
+    (
+        "chat-stop-token-ids",
+        "/v1/chat/completions",
+        {"model": MODEL, "messages": [{"role": "user", "content": "a"}], "stop_token_ids": [10**20]},
+        "stop_token_ids.0",
+    ),
+    (
+        "chat-batch-top-k",
+        "/v1/chat/completions/batch",
+        {"model": MODEL, "messages": [[{"role": "user", "content": "a"}]], "max_tokens": 2, "top_k": -(10**20)},
+        "top_k",
+    ),
+]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("path", "body", "param"), [c[1:] for c in BEYOND_64_BITS], ids=[c[0] for c in BEYOND_64_BITS])
+def test_numbers_beyond_64_bits_are_a_400_at_once(
+    engine: engine_command.EngineProcess, path: str, body: dict[str, object], param: str
+) -> None:
+    url = f"http://{engine.addresses['frontend']}{path}"
+    response = httpx.post(url, json=body, timeout=10)  # once: no answer until the client gave up
+    assert response.status_code == 400, response.text
+    assert response.json()["error"]["param"] == param
+
+
+@pytest.mark.slow
+def test_the_largest_numbers_taken_reach_the_engine_core_and_are_served(engine: engine_command.EngineProcess) -> None:
+    """Numbers at the edges of what is valid travel to the engine core (64-bit messages) and back:
+    top_k just under 2**31 (no cut: beyond the vocabulary), any seed (taken modulo 2**64), a huge
+    temperature, the highest stop token id of the vocabulary."""
+    url = f"http://{engine.addresses['frontend']}/v1/completions"
+    body = {
+        "model": MODEL,
+        "prompt": "abc",
+        "n": 2,
+        "max_tokens": 3,
+        "ignore_eos": True,
+        "top_k": 2**31 - 1,
+        "seed": -(2**90),
+        "temperature": 1e300,
+        "stop_token_ids": [0],
+        "logprobs": 20,
+    }
+    response = httpx.post(url, json=body, timeout=30)
+    assert response.status_code == 200, response.text
+    choices = response.json()["choices"]
+    assert len(choices) == 2 and all(choice["finish_reason"] in ("length", "stop") for choice in choices)
+
+
 @pytest.mark.slow
 def test_paired_surrogates_are_text_and_no_request_left_a_traceback(engine: engine_command.EngineProcess) -> None:
     """A surrogate pair is one character (an emoji here): served. After every case above, the log

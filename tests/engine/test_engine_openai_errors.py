@@ -1,16 +1,20 @@
 """Bad input to the frontend: each malformed request gets a 4xx with the OpenAI error envelope, and
 the same server (one per module) keeps answering good requests afterwards. Also: an engine that is
-not serving answers 503 with Retry-After, and the optional API key."""
+not serving answers 503 with Retry-After, a failure inside the engine is a 500 naming the request
+(and its log line), and the optional API key."""
 
 from __future__ import annotations
 
 import json
+import logging
+import re
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import openai
 import pytest
+import torch
 
 from helpers import engine_harness as harness
 
@@ -121,6 +125,80 @@ CASES: list[tuple[str, str, str, Any, int, str | None, str | None]] = [
         None,
         "presence_penalty",
     ),
+    # Every number is bounded: beyond what the engine can take is a 400 naming the field, never a hang.
+    ("top-k-beyond-32-bits", "/v1/completions", "POST", _completion(top_k=10**20), 400, None, "top_k"),
+    ("top-k-beyond-32-bits-chat", "/v1/chat/completions", "POST", _chat(top_k=2**31), 400, None, "top_k"),
+    (
+        "stop-token-id-beyond-64-bits",
+        "/v1/chat/completions",
+        "POST",
+        _chat(stop_token_ids=[10**20]),
+        400,
+        None,
+        "stop_token_ids.0",
+    ),
+    ("stop-token-id-negative", "/v1/completions", "POST", _completion(stop_token_ids=[3, -1]), 400, None, None),
+    (
+        "stop-token-id-outside-vocabulary",
+        "/v1/completions",
+        "POST",
+        _completion(stop_token_ids=[10**6]),
+        400,
+        None,
+        "stop_token_ids",
+    ),
+    (
+        "too-many-stop-token-ids",
+        "/v1/completions",
+        "POST",
+        _completion(stop_token_ids=[1] * 257),
+        400,
+        None,
+        "stop_token_ids",
+    ),
+    ("too-many-stop-strings", "/v1/completions", "POST", _completion(stop=["x"] * 17), 400, None, "stop"),
+    ("stop-string-too-long", "/v1/chat/completions", "POST", _chat(stop="x" * 1001), 400, None, "stop"),
+    ("logit-bias-unsupported", "/v1/completions", "POST", _completion(logit_bias={"7": 5}), 400, None, "logit_bias"),
+    ("n-beyond-64-bits", "/v1/completions", "POST", _completion(n=10**20), 400, None, "n"),
+    (
+        "max-tokens-beyond-64-bits",
+        "/v1/completions",
+        "POST",
+        _completion(max_tokens=10**20),
+        400,
+        "context_length_exceeded",
+        "max_tokens",
+    ),
+    ("logprobs-beyond-64-bits", "/v1/completions", "POST", _completion(logprobs=10**20), 400, None, "logprobs"),
+    (
+        "top-logprobs-beyond-64-bits",
+        "/v1/chat/completions",
+        "POST",
+        _chat(logprobs=True, top_logprobs=10**20),
+        400,
+        None,
+        "top_logprobs",
+    ),
+    ("top-p-above-one", "/v1/completions", "POST", _completion(top_p=10**20), 400, None, "top_p"),
+    (
+        "temperature-overflows",
+        "/v1/completions",
+        "POST",
+        b'{"model": "tiny", "prompt": "hi", "temperature": 1e999}',
+        400,
+        None,
+        "temperature",
+    ),
+    (
+        "seed-beyond-json-numbers",
+        "/v1/completions",
+        "POST",
+        b'{"model": "tiny", "prompt": "hi", "seed": 1' + b"0" * 5000 + b"}",
+        400,
+        None,
+        None,
+    ),
+    ("penalty-huge", "/v1/chat/completions", "POST", _chat(frequency_penalty=1e300), 400, None, "frequency_penalty"),
     ("unknown-route", "/v1/embeddings", "POST", {"input": "x"}, 404, "not_found", None),
     ("wrong-method", "/v1/completions", "GET", None, 405, None, None),
 ]
@@ -225,3 +303,47 @@ def test_http_client_sees_weight_version_on_streams(module_served: harness.Serve
         events = [line for line in response.iter_lines() if line.startswith("data: ")]
     assert events[-1] == "data: [DONE]"
     assert all(json.loads(event[len("data: ") :])["weight_version"] == 0 for event in events[:-1])
+
+
+@pytest.mark.slow  # starts an engine, a server, Ray or a subprocess, or computes for a while
+def test_a_failure_inside_the_engine_is_a_500_naming_the_request_and_serving_goes_on(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A row of NaN weights makes sampling fail inside the engine's backend (torch refuses a NaN
+    distribution): that request is a 500 with the OpenAI body, its message and an error log line name
+    its id; with the weights back, the engine serves the same greedy tokens as before."""
+    backend = harness.tiny_backend()
+    weight = backend.model.get_output_embeddings().weight
+    saved = weight.detach().clone()
+    greedy = {**GOOD_COMPLETION, "max_tokens": 4, "temperature": 0}
+    with harness.serve(backend, harness.token_file(tmp_path)) as served, served.http() as http:
+        before = http.post("/v1/completions", json=greedy).json()["choices"][0]["text"]
+        try:
+            with torch.no_grad():
+                weight[7] = float("nan")
+            failed = http.post("/v1/completions", json={**GOOD_COMPLETION, "temperature": 1.0})
+        finally:
+            with torch.no_grad():
+                weight.copy_(saved)
+        assert failed.status_code == 500, failed.text
+        error = failed.json()["error"]
+        assert (error["type"], error["code"]) == ("internal_error", "internal_error")
+        named = re.search(r"\(request (cmpl-[0-9a-f]+)\)", error["message"])
+        assert named is not None and error["message"].startswith("generation failed"), error["message"]
+        assert [
+            record
+            for record in caplog.records
+            if record.levelno == logging.ERROR and f"request {named.group(1)} failed" in record.getMessage()
+        ]
+        after = http.post("/v1/completions", json=greedy)
+        assert after.status_code == 200 and after.json()["choices"][0]["text"] == before
+
+
+def test_the_agent_refuses_a_weight_version_beyond_what_every_message_carries(module_served: harness.Served) -> None:
+    """A version is bounded like a Refit's (2**53): a larger one would reach the engine core's
+    64-bit messages to its API servers, and every answer stamped with it."""
+    with module_served.agent() as agent:
+        refused = agent.post("/v1/resume", json={"weightVersion": 2**64})
+        assert refused.status_code == 400, refused.text
+        assert refused.json()["error"]["param"] == "weightVersion"
+        assert agent.get("/v1/state").json()["weightVersion"] == 0

@@ -9,6 +9,7 @@ import pytest
 
 from megafleet_engine import backends, cli
 from megafleet_protocol import engine_settings as settings
+from megafleet_protocol import http_limits
 
 
 def test_defaults_need_only_the_model_source() -> None:
@@ -54,6 +55,12 @@ def test_every_variable_is_read() -> None:
         "MEGAFLEET_PREFILL_GRAPHS": "true",
         "MEGAFLEET_KV_CACHE_GIB": "40",
         "MEGAFLEET_API_SERVERS": "3",
+        "MEGAFLEET_FRONTEND_MAX_CONNECTIONS": "1000",
+        "MEGAFLEET_AGENT_MAX_CONNECTIONS": "16",
+        "MEGAFLEET_HTTP_HEADER_TIMEOUT_SECONDS": "5",
+        "MEGAFLEET_HTTP_STALL_TIMEOUT_SECONDS": "30",
+        "MEGAFLEET_HTTP_KEEP_ALIVE_SECONDS": "20",
+        "MEGAFLEET_HTTP_MAX_BODY_MIB": "8",
     }
     read = settings.from_env(env)
     assert read == settings.Settings(
@@ -84,6 +91,12 @@ def test_every_variable_is_read() -> None:
         prefill_graphs=True,
         kv_cache_gib=40,
         api_servers=3,
+        frontend_max_connections=1000,
+        agent_max_connections=16,
+        http_header_timeout_seconds=5,
+        http_stall_timeout_seconds=30,
+        http_keep_alive_seconds=20,
+        http_max_body_mib=8,
     )
     assert read.model_name == "policy"
     assert read.api_server_count == 3
@@ -148,6 +161,12 @@ INVALID = [
     ("MEGAFLEET_API_SERVERS", "257", "at most 256"),
     ("MEGAFLEET_FUSED_KERNELS", "rm -rf /", "one of rope-swiglu, off, gemv, all, got 'rm -rf /'"),
     ("MEGAFLEET_KV_CACHE_GIB", "x" * 5000, "must be an integer, got 'xxx"),
+    ("MEGAFLEET_FRONTEND_MAX_CONNECTIONS", "0", "at least 1"),
+    ("MEGAFLEET_AGENT_MAX_CONNECTIONS", "-5", "at least 1"),
+    ("MEGAFLEET_HTTP_HEADER_TIMEOUT_SECONDS", "0", "at least 1"),
+    ("MEGAFLEET_HTTP_STALL_TIMEOUT_SECONDS", "1.5", "must be an integer"),
+    ("MEGAFLEET_HTTP_KEEP_ALIVE_SECONDS", "0", "at least 1"),
+    ("MEGAFLEET_HTTP_MAX_BODY_MIB", "0", "at least 1"),
 ]
 
 
@@ -229,3 +248,22 @@ def test_a_refused_value_is_shown_cut_so_every_message_stays_short() -> None:
     with pytest.raises(settings.SettingsError) as raised:
         settings.from_env({"MEGAFLEET_MODEL_SOURCE": "x", "MEGAFLEET_FUSED_KERNELS": "y" * 32768})
     assert len(str(raised.value)) < 200 and str(raised.value).endswith("...")
+
+
+def test_the_http_limits_default_as_documented_and_follow_their_variables() -> None:
+    """The frontend's limits bound each API-server process; the agent's bound the agent and the
+    metrics server; the timeouts and the body limit are shared."""
+    defaults = settings.from_env({"MEGAFLEET_MODEL_SOURCE": "x"}).http_bounds
+    assert defaults == http_limits.DEFAULTS
+    assert defaults.frontend == http_limits.HttpLimits(4096, 10, 60, 75, 64 * 2**20)
+    assert defaults.agent == http_limits.HttpLimits(64, 10, 60, 75, 64 * 2**20)
+    env = {
+        "MEGAFLEET_MODEL_SOURCE": "x",
+        "MEGAFLEET_FRONTEND_MAX_CONNECTIONS": "100",
+        "MEGAFLEET_AGENT_MAX_CONNECTIONS": "8",
+        "MEGAFLEET_HTTP_HEADER_TIMEOUT_SECONDS": "2",
+        "MEGAFLEET_HTTP_MAX_BODY_MIB": "1",
+    }
+    bounds = settings.from_env(env).http_bounds
+    assert bounds.frontend == http_limits.HttpLimits(100, 2, 60, 75, 2**20)
+    assert bounds.agent == http_limits.HttpLimits(8, 2, 60, 75, 2**20)

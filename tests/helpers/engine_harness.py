@@ -2,8 +2,9 @@
 servers on 127.0.0.1.
 
 :func:`serve` starts an :class:`~megafleet_engine.server.EngineServers` (frontend, agent, metrics on
-free ports) in a background thread with its own event loop, waits until the agent's ``/healthz``
-answers, and stops everything (servers, engine) on exit. :func:`tiny_backend` is built once per
+free ports; the frontend in this process, or in API-server processes with ``api_servers``) in a
+background thread with its own event loop, waits until the agent's ``/healthz`` (and the frontend's
+``/health``) answers, and stops everything (servers, engine) on exit. :func:`tiny_backend` is built once per
 session: tests run one at a time, and each test's engine is closed before the next one starts.
 
 This is a module, not a ``conftest.py``: a second ``conftest`` module would replace the root one in
@@ -27,6 +28,7 @@ import openai
 from helpers import engine_command
 from megafleet_engine import backends, engine, metrics, server
 from megafleet_engine.backends import transformers_backend
+from megafleet_protocol import http_limits
 
 MODEL = "tiny"
 MAX_SEQUENCE_LENGTH = 256
@@ -88,6 +90,8 @@ def serve(
     weight_version: int | None = 0,
     api_key: str | None = None,
     max_batch_size: int = 64,
+    http: http_limits.HttpBounds = http_limits.DEFAULTS,
+    api_servers: int = 0,
 ) -> Iterator[Served]:
     the_engine = engine.Engine(backend, max_batch_size=max_batch_size, weight_version=weight_version)
     the_metrics = metrics.Metrics(the_engine)
@@ -102,6 +106,8 @@ def serve(
             metrics_port=0,
             agent_token_file=token_file,
             api_key=api_key,
+            http=http,
+            api_servers=api_servers,
         )
         served = Served(the_engine, the_metrics, servers, backend)
         failure: list[BaseException] = []
@@ -131,10 +137,15 @@ def serve(
 def _wait_healthy(served: Served, thread: threading.Thread) -> None:
     deadline = time.monotonic() + START_TIMEOUT_SECONDS
     with httpx.Client(timeout=5) as client:
-        while time.monotonic() < deadline:
-            assert thread.is_alive(), "the servers exited during start-up"
-            with contextlib.suppress(httpx.TransportError):
-                if client.get(f"{served.agent_url}/healthz").status_code == 200:
-                    return
-            time.sleep(0.02)  # polling a health endpoint for start-up, with a deadline
-    raise AssertionError(f"the servers did not answer within {START_TIMEOUT_SECONDS} s")
+        # the agent healthy; the frontend answering at all (an engine without weights answers 503)
+        for url, ok in ((f"{served.agent_url}/healthz", (200,)), (f"{served.frontend_url}/health", (200, 503))):
+            while not _answers(client, url, ok):
+                assert thread.is_alive(), "the servers exited during start-up"
+                assert time.monotonic() < deadline, f"the servers did not answer within {START_TIMEOUT_SECONDS} s"
+                time.sleep(0.02)  # polling a health endpoint for start-up, with a deadline
+
+
+def _answers(client: httpx.Client, url: str, ok: tuple[int, ...]) -> bool:
+    with contextlib.suppress(httpx.TransportError):
+        return client.get(url).status_code in ok
+    return False

@@ -26,6 +26,9 @@ from megafleet_engine.backends import base
 
 __all__ = ["filter_logits", "greedy", "logprobs", "processed_logprobs", "raw_logprobs", "sample"]
 
+FLOAT32_MAX = float(torch.finfo(torch.float32).max)
+"""The largest temperature that divides as itself (any larger one would round to inf)."""
+
 
 def greedy(*, temperature: float, top_k: int) -> bool:
     """Whether these parameters decode greedily (same rule as :attr:`base.SamplingParams.greedy`)."""
@@ -39,6 +42,9 @@ def filter_logits(logits: torch.Tensor, *, temperature: float, top_k: int, top_p
     out. ``temperature`` must be positive (greedy callers never filter)."""
     if temperature <= 0.0:
         raise ValueError(f"filter_logits needs a positive temperature, not {temperature}")
+    # Beyond float32's range the divisor would round to inf, and a -inf logit over inf is NaN,
+    # which no sampler draws from; the largest float32 flattens the row just the same.
+    temperature = min(temperature, FLOAT32_MAX)
     scaled = logits.float() / temperature if temperature != 1.0 else logits.float().clone()
     vocab = scaled.shape[-1]
     top_k_on = 0 < top_k < vocab

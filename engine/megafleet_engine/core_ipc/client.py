@@ -152,7 +152,7 @@ class CoreClient:
         self._scheduled = False
         if self._new:
             sequences, self._new = self._new, []
-            self._send(messages.Submit(self._epoch, sequences))
+            self._submit(sequences)
         if self._aborted:
             seqs, self._aborted = self._aborted, []
             self._send(messages.Abort(self._epoch, seqs))
@@ -162,6 +162,36 @@ class CoreClient:
 
     def _send(self, message: messages.ToCore) -> None:
         self._outbox.send(messages.encoder.encode(message), zmq.NOBLOCK)
+
+    def _submit(self, sequences: list[messages.Sequence]) -> None:
+        """Send ``sequences`` to the core in one message. One that cannot be encoded (a number
+        beyond 64 bits that validation let through) fails its own request at once, and the others
+        are sent without it: a failed flush would leave every request of this loop turn waiting
+        for an answer that never comes."""
+        try:
+            data = messages.encoder.encode(messages.Submit(self._epoch, sequences))
+        except Exception:  # which sequence it was is found below; each one is reported
+            sendable = [sequence for sequence in sequences if self._encodable(sequence)]
+            if not sendable:
+                return
+            data = messages.encoder.encode(messages.Submit(self._epoch, sendable))
+        self._outbox.send(data, zmq.NOBLOCK)
+
+    def _encodable(self, sequence: messages.Sequence) -> bool:
+        try:
+            messages.encoder.encode(sequence)
+        except Exception as error:
+            self._fail(sequence.seq, f"the request cannot be sent to the engine core ({error})")
+            return False
+        return True
+
+    def _fail(self, seq: int, message: str) -> None:
+        """End sequence ``seq`` here with an engine error (its request answers 500)."""
+        entry = self._open.pop(seq, None)
+        if entry is not None:
+            batch, index, request_id = entry
+            log.error("sequence %s failed before reaching the engine: %s", request_id, message)
+            batch.push([(index, engine_module.EngineError(message))], self._weight_version)
 
     async def run(self) -> None:
         """Read the core's messages until cancelled."""

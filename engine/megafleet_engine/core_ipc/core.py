@@ -37,6 +37,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+import msgspec
 import zmq
 import zmq.asyncio
 
@@ -44,6 +45,7 @@ from megafleet_engine import engine as engine_module
 from megafleet_engine import metrics as metrics_module
 from megafleet_engine.backends import base
 from megafleet_engine.core_ipc import messages
+from megafleet_protocol import http_limits
 
 __all__ = ["RESTART_LIMIT", "RESTART_WINDOW_SECONDS", "CoreServer"]
 
@@ -101,10 +103,20 @@ class _Client:
                 failures.append(failure(seq, item))
                 handles.pop(seq, None)
         version = self._engine.weight_version
-        if any_logprobs:
-            self.send(messages.Outputs(version, seqs, token_ids, logprobs, tops, finished, failures))
-        else:
-            self.send(messages.Outputs(version, seqs, token_ids, None, None, finished, failures))
+        try:
+            if any_logprobs:
+                self.send(messages.Outputs(version, seqs, token_ids, logprobs, tops, finished, failures))
+            else:
+                self.send(messages.Outputs(version, seqs, token_ids, None, None, finished, failures))
+        except Exception as error:  # unsendable: fail its sequences rather than leave them waiting
+            log.exception("API server %d: an engine step could not be sent; failing its sequences", self.slot)
+            message = f"the engine's output could not be sent ({type(error).__name__})"
+            ended = sorted({seq for seq, _ in items})
+            for seq in ended:
+                handle = handles.pop(seq, None)
+                if handle is not None:
+                    handle.cancel()
+            self.send(messages.no_tokens(version, [messages.Failure(seq, "error", message) for seq in ended]))
 
     def send(self, message: messages.ToApiServer) -> None:
         data = messages.encoder.encode(message)
@@ -151,6 +163,7 @@ class ApiServerConfig:
     weight_version: int | None
     accepting: bool
     api_key: str | None
+    http: dict[str, int]  # its server's bounds, a :class:`~megafleet_engine.http_limits.HttpLimits`
 
 
 class CoreServer:
@@ -163,6 +176,7 @@ class CoreServer:
         listener: the frontend's listening socket, bound by the caller.
         count: API-server processes to run.
         api_key: the frontend's API key, if any.
+        http: the bounds of each API server's HTTP server.
     """
 
     def __init__(
@@ -174,8 +188,10 @@ class CoreServer:
         listener: socket.socket,
         count: int,
         api_key: str | None = None,
+        http: http_limits.HttpLimits = http_limits.DEFAULTS.frontend,
     ) -> None:
         self._engine = engine
+        self._http = http
         self._metrics = metrics
         self._listener = listener
         self._count = count
@@ -268,6 +284,7 @@ class CoreServer:
             weight_version=self._engine.weight_version,
             accepting=self._engine.accepting,
             api_key=self._api_key,
+            http=dataclasses.asdict(self._http),
         )
         config_file = self._folder / f"api-server-{slot}-{epoch}.json"
         config_file.write_text(json.dumps(dataclasses.asdict(config)))
@@ -344,7 +361,11 @@ class CoreServer:
     async def _receive(self) -> None:
         while True:
             data = await self._input.recv()
-            message = messages.core_decoder.decode(data)
+            try:
+                message = messages.core_decoder.decode(data)
+            except msgspec.DecodeError as error:  # never sent by an API server of this version
+                log.error("dropped a message from an API server that does not decode (%s)", error)
+                continue
             client = self._by_epoch.get(message.epoch)
             if client is None:
                 continue  # from an API server that has been replaced
@@ -369,7 +390,9 @@ class CoreServer:
         ]
         try:
             handles = await self._engine.enqueue(entries, client.sink)
-        except engine_module.NotServing as error:
+        except Exception as error:  # NotServing at the gate; anything else fails these sequences too
+            if not isinstance(error, engine_module.NotServing):
+                log.exception("API server %d: queueing %d sequences failed", client.slot, len(entries))
             client.dropped.difference_update(sequence.seq for sequence in message.sequences)
             failures = [failure(sequence.seq, error) for sequence in message.sequences]
             client.send(messages.no_tokens(self._engine.weight_version, failures))

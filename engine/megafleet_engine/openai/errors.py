@@ -61,15 +61,23 @@ class HTTPError(Exception):
     type: str = "internal_error"
     default_code: str | None = None
 
-    def __init__(self, message: str, *, param: str | None = None, code: str | None = None) -> None:
+    def __init__(
+        self,
+        message: str,
+        *,
+        param: str | None = None,
+        code: str | None = None,
+        headers: Mapping[str, str] | None = None,
+    ) -> None:
         super().__init__(message)
         self.message = message
         self.param = param
         self.code = code if code is not None else self.default_code
+        self._headers = dict(headers or {})
 
     def headers(self) -> dict[str, str]:
         """Extra response headers this error needs."""
-        return {}
+        return dict(self._headers)
 
 
 class InvalidRequest(HTTPError):
@@ -137,7 +145,7 @@ class ServiceUnavailable(HTTPError):
     type = "service_unavailable"
 
     def headers(self) -> dict[str, str]:
-        return {"Retry-After": str(RETRY_AFTER_SECONDS)}
+        return {**super().headers(), "Retry-After": str(RETRY_AFTER_SECONDS)}
 
 
 class GatewayTimeout(HTTPError):
@@ -238,10 +246,12 @@ def _param(problem: Mapping[str, Any]) -> str | None:
 
 
 def from_starlette(exc: starlette.exceptions.HTTPException, request: fastapi.Request) -> HTTPError:
-    """Routing errors (unknown route, wrong method) and other framework errors as typed errors."""
+    """Routing errors (unknown route, wrong method) and other framework errors (a body over the
+    server's limit: 413, :class:`megafleet_engine.http_server.BodyLimit`) as typed errors, with their
+    headers."""
     if exc.status_code == 404:
         return NotFound(f"no route {request.method} {request.url.path}")
-    error = HTTPError(str(exc.detail))
+    error = HTTPError(str(exc.detail), headers=exc.headers)
     error.status = exc.status_code
     error.type = "invalid_request_error" if 400 <= exc.status_code < 500 else "internal_error"
     error.code = None

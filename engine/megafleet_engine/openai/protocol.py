@@ -11,6 +11,11 @@ RL extensions beyond OpenAI: ``top_k``, ``ignore_eos``, ``stop_token_ids``, ``re
 of the first token), ``weight_version_spans`` per choice (:class:`VersionSpan`: which tokens came
 from which version) and ``weight_version`` per streamed choice (its tokens' version); and
 :class:`ChatBatchRequest`, several conversations in one request (``/v1/chat/completions/batch``).
+
+Every number a request carries is bounded here, or by serving against the model (token ids against
+the vocabulary, lengths against the context): out of range is a 400 naming the field, so nothing
+reaches the engine that it cannot take (its core's messages carry at most 64-bit integers,
+``docs/incidents.md#number-beyond-64-bits-hang``). ``docs/operations.md`` lists the bounds.
 """
 
 from __future__ import annotations
@@ -34,6 +39,15 @@ MAX_LOGPROBS = 20
 """Most alternatives per token (OpenAI's limit for chat ``top_logprobs``)."""
 MAX_STOP = 16
 """Most stop strings per request."""
+MAX_STOP_CHARACTERS = 1000
+"""Longest stop string, in characters: every engine step of a choice searches the text it holds
+back for each stop string, so the search must stay cheap."""
+MAX_STOP_TOKEN_IDS = 256
+"""Most ``stop_token_ids`` per request."""
+INT32_MAX = 2**31 - 1
+"""Largest ``top_k`` and token id taken: backends keep both in 32-bit tensors, and the engine core's
+messages carry at most 64-bit integers (a larger one cannot be sent to the engine at all). Serving
+checks token ids against the vocabulary, and any ``top_k`` at or above it means no cut."""
 GREEDY_BELOW = 1e-5
 """Temperatures below this sample greedily: dividing logits by less overflows float32 (NaN samples)."""
 SEED_MODULUS = 2**64
@@ -127,15 +141,20 @@ class SamplingRequest(OpenAIBaseModel):
     max_tokens: int | None = Field(default=None, ge=1)
     temperature: float = Field(default=1.0, ge=0.0)
     top_p: float = Field(default=1.0, gt=0.0, le=1.0)
-    top_k: int = Field(default=0, ge=-1, description="0 or -1: no top-k cut (extension)")
-    seed: int | None = None
+    top_k: int = Field(
+        default=0, ge=-1, le=INT32_MAX, description="0 or -1, or at least the vocabulary: no top-k cut (extension)"
+    )
+    seed: int | None = Field(default=None, description="any integer; taken modulo 2**64")
     stop: str | list[str] | None = None
-    stop_token_ids: list[int] | None = Field(default=None, description="extension")
+    stop_token_ids: list[Annotated[int, Field(ge=0, le=INT32_MAX)]] | None = Field(
+        default=None, max_length=MAX_STOP_TOKEN_IDS, description="extension"
+    )
     ignore_eos: bool = Field(default=False, description="extension: keep going past the EOS token")
     stream: bool = False
     stream_options: StreamOptions | None = None
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
+    logit_bias: dict[str, float] | None = None
     return_token_ids: bool = Field(default=False, description="extension: token ids per choice")
     detokenize: bool = Field(
         default=True,
@@ -179,6 +198,8 @@ class SamplingRequest(OpenAIBaseModel):
             raise ValueError("stop strings must not be empty")
         if len(strings) > MAX_STOP:
             raise ValueError(f"at most {MAX_STOP} stop strings")
+        if any(len(text) > MAX_STOP_CHARACTERS for text in strings):
+            raise ValueError(f"stop strings may be at most {MAX_STOP_CHARACTERS} characters long")
         return stop
 
     @pydantic.field_validator("presence_penalty", "frequency_penalty")
@@ -187,6 +208,13 @@ class SamplingRequest(OpenAIBaseModel):
         if value != 0.0:
             raise ValueError("penalties are not supported; leave it 0")
         return value
+
+    @pydantic.field_validator("logit_bias")
+    @classmethod
+    def _no_logit_bias(cls, bias: dict[str, float] | None) -> dict[str, float] | None:
+        if bias:
+            raise ValueError("logit_bias is not supported; leave it out (ignoring it would change the samples)")
+        return bias
 
     @pydantic.model_validator(mode="after")
     def _stop_needs_text(self) -> SamplingRequest:
@@ -215,19 +243,21 @@ class SamplingRequest(OpenAIBaseModel):
         """``None``: no log-probabilities; N: the sampled token's plus N alternatives."""
         return None
 
-    def to_sampling_params(self, *, max_tokens: int, choice: int) -> base.SamplingParams:
+    def to_sampling_params(self, *, max_tokens: int, choice: int, vocab_size: int) -> base.SamplingParams:
         """Backend sampling parameters for choice ``choice`` of this request.
 
         Args:
             max_tokens: the completion length, resolved by serving against the prompt length.
             choice: the choice index; a seeded request gives choice ``i`` seed ``seed + i`` so its
                 ``n`` samples differ yet are reproducible.
+            vocab_size: the model's; a ``top_k`` at or above it keeps every token, so it becomes 0
+                (no cut), the value every backend reads as such.
         """
         return base.SamplingParams(
             max_tokens=max_tokens,
             temperature=0.0 if self.temperature < GREEDY_BELOW else self.temperature,
             top_p=self.top_p,
-            top_k=max(self.top_k, 0),
+            top_k=self.top_k if 0 < self.top_k < vocab_size else 0,
             seed=None if self.seed is None else (self.seed + choice) % SEED_MODULUS,
             stop_token_ids=tuple(self.stop_token_ids or ()),
             ignore_eos=self.ignore_eos,

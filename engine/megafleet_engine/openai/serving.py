@@ -1,8 +1,10 @@
 """The logic behind ``/v1/models``, ``/v1/completions``, ``/v1/chat/completions`` and its batch extension.
 
 Called by the thin router (:mod:`megafleet_engine.openai.router`), which picks the streaming or the
-non-streaming method from ``request.stream``. Serving raises typed errors
-(:mod:`megafleet_engine.openai.errors`) and never builds error responses itself; errors that occur
+non-streaming method from ``request.stream``. Serving checks a request against the model
+(:mod:`~megafleet_engine.openai.request_checks`) and raises typed errors
+(:mod:`megafleet_engine.openai.errors`), never building error responses itself; a request that fails
+inside the engine is a 500 naming it (:mod:`~megafleet_engine.openai.failures`); errors that occur
 after a stream has started become an SSE error chunk followed by ``data: [DONE]``.
 
 Every response is stamped with the weight version that produced it: the version the engine
@@ -23,7 +25,6 @@ from __future__ import annotations
 import dataclasses
 import logging
 import time
-import uuid
 from collections.abc import AsyncIterator, Callable, Sequence
 
 import jinja2
@@ -31,15 +32,12 @@ import jinja2
 from megafleet_engine import engine as engine_module
 from megafleet_engine import metrics as metrics_module
 from megafleet_engine.backends import base
-from megafleet_engine.openai import choices, engine_client, errors, protocol, sse_frames
+from megafleet_engine.openai import choices, engine_client, errors, failures, protocol, request_checks, sse_frames
 
 __all__ = ["ChatServing", "CompletionServing", "ModelServing", "ServingContext", "Stream"]
 
 log = logging.getLogger(__name__)
 
-DEFAULT_COMPLETION_TOKENS = 16
-"""``max_tokens`` of a completion that does not say (OpenAI's default); chat defaults to the rest
-of the context."""
 MISSING_LOGPROB = -9999.0
 """What chat log-probabilities show when the backend gave none (OpenAI's own placeholder), and the
 floor of every log-probability shown: a token the sampling filter cut (an alternative in
@@ -83,15 +81,8 @@ class ModelServing:
         return protocol.ModelList(data=[card], weight_version=self._context.client.weight_version)
 
     def get_model(self, name: str) -> protocol.ModelCard:
-        check_model(self._context.info, name)
+        request_checks.check_model(self._context.info, name)
         return self.list_models().data[0]
-
-
-def check_model(info: base.ModelInfo, name: str) -> None:
-    if name != info.name:
-        raise errors.ModelNotFound(
-            f"the model `{name}` does not exist; this engine serves `{info.name}`", param="model"
-        )
 
 
 # -- the shared request pipeline --------------------------------------------------------------------
@@ -122,7 +113,7 @@ class _Pipeline:
         request: protocol.SamplingRequest,
         prompts: Sequence[Sequence[int]],
         *,
-        prefix: str,
+        request_id: str,
         param: str,
         each: str | None = None,
     ) -> _Prepared:
@@ -131,20 +122,23 @@ class _Pipeline:
         Errors name ``param``; with ``each`` (a batch of conversations: ``"conversation"``) they name
         the prompt at fault, ``param.<index>``, and their message says ``conversation <index>``."""
         info = self.context.info
-        check_model(info, request.model)
-        check_sequences(len(prompts), request.n, noun=each or "prompt")
+        request_checks.check_model(info, request.model)
+        request_checks.check_sequences(len(prompts), request.n, noun=each or "prompt")
+        request_checks.check_stop_token_ids(request.stop_token_ids or (), info.vocab_size)
         specs: list[choices.SequenceSpec] = []
         for prompt_index, prompt in enumerate(prompts):
             where = param if each is None else f"{param}.{prompt_index}"
             subject = "the prompt" if each is None else f"the prompt of {each} {prompt_index}"
-            _check_token_ids(prompt, info.vocab_size, param=where, subject=subject)
-            max_tokens = _max_tokens(len(prompt), request, info.max_sequence_length, param=where, subject=subject)
+            request_checks.check_token_ids(prompt, info.vocab_size, param=where, subject=subject)
+            max_tokens = request_checks.max_tokens(
+                len(prompt), request, info.max_sequence_length, param=where, subject=subject
+            )
             for sample in range(request.n):
                 index = prompt_index * request.n + sample
-                params = request.to_sampling_params(max_tokens=max_tokens, choice=index)
+                params = request.to_sampling_params(max_tokens=max_tokens, choice=index, vocab_size=info.vocab_size)
                 specs.append(choices.SequenceSpec(index, tuple(prompt), params, request.stop_strings))
         prompt_tuples = [tuple(prompt) for prompt in prompts]
-        return _Prepared(f"{prefix}-{uuid.uuid4().hex}", specs, prompt_tuples, text=request.detokenize)
+        return _Prepared(request_id, specs, prompt_tuples, text=request.detokenize)
 
     async def complete(self, prepared: _Prepared) -> tuple[dict[int, choices.ChoiceState], engine_client.Batch]:
         """Run every choice to its end (a non-streaming response): their states and their batch
@@ -173,7 +167,7 @@ class _Pipeline:
         try:
             batch = await self.context.client.submit(requests)
         except engine_module.EngineError as error:
-            raise engine_error(error) from error
+            raise failures.engine_error(error) from error
         try:
             first = await self.next(batch)
         except BaseException:
@@ -190,7 +184,7 @@ class _Pipeline:
         try:
             return await batch.next()
         except engine_module.EngineError as error:
-            raise engine_error(error) from error
+            raise failures.engine_error(error) from error
 
     async def steps(
         self,
@@ -216,20 +210,20 @@ class _Pipeline:
             tokens = await self.next(batch)
 
     async def sse(
-        self, batch: engine_client.Batch, events: AsyncIterator[list[bytes]], weight_version: int | None
+        self, prepared: _Prepared, batch: engine_client.Batch, events: AsyncIterator[list[bytes]]
     ) -> AsyncIterator[bytes]:
         """Server-sent events, one write per engine step (``events`` yields each step's); a failure
-        mid-stream becomes an error event."""
+        mid-stream becomes an error event (logged with the request's id, as :func:`failures` does)."""
+        weight_version = batch.weight_version
         try:
             async for step_events in events:
                 if step_events:
                     yield b"".join(step_events)
-        except errors.HTTPError as error:
-            yield sse_frames.event({**errors.envelope(error), "weight_version": weight_version})
         except Exception as error:
-            log.exception("stream failed")
-            internal = errors.InternalError(f"internal error ({type(error).__name__})")
-            yield sse_frames.event({**errors.envelope(internal), "weight_version": weight_version})
+            failed = error if isinstance(error, errors.HTTPError) else None
+            if failed is None or failed.status == errors.InternalError.status:
+                failed = failures.failed(prepared.request_id, error)
+            yield sse_frames.event({**errors.envelope(failed), "weight_version": weight_version})
         finally:
             batch.close()
         yield b"data: [DONE]\n\n"
@@ -247,55 +241,6 @@ class _Pipeline:
         """A token as log-probabilities show it: its text, or ``token_id:<id>`` without text
         (``detokenize: false``; vLLM's ``return_tokens_as_token_ids`` form)."""
         return self.context.tokenizer.decode([token_id]) if text else f"token_id:{token_id}"
-
-
-def engine_error(error: engine_module.EngineError) -> errors.HTTPError:
-    """The HTTP error for an engine error."""
-    if isinstance(error, engine_module.NotServing):
-        return errors.ServiceUnavailable(f"the engine is {error.state} and does not accept requests", code=error.state)
-    if isinstance(error, engine_module.Aborted):
-        return errors.ServiceUnavailable(f"the request was aborted ({error}); retry it", code="aborted")
-    return errors.InternalError(str(error))
-
-
-def check_sequences(prompts: int, n: int, *, noun: str) -> None:
-    """Refuse a request whose ``prompts`` (of kind ``noun``) times ``n`` exceed the per-request
-    bound (a 400 naming ``n``); cheap, so callers run it before any tokenising."""
-    if prompts * n > protocol.MAX_N:
-        raise errors.InvalidRequest(
-            f"{prompts} {noun}s x n={n} is {prompts * n} sequences; one request may ask for at most {protocol.MAX_N}",
-            param="n",
-        )
-
-
-def _check_token_ids(prompt: Sequence[int], vocab_size: int, *, param: str, subject: str) -> None:
-    if not prompt:
-        raise errors.InvalidRequest(f"{subject} is empty", param=param)
-    bad = [token for token in prompt if not 0 <= token < vocab_size]
-    if bad:
-        raise errors.InvalidRequest(
-            f"token id {bad[0]} of {subject} is outside the vocabulary (0 to {vocab_size - 1})", param=param
-        )
-
-
-def _max_tokens(prompt_length: int, request: protocol.SamplingRequest, limit: int, *, param: str, subject: str) -> int:
-    room = limit - prompt_length
-    if room < 1:
-        raise errors.ContextLengthExceeded(
-            f"{subject} is {prompt_length} tokens; the maximum sequence length is {limit}", param=param
-        )
-    requested = request.requested_max_tokens()
-    if requested is None:
-        default = DEFAULT_COMPLETION_TOKENS if isinstance(request, protocol.CompletionRequest) else room
-        return min(default, room)
-    if prompt_length + requested > limit:
-        chat_limit = isinstance(request, protocol.ChatSamplingRequest) and request.max_completion_tokens is not None
-        name = "max_completion_tokens" if chat_limit else "max_tokens"
-        raise errors.ContextLengthExceeded(
-            f"{subject} ({prompt_length} tokens) plus {name} ({requested}) exceeds the maximum sequence length {limit}",
-            param=name,
-        )
-    return requested
 
 
 def _token_prompts(prompt: protocol.Prompt, tokenizer: base.Tokenizer) -> list[list[int]]:
@@ -342,28 +287,34 @@ class CompletionServing:
         self._context = context
 
     async def create(self, request: protocol.CompletionRequest) -> protocol.CompletionResponse:
-        prepared = self._prepare(request)
-        states, batch = await self._pipeline.complete(prepared)
-        response_choices = [self._choice(request, state, _spans(batch, state.spec.index)) for state in states.values()]
-        return protocol.CompletionResponse(
-            id=prepared.request_id,
-            created=int(time.time()),
-            model=request.model,
-            choices=response_choices,
-            usage=self._pipeline.usage(prepared, states),
-            weight_version=batch.weight_version,
-        )
+        request_id = failures.new_request_id("cmpl")
+        with failures.failures(request_id):
+            prepared = self._prepare(request, request_id)
+            states, batch = await self._pipeline.complete(prepared)
+            response_choices = [
+                self._choice(request, state, _spans(batch, state.spec.index)) for state in states.values()
+            ]
+            return protocol.CompletionResponse(
+                id=prepared.request_id,
+                created=int(time.time()),
+                model=request.model,
+                choices=response_choices,
+                usage=self._pipeline.usage(prepared, states),
+                weight_version=batch.weight_version,
+            )
 
     async def stream(self, request: protocol.CompletionRequest) -> Stream:
-        prepared = self._prepare(request)
-        batch, first = await self._pipeline.start(prepared)
+        request_id = failures.new_request_id("cmpl")
+        with failures.failures(request_id):
+            prepared = self._prepare(request, request_id)
+            batch, first = await self._pipeline.start(prepared)
         weight_version = batch.weight_version
         chunks = self._chunks(request, prepared, batch, first, weight_version)
-        return Stream(weight_version, self._pipeline.sse(batch, chunks, weight_version), batch.close)
+        return Stream(weight_version, self._pipeline.sse(prepared, batch, chunks), batch.close)
 
-    def _prepare(self, request: protocol.CompletionRequest) -> _Prepared:
+    def _prepare(self, request: protocol.CompletionRequest, request_id: str) -> _Prepared:
         prompts = _token_prompts(request.prompt, self._context.tokenizer)
-        return self._pipeline.prepare(request, prompts, prefix="cmpl", param="prompt")
+        return self._pipeline.prepare(request, prompts, request_id=request_id, param="prompt")
 
     async def _chunks(
         self,
@@ -453,8 +404,28 @@ class ChatServing:
         self._context = context
 
     async def create(self, request: protocol.ChatSamplingRequest) -> protocol.ChatCompletionResponse:
-        prepared = self._prepare(request)
-        states, batch = await self._pipeline.complete(prepared)
+        request_id = failures.new_request_id("chatcmpl")
+        with failures.failures(request_id):
+            prepared = self._prepare(request, request_id)
+            states, batch = await self._pipeline.complete(prepared)
+            return self._response(request, prepared, states, batch)
+
+    async def stream(self, request: protocol.ChatSamplingRequest) -> Stream:
+        request_id = failures.new_request_id("chatcmpl")
+        with failures.failures(request_id):
+            prepared = self._prepare(request, request_id)
+            batch, first = await self._pipeline.start(prepared)
+        weight_version = batch.weight_version
+        chunks = self._chunks(request, prepared, batch, first, weight_version)
+        return Stream(weight_version, self._pipeline.sse(prepared, batch, chunks), batch.close)
+
+    def _response(
+        self,
+        request: protocol.ChatSamplingRequest,
+        prepared: _Prepared,
+        states: dict[int, choices.ChoiceState],
+        batch: engine_client.Batch,
+    ) -> protocol.ChatCompletionResponse:
         ids = request.wants_token_ids
         response_choices = [
             protocol.ChatChoice(
@@ -477,23 +448,16 @@ class ChatServing:
             weight_version=batch.weight_version,
         )
 
-    async def stream(self, request: protocol.ChatSamplingRequest) -> Stream:
-        prepared = self._prepare(request)
-        batch, first = await self._pipeline.start(prepared)
-        weight_version = batch.weight_version
-        chunks = self._chunks(request, prepared, batch, first, weight_version)
-        return Stream(weight_version, self._pipeline.sse(batch, chunks, weight_version), batch.close)
-
-    def _prepare(self, request: protocol.ChatSamplingRequest) -> _Prepared:
-        check_model(self._context.info, request.model)
+    def _prepare(self, request: protocol.ChatSamplingRequest, request_id: str) -> _Prepared:
+        request_checks.check_model(self._context.info, request.model)
         conversations = request.conversations()
         batched = isinstance(request, protocol.ChatBatchRequest)
-        check_sequences(len(conversations), request.n, noun="conversation")
+        request_checks.check_sequences(len(conversations), request.n, noun="conversation")
         prompts = [
             self._render(conversation, index if batched else None) for index, conversation in enumerate(conversations)
         ]
         each = "conversation" if batched else None
-        return self._pipeline.prepare(request, prompts, prefix="chatcmpl", param="messages", each=each)
+        return self._pipeline.prepare(request, prompts, request_id=request_id, param="messages", each=each)
 
     def _render(self, conversation: list[dict[str, str]], index: int | None) -> list[int]:
         """One conversation's prompt: its messages through the chat template, as token ids; errors
