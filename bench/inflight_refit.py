@@ -44,7 +44,7 @@ CPU (the tiny model; a drain waits for the longest stream in flight)::
 One GPU (bench/README.md, ``inflight_refit.py``: the device procedure)::
 
     python3 bench/inflight_refit.py --backend megatron --source random://llama-8b --dtype bfloat16 \\
-        --batch 256 --kv-cache-gib 75 --modes keep-persist-staged --baseline-from none.json --out $OUT/
+        --batch 256 --kv-cache-gib 50 --modes keep-persist-staged --baseline-from none.json --out $OUT/
 """
 
 from __future__ import annotations
@@ -860,16 +860,18 @@ def measure_window(context: Context, load: Load, refitter: Refitter | None) -> d
     first = counter
     if refitter is not None:
         refitter.start(origin, until)
-    progress: list[dict[str, float]] = []
+    progress: list[dict[str, float | None]] = []
     last, last_at = counter, origin
     while (now := time.perf_counter()) < until:
         time.sleep(min(PROGRESS_SECONDS, until - now))  # the window's clock
         counter, at = generated_tokens(context.metrics), time.perf_counter()
         rate = (counter - last) / (at - last_at)
-        progress.append({"at_s": round(at - origin, 2), "tok_per_s": round(rate, 1)})
+        memory = gpu_memory_used_mib() if args.backend == "megatron" else None
+        progress.append({"at_s": round(at - origin, 2), "tok_per_s": round(rate, 1), "gpu_memory_used_mib": memory})
         answered = sum(1 for answer in load.answers if answer.ended >= origin)
         say(f"  {at - origin:5.1f} s: {rate:8.1f} tok/s, {answered} sequences answered in the window")
         last, last_at = counter, at
+    memories = [tick["gpu_memory_used_mib"] for tick in progress if tick["gpu_memory_used_mib"] is not None]
     seconds = last_at - origin
     return {
         "window": {
@@ -878,9 +880,25 @@ def measure_window(context: Context, load: Load, refitter: Refitter | None) -> d
             "seconds": round(seconds, 3),
             "tokens": int(last - first),
             "tok_per_s": round((last - first) / seconds, 1),
+            "gpu_memory_used_mib_max": max(memories, default=None),
             "progress": progress,
         }
     }
+
+
+def gpu_memory_used_mib() -> float | None:
+    """The GPU's memory in use now (engine and trainer together), from ``nvidia-smi``."""
+    try:
+        done = subprocess.run(
+            ["nvidia-smi", "--query-gpu=memory.used", "--format=csv,noheader,nounits", "--id=0"],
+            capture_output=True,
+            text=True,
+            check=True,
+            timeout=10,
+        )
+        return float(done.stdout.split()[0])
+    except (OSError, subprocess.SubprocessError, ValueError, IndexError):
+        return None
 
 
 def percentiles(values: Sequence[float]) -> dict[str, float | int | None]:
@@ -1052,9 +1070,8 @@ def conclude(result: dict[str, Any], files: Sequence[Path]) -> None:
     for row in rows:
         row["verdict"] = verdict(row)
         if not row.get("supported", True) or "window" not in row:
-            headline.append(
-                {"mode": row["mode"], "supported": row.get("supported", True), "note": row.get("unsupported_reason")}
-            )
+            note = row.get("unsupported_reason") or row.get("error")
+            headline.append({"mode": row["mode"], "supported": row.get("supported", True), "note": note})
             continue
         ratio = row["window"]["tok_per_s"] / baseline["tok_per_s"] if baseline["tok_per_s"] else None
         row["ratio_to_baseline"] = None if ratio is None else round(ratio, 4)
@@ -1303,8 +1320,11 @@ def print_summary(result: dict[str, Any]) -> None:
     baseline = result.get("baseline") or {}
     say(f"summary (baseline {baseline.get('tok_per_s')} tok/s from {baseline.get('source')})")
     for row in result.get("headline", []):
-        if not row["supported"] or "tok_per_s" not in row:
+        if not row["supported"]:
             say(f"  {row['mode']:<24} unsupported by this engine: {row.get('note')}")
+            continue
+        if "tok_per_s" not in row:
+            say(f"  {row['mode']:<24} FAILED: {row.get('note')}")
             continue
         say(
             f"  {row['mode']:<24} {row['tok_per_s']:>9} tok/s (x{row['ratio_to_baseline']}; completed "
@@ -1376,7 +1396,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     add("--batch", type=int, default=256, help="sequences kept in flight")
     add("--prompt-tokens", type=int, default=128)
     add("--new-tokens", type=int, default=2048, help="max_tokens of every sequence (ignore_eos)")
-    add("--span-probes", type=int, default=16, help="sequences of the batch sent as streams (one each)")
+    add("--span-probes", type=int, help="sequences of the batch sent as streams, one each (default 16, at most half)")
     add("--bulk-request-size", type=int, default=16, help="prompts per batched completion")
     add("--refit-every", type=float, default=30.0, help="seconds between refits in the window")
     add("--warmup", type=float, help="seconds of load before the window (default: 60; 5 with transformers)")
@@ -1405,6 +1425,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     add("--machine-label", help="in the default result name (default: cpu, or the GPU's model)")
     add("--out", help="result file, or a folder (existing, or ending in /) for the default name")
     add("--log-dir", type=Path, help="engine and trainer logs (default: a temporary folder)")
+    add("--combine", type=Path, nargs="+", metavar="RESULT", help="merge earlier results into --out, and stop")
     add("--peer", choices=["trainer"], help=argparse.SUPPRESS)
     add("--peer-spec", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
@@ -1419,6 +1440,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     args.stagger_s = args.stagger_s if args.stagger_s is not None else (0.0 if tiny else args.warmup)
     args.trainer_device = args.trainer_device or ("cpu" if tiny else "cuda")
     args.max_sequence_length = args.max_sequence_length or args.prompt_tokens + args.new_tokens
+    args.span_probes = args.span_probes if args.span_probes is not None else min(16, max(1, args.batch // 2))
     first, last = args.modes[0].name, args.modes[-1].name
     if first == "none" and len(args.modes) > 1 and last != "none" and not args.no_baseline_last:
         args.modes.append(args.modes[0])
@@ -1449,10 +1471,40 @@ def machine_label(backend: str) -> str:
     return next((model for model in ("h200", "h100", "b200", "a100") if model in name), "gpu")
 
 
+def combine(files: Sequence[Path], out: Path) -> int:
+    """One result from the results of several runs (each mode its own command on the GPU machine):
+    their rows in order, the baseline over every ``none`` row, the ratios and the verdicts again."""
+    results = [json.loads(path.read_text()) for path in files]
+    combined: dict[str, Any] = {
+        "benchmark": "inflight-refit",
+        "combined_from": [str(path) for path in files],
+        "machine": results[0]["machine"],
+        "config": results[0]["config"],
+        "definitions": DEFINITIONS,
+        "modes": [
+            row | {"from_file": str(path)}
+            for path, result in zip(files, results, strict=True)
+            for row in result["modes"]
+        ],
+        "errors": {
+            f"{path}: {key}": value
+            for path, result in zip(files, results, strict=True)
+            for key, value in result["errors"].items()
+        },
+    }
+    conclude(combined, [])
+    Output(out, combined).save()
+    print_summary(combined)
+    say(f"wrote {out}")
+    return 0 if combined["passed"] and not combined["errors"] else 1
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
     if args.peer == "trainer":
         return trainer_main(json.loads(args.peer_spec))
+    if args.combine:
+        return combine(args.combine, args.out)
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # the finally clauses stop the children
     return run(args)
 
