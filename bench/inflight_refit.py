@@ -363,6 +363,9 @@ class Answer:
     response_version: int | None
     chunks: list[tuple[float, int, int | None]] = dataclasses.field(default_factory=list)
     """Probes: every chunk with tokens as ``(arrival, token count, its weight_version)``."""
+    request_first: int | None = None
+    """Batched requests: the earliest first-span version of the request's choices, which the
+    top-level ``weight_version`` (the request's first step's) must equal; probes: their own."""
 
     @property
     def ok(self) -> bool:
@@ -476,6 +479,9 @@ class Load:
                     body.get("weight_version"),
                 )
             )
+        firsts = [answer.spans[0][1] for answer in answers if answer.spans and answer.spans[0][1] is not None]
+        for answer in answers:
+            answer.request_first = min(firsts, default=None)
         return answers
 
     def _stream(self, connection: http.client.HTTPConnection, prompt: list[int]) -> Answer:
@@ -708,8 +714,9 @@ def span_problems(answer: Answer, mode: Mode, versions: Versions) -> list[str]:
     known = versions.succeeded | {versions.initial}
     if not set(versions_seen) <= known:
         problems.append(f"span versions {versions_seen} outside the versions served {sorted(known)}")
-    if answer.response_version != versions_seen[0]:
-        problems.append(f"weight_version {answer.response_version} is not the first span's {versions_seen[0]}")
+    first = versions_seen[0] if answer.request_first is None else answer.request_first
+    if answer.response_version != first:
+        problems.append(f"weight_version {answer.response_version} is not the first span's {first}")
     if not mode.keeps and len(spans) > 1:
         problems.append(f"{len(spans)} spans under {mode.name}: a sequence spanned a refit")
     if answer.kind == "probe":

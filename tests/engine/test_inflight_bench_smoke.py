@@ -120,6 +120,16 @@ def test_span_check_names_what_is_wrong(
     assert any(problem in found for found in problems), problems
 
 
+def test_a_batched_requests_weight_version_is_its_earliest_choices(bench: ModuleType) -> None:
+    served = versions(bench, {1: 1.0, 2: 5.0})
+    late = bench.Answer("bulk", 0.0, 9.0, 4, "length", None, [(0, 2)], 1, request_first=1)
+    assert bench.span_problems(late, bench.parse_mode("keep-persist"), served) == []
+    wrong = bench.Answer("bulk", 0.0, 9.0, 4, "length", None, [(0, 2)], 2, request_first=1)
+    assert bench.span_problems(wrong, bench.parse_mode("keep-persist"), served) == [
+        "weight_version 2 is not the first span's 1"
+    ]
+
+
 def test_failed_answers_are_not_span_checked(bench: ModuleType) -> None:
     aborted = answer(bench, [(2.0, 3, 1)], [(0, 1)], finish_reason=None, error="stream error: aborted")
     aborted.spans = None
