@@ -389,13 +389,12 @@ class Load:
         self._stopping = threading.Event()
         self._threads: list[threading.Thread] = []
         self.answers: list[Answer] = []
-        self.probe_sizes = [1] * min(args.span_probes, args.batch)
-        bulk = args.batch - len(self.probe_sizes)
-        size = args.bulk_request_size
-        self.bulk_sizes = [min(size, bulk - start) for start in range(0, bulk, size)]
+        probes = min(args.span_probes, args.batch)
+        self.probe_sizes = split(probes, args.probe_request_size)
+        self.bulk_sizes = split(args.batch - probes, args.bulk_request_size)
 
     def start(self, stagger_s: float) -> None:
-        units: list[tuple[Literal["probe", "bulk"], int]] = [("probe", 1) for _ in self.probe_sizes]
+        units: list[tuple[Literal["probe", "bulk"], int]] = [("probe", size) for size in self.probe_sizes]
         units += [("bulk", size) for size in self.bulk_sizes]
         order = list(range(len(units)))
         random.Random(self._seed).shuffle(order)  # probes spread among the bulk requests' start times
@@ -432,7 +431,7 @@ class Load:
             prompts = [[rng.randrange(self._vocab) for _ in range(self._args.prompt_tokens)] for _ in range(size)]
             try:
                 if kind == "probe":
-                    self.answers.append(self._stream(connection, prompts[0]))
+                    self.answers.extend(self._stream(connection, prompts))
                 else:
                     self.answers.extend(self._batched(connection, prompts))
             except (OSError, http.client.HTTPException, ValueError) as error:
@@ -484,27 +483,28 @@ class Load:
             answer.request_first = min(firsts, default=None)
         return answers
 
-    def _stream(self, connection: http.client.HTTPConnection, prompt: list[int]) -> Answer:
+    def _stream(self, connection: http.client.HTTPConnection, prompts: list[list[int]]) -> list[Answer]:
+        """One streaming request of ``prompts`` (a choice each), read chunk by chunk."""
         sent = time.perf_counter()
-        connection.request("POST", "/v1/completions", self._body(prompt, stream=True), JSON_HEADERS)
+        body = self._body(prompts if len(prompts) > 1 else prompts[0], stream=True)
+        connection.request("POST", "/v1/completions", body, JSON_HEADERS)
         response = connection.getresponse()
         if response.status != 200:
-            payload = response.read()
-            error = f"HTTP {response.status}: {payload[:300].decode(errors='replace')}"
-            return Answer("probe", sent, time.perf_counter(), 0, None, error, None, None)
-        answer = Answer("probe", sent, sent, 0, None, None, None, None)
-        first = True
+            refused = f"HTTP {response.status}: {response.read()[:300].decode(errors='replace')}"
+            return [Answer("probe", sent, time.perf_counter(), 0, None, refused, None, None) for _ in prompts]
+        answers = [Answer("probe", sent, sent, 0, None, None, None, None) for _ in prompts]
+        version: list[int | None] = []  # the request's weight_version, from its first event
+        error: str | None = None
         while line := response.readline():
             if not line.startswith(b"data: {"):
                 continue
             now = time.perf_counter()
             event = json.loads(line[6:])
-            if first:
-                answer.response_version, first = event.get("weight_version"), False
+            version = version or [event.get("weight_version")]
             if "error" in event:
-                answer.error = f"stream error: {event['error'].get('code')}: {event['error'].get('message')}"
-                continue
+                error = f"stream error: {event['error'].get('code')}: {event['error'].get('message')}"
             for choice in event.get("choices") or []:
+                answer = answers[choice["index"]]
                 count = len(choice.get("token_ids") or [])
                 if count:
                     answer.chunks.append((now, count, choice.get("weight_version")))
@@ -512,8 +512,19 @@ class Load:
                 if choice.get("finish_reason") is not None:
                     answer.finish_reason = choice["finish_reason"]
                     answer.spans = spans_of(choice.get("weight_version_spans"))
-        answer.ended = time.perf_counter()
-        return answer
+        ended = time.perf_counter()
+        firsts = [answer.spans[0][1] for answer in answers if answer.spans and answer.spans[0][1] is not None]
+        for answer in answers:
+            answer.ended, answer.response_version = ended, (version or [None])[0]
+            answer.request_first = min(firsts, default=None)
+            if answer.finish_reason is None:  # an error event ends every choice still running
+                answer.error = error or "the stream ended before this choice finished"
+        return answers
+
+
+def split(count: int, size: int) -> list[int]:
+    """``count`` sequences in requests of at most ``size`` prompts."""
+    return [min(size, count - start) for start in range(0, count, size)]
 
 
 JSON_HEADERS = {"Content-Type": "application/json"}
@@ -840,7 +851,7 @@ def run_mode(context: Context, mode: Mode, index: int) -> dict[str, Any]:
     completed = sum(answer.tokens for answer in in_window)
     row["window"]["completed_tok_per_s"] = round(completed / window["window"]["seconds"], 1)
     row["load_average"] = os.getloadavg()
-    row.update(summarize(mode, load.answers, refitter.records if refitter else [], context.versions, window))
+    row.update(summarize(mode, load.answers, refitter.records if refitter else [], context.versions))
     delivered = sum(answer.tokens for answer in load.answers if answer.ok)
     row["sequences"]["generated_tokens_whole_load"] = int(tokens_after_load - tokens_before_load)
     row["sequences"]["delivered_tokens_whole_load"] = delivered
@@ -919,9 +930,7 @@ def percentiles(values: Sequence[float]) -> dict[str, float | int | None]:
     return {"count": len(ordered), "p50": round(statistics.median(ordered), 1), "p99": at(0.99), "max": ordered[-1]}
 
 
-def summarize(
-    mode: Mode, answers: list[Answer], records: list[dict[str, Any]], versions: Versions, window: dict[str, Any]
-) -> dict[str, Any]:
+def summarize(mode: Mode, answers: list[Answer], records: list[dict[str, Any]], versions: Versions) -> dict[str, Any]:
     """The refits' figures, the sequences' and the span check of one mode."""
     probes = [answer for answer in answers if answer.kind == "probe"]
     arrivals = sorted(arrival for probe in probes for arrival, _, _ in probe.chunks)
@@ -1095,7 +1104,7 @@ def conclude(result: dict[str, Any], files: Sequence[Path]) -> None:
                 "gate_closed_ms_p50_p99_max": [refits["gate_closed_ms"][key] for key in ("p50", "p99", "max")],
                 "recompute_ms_max": refits["recompute_ms"]["max"],
                 "suspend_phase_ms_max": refits["suspend_phase_ms"]["max"],
-                "transfer_s_p50": refits["transfer_s"]["p50"],
+                "engine_transfer_ms_p50": refits["engine_transfer_ms"]["p50"],
                 "failed_sequences": row["sequences"]["failed"],
                 "thrown_away_tokens": row["sequences"]["thrown_away_tokens"],
                 "span_mismatches": row["spans"]["mismatches"],
@@ -1207,12 +1216,12 @@ def run(args: argparse.Namespace) -> int:
         result["errors"]["fatal"] = f"{type(error).__name__}: {error}"
     finally:
         watchdog.cancel()
+        result["peak_rss_mib"] = {name: peak_rss_mib(pid) for name, pid in result.get("_pids", {}).items()}
         for child in children:
             child.stop() if isinstance(child, Trainer) else child.terminate()
         for child in children:
             if not isinstance(child, Trainer):
                 child.wait()
-        result["peak_rss_mib"] = {name: peak_rss_mib(pid) for name, pid in result.get("_pids", {}).items()}
         result["wall_s"] = round(time.monotonic() - refit_nccl.STARTED, 1)
         conclude(result, args.baseline_from)
         output.save()
@@ -1365,8 +1374,9 @@ DEFINITIONS = {
     "recompute_ms, switch_ms": "the agent's pause.recomputeMilliseconds and switchMilliseconds (absent without a "
     "pause report)",
     "suspend_phase_ms": "the agent's suspend phase: under drain, the wait for every sequence in flight to finish",
-    "transfer_s": "the trainer's SendReport.phases['transfer'] (pack and send every bucket); engine_transfer_ms: "
-    "the agent's receive + apply phases",
+    "transfer_s": "the trainer's SendReport.phases['transfer'] (pack and send every bucket, waiting for the "
+    "receiver: in place under drain it includes the drain, which runs before the engine receives); "
+    "engine_transfer_ms: the agent's receive + apply phases (the transfer as the engine saw it)",
     "p50, p99, max": "over the window's succeeded refits; p99 is nearest-rank (with fewer than 100 refits it is the "
     "largest but one at most)",
     "sequences.failed": "sequences whose request failed (a non-200 answer: all prompts of a batched request), whose "
@@ -1403,7 +1413,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     add("--batch", type=int, default=256, help="sequences kept in flight")
     add("--prompt-tokens", type=int, default=128)
     add("--new-tokens", type=int, default=2048, help="max_tokens of every sequence (ignore_eos)")
-    add("--span-probes", type=int, help="sequences of the batch sent as streams, one each (default 16, at most half)")
+    add("--span-probes", type=int, help="sequences of the batch streamed (default 16, at most half; all: transformers)")
+    add("--probe-request-size", type=int, help="prompts per streaming request (default 1; all: transformers)")
     add("--bulk-request-size", type=int, default=16, help="prompts per batched completion")
     add("--refit-every", type=float, default=30.0, help="seconds between refits in the window")
     add("--warmup", type=float, help="seconds of load before the window (default: 60; 5 with transformers)")
@@ -1447,12 +1458,17 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     args.stagger_s = args.stagger_s if args.stagger_s is not None else (0.0 if tiny else args.warmup)
     args.trainer_device = args.trainer_device or ("cpu" if tiny else "cuda")
     args.max_sequence_length = args.max_sequence_length or args.prompt_tokens + args.new_tokens
-    args.span_probes = args.span_probes if args.span_probes is not None else min(16, max(1, args.batch // 2))
+    # the transformers backend batches statically: whatever is queued when a batch starts runs to its end
+    # together, so the whole batch goes as one streaming request (else the first request to arrive would
+    # start a batch of its own and the rest wait for it); megatron's engine admits into the running batch
+    default_probes = args.batch if tiny else min(16, max(1, args.batch // 2))
+    args.span_probes = args.span_probes if args.span_probes is not None else default_probes
+    args.probe_request_size = args.probe_request_size or (max(1, args.span_probes) if tiny else 1)
     first, last = args.modes[0].name, args.modes[-1].name
     if first == "none" and len(args.modes) > 1 and last != "none" and not args.no_baseline_last:
         args.modes.append(args.modes[0])
-    if not 0 <= args.span_probes <= args.batch or args.bulk_request_size < 1:
-        parser.error("--span-probes must be within --batch, --bulk-request-size at least 1")
+    if not 0 <= args.span_probes <= args.batch or min(args.bulk_request_size, args.probe_request_size) < 1:
+        parser.error("--span-probes must be within --batch, --bulk-request-size and --probe-request-size at least 1")
     args.out = output_path(args)
     return args
 
