@@ -15,9 +15,10 @@ Each mode of ``--modes`` runs on its own closed loop: (1) a preflight refit on t
 (modes that refit): an agent that answers 409 ``refit_mode_unsupported`` gives the mode a row
 ``supported: false`` with the agent's message and the run goes on; (2) the load starts: ``--batch``
 sequences kept in flight, random ``--prompt-tokens`` prompts, ``max_tokens`` ``--new-tokens``,
-``ignore_eos``, temperature 1, token ids only; ``--span-probes`` of them are streams (one sequence
-each, read chunk by chunk), the rest go in batched completions of ``--bulk-request-size`` prompts;
-starts are spread over ``--stagger-s``; (3) ``--warmup`` seconds, then the window of
+``ignore_eos``, temperature 1, token ids only; ``--span-probes`` of them are streamed (requests of
+``--probe-request-size`` prompts, read chunk by chunk), the rest go in batched completions of
+``--bulk-request-size`` prompts; starts are spread over ``--stagger-s`` (on the transformers
+backend, whose batches are static, the whole batch is one streaming request); (3) ``--warmup`` seconds, then the window of
 ``--duration`` seconds with ``POST /v1/refit/prepare`` every ``--refit-every`` seconds (the next one
 at once when the previous took longer); (4) wind-down: no new request, every sequence in flight
 finishes, the engine is idle again. ``none`` is the baseline (no refit); when it comes first it is
