@@ -18,11 +18,11 @@ sequences kept in flight, random ``--prompt-tokens`` prompts, ``max_tokens`` ``-
 ``ignore_eos``, temperature 1, token ids only; ``--span-probes`` of them are streamed (requests of
 ``--probe-request-size`` prompts, read chunk by chunk), the rest go in batched completions of
 ``--bulk-request-size`` prompts; starts are spread over ``--stagger-s`` (on the transformers
-backend, whose batches are static, the whole batch is one streaming request); (3) ``--warmup`` seconds, then the window of
-``--duration`` seconds with ``POST /v1/refit/prepare`` every ``--refit-every`` seconds (the next one
-at once when the previous took longer); (4) wind-down: no new request, every sequence in flight
-finishes, the engine is idle again. ``none`` is the baseline (no refit); when it comes first it is
-run last too.
+backend, whose batches are static, the whole batch is one streaming request); (3) ``--warmup``
+seconds, then the window of ``--duration`` seconds with ``POST /v1/refit/prepare`` every
+``--refit-every`` seconds (the next one at once when the previous took longer); (4) wind-down: no
+new request, every sequence in flight finishes, the engine is idle again. ``none`` is the baseline
+(no refit); when it comes first it is run last too.
 
 Modes: ``none``, ``drain``, ``abort``, ``keep-persist``, ``keep-recompute``, ``keep-offload``
 (megatron), each refitting mode also ``-staged`` (``staging: auto``, or ``--staged-as required``).
