@@ -262,10 +262,9 @@ def weight_set(source: str, dtype: Any, device: Any, seed: int) -> dict[str, Any
 
 def sender_integrity(sender_class: type, integrity: str) -> dict[str, Any]:
     """How this checkout's ``WeightSender`` takes ``--integrity``: a keyword ``integrity`` of its
-    constructor or of ``send`` (a sender built before bucket digests takes neither: ``passed`` false)."""
+    constructor or of ``send``, passed either way; a sender built before bucket digests takes
+    neither (``passed`` false, which matters only for ``checksum``)."""
     found: dict[str, Any] = {"init": {}, "send": {}, "passed": integrity == "none"}
-    if integrity == "none":
-        return found
     for where, function in (("init", sender_class), ("send", getattr(sender_class, "send", None))):
         if function is not None and "integrity" in inspect.signature(function).parameters:
             found[where] = {"integrity": integrity}
@@ -1058,7 +1057,7 @@ def verdict(row: dict[str, Any]) -> dict[str, Any]:
 def baseline_figures(rows: list[dict[str, Any]], files: Sequence[Path]) -> dict[str, Any]:
     """The no-refit tokens/s: this run's ``none`` windows, else those of ``--baseline-from`` files."""
     own = [row["window"]["tok_per_s"] for row in rows if row["mode"] == "none" and "window" in row]
-    source = "this run"
+    source = "the none rows of this result"
     values = own
     if not own and files:
         values = []
@@ -1141,8 +1140,8 @@ class Output:
 
 def engine_env(args: argparse.Namespace) -> tuple[dict[str, str], dict[str, str]]:
     """The ``MEGAFLEET_*`` variables for the engine options this run sets, split into those this
-    checkout's engine reads (a :class:`~megafleet_engine.settings.Settings` field of that name) and
-    those it does not (reported, not passed)."""
+    checkout's engine reads (a :class:`~megafleet_engine.settings.Settings` field of that name, or a
+    pod variable of :mod:`megafleet_protocol.env`) and those it does not (reported, not passed)."""
     keep_kv = {mode.kv_cache_mode for mode in args.modes if mode.keeps}
     kv_mode = args.engine_kv_cache_mode
     if kv_mode is None and keep_kv:
@@ -1163,7 +1162,8 @@ def engine_env(args: argparse.Namespace) -> tuple[dict[str, str], dict[str, str]
     not_read: dict[str, str] = {}
     for field, value in requested.items():
         if value is not None:
-            (passed if field in fields else not_read)[protocol_env.PREFIX + field.upper()] = value
+            read = field in fields or hasattr(protocol_env, field.upper())  # a setting, or a pod variable
+            (passed if read else not_read)[protocol_env.PREFIX + field.upper()] = value
     for item in args.engine_env:
         key, _, value = item.partition("=")
         passed[key] = value

@@ -90,6 +90,29 @@ def test_request_fields_follow_the_agent_api(bench: ModuleType) -> None:
     assert drain == {"suspendMode": "drain", "staging": "off", "integrity": "none"}
 
 
+def test_the_engine_gets_the_variables_it_reads_for_the_modes_listed(bench: ModuleType) -> None:
+    args = bench.parse_args(["--backend", "transformers", "--batch", "8", "--modes", "none,keep-recompute-staged"])
+    assert [mode.name for mode in args.modes] == ["none", "keep-recompute-staged", "none"]  # the baseline last too
+    passed, not_read = bench.engine_env(args)
+    assert passed["MEGAFLEET_KV_CACHE_MODE"] == "recompute" and passed["MEGAFLEET_MAX_BATCH_SIZE"] == "8"
+    assert passed["MEGAFLEET_MAX_SEQUENCE_LENGTH"] == str(128 + 2048)
+    assert ("MEGAFLEET_REFIT_STAGING" in passed) != ("MEGAFLEET_REFIT_STAGING" in not_read)
+    assert (args.span_probes, args.probe_request_size, args.stagger_s) == (8, 8, 0.0)  # one stream: static batches
+
+
+def test_integrity_goes_to_the_sender_that_takes_it(bench: ModuleType) -> None:
+    class Sealing:
+        def __init__(self, port: int, integrity: str = "checksum") -> None: ...
+
+    class Plain:
+        def __init__(self, port: int) -> None: ...
+
+    assert bench.sender_integrity(Sealing, "none") == {"init": {"integrity": "none"}, "send": {}, "passed": True}
+    assert bench.sender_integrity(Sealing, "checksum")["init"] == {"integrity": "checksum"}
+    assert bench.sender_integrity(Plain, "checksum") == {"init": {}, "send": {}, "passed": False}
+    assert bench.sender_integrity(Plain, "none")["passed"]
+
+
 def test_a_kept_probe_with_two_spans_passes_only_under_keep(bench: ModuleType) -> None:
     served = versions(bench, {1: 1.0, 2: 5.0})
     probe = answer(bench, [(2.0, 3, 1), (3.0, 2, 1), (6.0, 4, 2)], [(0, 1), (5, 2)])
