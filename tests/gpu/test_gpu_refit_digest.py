@@ -46,6 +46,7 @@ def test_the_kernel_and_torch_on_the_gpu_equal_numpy(size: int, bucket: int) -> 
         )
 
 
+@pytest.mark.filterwarnings("ignore:Synchronization debug mode is a prototype feature:UserWarning")
 def test_digests_and_checks_queue_on_a_side_stream_without_a_host_wait() -> None:
     plan = wire.plan_buckets(
         [(wire.Region.whole("first.weight"), 5000), (wire.Region.whole("b"), 300)], 2**20, sealed=True
