@@ -351,7 +351,7 @@ def test_suspend_abort_ends_running_and_queued_requests(backend: transformers_ba
 # -- the admission path of the scheduler, on a backend double ------------------------------------
 
 
-class SteppedBackend:
+class SteppedBackend(base.InPlaceOnly):
     """A backend double with continuous batching: each sequence yields ``100 + n`` at its n-th step
     and finishes after ``max_tokens``; every step waits for the test's go-ahead and then admits (so
     what was queued before the go-ahead joins that step), and everything the scheduler does to it is
@@ -409,7 +409,7 @@ class SteppedBackend:
     def parameters(self) -> dict[str, torch.Tensor]:
         return {}
 
-    def load_checkpoint(self, source: str) -> None:
+    def load_checkpoint(self, source: str, *, staged: bool = False) -> None:
         pass
 
     def begin_weight_update(self, kv_cache_mode: vocabulary.KvCacheMode) -> None:

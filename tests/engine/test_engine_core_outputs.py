@@ -99,7 +99,7 @@ async def _round_trip(tmp_path: Path) -> None:
         client.close()
 
 
-class _SteppedBackend:
+class _SteppedBackend(base.InPlaceOnly):
     """Yields one token per open sequence per step, for ``steps`` steps, each step once the test
     releases ``go``; records which sequences it was told left."""
 
