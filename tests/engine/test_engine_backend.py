@@ -223,8 +223,8 @@ def test_cancelled_request_stops_and_the_others_go_on(backend: transformers_back
     steps_by_id: dict[str, int] = {}
     original = backend.generate
 
-    def counting(batch: Any) -> Any:
-        for steps in original(batch):
+    def counting(batch: Any, admit: Any = None) -> Any:
+        for steps in original(batch, admit):
             for step in steps:
                 steps_by_id[step.request_id] = steps_by_id.get(step.request_id, 0) + 1
             yield steps
@@ -235,7 +235,7 @@ def test_cancelled_request_stops_and_the_others_go_on(backend: transformers_back
         await stream.aclose()  # the client is gone
         return await other
 
-    backend.generate = counting  # type: ignore[method-assign, assignment]
+    backend.generate = counting  # type: ignore[method-assign]
     try:
         other_tokens = asyncio.run(scenario())
     finally:
@@ -255,10 +255,10 @@ def test_weight_writes_wait_for_the_batch_and_never_overlap_generation(
     generating = threading.Event()
     original = backend.generate
 
-    def flagged(batch: Any) -> Any:
+    def flagged(batch: Any, admit: Any = None) -> Any:
         generating.set()
         try:
-            yield from original(batch)
+            yield from original(batch, admit)
         finally:
             generating.clear()
 
@@ -270,7 +270,7 @@ def test_weight_writes_wait_for_the_batch_and_never_overlap_generation(
         overlapped = await core.run_exclusive(write)  # queued while the batch runs
         return [first] + [step.token_id async for step in stream], overlapped
 
-    backend.generate = flagged  # type: ignore[method-assign, assignment]
+    backend.generate = flagged  # type: ignore[method-assign]
     try:
         tokens, overlapped = asyncio.run(scenario())
     finally:
