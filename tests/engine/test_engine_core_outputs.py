@@ -34,6 +34,7 @@ class _Socket:
 
 class _Engine:
     weight_version = 7
+    weight_kv = "recompute"
 
 
 def _pack(items: list[engine_module.Item]) -> messages.Outputs:
@@ -55,7 +56,7 @@ def test_a_step_without_logprobs_travels_as_two_int_arrays() -> None:
     assert (outputs.seqs, outputs.token_ids) == ([3, 5], [11, 12])
     assert outputs.logprobs is None and outputs.tops is None
     assert outputs.finished == [(1, "length")]
-    assert outputs.weight_version == 7
+    assert (outputs.weight_version, outputs.weight_kv) == (7, "recompute")
 
 
 def test_the_api_server_gets_back_the_steps_the_core_sent(tmp_path: Path) -> None:

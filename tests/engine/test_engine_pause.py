@@ -69,7 +69,7 @@ def test_a_switch_between_two_steps_gives_every_sequence_two_spans_at_the_exact_
     tokens, parked, running, paused = asyncio.run(scenario())
     assert all(len(sequence) == MAX_TOKENS for sequence in tokens), "no kept sequence failed or ended early"
     for index, boundary in enumerate(parked):
-        assert running.spans(index) == (Span(0, 0), Span(boundary, 1)), index
+        assert running.spans(index) == (Span(0, 0), Span(boundary, 1, kv_cache_mode)), index
     assert (core.weight_version, core.weight_kv) == (1, kv_cache_mode)
     assert paused.kept == len(harness.PROMPTS) and not paused.between_batches
     assert paused.stall_seconds >= paused.recompute_seconds >= 0.0

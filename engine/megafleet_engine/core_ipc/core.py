@@ -100,11 +100,11 @@ class _Client:
             else:
                 failures.append(failure(seq, item))
                 handles.pop(seq, None)
-        version = self._engine.weight_version
+        version, kv = self._engine.weight_version, self._engine.weight_kv
         if any_logprobs:
-            self.send(messages.Outputs(version, seqs, token_ids, logprobs, tops, finished, failures))
+            self.send(messages.Outputs(version, seqs, token_ids, logprobs, tops, finished, failures, kv))
         else:
-            self.send(messages.Outputs(version, seqs, token_ids, None, None, finished, failures))
+            self.send(messages.Outputs(version, seqs, token_ids, None, None, finished, failures, kv))
 
     def send(self, message: messages.ToApiServer) -> None:
         data = messages.encoder.encode(message)
