@@ -36,6 +36,7 @@ from megafleet_engine import metrics as metrics_module
 from megafleet_engine import server
 from megafleet_engine import settings as settings_module
 from megafleet_engine import siblings as siblings_module
+from megafleet_engine.refit_attempts import staging_memory
 
 if TYPE_CHECKING:
     from megafleet_engine.backends import base
@@ -103,6 +104,8 @@ def run_rank(settings: settings_module.Settings, local_rank: int) -> int:
         weight_version=None if deferred else 0,
         refit_wait_seconds=settings.refit_wait_seconds,
     )
+    headroom = settings.refit_staging_headroom_mib * 2**20
+    engine.staging = staging_memory.plan(backend, settings.refit_staging, device=device, headroom_bytes=headroom)
     follower = _start_following(backend, rank)
     try:
         servers = _servers(settings, engine, rank, local_rank, api_key=api_key)

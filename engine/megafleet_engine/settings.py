@@ -165,6 +165,19 @@ class Settings:
     forever. 0 answers 503 at once (the behaviour before holding existed). The operator sets it from
     spec.engine.refitWaitSeconds."""
 
+    refit_staging: vocabulary.StagingMode = "off"
+    """``MEGAFLEET_REFIT_STAGING``: ``off``, ``auto`` or ``required``: whether the engine allocates, once
+    at start, a staging copy of its weights that refits receive into while it serves (the pause then
+    covers only the switch; spec.refit.staging). ``off`` allocates nothing; ``auto`` and ``required``
+    allocate it when the memory rule allows (free memory after the model and its KV cache covers the
+    copy, two bucket buffers and the headroom: :mod:`megafleet_engine.refit_staging`); without room the
+    pod still serves and ``GET /v1/state`` says why, and the refits that require staging fail with
+    ``StagingUnavailable``. Default ``off``: the copy doubles the weights' memory."""
+
+    refit_staging_headroom_mib: int = 1024
+    """``MEGAFLEET_REFIT_STAGING_HEADROOM_MIB``: memory the staging rule leaves free beside the copy and
+    the receive buffers, in MiB (spec.refit.stagingHeadroomMiB). Default 1024."""
+
     api_servers: int | None = None
     """``MEGAFLEET_API_SERVERS``: API-server processes that serve the OpenAI frontend of a frontend
     rank, apart from the engine core (the rank process, which keeps the model, the scheduler, the
@@ -241,6 +254,10 @@ def from_env(environ: Mapping[str, str] | None = None) -> Settings:
         prefill_graphs=reader.flag(env.PREFILL_GRAPHS, defaults.prefill_graphs),
         kv_cache_gib=reader.integer(env.KV_CACHE_GIB, defaults.kv_cache_gib),
         refit_wait_seconds=reader.integer(env.REFIT_WAIT_SECONDS, defaults.refit_wait_seconds),
+        refit_staging=reader.choice(
+            env.REFIT_STAGING, _choices(vocabulary.StagingMode, defaults.refit_staging), defaults.refit_staging
+        ),  # type: ignore[arg-type]
+        refit_staging_headroom_mib=reader.integer(env.REFIT_STAGING_HEADROOM_MIB, defaults.refit_staging_headroom_mib),
         api_servers=reader.integer(env.API_SERVERS, -1) if reader.text(env.API_SERVERS) else None,
     )
 
@@ -331,6 +348,7 @@ def _check(settings: Settings) -> None:
         (env.LOCAL_RANKS, settings.local_rank_count, 0),
         (env.KV_CACHE_GIB, settings.kv_cache_gib, 1),
         (env.REFIT_WAIT_SECONDS, settings.refit_wait_seconds, 0),
+        (env.REFIT_STAGING_HEADROOM_MIB, settings.refit_staging_headroom_mib, 0),
         (env.API_SERVERS, settings.api_server_count, 0),
     ):
         if value < low:

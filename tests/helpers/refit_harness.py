@@ -156,6 +156,7 @@ class AgentClient:
         transport: str = "broadcast",
         suspend_mode: str = "drain",
         bucket_size_mib: int = 1,
+        kv_cache_mode: str | None = None,
     ) -> httpx.Response:
         body = {
             "version": version,
@@ -163,6 +164,7 @@ class AgentClient:
             "bucketSizeMiB": bucket_size_mib,
             "timeoutSeconds": timeout_seconds,
             "suspendMode": suspend_mode,
+            "kvCacheMode": kv_cache_mode,
             "rendezvous": {
                 "address": TRAINER_ADDRESS,
                 "port": port,
