@@ -53,6 +53,8 @@ def test_every_variable_is_read() -> None:
         "MEGAFLEET_PREFILL_GRAPHS": "true",
         "MEGAFLEET_KV_CACHE_GIB": "40",
         "MEGAFLEET_API_SERVERS": "3",
+        "MEGAFLEET_REFIT_STAGING": "auto",
+        "MEGAFLEET_REFIT_STAGING_HEADROOM_MIB": "2048",
     }
     read = settings.from_env(env)
     assert read == settings.Settings(
@@ -83,6 +85,8 @@ def test_every_variable_is_read() -> None:
         prefill_graphs=True,
         kv_cache_gib=40,
         api_servers=3,
+        refit_staging="auto",
+        refit_staging_headroom_mib=2048,
     )
     assert read.model_name == "policy"
     assert read.api_server_count == 3
@@ -140,6 +144,8 @@ INVALID = [
     ("MEGAFLEET_FUSED_KERNELS", "triton", "one of rope-swiglu, off, gemv, all"),
     ("MEGAFLEET_PREFILL_GRAPHS", "on", "one of true, false"),
     ("MEGAFLEET_KV_CACHE_GIB", "0", "at least 1"),
+    ("MEGAFLEET_REFIT_STAGING", "on", "one of off, auto, required"),
+    ("MEGAFLEET_REFIT_STAGING_HEADROOM_MIB", "-1", "at least 0"),
     ("MEGAFLEET_LOCAL_RANKS", "3", "exceeds"),
 ]
 
