@@ -77,9 +77,8 @@ from typing import Any, Literal, get_args
 import benchkit
 import refit_nccl
 
-from megafleet_engine import settings as engine_settings
+from megafleet_protocol import engine_settings, vocabulary
 from megafleet_protocol import env as protocol_env
-from megafleet_protocol import vocabulary
 
 ROOT = Path(__file__).resolve().parents[1]
 ADDRESS = refit_nccl.ADDRESS
@@ -1140,7 +1139,7 @@ class Output:
 
 def engine_env(args: argparse.Namespace) -> tuple[dict[str, str], dict[str, str]]:
     """The ``MEGAFLEET_*`` variables for the engine options this run sets, split into those this
-    checkout's engine reads (a :class:`~megafleet_engine.settings.Settings` field of that name, or a
+    checkout's engine reads (a :class:`~megafleet_protocol.engine_settings.Settings` field of that name, or a
     pod variable of :mod:`megafleet_protocol.env`) and those it does not (reported, not passed)."""
     keep_kv = {mode.kv_cache_mode for mode in args.modes if mode.keeps}
     kv_mode = args.engine_kv_cache_mode

@@ -17,6 +17,7 @@ from collections.abc import Generator, Sequence
 from typing import Any
 
 from megafleet_engine.backends import base
+from megafleet_protocol import vocabulary
 
 
 class SyntheticBackend:
@@ -29,6 +30,7 @@ class SyntheticBackend:
     """
 
     supports_admission = True
+    keep_modes: frozenset[vocabulary.KvCacheMode] = frozenset({"persist"})  # its tokens depend on no weights
 
     def __init__(self, model: Any, step_seconds: float) -> None:
         self._model = model

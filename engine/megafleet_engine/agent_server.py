@@ -13,9 +13,11 @@ Routes: ``GET /healthz``, ``GET /readyz``, ``GET /v1/state``, ``POST /v1/suspend
 
 * ``POST /v1/refit/prepare`` (202): receive weight version ``version`` from the trainer's world at
   ``rendezvous`` (address, port, worldSize, rankOffset = the shard's offset, trainerWorldSize) with
-  ``transport``, ``bucketSizeMiB``, ``timeoutSeconds``, ``suspendMode``, ``kvCacheMode``. Returns at
-  once; the attempt suspends the engine, joins as rank ``rankOffset + rank``, receives, writes in
-  place and resumes with the new version, on its own thread.
+  ``transport``, ``bucketSizeMiB``, ``timeoutSeconds``, ``suspendMode`` (drain, abort, or keep: the
+  sequences in flight go on across the switch, their KV as ``kvCacheMode`` says), ``kvCacheMode`` and
+  ``staging`` (receive into the engine's staging copy while it serves). Returns at once; the attempt
+  suspends or pauses the engine (or, staged, leaves it serving), joins as rank ``rankOffset + rank``,
+  receives, writes and serves the new version, on its own thread.
 * ``POST /v1/refit/checkpoint`` (202): the same from a checkpoint ``path`` every shard reads itself.
 * ``POST /v1/refit/nemo`` (202): the same from an unmodified NeMo RL trainer's own collective
   (``rendezvous`` as ``init_collective`` got it, ``refitInfo`` as ``prepare_refit_info`` gave it, the
@@ -32,9 +34,11 @@ Routes: ``GET /healthz``, ``GET /readyz``, ``GET /v1/state``, ``POST /v1/suspend
   ``port + 1`` and prepare the plan without suspending, then one ``swap_model_weights`` per refit of the
   session; 409 ``backend_cannot_swap`` on a backend without a megatron-core model (or megatron-core
   < 0.17), 409 ``megatron_not_joined`` for a refit without a joined group.
-* ``GET /v1/refit/status``: the current or last attempt: ``phase`` (idle, suspending, joining,
-  receiving, applying, resuming, succeeded, failed), per-phase milliseconds, counters, ``error``,
-  ``reused`` (the join kept the transfer group parked by the previous refit).
+* ``GET /v1/refit/status``: the current or last attempt: ``phase`` (idle, suspending, pausing, joining,
+  receiving, staging, applying, staged, switching, resuming, succeeded, failed), per-phase
+  milliseconds, counters, ``error``, ``reused`` (the join kept the transfer group parked by the
+  previous refit), ``inFlight`` (requested and effective mode, why they differ, what was kept,
+  drained, aborted, recomputed), ``staging`` and ``pause`` (stall, gate closed, switch, recompute).
 * ``POST /v1/refit/abort``: fail the running attempt now, as its watchdog would at the deadline,
   and close a parked transfer group.
 
@@ -42,8 +46,11 @@ On a pod with several local ranks, local rank 0's agent forwards the refit calls
 (:mod:`megafleet_engine.siblings`) and answers with one status for the pod: failed when any rank
 failed, succeeded when all did.
 
-A failed attempt leaves the engine ``stale`` (no request is served: never a mix of two versions);
-once it wrote any weight, ``POST /v1/resume`` is refused and only a complete refit brings it back.
+A failed attempt leaves the engine ``stale`` (no request is served: never a mix of two versions),
+unless it staged and nothing of the new version went live (the old version serves on); once it wrote
+any live weight, ``POST /v1/resume`` is refused and only a complete refit brings it back.
+``GET /v1/state`` reports the engine's ``capabilities`` (the KV-cache modes it keeps sequences under,
+its staging copy's size or why it has none).
 Repeating a prepare, checkpoint or nemo call that runs or succeeded answers its status; another refit
 while one runs is a 409. Bodies use camelCase like the Kubernetes API the operator speaks.
 """
@@ -227,8 +234,9 @@ async def refit_prepare(
         transport=body.transport,
         bucket_size_mib=body.bucket_size_mib,
         timeout_seconds=body.timeout_seconds,
-        suspend_mode=_suspend_mode(body, verifies=True),
+        suspend_mode=_in_flight(body, verifies=True),
         kv_cache_mode=body.kv_cache_mode,
+        staging=body.staging,
         local_address=agent.transfer_address or _pod_address(request),
         integrity=body.integrity,
     )
@@ -241,8 +249,9 @@ async def refit_checkpoint(body: agent_api.CheckpointRefitRequest, agent: AgentD
         version=body.version,
         path=body.path,
         timeout_seconds=body.timeout_seconds,
-        suspend_mode=_suspend_mode(body),
+        suspend_mode=_in_flight(body),
         kv_cache_mode=body.kv_cache_mode,
+        staging=body.staging,
     )
     return await _start_refit(agent, refit, agent_api.REFIT_CHECKPOINT, body)
 
@@ -297,8 +306,9 @@ async def refit_nemo(
             refit_info=info,
             bucket_bytes=body.bucket_bytes,
             timeout_seconds=body.timeout_seconds,
-            suspend_mode=_suspend_mode(body, verifies=True),
+            suspend_mode=_in_flight(body, verifies=True),
             kv_cache_mode=body.kv_cache_mode,
+            staging=body.staging,
         )
         session_refit = dataclasses.replace(session_refit, integrity=body.integrity)
         return await _start_refit(agent, session_refit, agent_api.REFIT_NEMO, body)
@@ -309,8 +319,9 @@ async def refit_nemo(
         bucket_bytes=body.bucket_bytes,
         generation=body.generation,
         timeout_seconds=body.timeout_seconds,
-        suspend_mode=_suspend_mode(body, verifies=True),
+        suspend_mode=_in_flight(body, verifies=True),
         kv_cache_mode=body.kv_cache_mode,
+        staging=body.staging,
         local_address=agent.transfer_address or _pod_address(request),
         integrity=body.integrity,
     )
@@ -365,8 +376,9 @@ async def refit_megatron(body: agent_api.MegatronRefitRequest, agent: AgentDep) 
         version=body.version,
         session=body.session,
         timeout_seconds=body.timeout_seconds,
-        suspend_mode=_suspend_mode(body),
+        suspend_mode=_in_flight(body),
         kv_cache_mode=body.kv_cache_mode,
+        staging=body.staging,
     )
     with _megatron_refusals():
         snapshot = agent.megatron.refit(refit, asyncio.get_running_loop())
@@ -412,13 +424,12 @@ async def _start_refit(
     return responses.JSONResponse(own if others is None else siblings_module.combine(own, others), status_code=202)
 
 
-def _suspend_mode(body: agent_api.RefitRequest, *, verifies: bool = False) -> vocabulary.SuspendMode:
-    """The request's suspend mode; refuses what this engine does not do yet (keep, staging, and
-    integrity on a source that does not ``verify``: checkpoint and megatron-native refits)."""
-    if body.suspend_mode == "keep" or body.staging != "off" or (body.integrity != "none" and not verifies):
+def _in_flight(body: agent_api.RefitRequest, *, verifies: bool = False) -> vocabulary.InFlightMode:
+    """The request's in-flight mode; refuses integrity on a source that does not ``verify``
+    (checkpoint and megatron-native refits carry no digest)."""
+    if body.integrity != "none" and not verifies:
         raise errors.Conflict(
-            "this engine drains or aborts only: suspendMode keep, staging and integrity are not built yet",
-            code="refit_mode_unsupported",
+            "this engine verifies no bucket digests yet: integrity checksum is not built", code="refit_mode_unsupported"
         )
     return body.suspend_mode
 
@@ -485,6 +496,9 @@ def _refit_status_body(agent: AgentServer, snapshot: refit_phases.Snapshot) -> d
         weight_version=engine.weight_version,
         world=_world_model(*_last_world(agent)),
         verification=_verification_model(snapshot.verification),
+        in_flight=None if snapshot.in_flight is None else _in_flight_report(snapshot.in_flight),
+        staging=None if snapshot.staging is None else _staging_report(snapshot.staging),
+        pause=None if snapshot.pause is None else _pause_report(snapshot.pause),
     )
     return body.model_dump(mode="json", by_alias=True)
 
@@ -502,6 +516,35 @@ def _verification_model(outcome: verification.Verification | None) -> agent_api.
         else agent_api.BucketMismatch(bucket=mismatch.bucket, first_tensor=mismatch.first_tensor),
         bucket_digests=list(outcome.bucket_digests),
         non_finite=outcome.non_finite,
+    )
+
+
+def _in_flight_report(report: refit_phases.InFlight) -> agent_api.InFlightReport:
+    return agent_api.InFlightReport(
+        requested=report.requested,
+        effective=report.effective,
+        kv_cache_mode=report.kv_cache_mode,
+        reason=report.reason,
+        kept=report.kept,
+        drained=report.drained,
+        aborted=report.aborted,
+        aborted_tokens=report.aborted_tokens,
+        recomputed_tokens=report.recomputed_tokens,
+    )
+
+
+def _staging_report(report: refit_phases.Staging) -> agent_api.StagingReport:
+    return agent_api.StagingReport(
+        requested=report.requested, effective=report.effective, reason=report.reason, bytes=report.bytes
+    )
+
+
+def _pause_report(report: refit_phases.Pause) -> agent_api.PauseReport:
+    return agent_api.PauseReport(
+        stall_milliseconds=report.stall_seconds * 1000,
+        gate_closed_milliseconds=report.gate_closed_seconds * 1000,
+        switch_milliseconds=report.switch_seconds * 1000,
+        recompute_milliseconds=report.recompute_seconds * 1000,
     )
 
 
@@ -547,5 +590,10 @@ def _state(agent: AgentServer) -> responses.JSONResponse:
         world_size=agent.world_size,
         last_error=engine.last_error,
         queue_depth=engine.queue_depth,
+        capabilities=agent_api.Capabilities(
+            keep_modes=sorted(engine.backend.keep_modes),
+            staging_bytes=engine.staging.bytes,
+            staging_reason=engine.staging.reason,
+        ),
     )
     return responses.JSONResponse(body.model_dump(mode="json", by_alias=True))

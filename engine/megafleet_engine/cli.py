@@ -36,6 +36,7 @@ from megafleet_engine import engine as engine_module
 from megafleet_engine import metrics as metrics_module
 from megafleet_engine import server, termination
 from megafleet_engine import siblings as siblings_module
+from megafleet_engine.refit_attempts import staging_memory
 from megafleet_protocol import engine_settings as settings_module
 
 if TYPE_CHECKING:
@@ -118,6 +119,8 @@ def _run_rank(settings: settings_module.Settings, rank: int, local_rank: int) ->
         weight_version=None if deferred else 0,
         refit_wait_seconds=settings.refit_wait_seconds,
     )
+    headroom = settings.refit_staging_headroom_mib * 2**20
+    engine.staging = staging_memory.plan(backend, settings.refit_staging, device=device, headroom_bytes=headroom)
     follower = _start_following(backend, rank)
     try:
         servers = _servers(settings, engine, rank, local_rank, api_key=api_key)

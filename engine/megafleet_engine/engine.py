@@ -14,11 +14,15 @@ closes early (client gone, suspend in abort mode) leave it. Admission stops whil
 weight write) or shutdown waits in the queue, so the running batch drains and the call runs next.
 Otherwise the next batch starts as soon as the running one ends.
 
-Output delivery: every sequence is enqueued with a *sink* (:data:`Sink`), and the backend thread
-calls each sink once per decode step with every item for its sequences (one call per step, not one
-per token): the OpenAI frontend's in-process client hands a request's step to its event loop in one
-hop, and the engine core's IPC server (:mod:`megafleet_engine.core_ipc.core`) turns a step into one
-message per API-server process. :meth:`Engine.submit` is the one-sequence async view on top.
+Pausing (a refit that keeps the running sequences, :mod:`megafleet_engine.pause_point`): the backend
+thread parks at a step boundary, inside ``admit`` (a backend with ``keep_modes`` always gets one) or
+between batches, with the gate open; the weight version changes on that thread, at the switch, so
+every step is stamped with the version that computed it. Weights change only on the backend thread,
+parked at a step boundary or idle.
+
+Output delivery: every sequence is enqueued with a *sink* (:data:`Sink`), called once per decode step
+with every item of its sequences (:mod:`megafleet_engine.running_batch`); :meth:`Engine.submit` is
+the one-sequence async view on top.
 
 Holding at the gate: a suspend *for a refit* (``suspend(..., hold=True)``, what a refit attempt
 does) keeps the gate closed but makes new requests wait there instead of answering
@@ -38,15 +42,13 @@ import asyncio
 import collections
 import contextlib
 import dataclasses
-import itertools
 import logging
 import threading
 import time
 from collections.abc import AsyncGenerator, Callable, Sequence
 from typing import Any, TypeVar
 
-import msgspec
-
+from megafleet_engine import pause_point, refit_staging, running_batch
 from megafleet_engine.backends import base
 from megafleet_protocol import vocabulary
 
@@ -94,6 +96,7 @@ class Handle:
     key: str = ""  # the id the backend sees: the request's own, or an alias if that is taken
     done: bool = False  # ended (finished, failed or aborted): its sink got its last item or gets it now
     reap: collections.deque[Handle] | None = None  # the engine's cancellations, read once per step
+    produced: int = 0  # tokens delivered (backend thread)
 
     def cancel(self) -> None:
         self.cancelled.set()
@@ -101,14 +104,14 @@ class Handle:
             self.reap.append(self)  # deque appends are atomic: any thread may cancel
 
 
-@dataclasses.dataclass
-class _Call:
-    """Work for the backend thread other than generation (weight writes, cache rebuilds)."""
+@dataclasses.dataclass(frozen=True)
+class Suspended:
+    """What a suspend did with the sequences in flight: waited for (``drained``), or ended
+    (``aborted``, with the ``aborted_tokens`` they had produced, thrown away)."""
 
-    fn: Callable[[], object]
-    done: threading.Event = dataclasses.field(default_factory=threading.Event)
-    result: object = None
-    error: BaseException | None = None
+    drained: int = 0
+    aborted: int = 0
+    aborted_tokens: int = 0
 
 
 @dataclasses.dataclass(eq=False)
@@ -141,6 +144,11 @@ class Engine:
     that waited and ``held_now`` those waiting now (a multi-prompt request or a batch of requests
     queued at once counts each of its sequences).
 
+    A refit that keeps the running sequences pauses instead (:meth:`pause`, :meth:`switch`,
+    :meth:`unpause`); ``weight_kv``, read with the version, is the KV-cache mode they crossed into
+    ``weight_version`` with (``None`` after a drain, abort or start). ``staging`` is the backend's
+    staging copy (:mod:`megafleet_engine.refit_staging`), set once at start by the engine command.
+
     ``generated_tokens`` counts tokens delivered and ``running`` is the number of sequences in the
     running batch (the metrics read both at scrape time). ``batches`` counts backend batches and
     ``batch_sizes`` the sequences each one served (those admitted while it ran included);
@@ -163,9 +171,13 @@ class Engine:
         self.weight_version = weight_version
         self.kv_cache_mode: vocabulary.KvCacheMode = backend.kv_cache_mode if kv_cache_mode is None else kv_cache_mode
         self.continuous = backend.supports_admission
+        self._keeps = bool(backend.keep_modes)  # parks inside admit, so it always gets one
+        self.weight_kv: vocabulary.KvCacheMode | None = None
+        self.pauses = pause_point.PausePoint()
+        self.staging = refit_staging.OFF
         self.state: vocabulary.EngineState = "ready" if weight_version is not None else "loading"
         self.last_error: str | None = None
-        self._queue: collections.deque[Handle | _Call | None] = collections.deque()
+        self._queue: collections.deque[Handle | pause_point.Call | None] = collections.deque()
         self._in_flight = 0
         self._abort_all = False
         self._holding = False  # suspended for a refit: new requests wait at the gate
@@ -174,20 +186,11 @@ class Engine:
         self._lock = threading.Lock()
         self._work = threading.Condition(self._lock)  # the queue got an item
         self._idle = threading.Condition(self._lock)  # _in_flight went down
-        # The running batch (backend thread only): open sequences by the id the backend sees, and
-        # the ids closed early that the backend has not been told about yet.
-        self._open: dict[str, Handle] = {}
-        self._leaving: set[str] = set()
-        self._aliases = itertools.count()
+        self._batch = running_batch.RunningBatch(self._ended)  # backend thread only
         self.batches = 0
         self.batch_sizes: list[int] = []
         self.admitted = 0
         self.admissions = 0
-        self.generated_tokens = 0
-        self._outbox: list[tuple[Handle, base.TokenStep | BaseException]] = []  # backend thread only
-        # Handles cancelled since the backend thread last looked (any thread appends; the backend
-        # thread closes them once per step), so no step scans every open sequence for a flag.
-        self._cancelled: collections.deque[Handle] = collections.deque()
         self._thread = threading.Thread(target=self._run, name="megafleet-engine", daemon=True)
         self._thread.start()
 
@@ -207,9 +210,14 @@ class Engine:
             return self.state == "ready" or self._holds()
 
     @property
+    def generated_tokens(self) -> int:
+        """Tokens delivered over the engine's life."""
+        return self._batch.generated_tokens
+
+    @property
     def running(self) -> int:
         """Sequences in the running batch (read without the backend thread's cooperation)."""
-        return len(self._open)
+        return len(self._batch.open)
 
     @property
     def held_now(self) -> int:
@@ -224,12 +232,12 @@ class Engine:
         with self._lock:
             queued = self._in_flight
             held = sum(waiter.sequences for waiter in self._waiters)
-        return max(queued - len(self._open), 0) + held
+        return max(queued - len(self._batch.open), 0) + held
 
     def reserved_tokens(self) -> int:
         """Tokens the running batch may hold in its KV cache: each open sequence's prompt plus its
         ``max_tokens`` (read without the backend thread's cooperation, at scrape time only)."""
-        handles = list(self._open.values())  # one C-level copy under the GIL; the thread may move on
+        handles = list(self._batch.open.values())  # one C-level copy under the GIL; the thread may move on
         return sum(len(h.request.prompt_token_ids) + h.request.params.max_tokens for h in handles)
 
     async def submit(self, request: base.SequenceRequest) -> AsyncGenerator[base.TokenStep, None]:
@@ -263,7 +271,7 @@ class Engine:
         suspended for a refit, as :meth:`submit`); their tokens go to ``sink`` once per step, tagged.
 
         Raises :class:`NotServing` for all of them at the gate; nothing is queued then."""
-        reap = self._cancelled
+        reap = self._batch.cancelled
         handles = [Handle(request, sink, tag, reap=reap) for tag, request in entries]
         await self._enter(handles)
         return handles
@@ -315,7 +323,9 @@ class Engine:
 
     # -- state ---------------------------------------------------------------------------------
 
-    async def suspend(self, mode: vocabulary.SuspendMode, *, timeout_seconds: float = 60.0, hold: bool = False) -> None:
+    async def suspend(
+        self, mode: vocabulary.SuspendMode, *, timeout_seconds: float = 60.0, hold: bool = False
+    ) -> Suspended:
         """Close the gate and stop admission; drain (wait for) or abort every request in flight,
         then let the backend free what the KV-cache mode frees during a refit.
 
@@ -323,6 +333,7 @@ class Engine:
         at the gate (up to ``refit_wait_seconds``) instead of being refused."""
         aborted: list[Handle] = []
         with self._lock:
+            in_flight, tokens_before = self._in_flight, self._batch.aborted_tokens
             if self.state in ("ready", "suspended"):
                 self.state = "suspended"
                 self._holding = hold
@@ -330,21 +341,17 @@ class Engine:
                     self._wake()  # a hold turned into a plain suspend: waiters answer now
             self._abort_all = mode == "abort"
             if self._abort_all:  # accepted but not started: end them here, they never run
-                aborted = [item for item in self._queue if isinstance(item, Handle)]
-                kept = [item for item in self._queue if not isinstance(item, Handle)]
-                self._queue.clear()
-                self._queue.extend(kept)
-                self._in_flight -= len(aborted)
-                self._idle.notify_all()
-        for pending in aborted:
-            pending.done = True
-        _send([(pending, Aborted("request aborted by a suspend for refit")) for pending in aborted])
+                aborted = self._drop_queued()
+        _end(aborted, lambda: Aborted("request aborted by a suspend for refit"))
         with self._idle:
             busy = self._in_flight > 0
         if busy:  # else nothing to wait for (no thread hop)
             await asyncio.to_thread(self._wait_idle, timeout_seconds)
         mode_now = self.kv_cache_mode
         await self.run_exclusive(lambda: self.backend.begin_weight_update(mode_now))
+        if mode == "abort":
+            return Suspended(aborted=in_flight, aborted_tokens=self._batch.aborted_tokens - tokens_before)
+        return Suspended(drained=in_flight)
 
     def resume(self, *, weight_version: int | None = None) -> None:
         """Open the gate again, serving ``weight_version`` (unchanged when ``None``).
@@ -353,11 +360,12 @@ class Engine:
         on, so caches are rebuilt (and stale KV dropped) before anything runs on the new weights.
         """
         with self._lock:
-            if weight_version is not None:
+            if weight_version is not None and weight_version != self.weight_version:
                 self.weight_version = weight_version
+                self.weight_kv = None  # nothing was kept across this version change
             if self.weight_version is None:
                 raise EngineError("cannot resume an engine that has never received weights")
-            self._queue.append(_Call(self._finish_weight_update))
+            self._queue.append(pause_point.Call(self._finish_weight_update))
             self._work.notify()
             self.state = "ready"
             self._abort_all = False
@@ -374,19 +382,66 @@ class Engine:
             self._wake()  # held requests answer NotServing now, not at their deadline
 
     async def run_exclusive(self, fn: Callable[[], T]) -> T:
-        """Run ``fn`` on the backend thread between batches (weight writes, checkpoint loads).
+        """Run ``fn`` on the backend thread between batches (weight writes, checkpoint loads), or on
+        the parked thread while the engine is paused (:meth:`pause`).
 
-        A running batch stops admitting while the call waits, and the call runs once it ends."""
-        call = _Call(fn)
-        with self._lock:
-            self._queue.append(call)
-            self._work.notify()
+        Not paused, a running batch stops admitting while the call waits, and the call runs once it ends."""
+        call = pause_point.Call(fn)
+        if not self.pauses.submit(call):
+            with self._lock:
+                self._queue.append(call)
+                self._work.notify()
         await asyncio.to_thread(call.done.wait)
         if call.error is not None:
             raise call.error
         return call.result  # type: ignore[return-value]
 
+    # -- pausing -------------------------------------------------------------------------------
+
+    async def pause(self, *, timeout_seconds: float = 60.0) -> None:
+        """Park the backend thread at its next step boundary (between batches for a backend without
+        ``keep_modes``), every running sequence and its KV in place, and return once it is parked;
+        the gate stays open. :class:`TimeoutError` leaves the pause asked for (:meth:`unpause`)."""
+        try:
+            await self.pauses.pause(timeout_seconds, wake=self._notify)
+        except pause_point.PauseError as error:
+            raise EngineError(str(error)) from None
+
+    @property
+    def paused(self) -> bool:
+        """Whether the backend thread is parked by :meth:`pause`."""
+        return self.pauses.parked
+
+    async def switch(
+        self, version: int, kv_cache_mode: vocabulary.KvCacheMode, *, staged: bool, timeout_seconds: float = 60.0
+    ) -> pause_point.Paused:
+        """The last call of a pause: ``staged``, copy the staging copy into the live weights on the
+        parked thread (if that raises, the engine stays parked); then serve ``version`` from the next
+        step on (set on the backend thread), the backend applying ``kv_cache_mode`` to the running
+        sequences (:class:`~megafleet_engine.backends.base.Switch`). Returns once it did, with the stall."""
+        order = pause_point.SwitchOrder(version, kv_cache_mode, staged)
+        try:
+            return await self.pauses.switch(order, self.backend.commit_staged if staged else None, timeout_seconds)
+        except pause_point.PauseError as error:
+            raise EngineError(str(error)) from None
+
+    def unpause(self, *, error: str | None = None) -> None:
+        """Release a paused engine without a switch (any thread). ``error``: weights were written, so
+        the kept sequences end with :class:`EngineError` (``error``) and those queued meanwhile with
+        :class:`NotServing`; else they all go on with the weights they started with."""
+        withdrawn = self.pauses.withdraw()  # asked for but not parked yet: nothing was written
+        with self._lock:
+            self._queue.extend(withdrawn)
+            self._work.notify()
+        self.pauses.release(pause_point.Release(error=error))
+
+    def _notify(self) -> None:
+        """Wake an idle backend thread to look at its queue and the pause point."""
+        with self._lock:
+            self._work.notify()
+
     def close(self) -> None:
+        self.unpause(error="the engine is closing")
         with self._lock:
             self._queue.append(None)
             self._work.notify()
@@ -414,9 +469,12 @@ class Engine:
     def _run(self) -> None:
         while True:
             with self._work:
-                while not self._queue:
+                while not self._queue and not self.pauses.requested:
                     self._work.wait()
-                first = self._queue.popleft()
+                if self.pauses.requested:
+                    first: Handle | pause_point.Call | bool | None = True
+                else:
+                    first = self._queue.popleft()
                 batch: list[Handle] = []
                 if isinstance(first, Handle):
                     batch.append(first)
@@ -424,165 +482,117 @@ class Engine:
                         batch.append(self._queue.popleft())  # type: ignore[arg-type]
             if first is None:
                 return
-            if isinstance(first, _Call):
-                self._execute(first)
+            if first is True:
+                self._park_between_batches()
+            elif isinstance(first, pause_point.Call):
+                first.run()
             else:
                 self._generate(batch)
 
-    def _execute(self, call: _Call) -> None:
+    def _park_between_batches(self) -> None:
+        """Stop here for a pause with no batch running, and apply what it ends with."""
+        switch = self._parked(0, between_batches=True)
         try:
-            call.result = call.fn()
-        except BaseException as error:  # handed to the awaiting coroutine
-            call.error = error
-        finally:
-            call.done.set()
+            if switch is not None:
+                self.backend.switch_weights(switch)
+        except Exception:
+            log.exception("the backend failed to switch weights between batches")
+        self.pauses.settle_switch()
 
-    def _open_sequence(self, pending: Handle) -> base.SequenceRequest:
-        """Register ``pending`` in the running batch; the request as the backend sees it."""
-        key = pending.request.request_id
-        if key in self._open:  # two live requests share an id: give the backend a unique one
-            key = f"{key}#megafleet-{next(self._aliases)}"
-        pending.key = key
-        self._open[key] = pending
-        if pending.cancelled.is_set():  # cancelled while queued: its reap may have passed already
-            self._cancelled.append(pending)
-        if key == pending.request.request_id:
-            return pending.request
-        return dataclasses.replace(pending.request, request_id=key)
+    def _parked(self, kept: int, *, between_batches: bool) -> base.Switch | None:
+        """Park for the pause asked for (backend thread) and go on as its release says: with the new
+        weight version stamped from now on (the backend's switch returned), or without a switch,
+        failing what was kept and queued when the weights were partly written."""
+        release = self.pauses.park(kept, between_batches=between_batches)
+        if release.switch is not None:
+            with self._lock:
+                self.weight_version = release.switch.version
+                self.weight_kv = release.switch.kv_cache_mode
+                if self.state != "ready":  # a refit of a loading or stale engine that kept nothing
+                    self.state = "ready"
+                    self._holding = False
+                    self._wake()
+            return self.pauses.backend_switch(release.switch)
+        if release.error is not None:  # the weights are partly written: nothing may run on them
+            self._batch.fail_all(EngineError(release.error), told=False)
+            self._batch.flush()
+            with self._lock:
+                failed, state = self._drop_queued(), self.state
+            _end(failed, lambda: NotServing(state))
+        return None
+
+    def _drop_queued(self) -> list[Handle]:
+        """Take every sequence accepted but not started out of the queue (call with the lock held)."""
+        dropped = [item for item in self._queue if isinstance(item, Handle)]
+        kept = [item for item in self._queue if not isinstance(item, Handle)]
+        self._queue.clear()
+        self._queue.extend(kept)
+        self._in_flight -= len(dropped)
+        self._idle.notify_all()
+        return dropped
 
     def _admit(self, capacity: int) -> base.Admission:
-        """Between two steps of a running batch: close what was cancelled or aborted, and hand the
-        backend up to ``capacity`` waiting sequences unless admission is stopped."""
-        self._reap()
-        leave, self._leaving = self._leaving, set()
-        room = min(capacity, self.max_batch_size - len(self._open))
+        """Between two steps of a running batch: park for a pause (a backend that keeps sequences),
+        close what was cancelled or aborted, and hand the backend up to ``capacity`` waiting
+        sequences unless admission is stopped."""
+        batch = self._batch
+        switch = self._parked(len(batch.open), between_batches=False) if self.pauses.requested and self._keeps else None
+        batch.reap(abort_all=self._abort_all)
+        leave = batch.take_leaving()
+        room = min(capacity, self.max_batch_size - len(batch.open))
         joining: list[Handle] = []
         if room > 0:
             with self._lock:
                 if self.state == "ready" and not self._abort_all:
                     while len(joining) < room and self._queue and isinstance(self._queue[0], Handle):
                         joining.append(self._queue.popleft())  # type: ignore[arg-type]
-        self._flush()
+        batch.flush()
         if not joining:
-            return base.Admission(leave=leave)
+            return base.Admission(leave=leave, switch=switch)
         self.admitted += len(joining)
         self.admissions += 1
         self.batch_sizes[-1] += len(joining)
-        return base.Admission(join=tuple(self._open_sequence(pending) for pending in joining), leave=leave)
+        join = tuple(batch.open_sequence(pending) for pending in joining)
+        return base.Admission(join=join, leave=leave, switch=switch)
 
-    def _generate(self, batch: list[Handle]) -> None:
+    def _generate(self, handles: list[Handle]) -> None:
         self.batches += 1
-        self.batch_sizes.append(len(batch))
-        self._open = {}
-        self._leaving = set()
-        requests = [self._open_sequence(pending) for pending in batch]
-        if self.continuous:
+        self.batch_sizes.append(len(handles))
+        batch = self._batch
+        batch.start()
+        requests = [batch.open_sequence(pending) for pending in handles]
+        if self.continuous or self._keeps:
             produced = self.backend.generate(requests, admit=self._admit)
         else:
             produced = self.backend.generate(requests)
         try:
             for steps in produced:
-                self._take(steps)
-                if not self._open:
+                self.pauses.settle_switch()  # the first step after a switch the backend did not report
+                batch.take(steps, abort_all=self._abort_all)
+                if not batch.open:
                     break
         except Exception as error:
             log.exception("generation failed for a batch of %d", self.batch_sizes[-1])
-            for pending in list(self._open.values()):
-                self._close(pending, EngineError(f"generation failed: {error}"), told=True)
+            batch.fail_all(EngineError(f"generation failed: {error}"), told=True)
         finally:
             produced.close()  # let the backend wind the batch down now
-        for pending in list(self._open.values()):  # the backend ended without a final step
-            self._close(pending, EngineError("generation ended early"), told=True)
-        self._flush()
-        self._leaving = set()
+            self.pauses.settle_switch()  # a switch handed over at the batch's last boundary
+        batch.fail_all(EngineError("generation ended early"), told=True)  # the backend ended without a final step
+        batch.flush()
+        batch.start()
 
-    def _reap(self) -> None:
-        """Close the open sequences cancelled since the last look, or every open one while a
-        suspend aborts (backend thread, once per step: no per-sequence scan)."""
-        reap = self._cancelled
-        while reap:
-            pending = reap.popleft()
-            if self._open.get(pending.key) is pending:
-                self._close(pending, Aborted("request cancelled"))
-        if self._abort_all:
-            for pending in list(self._open.values()):
-                self._close(pending, Aborted("request aborted by a suspend for refit"))
-
-    def _take(self, steps: list[base.TokenStep]) -> None:
-        """Deliver one decode step's tokens to their open sequences: one sink call per sink.
-
-        Per token this is one dict lookup and one append; cancellations and aborts are settled
-        once for the whole step (:meth:`_reap`) before any token of it is handed over."""
-        self._reap()
-        opened = self._open
-        outbox = self._outbox
-        delivered = 0
-        for step in steps:
-            pending = opened.get(step.request_id)
-            if pending is None:
-                continue  # closed early; the backend learns it at the next admit
-            finish = step.finish_reason
-            if finish is None:
-                if pending.key is not pending.request.request_id:  # an alias: the client's id back
-                    step = msgspec.structs.replace(step, request_id=pending.request.request_id)
-                outbox.append((pending, step))
-                delivered += 1
-            elif finish == "abort" and step.token_id == base.NO_TOKEN:
-                self._close(pending, EngineError("the backend could not run this sequence"), told=True)
-            else:
-                if pending.key is not pending.request.request_id:
-                    step = msgspec.structs.replace(step, request_id=pending.request.request_id)
-                outbox.append((pending, step))
-                delivered += 1
-                self._close(pending, None, told=True)
-        self.generated_tokens += delivered
-        self._flush()
-
-    def _deliver(self, pending: Handle, item: base.TokenStep | BaseException) -> None:
-        """Hold ``item`` for the step's one call to the sequence's sink (:meth:`_flush`)."""
-        self._outbox.append((pending, item))
-
-    def _flush(self) -> None:
-        """Hand the step's items to their sinks, one call per sink (backend thread)."""
-        if self._outbox:
-            items, self._outbox = self._outbox, []
-            _send(items)
-
-    def _close(self, pending: Handle, error: BaseException | None, *, told: bool = False) -> None:
-        """End one open sequence of the running batch (``told``: the backend already ended it)."""
-        if self._open.pop(pending.key, None) is None:
-            return
-        pending.done = True
-        if not told:
-            self._leaving.add(pending.key)
-        if error is not None:
-            self._deliver(pending, error)
+    def _ended(self) -> None:
+        """One sequence of the running batch ended (backend thread)."""
         with self._idle:
             self._in_flight -= 1
             self._idle.notify_all()
 
 
-def _send(items: list[tuple[Handle, base.TokenStep | BaseException]]) -> None:
-    """Call each sink once with its sequences' items, in order; a failing sink is logged and skipped.
-
-    Consecutive items mostly share a sink (one request's sequences, one API server's), so the
-    grouping looks a sink up only when it changes."""
-    grouped: dict[int, tuple[Sink, list[Item]]] = {}
-    last: Sink | None = None
-    batch: list[Item] = []
-    for handle, item in items:
-        sink = handle.sink
-        if sink is not last:
-            entry = grouped.get(id(sink))
-            if entry is None:
-                entry = grouped[id(sink)] = (sink, [])
-            last, batch = sink, entry[1]
-        batch.append((handle.tag, item))
-    for sink, batch in grouped.values():
-        try:
-            sink(batch)
-        except Exception:
-            log.exception("an output sink failed; its %d items are dropped", len(batch))
+def _end(handles: list[Handle], error: Callable[[], BaseException]) -> None:
+    """End sequences that never ran, each with its own ``error()``."""
+    for pending in handles:
+        pending.done = True
+    running_batch.send([(pending, error()) for pending in handles])
 
 
 def _put_all(queue: asyncio.Queue[base.TokenStep | BaseException], items: list[Item]) -> None:

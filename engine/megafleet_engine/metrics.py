@@ -4,9 +4,10 @@
 with the engine (in the engine core process). It is fed by the frontend through
 :class:`FrontendMetrics` (the :class:`RequestMetrics` middleware: requests, latency; serving: prompt
 tokens, time to first token), directly in process or forwarded by the API-server processes
-(:mod:`megafleet_engine.core_ipc`), and by the refit code (:meth:`Metrics.observe_refit`); queue
-depth, waiting and running sequences, KV-cache use, generated tokens, weight version and engine
-state are read from the engine at scrape time. :func:`build_app` is called by
+(:mod:`megafleet_engine.core_ipc`), and by the refit code (:meth:`Metrics.observe_refit`,
+:meth:`Metrics.observe_refit_stall`); queue depth, waiting and running sequences, KV-cache use,
+generated tokens, the sequences refits kept and the tokens they recomputed, weight version and
+engine state are read from the engine at scrape time. :func:`build_app` is called by
 :mod:`megafleet_engine.server`.
 
 Names follow Prometheus's conventions (``megafleet_`` prefix, base units, ``_total`` counters,
@@ -37,6 +38,8 @@ LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0,
 """Request latency and time to first token, in seconds: from a cached token to a long generation."""
 REFIT_BUCKETS = (0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 600.0)
 """Refit duration, in seconds: from a tiny CPU model to a large model over the network."""
+STALL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 300.0)
+"""A refit's stall, in seconds: a staged switch (milliseconds) to an in-place drain (up to minutes)."""
 
 
 class FrontendMetrics(Protocol):
@@ -85,6 +88,13 @@ class Metrics:
             buckets=REFIT_BUCKETS,
             registry=self.registry,
         )
+        self.refit_stall = prometheus_client.Histogram(
+            "megafleet_refit_stall_seconds",
+            "How long a successful refit kept this engine from generating: from its last step before "
+            "the refit to its first after (a drain's wait excluded; the switch and any recompute included).",
+            buckets=STALL_BUCKETS,
+            registry=self.registry,
+        )
         self.registry.register(_EngineCollector(engine, max_sequence_length))
 
     def observe_request(self, endpoint: str, status: int, seconds: float) -> None:
@@ -100,6 +110,10 @@ class Metrics:
     def observe_refit(self, duration_seconds: float, *, succeeded: bool) -> None:
         """Record one refit; called by the refit code when a refit ends either way."""
         self.refit_duration.labels(outcome="succeeded" if succeeded else "failed").observe(duration_seconds)
+
+    def observe_refit_stall(self, seconds: float) -> None:
+        """Record how long one successful refit stalled generation; called by the refit code."""
+        self.refit_stall.observe(seconds)
 
     def exposition(self) -> bytes:
         """The text format Prometheus scrapes."""
@@ -137,6 +151,16 @@ class _EngineCollector(registry.Collector):
             "megafleet_generated_tokens",
             "Tokens generated (counted by the engine core).",
             value=engine.generated_tokens,
+        )
+        yield core.CounterMetricFamily(
+            "megafleet_refit_kept_sequences",
+            "Sequences that went on across a refit's switch of the weights (in-flight mode keep).",
+            value=engine.pauses.kept_sequences,
+        )
+        yield core.CounterMetricFamily(
+            "megafleet_refit_recomputed_tokens",
+            "Tokens whose KV cache a refit recomputed with the new weights (keep with kvCacheMode recompute).",
+            value=engine.pauses.recomputed_tokens,
         )
         version = core.GaugeMetricFamily(
             "megafleet_weight_version", "Weight version served; absent until the first weights are loaded."

@@ -16,17 +16,20 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import ipaddress
+import typing
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 import httpx
 
+from megafleet_protocol import vocabulary
+
 __all__ = ["SiblingError", "Siblings", "combine", "sibling_host", "sibling_port"]
 
 FORWARD_TIMEOUT_SECONDS = 30.0
 """How long one forwarded call may take (a refit call returns at once; its work runs on a thread)."""
-_ORDER = ("idle", "suspending", "joining", "receiving", "applying", "resuming", "succeeded", "failed")
+_ORDER: tuple[str, ...] = typing.get_args(vocabulary.AttemptPhase)  # the least advanced first
 
 
 def sibling_host(pod_ip: str) -> str:

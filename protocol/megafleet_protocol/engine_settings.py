@@ -171,13 +171,17 @@ class Settings:
     ``spec.engine.env``."""
 
     refit_staging: vocabulary.StagingMode = "off"
-    """``MEGAFLEET_REFIT_STAGING``: ``off``, ``auto`` or ``required``: whether the engine allocates, at
-    start, a staging copy of its weights that refits receive into while it serves (spec.refit.staging).
-    Default ``off``, the API's default: nothing allocated, refits write in place."""
+    """``MEGAFLEET_REFIT_STAGING``: ``off``, ``auto`` or ``required``: whether the engine allocates, once
+    at start, a staging copy of its weights that refits receive into while it serves (the pause then
+    covers only the switch; spec.refit.staging). ``off`` allocates nothing; ``auto`` and ``required``
+    allocate it when the memory rule allows (free memory after the model and its KV cache covers the
+    copy, two bucket buffers and the headroom: :mod:`megafleet_engine.refit_staging`); without room the
+    pod still serves and ``GET /v1/state`` says why, and the refits that require staging fail with
+    ``StagingUnavailable``. Default ``off``: the copy doubles the weights' memory."""
 
     refit_staging_headroom_mib: int = 1024
-    """``MEGAFLEET_REFIT_STAGING_HEADROOM_MIB``: device memory, in MiB, that staging leaves free beside
-    the staging copy and two receive buffers (spec.refit.stagingHeadroomMiB). Default 1024."""
+    """``MEGAFLEET_REFIT_STAGING_HEADROOM_MIB``: memory the staging rule leaves free beside the copy and
+    the receive buffers, in MiB (spec.refit.stagingHeadroomMiB). Default 1024."""
 
     api_servers: int | None = None
     """``MEGAFLEET_API_SERVERS``: API-server processes that serve the OpenAI frontend of a frontend

@@ -78,6 +78,11 @@ def test_agent_state_with_the_token(served: harness.Served) -> None:
         "worldSize": 1,
         "lastError": None,
         "queueDepth": 0,
+        "capabilities": {
+            "keepModes": ["persist", "recompute"],
+            "stagingBytes": None,
+            "stagingReason": "MEGAFLEET_REFIT_STAGING is off: this engine holds no staging copy",
+        },
     }
     assert served.servers.served_address == served.frontend_url.removeprefix("http://")
 

@@ -223,8 +223,8 @@ def test_cancelled_request_stops_and_the_others_go_on(backend: transformers_back
     steps_by_id: dict[str, int] = {}
     original = backend.generate
 
-    def counting(batch: Any) -> Any:
-        for steps in original(batch):
+    def counting(batch: Any, admit: Any = None) -> Any:
+        for steps in original(batch, admit):
             for step in steps:
                 steps_by_id[step.request_id] = steps_by_id.get(step.request_id, 0) + 1
             yield steps
@@ -235,7 +235,7 @@ def test_cancelled_request_stops_and_the_others_go_on(backend: transformers_back
         await stream.aclose()  # the client is gone
         return await other
 
-    backend.generate = counting  # type: ignore[method-assign, assignment]
+    backend.generate = counting  # type: ignore[method-assign]
     try:
         other_tokens = asyncio.run(scenario())
     finally:
@@ -255,10 +255,10 @@ def test_weight_writes_wait_for_the_batch_and_never_overlap_generation(
     generating = threading.Event()
     original = backend.generate
 
-    def flagged(batch: Any) -> Any:
+    def flagged(batch: Any, admit: Any = None) -> Any:
         generating.set()
         try:
-            yield from original(batch)
+            yield from original(batch, admit)
         finally:
             generating.clear()
 
@@ -270,7 +270,7 @@ def test_weight_writes_wait_for_the_batch_and_never_overlap_generation(
         overlapped = await core.run_exclusive(write)  # queued while the batch runs
         return [first] + [step.token_id async for step in stream], overlapped
 
-    backend.generate = flagged  # type: ignore[method-assign, assignment]
+    backend.generate = flagged  # type: ignore[method-assign]
     try:
         tokens, overlapped = asyncio.run(scenario())
     finally:
@@ -351,7 +351,7 @@ def test_suspend_abort_ends_running_and_queued_requests(backend: transformers_ba
 # -- the admission path of the scheduler, on a backend double ------------------------------------
 
 
-class SteppedBackend:
+class SteppedBackend(base.InPlaceOnly):
     """A backend double with continuous batching: each sequence yields ``100 + n`` at its n-th step
     and finishes after ``max_tokens``; every step waits for the test's go-ahead and then admits (so
     what was queued before the go-ahead joins that step), and everything the scheduler does to it is
@@ -409,7 +409,7 @@ class SteppedBackend:
     def parameters(self) -> dict[str, torch.Tensor]:
         return {}
 
-    def load_checkpoint(self, source: str) -> None:
+    def load_checkpoint(self, source: str, *, staged: bool = False) -> None:
         pass
 
     def begin_weight_update(self, kv_cache_mode: vocabulary.KvCacheMode) -> None:

@@ -37,6 +37,7 @@ class _Socket:
 
 class _Engine:
     weight_version = 7
+    weight_kv = "recompute"
 
 
 def _pack(items: list[engine_module.Item]) -> messages.Outputs:
@@ -58,7 +59,7 @@ def test_a_step_without_logprobs_travels_as_two_int_arrays() -> None:
     assert (outputs.seqs, outputs.token_ids) == ([3, 5], [11, 12])
     assert outputs.logprobs is None and outputs.tops is None
     assert outputs.finished == [(1, "length")]
-    assert outputs.weight_version == 7
+    assert (outputs.weight_version, outputs.weight_kv) == (7, "recompute")
 
 
 def test_the_api_server_gets_back_the_steps_the_core_sent(tmp_path: Path) -> None:
@@ -151,7 +152,7 @@ def test_a_step_that_cannot_be_encoded_fails_its_sequences() -> None:
     assert all(failure.kind == "error" and "could not be sent" in failure.message for failure in outputs.failures)
 
 
-class _SteppedBackend:
+class _SteppedBackend(base.InPlaceOnly):
     """Yields one token per open sequence per step, for ``steps`` steps, each step once the test
     releases ``go``; records which sequences it was told left."""
 

@@ -77,7 +77,7 @@ def test_metrics_count_requests_tokens_and_read_engine_state(served: harness.Ser
     assert after[("megafleet_engine_state", (("state", "suspended"),))] == 1
 
 
-class _HeldBackend:
+class _HeldBackend(base.InPlaceOnly):
     """A backend double that holds its batch until the test lets it go, then gives each sequence
     one token: what is queued meanwhile waits (no continuous batching)."""
 

@@ -391,14 +391,14 @@ def test_client_disconnect_cancels_generation(served: harness.Served, stream: bo
     generating = threading.Event()
     original = served.backend.generate
 
-    def counting(batch: Any) -> Any:
-        for steps in original(batch):
+    def counting(batch: Any, admit: Any = None) -> Any:
+        for steps in original(batch, admit):
             for step in steps:
                 produced[step.request_id] = produced.get(step.request_id, 0) + 1
             generating.set()
             yield steps
 
-    served.backend.generate = counting  # type: ignore[method-assign, assignment]
+    served.backend.generate = counting  # type: ignore[method-assign]
     try:
         body = json.dumps(
             {"model": harness.MODEL, "prompt": "abc", "max_tokens": 240, "stream": stream, "ignore_eos": True}

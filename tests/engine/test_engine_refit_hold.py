@@ -24,7 +24,7 @@ from megafleet_engine.backends import base
 from megafleet_protocol import vocabulary
 
 
-class VersionedBackend:
+class VersionedBackend(base.InPlaceOnly):
     """A backend double: the n-th token of a sequence is ``1000 * version + n``, where ``version``
     is what the last weight write set; each step waits for ``flowing`` (so a test can keep a batch
     in flight)."""
@@ -62,7 +62,7 @@ class VersionedBackend:
     def parameters(self) -> dict[str, torch.Tensor]:
         return {}
 
-    def load_checkpoint(self, source: str) -> None:
+    def load_checkpoint(self, source: str, *, staged: bool = False) -> None:
         pass
 
     def begin_weight_update(self, kv_cache_mode: vocabulary.KvCacheMode) -> None:

@@ -61,6 +61,8 @@ def test_every_variable_is_read() -> None:
         "MEGAFLEET_HTTP_STALL_TIMEOUT_SECONDS": "30",
         "MEGAFLEET_HTTP_KEEP_ALIVE_SECONDS": "20",
         "MEGAFLEET_HTTP_MAX_BODY_MIB": "8",
+        "MEGAFLEET_REFIT_STAGING": "auto",
+        "MEGAFLEET_REFIT_STAGING_HEADROOM_MIB": "2048",
     }
     read = settings.from_env(env)
     assert read == settings.Settings(
@@ -97,6 +99,8 @@ def test_every_variable_is_read() -> None:
         http_stall_timeout_seconds=30,
         http_keep_alive_seconds=20,
         http_max_body_mib=8,
+        refit_staging="auto",
+        refit_staging_headroom_mib=2048,
     )
     assert read.model_name == "policy"
     assert read.api_server_count == 3
@@ -154,6 +158,8 @@ INVALID = [
     ("MEGAFLEET_FUSED_KERNELS", "triton", "one of rope-swiglu, off, gemv, all"),
     ("MEGAFLEET_PREFILL_GRAPHS", "on", "one of true, false"),
     ("MEGAFLEET_KV_CACHE_GIB", "0", "at least 1"),
+    ("MEGAFLEET_REFIT_STAGING", "on", "one of off, auto, required"),
+    ("MEGAFLEET_REFIT_STAGING_HEADROOM_MIB", "-1", "at least 0"),
     ("MEGAFLEET_LOCAL_RANKS", "3", "exceeds"),
     ("MEGAFLEET_REFIT_WAIT_SECONDS", "-5", "at least 0, got -5"),
     ("MEGAFLEET_REFIT_WAIT_SECONDS", "86401", "at most 86400"),

@@ -77,6 +77,20 @@ def test_batch_never_returns_two_versions_at_once() -> None:
     asyncio.run(run())
 
 
+def test_a_later_span_says_how_the_kv_crossed_its_switch() -> None:
+    async def run() -> None:
+        batch = engine_client.Batch(2, lambda indexes: None)
+        batch.push([_step(0, 10), _step(1, 20)], 1)  # the first span never has one
+        batch.push([_step(0, 11)], 2, "recompute")  # a refit kept sequence 0 and recomputed its KV
+        batch.push([_step(0, 12), _step(1, 21, "length")], 2, "recompute")
+        batch.push([_step(0, 13, "length")], 3, "persist")
+        await _drain(batch)
+        assert batch.spans(0) == (Span(0, 1), Span(1, 2, "recompute"), Span(3, 3, "persist"))
+        assert batch.spans(1) == (Span(0, 1), Span(1, 2, "recompute"))
+
+    asyncio.run(run())
+
+
 def test_batch_spans_count_only_the_tokens_it_returned() -> None:
     async def run() -> None:
         batch = engine_client.Batch(2, lambda indexes: None)

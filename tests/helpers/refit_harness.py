@@ -157,6 +157,7 @@ class AgentClient:
         suspend_mode: str = "drain",
         bucket_size_mib: int = 1,
         integrity: str = "none",
+        kv_cache_mode: str | None = None,
     ) -> httpx.Response:
         body = {
             "version": version,
@@ -165,6 +166,7 @@ class AgentClient:
             "timeoutSeconds": timeout_seconds,
             "suspendMode": suspend_mode,
             "integrity": integrity,
+            "kvCacheMode": kv_cache_mode,
             "rendezvous": {
                 "address": TRAINER_ADDRESS,
                 "port": port,

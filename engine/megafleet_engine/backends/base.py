@@ -102,22 +102,76 @@ NO_TOKEN = -1
 
 
 @dataclasses.dataclass(frozen=True)
+class Switched:
+    """What a backend did when it applied a :class:`Switch` (it hands this to ``Switch.done``)."""
+
+    recomputed_tokens: int = 0
+    """Tokens whose KV it recomputed with the new weights (``recompute``: every running sequence's
+    prompt plus the tokens it generated so far; ``persist``: 0)."""
+    recompute_seconds: float = 0.0
+    """How long the recompute took (the forward over those tokens)."""
+
+
+def _ignore(switched: Switched) -> None:
+    """The default ``Switch.done``: nobody waits for the outcome."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Switch:
+    """The weights changed while the backend thread was parked at a step boundary (or idle).
+
+    Handed to the backend by the scheduler (:class:`megafleet_engine.engine.Engine`) exactly once
+    per switch: as :attr:`Admission.switch` from the ``admit`` call of the step boundary where the
+    thread was parked, or through :meth:`Backend.switch_weights` when it was parked between batches.
+    The new weights are already in the live parameters when the backend sees it (written in place
+    while parked, or copied from the staging copy by :meth:`Backend.commit_staged` just before);
+    the backend applies ``kv_cache_mode`` to the sequences still running before its next forward:
+
+    * ``persist``: nothing; the KV computed with the old weights stays and the next token of every
+      sequence is computed with the new weights over it;
+    * ``recompute``: every running sequence's prefix (prompt plus every token it generated) is run
+      through the new weights before its next token, and that KV replaces the old; with greedy
+      sampling each later token equals what a fresh engine at ``version`` produces from the prefix;
+    * ``offload``: the KV went to host memory during the writes and comes back unchanged (persist's
+      contents); only backends that list it in :attr:`Backend.keep_modes` get it.
+
+    Then it calls :attr:`done` once (on the backend thread) with what it did; a backend that ends the
+    batch instead of taking another step may skip it (the scheduler then reports nothing recomputed).
+    """
+
+    version: int
+    """The weight version the sequences continue with (the scheduler already stamps it on every step
+    from now on)."""
+    kv_cache_mode: vocabulary.KvCacheMode
+    """What to do with the KV the running sequences hold: one of the backend's :attr:`Backend.keep_modes`."""
+    staged: bool = False
+    """The new weights came from the staging copy (already committed into the live tensors)."""
+    done: Callable[[Switched], None] = dataclasses.field(default=_ignore, compare=False, repr=False)
+    """Called by the backend once it applied the switch, before its next forward."""
+
+
+@dataclasses.dataclass(frozen=True)
 class Admission:
     """What the scheduler hands a running batch between two decode steps.
 
     ``join``: sequences to add to the batch now (continuous batching); never more than the
     capacity the backend asked with. ``leave``: request ids of running sequences the scheduler has
     closed (cancelled by the client, aborted by a suspend); the backend should stop generating them
-    (their later steps are dropped by the scheduler in any case).
+    (their later steps are dropped by the scheduler in any case). ``switch``: the weights changed
+    before this step (the thread was parked here for a refit that keeps the running sequences):
+    apply its KV-cache mode before the next forward (:class:`Switch`); ``None`` on every other step.
     """
 
     join: tuple[SequenceRequest, ...] = ()
     leave: Collection[str] = frozenset()
+    switch: Switch | None = None
 
 
 Admit = Callable[[int], Admission]
 """``admit(capacity)``: called by a backend between decode steps with how many more sequences it can
-take now (``0``: none, only ask what leaves); returns the :class:`Admission`."""
+take now (``0``: none, only ask what leaves); returns the :class:`Admission`. The call is the step
+boundary where a refit that keeps the running sequences parks the backend thread: it may take as
+long as the refit's writes (its weight writes and ``settle`` run inside it, on this thread)."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -164,9 +218,24 @@ class Backend(Protocol):
     Lifecycle: construct (loads the model skeleton; with deferred init, no weights), then
     :meth:`load_checkpoint` or the first weight writes + :meth:`finish_weight_update`, and
     :meth:`close` at the end. The scheduler guarantees :meth:`generate` and the weight methods never
-    run concurrently, and calls them all from one thread. A refit is :meth:`begin_weight_update`
-    (nothing in flight), weight writes, :meth:`settle_weight_update`, :meth:`finish_weight_update`,
-    with the same KV-cache mode.
+    run concurrently, and calls them all from one thread (the *backend thread*). Weights change only
+    on that thread, parked at a step boundary or idle. A refit takes one of three shapes:
+
+    * *drain or abort, in place* (every backend): :meth:`begin_weight_update` (nothing in flight),
+      weight writes, :meth:`settle_weight_update`, :meth:`finish_weight_update`, with the same
+      KV-cache mode;
+    * *keep, in place* (a mode of :attr:`keep_modes`): the thread parks inside ``admit`` between two
+      steps of the running batch (or between batches), the weight writes and
+      :meth:`settle_weight_update` run there with the sequences in flight, then the next ``admit``
+      returns :attr:`Admission.switch` (:meth:`switch_weights` when parked between batches); no
+      ``begin``/``finish_weight_update``;
+    * *staged* (:meth:`staging_bytes` > 0 and :meth:`prepare_staging` ran at start): the writes go
+      into the staging copy (:meth:`staged_parameters`, :meth:`staged_shard_map`) on the refit's own
+      thread while the backend keeps generating; at the switch, on the backend thread,
+      :meth:`commit_staged` copies it into the live tensors, followed by a :class:`Switch` (keep) or
+      :meth:`finish_weight_update` (drain, abort); a failed refit calls :meth:`discard_staged`.
+
+    A backend that can neither keep nor stage can take its members from :class:`InPlaceOnly`.
 
     A shard may span several rank processes (megatron with TP or PP > 1): the first rank of the
     group (the frontend rank) generates; every other rank :attr:`follows`, runs
@@ -185,6 +254,13 @@ class Backend(Protocol):
 
     kv_cache_mode: vocabulary.KvCacheMode
     """The KV-cache mode of refits unless the engine is told another."""
+
+    keep_modes: frozenset[vocabulary.KvCacheMode]
+    """The KV-cache modes under which this backend keeps its running sequences across a refit: the
+    scheduler passes ``admit`` to :meth:`generate` (whatever :attr:`supports_admission` says), may park
+    its thread inside that call with sequences in flight, and hands it a :class:`Switch` in one of
+    these modes. Empty: it cannot pause between steps (a refit drains or aborts first, and the
+    thread parks only between batches)."""
 
     @property
     def tokenizer(self) -> Tokenizer | None:
@@ -208,9 +284,17 @@ class Backend(Protocol):
         (one entry per sequence that produced a token) until all have finished. Closing the
         generator early lets the backend wind the batch down.
 
-        With ``admit`` (only passed when :attr:`supports_admission`), call ``admit(capacity)``
-        before every step: add the sequences it returns to the running batch and stop those it
-        says leave; keep going while any sequence runs."""
+        With ``admit`` (passed when :attr:`supports_admission` or :attr:`keep_modes`), call
+        ``admit(capacity)`` before every step: add the sequences it returns to the running batch,
+        stop those it says leave, and apply its :attr:`Admission.switch` before the next forward;
+        keep going while any sequence runs. A backend that cannot take sequences mid-batch asks with
+        capacity 0."""
+        ...
+
+    def switch_weights(self, switch: Switch) -> None:
+        """The weights changed while the thread was parked between batches (nothing in flight):
+        apply what ``switch`` means without running sequences (usually nothing: the next batch
+        starts on the new weights) and call ``switch.done``."""
         ...
 
     def parameters(self) -> dict[str, torch.Tensor]:
@@ -222,8 +306,46 @@ class Backend(Protocol):
         :meth:`parameters` holds every tensor whole (refit sinks pick how they write by it)."""
         ...
 
-    def load_checkpoint(self, source: str) -> None:
-        """Load weights from ``source`` into the live parameters (in place)."""
+    def load_checkpoint(self, source: str, *, staged: bool = False) -> None:
+        """Load weights from ``source`` into the live parameters (in place), or with ``staged`` into
+        the staging copy (only after :meth:`prepare_staging`; the refit's thread, while serving)."""
+        ...
+
+    def staging_bytes(self) -> int:
+        """Bytes a staging copy of this rank's parameters takes (``P`` of the staging memory rule),
+        whether or not one is allocated; 0: this backend cannot stage."""
+        ...
+
+    def prepare_staging(self) -> None:
+        """Allocate the staging copy: one tensor per live parameter tensor, of the same shape, dtype
+        and device. Called once, at engine start, after the model and its caches exist (the copy
+        never shrinks the KV cache the user sized), and only when the memory rule allows; every refit
+        reuses it, so no refit allocates it. Raises when this backend cannot stage."""
+        ...
+
+    def staged_parameters(self) -> dict[str, torch.Tensor]:
+        """The staging copy as :meth:`parameters` shows the live weights (same names, shapes and
+        views); a staged refit writes these from its own thread while :meth:`generate` runs. Raises
+        unless :meth:`prepare_staging` ran."""
+        ...
+
+    def staged_shard_map(self) -> ShardMap | None:
+        """The staging copy as :meth:`shard_map` shows the live one; ``None`` exactly when
+        :meth:`shard_map` is ``None``."""
+        ...
+
+    def commit_staged(self) -> None:
+        """Copy the whole staging copy into the live parameters in place (``torch._foreach_copy_`` or
+        ``copy_`` per tensor; never rebinding: CUDA graphs read the live addresses). On the backend
+        thread, parked at a step boundary or idle; the scheduler hands the :class:`Switch` (``staged``)
+        over right after. The staging copy keeps its contents (nothing reads them until the next
+        refit overwrites them all)."""
+        ...
+
+    def discard_staged(self) -> None:
+        """A staged refit failed before its switch: forget what it wrote into the staging copy (the
+        copy stays allocated for the next refit; the live weights were never touched). On the
+        refit's thread, while serving; never touches the live weights."""
         ...
 
     def begin_weight_update(self, kv_cache_mode: vocabulary.KvCacheMode) -> None:
@@ -252,3 +374,33 @@ class Backend(Protocol):
     def close(self) -> None:
         """Release what the backend holds (the first rank releases its followers)."""
         ...
+
+
+class InPlaceOnly:
+    """The members of :class:`Backend` for a backend that neither keeps sequences across a refit nor
+    stages (its refits drain or abort, then write in place): no :attr:`keep_modes`, no staging copy.
+    Mixed into such backends (and test doubles) so they still satisfy the protocol."""
+
+    keep_modes: frozenset[vocabulary.KvCacheMode] = frozenset()
+
+    def switch_weights(self, switch: Switch) -> None:
+        """Nothing in flight and no cache of its own that outlives a refit's ``finish_weight_update``."""
+        switch.done(Switched())
+
+    def staging_bytes(self) -> int:
+        return 0
+
+    def prepare_staging(self) -> None:
+        raise RuntimeError(f"{type(self).__name__} cannot stage a refit: it writes weights in place only")
+
+    def staged_parameters(self) -> dict[str, torch.Tensor]:
+        raise RuntimeError(f"{type(self).__name__} holds no staging copy")
+
+    def staged_shard_map(self) -> ShardMap | None:
+        raise RuntimeError(f"{type(self).__name__} holds no staging copy")
+
+    def commit_staged(self) -> None:
+        raise RuntimeError(f"{type(self).__name__} holds no staging copy")
+
+    def discard_staged(self) -> None:
+        """Nothing was staged."""

@@ -7,8 +7,19 @@ generator. Greedy decoding gives the model's own greedy output (``model.generate
 
 No continuous batching (``supports_admission = False``): the left-padded shared cache cannot take
 new rows mid-batch, so the scheduler starts the next batch when this one ends. Given an ``admit``
-anyway, :meth:`TransformersBackend.generate` asks it with capacity 0 between steps and stops the
-sequences that leave. No cache outlives a batch, so every KV-cache mode holds across refits as is.
+(always, since it keeps sequences across refits), :meth:`TransformersBackend.generate` asks it with
+capacity 0 between steps, stops the sequences that leave and applies a refit's switch. No cache
+outlives a batch, so every KV-cache mode holds across a drained refit as is.
+
+Keeping sequences across a refit (``keep_modes``: ``persist`` and ``recompute``; there is no host
+copy of the cache to offload to): the scheduler parks the backend thread inside ``admit`` while the
+weights are written, then hands over the :class:`~megafleet_engine.backends.base.Switch`. Under
+``persist`` the batch goes on with the same cache. Under ``recompute`` the cache, local to
+:meth:`~TransformersBackend.generate`, is rebuilt: every running row's prompt plus its generated
+tokens are left-padded again (finished rows dropped) and run through the new weights in one forward,
+whose cache replaces the old and whose last logits stand in for the next decode step, exactly as a
+fresh batch of those prefixes would start. A staging copy (:meth:`~TransformersBackend.prepare_staging`)
+is one tensor per parameter, committed with ``torch._foreach_copy_``.
 One process holds the whole model: it never follows another rank and has nothing to settle.
 
 Tokens are drawn, and log-probabilities reported, as :mod:`megafleet_engine.backends.sampling`
@@ -20,6 +31,7 @@ log-probabilities), ``log_softmax`` of the raw logits when greedy or when the se
 from __future__ import annotations
 
 import dataclasses
+import time
 from collections.abc import Generator, Sequence
 from pathlib import Path
 
@@ -35,8 +47,12 @@ from megafleet_protocol import vocabulary
 class _Running:
     request: base.SequenceRequest
     generator: torch.Generator | None
-    produced: int = 0
+    tokens: list[int] = dataclasses.field(default_factory=list)  # generated so far
     done: bool = False
+
+    @property
+    def length(self) -> int:
+        return len(self.request.prompt_token_ids) + len(self.tokens)
 
 
 class TransformersBackend:
@@ -44,6 +60,7 @@ class TransformersBackend:
 
     supports_admission = False
     kv_cache_mode: vocabulary.KvCacheMode = "persist"
+    keep_modes: frozenset[vocabulary.KvCacheMode] = frozenset({"persist", "recompute"})
     follows = False
     spans_ranks = False
 
@@ -66,6 +83,7 @@ class TransformersBackend:
             eos_token_id=int(eos) if eos is not None else None,
         )
         self._pad_id = int(tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (eos or 0))
+        self._staging: dict[str, torch.Tensor] | None = None  # the staging copy, once prepared
 
     # -- weights -------------------------------------------------------------------------------
 
@@ -76,8 +94,9 @@ class TransformersBackend:
         """Every parameter is held whole, by its HF name (:meth:`parameters`)."""
         return None
 
-    def load_checkpoint(self, source: str) -> None:
-        """Copy a checkpoint's tensors into the live parameters (never rebinding them)."""
+    def load_checkpoint(self, source: str, *, staged: bool = False) -> None:
+        """Copy a checkpoint's tensors into the live parameters (never rebinding them), or into the
+        staging copy."""
         if tiny.is_tiny(source):
             weights = tiny.reference_weights(source)
         else:
@@ -86,13 +105,47 @@ class TransformersBackend:
             weights = {}
             for path in sorted(Path(source).glob("*.safetensors")):
                 weights.update(load_file(str(path)))
-        live = self.parameters()
+        live = self.staged_parameters() if staged else self.parameters()
         missing = sorted(set(live) - set(weights))
         if missing:
             raise ValueError(f"checkpoint {source} lacks {len(missing)} parameters, e.g. {missing[:3]}")
         with torch.no_grad():
             for name, tensor in live.items():
                 tensor.copy_(weights[name])
+
+    # -- staging -------------------------------------------------------------------------------
+
+    def staging_bytes(self) -> int:
+        return sum(tensor.numel() * tensor.element_size() for tensor in self.parameters().values())
+
+    def prepare_staging(self) -> None:
+        """One empty tensor beside each parameter (idempotent)."""
+        if self._staging is None:
+            self._staging = {name: torch.empty_like(tensor) for name, tensor in self.parameters().items()}
+
+    def staged_parameters(self) -> dict[str, torch.Tensor]:
+        if self._staging is None:
+            raise RuntimeError(
+                "this engine holds no staging copy (MEGAFLEET_REFIT_STAGING is off, or there was no room)"
+            )
+        return dict(self._staging)
+
+    def staged_shard_map(self) -> None:
+        """Every staged tensor is held whole, by its HF name (:meth:`staged_parameters`)."""
+        return None
+
+    def commit_staged(self) -> None:
+        staged = self.staged_parameters()
+        live = self.parameters()
+        with torch.no_grad():
+            torch._foreach_copy_([live[name] for name in staged], list(staged.values()))
+
+    def discard_staged(self) -> None:
+        """Nothing reads the staging copy before the next refit overwrites all of it."""
+
+    def switch_weights(self, switch: base.Switch) -> None:
+        """Between batches no cache exists: the next batch starts on the new weights."""
+        switch.done(base.Switched())
 
     def begin_weight_update(self, kv_cache_mode: vocabulary.KvCacheMode) -> None:
         """No cache outlives a batch here, so every mode is already satisfied."""
@@ -118,34 +171,64 @@ class TransformersBackend:
         self, batch: Sequence[base.SequenceRequest], admit: base.Admit | None = None
     ) -> Generator[list[base.TokenStep], None, None]:
         running = [_Running(request, _generator(request.params, self.device)) for request in batch]
-        input_ids, attention_mask = self._left_pad([request.prompt_token_ids for request in batch])
-        position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)
-        cache: transformers.Cache = transformers.DynamicCache()
-        lengths = [len(request.prompt_token_ids) for request in batch]
+        output = self._prefill(running)
         while True:
-            output = self.model(
-                input_ids=input_ids,
-                attention_mask=attention_mask,
-                position_ids=position_ids,
-                cache=cache,
-                use_cache=True,
-            )
-            cache = output.cache
             logits = output.logits[:, -1, :].float()
-            steps, next_tokens = self._sample(running, logits, lengths)
+            steps, next_tokens = self._sample(running, logits)
             if steps:
                 yield steps
             if all(state.done for state in running):
                 return
             if admit is not None:  # capacity 0: only learn which sequences the scheduler closed
-                leave = admit(0).leave
+                admission = admit(0)
                 for state in running:
-                    state.done = state.done or state.request.request_id in leave
+                    state.done = state.done or state.request.request_id in admission.leave
                 if all(state.done for state in running):
                     return
+                if admission.switch is not None and admission.switch.kv_cache_mode == "recompute":
+                    running = [state for state in running if not state.done]
+                    output = self._recompute(running, admission.switch)
+                    continue
+                if admission.switch is not None:
+                    self._persist(admission.switch)
             input_ids = next_tokens.unsqueeze(-1)
-            attention_mask = torch.cat([attention_mask, torch.ones_like(input_ids)], dim=-1)
-            position_ids = position_ids[:, -1:] + 1
+            attention_mask = torch.cat([output.attention_mask, torch.ones_like(input_ids)], dim=-1)
+            position_ids = output.position_ids[:, -1:] + 1
+            output = self._forward(input_ids, attention_mask, position_ids, output.cache)
+
+    def _prefill(self, running: Sequence[_Running]) -> _Output:
+        """One forward over every row's prompt and generated tokens, left-padded, into a new cache."""
+        prefixes = [(*state.request.prompt_token_ids, *state.tokens) for state in running]
+        input_ids, attention_mask = self._left_pad(prefixes)
+        position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)
+        return self._forward(input_ids, attention_mask, position_ids, transformers.DynamicCache())
+
+    def _forward(
+        self,
+        input_ids: torch.Tensor,
+        attention_mask: torch.Tensor,
+        position_ids: torch.Tensor,
+        cache: transformers.Cache,
+    ) -> _Output:
+        output = self.model(
+            input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, cache=cache, use_cache=True
+        )
+        return _Output(output.logits, output.cache, attention_mask, position_ids)
+
+    def _recompute(self, running: list[_Running], switch: base.Switch) -> _Output:
+        """The running rows' prefixes through the new weights: a fresh cache, and the logits of
+        their next token (what the next decode step would have computed)."""
+        started = time.perf_counter()
+        output = self._prefill(running)
+        recomputed = sum(state.length for state in running)
+        switch.done(base.Switched(recomputed_tokens=recomputed, recompute_seconds=time.perf_counter() - started))
+        return output
+
+    def _persist(self, switch: base.Switch) -> None:
+        """The cache stays as the old weights computed it (``persist``); nothing else is kept."""
+        if switch.kv_cache_mode not in self.keep_modes:
+            raise ValueError(f"the transformers backend keeps with persist or recompute, not {switch.kv_cache_mode}")
+        switch.done(base.Switched())
 
     def _left_pad(self, prompts: Sequence[Sequence[int]]) -> tuple[torch.Tensor, torch.Tensor]:
         width = max(len(prompt) for prompt in prompts)
@@ -157,9 +240,7 @@ class TransformersBackend:
                 mask[row, width - len(prompt) :] = 1
         return ids.to(self.device), mask.to(self.device)
 
-    def _sample(
-        self, running: list[_Running], logits: torch.Tensor, lengths: list[int]
-    ) -> tuple[list[base.TokenStep], torch.Tensor]:
+    def _sample(self, running: list[_Running], logits: torch.Tensor) -> tuple[list[base.TokenStep], torch.Tensor]:
         steps: list[base.TokenStep] = []
         next_tokens = torch.full((len(running),), self._pad_id, dtype=torch.long, device=logits.device)
         for row, state in enumerate(running):
@@ -168,9 +249,8 @@ class TransformersBackend:
             params = state.request.params
             token, logprobs = _pick(logits[row], params, state.generator)
             next_tokens[row] = token
-            state.produced += 1
-            lengths[row] += 1
-            finish = self._finish_reason(token, state.produced, lengths[row], params)
+            state.tokens.append(token)
+            finish = self._finish_reason(token, len(state.tokens), state.length, params)
             state.done = finish is not None
             steps.append(
                 base.TokenStep(
@@ -193,6 +273,17 @@ class TransformersBackend:
         if produced >= params.max_tokens or length >= self.info.max_sequence_length:
             return "length"
         return None
+
+
+@dataclasses.dataclass(frozen=True)
+class _Output:
+    """One forward's logits and cache, and the mask and positions it ran with (the next step
+    extends them by one column)."""
+
+    logits: torch.Tensor
+    cache: transformers.Cache
+    attention_mask: torch.Tensor
+    position_ids: torch.Tensor
 
 
 def _generator(params: base.SamplingParams, device: torch.device) -> torch.Generator | None:

@@ -241,7 +241,7 @@ class CoreClient:
                 found = parts[id(batch)] = (batch, [])
             found[1].append((index, error_of(failed)))
         for batch, items in parts.values():
-            batch.push(items, outputs.weight_version)
+            batch.push(items, outputs.weight_version, outputs.weight_kv)
 
     def close(self) -> None:
         self._inbox.close(linger=0)

@@ -102,12 +102,12 @@ class _Client:
             else:
                 failures.append(failure(seq, item))
                 handles.pop(seq, None)
-        version = self._engine.weight_version
+        version, kv = self._engine.weight_version, self._engine.weight_kv
         try:
             if any_logprobs:
-                self.send(messages.Outputs(version, seqs, token_ids, logprobs, tops, finished, failures))
+                self.send(messages.Outputs(version, seqs, token_ids, logprobs, tops, finished, failures, kv))
             else:
-                self.send(messages.Outputs(version, seqs, token_ids, None, None, finished, failures))
+                self.send(messages.Outputs(version, seqs, token_ids, None, None, finished, failures, kv))
         except Exception as error:  # unsendable: fail its sequences rather than leave them waiting
             log.exception("API server %d: an engine step could not be sent; failing its sequences", self.slot)
             message = f"the engine's output could not be sent ({type(error).__name__})"

@@ -82,7 +82,8 @@ class Outputs(msgspec.Struct, tag="outputs", array_like=True):
     per token: ``seqs`` and ``token_ids`` always; ``logprobs`` (``None`` where a sequence asked for
     none) and ``tops`` (each token's alternatives, ``None`` where it asked for none) only when at
     least one token of the step has them, else ``None``; ``finished``: ``(position, reason)`` for
-    the tokens that end their sequence (few per step)."""
+    the tokens that end their sequence (few per step); ``weight_kv``: how kept sequences entered
+    ``weight_version`` (the engine's ``weight_kv``)."""
 
     weight_version: int | None
     seqs: list[int]
@@ -91,6 +92,7 @@ class Outputs(msgspec.Struct, tag="outputs", array_like=True):
     tops: list[list[tuple[int, float]] | None] | None
     finished: list[tuple[int, str]]
     failures: list[Failure]
+    weight_kv: str | None = None
 
 
 def no_tokens(weight_version: int | None, failures: list[Failure]) -> Outputs:

@@ -41,19 +41,20 @@ class Batch:
     def __init__(self, size: int, abort: Callable[[list[int]], None]) -> None:
         self.weight_version: int | None = None
         self.version: int | None = None
-        self._steps: collections.deque[tuple[int | None, Sequence[StepItem]]] = collections.deque()
+        self._steps: collections.deque[tuple[int | None, str | None, Sequence[StepItem]]] = collections.deque()
         self._wake = asyncio.Event()
         self._open = set(range(size))
         self._spans = [version_spans.VersionSpans() for _ in range(size)]
         self._abort = abort
         self._started = False
 
-    def push(self, items: Sequence[StepItem], weight_version: int | None) -> None:
-        """Add one step's items, computed with ``weight_version`` (called on the batch's event loop)."""
+    def push(self, items: Sequence[StepItem], weight_version: int | None, weight_kv: str | None = None) -> None:
+        """Add one step's items, computed with ``weight_version``, which kept sequences entered as
+        ``weight_kv`` says (the engine's; called on the batch's event loop)."""
         if not self._started:
             self._started = True
             self.weight_version = weight_version
-        self._steps.append((weight_version, items))
+        self._steps.append((weight_version, weight_kv, items))
         self._wake.set()
 
     async def next(self) -> list[tuple[int, base.TokenStep]] | None:
@@ -65,17 +66,17 @@ class Batch:
                 self._wake.clear()
                 await self._wake.wait()
                 continue
-            version = self._steps[0][0]
+            version, kv = self._steps[0][0], self._steps[0][1]
             tokens: list[tuple[int, base.TokenStep]] = []
             while self._steps and self._steps[0][0] == version:
-                for index, item in self._steps.popleft()[1]:
+                for index, item in self._steps.popleft()[2]:
                     if index not in self._open:
                         continue  # stopped early: drop what it still had in flight
                     if isinstance(item, BaseException):
                         raise item
                     if item.finish_reason is not None:
                         self._open.discard(index)
-                    self._spans[index].add(version)
+                    self._spans[index].add(version, kv=kv)
                     tokens.append((index, item))
             if tokens:
                 self.version = version
@@ -158,7 +159,7 @@ class LocalClient:
 
         def sink(items: list[engine_module.Item]) -> None:  # the backend thread, once per step
             with contextlib.suppress(RuntimeError):  # the loop is closed: the client is gone
-                loop.call_soon_threadsafe(batch.push, items, engine.weight_version)
+                loop.call_soon_threadsafe(batch.push, items, engine.weight_version, engine.weight_kv)
 
         handles.extend(await engine.enqueue(list(enumerate(requests)), sink))
         return batch

@@ -317,10 +317,13 @@ class CompletionLogprobs(OpenAIBaseModel):
 
 class VersionSpan(OpenAIBaseModel):
     """Extension: the choice's generated tokens from ``start`` (counted from 0) up to the next
-    span's start came from weight ``version`` (left out when the engine had none)."""
+    span's start came from weight ``version`` (left out when the engine had none); on a span after
+    the first, ``kv`` says how the KV of the earlier tokens crossed that switch (``persist``,
+    ``recompute``, ``offload``)."""
 
     start: int
     version: int | None = None
+    kv: str | None = None
 
 
 class CompletionChoice(OpenAIBaseModel):

@@ -261,7 +261,7 @@ def _token_prompts(prompt: protocol.Prompt, tokenizer: base.Tokenizer) -> list[l
 
 def _spans(batch: engine_client.Batch, index: int) -> list[protocol.VersionSpan]:
     """Choice ``index``'s version spans as the API shows them."""
-    return [protocol.VersionSpan(start=span.start, version=span.version) for span in batch.spans(index)]
+    return [protocol.VersionSpan(start=span.start, version=span.version, kv=span.kv) for span in batch.spans(index)]
 
 
 def _stamp(choice: dict[str, object], batch: engine_client.Batch, delta: choices.Delta, version: int | None) -> None:

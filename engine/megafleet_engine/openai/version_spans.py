@@ -6,7 +6,9 @@ every choice of a response (``weight_version_spans``) by :mod:`megafleet_engine.
 A span is ``(start, version)``: ``start`` counts the sequence's generated tokens from 0, and token
 ``i`` was sampled from logits computed with the version of the span with the largest start ``<= i``.
 A sequence whose version never changed has one span starting at 0; the spans change only where a
-step's version differs from the one before it. Imports nothing of the engine.
+step's version differs from the one before it. A later span also says what happened, at that switch,
+to the KV the earlier tokens had computed (``kv``: ``persist``, ``recompute`` or ``offload``; the
+engine's ``weight_kv`` for the version). Imports nothing of the engine.
 """
 
 from __future__ import annotations
@@ -24,6 +26,8 @@ class Span:
 
     start: int
     version: int | None
+    kv: str | None = None
+    """On a span after the first: how the KV of the tokens before ``start`` crossed the switch."""
 
 
 class VersionSpans:
@@ -38,12 +42,15 @@ class VersionSpans:
     def spans(self) -> tuple[Span, ...]:
         return tuple(self._spans)
 
-    def add(self, version: int | None, count: int = 1) -> None:
-        """Count ``count`` more tokens, all computed with ``version``."""
+    def add(self, version: int | None, count: int = 1, kv: str | None = None) -> None:
+        """Count ``count`` more tokens, all computed with ``version``, which the sequence's KV entered
+        as ``kv`` says (read only when this starts a span after the first)."""
         if count < 1:
             return
-        if not self._spans or self._spans[-1].version != version:
-            self._spans.append(Span(self.tokens, version))
+        if not self._spans:
+            self._spans.append(Span(0, version))
+        elif self._spans[-1].version != version:
+            self._spans.append(Span(self.tokens, version, kv))
         self.tokens += count
 
 

@@ -1,18 +1,25 @@
 """One refit attempt: its thread, its watchdog and its phases, whatever its source.
 
 Made and started by the refit controller (:mod:`megafleet_engine.refit_attempts.controller`) in the
-agent's route; everything after :meth:`Attempt.start` runs on the attempt's own thread (the HTTP
-server never waits on a collective), except :meth:`Attempt.abort`, which the watchdog's thread, the
-agent's abort route or a leave may call from any thread. The phases, in order:
+agent's route, with its modes (:mod:`~megafleet_engine.refit_attempts.modes`: what it does with the
+sequences in flight, whether it stages) and the weight target they call for; everything after
+:meth:`Attempt.start` runs on the attempt's own thread (the HTTP server never waits on a
+collective), except :meth:`Attempt.abort`, which the watchdog's thread, the agent's abort route or a
+leave may call from any thread. The phases, in order:
 
-1. the source's :meth:`~megafleet_engine.refit_attempts.sources.Source.run`: suspend the engine
-   (``suspending``), join or reuse the trainer's world (``joining``), receive and write in place
-   (``receiving``) or load (``applying``), and verify no parameter was rebound;
-2. settle: on a shard of several ranks, agree that every rank holds the new version;
-3. commit (``resuming``): claim success, resume the engine with the new version, keep the source's
-   group for the next refit, report ``succeeded`` and only then tell the trainer;
-4. or fail: tell the trainer, then abort (the engine ``stale``, the group torn down, ``failed``);
-   the watchdog expires the attempt the same way at its deadline.
+1. the source's :meth:`~megafleet_engine.refit_attempts.sources.Source.run`: hold the engine
+   (``suspending`` for drain or abort, ``pausing`` at a step boundary for keep; a staged attempt
+   leaves it serving), join or reuse the trainer's world (``joining``), receive and write
+   (``receiving``, or ``staging`` into the staging copy) or load (``applying``), and verify no tensor
+   was rebound;
+2. commit (:mod:`~megafleet_engine.refit_attempts.engine_hold`): a staged attempt holds the engine
+   now (``staged``, then ``switching``); settle (on a shard of several ranks, agree that every rank
+   holds the new version); claim success; serve the version: a kept engine switches at its step
+   boundary (``switching``), a drained or aborted one resumes (``resuming``), a staged copy is copied
+   into the live weights first; park the source's group for the next refit, report ``succeeded`` and
+   only then tell the trainer;
+3. or fail: tell the trainer, then abort (the engine released as its weights allow, the group torn
+   down, ``failed``); the watchdog expires the attempt the same way at its deadline.
 
 docs/refit-protocol.md ("An attempt on the engine") tells each phase.
 """
@@ -26,11 +33,12 @@ import threading
 from collections.abc import Callable, Coroutine
 from typing import TYPE_CHECKING, Any, TypeVar
 
-from megafleet_engine.refit_attempts import watchdog
+from megafleet_engine.refit_attempts import engine_hold, watchdog
 from megafleet_protocol.refit import errors
 
 if TYPE_CHECKING:
     from megafleet_engine import metrics as metrics_module
+    from megafleet_engine.refit_attempts import modes as modes_module
     from megafleet_engine.refit_attempts import sources, weight_target
 
 __all__ = ["Attempt"]
@@ -48,10 +56,11 @@ class Attempt:
     Args:
         source: the request's source (made by the controller before it admitted the request:
             making it checks that the request fits this rank).
-        target: the engine's live weights.
+        target: the weights it writes: the engine's live weights, or its staging copy (``modes``).
         loop: the agent's event loop, where the engine's calls run.
+        modes: what it does with the sequences in flight and whether it stages.
         parked: what the last successful refit kept; the attempt's thread reuses it or discards it.
-        metrics: where the attempt's duration is recorded, if anywhere.
+        metrics: where the attempt's duration and stall are recorded, if anywhere.
     """
 
     def __init__(
@@ -59,6 +68,7 @@ class Attempt:
         source: sources.Source,
         target: weight_target.WeightTarget,
         loop: asyncio.AbstractEventLoop,
+        modes: modes_module.Modes,
         *,
         parked: weight_target.Kept | None = None,
         metrics: metrics_module.Metrics | None = None,
@@ -70,12 +80,19 @@ class Attempt:
         self.target = target
         self.engine = target.engine
         self.loop = loop
+        self.modes = modes
         self.parked = parked  # taken (reused or closed) by the attempt's thread
         self.metrics = metrics
         self.deadline = communicator.Deadline(request.timeout_seconds)
         self.record = source.record()
+        self.record.set_reports(in_flight=modes.in_flight, staging=modes.staging)
+        if modes.staged:  # the engine serves while the source receives
+            self.record.alias({"suspending": "staging", "receiving": "staging", "applying": "staging"})
+            self.record.enter("staging")
+        elif modes.keep:
+            self.record.enter("pausing")
+        self.hold = engine_hold.EngineHold(target, loop, modes, self.record, self.deadline)
         self.aborted = threading.Event()  # the communicator's abort flag, also before it exists
-        self._suspended: concurrent.futures.Future[None] | None = None  # a suspend overlapping the join
         self._watchdog = watchdog.Watchdog(request.timeout_seconds, self._expire)
         self._thread = threading.Thread(target=self._run, name=f"megafleet-refit-{request.version}", daemon=True)
 
@@ -89,10 +106,11 @@ class Attempt:
         return not self._thread.is_alive()
 
     def abort(self, reason: str, *, timed_out: bool) -> None:
-        """Fail the attempt now: mark the engine stale and tear its group down (any thread)."""
+        """Fail the attempt now: release the engine as far as its weights allow (a live engine that
+        holds part of the version goes stale) and tear its group down (any thread)."""
         if not self.record.finish(error=reason, timed_out=timed_out):
             return
-        self.engine.mark("stale", reason)
+        self.hold.release(reason)
         self.aborted.set()
         self._settle(ok=False)  # a following rank tells its first rank it does not hold the version
         self.source.abort(reason)
@@ -103,15 +121,18 @@ class Attempt:
 
     def _run(self) -> None:
         try:
+            if self.modes.unavailable is not None:  # nothing touched: the engine serves on
+                self._refuse(self.modes.unavailable)
+                return
             self.source.run(self)
             self._commit()
         except Exception as error:
             self.source.report(str(error) or type(error).__name__)
             self._fail(error)
         finally:
-            suspended = self._suspended
-            if suspended is not None and not suspended.done():
-                suspended.cancel()  # the join failed first; the engine stays closed (stale)
+            self.hold.cancel()  # a hold still starting (the join failed first): the engine stays held
+            if self.modes.staged and self.record.snapshot().phase == "failed":
+                self.engine.backend.discard_staged()
             self._watchdog.stop()
             self.drop_parked()  # failed before it got to the join
             self.source.close()
@@ -119,40 +140,17 @@ class Attempt:
     # -- what the source runs through (sources.Run) ---------------------------------------------
 
     def start_suspend(self) -> concurrent.futures.Future[None]:
-        """Start suspending the engine on the agent's loop (the suspend runs while the attempt
-        joins the trainer's world; nothing is received or written before it ends)."""
-        self._suspended = self._begin_suspend()
-        return self._suspended
+        """Start holding the engine on the agent's loop (suspend, pause, or nothing when staged);
+        it runs while the attempt joins the trainer's world, and nothing is received or written
+        before it ends."""
+        return self.hold.start()
 
     def suspend(self) -> None:
-        self.wait_suspended(self._begin_suspend())
-
-    def _begin_suspend(self) -> concurrent.futures.Future[None]:
-        request = self.request
-        if request.kv_cache_mode is not None:
-            self.engine.kv_cache_mode = request.kv_cache_mode
-        remaining = self.deadline.left("suspending the engine").total_seconds()
-
-        async def suspend() -> None:
-            with self.record.timed("suspend"):
-                # hold: requests arriving meanwhile wait for the new version instead of a 503
-                await self.engine.suspend(request.suspend_mode, timeout_seconds=remaining, hold=True)
-
-        coroutine = suspend()
-        try:
-            return asyncio.run_coroutine_threadsafe(coroutine, self.loop)
-        except RuntimeError:  # the loop is closed: the server is stopping
-            coroutine.close()
-            raise errors.RefitAborted("the agent is stopping; suspending did not run") from None
+        self.wait_suspended(self.hold.start())
 
     def wait_suspended(self, suspended: concurrent.futures.Future[None]) -> None:
-        """Wait until the suspend started by :meth:`start_suspend` ended, until the deadline."""
-        try:
-            suspended.result(timeout=self.deadline.left("suspending the engine").total_seconds())
-        except TimeoutError as error:  # the drain's own timeout, or this wait's (the same class)
-            if not suspended.done():
-                raise errors.RefitTimeout("the refit's deadline passed while suspending") from None
-            raise errors.RefitTimeout(f"suspending ({self.request.suspend_mode}) did not finish: {error}") from None
+        """Wait until the hold started by :meth:`start_suspend` is in place, until the deadline."""
+        self.hold.wait(suspended)
 
     def take_parked(self, key: tuple[object, ...], kind: type[K]) -> K | None:
         parked, self.parked = self.parked, None
@@ -169,14 +167,18 @@ class Attempt:
             parked.discard()
 
     def apply(self, write: Callable[[], int]) -> int:
-        """Run ``write`` on the backend thread, unless the attempt ended meanwhile."""
-        self.target.mark_dirty(True)
+        """Run ``write`` unless the attempt ended meanwhile: on the backend thread for the live
+        weights (suspended, or parked at a step boundary), on this thread for the staging copy
+        (the engine serves meanwhile)."""
 
         def guarded() -> int:
             if self.record.finished:
                 raise errors.RefitAborted("the refit ended; no further weights are written")
             return write()
 
+        if self.target.staged:
+            return guarded()
+        self.target.mark_dirty(True)
         return self._on_loop(self.engine.run_exclusive(guarded), "writing weights")
 
     # -- settle, commit, fail ---------------------------------------------------------------------
@@ -202,23 +204,28 @@ class Attempt:
             )
 
     def _commit(self) -> None:
-        self._settle(ok=True)
-        if not self.record.begin_commit():
-            raise errors.RefitAborted("the refit ended before it could resume the engine")
-        with self.record.timed("resume"):
-            self.engine.resume(weight_version=self.request.version)
+        pause = self.hold.commit(lambda: self._settle(ok=True))
         self.target.mark_dirty(False)
+        self.record.set_reports(pause=pause)
         self.source.keep(self.target)  # before the success shows: the next refit's call finds it parked
         self.record.finish(error=None)
         self.source.report(None)  # the trainer learns it once this version serves
-        self._observe(succeeded=True)
+        self._observe(succeeded=True, stall_seconds=pause.stall_seconds)
         snapshot = self.record.snapshot()
         log.info(
-            "refit to weight version %d succeeded in %.3f s (%s)",
+            "refit to weight version %d succeeded in %.3f s (%s; stalled %.3f s)",
             self.request.version,
             snapshot.duration_seconds or 0.0,
             ", ".join(f"{name} {seconds:.3f} s" for name, seconds in snapshot.phases),
+            pause.stall_seconds,
         )
+
+    def _refuse(self, reason: str) -> None:
+        """Fail before touching the engine (it serves on as it was)."""
+        if self.record.finish(error=reason):
+            self.source.report(reason)
+            self._observe(succeeded=False)
+            log.error("refit to weight version %d refused: %s", self.request.version, reason)
 
     def _fail(self, error: Exception) -> None:
         message = str(error) or type(error).__name__
@@ -237,19 +244,10 @@ class Attempt:
 
     def _on_loop(self, coroutine: Coroutine[Any, Any, T], what: str) -> T:
         """Run an engine coroutine on the agent's event loop and wait for it until the deadline."""
-        try:
-            future = asyncio.run_coroutine_threadsafe(coroutine, self.loop)
-        except RuntimeError:  # the loop is closed: the server is stopping
-            coroutine.close()
-            raise errors.RefitAborted(f"the agent is stopping; {what} did not run") from None
-        try:
-            return future.result(timeout=self.deadline.left(what).total_seconds())
-        except concurrent.futures.TimeoutError:
-            if future.done():  # the coroutine's own TimeoutError (a drain that did not finish)
-                raise
-            future.cancel()
-            raise errors.RefitTimeout(f"the refit's deadline passed while {what}") from None
+        return engine_hold.on_loop(self.loop, coroutine, self.deadline, what)
 
-    def _observe(self, *, succeeded: bool) -> None:
+    def _observe(self, *, succeeded: bool, stall_seconds: float | None = None) -> None:
         if self.metrics is not None:
             self.metrics.observe_refit(self.record.elapsed, succeeded=succeeded)
+            if stall_seconds is not None:
+                self.metrics.observe_refit_stall(stall_seconds)

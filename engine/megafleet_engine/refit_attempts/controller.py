@@ -10,10 +10,16 @@ what the last successful refit parked, and keeps the weight target
 world joined for a session (:mod:`~megafleet_engine.refit_attempts.nemo_world`).
 :meth:`RefitController.start` returns at once.
 
-Invariants: nothing is received or written before the suspend ended, so no response comes from two
-versions; the engine resumes only once every parameter of the version is written in place (and, on a
-shard of several ranks, every rank says so); any failure, the deadline or an abort leaves the engine
-``stale`` and the group aborted, never parked; once any weight was written the engine is *dirty* and
+Each attempt's modes (:meth:`RefitController.modes`: drain, abort or keep; in place or staged) are
+decided when it is admitted, from the request and what the engine can do; a staged attempt writes
+into the staging target (:class:`~megafleet_engine.refit_attempts.weight_target.StagingTarget`).
+
+Invariants: nothing is written into the live weights before the engine was suspended or paused at a
+step boundary, and every step is stamped with the version that computed it, so no token comes from a
+mixture; the new version serves only once every parameter of it is written (and, on a shard of several
+ranks, every rank says so); a failure, the deadline or an abort leaves the group aborted, never
+parked, and the engine ``stale`` unless nothing of the new version touched its live weights and it
+staged (it serves the old version on); once any live weight was written the engine is *dirty* and
 only a later complete refit brings it back. Only a successful refit parks its communicator for the
 next one, and the trainer hears ``done`` only after the engine serves the version.
 """
@@ -26,7 +32,7 @@ import threading
 from typing import TYPE_CHECKING
 
 from megafleet_engine.refit_attempts import attempt as attempt_module
-from megafleet_engine.refit_attempts import memberships, nemo_world, phases, sources, weight_target
+from megafleet_engine.refit_attempts import memberships, modes, nemo_world, phases, sources, weight_target
 from megafleet_protocol.refit import errors
 
 if TYPE_CHECKING:
@@ -71,7 +77,8 @@ class RefitController:
         self.engine = engine
         self.rank = rank
         self.metrics = metrics
-        self.target = weight_target.WeightTarget(engine, rank)
+        self.target = weight_target.LiveTarget(engine, rank)
+        self.staging_target = weight_target.StagingTarget(self.target)
         self._lock = threading.Lock()
         self._attempt: attempt_module.Attempt | None = None
         self._world: nemo_world.NemoMembership | None = None  # the last join of NeMo's world
@@ -129,12 +136,27 @@ class RefitController:
                     raise Busy(snapshot)
             if self.engine.state == "failed":
                 raise Refused(f"the engine failed ({self.engine.last_error}); a refit cannot repair it")
+            chosen = self.modes(request)
+            target = self.staging_target if chosen.staged else self.target
             # the attempt reuses what is parked or closes it, on its own thread
             parked = self.target.take_parked()
-            attempt = attempt_module.Attempt(source, self.target, loop, parked=parked, metrics=self.metrics)
+            attempt = attempt_module.Attempt(source, target, loop, chosen, parked=parked, metrics=self.metrics)
             self._attempt = attempt
         attempt.start()
         return attempt.record.snapshot()
+
+    def modes(self, request: sources.Request) -> modes.Modes:
+        """What an attempt of ``request`` does with the sequences in flight and where it writes, on
+        this engine (its backend's ``keep_modes``, its staging copy)."""
+        engine = self.engine
+        return modes.resolve(
+            in_flight=request.suspend_mode,
+            kv_cache_mode=request.kv_cache_mode or engine.kv_cache_mode,
+            staging=request.staging,
+            backend=backend_name(engine.backend),
+            keep_modes=engine.backend.keep_modes,
+            copy=engine.staging,
+        )
 
     def join(self, request: nemo_collective.NemoJoinRequest) -> memberships.WorldSnapshot:
         """Join NeMo's world for ``request.session`` on a thread of its own (the trainer's store master
@@ -233,3 +255,9 @@ class RefitController:
         if world is not None:
             world.aborted.set()
         self.target.discard_parked()
+
+
+def backend_name(backend: object) -> str:
+    """What the reasons call a backend: ``transformers`` for ``TransformersBackend``."""
+    name = type(backend).__name__
+    return name.removesuffix("Backend").lower() or name

@@ -148,8 +148,9 @@ class RefitRequest:
     version: int
     session: str
     timeout_seconds: float = 300.0
-    suspend_mode: vocabulary.SuspendMode = "drain"
+    suspend_mode: vocabulary.InFlightMode = "drain"
     kv_cache_mode: vocabulary.KvCacheMode | None = None
+    staging: vocabulary.StagingMode = "off"
 
 
 class _Membership:
@@ -354,6 +355,7 @@ class NativeRefits:
             timeout_seconds=request.timeout_seconds,
             suspend_mode=request.suspend_mode,
             kv_cache_mode=request.kv_cache_mode,
+            staging=request.staging,
         )
         return self.refits.start(swap, loop)
 

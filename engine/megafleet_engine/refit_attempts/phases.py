@@ -6,7 +6,12 @@ by the attempt's source (:mod:`megafleet_engine.refit_attempts.sources`) and by 
 ``GET /v1/refit/status``; every access holds one lock. The outcome is decided once:
 :meth:`Progress.finish` returns ``True`` only to the first caller, and :meth:`Progress.begin_commit`
 lets the attempt claim success before it resumes the engine, after which the watchdog can no longer
-fail it (so an engine is never resumed by an attempt that was already reported failed).
+fail it (so an engine is never resumed by an attempt that was already reported failed). A switch that
+fails after that claim (:meth:`Progress.cancel_commit`) gives the failure back its say.
+
+Besides its phase and timings, an attempt reports what it did with the sequences in flight
+(:class:`InFlight`), where it received its weights (:class:`Staging`) and how long it kept the engine
+from generating (:class:`Pause`).
 """
 
 from __future__ import annotations
@@ -20,13 +25,53 @@ from collections.abc import Iterator
 from megafleet_protocol import vocabulary
 from megafleet_protocol.refit import verification
 
-__all__ = ["TIMED_PHASES", "Progress", "Snapshot"]
+__all__ = ["TIMED_PHASES", "InFlight", "Pause", "Progress", "Snapshot", "Staging"]
 
-TIMED_PHASES = ("suspend", "join", "receive", "apply", "resume")
+TIMED_PHASES = ("suspend", "pause", "join", "receive", "apply", "switch", "resume")
 """Names of the timings, in order (the Refit status's ``phases``). Buckets are pipelined (bucket k is
 written while bucket k+1 travels): ``receive`` sums the time the attempt waited for bucket data and
 ``apply`` the time it waited for writes, so together they are the wall time of the transfer, not the
-sum of both costs."""
+sum of both costs. ``pause``: waiting for the engine to park at a step boundary (keep, in place);
+``switch``: from the end of the transfer to the new version serving (a staged attempt's pause or
+suspend, settle and copy, or a kept one's switch)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class InFlight:
+    """What an attempt did with the sequences in flight (``requested`` and ``effective`` differ, with
+    a ``reason``, when the backend cannot keep in the requested KV-cache mode: it drained)."""
+
+    requested: vocabulary.InFlightMode
+    effective: vocabulary.InFlightMode
+    kv_cache_mode: vocabulary.KvCacheMode
+    reason: str | None = None
+    kept: int = 0
+    drained: int = 0
+    aborted: int = 0
+    aborted_tokens: int = 0
+    recomputed_tokens: int = 0
+
+
+@dataclasses.dataclass(frozen=True)
+class Staging:
+    """Where an attempt received its weights: the staging copy (``staged``) or the live weights."""
+
+    requested: vocabulary.StagingMode
+    effective: vocabulary.StagingEffective
+    reason: str | None = None
+    bytes: int = 0
+
+
+@dataclasses.dataclass(frozen=True)
+class Pause:
+    """How long a successful attempt kept the engine from generating, in seconds: ``stall`` from its
+    last step before the switch to its first after (a drain's wait excluded), ``gate_closed`` while
+    new requests waited at the gate (0 when kept), and the ``switch`` copy and ``recompute`` in it."""
+
+    stall_seconds: float
+    gate_closed_seconds: float = 0.0
+    switch_seconds: float = 0.0
+    recompute_seconds: float = 0.0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -48,6 +93,9 @@ class Snapshot:
     timed_out: bool = False  # the watchdog (or a bounded wait) ended it at the deadline
     reused: bool = False  # the join kept the transfer group of the previous refit (none was built)
     verification: verification.Verification | None = None  # what verified the bytes (set by the receiver)
+    in_flight: InFlight | None = None
+    staging: Staging | None = None
+    pause: Pause | None = None  # once the engine serves the version
 
 
 class Progress:
@@ -70,6 +118,7 @@ class Progress:
         self._timings: dict[str, float] = {}
         self._running: dict[str, float] = {}  # timings in progress: name -> when the block started
         self._committing = False
+        self._aliases: dict[vocabulary.AttemptPhase, vocabulary.AttemptPhase] = {}
 
     @property
     def finished(self) -> bool:
@@ -81,10 +130,29 @@ class Progress:
         return time.monotonic() - self._started
 
     def enter(self, phase: vocabulary.AttemptPhase) -> None:
-        """Move to ``phase`` unless the outcome is decided."""
+        """Move to ``phase`` (as :meth:`alias` names it) unless the outcome is decided."""
         with self._lock:
             if self._state.phase not in ("succeeded", "failed"):
-                self._state = dataclasses.replace(self._state, phase=phase)
+                self._state = dataclasses.replace(self._state, phase=self._aliases.get(phase, phase))
+
+    def alias(self, aliases: dict[vocabulary.AttemptPhase, vocabulary.AttemptPhase]) -> None:
+        """Report the phases a source enters under other names from now on (a staged attempt's
+        ``receiving`` and ``applying`` are ``staging``: the engine serves meanwhile)."""
+        with self._lock:
+            self._aliases = dict(aliases)
+
+    def set_reports(
+        self, *, in_flight: InFlight | None = None, staging: Staging | None = None, pause: Pause | None = None
+    ) -> None:
+        """Replace the reports given (the others stay)."""
+        with self._lock:
+            state = self._state
+            self._state = dataclasses.replace(
+                state,
+                in_flight=in_flight or state.in_flight,
+                staging=staging or state.staging,
+                pause=pause or state.pause,
+            )
 
     @contextlib.contextmanager
     def timed(self, name: str) -> Iterator[None]:
@@ -120,14 +188,20 @@ class Progress:
         with self._lock:
             self._state = dataclasses.replace(self._state, verification=outcome)
 
-    def begin_commit(self) -> bool:
-        """Claim success before resuming; ``False`` when the attempt already failed (aborted)."""
+    def begin_commit(self, phase: vocabulary.AttemptPhase = "resuming") -> bool:
+        """Claim success before resuming or switching (``phase``); ``False`` when the attempt already
+        failed (aborted)."""
         with self._lock:
             if self._state.phase in ("succeeded", "failed"):
                 return False
             self._committing = True
-            self._state = dataclasses.replace(self._state, phase="resuming")
+            self._state = dataclasses.replace(self._state, phase=phase)
             return True
+
+    def cancel_commit(self) -> None:
+        """The switch failed after :meth:`begin_commit`: the attempt may fail after all."""
+        with self._lock:
+            self._committing = False
 
     def finish(self, *, error: str | None, timed_out: bool = False) -> bool:
         """Decide the outcome (``error is None``: succeeded). Only the first call counts, and a

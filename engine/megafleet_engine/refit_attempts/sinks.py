@@ -1,4 +1,5 @@
-"""Where received weights go: the live parameters of one engine rank, always written in place.
+"""Where received weights go: the parameters of one engine rank (its live weights, or its staging
+copy), always written in place.
 
 Built by the weight target (:mod:`~megafleet_engine.refit_attempts.weight_target`) and called by the
 receiver (:mod:`megafleet_protocol.refit.receiver`) or NeMo's (through
@@ -23,13 +24,35 @@ from __future__ import annotations
 import copy
 import dataclasses
 from collections.abc import Mapping
+from typing import Protocol
 
 import torch
 
 from megafleet_engine.backends import base, weight_maps
 from megafleet_protocol.refit import receiver, wire
 
-__all__ = ["NamedSink", "ShardSink", "pointers", "sink_for"]
+__all__ = ["NamedSink", "Parameters", "ShardSink", "Staged", "pointers", "sink_for"]
+
+
+class Parameters(Protocol):
+    """Tensors a sink writes into, as a backend shows its live weights (a backend is one)."""
+
+    def parameters(self) -> dict[str, torch.Tensor]: ...
+
+    def shard_map(self) -> base.ShardMap | None: ...
+
+
+@dataclasses.dataclass(frozen=True)
+class Staged:
+    """A backend's staging copy as :class:`Parameters` (``staged_parameters``, ``staged_shard_map``)."""
+
+    backend: base.Backend
+
+    def parameters(self) -> dict[str, torch.Tensor]:
+        return self.backend.staged_parameters()
+
+    def shard_map(self) -> base.ShardMap | None:
+        return self.backend.staged_shard_map()
 
 
 class NamedSink:
@@ -144,20 +167,20 @@ class ShardSink:
         return clone
 
 
-def sink_for(backend: base.Backend) -> receiver.Sink:
-    """The sink over ``backend``'s live parameters: a :class:`ShardSink` for a backend with a
-    megatron :meth:`~megafleet_engine.backends.base.Backend.shard_map`, else a :class:`NamedSink`
-    over ``backend.parameters()``."""
-    shards = backend.shard_map()
+def sink_for(tensors: Parameters) -> receiver.Sink:
+    """The sink over ``tensors`` (a backend's live parameters, or its :class:`Staged` copy): a
+    :class:`ShardSink` when they have a megatron :meth:`~megafleet_engine.backends.base.Backend.shard_map`,
+    else a :class:`NamedSink` over ``tensors.parameters()``."""
+    shards = tensors.shard_map()
     if shards is not None:
         return ShardSink(shards.live, shards.specs, shards.hf_shapes)
-    return NamedSink(backend.parameters())
+    return NamedSink(tensors.parameters())
 
 
-def pointers(backend: base.Backend) -> dict[str, int]:
-    """The storage address of every live parameter of ``backend``, read afresh: equal before and
-    after a refit when it wrote in place (a rebound parameter shows a new address)."""
-    shards = backend.shard_map()
+def pointers(tensors: Parameters) -> dict[str, int]:
+    """The storage address of every tensor of ``tensors``, read afresh: equal before and after a
+    refit when it wrote in place (a rebound parameter shows a new address)."""
+    shards = tensors.shard_map()
     if shards is not None:
         return {name: tensor.data_ptr() for name, tensor in shards.live.items()}
-    return {name: tensor.data_ptr() for name, tensor in backend.parameters().items()}
+    return {name: tensor.data_ptr() for name, tensor in tensors.parameters().items()}

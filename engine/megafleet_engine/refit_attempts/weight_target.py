@@ -1,11 +1,19 @@
-"""The weight target: one engine rank's live weights as a refit's sources see them, and what a
+"""The weight target: the weights of one engine rank a refit's sources write into, and what a
 successful refit keeps for the next one.
 
-Owned by the refit controller (:mod:`megafleet_engine.refit_attempts.controller`, one per engine
-process) and handed to each request's source (:mod:`megafleet_engine.refit_attempts.sources`), which
-writes through it on the attempt's thread; the controller reads ``dirty`` and ``parked`` for its
-admission and the status. Every field is guarded by one lock of its own: the agent's routes, the
-attempt's thread and a join's thread all touch it.
+:class:`WeightTarget` is what sources (:mod:`megafleet_engine.refit_attempts.sources`) see; they
+never learn which of its two implementations they write into:
+
+* :class:`LiveTarget`: the live weights, written in place on the engine's backend thread while the
+  engine is suspended or paused (today's behaviour). Owned by the refit controller
+  (:mod:`megafleet_engine.refit_attempts.controller`, one per engine process), which also reads its
+  ``dirty`` and ``parked`` for its admission and the status.
+* :class:`StagingTarget`: the backend's staging copy (allocated once at engine start,
+  :mod:`megafleet_engine.refit_staging`), written on the attempt's thread while the engine serves;
+  the live weights change only at the switch. It shares the live target's parked group and dirty flag.
+
+Every field is guarded by one lock of its own: the agent's routes, the attempt's thread and a join's
+thread all touch it.
 
 Invariants: a write never rebinds a parameter (:meth:`WeightTarget.verify_in_place` fails the refit
 otherwise, so CUDA graphs captured on the old addresses stay valid); at most one transfer group or
@@ -25,7 +33,7 @@ if TYPE_CHECKING:
     from megafleet_engine.backends import base
     from megafleet_protocol.refit import receiver
 
-__all__ = ["Kept", "WeightTarget", "check_in_place"]
+__all__ = ["Kept", "LiveTarget", "StagingTarget", "WeightTarget", "check_in_place"]
 
 
 class Kept(Protocol):
@@ -39,7 +47,58 @@ class Kept(Protocol):
         """Close it for good (any thread)."""
 
 
-class WeightTarget:
+class WeightTarget(Protocol):
+    """The weights a refit writes into (live or staged) and the group kept for the next refit."""
+
+    @property
+    def engine(self) -> engine_module.Engine: ...
+
+    @property
+    def rank(self) -> int:
+        """This process's rank inside its shard."""
+        ...
+
+    @property
+    def backend(self) -> base.Backend: ...
+
+    @property
+    def staged(self) -> bool:
+        """Whether writes go into the staging copy (on the attempt's thread, while the engine serves)."""
+        ...
+
+    @property
+    def dirty(self) -> bool:
+        """The live weights were partly written by an attempt that did not complete."""
+        ...
+
+    def mark_dirty(self, dirty: bool) -> None: ...
+
+    def fresh_sink(self) -> receiver.Sink:
+        """A sink over the target's tensors with nothing written."""
+        ...
+
+    def live_pointers(self) -> dict[str, int]:
+        """The target's storage addresses before a refit writes."""
+        ...
+
+    def verify_in_place(self, before: dict[str, int]) -> None:
+        """Raise unless every tensor still has the storage it had ``before``."""
+
+    def load_checkpoint(self, path: str) -> int:
+        """Load a checkpoint into the target's tensors (the caller picks the thread); returns how many."""
+        ...
+
+    @property
+    def parked(self) -> bool: ...
+
+    def park(self, kept: Kept) -> None: ...
+
+    def take_parked(self, when: Callable[[Kept], bool] = ...) -> Kept | None: ...
+
+    def discard_parked(self) -> None: ...
+
+
+class LiveTarget:
     """The live weights of one engine rank and the group kept for the next refit.
 
     Args:
@@ -60,6 +119,16 @@ class WeightTarget:
     @property
     def backend(self) -> base.Backend:
         return self.engine.backend
+
+    @property
+    def staged(self) -> bool:
+        return False
+
+    def load_checkpoint(self, path: str) -> int:
+        """Load a checkpoint into the live parameters (on the backend thread)."""
+        backend = self.engine.backend
+        backend.load_checkpoint(path)
+        return len(backend.parameters())
 
     @property
     def dirty(self) -> bool:
@@ -136,3 +205,76 @@ def check_in_place(before: dict[str, int], after: dict[str, int]) -> None:
     moved = sorted(name for name in before if after.get(name) != before[name])
     if moved or set(after) != set(before):
         raise errors.RefitError(f"parameters were rebound instead of written in place, e.g. {moved[:3]}")
+
+
+class StagingTarget:
+    """The staging copy of one engine rank's backend; the parked group and the dirty flag are
+    ``live``'s (the engine's, whichever target an attempt wrote into)."""
+
+    def __init__(self, live: LiveTarget) -> None:
+        self.live = live
+        self._lock = threading.Lock()
+        self._sink: receiver.Sink | None = None  # over the staging copy, nothing written (built once)
+
+    @property
+    def engine(self) -> engine_module.Engine:
+        return self.live.engine
+
+    @property
+    def rank(self) -> int:
+        return self.live.rank
+
+    @property
+    def backend(self) -> base.Backend:
+        return self.live.backend
+
+    @property
+    def staged(self) -> bool:
+        return True
+
+    @property
+    def dirty(self) -> bool:
+        return self.live.dirty
+
+    def mark_dirty(self, dirty: bool) -> None:
+        self.live.mark_dirty(dirty)
+
+    def fresh_sink(self) -> receiver.Sink:
+        from megafleet_engine.refit_attempts import sinks
+
+        with self._lock:
+            template = self._sink
+        if template is None:
+            template = sinks.sink_for(sinks.Staged(self.backend))
+            with self._lock:
+                self._sink = template
+        return template.fresh()
+
+    def live_pointers(self) -> dict[str, int]:
+        """The staging copy's storage addresses (it is never rebound either)."""
+        from megafleet_engine.refit_attempts import sinks
+
+        return sinks.pointers(sinks.Staged(self.backend))
+
+    def verify_in_place(self, before: dict[str, int]) -> None:
+        from megafleet_engine.refit_attempts import sinks
+
+        check_in_place(before, sinks.pointers(sinks.Staged(self.backend)))
+
+    def load_checkpoint(self, path: str) -> int:
+        """Load a checkpoint into the staging copy (on the attempt's thread, while serving)."""
+        self.backend.load_checkpoint(path, staged=True)
+        return len(self.backend.staged_parameters())
+
+    @property
+    def parked(self) -> bool:
+        return self.live.parked
+
+    def park(self, kept: Kept) -> None:
+        self.live.park(kept)
+
+    def take_parked(self, when: Callable[[Kept], bool] = lambda kept: True) -> Kept | None:
+        return self.live.take_parked(when)
+
+    def discard_parked(self) -> None:
+        self.live.discard_parked()

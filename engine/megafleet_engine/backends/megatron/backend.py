@@ -46,11 +46,14 @@ from megafleet_protocol import vocabulary
 __all__ = ["MegatronBackend", "load"]
 
 
-class MegatronBackend:
+class MegatronBackend(base.InPlaceOnly):
     """A :class:`~megafleet_engine.backends.base.Backend` over megatron-core's ``DynamicInferenceEngine``.
 
     Attributes besides the protocol's: ``engine`` (megatron's engine, usable directly), ``model``
     (the ``GPTModel``), ``shape`` and ``layout`` (this rank's part).
+
+    It neither keeps sequences across a refit nor stages yet (:class:`~megafleet_engine.backends.base.InPlaceOnly`:
+    no ``keep_modes``, no staging copy), so its refits drain or abort and write in place.
     """
 
     supports_admission = True
@@ -121,8 +124,11 @@ class MegatronBackend:
         """
         self._weights.write(weights, sliced=sliced)
 
-    def load_checkpoint(self, source: str) -> None:
-        """Load weights from a ``tiny://``, ``random://`` or checkpoint-folder source, in place."""
+    def load_checkpoint(self, source: str, *, staged: bool = False) -> None:
+        """Load weights from a ``tiny://``, ``random://`` or checkpoint-folder source, in place (this
+        backend holds no staging copy: ``staged`` raises)."""
+        if staged:
+            self.staged_parameters()  # raises: no staging copy
         self._weights.load(source)
 
     def zero_weights(self) -> None:

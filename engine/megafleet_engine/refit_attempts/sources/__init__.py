@@ -47,7 +47,8 @@ class Run(Protocol):
 
     @property
     def target(self) -> weight_target.WeightTarget:
-        """The engine's live weights (fresh sink, storage addresses, the in-place check)."""
+        """The weights written into: live or staged, sources need not know (fresh sink, storage
+        addresses, the in-place check, a checkpoint load)."""
         ...
 
     @property
@@ -66,18 +67,22 @@ class Run(Protocol):
         ...
 
     def start_suspend(self) -> concurrent.futures.Future[None]:
-        """Start suspending the engine, to overlap with a join (the attempt cancels it at its end
-        if it has not ended); nothing may be received or written before it ended."""
+        """Start holding the engine for the writes, to overlap with a join (the attempt cancels it at
+        its end if it has not ended): suspend it (drain, abort), pause it at a step boundary (keep),
+        or nothing (a staged attempt: the engine serves on); nothing may be received or written
+        before it ended."""
         ...
 
     def wait_suspended(self, suspended: concurrent.futures.Future[None]) -> None:
-        """Wait until a suspend started by :meth:`start_suspend` ended, until the deadline."""
+        """Wait until the hold started by :meth:`start_suspend` is in place, until the deadline."""
 
     def suspend(self) -> None:
-        """Suspend the engine and wait until it is (a source that builds nothing meanwhile)."""
+        """Hold the engine and wait until it is held (a source that builds nothing meanwhile)."""
 
     def apply(self, write: Callable[[], int]) -> int:
-        """Run ``write`` on the backend thread, unless the attempt ended meanwhile (marks the engine dirty)."""
+        """Run ``write`` where the target's tensors may be written (the backend thread for the live
+        weights, which marks the engine dirty; the attempt's thread for the staging copy), unless the
+        attempt ended meanwhile."""
         ...
 
     def take_parked(self, key: tuple[object, ...], kind: type[K]) -> K | None:
@@ -143,7 +148,14 @@ class Request(Protocol):
     def timeout_seconds(self) -> float: ...
 
     @property
-    def suspend_mode(self) -> vocabulary.SuspendMode: ...
+    def suspend_mode(self) -> vocabulary.InFlightMode:
+        """What the refit does with the sequences in flight (the agent body's ``suspendMode``)."""
+        ...
+
+    @property
+    def staging(self) -> vocabulary.StagingMode:
+        """Whether the refit receives into the engine's staging copy while it serves."""
+        ...
 
     @property
     def kv_cache_mode(self) -> vocabulary.KvCacheMode | None: ...

@@ -2,9 +2,10 @@
 
 Built by the agent's ``POST /v1/refit/checkpoint`` (:class:`CheckpointRequest`) and run by the refit
 attempt (:mod:`megafleet_engine.refit_attempts.attempt`) on its thread: drop any transfer group kept
-by an earlier refit (the next rendezvous joins afresh), suspend, then the backend's
-``load_checkpoint`` on the backend thread, which must write every parameter in place. Nothing is
-kept afterwards and no trainer is told (it reads the status).
+by an earlier refit (the next rendezvous joins afresh), hold the engine (suspend or pause), then the
+backend's ``load_checkpoint`` on the backend thread, which must write every parameter in place (or,
+staged, into the staging copy on the attempt's thread while the engine serves). Nothing is kept
+afterwards and no trainer is told (it reads the status).
 """
 
 from __future__ import annotations
@@ -16,7 +17,6 @@ from megafleet_engine.refit_attempts import phases
 from megafleet_protocol import vocabulary
 
 if TYPE_CHECKING:
-    from megafleet_engine.backends import base
     from megafleet_engine.refit_attempts import sources, weight_target
 
 __all__ = ["CheckpointRequest", "CheckpointSource"]
@@ -29,8 +29,9 @@ class CheckpointRequest:
     version: int
     path: str
     timeout_seconds: float = 300.0
-    suspend_mode: vocabulary.SuspendMode = "drain"
+    suspend_mode: vocabulary.InFlightMode = "drain"
     kv_cache_mode: vocabulary.KvCacheMode | None = None
+    staging: vocabulary.StagingMode = "off"
 
     @property
     def key(self) -> tuple[object, ...]:
@@ -56,11 +57,11 @@ class CheckpointSource:
         run.drop_parked()  # another kind of refit: the next rendezvous joins afresh
         run.suspend()
         run.record.enter("applying")
-        backend = run.target.backend
-        before = run.target.live_pointers()
+        target = run.target
+        before = target.live_pointers()
         with run.record.timed("apply"):
-            run.apply(lambda: _load_checkpoint(backend, self.request.path))
-        run.target.verify_in_place(before)
+            run.apply(lambda: target.load_checkpoint(self.request.path))
+        target.verify_in_place(before)
 
     def keep(self, target: weight_target.WeightTarget) -> None:
         """Nothing to keep: a checkpoint builds no group."""
@@ -77,8 +78,3 @@ class CheckpointSource:
 
     def runs_over(self, session: str) -> bool:
         return False
-
-
-def _load_checkpoint(backend: base.Backend, path: str) -> int:
-    backend.load_checkpoint(path)
-    return len(backend.parameters())

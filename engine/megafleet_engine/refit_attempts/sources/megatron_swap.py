@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING, Protocol
 
 from megafleet_engine.refit_attempts import phases
 from megafleet_protocol import vocabulary
+from megafleet_protocol.refit import errors
 
 if TYPE_CHECKING:
     from megafleet_engine.refit_attempts import sources, weight_target
@@ -54,8 +55,9 @@ class SwapRequest:
     world_size: int
     group: Swappable = dataclasses.field(compare=False, repr=False)
     timeout_seconds: float = 300.0
-    suspend_mode: vocabulary.SuspendMode = "drain"
+    suspend_mode: vocabulary.InFlightMode = "drain"
     kv_cache_mode: vocabulary.KvCacheMode | None = None
+    staging: vocabulary.StagingMode = "off"
 
     @property
     def key(self) -> tuple[object, ...]:
@@ -91,6 +93,8 @@ class SwapSource:
     def run(self, run: sources.Run) -> None:
         """Suspend, then one megatron-core swap into the live parameters on the backend thread."""
         run.drop_parked()  # another kind of refit: its group is of no further use
+        if run.target.staged:
+            raise errors.RefitError("megatron-core's swap writes the live model: it cannot stage")
         run.suspend()
         run.record.enter("receiving")
         before = run.target.live_pointers()

@@ -51,11 +51,12 @@ class NemoRequest:
     bucket_bytes: int
     generation: vocabulary.NemoGeneration | None = None  # None: as the trainer's store tells
     timeout_seconds: float = 300.0
-    suspend_mode: vocabulary.SuspendMode = "drain"
+    suspend_mode: vocabulary.InFlightMode = "drain"
     kv_cache_mode: vocabulary.KvCacheMode | None = None
     local_address: str | None = None  # where this rank's gloo transport binds; None: the route to the trainer
     session: str | None = None  # set: receive over the world joined for this session, never join
     integrity: vocabulary.Integrity = "none"  # checksum: digest every bucket, count non-finite values
+    staging: vocabulary.StagingMode = "off"
 
     @property
     def key(self) -> tuple[object, ...]:
@@ -121,8 +122,9 @@ class NemoJoinRequest:
         refit_info: RefitInfo,
         bucket_bytes: int,
         timeout_seconds: float,
-        suspend_mode: vocabulary.SuspendMode,
+        suspend_mode: vocabulary.InFlightMode,
         kv_cache_mode: vocabulary.KvCacheMode | None,
+        staging: vocabulary.StagingMode = "off",
     ) -> NemoRequest:
         """A refit over this joined world: the same world, generation and bind address, so it reuses
         the membership (and fails rather than join when the membership is gone)."""
@@ -141,6 +143,7 @@ class NemoJoinRequest:
             kv_cache_mode=kv_cache_mode,
             local_address=self.local_address,
             session=self.session,
+            staging=staging,
         )
 
 

@@ -48,8 +48,9 @@ class RendezvousRequest:
     transport: vocabulary.Transport = "broadcast"
     bucket_size_mib: int = 1024
     timeout_seconds: float = 300.0
-    suspend_mode: vocabulary.SuspendMode = "drain"
+    suspend_mode: vocabulary.InFlightMode = "drain"
     kv_cache_mode: vocabulary.KvCacheMode | None = None
+    staging: vocabulary.StagingMode = "off"
     local_address: str | None = None  # where this rank's gloo transport binds; None: the route to the trainer
     integrity: vocabulary.Integrity = "none"  # checksum: ask for sealed buckets and check every trailer
 

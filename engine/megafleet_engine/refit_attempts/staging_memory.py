@@ -1,0 +1,83 @@
+"""Measuring the memory of the staging rule and allocating the staging copy, once at engine start.
+
+Called by the engine command (:mod:`megafleet_engine.cli`) right after the backend is built;
+:func:`plan` measures ``F`` (:func:`free_memory`), decides by :func:`megafleet_engine.refit_staging.decide`
+and lets the backend allocate its copy (``prepare_staging``) when the rule allows.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from megafleet_engine import refit_staging
+from megafleet_protocol import vocabulary
+
+if TYPE_CHECKING:
+    from megafleet_engine.backends import base
+
+__all__ = ["BUCKET_BYTES", "free_memory", "plan"]
+
+log = logging.getLogger(__name__)
+
+BUCKET_BYTES = 1024 * 2**20
+"""The bucket size the receive buffers are counted with (the rendezvous's default bucketSizeMiB)."""
+
+
+def free_memory(device: str) -> tuple[int, str]:
+    """``F`` of the memory rule on ``device`` (``cpu`` or ``cuda:N``), and how it was measured."""
+    if device.startswith("cuda"):
+        import torch
+
+        free, _ = torch.cuda.mem_get_info(device)
+        spare = torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
+        return free + spare, "free (cudaMemGetInfo plus reserved but unallocated)"
+    available = _meminfo_available(Path("/proc/meminfo"))
+    limit = _cgroup_room(Path("/sys/fs/cgroup"))
+    if limit is not None and limit < available:
+        return limit, "free (cgroup memory.max - memory.current)"
+    return available, "free (MemAvailable)"
+
+
+def plan(
+    backend: base.Backend, mode: vocabulary.StagingMode, *, device: str, headroom_bytes: int
+) -> refit_staging.StagingPlan:
+    """Decide for ``backend`` on ``device`` and allocate the copy when the rule allows (once)."""
+    if mode == "off":
+        return refit_staging.OFF
+    needs = refit_staging.Needs(backend.staging_bytes(), 2 * BUCKET_BYTES, headroom_bytes)
+    free, measured = free_memory(device) if needs.parameters > 0 else (0, "free")
+    decided = refit_staging.decide(mode, needs, free, measured=measured)
+    if decided.bytes is not None:
+        backend.prepare_staging()
+        log.info(
+            "refit staging: a copy of %s GiB is allocated (%s %s GiB)",
+            refit_staging.gib(decided.bytes),
+            measured,
+            refit_staging.gib(free),
+        )
+    elif mode == "required":
+        log.error("refit staging is required but there is no room for it: %s", decided.reason)
+    else:
+        log.info("refit staging: no copy (%s); refits write in place", decided.reason)
+    return decided
+
+
+def _meminfo_available(meminfo: Path) -> int:
+    for line in meminfo.read_text().splitlines():
+        if line.startswith("MemAvailable:"):
+            return int(line.split()[1]) * 1024
+    raise RuntimeError(f"{meminfo} has no MemAvailable line")
+
+
+def _cgroup_room(root: Path) -> int | None:
+    """``memory.max - memory.current`` of this process's cgroup (v2), or ``None`` without a limit."""
+    try:
+        limit = (root / "memory.max").read_text().strip()
+        current = int((root / "memory.current").read_text().strip())
+    except (OSError, ValueError):
+        return None
+    if limit == "max":
+        return None
+    return max(int(limit) - current, 0)
