@@ -4,7 +4,8 @@ the switch stamps the new version from the next step on, so every sequence shows
 spans whose boundary is the number of tokens it had when the engine parked. Under ``recompute`` the
 tokens after the switch are a fresh engine's at the new version from the prefix; under ``persist``
 those of the prefix's old KV continued with the new weights. Also: a pause between batches, requests
-arriving during a pause, releases without a switch, and a backend that cannot keep.
+arriving during a pause, and releases without a switch (a backend that cannot keep:
+test_engine_keepless.py).
 """
 
 from __future__ import annotations
