@@ -14,12 +14,13 @@ deletes the KV buffer and the graphs and allocates a fresh buffer and block allo
 Megatron's prefix caching is off, so no KV block computed with old weights serves a later request.
 
 A refit that keeps the running sequences (:attr:`~MegatronBackend.keep_modes`: ``persist`` and
-``recompute``, and ``offload`` when built for it) writes while the scheduler holds the backend thread
-inside ``admit`` between two steps; the :class:`~megafleet_engine.backends.base.Switch` that follows
-becomes one lockstep ``switch`` tick, which every rank applies between the same two steps: the staged
-weights copied into the live ones (a staged refit), then the KV mode (``recompute``: megatron
-checkpoints the running requests and prefills their whole prefixes again with the new weights;
-``offload``: the KV copied to the host by ``begin_weight_update(keep=True)`` comes back).
+``recompute``, and ``offload`` when built for it with static KV pointers) writes while the scheduler
+holds the backend thread inside ``admit`` between two steps; the
+:class:`~megafleet_engine.backends.base.Switch` that follows becomes one lockstep ``switch`` tick,
+which every rank applies between the same two steps: the staged weights copied into the live ones
+(a staged refit), then the KV mode (``recompute``: megatron checkpoints the running requests and
+prefills their whole prefixes again with the new weights; ``offload``: the KV copied to the host by
+``begin_weight_update(keep=True)`` comes back).
 
 Staging (:mod:`.staging`): :func:`.loader.load` allocates a staging copy of this rank's parameters when
 ``EngineOptions.staging`` asks and the memory rule allows on every rank of the shard; a staged
@@ -89,10 +90,11 @@ class MegatronBackend:
         self.tokenizer = tokenizer  # None for a checkpoint without tokenizer files
         self.kv_cache_mode: vocabulary.KvCacheMode = kv_cache_mode
         keep: set[vocabulary.KvCacheMode] = {"persist", "recompute"}
-        if kv_cache_mode == "offload":
+        if kv_cache_mode == "offload" and getattr(engine.context, "static_kv_memory_pointers", False):
             keep.add("offload")
         self.keep_modes: frozenset[vocabulary.KvCacheMode] = frozenset(keep)
-        """``persist`` and ``recompute``; ``offload`` too when built for it (the pinned host copy)."""
+        """``persist`` and ``recompute``; ``offload`` too when built for it with static KV pointers
+        (:attr:`.build.EngineOptions.static_kv_pointers`: else megatron would lose the requests it kept)."""
         eos = source.eos_token_ids[0] if source.eos_token_ids else None
         self.info = base.ModelInfo(
             name=name,

@@ -114,8 +114,16 @@ class EngineOptions:
     """The default KV-cache mode of refits (the engine passes it unless told otherwise): see
     :meth:`.backend.MegatronBackend.begin_weight_update`. ``offload`` also pins a host copy of the
     KV buffer's size at start (megatron's ``KVCacheManagementMode.OFFLOAD``), which a refit that
-    keeps its sequences under ``offload`` needs. Any mode but ``persist`` asks megatron for static
-    KV pointers when ``torch_memory_saver`` is installed (:func:`static_kv_pointers`)."""
+    keeps its sequences under ``offload`` needs (with :attr:`static_kv_pointers`)."""
+    static_kv_pointers: bool = False
+    """Ask megatron to keep the KV buffer at the same addresses across a suspend (its
+    ``static_kv_memory_pointers``; with ``kv_cache_mode`` other than ``persist`` megatron-core 0.19
+    allows it only with ``torch_memory_saver`` installed, which then holds the KV buffer and releases
+    its memory at a suspend). Its CUDA graphs then survive ``offload`` and ``recompute`` refits
+    instead of being captured again (2.2 s for an 8B model), and a refit can keep running
+    sequences under ``offload``: without it megatron captures the graphs again at the resume, which
+    resets its context, so the requests it kept there would be lost (the backend does not offer
+    ``offload`` as a keep mode then). Off by default: the graphs are captured again."""
     staging: vocabulary.StagingMode = "off"
     """Whether :func:`.loader.load` allocates a staging copy of this rank's parameters, which staged
     refits write while the engine serves (``MEGAFLEET_REFIT_STAGING``): ``off`` never; ``auto`` and
@@ -288,13 +296,15 @@ def effective_options(options: EngineOptions, world_size: int) -> EngineOptions:
     return dataclasses.replace(options, graph_scope="layer", async_schedule=False, fused_kernels="off")
 
 
-def static_kv_pointers(kv_cache_mode: vocabulary.KvCacheMode) -> bool:
-    """Whether megatron keeps the KV buffer at the same addresses across a suspend (its
-    ``static_kv_memory_pointers``), so its CUDA graphs survive an ``offload`` or ``recompute``
-    refit instead of being captured again (2.2 s for an 8B model). megatron-core 0.19 allows it
-    outside ``persist`` only with unified memory or ``torch_memory_saver`` (it asserts so at build),
-    so it is asked for when that package is installed; without it the graphs are captured again."""
-    return kv_cache_mode != "persist" and importlib.util.find_spec("torch_memory_saver") is not None
+def static_kv_pointers(options: EngineOptions) -> bool:
+    """megatron's ``static_kv_memory_pointers`` for ``options`` (:attr:`EngineOptions.static_kv_pointers`;
+    nothing to keep static under ``persist``, which never frees the KV buffer). Raises when asked
+    without ``torch_memory_saver``, which megatron-core 0.19 needs for it outside ``persist``."""
+    if not options.static_kv_pointers or options.kv_cache_mode == "persist":
+        return False
+    if importlib.util.find_spec("torch_memory_saver") is None:
+        raise ValueError("static KV pointers need torch_memory_saver (pip install torch-memory-saver)")
+    return True
 
 
 def schedule_mode(async_schedule: bool) -> Any:
@@ -322,7 +332,7 @@ def build_engine(model: Any, tokenizer: IdTokenizer, max_sequence_length: int, o
         sampling_backend="torch",  # replaced by NeMo's filter (.nemo_sampler.install), which also computes
         logprobs_mode="processed_logprobs",  # the log-probabilities megatron returns
         async_sched_mode=schedule_mode(options.async_schedule),
-        static_kv_memory_pointers=static_kv_pointers(options.kv_cache_mode),
+        static_kv_memory_pointers=static_kv_pointers(options),
     )
     context = megatron_core("inference.contexts.dynamic_context").DynamicInferenceContext(model.config, config)
     kernels = FUSED_CHOICES[options.fused_kernels]

@@ -12,7 +12,10 @@ checkpoints each active request (``record.checkpoint()``: its prompt becomes pro
 tokens, and its ``generated_tokens`` restart empty) and re-adds them on resume, so their next step prefills the
 whole prefix with the weights live then. It deletes its CUDA graphs at suspend and captures them
 again at resume unless the mode is ``PERSIST`` or the context keeps static KV pointers
-(:func:`.build.build_engine` asks for them when ``torch_memory_saver`` is installed).
+(:attr:`.build.EngineOptions.static_kv_pointers`); capturing resets its context, which loses the
+active requests an ``OFFLOAD`` suspend kept there, so an offload keeps sequences only with static
+pointers (the backend's ``keep_modes`` say so), while a recompute re-adds its requests after the
+capture.
 
 Keeping sequences (``keep``): :meth:`KvCache.suspend` under ``offload`` (KV to the host while the
 weights are written) or ``recompute`` (KV freed, requests checkpointed) leaves the running requests
