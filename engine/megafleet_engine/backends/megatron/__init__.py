@@ -14,16 +14,22 @@ Modules, along the backend's seams:
 * :mod:`.batch_runner`: the sampling mapping, the first rank's batch loop, token steps;
 * :mod:`.nemo_sampler`: NeMo RL's filter as megatron's sampler (processed and per-request raw logprobs);
 * :mod:`.lockstep`: what the first rank of a model-parallel shard tells the others;
-* :mod:`.backend`: :class:`MegatronBackend`, wiring them, and :func:`load`.
+* :mod:`.kv_cache`: megatron's KV cache and CUDA graphs around refits, running sequences kept or not;
+* :mod:`.staging`: the staging copy a refit writes while the engine serves, and its memory rule;
+* :mod:`.backend`: :class:`MegatronBackend`, wiring them;
+* :mod:`.loader`: :func:`load`, which builds it.
 
-Invariants: weights are written in place, never rebound (captured CUDA graphs read the same
-storage); no KV block computed with old weights serves a request after a refit; a model-parallel
-shard resumes only when every rank holds the new version, so it never computes with two.
+Invariants: live weights are written in place, never rebound (captured CUDA graphs read the same
+storage); no KV block computed with old weights serves a request after a drained or aborted refit
+(a refit that keeps sequences says what happens to theirs: its KV-cache mode); a model-parallel
+shard resumes or switches only when every rank holds the new version, and every rank switches
+between the same two steps, so it never computes with two.
 """
 
-from megafleet_engine.backends.megatron.backend import MegatronBackend, load
+from megafleet_engine.backends.megatron.backend import MegatronBackend
 from megafleet_engine.backends.megatron.batch_runner import to_megatron_sampling
 from megafleet_engine.backends.megatron.build import EngineOptions, megatron_core
+from megafleet_engine.backends.megatron.loader import load
 from megafleet_engine.backends.megatron.model_sources import PRESETS, ModelSource, parse_source
 
 __all__ = [

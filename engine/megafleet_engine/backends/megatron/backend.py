@@ -1,30 +1,42 @@
 """The megatron backend's class: megatron-core's dynamic engine behind the
-:class:`~megafleet_engine.backends.base.Backend` protocol, wired from the package's parts, and
-:func:`load`, which builds it.
+:class:`~megafleet_engine.backends.base.Backend` protocol, wired from the package's parts.
 
-Called through :func:`megafleet_engine.backends.load_backend` by the engine process (and by
-``bench/engine_megatron.py`` and the GPU tests).
+Built by :func:`.loader.load` (through :func:`megafleet_engine.backends.load_backend` in the engine
+process, and by ``bench/engine_megatron.py`` and the GPU tests).
 
-Refits and the KV cache, through megatron's ``KVCacheManagementMode`` (the engine passes its
-``kv_cache_mode``, by default ``EngineOptions.kv_cache_mode``):
+Refits and the KV cache, through megatron's ``KVCacheManagementMode`` (:mod:`.kv_cache`; the engine
+passes its ``kv_cache_mode``, by default ``EngineOptions.kv_cache_mode``). A drained or aborted refit:
 :meth:`~MegatronBackend.begin_weight_update` suspends megatron's engine and
-:meth:`~MegatronBackend.finish_weight_update` resumes it. ``persist`` keeps the KV buffer and CUDA
+:meth:`~MegatronBackend.finish_weight_update` resumes it; ``persist`` keeps the KV buffer and CUDA
 graphs; ``offload`` frees the KV buffer (into a pinned host copy when built with
 ``kv_cache_mode="offload"``, else by deleting it) and the graphs, then rebuilds both; ``recompute``
-deletes the KV buffer and the graphs and allocates a fresh buffer and block allocator after. The
-scheduler drains or aborts every request before a refit and megatron's prefix caching is off, so in
-every mode no KV block computed with old weights serves a request after the refit.
+deletes the KV buffer and the graphs and allocates a fresh buffer and block allocator after.
+Megatron's prefix caching is off, so no KV block computed with old weights serves a later request.
+
+A refit that keeps the running sequences (:attr:`~MegatronBackend.keep_modes`: ``persist`` and
+``recompute``, and ``offload`` when built for it with static KV pointers) writes while the scheduler
+holds the backend thread inside ``admit`` between two steps; the
+:class:`~megafleet_engine.backends.base.Switch` that follows becomes one lockstep ``switch`` tick,
+which every rank applies between the same two steps: the staged weights copied into the live ones
+(a staged refit), then the KV mode (``recompute``: megatron checkpoints the running requests and
+prefills their whole prefixes again with the new weights; ``offload``: the KV copied to the host by
+``begin_weight_update(keep=True)`` comes back).
+
+Staging (:mod:`.staging`): :func:`.loader.load` allocates a staging copy of this rank's parameters when
+``EngineOptions.staging`` asks and the memory rule allows on every rank of the shard; a staged
+refit writes it (:meth:`~MegatronBackend.staged_parameters`, :meth:`~MegatronBackend.staged_shard_map`)
+while the engine generates, and :meth:`~MegatronBackend.commit_staged` has the next switch (or
+resume) copy it into the live tensors on every rank.
 
 On a model-parallel shard (:mod:`.lockstep`) every rank writes its own weights in a refit; the
 other ranks' ``begin/finish_weight_update`` do nothing (the first rank's suspend and resume drive
-them), and before the first rank resumes, :meth:`~MegatronBackend.settle_weight_update` asks every
-rank whether it holds the whole new version (an all-reduce): the shard resumes only if all do, so
-it never computes with two versions.
+them), and before the first rank resumes or switches,
+:meth:`~MegatronBackend.settle_weight_update` asks every rank whether it holds the whole new version
+(an all-reduce): the shard goes on only if all do, so it never computes with two versions.
 """
 
 from __future__ import annotations
 
-import warnings
 from collections.abc import Generator, Iterable, Mapping, Sequence
 from typing import Any
 
@@ -35,25 +47,24 @@ from megafleet_engine.backends.megatron import (
     batch_runner,
     build,
     fused,
+    kv_cache,
     live_weights,
     lockstep,
     model_sources,
     native_refit,
+    staging,
 )
 from megafleet_engine.backends.weight_maps import Layout
 from megafleet_protocol import vocabulary
 
-__all__ = ["MegatronBackend", "load"]
+__all__ = ["MegatronBackend"]
 
 
-class MegatronBackend(base.InPlaceOnly):
+class MegatronBackend:
     """A :class:`~megafleet_engine.backends.base.Backend` over megatron-core's ``DynamicInferenceEngine``.
 
     Attributes besides the protocol's: ``engine`` (megatron's engine, usable directly), ``model``
-    (the ``GPTModel``), ``shape`` and ``layout`` (this rank's part).
-
-    It neither keeps sequences across a refit nor stages yet (:class:`~megafleet_engine.backends.base.InPlaceOnly`:
-    no ``keep_modes``, no staging copy), so its refits drain or abort and write in place.
+    (the ``GPTModel``), ``shape`` and ``layout`` (this rank's part), :attr:`staging_reason`.
     """
 
     supports_admission = True
@@ -78,7 +89,12 @@ class MegatronBackend(base.InPlaceOnly):
         self.layout = layout
         self.tokenizer = tokenizer  # None for a checkpoint without tokenizer files
         self.kv_cache_mode: vocabulary.KvCacheMode = kv_cache_mode
-        self._suspended = False
+        keep: set[vocabulary.KvCacheMode] = {"persist", "recompute"}
+        if kv_cache_mode == "offload" and getattr(engine.context, "static_kv_memory_pointers", False):
+            keep.add("offload")
+        self.keep_modes: frozenset[vocabulary.KvCacheMode] = frozenset(keep)
+        """``persist`` and ``recompute``; ``offload`` too when built for it with static KV pointers
+        (:attr:`.build.EngineOptions.static_kv_pointers`: else megatron would lose the requests it kept)."""
         eos = source.eos_token_ids[0] if source.eos_token_ids else None
         self.info = base.ModelInfo(
             name=name,
@@ -89,6 +105,7 @@ class MegatronBackend(base.InPlaceOnly):
         leader = group is None or (layout.tp_rank == 0 and layout.pp_rank == 0)
         self._lockstep = lockstep.Lockstep(group, leader=leader, device=torch.cuda.current_device())
         self._settlement = live_weights.Settlement()  # following ranks: their own writes, for settle
+        self._kv = kv_cache.KvCache(engine, kv_cache_mode, self._lockstep.device)
         self._batch = batch_runner.Runner(
             engine,
             self.info,
@@ -96,7 +113,9 @@ class MegatronBackend(base.InPlaceOnly):
             max_requests=max_requests,
             other_eos=frozenset(source.eos_token_ids[1:]),
         )
-        self._weights = live_weights.Weights(model, self.shape, layout)
+        self._batch.boundary = self._boundary
+        self._weights = live_weights.Weights(live_weights.parameter_tensors(model), self.shape, layout)
+        self._staging = staging.Staging(self._weights, self._lockstep)
 
     # -- weights -------------------------------------------------------------------------------
 
@@ -114,22 +133,25 @@ class MegatronBackend(base.InPlaceOnly):
         return self._weights.shard_map()
 
     def write_weights(
-        self, weights: Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]], *, sliced: bool = False
+        self,
+        weights: Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]],
+        *,
+        sliced: bool = False,
+        staged: bool = False,
     ) -> None:
-        """Copy HF tensors into the live parameters in place (dtype and device converted).
+        """Copy HF tensors into the live parameters in place (dtype and device converted), or with
+        ``staged`` into the staging copy.
 
         ``sliced=False``: each tensor is the whole HF tensor. ``sliced=True``: each tensor is only
         the range this rank needs (``piece.hf_range`` of the name's piece in :meth:`shard_map`).
         Names this rank does not hold are ignored (the refit sender may broadcast everything).
         """
-        self._weights.write(weights, sliced=sliced)
+        (self._staging.held().weights if staged else self._weights).write(weights, sliced=sliced)
 
     def load_checkpoint(self, source: str, *, staged: bool = False) -> None:
-        """Load weights from a ``tiny://``, ``random://`` or checkpoint-folder source, in place (this
-        backend holds no staging copy: ``staged`` raises)."""
-        if staged:
-            self.staged_parameters()  # raises: no staging copy
-        self._weights.load(source)
+        """Load weights from a ``tiny://``, ``random://`` or checkpoint-folder source, in place, or
+        with ``staged`` into the staging copy."""
+        (self._staging.held().weights if staged else self._weights).load(source)
 
     def zero_weights(self) -> None:
         """Deferred init: the parameters exist but hold zeros until the first refit writes them."""
@@ -140,37 +162,130 @@ class MegatronBackend(base.InPlaceOnly):
         from a megatron-core trainer; :mod:`.native_refit`)."""
         return native_refit.NativeRefit(self.model, self._lockstep.device)
 
-    # -- refits: KV cache and CUDA graphs ------------------------------------------------------
+    # -- staging (:mod:`.staging`) -----------------------------------------------------------
 
-    def begin_weight_update(self, kv_cache_mode: vocabulary.KvCacheMode) -> None:
-        """Suspend megatron's engine for a refit (nothing may be in flight), through megatron's
-        ``KVCacheManagementMode``: ``persist`` keeps the KV buffer and CUDA graphs; ``offload``
-        frees both (the KV buffer goes to its pinned host copy when the backend was built with
+    def staging_bytes(self) -> int:
+        """``P`` of the memory rule: the bytes of this rank's megatron parameters."""
+        return self._weights.bytes
+
+    @property
+    def staging_reason(self) -> str | None:
+        """Why this rank holds no staging copy (the memory rule's numbers); ``None`` once it holds one."""
+        return self._staging.reason
+
+    def prepare_staging(self) -> None:
+        """Allocate the staging copy (idempotent). A model-parallel shard decides at build
+        (``EngineOptions.staging``); raises when the build found no room."""
+        self._staging.prepare()
+
+    def staged_parameters(self) -> dict[str, torch.Tensor]:
+        """The staging copy as :meth:`parameters` shows the live weights (same names and views)."""
+        return self._staging.held().views()
+
+    def staged_shard_map(self) -> base.ShardMap:
+        """The staging copy as :meth:`shard_map` shows the live weights."""
+        return self._staging.held().shard_map()
+
+    def commit_staged(self) -> None:
+        """Have the next ``switch`` or ``resume`` (the scheduler hands it over right after, on this
+        thread) copy the staging copy into the live tensors, on every rank in the same tick."""
+        self._staging.held()
+        self._staging.commit_pending = True
+
+    def discard_staged(self) -> None:
+        """A staged refit failed before its switch: nothing copies the staging copy, and every rank
+        forgets its writes' outcomes (a retry of the version is settled on its own writes): here,
+        and on the other ranks through a ``discard`` tick sent before the first rank's next tick."""
+        self._staging.commit_pending = False
+        if self._lockstep.leader:
+            self._lockstep.post(lockstep.Tick(control="discard"))
+        else:
+            self._settlement.forget()
+
+    # -- refits: KV cache, CUDA graphs, switches ----------------------------------------------
+
+    def begin_weight_update(self, kv_cache_mode: vocabulary.KvCacheMode, *, keep: bool = False) -> None:
+        """Suspend megatron's engine for a refit (:meth:`.kv_cache.KvCache.suspend`). Without ``keep``
+        nothing may be in flight: ``persist`` keeps the KV buffer and CUDA graphs; ``offload`` frees
+        both (the KV buffer goes to its pinned host copy when the backend was built with
         ``EngineOptions.kv_cache_mode="offload"``, else it is deleted as in ``recompute``: nothing is
         in flight, so its contents are not needed); ``recompute`` deletes the KV buffer (every
-        context tensor) and the CUDA graphs. Freed memory goes back to the device. Idempotent; on a
-        model-parallel group the first rank leads and the others follow."""
-        _check_mode(kv_cache_mode)
+        context tensor) and the CUDA graphs. Freed memory goes back to the device.
+
+        ``keep`` (a mode of :attr:`keep_modes`; parked between steps with sequences running):
+        ``offload`` copies the KV to the host until the switch, ``recompute`` checkpoints the running
+        requests and frees the KV (the switch prefills them again), ``persist`` waits for the work
+        already launched (it reads the weights about to be written). The switch, or the next step
+        boundary without one, resumes. Idempotent; on a model-parallel group the first rank leads
+        and the others follow."""
+        kv_cache.check_mode(kv_cache_mode)
+        if keep:
+            self._check_keep(kv_cache_mode)
         if not self._lockstep.leader:  # the first rank's suspend reaches serve_followers(); forget old outcomes
             self._settlement.forget()
             return
-        if self._lockstep.spans_ranks:
-            self._lockstep.broadcast(lockstep.Tick(control="suspend", mode=kv_cache_mode))
-        self._suspend(kv_cache_mode)
+        self._control(lockstep.Tick(control="suspend", mode=kv_cache_mode, keep=keep))
 
     def finish_weight_update(self, kv_cache_mode: vocabulary.KvCacheMode) -> None:
-        """Resume megatron's engine after a refit, mirroring :meth:`begin_weight_update`: the KV
-        buffer comes back (copied back from the host, or freshly allocated with a fresh block
-        allocator, so no block computed with the old weights survives) and the CUDA graphs are
-        recaptured; ``persist`` changes nothing (weights were copied into the same storage, which
-        the graphs read at replay). Without a :meth:`begin_weight_update` before, ``recompute``
-        still drops and rebuilds the KV cache; the other modes have nothing to do. Idempotent."""
-        _check_mode(kv_cache_mode)
+        """Resume megatron's engine after a refit, mirroring :meth:`begin_weight_update` (first the
+        staging copy into the live weights, after :meth:`commit_staged`): the KV buffer comes back
+        (copied back from the host, or freshly allocated with a fresh block allocator, so no block
+        computed with the old weights survives) and the CUDA graphs are recaptured; ``persist``
+        changes nothing (weights were copied into the same storage, which the graphs read at
+        replay). Without a :meth:`begin_weight_update` before, ``recompute`` still drops and rebuilds
+        the KV cache; the other modes have nothing to do. Idempotent."""
+        kv_cache.check_mode(kv_cache_mode)
         if not self._lockstep.leader:  # the first rank's resume reaches serve_followers()
             return
+        self._control(lockstep.Tick(control="resume", mode=kv_cache_mode, staged=self._staging.take_commit()))
+
+    def switch_weights(self, switch: base.Switch) -> None:
+        """The weights changed while parked between batches: the ``switch`` tick (the staging copy
+        committed, a keeping suspension resumed); nothing runs, so nothing is recomputed."""
+        self._switch(switch)
+
+    def _boundary(self, switch: base.Switch | None) -> None:
+        """The runner's step boundary after a park: apply ``switch``, or (``None``) resume what a
+        keeping :meth:`begin_weight_update` suspended, the refit having ended without a switch."""
+        if switch is not None:
+            self._switch(switch)
+        else:
+            self._control(lockstep.Tick(control="resume", keep=True))  # the suspension's own mode
+
+    def _switch(self, switch: base.Switch) -> None:
+        mode = switch.kv_cache_mode
+        self._check_keep(mode)
+        tick = lockstep.Tick(control="switch", mode=mode, version=switch.version, staged=self._staging.take_commit())
+        recomputed, seconds = self._control(tick)
+        switch.done(base.Switched(recomputed_tokens=recomputed, recompute_seconds=seconds if recomputed else 0.0))
+
+    def _check_keep(self, kv_cache_mode: vocabulary.KvCacheMode) -> None:
+        if kv_cache_mode not in self.keep_modes:
+            kept = ", ".join(sorted(self.keep_modes))
+            raise ValueError(f"this megatron backend keeps sequences with {kept}, not {kv_cache_mode}")
+
+    def _control(self, tick: lockstep.Tick) -> tuple[int, float]:
+        """First rank: send a refit control to the other ranks and apply it here."""
         if self._lockstep.spans_ranks:
-            self._lockstep.broadcast(lockstep.Tick(control="resume", mode=kv_cache_mode))
-        self._resume(kv_cache_mode)
+            self._lockstep.broadcast(tick)
+        return self._apply(tick)
+
+    def _apply(self, tick: lockstep.Tick) -> tuple[int, float]:
+        """Apply a refit control on this rank; a switch returns its recomputed tokens and seconds."""
+        outcome = (0, 0.0)
+        if tick.staged:
+            torch.cuda.set_device(self._lockstep.device)
+            self._staging.held().commit()
+        if tick.control == "suspend":
+            self._kv.suspend(tick.mode, keep=tick.keep)
+        elif tick.control == "resume":
+            self._kv.resume(tick.mode)
+        elif tick.control == "switch":
+            outcome = self._kv.switch(tick.mode)
+        elif tick.control == "discard":
+            self._settlement.forget()
+        self._batch.held = self._kv.kept
+        return outcome
 
     @property
     def follows(self) -> bool:
@@ -186,9 +301,10 @@ class MegatronBackend(base.InPlaceOnly):
     def settle_weight_update(self, version: int, *, ok: bool, timeout_seconds: float) -> bool:
         """Agree, across the model-parallel group, that every rank holds weight ``version``.
 
-        First rank (on the backend thread, after its own writes, before its resume): tell the others
-        to answer, then all-reduce their answers; ``True`` only if every rank wrote the whole
-        version. A following rank (any thread) records ``ok`` for that question and returns it; it
+        First rank (on the backend thread, after its own writes, before its resume or switch; a
+        tick, so it works parked between steps): tell the others to answer, then all-reduce their
+        answers; ``True`` only if every rank wrote the whole version (in place, or into its staging
+        copy). A following rank (any thread) records ``ok`` for that question and returns it; it
         answers when asked, waiting up to ``timeout_seconds`` (the first rank's remaining refit
         time) for its own writes to end, and answers ``False`` if they do not."""
         if not self._lockstep.spans_ranks:
@@ -204,34 +320,8 @@ class MegatronBackend(base.InPlaceOnly):
 
     @property
     def suspended(self) -> bool:
-        """Between :meth:`begin_weight_update` and :meth:`finish_weight_update`."""
-        return self._suspended
-
-    def _suspend(self, kv_cache_mode: str) -> None:
-        torch.cuda.set_device(self._lockstep.device)
-        if self._suspended:
-            return
-        if self.engine.has_unfinished_requests():
-            raise RuntimeError("a weight update cannot begin while megatron's engine has requests in flight")
-        # megatron's offload needs the pinned host copy it allocates with the KV buffer
-        effective = "recompute" if kv_cache_mode == "offload" and self.kv_cache_mode != "offload" else kv_cache_mode
-        modes = build.megatron_core("inference.config").KVCacheManagementMode
-        self.engine.context.kv_cache_management_mode = modes(effective)  # read by suspend() and resume()
-        self.engine.suspend()
-        if effective != "persist":
-            torch.cuda.empty_cache()
-        self._suspended = True
-
-    def _resume(self, kv_cache_mode: str) -> None:
-        torch.cuda.set_device(self._lockstep.device)
-        if not self._suspended:
-            if kv_cache_mode != "recompute":
-                return
-            self._suspend(kv_cache_mode)
-        self.engine.resume()  # mirrors the suspend's mode, still set on the context
-        modes = build.megatron_core("inference.config").KVCacheManagementMode
-        self.engine.context.kv_cache_management_mode = modes(self.kv_cache_mode)
-        self._suspended = False
+        """Between :meth:`begin_weight_update` and :meth:`finish_weight_update` (or the switch)."""
+        return self._kv.suspended
 
     # -- generation ----------------------------------------------------------------------------
 
@@ -239,10 +329,15 @@ class MegatronBackend(base.InPlaceOnly):
         self, batch: Sequence[base.SequenceRequest], admit: base.Admit | None = None
     ) -> Generator[list[base.TokenStep], None, None]:
         """Run ``batch`` on megatron's engine, one yielded list per engine step; with ``admit``,
-        take new sequences into the running batch between steps (continuous batching)."""
+        take new sequences into the running batch between steps (continuous batching) and apply
+        the switch of a refit that parked the thread there."""
         if not self._lockstep.leader:
             raise RuntimeError("on a model-parallel rank other than the first, run serve_followers()")
-        if self._suspended:
+        if self._kv.kept:  # a keeping refit parked between batches ended without a switch
+            self._boundary(None)
+        elif self._staging.commit_pending:  # committed without a switch or resume: copy it before any step
+            self._control(lockstep.Tick(control="switch", mode="persist", staged=self._staging.take_commit()))
+        if self._kv.suspended:
             raise RuntimeError("the backend is suspended for a weight update (finish_weight_update first)")
         return self._batch.lead(list(batch), admit)
 
@@ -285,21 +380,20 @@ class MegatronBackend(base.InPlaceOnly):
 
     def serve_followers(self) -> None:
         """On model-parallel ranks other than the first: apply every message the first rank
-        broadcasts (sequences joining and leaving, suspend, resume) and step in lockstep with it,
-        until it broadcasts ``None`` (:meth:`close`)."""
+        broadcasts (sequences joining and leaving, suspend, resume, settle, switch, discard) and
+        step in lockstep with it, until it broadcasts ``None`` (:meth:`close`). While the first rank
+        is parked for a refit it sends nothing, and this rank waits in the broadcast."""
         if self._lockstep.leader:
             raise RuntimeError("serve_followers() runs on model-parallel ranks other than the first")
         lockstep.follow(self._lockstep, self._follow)
 
     def _follow(self, tick: lockstep.Tick) -> None:
-        if tick.control == "suspend":
-            self._suspend(tick.mode)
-        elif tick.control == "resume":
-            self._resume(tick.mode)
-        elif tick.control == "reset":
+        if tick.control == "reset":
             self._batch.reset()
         elif tick.control == "settle":
             self._lockstep.agree(self._settlement.wait(tick.version, tick.timeout_seconds))
+        elif tick.control:
+            self._apply(tick)
         else:
             self._batch.apply(tick)
             if self.engine.has_unfinished_requests():
@@ -310,66 +404,3 @@ class MegatronBackend(base.InPlaceOnly):
         if self._lockstep.spans_ranks and self._lockstep.leader:
             self._lockstep.broadcast(None)
         self._batch.close()
-
-
-def _check_mode(kv_cache_mode: str) -> None:
-    if kv_cache_mode not in ("persist", "offload", "recompute"):
-        raise ValueError(f"unknown KV-cache mode {kv_cache_mode!r}: persist, offload or recompute")
-
-
-def load(
-    source: str,
-    *,
-    name: str,
-    max_sequence_length: int,
-    dtype: str,
-    device: str,
-    load_weights: bool,
-    parallel: base.Parallel | None = None,
-    options: build.EngineOptions | None = None,
-) -> MegatronBackend:
-    """Build the model and megatron's engine for ``source`` on this process's GPU.
-
-    ``dtype`` must be ``bfloat16`` or ``float16`` (megatron's flash-attention kernels need them);
-    ``device`` is ``cuda`` or ``cuda:N`` (with several ranks, ``Parallel.local_rank`` picks the GPU).
-    Deferred init (``load_weights=False``) leaves zeros in every parameter.
-    """
-    if dtype not in ("bfloat16", "float16"):
-        raise ValueError(f"the megatron backend runs in bfloat16 or float16, not {dtype}")
-    if not device.startswith("cuda"):
-        raise ValueError(f"the megatron backend needs a CUDA device, not {device!r}")
-    parallel = parallel or base.Parallel()
-    options = build.effective_options(options or build.EngineOptions(), parallel.world_size)
-    parsed = model_sources.parse_source(source)
-    torch_dtype: torch.dtype = getattr(torch, dtype)
-    index = torch.device(device).index
-    torch.cuda.set_device(parallel.local_rank if parallel.world_size > 1 or index is None else index)
-    with warnings.catch_warnings():
-        # megatron-core warns at import and construction about optional packages (Apex, Transformer
-        # Engine) and its own deprecations; none of it concerns this configuration.
-        warnings.simplefilter("ignore")
-        layout, group = build.init_parallel(parallel, options.seed)
-        model = build.build_model(parsed.shape, layout, torch_dtype, max_sequence_length, options)
-        tokenizer = model_sources.load_tokenizer(parsed)
-        eod = parsed.eos_token_ids[0] if parsed.eos_token_ids else 0
-        engine = build.build_engine(model, build.IdTokenizer(eod, parsed.bos_token_id), max_sequence_length, options)
-    backend = MegatronBackend(
-        engine=engine,
-        model=model,
-        source=parsed,
-        layout=layout,
-        name=name,
-        max_sequence_length=max_sequence_length,
-        tokenizer=tokenizer,
-        group=group,
-        max_requests=options.max_batch_size,
-        kv_cache_mode=options.kv_cache_mode,
-    )
-    if not load_weights:
-        backend.zero_weights()
-    elif parsed.kind == "random":
-        backend._weights.fill_random(parsed.seed)
-    else:
-        backend.load_checkpoint(source)
-    torch.cuda.synchronize()
-    return backend

@@ -1,7 +1,7 @@
 """Building megatron's side of the backend on this process's GPU: the model-parallel groups, the
 ``GPTModel`` and megatron's dynamic inference engine.
 
-Called by :func:`megafleet_engine.backends.megatron.backend.load` (once per process), and through
+Called by :func:`megafleet_engine.backends.megatron.loader.load` (once per process), and through
 :func:`megatron_core` by every module of the package that needs megatron. megatron-core (>= 0.19,
 Python >= 3.12) and a flash-attention kernel (FA2 >= 2.7.3, FA3 or FA4) are needed at run time
 only: megatron is imported inside functions, so this module imports (and type-checks) anywhere.
@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import importlib
+import importlib.util
 import logging
 import socket
 from collections.abc import Sequence
@@ -33,6 +34,7 @@ __all__ = [
     "init_parallel",
     "megatron_core",
     "schedule_mode",
+    "static_kv_pointers",
 ]
 
 
@@ -111,7 +113,27 @@ class EngineOptions:
     kv_cache_mode: vocabulary.KvCacheMode = "persist"
     """The default KV-cache mode of refits (the engine passes it unless told otherwise): see
     :meth:`.backend.MegatronBackend.begin_weight_update`. ``offload`` also pins a host copy of the
-    KV buffer's size at start (megatron's ``KVCacheManagementMode.OFFLOAD``)."""
+    KV buffer's size at start (megatron's ``KVCacheManagementMode.OFFLOAD``), which a refit that
+    keeps its sequences under ``offload`` needs (with :attr:`static_kv_pointers`)."""
+    static_kv_pointers: bool = False
+    """Ask megatron to keep the KV buffer at the same addresses across a suspend (its
+    ``static_kv_memory_pointers``; with ``kv_cache_mode`` other than ``persist`` megatron-core 0.19
+    allows it only with ``torch_memory_saver`` installed, which then holds the KV buffer and releases
+    its memory at a suspend). Its CUDA graphs then survive ``offload`` and ``recompute`` refits
+    instead of being captured again (2.2 s for an 8B model), and a refit can keep running
+    sequences under ``offload``: without it megatron captures the graphs again at the resume, which
+    resets its context, so the requests it kept there would be lost (the backend does not offer
+    ``offload`` as a keep mode then). Off by default: the graphs are captured again."""
+    staging: vocabulary.StagingMode = "off"
+    """Whether :func:`.loader.load` allocates a staging copy of this rank's parameters, which staged
+    refits write while the engine serves (``MEGAFLEET_REFIT_STAGING``): ``off`` never; ``auto`` and
+    ``required`` when the memory rule allows on every rank of the shard (:mod:`.staging`; without
+    room ``required`` does not fail the build either: the backend's ``staging_reason`` says why)."""
+    staging_headroom_mib: int = 1024
+    """``H`` of the memory rule: device memory the staging copy leaves free
+    (``MEGAFLEET_REFIT_STAGING_HEADROOM_MIB``)."""
+    staging_buffer_mib: int = 2048
+    """``B`` of the memory rule: the refit's receive buffers (two buckets of the default 1 GiB)."""
 
 
 class IdTokenizer:
@@ -274,6 +296,17 @@ def effective_options(options: EngineOptions, world_size: int) -> EngineOptions:
     return dataclasses.replace(options, graph_scope="layer", async_schedule=False, fused_kernels="off")
 
 
+def static_kv_pointers(options: EngineOptions) -> bool:
+    """megatron's ``static_kv_memory_pointers`` for ``options`` (:attr:`EngineOptions.static_kv_pointers`;
+    nothing to keep static under ``persist``, which never frees the KV buffer). Raises when asked
+    without ``torch_memory_saver``, which megatron-core 0.19 needs for it outside ``persist``."""
+    if not options.static_kv_pointers or options.kv_cache_mode == "persist":
+        return False
+    if importlib.util.find_spec("torch_memory_saver") is None:
+        raise ValueError("static KV pointers need torch_memory_saver (pip install torch-memory-saver)")
+    return True
+
+
 def schedule_mode(async_schedule: bool) -> Any:
     """megatron's ``AsyncScheduleMode`` for :attr:`EngineOptions.async_schedule`."""
     modes = megatron_core("inference.config").AsyncScheduleMode
@@ -299,6 +332,7 @@ def build_engine(model: Any, tokenizer: IdTokenizer, max_sequence_length: int, o
         sampling_backend="torch",  # replaced by NeMo's filter (.nemo_sampler.install), which also computes
         logprobs_mode="processed_logprobs",  # the log-probabilities megatron returns
         async_sched_mode=schedule_mode(options.async_schedule),
+        static_kv_memory_pointers=static_kv_pointers(options),
     )
     context = megatron_core("inference.contexts.dynamic_context").DynamicInferenceContext(model.config, config)
     kernels = FUSED_CHOICES[options.fused_kernels]

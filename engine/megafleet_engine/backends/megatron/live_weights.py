@@ -1,12 +1,13 @@
-"""This rank's weights in the megatron backend: Hugging Face-named views over the live megatron
-parameters, and every way weights get into them.
+"""This rank's weights in the megatron backend: Hugging Face-named views over megatron-layout
+tensors (the live parameters, or the staging copy beside them), and every way weights get into them.
 
 Called by :class:`.backend.MegatronBackend` (``parameters``, ``shard_map``, ``write_weights``,
-``load_checkpoint``, ``zero_weights``, ``settle_weight_update``) and :func:`.backend.load`. The views
-alias the live megatron parameters (fused QKV and gate/up included), and every write is an in-place
-``copy_`` into the same storage, never a rebinding: captured CUDA graphs read it at replay. In a
-refit every rank writes its own weights; a following rank records the outcome by weight version
-(:class:`Settlement`) for the first rank's settle question.
+``load_checkpoint``, ``zero_weights``, ``settle_weight_update``), :mod:`.staging` (the same views
+over the staging copy) and :func:`.backend.load`. The views alias the tensors (fused QKV and gate/up
+included), and every write is an in-place ``copy_`` into the same storage, never a rebinding: captured
+CUDA graphs read the live parameters' storage at replay. In a refit every rank writes its own
+weights; a following rank records the outcome by weight version (:class:`Settlement`) for the first
+rank's settle question.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ import dataclasses
 import logging
 import threading
 import time
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -25,22 +26,28 @@ from megafleet_engine.backends import base, weight_maps
 from megafleet_engine.backends.megatron import model_sources
 from megafleet_engine.backends.weight_maps import Layout, LlamaShape
 
-__all__ = ["RANDOM_STD", "Settlement", "Weights"]
+__all__ = ["RANDOM_STD", "Settlement", "Weights", "parameter_tensors"]
 
 log = logging.getLogger(__name__)
 
 RANDOM_STD = 0.02
 
 
-class Weights:
-    """The live parameters of ``model`` (this rank's part, ``layout``, of a model of ``shape``)
-    and the weight map between them and the HF tensors."""
+def parameter_tensors(model: Any) -> Callable[[], dict[str, torch.Tensor]]:
+    """The live parameters of ``model`` by megatron name, read afresh at each call."""
+    return lambda: {name: parameter.data for name, parameter in model.named_parameters()}
 
-    def __init__(self, model: Any, shape: LlamaShape, layout: Layout) -> None:
-        self.model = model
+
+class Weights:
+    """Megatron-layout tensors by megatron name (this rank's part, ``layout``, of a model of
+    ``shape``: the live parameters, or a staging copy of them) and the weight map between them and
+    the HF tensors. ``tensors`` returns them; it is read once here and again by :meth:`shard_map`."""
+
+    def __init__(self, tensors: Callable[[], dict[str, torch.Tensor]], shape: LlamaShape, layout: Layout) -> None:
+        self.tensors = tensors
         self.shape = shape
         self.layout = layout
-        self.live: dict[str, torch.Tensor] = {name: p.data for name, p in model.named_parameters()}
+        self.live: dict[str, torch.Tensor] = tensors()
         self.specs = weight_maps.shard_map(shape, layout)
         missing, extra = set(self.specs) - set(self.live), set(self.live) - set(self.specs)
         if missing or extra:
@@ -54,7 +61,7 @@ class Weights:
                 self.by_hf.setdefault(piece.hf_name, []).append((spec.name, piece))
 
     def views(self) -> dict[str, torch.Tensor]:
-        """This rank's part of every HF parameter, as views of the live megatron tensors."""
+        """This rank's part of every HF parameter, as views of the megatron tensors."""
         views = {}
         for hf_name, targets in self.by_hf.items():
             megatron_name, piece = targets[0]
@@ -62,15 +69,20 @@ class Weights:
         return views
 
     def shard_map(self) -> base.ShardMap:
-        """The live megatron parameters (read afresh from the model), their specs and the HF shapes."""
-        live = {name: parameter.data for name, parameter in self.model.named_parameters()}
-        return base.ShardMap(live=live, specs=self.specs, hf_shapes=weight_maps.hf_shapes(self.shape))
+        """The megatron tensors (read afresh: a live parameter rebound since shows), their specs
+        and the HF shapes."""
+        return base.ShardMap(live=self.tensors(), specs=self.specs, hf_shapes=weight_maps.hf_shapes(self.shape))
+
+    @property
+    def bytes(self) -> int:
+        """The bytes the megatron tensors take."""
+        return sum(tensor.numel() * tensor.element_size() for tensor in self.live.values())
 
     def write(
         self, weights: Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]], *, sliced: bool = False
     ) -> None:
-        """Copy HF tensors (whole, or with ``sliced`` only this rank's range) into the live
-        parameters in place; names this rank does not hold are ignored."""
+        """Copy HF tensors (whole, or with ``sliced`` only this rank's range) into the megatron
+        tensors in place; names this rank does not hold are ignored."""
         items = weights.items() if isinstance(weights, Mapping) else weights
         with torch.no_grad():
             for hf_name, tensor in items:
