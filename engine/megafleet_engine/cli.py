@@ -162,6 +162,8 @@ def _load_backend(
         fused_kernels=settings.fused_kernels,
         prefill_graphs=settings.prefill_graphs,
         kv_cache_mode=settings.kv_cache_mode,
+        staging=settings.refit_staging,
+        staging_headroom_mib=settings.refit_staging_headroom_mib,
     )
     return backends.load_backend(
         settings.backend,

@@ -46,6 +46,9 @@ def plan(
     """Decide for ``backend`` on ``device`` and allocate the copy when the rule allows (once)."""
     if mode == "off":
         return refit_staging.OFF
+    decided_at_build = _decided_at_build(backend, mode)
+    if decided_at_build is not None:
+        return decided_at_build
     needs = refit_staging.Needs(backend.staging_bytes(), 2 * BUCKET_BYTES, headroom_bytes)
     free, measured = free_memory(device) if needs.parameters > 0 else (0, "free")
     decided = refit_staging.decide(mode, needs, free, measured=measured)
@@ -62,6 +65,22 @@ def plan(
     else:
         log.info("refit staging: no copy (%s); refits write in place", decided.reason)
     return decided
+
+
+def _decided_at_build(backend: base.Backend, mode: vocabulary.StagingMode) -> refit_staging.StagingPlan | None:
+    """The decision a backend made itself while it was built (megatron: after its KV buffer and graphs,
+    every rank of a model-parallel shard alike), or ``None`` when it leaves the rule to :func:`plan`."""
+    reason = getattr(backend, "staging_reason", _UNDECIDED)
+    if reason is _UNDECIDED:
+        return None
+    if reason is None:
+        return refit_staging.StagingPlan(mode, bytes=backend.staging_bytes())
+    if mode == "required":
+        log.error("refit staging is required but there is no room for it: %s", reason)
+    return refit_staging.StagingPlan(mode, reason=str(reason))
+
+
+_UNDECIDED = object()
 
 
 def _meminfo_available(meminfo: Path) -> int:
