@@ -1,0 +1,166 @@
+"""Shared by the in-flight refit tests (``tests/e2e/test_refit_inflight.py`` and the operator chaos
+drill's keep case): long greedy streams read with the official ``openai`` client, each chunk's tokens
+with the weight version that computed them, a Refit that keeps them, and what a fresh model at a
+version generates from a prefix (the reference a kept stream is checked against)."""
+
+from __future__ import annotations
+
+import dataclasses
+import threading
+from typing import Any
+
+import openai
+import torch
+
+from helpers import refit_e2e
+from megafleet.objects import Object
+from megafleet_dev import kube
+from megafleet_engine.models import tiny
+
+STREAMS = 8
+MAX_TOKENS = 1200
+MAX_SEQUENCE_LENGTH = 2048
+SWITCH_AFTER = 24  # every stream has produced this many tokens before the Refit is created
+OLD_SOURCE = "tiny://llama"
+NEW_SOURCE = "tiny://llama?seed=7"
+
+
+def prompt(index: int) -> list[int]:
+    return [1, 40 + index, 41, 42 + 2 * index, 43]
+
+
+def long_fleet() -> dict[str, Any]:
+    """The two-shard tiny fleet with room for :data:`MAX_TOKENS`-token streams."""
+    manifest = refit_e2e.tiny_fleet()
+    manifest["spec"]["model"]["maxSequenceLength"] = MAX_SEQUENCE_LENGTH
+    return manifest
+
+
+@dataclasses.dataclass
+class Stream:
+    """One greedy stream: each chunk's tokens and their version, and the final spans."""
+
+    url: str
+    prompt: list[int]
+    tokens: list[int] = dataclasses.field(default_factory=list)
+    versions: list[int] = dataclasses.field(default_factory=list)
+    spans: list[dict[str, Any]] | None = None
+    finish_reason: str | None = None
+    error: str | None = None
+    started: threading.Event = dataclasses.field(default_factory=threading.Event)
+
+    def run(self) -> None:
+        try:
+            with openai.OpenAI(base_url=self.url, api_key="unused", max_retries=0, timeout=300) as client:
+                chunks = client.completions.create(
+                    model="tiny",
+                    prompt=self.prompt,
+                    max_tokens=MAX_TOKENS,
+                    temperature=0,
+                    stream=True,
+                    extra_body={"return_token_ids": True, "ignore_eos": True},
+                )
+                for chunk in chunks:
+                    for choice in chunk.choices:
+                        extra = choice.model_extra or {}
+                        ids = [int(token) for token in extra.get("token_ids") or []]
+                        if ids:
+                            self.tokens += ids
+                            self.versions += [int(extra["weight_version"])] * len(ids)
+                        if choice.finish_reason is not None:
+                            self.finish_reason = choice.finish_reason
+                            self.spans = extra.get("weight_version_spans")
+                    if len(self.tokens) >= SWITCH_AFTER:
+                        self.started.set()
+        except Exception as error:  # reported by the test thread
+            self.error = f"{type(error).__name__}: {error}"
+        finally:
+            self.started.set()
+
+    @property
+    def switch(self) -> int:
+        """The index of the first token of version 1 (the stream's length if none)."""
+        return self.versions.index(1) if 1 in self.versions else len(self.versions)
+
+    def plain_spans(self) -> list[dict[str, Any]]:
+        """The final spans without the fields left out (``kv`` of the first span)."""
+        assert self.spans is not None, "the stream ended without its spans"
+        return [{key: value for key, value in span.items() if value is not None} for span in self.spans]
+
+
+def frontends(kube_admin: kube.Kube, namespace: str, fleet: Object) -> list[str]:
+    urls = []
+    for shard in fleet["status"]["shards"]:
+        pod = kube_admin.get(f"/api/v1/namespaces/{namespace}/pods/{shard['pods'][0]}")
+        assert pod is not None
+        urls.append(f"http://{pod['status']['podIP']}:8000/v1")
+    return urls
+
+
+def start_streams(urls: list[str]) -> list[tuple[Stream, threading.Thread]]:
+    """:data:`STREAMS` streams spread over ``urls``; returns once each produced :data:`SWITCH_AFTER` tokens."""
+    running = []
+    for index in range(STREAMS):
+        stream = Stream(urls[index % len(urls)], prompt(index))
+        thread = threading.Thread(target=stream.run, daemon=True)
+        thread.start()
+        running.append((stream, thread))
+    for stream, _ in running:
+        assert stream.started.wait(refit_e2e.WAIT), "a stream produced no tokens"
+        assert stream.error is None, stream.error
+    return running
+
+
+def finish(running: list[tuple[Stream, threading.Thread]]) -> list[Stream]:
+    for _, thread in running:
+        thread.join(timeout=300)
+        assert not thread.is_alive(), "a stream did not finish"
+    return [stream for stream, _ in running]
+
+
+def create_refit(kube_admin: kube.Kube, namespace: str, version: int, path: str, **modes: str) -> str:
+    """A checkpoint Refit of the fleet ``tiny`` with the in-flight ``modes``; returns its API path."""
+    manifest = refit_e2e.refit_manifest("tiny", version, checkpoint=path)
+    manifest["spec"].update(modes)
+    kube_admin.create(refit_e2e.refits(namespace), manifest)
+    return f"{refit_e2e.refits(namespace)}/{manifest['metadata']['name']}"
+
+
+def continuation(source: str, prefix: list[int], count: int) -> list[int]:
+    """What a fresh model at ``source`` generates greedily after ``prefix``."""
+    model, _ = tiny.build_tiny(source)
+    inputs = torch.tensor([prefix])
+    with torch.inference_mode():
+        output = model.generate(
+            inputs,
+            attention_mask=torch.ones_like(inputs),
+            do_sample=False,
+            max_new_tokens=count,
+            min_new_tokens=count,
+            eos_token_id=None,
+        )
+    return [int(token) for token in output[0, len(prefix) :]]
+
+
+def check_kept(streams: list[Stream], kv: str) -> int:
+    """Every stream finished, its versions never go back, its spans say exactly where its switch
+    fell, and its tokens before the switch are version 0's greedy output; under ``recompute`` the
+    tokens after it are a fresh version 1's from the prompt plus the tokens before. Returns how many
+    streams spanned the switch."""
+    spanning = 0
+    for stream in streams:
+        assert stream.error is None, stream.error
+        assert stream.finish_reason == "length" and len(stream.tokens) == MAX_TOKENS
+        switch = stream.switch
+        assert stream.versions == [0] * switch + [1] * (MAX_TOKENS - switch)
+        expected: list[dict[str, Any]] = [{"start": 0, "version": 0}]
+        if switch < MAX_TOKENS:
+            expected.append({"start": switch, "version": 1, "kv": kv})
+        assert stream.plain_spans() == expected
+        assert stream.tokens[:switch] == continuation(OLD_SOURCE, stream.prompt, switch)
+        if SWITCH_AFTER <= switch < MAX_TOKENS:
+            spanning += 1
+            if kv == "recompute":
+                after = continuation(NEW_SOURCE, stream.prompt + stream.tokens[:switch], MAX_TOKENS - switch)
+                assert stream.tokens[switch:] == after
+    return spanning
