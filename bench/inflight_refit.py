@@ -577,6 +577,7 @@ class Refitter:
             "transport": "broadcast",
             "bucketSizeMiB": args.bucket_mib,
             "timeoutSeconds": args.refit_timeout_s,
+            "collective": "gloo",  # the trainer's group (NCCL cannot connect two ranks on one GPU)
             "rendezvous": {
                 "address": ADDRESS,
                 "port": self._trainer.port,

@@ -239,6 +239,7 @@ async def refit_prepare(
         staging=body.staging,
         local_address=agent.transfer_address or _pod_address(request),
         integrity=body.integrity,
+        collective=body.collective,
     )
     return await _start_refit(agent, refit, agent_api.REFIT_PREPARE, body)
 

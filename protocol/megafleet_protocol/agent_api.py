@@ -139,6 +139,12 @@ class PrepareRequest(_RefitBody):
         alias="bucketSizeMiB",
         description="the largest bucket this rank accepts, in MiB (spec.refit.bucketSizeMiB).",
     )
+    collective: vocabulary.CollectiveBackend | None = Field(
+        default=None,
+        description="the trainer's transfer group: unset is NCCL on a GPU engine and gloo on a CPU one; gloo "
+        "on a GPU engine receives through host buffers (a trainer on the engine's own GPU, where NCCL "
+        "cannot connect two ranks).",
+    )
 
 
 class CheckpointRefitRequest(_RefitBody):

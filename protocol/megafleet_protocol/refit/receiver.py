@@ -177,7 +177,7 @@ def receive(
             manifest, plan = offer.manifest, offer.plan
         else:
             manifest, plan, offer = _agree(comm, sink, version, transport, (bucket_limit_bytes, integrity))
-        checks = trailers.Checks(plan, sink.device) if manifest.checksum is not None else None
+        checks = trailers.Checks(plan, _buffer_device(comm, sink)) if manifest.checksum is not None else None
     if before_transfer is not None:
         before_transfer()
     record.enter("receiving")
@@ -265,10 +265,11 @@ def _transfer(round_: _Round, issued: Callable[[], None]) -> None:
     by_bucket: list[list[wire.Placement]] = [[] for _ in plan.sizes]
     for placement in plan.placements:
         by_bucket[placement.bucket].append(placement)
-    device = sink.device
+    device = _buffer_device(comm, sink)
     stream = cuda_streams.side_stream(device)
     slots = min(2, count)
-    buffers = [torch.empty(plan.largest, dtype=torch.uint8, device=device) for _ in range(slots)]
+    pinned = device.type == "cpu" and sink.device.type == "cuda"  # gloo into a GPU engine: host buffers
+    buffers = [torch.empty(plan.largest, dtype=torch.uint8, device=device, pin_memory=pinned) for _ in range(slots)]
     if stream is not None:
         for buffer in buffers:
             buffer.record_stream(stream)  # the allocator keeps them until the side stream is done with them
@@ -313,6 +314,12 @@ def _transfer(round_: _Round, issued: Callable[[], None]) -> None:
             comm.wait_event(received, what="the last bucket")
         with record.timed("apply"):
             comm.wait_event(last, what="writing the last bucket")
+
+
+def _buffer_device(comm: communicator.Communicator, sink: Sink) -> torch.device:
+    """Where the buckets land: the sink's device, except gloo into a GPU engine, which moves bytes
+    through host memory (the writes then copy each bucket to the GPU)."""
+    return torch.device("cpu") if comm.backend == "gloo" else sink.device
 
 
 def check_manifest(

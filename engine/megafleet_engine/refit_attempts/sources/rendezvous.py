@@ -53,6 +53,7 @@ class RendezvousRequest:
     staging: vocabulary.StagingMode = "off"
     local_address: str | None = None  # where this rank's gloo transport binds; None: the route to the trainer
     integrity: vocabulary.Integrity = "none"  # checksum: ask for sealed buckets and check every trailer
+    collective: vocabulary.CollectiveBackend | None = None  # None: NCCL on a GPU engine, gloo on a CPU one
 
     @property
     def key(self) -> tuple[object, ...]:
@@ -115,6 +116,8 @@ class RendezvousSource:
         )
 
     def run(self, run: sources.Run) -> None:
+        import torch
+
         from megafleet_protocol.refit import communicator, receiver
 
         request, record = self.request, run.record
@@ -124,7 +127,8 @@ class RendezvousSource:
         before = run.target.live_pointers()
         with record.timed("join"):
             local_address = request.local_address or communicator.local_address_towards(request.address)
-            self._key = (self.rendezvous, self.global_rank, local_address)
+            backend = request.collective or ("nccl" if sink.device.type == "cuda" else "gloo")
+            self._key = (self.rendezvous, self.global_rank, local_address, backend)
             comm, accepted = self._take_parked(run, self._key)
             if comm is None:
                 # a new group is built: its buffers come after whatever the suspend frees
@@ -132,8 +136,8 @@ class RendezvousSource:
                 comm = communicator.Communicator.connect(
                     self.rendezvous,
                     global_rank=self.global_rank,
-                    backend="nccl" if sink.device.type == "cuda" else "gloo",
-                    device=sink.device,
+                    backend=backend,
+                    device=sink.device if backend == "nccl" else torch.device("cpu"),
                     deadline=run.deadline,
                     local_address=local_address,
                     aborted=run.aborted,
