@@ -17,6 +17,8 @@ from megafleet_dev import kube, runner
 
 pytestmark = [pytest.mark.chaos, pytest.mark.e2e]
 
+RESTART_WAIT = 240  # the drill's step timeout (tests/chaos/drill.py)
+
 
 @pytest.mark.timeout(900)
 def test_the_operator_killed_during_a_keep_refit_loses_no_stream_and_the_refit_completes(
@@ -43,7 +45,8 @@ def test_the_operator_killed_during_a_keep_refit_loses_no_stream_and_the_refit_c
         operators.kill(first)
         operators.start()
 
-        result = kube_admin.wait(path, refit_e2e.refit_ended, timeout=refit_e2e.WAIT, what="the refit to end")
+        # the new operator takes over once the killed one's peering record expires (as in the drill)
+        result = kube_admin.wait(path, refit_e2e.refit_ended, timeout=RESTART_WAIT, what="the refit to end")
         streams = inflight.finish(running)
 
         assert result is not None and result["status"]["phase"] == "Succeeded", (result or {}).get("status")

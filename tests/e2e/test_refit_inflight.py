@@ -20,12 +20,22 @@ from megafleet.objects import Object
 from megafleet_dev import kube
 
 
-@pytest.fixture
-def fleet(operator: object, kube_admin: kube.Kube, namespace: str) -> Object:
-    kube_admin.create(refit_e2e.fleets(namespace), inflight.long_fleet())
+def create_fleet(kube_admin: kube.Kube, namespace: str, **refit: str) -> Object:
+    kube_admin.create(refit_e2e.fleets(namespace), inflight.long_fleet(**refit))
     ready = kube_admin.wait(f"{refit_e2e.fleets(namespace)}/tiny", refit_e2e.ready, timeout=refit_e2e.WAIT)
     assert ready is not None and ready["status"]["weightVersion"] == 0
     return ready
+
+
+@pytest.fixture
+def fleet(operator: object, kube_admin: kube.Kube, namespace: str) -> Object:
+    return create_fleet(kube_admin, namespace)
+
+
+@pytest.fixture
+def staged_fleet(operator: object, kube_admin: kube.Kube, namespace: str) -> Object:
+    """The fleet whose engines hold a staging copy (``spec.refit.staging: auto``, allocated at start)."""
+    return create_fleet(kube_admin, namespace, staging="auto")
 
 
 def ended(kube_admin: kube.Kube, path: str) -> Object:
@@ -56,13 +66,11 @@ def test_a_keep_refit_recomputes_mid_generation_and_every_stream_continues_on_th
 
 
 def test_a_staged_persist_keep_refit_pauses_only_for_the_switch(
-    fleet: Object, kube_admin: kube.Kube, namespace: str
+    staged_fleet: Object, kube_admin: kube.Kube, namespace: str
 ) -> None:
-    running = inflight.start_streams(inflight.frontends(kube_admin, namespace, fleet))
+    running = inflight.start_streams(inflight.frontends(kube_admin, namespace, staged_fleet))
 
-    path = inflight.create_refit(
-        kube_admin, namespace, 1, inflight.NEW_SOURCE, inFlight="keep", kvCacheMode="persist", staging="auto"
-    )
+    path = inflight.create_refit(kube_admin, namespace, 1, inflight.NEW_SOURCE, inFlight="keep", kvCacheMode="persist")
     result = ended(kube_admin, path)
     streams = inflight.finish(running)
 
@@ -75,21 +83,22 @@ def test_a_staged_persist_keep_refit_pauses_only_for_the_switch(
 
 
 def test_a_keep_refit_that_fails_leaves_every_stream_on_the_old_version(
-    fleet: Object, kube_admin: kube.Kube, namespace: str
+    staged_fleet: Object, kube_admin: kube.Kube, namespace: str
 ) -> None:
-    running = inflight.start_streams(inflight.frontends(kube_admin, namespace, fleet))
+    """The checkpoint does not exist: the attempt fails before any weight is written (staged or not),
+    and every kept sequence goes on under the old version, none failing."""
+    running = inflight.start_streams(inflight.frontends(kube_admin, namespace, staged_fleet))
 
     path = inflight.create_refit(kube_admin, namespace, 1, "/nonexistent/megafleet-checkpoint", inFlight="keep")
     result = ended(kube_admin, path)
     streams = inflight.finish(running)
 
     assert result["status"]["phase"] == "Failed", result["status"]
+    assert "does not exist" in str(result["status"]), result["status"]
     for stream in streams:
         assert stream.error is None, stream.error
         assert stream.finish_reason == "length" and stream.versions == [0] * inflight.MAX_TOKENS
         assert stream.plain_spans() == [{"start": 0, "version": 0}]
         assert stream.tokens == inflight.continuation(inflight.OLD_SOURCE, stream.prompt, inflight.MAX_TOKENS)
-    after = kube_admin.wait(
-        f"{refit_e2e.fleets(namespace)}/tiny", refit_e2e.ready, timeout=refit_e2e.WAIT, what="the fleet ready"
-    )
+    after = kube_admin.get(f"{refit_e2e.fleets(namespace)}/tiny")
     assert after is not None and after["status"]["weightVersion"] == 0

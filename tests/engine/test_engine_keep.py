@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 
@@ -122,12 +123,14 @@ def test_a_failure_before_the_first_write_lets_the_kept_sequences_go_on_with_one
     assert (core.state, core.weight_version) == ("stale", 0)  # in place: the shard is fenced as before
 
 
-def test_a_failure_after_a_write_ends_the_kept_sequences_with_the_refits_error(core: engine.Engine) -> None:
+def test_a_failure_after_a_write_ends_the_kept_sequences_with_the_refits_error(
+    core: engine.Engine, tmp_path: Path
+) -> None:
     """A checkpoint folder without the weights: the write fails on the parked thread, so the engine
     must assume part of the version is in place."""
 
     async def scenario() -> tuple[phases.Snapshot, BaseException | None]:
-        refits, running = await refit_while_running(core, keep(1, "persist", path="/nonexistent/checkpoint"))
+        refits, running = await refit_while_running(core, keep(1, "persist", path=str(tmp_path)))
         status = await finished(refits)
         failure = await asyncio.gather(running.reader, return_exceptions=True)
         return status, failure[0] if isinstance(failure[0], BaseException) else None
@@ -160,3 +163,18 @@ def test_a_kv_cache_mode_the_backend_cannot_keep_under_drains_and_says_so(core: 
     assert (core.state, core.weight_version, core.weight_kv) == ("ready", 1, None)
     core.backend.load_checkpoint(harness.SOURCE)
     assert tokens == harness.fresh_greedy(core.backend, harness.PROMPTS, [MAX_TOKENS] * len(tokens))
+
+
+def test_a_checkpoint_that_does_not_exist_fails_before_the_engine_is_touched(core: engine.Engine) -> None:
+    """Nothing in flight is disturbed by a refit whose checkpoint is not there: it fails before the pause."""
+
+    async def scenario() -> tuple[phases.Snapshot, list[list[int]], harness.Together]:
+        refits, running = await refit_while_running(core, keep(1, "persist", path="/nonexistent/checkpoint"))
+        status = await finished(refits)
+        return status, await running.finished(), running
+
+    status, tokens, running = asyncio.run(scenario())
+    assert status.phase == "failed" and "does not exist" in (status.error or "")
+    assert all(running.spans(index) == (Span(0, 0),) for index in range(len(tokens)))
+    assert tokens == harness.fresh_greedy(core.backend, harness.PROMPTS, [MAX_TOKENS] * len(tokens))
+    assert core.weight_version == 0 and not core.paused  # stale, as after any failed attempt: the operator decides

@@ -29,53 +29,26 @@ def prompt(index: int) -> list[int]:
     return [1, 40 + index, 41, 42 + 2 * index, 43]
 
 
-def long_fleet() -> dict[str, Any]:
-    """The two-shard tiny fleet with room for :data:`MAX_TOKENS`-token streams."""
+def long_fleet(**refit: str) -> dict[str, Any]:
+    """The two-shard tiny fleet with room for :data:`MAX_TOKENS`-token streams (``refit``: its
+    ``spec.refit`` settings, e.g. ``staging="auto"``)."""
     manifest = refit_e2e.tiny_fleet()
     manifest["spec"]["model"]["maxSequenceLength"] = MAX_SEQUENCE_LENGTH
+    if refit:
+        manifest["spec"]["refit"] = {**manifest["spec"].get("refit", {}), **refit}
     return manifest
 
 
 @dataclasses.dataclass
 class Stream:
-    """One greedy stream: each chunk's tokens and their version, and the final spans."""
+    """One greedy sequence: its chunks' tokens and their version, and its final spans."""
 
-    url: str
     prompt: list[int]
     tokens: list[int] = dataclasses.field(default_factory=list)
     versions: list[int] = dataclasses.field(default_factory=list)
     spans: list[dict[str, Any]] | None = None
     finish_reason: str | None = None
     error: str | None = None
-    started: threading.Event = dataclasses.field(default_factory=threading.Event)
-
-    def run(self) -> None:
-        try:
-            with openai.OpenAI(base_url=self.url, api_key="unused", max_retries=0, timeout=300) as client:
-                chunks = client.completions.create(
-                    model="tiny",
-                    prompt=self.prompt,
-                    max_tokens=MAX_TOKENS,
-                    temperature=0,
-                    stream=True,
-                    extra_body={"return_token_ids": True, "ignore_eos": True},
-                )
-                for chunk in chunks:
-                    for choice in chunk.choices:
-                        extra = choice.model_extra or {}
-                        ids = [int(token) for token in extra.get("token_ids") or []]
-                        if ids:
-                            self.tokens += ids
-                            self.versions += [int(extra["weight_version"])] * len(ids)
-                        if choice.finish_reason is not None:
-                            self.finish_reason = choice.finish_reason
-                            self.spans = extra.get("weight_version_spans")
-                    if len(self.tokens) >= SWITCH_AFTER:
-                        self.started.set()
-        except Exception as error:  # reported by the test thread
-            self.error = f"{type(error).__name__}: {error}"
-        finally:
-            self.started.set()
 
     @property
     def switch(self) -> int:
@@ -88,6 +61,46 @@ class Stream:
         return [{key: value for key, value in span.items() if value is not None} for span in self.spans]
 
 
+@dataclasses.dataclass
+class ShardLoad:
+    """One streaming request with several prompts to one frontend, read with the official client:
+    the transformers backend batches statically, so the sequences of one request start together and
+    all are mid-generation at once (one request per sequence would run them one batch after another)."""
+
+    url: str
+    streams: list[Stream]
+    started: threading.Event = dataclasses.field(default_factory=threading.Event)
+
+    def run(self) -> None:
+        try:
+            with openai.OpenAI(base_url=self.url, api_key="unused", max_retries=0, timeout=300) as client:
+                chunks = client.completions.create(
+                    model="tiny",
+                    prompt=[stream.prompt for stream in self.streams],
+                    max_tokens=MAX_TOKENS,
+                    temperature=0,
+                    stream=True,
+                    extra_body={"return_token_ids": True, "ignore_eos": True},
+                )
+                for chunk in chunks:
+                    for choice in chunk.choices:
+                        stream, extra = self.streams[choice.index], choice.model_extra or {}
+                        ids = [int(token) for token in extra.get("token_ids") or []]
+                        if ids:
+                            stream.tokens += ids
+                            stream.versions += [int(extra["weight_version"])] * len(ids)
+                        if choice.finish_reason is not None:
+                            stream.finish_reason = choice.finish_reason
+                            stream.spans = extra.get("weight_version_spans")
+                    if all(len(stream.tokens) >= SWITCH_AFTER for stream in self.streams):
+                        self.started.set()
+        except Exception as error:  # reported by the test thread
+            for stream in self.streams:
+                stream.error = f"{type(error).__name__}: {error}"
+        finally:
+            self.started.set()
+
+
 def frontends(kube_admin: kube.Kube, namespace: str, fleet: Object) -> list[str]:
     urls = []
     for shard in fleet["status"]["shards"]:
@@ -97,25 +110,26 @@ def frontends(kube_admin: kube.Kube, namespace: str, fleet: Object) -> list[str]
     return urls
 
 
-def start_streams(urls: list[str]) -> list[tuple[Stream, threading.Thread]]:
-    """:data:`STREAMS` streams spread over ``urls``; returns once each produced :data:`SWITCH_AFTER` tokens."""
+def start_streams(urls: list[str]) -> list[tuple[ShardLoad, threading.Thread]]:
+    """:data:`STREAMS` sequences spread over ``urls``, one request per frontend; returns once every
+    sequence produced :data:`SWITCH_AFTER` tokens."""
     running = []
-    for index in range(STREAMS):
-        stream = Stream(urls[index % len(urls)], prompt(index))
-        thread = threading.Thread(target=stream.run, daemon=True)
+    for offset, url in enumerate(urls):
+        load = ShardLoad(url, [Stream(prompt(index)) for index in range(offset, STREAMS, len(urls))])
+        thread = threading.Thread(target=load.run, daemon=True)
         thread.start()
-        running.append((stream, thread))
-    for stream, _ in running:
-        assert stream.started.wait(refit_e2e.WAIT), "a stream produced no tokens"
-        assert stream.error is None, stream.error
+        running.append((load, thread))
+    for load, _ in running:
+        assert load.started.wait(refit_e2e.WAIT), "a request produced no tokens"
+        assert all(stream.error is None for stream in load.streams), load.streams[0].error
     return running
 
 
-def finish(running: list[tuple[Stream, threading.Thread]]) -> list[Stream]:
+def finish(running: list[tuple[ShardLoad, threading.Thread]]) -> list[Stream]:
     for _, thread in running:
         thread.join(timeout=300)
         assert not thread.is_alive(), "a stream did not finish"
-    return [stream for stream, _ in running]
+    return [stream for load, _ in running for stream in load.streams]
 
 
 def create_refit(kube_admin: kube.Kube, namespace: str, version: int, path: str, **modes: str) -> str:

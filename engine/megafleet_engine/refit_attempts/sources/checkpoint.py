@@ -11,10 +11,12 @@ afterwards and no trainer is told (it reads the status).
 from __future__ import annotations
 
 import dataclasses
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 from megafleet_engine.refit_attempts import phases
 from megafleet_protocol import vocabulary
+from megafleet_protocol.refit import errors
 
 if TYPE_CHECKING:
     from megafleet_engine.refit_attempts import sources, weight_target
@@ -55,6 +57,7 @@ class CheckpointSource:
 
     def run(self, run: sources.Run) -> None:
         run.drop_parked()  # another kind of refit: the next rendezvous joins afresh
+        check_exists(self.request.path)  # before the engine is touched: nothing in flight is disturbed
         run.suspend()
         run.record.enter("applying")
         target = run.target
@@ -78,3 +81,10 @@ class CheckpointSource:
 
     def runs_over(self, session: str) -> bool:
         return False
+
+
+def check_exists(path: str) -> None:
+    """Raise :class:`RefitError` when ``path`` names a local checkpoint that is not there (a source
+    with a scheme, such as ``tiny://``, is the backend's to resolve)."""
+    if "://" not in path and not Path(path).exists():
+        raise errors.RefitError(f"checkpoint {path} does not exist; nothing was written")
