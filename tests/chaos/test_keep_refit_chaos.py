@@ -47,11 +47,11 @@ def test_the_operator_killed_during_a_keep_refit_loses_no_stream_and_the_refit_c
 
         # the new operator takes over once the killed one's peering record expires (as in the drill)
         result = kube_admin.wait(path, refit_e2e.refit_ended, timeout=RESTART_WAIT, what="the refit to end")
-        streams = inflight.finish(running)
+        loads = inflight.finish(running)
 
         assert result is not None and result["status"]["phase"] == "Succeeded", (result or {}).get("status")
         kv = result["status"]["inFlight"]["kvCacheMode"]
-        assert inflight.check_kept(streams, kv) >= 1
+        assert inflight.check_kept(loads, kv) >= 1
         current = kube_admin.wait(
             f"{refit_e2e.fleets(namespace)}/tiny",
             lambda o: refit_e2e.ready(o) and (o or {})["status"].get("weightVersion") == 1,

@@ -53,7 +53,7 @@ def test_a_keep_refit_recomputes_mid_generation_and_every_stream_continues_on_th
         kube_admin, namespace, 1, inflight.NEW_SOURCE, inFlight="keep", kvCacheMode="recompute"
     )
     result = ended(kube_admin, path)
-    streams = inflight.finish(running)
+    loads = inflight.finish(running)
 
     status = result["status"]
     assert status["phase"] == "Succeeded", status
@@ -62,7 +62,7 @@ def test_a_keep_refit_recomputes_mid_generation_and_every_stream_continues_on_th
     assert status["inFlight"]["recomputedTokens"] > 0
     assert status["staging"]["effective"] == "inPlace"
     assert (kube.condition(result, "KeepUnavailable") or {}).get("status", "False") == "False"
-    assert inflight.check_kept(streams, "recompute") == inflight.STREAMS  # every stream spanned it
+    assert inflight.check_kept(loads, "recompute") == inflight.STREAMS  # every stream spanned it
 
 
 def test_a_staged_persist_keep_refit_pauses_only_for_the_switch(
@@ -72,14 +72,14 @@ def test_a_staged_persist_keep_refit_pauses_only_for_the_switch(
 
     path = inflight.create_refit(kube_admin, namespace, 1, inflight.NEW_SOURCE, inFlight="keep", kvCacheMode="persist")
     result = ended(kube_admin, path)
-    streams = inflight.finish(running)
+    loads = inflight.finish(running)
 
     status = result["status"]
     assert status["phase"] == "Succeeded", status
     assert status["inFlight"]["effective"] == "keep" and status["inFlight"]["kept"] == inflight.STREAMS
     assert status["staging"]["effective"] == "staged" and status["staging"]["bytes"] > 0
     assert status["pause"]["shards"] and status["pause"]["stallMaxMilliseconds"] >= 0
-    assert inflight.check_kept(streams, "persist") == inflight.STREAMS
+    assert inflight.check_kept(loads, "persist") == inflight.STREAMS
 
 
 def test_a_keep_refit_that_fails_leaves_every_stream_on_the_old_version(
@@ -91,11 +91,11 @@ def test_a_keep_refit_that_fails_leaves_every_stream_on_the_old_version(
 
     path = inflight.create_refit(kube_admin, namespace, 1, "/nonexistent/megafleet-checkpoint", inFlight="keep")
     result = ended(kube_admin, path)
-    streams = inflight.finish(running)
+    loads = inflight.finish(running)
 
     assert result["status"]["phase"] == "Failed", result["status"]
     assert "does not exist" in str(result["status"]), result["status"]
-    for stream in streams:
+    for stream in inflight.streams_of(loads):
         assert stream.error is None, stream.error
         assert stream.finish_reason == "length" and stream.versions == [0] * inflight.MAX_TOKENS
         assert stream.plain_spans() == [{"start": 0, "version": 0}]

@@ -125,11 +125,32 @@ def start_streams(urls: list[str]) -> list[tuple[ShardLoad, threading.Thread]]:
     return running
 
 
-def finish(running: list[tuple[ShardLoad, threading.Thread]]) -> list[Stream]:
+def finish(running: list[tuple[ShardLoad, threading.Thread]]) -> list[ShardLoad]:
     for _, thread in running:
         thread.join(timeout=300)
         assert not thread.is_alive(), "a stream did not finish"
-    return [stream for load, _ in running for stream in load.streams]
+    return [load for load, _ in running]
+
+
+def streams_of(loads: list[ShardLoad]) -> list[Stream]:
+    return [stream for load in loads for stream in load.streams]
+
+
+def fresh_continuations(load: ShardLoad) -> list[list[int]]:
+    """What the same engine, now serving version 1, generates greedily from each stream's prompt plus
+    its tokens before the switch, as one batch (the fresh engine at the new version that a
+    ``recompute`` switch must equal: same process, threads and shapes as the kept batch)."""
+    with openai.OpenAI(base_url=load.url, api_key="unused", max_retries=0, timeout=300) as client:
+        completion = client.completions.create(
+            model="tiny",
+            prompt=[stream.prompt + stream.tokens[: stream.switch] for stream in load.streams],
+            max_tokens=MAX_TOKENS - min(stream.switch for stream in load.streams),
+            temperature=0,
+            extra_body={"return_token_ids": True, "ignore_eos": True},
+        )
+    assert completion.model_extra is not None and completion.model_extra.get("weight_version") == 1
+    by_index = {choice.index: (choice.model_extra or {})["token_ids"] for choice in completion.choices}
+    return [[int(token) for token in by_index[index]] for index in range(len(load.streams))]
 
 
 def create_refit(kube_admin: kube.Kube, namespace: str, version: int, path: str, **modes: str) -> str:
@@ -156,25 +177,27 @@ def continuation(source: str, prefix: list[int], count: int) -> list[int]:
     return [int(token) for token in output[0, len(prefix) :]]
 
 
-def check_kept(streams: list[Stream], kv: str) -> int:
+def check_kept(loads: list[ShardLoad], kv: str) -> int:
     """Every stream finished, its versions never go back, its spans say exactly where its switch
     fell, and its tokens before the switch are version 0's greedy output; under ``recompute`` the
-    tokens after it are a fresh version 1's from the prompt plus the tokens before. Returns how many
-    streams spanned the switch."""
+    tokens after it are what the engine at version 1 generates afresh from the prompt plus the tokens
+    before (:func:`fresh_continuations`). Returns how many streams spanned the switch."""
     spanning = 0
-    for stream in streams:
-        assert stream.error is None, stream.error
-        assert stream.finish_reason == "length" and len(stream.tokens) == MAX_TOKENS
-        switch = stream.switch
-        assert stream.versions == [0] * switch + [1] * (MAX_TOKENS - switch)
-        expected: list[dict[str, Any]] = [{"start": 0, "version": 0}]
-        if switch < MAX_TOKENS:
-            expected.append({"start": switch, "version": 1, "kv": kv})
-        assert stream.plain_spans() == expected
-        assert stream.tokens[:switch] == continuation(OLD_SOURCE, stream.prompt, switch)
-        if SWITCH_AFTER <= switch < MAX_TOKENS:
-            spanning += 1
-            if kv == "recompute":
-                after = continuation(NEW_SOURCE, stream.prompt + stream.tokens[:switch], MAX_TOKENS - switch)
-                assert stream.tokens[switch:] == after
+    for load in loads:
+        fresh = fresh_continuations(load) if kv == "recompute" else None
+        for index, stream in enumerate(load.streams):
+            assert stream.error is None, stream.error
+            assert stream.finish_reason == "length" and len(stream.tokens) == MAX_TOKENS
+            switch = stream.switch
+            assert stream.versions == [0] * switch + [1] * (MAX_TOKENS - switch)
+            expected: list[dict[str, Any]] = [{"start": 0, "version": 0}]
+            if switch < MAX_TOKENS:
+                expected.append({"start": switch, "version": 1, "kv": kv})
+            assert stream.plain_spans() == expected
+            assert stream.tokens[:switch] == continuation(OLD_SOURCE, stream.prompt, switch)
+            if SWITCH_AFTER <= switch < MAX_TOKENS:
+                spanning += 1
+                if fresh is not None:
+                    after = stream.tokens[switch:]
+                    assert after == fresh[index][: len(after)], f"stream {index}: after its switch at {switch}"
     return spanning

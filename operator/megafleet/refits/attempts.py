@@ -189,8 +189,9 @@ async def collect(ctx: context.RefitContext) -> None:
     summed (:func:`.member_reports.summary`), the fleet moving to its version."""
     members = [entry["shard"] for entry in (ctx.status.get("membership") or {}).get("rankOffsets", [])]
     progress = await _progress(ctx, members)
-    if progress is None:
-        return  # not started on every member yet
+    if progress is None:  # not started on every member yet: an operator may have died before telling it
+        await _retell(ctx, members)
+        return
     if progress.failure is not None:
         failure = progress.failure
         await fail(ctx, members, failure.message, reason=failure.reason, report=failure.status)
@@ -219,6 +220,33 @@ async def collect(ctx: context.RefitContext) -> None:
     )
     await fleet_lock.finish(ctx.api, ctx.body, ctx.fleet_body, outcome)
     await _record_session_version(ctx)
+
+
+async def _retell(ctx: context.RefitContext, members: list[int]) -> None:
+    """Tell the members whose agents do not show this attempt yet, again: the status says the attempt
+    runs, but the operator that wrote it may have stopped before it told every agent (a start is
+    idempotent on the agent: the same request is answered, not rerun). The membership is the one
+    published (the same shards give the same offsets); a refusal waits for the next poll."""
+    if any(shard not in ctx.pods for shard in members):
+        return  # collect fails the attempt: a member left
+    waiting = {}
+    for shard in members:
+        reports = [await ctx.agents.refit_status(pod.ip, ctx.token) for pod in ctx.pods[shard]]
+        if any(report is not None and report.version != ctx.spec.version for report in reports):
+            waiting[shard] = ctx.pods[shard]
+    if not waiting:
+        return
+    ctx.pods = {shard: ctx.pods[shard] for shard in members}
+    await _reachable(ctx)  # the members' capabilities, for the modes
+    chosen = modes.resolve(ctx.fleet.spec, ctx.spec, ctx.capabilities)
+    layout = ctx.fleet.layout
+    rendezvous = ctx.spec.source.rendezvous
+    trainer = rendezvous.trainer_world_size if rendezvous else 1
+    membership = planner.rank_offsets(trainer, sorted(members), layout.pods_per_shard * layout.ranks_per_pod)
+    attempt = int(ctx.status.get("attempts", 1))
+    log.info("Refit %s: shards %s never started attempt %d; telling them again", ctx.name, sorted(waiting), attempt)
+    for refused in await _tell(ctx, waiting, membership, attempt, chosen):
+        log.warning("Refit %s: %s (tried again at the next poll)", ctx.name, refused)
 
 
 async def _progress(ctx: context.RefitContext, members: list[int]) -> _Progress | None:

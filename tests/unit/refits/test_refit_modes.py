@@ -222,3 +222,25 @@ def test_keep_unavailable_stays_on_a_refit_that_a_member_refused_at_once() -> No
     kinds = {c["type"]: c["reason"] for c in done["conditions"]}
     assert kinds == {"Failed": "Failed", refit_status.KEEP_UNAVAILABLE: modes.BACKEND_CANNOT_KEEP}
     assert done["inFlight"]["effective"] == "drain"
+
+
+def test_members_an_operator_never_told_before_it_died_are_told_again_and_the_refit_completes() -> None:
+    """The status says the attempt runs, but its operator stopped before telling one member (its
+    agent shows no such version): the next operator's poll tells that member again, with the
+    published offset and the same modes, and the Refit succeeds."""
+    world = World(refit={"inFlight": "keep"})
+    world.start()
+    for ip in world.pod_ips().values():
+        world.agents.capabilities[ip] = KEEPS
+    world.refit(1, {"checkpoint": {"path": "/ckpt/1"}})
+    first = world.advance_refit("tiny-v1")["status"]
+    assert first["phase"] == "Running" and len(world.agents.starts) == 2
+    lost_ip, lost_body = world.agents.starts[-1]
+    del world.agents.versions[lost_ip]  # as if that call had never been made
+
+    done = run(world, "tiny-v1")
+
+    assert done["phase"] == "Succeeded", done
+    again = [(ip, body) for ip, body in world.agents.starts[2:]]
+    assert [ip for ip, _ in again] == [lost_ip]
+    assert agent_client._json(again[0][1]) == agent_client._json(lost_body)
