@@ -42,7 +42,16 @@ def test_engine_modules_import_with_kopf_and_the_operator_unimportable() -> None
     )
     assert result.returncode == 0, result.stderr
     imported = set(result.stdout.split())
-    for module in ("cli", "server", "agent_server", "metrics", "settings", "openai.router", "openai.serving", "engine"):
+    for module in (
+        "cli",
+        "server",
+        "agent_server",
+        "metrics",
+        "http_server",
+        "openai.router",
+        "openai.serving",
+        "engine",
+    ):
         assert f"megafleet_engine.{module}" in imported
 
 

@@ -84,7 +84,8 @@ class CheckpointSource:
 
 
 def check_exists(path: str) -> None:
-    """Raise :class:`RefitError` when ``path`` names a local checkpoint that is not there (a source
-    with a scheme, such as ``tiny://``, is the backend's to resolve)."""
-    if "://" not in path and not Path(path).exists():
+    """Raise :class:`RefitError` when ``path`` is an absolute path with nothing there (a checkpoint on
+    a volume of the pod); anything else (``tiny://``, ``random://``, a name a backend resolves itself)
+    is the backend's to resolve."""
+    if Path(path).is_absolute() and not Path(path).exists():
         raise errors.RefitError(f"checkpoint {path} does not exist; nothing was written")
