@@ -180,6 +180,8 @@ class _Progress:
     serving: list[int] = dataclasses.field(default_factory=list)
     """Member shards whose every agent reports it ready at the new version."""
     failure: member_reports.Failure | None = None
+    unstarted: dict[int, list[pods.Pod]] = dataclasses.field(default_factory=dict)
+    """Member shards an agent of which does not show this attempt (never told, or not yet)."""
 
 
 async def collect(ctx: context.RefitContext) -> None:
@@ -189,12 +191,12 @@ async def collect(ctx: context.RefitContext) -> None:
     summed (:func:`.member_reports.summary`), the fleet moving to its version."""
     members = [entry["shard"] for entry in (ctx.status.get("membership") or {}).get("rankOffsets", [])]
     progress = await _progress(ctx, members)
-    if progress is None:  # not started on every member yet: an operator may have died before telling it
-        await _retell(ctx, members)
-        return
     if progress.failure is not None:
         failure = progress.failure
         await fail(ctx, members, failure.message, reason=failure.reason, report=failure.status)
+        return
+    if progress.unstarted:  # an operator may have died before telling them
+        await _retell(ctx, members, progress.unstarted)
         return
     if not all(member.report.phase == "succeeded" for member in progress.reports):
         return
@@ -222,20 +224,11 @@ async def collect(ctx: context.RefitContext) -> None:
     await _record_session_version(ctx)
 
 
-async def _retell(ctx: context.RefitContext, members: list[int]) -> None:
+async def _retell(ctx: context.RefitContext, members: list[int], waiting: dict[int, list[pods.Pod]]) -> None:
     """Tell the members whose agents do not show this attempt yet, again: the status says the attempt
     runs, but the operator that wrote it may have stopped before it told every agent (a start is
     idempotent on the agent: the same request is answered, not rerun). The membership is the one
     published (the same shards give the same offsets); a refusal waits for the next poll."""
-    if any(shard not in ctx.pods for shard in members):
-        return  # collect fails the attempt: a member left
-    waiting = {}
-    for shard in members:
-        reports = [await ctx.agents.refit_status(pod.ip, ctx.token) for pod in ctx.pods[shard]]
-        if any(report is not None and report.version != ctx.spec.version for report in reports):
-            waiting[shard] = ctx.pods[shard]
-    if not waiting:
-        return
     ctx.pods = {shard: ctx.pods[shard] for shard in members}
     await _reachable(ctx)  # the members' capabilities, for the modes
     chosen = modes.resolve(ctx.fleet.spec, ctx.spec, ctx.capabilities)
@@ -249,8 +242,8 @@ async def _retell(ctx: context.RefitContext, members: list[int]) -> None:
         log.warning("Refit %s: %s (tried again at the next poll)", ctx.name, refused)
 
 
-async def _progress(ctx: context.RefitContext, members: list[int]) -> _Progress | None:
-    """The members' reports, up to the first failure; None while one has not started the attempt."""
+async def _progress(ctx: context.RefitContext, members: list[int]) -> _Progress:
+    """The members' reports, up to the first failure, and the members that have not started the attempt."""
     found = _Progress()
     for shard in members:
         if shard not in ctx.pods:
@@ -262,12 +255,15 @@ async def _progress(ctx: context.RefitContext, members: list[int]) -> _Progress 
                 found.failure = member_reports.Failure(f"the agent of {pod.name} is gone")
                 return found
             if report.version != ctx.spec.version:
-                return None  # not started there yet
+                found.unstarted[shard] = ctx.pods[shard]
+                break
             member = member_reports.MemberReport(shard, pod.name, report)
             if report.phase == "failed":
                 found.failure = member_reports.failure(member)
                 return found
             found.reports.append(member)
+        if shard in found.unstarted:
+            continue
         shard_reports = [member.report for member in found.reports[-len(ctx.pods[shard]) :]]
         if all(report.state == "ready" and report.weight_version == ctx.spec.version for report in shard_reports):
             found.serving.append(shard)
