@@ -11,7 +11,7 @@ the engine is async (``backend: megatron``) and ``in_flight_weight_updates`` is 
 :meth:`Collector.resume_after_refit` asks ``invalidate_kv_cache()`` with
 ``recompute_kv_cache_after_weight_updates`` and then resumes (:669-702).
 
-Used by tests/sdk/test_nemo_ray.py, tests/sdk/test_nemo_in_flight.py (without Ray, on a pickled
+Used by tests/sdk/test_nemo_ray.py, tests/sdk/test_nemo_in_flight_flags.py (without Ray, on a pickled
 copy), tests/e2e/test_sdk.py and tests/e2e/test_nemo_in_flight.py; the actor class is made with
 ``ray.remote(Collector)`` there. :func:`local_ray` starts the local Ray instance they use.
 """

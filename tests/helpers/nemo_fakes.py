@@ -3,7 +3,7 @@
 ``httpx.MockTransport`` whose answers can be held back and can span a refit (:class:`SpanFrontend`);
 :func:`install` makes every adapter (and pickled copy) made afterwards connect to them.
 
-Used by tests/unit/test_nemo_wire.py (``refit_wire="nemo"``) and tests/sdk/test_nemo_in_flight.py
+Used by tests/unit/test_nemo_wire.py (``refit_wire="nemo"``) and tests/sdk/test_nemo_in_flight_flags.py
 (NeMo RL's async flags on both wires). What the fakes do not do: :class:`FakeOperator` runs no
 attempts and sends nothing to engines, it moves a session to its phase and a Refit from Pending to
 Running to Succeeded (or Failed) as it is read; its ``status.inFlight`` is the spec's request
