@@ -230,12 +230,17 @@ def settled_status(
     """The fleet status fields a successful refit settles at once: the member shards (see
     :func:`settled_shards`), ``readyReplicas``, ``weightVersion`` when every Ready shard serves
     ``version``, and the Ready, Degraded and WeightsCurrent conditions, computed as the reconcile
-    computes them, so readiness does not wait for its next pass."""
+    computes them, so readiness does not wait for its next pass (a ``ShardsFailing`` Degraded, which
+    needs the reconcile's view of restarts, is kept until every shard is Ready)."""
     shards = settled_shards(fleet_status.get("shards") or [], serving, version)
     ready = sum(1 for entry in shards if entry.get("phase") == "Ready")
     found = list(fleet_status.get("conditions") or [])
     found = readiness.ready_condition(found, ready, replicas, generation=generation, now=now)
-    found = readiness.degraded(found, ready, replicas, generation=generation, now=now)
+    previous = conditions.find(found, conditions.DEGRADED)
+    if not (previous is not None and previous.get("reason") == "ShardsFailing" and ready < replicas):
+        # A shard not ready after restarts stays named (only the reconcile observes restarts): a
+        # refit that leaves some shard unsettled never turns ShardsFailing into ShardsUnavailable.
+        found = readiness.degraded(found, ready, replicas, generation=generation, now=now)
     found = readiness.weights_current(found, shards, {"currentVersion": version}, generation=generation, now=now)
     settled: Object = {"shards": shards, "readyReplicas": ready, "conditions": found}
     if {entry.get("weightVersion") for entry in shards if entry.get("phase") == "Ready"} == {version}:
