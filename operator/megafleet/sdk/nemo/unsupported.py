@@ -46,17 +46,6 @@ class Unsupported:
             "frontend URLs; read dp_openai_server_base_urls after prepare_for_generation()"
         )
 
-    def set_refit_membership(self, membership: Any) -> None:
-        """Not available: the operator decides a refit's membership from the live shards.
-
-        Raises:
-            NotImplementedError: always.
-        """
-        raise NotImplementedError(
-            "MegafleetGeneration takes no refit membership from the trainer: the operator refits the live "
-            "shards and retries without a dead one; call update_weights_from_collective() as usual"
-        )
-
     def update_weights_via_ipc_zmq(self) -> refs.ObjectRefs:
         """Not available: CUDA IPC needs the engines in the trainer's processes (colocated).
 
@@ -109,17 +98,6 @@ class Unsupported:
             NotImplementedError: always.
         """
         raise _no_reshard()
-
-    def attach_fleet_health(self, monitor: Any, selector: Any) -> None:
-        """Not available: the operator watches the fleet's shards itself.
-
-        Raises:
-            NotImplementedError: always.
-        """
-        raise NotImplementedError(
-            "async_rl.generation_fleet_health.enabled=true is not supported for the MegafleetGeneration generation "
-            "backend: the operator watches the shards and refits only live ones"
-        )
 
     def pause_generation(self, mode: str) -> None:
         """Not available: clients cannot pause a fleet; the fleet pauses itself during each Refit.
