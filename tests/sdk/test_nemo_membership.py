@@ -18,6 +18,7 @@ from typing import Any
 import pytest
 import torch
 
+from helpers import nemo_reshard_trainer
 from helpers.nemo_fakes import FLEET, NAMESPACE, FakeOperator, fleet_object, install
 from megafleet.sdk import errors, nemo
 from megafleet.sdk.nemo import fleet_health, refit_wire_nemo
@@ -208,3 +209,24 @@ def test_each_shard_phase_tells_nemos_monitor_what_nemos_rule_allows(
     phase: str, version: int | None, state: str, event: str | None
 ) -> None:
     assert fleet_health.monitor_event(phase, version, 4, state) == event
+
+
+def test_nemos_reshard_refit_info_is_read_and_checked_against_the_fleets_ranks(
+    operator: FakeOperator, generation_: nemo.MegafleetGeneration
+) -> None:
+    weights = {
+        "model.layers.0.mlp.up_proj.weight": torch.zeros(8, 4, dtype=torch.bfloat16),
+        "model.norm.weight": torch.zeros(4),
+    }
+    fits = nemo_reshard_trainer.Layout(pp=1, tp=2, gen_ranks=3, gen_tp=1, layers=1)
+    generation_.init_collective("10.0.0.1", 29500, 5, train_world_size=2)  # the fleet's ranks are known now
+    generation_.prepare_nccl_reshard_refit_info(nemo_reshard_trainer.refit_info(weights, fits))
+    other = dataclasses.replace(fits, gen_ranks=2)
+    with pytest.raises(ValueError, match="built for 2 inference ranks; the fleet has 3"):
+        generation_.prepare_nccl_reshard_refit_info(nemo_reshard_trainer.refit_info(weights, other))
+    grouped = nemo_reshard_trainer.refit_info(weights, fits)
+    grouped["per_layer_params"]["model.layers.0"][0]["grouped_expert_proj"] = "up_proj"
+    with pytest.raises(ValueError, match="grouped MoE experts"):
+        generation_.prepare_nccl_reshard_refit_info(grouped)
+    with pytest.raises(NotImplementedError, match="not run by the megafleet operator yet"):
+        generation_.nccl_reshard_refit()

@@ -1,7 +1,7 @@
 """NeMo RL's refit membership over a fleet: which shards take part in refits after a shard was lost
 (``set_refit_membership``), their rebuilt ranks (``_refit_ranked_workers``), and the rebuild of the
-trainer's world over them (``rebuild_collective``); plus NeMo's fleet-health monitor fed from the
-fleet's shard states (``attach_fleet_health``).
+trainer's world over them (``rebuild_collective``); NeMo's fleet-health monitor fed from the
+fleet's shard states (``attach_fleet_health``); and the check of NeMo's M-to-N reshard refit info.
 
 :class:`MembershipHooks` is a base of :class:`~megafleet.sdk.nemo.adapter.MegafleetGeneration`.
 NeMo's membership (``nemo_rl.weight_sync.membership.RefitMembership``, read by its attributes) packs
@@ -19,6 +19,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from megafleet.sdk.nemo import fleet_health, refit_wires, refs
+from megafleet_protocol.refit import nemo_reshard_info
 
 __all__ = ["Membership", "MembershipHooks", "RankedWorker"]
 
@@ -78,6 +79,7 @@ class MembershipHooks:
     _wire: refit_wires.Wire
     _refit_membership: Membership | None = None
     _fleet_monitor: fleet_health.Feed | None = None
+    _reshard_info: nemo_reshard_info.ReshardInfo | None = None
 
     def init_collective(
         self, ip: str, port: int, world_size: int, *, train_world_size: int, refit_backend: str | None = None
@@ -85,6 +87,9 @@ class MembershipHooks:
         raise NotImplementedError  # the adapter's
 
     def fleet_status(self) -> Mapping[str, Any]:
+        raise NotImplementedError  # the adapter's
+
+    def get_inference_world_size(self) -> int | None:
         raise NotImplementedError  # the adapter's
 
     def set_refit_membership(self, membership: Any) -> None:
@@ -126,6 +131,24 @@ class MembershipHooks:
         return self.init_collective(
             ip, port, self._refit_membership.world_size, train_world_size=self._refit_membership.train_world_size
         )
+
+    def prepare_nccl_reshard_refit_info(self, refit_info: dict[str, Any]) -> None:
+        """Read and check NeMo's M-to-N reshard refit info (its trainer's
+        ``prepare_nccl_reshard_refit_info``, wire-safe form) and keep it for the reshard refits; the
+        refits themselves are not run by the operator yet (``nccl_reshard_refit`` says so).
+
+        Raises:
+            ValueError: it does not parse, names grouped MoE experts, or was built for another number
+                of inference ranks than this fleet's (when the API server is known).
+        """
+        parsed = nemo_reshard_info.ReshardInfo.parse(refit_info)
+        fleet_ranks = self.get_inference_world_size()
+        if fleet_ranks is not None and parsed.gen_world_size not in (0, fleet_ranks):
+            raise ValueError(
+                f"NeMo's reshard refit info was built for {parsed.gen_world_size} inference ranks; the fleet "
+                f"has {fleet_ranks}"
+            )
+        self._reshard_info = parsed
 
     def attach_fleet_health(self, monitor: Any, selector: Any) -> None:
         """Give NeMo's fleet-health monitor the fleet's shard states from now on (at once, and after

@@ -86,13 +86,10 @@ class Unsupported:
         """Not available: see :meth:`nccl_reshard_refit`."""
         raise _no_reshard()
 
-    def prepare_nccl_reshard_refit_info(self, refit_info: dict[str, Any]) -> None:
-        """Not available: see :meth:`nccl_reshard_refit`."""
-        raise _no_reshard()
-
     def nccl_reshard_refit(self, refit_timeout_s: float | None = None) -> refs.ObjectRefs:
-        """Not available: megafleet refits send full Hugging Face tensors to every shard, which
-        re-shards them itself; NCCL M-to-N resharding from pipeline stages is not implemented.
+        """Not available yet: the fleet's engines can receive NeMo's M-to-N reshard
+        (:mod:`megafleet_protocol.refit.nemo_reshard`), but the operator does not yet have the shards
+        join the stage communicators (``prepare_nccl_reshard_refit_info`` checks the refit info).
 
         Raises:
             NotImplementedError: always.
@@ -152,8 +149,9 @@ class Unsupported:
 
 def _no_reshard() -> NotImplementedError:
     return NotImplementedError(
-        "refit_transport='nccl_reshard' (NCCL M-to-N resharding) is not supported by megafleet: every shard "
-        "receives full tensors and re-shards them itself; use the collective path (init_collective + "
+        "refit_transport='nccl_reshard' (NCCL M-to-N resharding) is not run by the megafleet operator yet: the "
+        "engines' receiving side exists, but no shard joins the pipeline stages' communicators; use the "
+        "collective path (init_collective + "
         "update_weights_from_collective; refit_transport='collective'). The fleet never joins the reshard "
         "group, so the trainer's own futures of this call (its pipeline stages' init_nccl_reshard_comm_group "
         "and nccl_reshard_refit) will wait on their store and time out there: do not ray.get them"
