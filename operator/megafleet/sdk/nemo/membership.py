@@ -104,7 +104,8 @@ class MembershipHooks:
 
     def refit_ranked_workers(self) -> list[RankedWorker]:
         """The inference ranks that take part in refits, with their rebuilt and original ranks
-        (NeMo's ``_refit_ranked_workers``); every shard's, in order, before any membership was set."""
+        (NeMo's ``_refit_ranked_workers``); empty before any membership was set (every shard takes part,
+        at its original rank)."""
         membership = self._refit_membership
         if membership is None:
             return []
