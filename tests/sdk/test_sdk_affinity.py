@@ -77,7 +77,7 @@ def test_a_later_turn_follows_its_conversation_but_a_shared_system_prompt_pulls_
     assert affinity.assign([affinity.key(chat) for chat in longer], shards, memory=memory) == chat_shards
     # prompts ending inside the system prompt's blocks mark them shared: new prompts still spread
     for seed in range(8):
-        affinity.assign([affinity.key(SYSTEM + [seed])], shards, memory=memory)
+        affinity.assign([affinity.key([*SYSTEM, seed])], shards, memory=memory)
     fresh = affinity.assign([affinity.key(prompt(1000 + seed)) for seed in range(64)], shards, memory=memory)
     assert len(set(fresh)) == len(shards)
 
