@@ -15,7 +15,8 @@ spread over the shards within a load bound. A completion batch is sent as few ba
 (``prompt`` as a list: OpenAI's batch form, which the engine admits as one batch): per shard, chunks of
 at most :data:`~megafleet_protocol.frontend.MAX_SEQUENCES_PER_REQUEST` prompts (:func:`chunks`), all in
 flight at once; a request whose shard fails goes to the frontend with the fewest outstanding
-requests. A chat batch goes the same way to the engine's ``/v1/chat/completions/batch`` extension (``messages`` as a list of conversations, each rendered with the chat template by the
+requests. A chat batch goes the same way to the engine's ``/v1/chat/completions/batch`` extension
+(``messages`` as a list of conversations, each rendered with the chat template by the
 engine: the client needs no tokenizer); OpenAI's chat API has no batch form.
 ``Sampling(text=False)`` asks for token ids only (the engine's ``detokenize: false``: no text is
 made). The engine's RL extensions are always asked for:
