@@ -15,7 +15,8 @@ Names follow Prometheus's conventions (``megafleet_`` prefix, base units, ``_tot
 ``_ratio`` for 0..1): tokens per second is ``rate(megafleet_generated_tokens_total[1m])``, not a
 gauge, and the prefix cache's hit rate over a window is
 ``rate(megafleet_prefix_cache_hit_tokens_total[1m]) / rate(megafleet_prefix_cache_prompt_tokens_total[1m])``
-(``megafleet_prefix_cache_hit_ratio`` is the same since the engine started). What an autoscaler reads (docs/autoscaling.md): ``megafleet_waiting_sequences`` and
+(``megafleet_prefix_cache_hit_ratio`` is the same since the engine started). What an autoscaler
+reads (docs/autoscaling.md): ``megafleet_waiting_sequences`` and
 ``megafleet_running_sequences`` per pod, summed per fleet by the ``fleet`` label Prometheus adds.
 """
 
