@@ -378,8 +378,14 @@ def local_engines(shards: int, args: argparse.Namespace) -> tuple[list[Any], lis
         )
         for shard in range(shards)
     ]
-    addresses = [process.wait_serving("frontend", "metrics") for process in processes]
-    token.unlink()
+    try:
+        addresses = [process.wait_serving("frontend", "metrics", timeout=600) for process in processes]
+    except BaseException:
+        for process in processes:
+            process.stop()
+        raise
+    finally:
+        token.unlink()
     return (
         processes,
         [f"http://{found['frontend']}/v1" for found in addresses],
