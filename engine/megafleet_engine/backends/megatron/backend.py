@@ -300,7 +300,8 @@ class MegatronBackend:
     @property
     def prefix_cache(self) -> base.PrefixCacheCounters:
         """Prompt tokens megatron prefilled and skipped (its engine's running totals plus the
-        context's counts not yet folded into them)."""
+        context's counts not yet folded into them); megatron counts them only with its prefix
+        caching on (off: zeros)."""
         engine, context = self.engine, self.engine.context
         computed = getattr(engine, "_prefill_tokens_computed", 0) + getattr(
             context, "prefix_cache_prefill_computed_tokens", 0
