@@ -21,7 +21,7 @@ from megafleet_protocol import ports
 PODS = ("tiny-s0-p0", "tiny-s1-p0")
 SAMPLES = 8
 PROMPT = [1, *range(100, 180)]  # 81 tokens: one whole 64-token block for the next turn to find
-MIXED = [[1, *range(200 + 10 * index, 230 + 10 * index)] for index in range(8)]
+MIXED = [[1, *range(20 + 25 * index, 45 + 25 * index)] for index in range(8)]  # the tiny vocabulary: 263 ids
 GREEDY = generation.Sampling(max_tokens=6, temperature=0, logprobs=False, text=False)
 
 

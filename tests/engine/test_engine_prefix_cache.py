@@ -2,17 +2,19 @@
 prefilled once, and with it on or off the tokens are equal (greedy, and seeded sampling) at several
 batch sizes; after a refit in every mode (drained, aborted, kept with persist or recompute, staged)
 a new batch of siblings gives a fresh engine's greedy tokens at the new version; the engine exports
-the hit counts for Prometheus.
+the hit counts for Prometheus; an OpenAI client's ``n`` samples of one prompt share one prefill.
 """
 
 from __future__ import annotations
 
 import asyncio
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 from prometheus_client import parser
 
+from helpers import engine_harness
 from helpers import keep_harness as harness
 from megafleet_engine import engine, metrics, refit_staging
 from megafleet_engine.backends import base, transformers_backend
@@ -134,3 +136,21 @@ def test_after_a_refit_siblings_get_a_fresh_engines_greedy_tokens_at_the_new_ver
     assert samples["megafleet_prefix_cache_hit_tokens_total"] > 0
     assert samples["megafleet_prefix_cache_prompt_tokens_total"] >= 2 * sum(len(prefix) for prefix in batch)
     assert 0 < samples["megafleet_prefix_cache_hit_ratio"] < 1
+
+
+@pytest.mark.slow
+def test_an_openai_request_with_n_samples_is_prefilled_once(tmp_path: Path) -> None:
+    backend = backend_with(True)
+    prompt = list(harness.PROMPTS[5])
+    with engine_harness.serve(backend, engine_harness.token_file(tmp_path)) as served, served.openai_client() as client:
+        answer = client.completions.create(
+            model=engine_harness.MODEL, prompt=prompt, n=4, max_tokens=5, temperature=1.0, seed=3
+        )
+        scraped = {
+            sample.name: sample.value
+            for family in parser.text_string_to_metric_families(served.metrics.exposition().decode())
+            for sample in family.samples
+        }
+    assert len(answer.choices) == 4
+    assert backend.prefix_cache == base.PrefixCacheCounters(4 * len(prompt), 3 * len(prompt))
+    assert scraped["megafleet_prefix_cache_hit_ratio"] == 0.75
