@@ -11,6 +11,7 @@ import asyncio
 from pathlib import Path
 
 import httpx
+import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from helpers import refit_e2e
@@ -18,8 +19,11 @@ from megafleet.sdk import fleet, generation
 from megafleet_dev import kube
 from megafleet_protocol import ports
 
+pytestmark = pytest.mark.timeout(900)  # READY_WAIT plus the three batches
+
 PODS = ("tiny-s0-p0", "tiny-s1-p0")
 SAMPLES = 8
+READY_WAIT = 600  # two engine pods starting on a loaded 2-core machine took over 120 s
 PROMPT = [1, *range(100, 180)]  # 81 tokens: one whole 64-token block for the next turn to find
 MIXED = [[1, *range(20 + 25 * index, 45 + 25 * index)] for index in range(8)]  # the tiny vocabulary: 263 ids
 GREEDY = generation.Sampling(max_tokens=6, temperature=0, logprobs=False, text=False)
@@ -50,7 +54,7 @@ def test_siblings_share_a_shard_and_its_prefill_while_a_mixed_batch_spreads(
 
     async def scenario() -> tuple[list[generation.Answer], list[float], list[generation.Answer], generation.Answer]:
         async with fleet.Fleet("tiny", namespace, kubeconfig=kubeconfig, addressing="pod") as client:
-            await client.wait_ready(timeout=refit_e2e.WAIT)
+            await client.wait_ready(timeout=READY_WAIT)
             before = hit_tokens(kube_admin, namespace)
             siblings = await client.complete_batch([PROMPT] * SAMPLES, GREEDY)
             after = hit_tokens(kube_admin, namespace)
