@@ -256,21 +256,22 @@ class Fleet:
     async def complete(
         self, prompt: generation.Prompt, sampling: generation.Sampling = generation.DEFAULT_SAMPLING
     ) -> generation.Answer:
-        """One completion (text or token-id prompt) on the least busy frontend."""
+        """One completion (text or token-id prompt) on the shard the router places it on (:mod:`.affinity`)."""
         await self._ensure_routed()
         return await self.generator.complete(prompt, sampling)
 
     async def chat(
         self, messages: Sequence[generation.Message], sampling: generation.Sampling = generation.DEFAULT_SAMPLING
     ) -> generation.Answer:
-        """One chat completion on the least busy frontend."""
+        """One chat completion on the shard the router places the conversation on (:mod:`.affinity`)."""
         await self._ensure_routed()
         return await self.generator.chat(messages, sampling)
 
     async def complete_batch(
         self, prompts: Sequence[generation.Prompt], sampling: generation.Sampling = generation.DEFAULT_SAMPLING
     ) -> list[generation.Answer]:
-        """Every prompt at once, spread over all routable frontends; answers in prompt order."""
+        """Every prompt at once, spread over all routable frontends (each prompt's samples on one shard);
+        answers in prompt order."""
         await self._ensure_routed()
         return await self.generator.complete_batch(prompts, sampling)
 

@@ -323,7 +323,8 @@ class MegafleetGeneration(class_hooks.ClassHooks, membership.MembershipHooks, un
     async def _answers(
         self, clients: connection.Clients, prompts: list[list[int]], samplings: list[generation.Sampling]
     ) -> list[generation.Answer]:
-        """Every sample's answer, in order, from batched requests (one per frontend per chunk)."""
+        """Every sample's answer, in order, from batched requests (per shard and chunk: a prompt's samples,
+        and the turns of one conversation, go to one shard; :mod:`megafleet.sdk.affinity`)."""
         return await clients.generator.complete_fitted(prompts, await self._fit(clients, prompts, samplings))
 
     async def _fit(
