@@ -29,6 +29,7 @@ import torch.distributed as dist
 
 from megafleet_protocol import vocabulary
 from megafleet_protocol.refit import (
+    commit_round,
     communicator,
     cuda_streams,
     deadlines,
@@ -85,6 +86,8 @@ class WeightSender:
             ``none``: never (a receiver that requires digests then rejects the manifest).
         corrupt_bucket: test only: flip one byte of this bucket (its first payload byte) after its
             digest was taken, so tests can prove that receivers catch and name a corrupt bucket.
+        withhold_commit: test only: after the buckets, fail as a trainer that dies before its commit
+            would (receivers waiting for it stay on their version and give their staged copy up).
     """
 
     def __init__(
@@ -100,6 +103,7 @@ class WeightSender:
         device: torch.device | str | None = None,
         integrity: vocabulary.Integrity = "checksum",
         corrupt_bucket: int | None = None,  # test only
+        withhold_commit: bool = False,  # test only
     ) -> None:
         if rank != 0:
             raise ValueError(f"trainer rank {rank} sends nothing in protocol 1; only trainer rank 0 runs a sender")
@@ -118,6 +122,7 @@ class WeightSender:
         self._offer: _Offer | None = None  # the last send's manifest, which every receiver holds
         self.integrity = integrity
         self._corrupt_bucket = corrupt_bucket
+        self._withhold_commit = withhold_commit
 
     @property
     def usable(self) -> bool:
@@ -227,6 +232,10 @@ class WeightSender:
             buckets = self._scatter(comm, offer.plans, source.tensors, meanwhile, sealed=sealed)
             sent = sum(plan.total_bytes for plan in offer.plans.values())
         transferred = time.monotonic()
+        if comm.commit_ranks:  # receivers that staged wait for this trainer's commit before they switch
+            if self._withhold_commit:
+                raise errors.RefitAborted("test: the trainer withheld its commit")
+            commit_round.decide(comm, comm.commit_ranks)
         self._acknowledgements(comm)
         finished = time.monotonic()
         self._offer = offer
@@ -276,7 +285,8 @@ class WeightSender:
         done with them by then, and a store that serves refit after refit does not grow)."""
         receivers = range(1, self.rendezvous.group_size)
         keys = [round_messages.GROUP_KEY] + [round_messages.hello_key(r) for r in receivers]
-        keys += [wire.done_key(r) for r in receivers]
+        keys += [wire.done_key(r) for r in receivers] + [commit_round.staged_key(r) for r in receivers]
+        keys.append(commit_round.COMMIT_KEY)
         if exchanged:
             keys += [wire.MANIFEST_KEY, wire.GO_KEY] + [wire.verdict_key(r) for r in receivers]
             if transport == "reshard":
