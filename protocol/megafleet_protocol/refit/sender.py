@@ -86,6 +86,8 @@ class WeightSender:
             ``none``: never (a receiver that requires digests then rejects the manifest).
         corrupt_bucket: test only: flip one byte of this bucket (its first payload byte) after its
             digest was taken, so tests can prove that receivers catch and name a corrupt bucket.
+        corrupt_receiver: test only, with ``corrupt_bucket`` and the reshard transport: flip the byte in
+            the buckets of this group rank only (one shard's bucket is corrupt, the others' are not).
         withhold_commit: test only: after the buckets, fail as a trainer that dies before its commit
             would (receivers waiting for it stay on their version and give their staged copy up).
     """
@@ -103,6 +105,7 @@ class WeightSender:
         device: torch.device | str | None = None,
         integrity: vocabulary.Integrity = "checksum",
         corrupt_bucket: int | None = None,  # test only
+        corrupt_receiver: int | None = None,  # test only
         withhold_commit: bool = False,  # test only
     ) -> None:
         if rank != 0:
@@ -123,6 +126,7 @@ class WeightSender:
         self.integrity = integrity
         self._corrupt_bucket = corrupt_bucket
         self._withhold_commit = withhold_commit
+        self._corrupt_receiver = corrupt_receiver
 
     @property
     def usable(self) -> bool:
@@ -433,7 +437,7 @@ class WeightSender:
                 chunk = buffers[slot].narrow(0, 0, size)
                 for placement in by_bucket[bucket]:
                     wire.pack(chunk, placement, tensors[placement.region.name])
-                self._seal(chunk, bucket, sealed)
+                self._seal(chunk, bucket, sealed, receiver=group_rank)
                 in_flight[slot] = comm.send(chunk, dst=group_rank, tag=bucket, what=what)
                 count += 1
         meanwhile()
@@ -442,12 +446,13 @@ class WeightSender:
                 comm.wait(work, what="the last buckets")
         return count
 
-    def _seal(self, chunk: torch.Tensor, bucket: int, sealed: bool) -> None:
+    def _seal(self, chunk: torch.Tensor, bucket: int, sealed: bool, *, receiver: int | None = None) -> None:
         """Seal packed bucket ``bucket`` with its trailer (``sealed``), on the current stream; under
-        test, then flip its first byte (``corrupt_bucket``), so its digest no longer matches."""
+        test, then flip its first byte (``corrupt_bucket``, to group rank ``receiver`` only when
+        ``corrupt_receiver`` says so), so its digest no longer matches."""
         if sealed:
             trailers.seal(chunk, bucket)
-        if bucket == self._corrupt_bucket:
+        if bucket == self._corrupt_bucket and self._corrupt_receiver in (None, receiver):
             chunk.narrow(0, 0, 1).bitwise_xor_(0xFF)
 
     def _acknowledgements(self, comm: communicator.Communicator) -> None:
