@@ -57,20 +57,31 @@ def open_sender(**hooks: object) -> sdk.WeightSender:
     return sender
 
 
-def prepare(engines: list[harness.EngineProcess], sender: sdk.WeightSender, version: int, **fields: object) -> None:
-    """Every engine joins the sender's rendezvous, staged, verified and waiting for the trainer's commit."""
+def prepare(
+    engines: list[harness.EngineProcess],
+    sender: sdk.WeightSender,
+    version: int,
+    *,
+    transport: str = "broadcast",
+    timeout_seconds: int = 60,
+    **more: object,
+) -> None:
+    """Every engine joins the sender's rendezvous, staged, verified and waiting for the trainer's
+    commit (``more``: further body fields by their wire names)."""
     for offset, engine in enumerate(engines, start=1):
         accepted = engine.agent.prepare(
             version,
             port=sender.rendezvous.port,
             world_size=sender.rendezvous.world_size,
             rank_offset=offset,
+            timeout_seconds=timeout_seconds,
+            transport=transport,
             integrity="checksum",
             suspend_mode="keep",
             kv_cache_mode="persist",
             staging="auto",
             commit="trainer",
-            **fields,
+            **more,
         )
         assert accepted.status_code == 202, accepted.text
 
