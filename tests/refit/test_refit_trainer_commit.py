@@ -79,9 +79,7 @@ def prepare(
             integrity="checksum",
             suspend_mode="keep",
             kv_cache_mode="persist",
-            staging="auto",
-            commit="trainer",
-            **more,
+            more={"staging": "auto", "commit": "trainer", **more},
         )
         assert accepted.status_code == 202, accepted.text
 
