@@ -208,7 +208,8 @@ class Communicator:
         self.asked_checksums = frozenset.intersection(*asked) if asked else frozenset()
         self.commit_ranks = frozenset(rank for rank, hello in hellos.items() if hello.commit)
         self.held_manifest = manifest if held else None
-        self.set(round_messages.GROUP_KEY, round_messages.Decision(name, keep, self.held_manifest).encode())
+        decision = round_messages.Decision(name, keep, self.held_manifest, commit=bool(self.commit_ranks))
+        self.set(round_messages.GROUP_KEY, decision.encode())
         self.reused = keep
         if not keep:
             self._regroup(name)
@@ -219,6 +220,11 @@ class Communicator:
         self.set(round_messages.hello_key(self.group_rank), hello.encode())
         raw = self.get(round_messages.GROUP_KEY, what="the trainer's group decision")
         decision = round_messages.Decision.decode(raw)
+        if self.asks_commit and not decision.commit:
+            raise errors.ProtocolError(
+                "this refit waits for the trainer's commit, but the trainer's SDK does not commit (it is older "
+                "than the two-phase commit): nothing was received; use commit operator or local"
+            )
         if decision.manifest is not None and decision.manifest != manifest:
             raise errors.ProtocolError(
                 f"the trainer says this rank holds manifest {decision.manifest!r}, but it holds {manifest!r}"

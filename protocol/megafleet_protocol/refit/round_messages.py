@@ -70,21 +70,30 @@ class Hello:
 
 @dataclasses.dataclass(frozen=True)
 class Decision:
-    """The trainer's decision for a round: the group every rank uses, whether it is kept, and the
-    manifest every receiver already holds (``None``: the manifest exchange follows)."""
+    """The trainer's decision for a round: the group every rank uses, whether it is kept, the
+    manifest every receiver already holds (``None``: the manifest exchange follows) and whether the
+    trainer commits for the receivers that asked (``commit``; a trainer older than the two-phase
+    commit sends no such field, and a receiver waiting for its commit fails at once instead of
+    waiting out its grace)."""
 
     group: str
     keep: bool
     manifest: str | None = None
+    commit: bool = False
 
     def encode(self) -> str:
-        return json.dumps({"group": self.group, "keep": self.keep, "manifest": self.manifest})
+        return json.dumps({"group": self.group, "keep": self.keep, "manifest": self.manifest, "commit": self.commit})
 
     @classmethod
     def decode(cls, raw: bytes) -> Decision:
         try:
             value = json.loads(raw)
-            return cls(str(value["group"]), bool(value["keep"]), _optional_str(value.get("manifest")))
+            return cls(
+                str(value["group"]),
+                bool(value["keep"]),
+                _optional_str(value.get("manifest")),
+                bool(value.get("commit", False)),
+            )
         except (KeyError, TypeError, AttributeError, json.JSONDecodeError) as error:
             raise errors.ProtocolError(f"malformed group decision: {error!r}") from None
 
