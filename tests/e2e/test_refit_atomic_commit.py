@@ -102,6 +102,7 @@ class CorruptTrainer:
         raise AssertionError(f"attempt {attempt} succeeded although shard 0's bucket was corrupt")
 
 
+@pytest.mark.timeout(900)  # two attempts, then eight 1,200-token streams to their end
 def test_a_bucket_corrupt_on_one_shard_fails_the_refit_and_no_shard_switches(
     fleet: Object, kube_admin: kube.Kube, namespace: str
 ) -> None:
@@ -134,6 +135,7 @@ def test_a_bucket_corrupt_on_one_shard_fails_the_refit_and_no_shard_switches(
         assert refit_e2e.served(kube_admin, namespace, shard["pods"][0])[1] == "0"
 
 
+@pytest.mark.timeout(900)  # eight 1,200-token streams to their end
 def test_an_operator_decided_commit_switches_both_shards(
     operator_fleet: Object, kube_admin: kube.Kube, namespace: str
 ) -> None:
