@@ -30,6 +30,7 @@ from megafleet_protocol import ports
 from megafleet_protocol.refit import errors
 from megafleet_protocol.refit import sender as sdk
 
+STREAM_TOKENS = 300  # long enough to span the refit, short enough for a loaded 2-core machine
 COMMITTED = {
     "staging": "auto",
     "integrity": "checksum",
@@ -106,7 +107,7 @@ class CorruptTrainer:
 def test_a_bucket_corrupt_on_one_shard_fails_the_refit_and_no_shard_switches(
     fleet: Object, kube_admin: kube.Kube, namespace: str
 ) -> None:
-    running = inflight.start_streams(inflight.frontends(kube_admin, namespace, fleet))
+    running = inflight.start_streams(inflight.frontends(kube_admin, namespace, fleet), STREAM_TOKENS)
     port = refit_e2e.free_port()
     path = refit_e2e.create_refit(kube_admin, namespace, "tiny", 1, port=port)
     trainer = CorruptTrainer(kube_admin, path, port, 1)
@@ -125,7 +126,7 @@ def test_a_bucket_corrupt_on_one_shard_fails_the_refit_and_no_shard_switches(
     assert trainer.failures and all(isinstance(error, errors.ReceiverFailed) for error in trainer.failures.values())
     for stream in inflight.streams_of(loads):
         assert stream.error is None, stream.error
-        assert stream.finish_reason == "length" and stream.versions == [0] * inflight.MAX_TOKENS
+        assert stream.finish_reason == "length" and stream.versions == [0] * STREAM_TOKENS
         assert stream.plain_spans() == [{"start": 0, "version": 0}]
     after = kube_admin.get(f"{refit_e2e.fleets(namespace)}/tiny")
     assert after is not None and after["status"]["weightVersion"] == 0
@@ -139,7 +140,7 @@ def test_a_bucket_corrupt_on_one_shard_fails_the_refit_and_no_shard_switches(
 def test_an_operator_decided_commit_switches_both_shards(
     operator_fleet: Object, kube_admin: kube.Kube, namespace: str
 ) -> None:
-    running = inflight.start_streams(inflight.frontends(kube_admin, namespace, operator_fleet))
+    running = inflight.start_streams(inflight.frontends(kube_admin, namespace, operator_fleet), STREAM_TOKENS)
 
     path = inflight.create_refit(kube_admin, namespace, 1, inflight.NEW_SOURCE, inFlight="keep", kvCacheMode="persist")
     result = kube_admin.wait(path, refit_e2e.refit_ended, timeout=refit_e2e.WAIT, what="the refit to end")
