@@ -22,6 +22,7 @@ from megafleet_dev import kube, runner
 pytestmark = [pytest.mark.chaos, pytest.mark.e2e]
 
 RESTART_WAIT = 240  # the drill's step timeout (tests/chaos/drill.py)
+STREAM_TOKENS = 300  # long enough to span the refit and the restart's first polls
 DECIDED = "2026-01-01T00:00:00Z"  # the record's time: recognisably not the new operator's
 
 
@@ -39,7 +40,7 @@ def test_an_operator_killed_between_its_commit_record_and_the_push_is_finished_b
         kube_admin.create(refit_e2e.fleets(namespace), manifest)
         fleet = kube_admin.wait(f"{refit_e2e.fleets(namespace)}/tiny", refit_e2e.ready, timeout=refit_e2e.WAIT)
         assert fleet is not None
-        running = inflight.start_streams(inflight.frontends(kube_admin, namespace, fleet))
+        running = inflight.start_streams(inflight.frontends(kube_admin, namespace, fleet), STREAM_TOKENS)
 
         path = inflight.create_refit(kube_admin, namespace, 1, inflight.NEW_SOURCE, inFlight="keep")
         started = kube_admin.wait(
