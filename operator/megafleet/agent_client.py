@@ -196,6 +196,11 @@ class AgentClient:
         except Unreachable:
             return
 
+    async def refit_commit(self, pod_ip: str, token: str, version: int) -> str | None:
+        """``POST /v1/refit/commit``: the staged ``version`` goes live on the pod (idempotent); an error
+        text (409: no attempt of the pod waits for that commit), or None."""
+        return await self._post(pod_ip, token, agent_api.REFIT_COMMIT, agent_api.RefitCommitRequest(version=version))
+
     async def refit_status(self, pod_ip: str, token: str) -> agent_api.RefitStatusResponse | None:
         """GET /v1/refit/status, or None when the agent cannot be asked (or answers something malformed)."""
         try:

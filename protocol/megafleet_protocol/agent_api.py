@@ -23,6 +23,7 @@ __all__ = [
     "REFIT",
     "REFIT_ABORT",
     "REFIT_CHECKPOINT",
+    "REFIT_COMMIT",
     "REFIT_MEGATRON",
     "REFIT_MEGATRON_JOIN",
     "REFIT_MEGATRON_LEAVE",
@@ -37,6 +38,7 @@ __all__ = [
     "BucketMismatch",
     "Capabilities",
     "CheckpointRefitRequest",
+    "CommitReport",
     "InFlightReport",
     "MegatronJoinRequest",
     "MegatronRefitRequest",
@@ -49,6 +51,7 @@ __all__ = [
     "PhaseTiming",
     "PrepareRequest",
     "RefitAbortRequest",
+    "RefitCommitRequest",
     "RefitRequest",
     "RefitStatusResponse",
     "RendezvousBody",
@@ -75,6 +78,7 @@ REFIT_MEGATRON_JOIN = f"{REFIT}/megatron/join"
 REFIT_MEGATRON_LEAVE = f"{REFIT}/megatron/leave"
 REFIT_STATUS = f"{REFIT}/status"
 REFIT_ABORT = f"{REFIT}/abort"
+REFIT_COMMIT = f"{REFIT}/commit"
 
 
 class _Body(pydantic.BaseModel):
@@ -124,6 +128,19 @@ class _RefitBody(_Body):
     )
     integrity: vocabulary.Integrity = Field(
         default="none", description="checksum: verify every bucket's digest before the switch."
+    )
+    commit: vocabulary.CommitMode = Field(
+        default="local",
+        description="who lets a staged version go live: local (this shard once its receive completed), trainer "
+        "(the sender's commit key, megafleet wire only) or operator (POST /v1/refit/commit); an attempt that "
+        "receives in place cannot wait and switches as local does.",
+    )
+    commit_grace_seconds: int = Field(
+        default=30,
+        ge=5,
+        le=600,
+        description="how long past timeoutSeconds a staged attempt waits for its commit; then it discards the "
+        "staged copy and fails (the old version serves on).",
     )
 
 
@@ -287,6 +304,14 @@ class RefitAbortRequest(_Body):
     reason: str = Field(default="requested by the operator", max_length=1024)
 
 
+class RefitCommitRequest(_Body):
+    """``POST /v1/refit/commit``: let the staged ``version`` go live (``commit: operator``). Answers the
+    status; idempotent once the version serves; 409 ``not_staged`` unless an attempt to ``version`` is
+    staged (or switching, or succeeded)."""
+
+    version: int = Field(ge=0, le=2**53, description="the version the operator decided to commit.")
+
+
 class PhaseTiming(_Response):
     name: str
     milliseconds: int
@@ -350,6 +375,18 @@ class VerificationReport(_Response):
     )
 
 
+class CommitReport(_Response):
+    """Who lets an attempt's version go live, and whether it was let."""
+
+    requested: vocabulary.CommitMode
+    effective: vocabulary.CommitMode = Field(description="local when the attempt received in place.")
+    reason: str | None = Field(default=None, description="why effective differs from requested.")
+    committed: bool = Field(default=False, description="the commit came (or, local, the switch began).")
+    expired: bool = Field(
+        default=False, description="no commit came within the deadline plus the grace: the staged copy was discarded."
+    )
+
+
 class RefitStatusResponse(_Response):
     """``GET /v1/refit/status`` (and the answer of every refit call): the current or last attempt."""
 
@@ -379,6 +416,7 @@ class RefitStatusResponse(_Response):
     staging: StagingReport | None = None
     pause: PauseReport | None = None
     verification: VerificationReport | None = None
+    commit: CommitReport | None = None
 
 
 class NemoWorldStatus(_Response):

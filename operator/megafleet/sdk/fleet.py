@@ -147,6 +147,12 @@ class RefitResult:
         None when no member reported it."""
         return self.status.pause
 
+    @property
+    def commit(self) -> v1alpha1.CommitStatus | None:
+        """Who let the staged version go live and, for the operator, when it decided; None under
+        ``commit: local``."""
+        return self.status.commit
+
 
 class Fleet:
     """Client of one MegatronGeneration.
@@ -298,6 +304,7 @@ class Fleet:
         in_flight: vocabulary.InFlightMode | None = None,
         kv_cache_mode: vocabulary.KvCacheMode | None = None,
         staging: vocabulary.StagingMode | None = None,
+        commit: vocabulary.CommitMode | None = None,
     ) -> RefitResult:
         """Create a Refit to ``version`` and see it through; afterwards route to its member shards.
 
@@ -313,6 +320,10 @@ class Fleet:
             kv_cache_mode: the KV cache of kept sequences: ``persist``, ``recompute`` or ``offload``
                 (megatron); None: the fleet's ``engine.kvCacheMode``.
             staging: ``off``, ``auto`` or ``required`` (the Refit's ``staging``); None: the fleet's.
+            commit: who lets the staged version go live: ``local``, ``trainer`` (this process's sender
+                commits once every receiver staged) or ``operator`` (the Refit's ``commit``); None: the
+                fleet's ``refit.commit``. Under ``trainer`` and ``operator`` no shard switches before
+                every member staged and verified.
 
         Raises:
             RefitFailed: the Refit ended Failed, was deleted, or did not finish in time; the message
@@ -333,6 +344,7 @@ class Fleet:
             in_flight=in_flight,
             kv_cache_mode=kv_cache_mode,
             staging=staging,
+            commit=commit,
         )
         created = await self.api.create(
             {

@@ -124,6 +124,22 @@ class RefitSpec(common.ApiModel):
         description="integrity is none or checksum (every bucket carries a digest that the receivers verify "
         "before the switch; on NeMo RL's wire, which carries none, the members compare their digests).",
     )
+    commit: vocabulary.CommitMode = Field(
+        default="local",
+        description="commit is who lets a staged refit's new version go live: local (each shard as soon as its "
+        "own receive completed), trainer (the trainer's SDK on the megafleet wire, once every receiver "
+        "staged; the operator decides for other sources) or operator (the operator, once every member "
+        "staged; it records status.commit.decidedTime first). Under trainer and operator no shard switches "
+        "before every member has staged and verified; a refit received in place cannot wait and commits "
+        "local. A Refit's own commit overrides it.",
+    )
+    commit_grace_seconds: int = Field(
+        default=30,
+        ge=5,
+        le=600,
+        description="commitGraceSeconds is how long past timeoutSeconds a staged member waits for its commit "
+        "before it discards the staged copy and fails the refit (the old version serves on).",
+    )
 
 
 class MegatronGenerationSpec(common.ApiModel):
