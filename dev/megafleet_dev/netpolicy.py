@@ -1,6 +1,6 @@
-"""The real node's NetworkPolicy engine: kube-router's network policy controller alone (its router
-and service proxy off), so the cluster's NetworkPolicies, the chart's agent policy among them, hold
-for the node's pods as they do under a CNI that enforces them.
+"""The real node's NetworkPolicy engine: kube-router's network policy controller alone (built without
+its router and service proxy: ``gomod/kube-router/main.go``), so the cluster's NetworkPolicies, the
+chart's agent policy among them, hold for the node's pods as under a CNI that enforces them.
 
 Called by :func:`megafleet_dev.realnode.start` once the node is Ready (the controller reads the
 node's Node object for its address), and by the realnode tests that look at its rules. It runs
@@ -32,21 +32,16 @@ BRIDGE_NETFILTER = "/proc/sys/net/bridge/bridge-nf-call-iptables"
 
 _ROLES = "/apis/rbac.authorization.k8s.io/v1/clusterroles"
 _BINDINGS = "/apis/rbac.authorization.k8s.io/v1/clusterrolebindings"
-# kube-router starts informers for all of these, the ones its router and proxy would use included,
-# and waits for every one to sync before its policy controller runs.
+# What the controller reads: pods, namespaces and policies (watched), and the node's own Node object.
 RBAC: list[tuple[str, dict[str, object]]] = [
     (
         _ROLES,
         {
             "metadata": {"name": USER},
             "rules": [
-                {
-                    "apiGroups": [""],
-                    "resources": ["pods", "namespaces", "nodes", "services", "endpoints"],
-                    "verbs": ["get", "list", "watch"],
-                },
+                {"apiGroups": [""], "resources": ["pods", "namespaces"], "verbs": ["list", "watch"]},
+                {"apiGroups": [""], "resources": ["nodes"], "verbs": ["get"]},
                 {"apiGroups": ["networking.k8s.io"], "resources": ["networkpolicies"], "verbs": ["list", "watch"]},
-                {"apiGroups": ["discovery.k8s.io"], "resources": ["endpointslices"], "verbs": ["list", "watch"]},
             ],
         },
     ),
