@@ -126,6 +126,7 @@ def guarded(chart_namespace: str, kube_admin: kube.Kube, real_node: realnode.Rea
     namespace = chart_namespace
     manifest = refit_e2e.tiny_fleet(replicas=1)
     manifest["metadata"]["name"] = FLEET
+    manifest["spec"]["model"]["servedName"] = "tiny"  # the name the clients here ask for
     manifest["spec"]["placement"]["nodeSelector"] = {realnode.REAL_NODE_LABEL: "true"}
     kube_admin.create(fleets(namespace), manifest)
     try:
