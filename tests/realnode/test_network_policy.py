@@ -169,12 +169,14 @@ def test_a_pod_that_is_not_the_operator_is_refused_at_the_agent_port_and_served_
     where: str, guarded: dict[str, Any], chart_namespace: str, kube_admin: kube.Kube
 ) -> None:
     namespace = kube_admin.create_namespace("outsider") if where == "another namespace" else chart_namespace
+    name = "probe-outsider" if namespace != chart_namespace else "probe-neighbour"
     try:
-        name = "probe-outsider" if namespace != chart_namespace else "probe-neighbour"
         seen = probe(kube_admin, namespace, name, guarded["status"]["podIP"])
     finally:
         if namespace != chart_namespace:
             kube_admin.delete(f"/api/v1/namespaces/{namespace}", missing_ok=True)
+        else:
+            kube_admin.delete(f"/api/v1/namespaces/{namespace}/pods/{name}", missing_ok=True)
     assert seen["agent"] == ["refused"] * 3  # kube-router's REJECT: a TCP reset, every time
     assert seen["frontend"]  # the policy's other rule: every other port stays open to all
 
