@@ -29,6 +29,8 @@ LWS_VERSION = "v0.9.0"
 PROMETHEUS_VERSION = "v0.316.0"
 PROMETHEUS_RELEASE = "3.16.0"
 KEDA_VERSION = "v2.21.0"
+# The only kube-router release the Go module proxy serves here; its firewall alone is built and run.
+KUBE_ROUTER_VERSION = "v2.1.0"
 
 GOMOD_DIR = Path(__file__).with_name("gomod")
 
@@ -193,6 +195,17 @@ COMPONENTS: tuple[Component, ...] = (
         programs=("operator", "adapter"),
         extras=("keda-crds.yaml",),
         ldflags=f"-s -w -X github.com/kedacore/keda/v2/version.Version={KEDA_VERSION.lstrip('v')}",
+    ),
+    # The real node's NetworkPolicy engine (megafleet_dev.netpolicy): kube-router's network policy
+    # controller alone, started by a small main (gomod/kube-router/main.go) instead of kube-router's,
+    # which links its router and service proxy too: 580 packages to build instead of 960.
+    Component(
+        name="kube-router",
+        version=KUBE_ROUTER_VERSION,
+        module="kube-router",
+        packages=("megafleet.invalid/controlplane/kube-router",),
+        programs=("kube-router",),
+        ldflags=f"-s -w -X github.com/cloudnativelabs/kube-router/v2/pkg/version.Version={KUBE_ROUTER_VERSION}",
     ),
 )
 
