@@ -41,6 +41,10 @@ Routes: ``GET /healthz``, ``GET /readyz``, ``GET /v1/state``, ``POST /v1/suspend
   drained, aborted, recomputed), ``staging`` and ``pause`` (stall, gate closed, switch, recompute).
 * ``POST /v1/refit/abort``: fail the running attempt now, as its watchdog would at the deadline,
   and close a parked transfer group.
+* ``POST /v1/refit/peer`` (202) and ``POST /v1/peer/send`` (202, ``GET /v1/peer/status``): catch up
+  from a live shard of the fleet: the peer sends its live weights while it serves
+  (:mod:`megafleet_engine.peer_sends`), each rank of the catching-up shard receives from the peer's rank
+  of the same number (:mod:`megafleet_engine.refit_attempts.sources.peer`).
 
 On a pod with several local ranks, local rank 0's agent forwards the refit calls to the others
 (:mod:`megafleet_engine.siblings`) and answers with one status for the pod: failed when any rank
@@ -73,15 +77,16 @@ from fastapi import responses
 
 from megafleet_engine import engine as engine_module
 from megafleet_engine import metrics as metrics_module
+from megafleet_engine import peer_sends, refit_reports
 from megafleet_engine import siblings as siblings_module
 from megafleet_engine.openai import errors
 from megafleet_engine.refit_attempts import controller as refit_controller
 from megafleet_engine.refit_attempts import megatron_group, memberships, sources
 from megafleet_engine.refit_attempts import phases as refit_phases
 from megafleet_engine.refit_attempts.sources import checkpoint, nemo_collective
+from megafleet_engine.refit_attempts.sources import peer as peer_source
 from megafleet_engine.refit_attempts.sources import rendezvous as rendezvous_source
 from megafleet_protocol import agent_api, vocabulary
-from megafleet_protocol.refit import verification
 
 __all__ = [
     "AgentServer",
@@ -107,11 +112,13 @@ class AgentServer:
     transfer_address: str | None = None  # where refit transports bind; None: the address this agent serves on
     refits: refit_controller.RefitController = dataclasses.field(init=False, repr=False, compare=False)
     megatron: megatron_group.NativeRefits = dataclasses.field(init=False, repr=False, compare=False)
+    peers: peer_sends.PeerSends = dataclasses.field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         controller = refit_controller.RefitController(self.engine, rank=self.rank, metrics=self.metrics)
         object.__setattr__(self, "refits", controller)
         object.__setattr__(self, "megatron", megatron_group.NativeRefits(controller))
+        object.__setattr__(self, "peers", peer_sends.PeerSends(self.engine, controller, self.rank))
 
 
 def _agent(request: fastapi.Request) -> AgentServer:
@@ -408,6 +415,32 @@ def _megatron_refusals() -> Iterator[None]:
             raise errors.Conflict(str(error), code="megatron_not_joined") from None
 
 
+# -- catch-up from a peer: this engine sends (/v1/peer/send), or a catching-up one receives (/v1/refit/peer)
+
+
+@router.post(agent_api.PEER_SEND, status_code=202)
+async def peer_send(
+    body: agent_api.PeerSendRequest, request: fastapi.Request, agent: AgentDep
+) -> responses.JSONResponse:
+    own = agent.peers.start(peer_sends.PeerSendRequest.of(body, agent.transfer_address or _pod_address(request)))
+    others = await peer_sends.forward(agent.peers, agent.siblings, body)
+    return responses.JSONResponse(peer_sends.status_body([own, *others]), status_code=202)
+
+
+@router.get(agent_api.PEER_STATUS)
+async def peer_status(agent: AgentDep) -> responses.JSONResponse:
+    return responses.JSONResponse(peer_sends.status_body([agent.peers.snapshot()]))
+
+
+@refit_router.post("/peer", status_code=202)
+async def refit_peer(
+    body: agent_api.PeerRefitRequest, request: fastapi.Request, agent: AgentDep
+) -> responses.JSONResponse:
+    local_address = agent.transfer_address or _pod_address(request)
+    refit = peer_source.PeerRequest.of(body, _in_flight(body, verifies=True), local_address=local_address)
+    return await _start_refit(agent, refit, agent_api.REFIT_PEER, body)
+
+
 @refit_router.post("/{operation:path}", status_code=404)
 async def refit_unknown(operation: str) -> None:
     raise errors.NotFound(f"no refit operation {operation!r}: use prepare, checkpoint, nemo, megatron, status or abort")
@@ -496,57 +529,12 @@ def _refit_status_body(agent: AgentServer, snapshot: refit_phases.Snapshot) -> d
         state=engine.state,
         weight_version=engine.weight_version,
         world=_world_model(*_last_world(agent)),
-        verification=_verification_model(snapshot.verification),
-        in_flight=None if snapshot.in_flight is None else _in_flight_report(snapshot.in_flight),
-        staging=None if snapshot.staging is None else _staging_report(snapshot.staging),
-        pause=None if snapshot.pause is None else _pause_report(snapshot.pause),
+        verification=refit_reports.verification_model(snapshot.verification),
+        in_flight=None if snapshot.in_flight is None else refit_reports.in_flight_report(snapshot.in_flight),
+        staging=None if snapshot.staging is None else refit_reports.staging_report(snapshot.staging),
+        pause=None if snapshot.pause is None else refit_reports.pause_report(snapshot.pause),
     )
     return body.model_dump(mode="json", by_alias=True)
-
-
-def _verification_model(outcome: verification.Verification | None) -> agent_api.VerificationReport | None:
-    if outcome is None:
-        return None
-    mismatch = outcome.mismatch
-    return agent_api.VerificationReport(
-        integrity=outcome.integrity,
-        method=outcome.method,
-        buckets=outcome.buckets,
-        mismatch=None
-        if mismatch is None
-        else agent_api.BucketMismatch(bucket=mismatch.bucket, first_tensor=mismatch.first_tensor),
-        bucket_digests=list(outcome.bucket_digests),
-        non_finite=outcome.non_finite,
-    )
-
-
-def _in_flight_report(report: refit_phases.InFlight) -> agent_api.InFlightReport:
-    return agent_api.InFlightReport(
-        requested=report.requested,
-        effective=report.effective,
-        kv_cache_mode=report.kv_cache_mode,
-        reason=report.reason,
-        kept=report.kept,
-        drained=report.drained,
-        aborted=report.aborted,
-        aborted_tokens=report.aborted_tokens,
-        recomputed_tokens=report.recomputed_tokens,
-    )
-
-
-def _staging_report(report: refit_phases.Staging) -> agent_api.StagingReport:
-    return agent_api.StagingReport(
-        requested=report.requested, effective=report.effective, reason=report.reason, bytes=report.bytes
-    )
-
-
-def _pause_report(report: refit_phases.Pause) -> agent_api.PauseReport:
-    return agent_api.PauseReport(
-        stall_milliseconds=report.stall_seconds * 1000,
-        gate_closed_milliseconds=report.gate_closed_seconds * 1000,
-        switch_milliseconds=report.switch_seconds * 1000,
-        recompute_milliseconds=report.recompute_seconds * 1000,
-    )
 
 
 def _last_world(agent: AgentServer) -> tuple[memberships.WorldSnapshot | None, str]:

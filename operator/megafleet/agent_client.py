@@ -236,6 +236,7 @@ _REFIT_PATHS: dict[type[pydantic.BaseModel], str] = {
     agent_api.CheckpointRefitRequest: agent_api.REFIT_CHECKPOINT,
     agent_api.NemoRefitRequest: agent_api.REFIT_NEMO,
     agent_api.MegatronRefitRequest: agent_api.REFIT_MEGATRON,
+    agent_api.PeerRefitRequest: agent_api.REFIT_PEER,
 }
 """Where each kind of refit request starts its attempt."""
 
