@@ -57,6 +57,18 @@ class Backoff:
         entry.retried = True
         return 0.0, counted
 
+    def left(self, key: Hashable, *, now: float) -> float:
+        """Seconds before the action for ``key`` may run again (0: now), counting nothing: for an
+        action whose last run was not the last one of its kind (another source ran since)."""
+        entry = self._entries.get(key)
+        return 0.0 if entry is None else max(entry.next_at - now, 0.0)
+
+    def retrying(self, key: Hashable) -> None:
+        """The action for ``key`` runs again now (it was due by :meth:`left`): its next failure counts."""
+        entry = self._entries.get(key)
+        if entry is not None:
+            entry.retried = True
+
     def forget(self, keep: Callable[[Hashable], bool]) -> None:
         """Drop every key for which ``keep`` is false (an action that no longer applies)."""
         self._entries = {key: entry for key, entry in self._entries.items() if keep(key)}
