@@ -114,10 +114,20 @@ def pod(shard: int) -> pods.Pod:
 
 
 def fleet_context(
-    agents: StandInAgents, events: list[tuple[str, str]], *, checkpoint: str | None, backend: str = "transformers"
+    agents: StandInAgents,
+    events: list[tuple[str, str]],
+    *,
+    checkpoint: str | None,
+    backend: str = "transformers",
+    catch_up_from: str = "peer",
 ) -> context.FleetContext:
     spec = v1alpha1.MegatronGenerationSpec.model_validate(
-        {"model": {"source": "/models/m"}, "engine": {"backend": backend}, "replicas": 3}
+        {
+            "model": {"source": "/models/m"},
+            "engine": {"backend": backend},
+            "replicas": 3,
+            "weights": {"catchUp": catch_up_from},
+        }
     )
     runtime = context.Runtime.of(kube_fakes.Api(), agents, settings.OperatorSettings())
     ready = agent_client.AgentState(state="ready", weight_version=5)
@@ -190,3 +200,15 @@ def test_a_megatron_fleet_catches_up_from_the_checkpoint_and_says_why() -> None:
     asyncio.run(catch_up.start(ctx, clock=lambda: 0.0))
     assert [type(body) for _, _, body in agents.calls] == [agent_api.CheckpointRefitRequest]
     assert events[-1][1].endswith("(the megatron backend's sharded weights are not copied from peers)")
+
+
+def test_a_fleet_that_catches_up_from_the_checkpoint_only_copies_nothing_from_peers() -> None:
+    agents, events = StandInAgents(), []
+    ctx = fleet_context(agents, events, checkpoint="/ckpt/v5", catch_up_from="checkpoint")
+    asyncio.run(catch_up.start(ctx, clock=lambda: 0.0))
+    assert [type(body) for _, _, body in agents.calls] == [agent_api.CheckpointRefitRequest]
+    assert events[-1] == ("ShardCatchingUp", "shard 2 loads version 5 from /ckpt/v5")
+    agents.calls.clear()
+    ctx = fleet_context(agents, events, checkpoint=None, catch_up_from="checkpoint")
+    asyncio.run(catch_up.start(ctx, clock=lambda: 0.0))
+    assert agents.calls == []  # Stale until the next refit

@@ -45,7 +45,7 @@ async def start(ctx: context.FleetContext, *, clock: Callable[[], float] = time.
     if current is None or ctx.refitting:
         return
     _report_caught_up(ctx, current)
-    peers = peer_catch_up.current_peers(ctx.reports, current)
+    peers = peer_catch_up.current_peers(ctx.reports, current) if ctx.fleet.spec.weights.catch_up == "peer" else []
     by_peer: dict[int, list[int]] = {}
     for shard, answers in sorted(ctx.reports.items()):
         if any(a is None or a.error is not None or a.state == "failed" for a in answers):

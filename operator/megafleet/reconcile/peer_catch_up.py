@@ -14,13 +14,14 @@ behind the current version, a live peer of the same fleet or the current checkpo
 3. else nothing: the shard stays Stale (fenced, not routed) until a source is due again or the next
    refit.
 
-The megatron backend holds its weights in megatron's sharded layout (slices under megatron names),
-which a receiver's sinks do not take one to one; its shards catch up from the checkpoint only, and
-the ``ShardCatchingUp`` Event says so. :func:`start` sends the copies: every shard that chose a
-peer in this reconcile is spread over the peers, each peer pod sending once (``POST /v1/peer/send``,
-rank ``r`` of its shard at ``PEER_PORT + r``) to the shards that chose it, which receive together
-(``POST /v1/refit/peer``: pod ``j`` of a receiving shard from pod ``j`` of the peer, the shards of a
-fleet sharing one parallel layout), each bucket checked against its ``mf64`` digest.
+A fleet whose ``spec.weights.catchUp`` is ``checkpoint`` has no peers to choose. The megatron
+backend holds its weights in megatron's sharded layout (slices under megatron names), which a
+receiver's sinks do not take one to one; its shards catch up from the checkpoint only, and the
+``ShardCatchingUp`` Event says so. :func:`start` sends the copies: every shard that chose a peer in
+this reconcile is spread over the peers, each peer pod sending once (``POST /v1/peer/send``, rank
+``r`` of its shard at ``PEER_PORT + r``) to the shards that chose it, which receive together (``POST
+/v1/refit/peer``: pod ``j`` of a receiving shard from pod ``j`` of the peer, the shards of a fleet
+sharing one parallel layout), each bucket checked against its ``mf64`` digest.
 """
 
 from __future__ import annotations
