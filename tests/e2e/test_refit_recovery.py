@@ -291,8 +291,8 @@ def test_a_shard_killed_mid_refit_is_dropped_the_retry_succeeds_and_it_rejoins_o
     expected = {version: model.greedy() for version, model in models.items()}
     # catchUp checkpoint: the restarted shard has no peer copy, so it stays Stale until the next refit
     # (tests/e2e/test_peer_catch_up.py heals one from a peer).
-    fleet = base.tiny_fleet(replicas=3, refit={"timeoutSeconds": 60}, weights={"catchUp": "checkpoint"})
-    kube_admin.create(base.fleets(namespace), fleet)
+    manifest = base.tiny_fleet(replicas=3, refit={"timeoutSeconds": 60}, weights={"catchUp": "checkpoint"})
+    kube_admin.create(base.fleets(namespace), manifest)
     assert kube_admin.wait(fleet_path(namespace), base.ready, timeout=WAIT) is not None
     original = kube_admin.get(f"/api/v1/namespaces/{namespace}/pods/{FLEET}-s1-p0")
     assert original is not None

@@ -83,7 +83,8 @@ class StandInAgents(agent_fakes.Agents):
     def __init__(self) -> None:
         super().__init__()
         self.calls: list[tuple[str, str, Any]] = []
-        self.phase, self.source = "idle", None
+        self.phase = "idle"
+        self.source: str | None = None
         self.failing = True
 
     async def refit_status(self, pod_ip: str, token: str) -> agent_api.RefitStatusResponse:
@@ -143,7 +144,7 @@ def fleet_context(
 
 
 def test_a_new_shard_copies_the_version_from_a_peer_is_retried_after_a_failure_then_caught_up() -> None:
-    agents, events = StandInAgents(), []
+    agents, events = StandInAgents(), list[tuple[str, str]]()
     ctx = fleet_context(agents, events, checkpoint=None)  # the last refit came from a trainer's rendezvous
     now = [0.0]
 
@@ -183,7 +184,7 @@ def test_a_new_shard_copies_the_version_from_a_peer_is_retried_after_a_failure_t
 
 
 def test_a_failed_peer_copy_falls_back_to_the_checkpoint_at_once() -> None:
-    agents, events = StandInAgents(), []
+    agents, events = StandInAgents(), list[tuple[str, str]]()
     ctx = fleet_context(agents, events, checkpoint="/ckpt/v5")
     asyncio.run(catch_up.start(ctx, clock=lambda: 0.0))
     assert [kind for kind, _, _ in agents.calls] == ["receive", "send"]
@@ -195,7 +196,7 @@ def test_a_failed_peer_copy_falls_back_to_the_checkpoint_at_once() -> None:
 
 
 def test_a_megatron_fleet_catches_up_from_the_checkpoint_and_says_why() -> None:
-    agents, events = StandInAgents(), []
+    agents, events = StandInAgents(), list[tuple[str, str]]()
     ctx = fleet_context(agents, events, checkpoint="/ckpt/v5", backend="megatron")
     asyncio.run(catch_up.start(ctx, clock=lambda: 0.0))
     assert [type(body) for _, _, body in agents.calls] == [agent_api.CheckpointRefitRequest]
@@ -203,7 +204,7 @@ def test_a_megatron_fleet_catches_up_from_the_checkpoint_and_says_why() -> None:
 
 
 def test_a_fleet_that_catches_up_from_the_checkpoint_only_copies_nothing_from_peers() -> None:
-    agents, events = StandInAgents(), []
+    agents, events = StandInAgents(), list[tuple[str, str]]()
     ctx = fleet_context(agents, events, checkpoint="/ckpt/v5", catch_up_from="checkpoint")
     asyncio.run(catch_up.start(ctx, clock=lambda: 0.0))
     assert [type(body) for _, _, body in agents.calls] == [agent_api.CheckpointRefitRequest]
