@@ -15,12 +15,12 @@ Processes (``python -m megafleet_engine.cli`` on loopback, the transformers back
 
 Modes alternate (peer, checkpoint, peer, ...) so both see the same machine load. Reported per mode
 (medians over ``--rounds``): ``start_to_agent`` (the engine process starts until its agent answers:
-the model skeleton built, no weights), ``catch_up`` (the catch-up call until the engine's refit status
-says it serves the version: the copy or load and the switch), ``catch_up_to_first_answer`` (until the
-first answer stamped with it: the frontend's API-server process may still be starting),
-``start_to_serving`` (process start until that answer: what a scale-out waits). Without either source a shard stays Stale until the next
-refit (no figure). The peer answers a request every ``--probe-seconds`` during the copies; its
-slowest answer and any failure are reported.
+the model skeleton built, no weights), ``catch_up`` (the catch-up call until the engine's refit
+status says it serves the version: the copy or load and the switch), ``catch_up_to_first_answer``
+(until the first answer stamped with it: the frontend's API-server process may still be starting),
+``start_to_serving`` (process start until that answer: what a scale-out waits). Without either
+source a shard stays Stale until the next refit (no figure). The peer answers a request every
+``--probe-seconds`` during the copies; its slowest answer and any failure are reported.
 
     PYTHONPATH=engine:protocol python3 bench/peer_catch_up.py --out bench/results/peer-catch-up-cpu2-<date>.json
 """

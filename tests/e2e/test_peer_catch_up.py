@@ -14,10 +14,13 @@ import time
 from pathlib import Path
 
 import httpx
+import pytest
 
 from helpers import refit_e2e as base
 from megafleet.objects import Object
 from megafleet_dev import kube, runner
+
+pytestmark = pytest.mark.timeout(600)  # a fleet, a refit, a scale-out and a heal, each waiting on engine starts
 
 WAIT = 120
 FLEET = "tiny"
