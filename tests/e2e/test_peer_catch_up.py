@@ -24,9 +24,9 @@ pytestmark = pytest.mark.timeout(600)  # a fleet, a refit, a scale-out and a hea
 
 WAIT = 120
 FLEET = "tiny"
-CAUGHT_UP_SECONDS = 60
-"""The longest a new or healed shard may take from its first status entry to Ready at the current
-version on the shared 2-core CI machine (it takes a few seconds alone; an engine start is most of it)."""
+STALE_SECONDS = 60
+"""The longest a new or healed shard may stay Stale (started, without the current version) before it
+serves: the copy of the tiny model and a reconcile or two, on the shared 2-core CI machine."""
 
 
 def fleet_path(namespace: str) -> str:
@@ -77,22 +77,22 @@ class Client:
 
 def wait_caught_up(kube_admin: kube.Kube, namespace: str, index: int, restarts: int) -> tuple[Object, list[str], float]:
     """Wait until shard ``index`` (placed ``restarts`` times) is Ready at version 1 and the fleet Ready;
-    returns the fleet, the phases the shard went through and the seconds it took from its first entry."""
+    returns the fleet, the phases the shard went through and the seconds it was Stale."""
     phases: list[str] = []
-    first: list[float] = []
+    stale: list[float] = []
 
     def caught_up(obj: Object | None) -> bool:
         entry = shard(obj, index)
         if entry and entry.get("restarts", 0) == restarts:
-            if not first:
-                first.append(time.monotonic())
+            if entry.get("phase") == "Stale" and not stale:
+                stale.append(time.monotonic())
             if not phases or phases[-1] != entry.get("phase"):
                 phases.append(entry.get("phase", ""))
         return base.ready(obj) and entry.get("restarts") == restarts and entry.get("weightVersion") == 1
 
     fleet = kube_admin.wait(fleet_path(namespace), caught_up, timeout=WAIT, what=f"shard {index} Ready at version 1")
     assert fleet is not None
-    return fleet, phases, time.monotonic() - first[0]
+    return fleet, phases, time.monotonic() - stale[0] if stale else 0.0
 
 
 def events(kube_admin: kube.Kube, namespace: str, reason: str) -> list[str]:
@@ -117,7 +117,7 @@ def test_a_scaled_out_and_a_healed_shard_copy_the_current_version_from_a_peer(
         kube_admin.patch(fleet_path(namespace), {"spec": {"replicas": 3}})
         fleet, phases, seconds = wait_caught_up(kube_admin, namespace, 2, restarts=0)
         assert fleet["status"]["refit"].get("currentCheckpoint") is None  # no checkpoint holds version 1
-        assert "Ready" not in phases[:-1] and seconds < CAUGHT_UP_SECONDS, (phases, seconds)
+        assert "Ready" not in phases[:-1] and seconds < STALE_SECONDS, (phases, seconds)
         copies = [m for m in events(kube_admin, namespace, "CaughtUp") if m.startswith("shard 2 ")]
         assert copies and "caught up from peer shard" in copies[0] and "verified (mf64)" in copies[0], copies
         new = shard(fleet, 2)["pods"][0]
@@ -128,7 +128,7 @@ def test_a_scaled_out_and_a_healed_shard_copy_the_current_version_from_a_peer(
         engine = next(p for p in list(pod_runner.processes.values()) if p.log.parent == folder)
         os.killpg(engine.popen.pid, signal.SIGKILL)
         fleet, phases, seconds = wait_caught_up(kube_admin, namespace, 1, restarts=1)
-        assert "Ready" not in phases[:-1] and seconds < CAUGHT_UP_SECONDS, (phases, seconds)
+        assert "Ready" not in phases[:-1] and seconds < STALE_SECONDS, (phases, seconds)
         healed = [m for m in events(kube_admin, namespace, "CaughtUp") if m.startswith("shard 1 ")]
         assert healed and "caught up from peer shard" in healed[0], healed
         for entry in fleet["status"]["shards"]:

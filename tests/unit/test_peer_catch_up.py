@@ -7,7 +7,7 @@ tests/refit/test_refit_peer.py and tests/e2e/test_peer_catch_up.py)."""
 from __future__ import annotations
 
 import asyncio
-from typing import Any
+from typing import Any, Literal
 
 import pytest
 
@@ -86,6 +86,8 @@ class StandInAgents(agent_fakes.Agents):
         self.phase = "idle"
         self.source: str | None = None
         self.failing = True
+        self.peer_phase: Literal["idle", "sending", "sent", "failed"] = "idle"
+        self.peer_silent = False  # the peer's agent does not answer GET /v1/peer/status
 
     async def refit_status(self, pod_ip: str, token: str) -> agent_api.RefitStatusResponse:
         if self.phase == "running" and self.failing:
@@ -94,8 +96,8 @@ class StandInAgents(agent_fakes.Agents):
         body = {"version": version, "phase": self.phase, "source": self.source, "error": "peer gone", **STATUS_FIELDS}
         return agent_api.RefitStatusResponse.model_validate(body)
 
-    async def peer_status(self, pod_ip: str, token: str) -> agent_api.PeerSendStatus:
-        return agent_api.PeerSendStatus(phase="idle")
+    async def peer_status(self, pod_ip: str, token: str) -> agent_api.PeerSendStatus | None:
+        return None if self.peer_silent else agent_api.PeerSendStatus(phase=self.peer_phase)
 
     async def peer_send(self, pod_ip: str, token: str, body: agent_api.PeerSendRequest) -> None:
         self.calls.append(("send", pod_ip, body))
@@ -213,3 +215,15 @@ def test_a_fleet_that_catches_up_from_the_checkpoint_only_copies_nothing_from_pe
     ctx = fleet_context(agents, events, checkpoint=None, catch_up_from="checkpoint")
     asyncio.run(catch_up.start(ctx, clock=lambda: 0.0))
     assert agents.calls == []  # Stale until the next refit
+
+
+def test_a_busy_peer_is_waited_for_and_a_silent_one_falls_back_to_the_checkpoint() -> None:
+    agents, events = StandInAgents(), list[tuple[str, str]]()
+    agents.peer_phase = "sending"  # still sending an earlier copy: nothing now, the next reconcile tries again
+    ctx = fleet_context(agents, events, checkpoint="/ckpt/v5")
+    asyncio.run(catch_up.start(ctx, clock=lambda: 0.0))
+    assert agents.calls == [] and events == []
+    agents.peer_phase, agents.peer_silent = "idle", True
+    asyncio.run(catch_up.start(ctx, clock=lambda: 1.0))
+    assert [type(body) for _, _, body in agents.calls] == [agent_api.CheckpointRefitRequest]
+    assert events[-1] == ("ShardCatchingUp", "shard 2 loads version 5 from /ckpt/v5 (peer shard 0 cannot send)")

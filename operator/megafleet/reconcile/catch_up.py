@@ -60,7 +60,11 @@ async def start(ctx: context.FleetContext, *, clock: Callable[[], float] = time.
         elif isinstance(choice, peer_catch_up.Checkpoint):
             await _load_checkpoint(ctx, shard, current, choice.path, because=fallback)
     for peer, shards in sorted(by_peer.items()):
-        for shard in await peer_catch_up.start(ctx, peer, shards, current):
+        started = await peer_catch_up.start(ctx, peer, shards, current)
+        if started is None and path is not None:  # the peer cannot send: the checkpoint now
+            for shard in shards:
+                await _load_checkpoint(ctx, shard, current, path, because=f"peer shard {peer} cannot send")
+        for shard in started or []:
             _record(ctx, shard, current, f"peer shard {peer}")
             ctx.notify("Normal", "ShardCatchingUp", f"shard {shard} copies version {current} from peer shard {peer}")
 

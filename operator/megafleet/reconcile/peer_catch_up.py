@@ -89,16 +89,20 @@ def current_peers(reports: pods.Reports, current: int) -> list[int]:
     )
 
 
-async def start(ctx: context.FleetContext, peer: int, shards: list[int], current: int) -> list[int]:
+async def start(ctx: context.FleetContext, peer: int, shards: list[int], current: int) -> list[int] | None:
     """Copy version ``current`` from shard ``peer`` to ``shards`` (their catch-ups are due and chose
-    it); returns the shards that started receiving. A peer still sending an earlier copy is left
-    alone (the shards are tried at the next reconcile). The receivers are asked first, then the peer:
-    a receiver that refuses stops the copy before the peer listens (the others are aborted), and a
-    peer that refuses (it moved on meanwhile) aborts the receivers, whose catch-up then failed."""
+    it); returns the shards that started receiving, or ``None`` when the peer cannot send (its agent
+    does not answer ``GET /v1/peer/status``: the caller loads the checkpoint instead). A peer still
+    sending an earlier copy is left alone (the shards are tried at the next reconcile). The receivers
+    are asked first, then the peer: a receiver that refuses stops the copy before the peer listens
+    (the others are aborted), and a peer that refuses (it moved on meanwhile) aborts the receivers,
+    whose catch-up then failed."""
     senders = ctx.shards.pods[peer]
     for pod in senders:
         sending = await ctx.agents.peer_status(pod.ip, ctx.token)
-        if sending is None or sending.phase == "sending":
+        if sending is None:
+            return None
+        if sending.phase == "sending":
             return []
     spec = ctx.fleet.spec
     collective = _collective(ctx.settings.catch_up.peer_collective)
