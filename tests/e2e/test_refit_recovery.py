@@ -2,9 +2,9 @@
 processes and gloo on CPU: a shard killed in the middle of a refit is dropped and the retry succeeds
 on the live shards; a restarted shard of a fleet that catches up from the checkpoint only comes back
 Stale and unrouted until it caught up (at the next refit, or at once from the checkpoint the current
-version came from; tests/e2e/test_peer_catch_up.py copies it from a peer); a reshard refit through the
-operator. A client sends greedy requests to every frontend throughout, and every response it gets
-must be exactly one weight version's output."""
+version came from; tests/e2e/test_catch_up_from_peer.py copies it from a peer); a reshard refit
+through the operator. A client sends greedy requests to every frontend throughout, and every
+response it gets must be exactly one weight version's output."""
 
 from __future__ import annotations
 
@@ -290,7 +290,7 @@ def test_a_shard_killed_mid_refit_is_dropped_the_retry_succeeds_and_it_rejoins_o
 ) -> None:
     expected = {version: model.greedy() for version, model in models.items()}
     # catchUp checkpoint: the restarted shard has no peer copy, so it stays Stale until the next refit
-    # (tests/e2e/test_peer_catch_up.py heals one from a peer).
+    # (tests/e2e/test_catch_up_from_peer.py heals one from a peer).
     manifest = base.tiny_fleet(replicas=3, refit={"timeoutSeconds": 60}, weights={"catchUp": "checkpoint"})
     kube_admin.create(base.fleets(namespace), manifest)
     assert kube_admin.wait(fleet_path(namespace), base.ready, timeout=WAIT) is not None

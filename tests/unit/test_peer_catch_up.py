@@ -2,7 +2,7 @@
 choice), and :func:`megafleet.reconcile.catch_up.start` driving it against stand-ins for the agents'
 HTTP client: a peer first, the checkpoint when the peer copy failed, the megatron backend on the
 checkpoint only, the Events naming the source (the real agents are exercised by
-tests/refit/test_refit_peer.py and tests/e2e/test_peer_catch_up.py)."""
+tests/refit/test_refit_peer.py and tests/e2e/test_catch_up_from_peer.py)."""
 
 from __future__ import annotations
 
