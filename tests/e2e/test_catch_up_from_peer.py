@@ -20,9 +20,9 @@ from helpers import refit_e2e as base
 from megafleet.objects import Object
 from megafleet_dev import kube, runner
 
-pytestmark = pytest.mark.timeout(600)  # a fleet, a refit, a scale-out and a heal, each waiting on engine starts
+pytestmark = pytest.mark.timeout(900)  # a fleet, a refit, a scale-out and a heal, each waiting on engine starts
 
-WAIT = 120
+WAIT = 240  # engine starts on a shared 2-core machine
 FLEET = "tiny"
 STALE_SECONDS = 60
 """The longest a new or healed shard may stay Stale (started, without the current version) before it
