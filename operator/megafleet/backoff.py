@@ -1,10 +1,11 @@
 """Growing delays between retries of an operator action that keeps failing.
 
-Used by :mod:`megafleet.reconcile.catch_up` for a shard's catch-up from the fleet's current
-checkpoint: a checkpoint that cannot be loaded (missing on that node, corrupt, the wrong shape) is
-tried again after 10 s, 20 s, 40 s, ... up to 5 minutes (:class:`megafleet.settings.CatchUpSettings`),
-not at every reconcile. Kept in the operator's memory (Kopf's ``memo``), as client-go's rate
-limiters are: an operator that restarts (or a new leader) starts the delays over.
+Used by :mod:`megafleet.reconcile.catch_up` for a shard's catch-up from a peer or from the fleet's
+current checkpoint, each source its own key: a checkpoint that cannot be loaded (missing on that
+node, corrupt, the wrong shape) is tried again after 10 s, 20 s, 40 s, ... up to 5 minutes
+(:class:`megafleet.settings.CatchUpSettings`), not at every reconcile. Kept in the operator's memory
+(Kopf's ``memo``), as client-go's rate limiters are: an operator that restarts (or a new leader)
+starts the delays over.
 Pure: the caller passes the clock.
 """
 
