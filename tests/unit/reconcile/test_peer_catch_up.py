@@ -227,3 +227,22 @@ def test_a_busy_peer_is_waited_for_and_a_silent_one_falls_back_to_the_checkpoint
     asyncio.run(catch_up.start(ctx, clock=lambda: 1.0))
     assert [type(body) for _, _, body in agents.calls] == [agent_api.CheckpointRefitRequest]
     assert events[-1] == ("ShardCatchingUp", "shard 2 loads version 5 from /ckpt/v5 (peer shard 0 cannot send)")
+
+
+def test_the_catch_up_source_rolls_no_pod() -> None:
+    """``spec.weights.catchUp`` is read by the operator between refits; no pod carries it."""
+    hashes = {
+        desired.template_hash(
+            desired.ParsedFleet(
+                "gen",
+                "rl",
+                "u",
+                1,
+                v1alpha1.MegatronGenerationSpec.model_validate(
+                    {"model": {"source": "/models/m"}, "weights": {"catchUp": source}}
+                ),
+            )
+        )
+        for source in ("peer", "checkpoint")
+    }
+    assert len(hashes) == 1
