@@ -47,6 +47,10 @@ Routes: ``GET /healthz``, ``GET /readyz``, ``GET /v1/state``, ``POST /v1/suspend
   and waits for its commit until its deadline plus ``commitGraceSeconds``, then discards its copy
   and fails (nothing switched); an attempt that receives in place cannot wait and switches as
   ``commit: local`` does (its ``commit`` report says so).
+* ``POST /v1/refit/peer`` (202) and ``POST /v1/peer/send`` (202, ``GET /v1/peer/status``): catch up
+  from a live shard of the fleet: the peer sends its live weights while it serves
+  (:mod:`megafleet_engine.peer_sends`), each rank of the catching-up shard receives from the peer's rank
+  of the same number (:mod:`megafleet_engine.refit_attempts.sources.peer`).
 
 On a pod with several local ranks, local rank 0's agent forwards the refit calls to the others
 (:mod:`megafleet_engine.siblings`) and answers with one status for the pod: failed when any rank
@@ -79,12 +83,14 @@ from fastapi import responses
 
 from megafleet_engine import engine as engine_module
 from megafleet_engine import metrics as metrics_module
+from megafleet_engine import peer_sends
 from megafleet_engine import siblings as siblings_module
 from megafleet_engine.openai import errors
 from megafleet_engine.refit_attempts import controller as refit_controller
 from megafleet_engine.refit_attempts import megatron_group, memberships, reports, sources
 from megafleet_engine.refit_attempts import phases as refit_phases
 from megafleet_engine.refit_attempts.sources import checkpoint, nemo_collective
+from megafleet_engine.refit_attempts.sources import peer as peer_source
 from megafleet_engine.refit_attempts.sources import rendezvous as rendezvous_source
 from megafleet_protocol import agent_api, vocabulary
 
@@ -112,11 +118,13 @@ class AgentServer:
     transfer_address: str | None = None  # where refit transports bind; None: the address this agent serves on
     refits: refit_controller.RefitController = dataclasses.field(init=False, repr=False, compare=False)
     megatron: megatron_group.NativeRefits = dataclasses.field(init=False, repr=False, compare=False)
+    peers: peer_sends.PeerSends = dataclasses.field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         controller = refit_controller.RefitController(self.engine, rank=self.rank, metrics=self.metrics)
         object.__setattr__(self, "refits", controller)
         object.__setattr__(self, "megatron", megatron_group.NativeRefits(controller))
+        object.__setattr__(self, "peers", peer_sends.PeerSends(self.engine, controller, self.rank))
 
 
 def _agent(request: fastapi.Request) -> AgentServer:
@@ -277,7 +285,7 @@ async def refit_nemo_join(
         local_address=agent.transfer_address or _pod_address(request),
     )
     with _refusals():
-        own = _world_body(agent.refits.join(join))
+        own = reports.world_body(agent.refits.join(join))
     others = await _forward(agent, agent_api.REFIT_NEMO_JOIN, body)
     combined = own if others is None else siblings_module.combine_world([own, *others])
     return responses.JSONResponse(combined, status_code=202)
@@ -287,7 +295,7 @@ async def refit_nemo_join(
 async def refit_nemo_leave(body: agent_api.NemoLeaveRequest, agent: AgentDep) -> responses.JSONResponse:
     """Leave ``session``'s world on every rank of the pod (idempotent; a rank that cannot be reached
     holds nothing worth leaving)."""
-    own = _world_body(agent.refits.leave(body.session))
+    own = reports.world_body(agent.refits.leave(body.session))
     if agent.siblings is None:
         return responses.JSONResponse(own)
     try:
@@ -386,7 +394,7 @@ async def refit_megatron_join(body: agent_api.MegatronJoinRequest, agent: AgentD
         timeout_seconds=body.timeout_seconds,
     )
     with _megatron_refusals():
-        own = _world_body(agent.megatron.join(join, asyncio.get_running_loop()), protocol="megatron")
+        own = reports.world_body(agent.megatron.join(join, asyncio.get_running_loop()), protocol="megatron")
     others = await _forward(agent, agent_api.REFIT_MEGATRON_JOIN, body)
     combined = own if others is None else siblings_module.combine_world([own, *others])
     return responses.JSONResponse(combined, status_code=202)
@@ -417,7 +425,7 @@ async def refit_megatron(body: agent_api.MegatronRefitRequest, agent: AgentDep) 
 @refit_router.post("/megatron/leave")
 async def refit_megatron_leave(body: agent_api.NemoLeaveRequest, agent: AgentDep) -> responses.JSONResponse:
     left = agent.megatron.leave(body.session)
-    own = None if left is None else _world_body(left, protocol="megatron")
+    own = None if left is None else reports.world_body(left, protocol="megatron")
     others = await _forward(agent, agent_api.REFIT_MEGATRON_LEAVE, body)
     return responses.JSONResponse({"world": own if others is None else siblings_module.combine_world([own, *others])})
 
@@ -432,6 +440,32 @@ def _megatron_refusals() -> Iterator[None]:
             raise errors.Conflict(str(error), code="backend_cannot_swap") from None
         except megatron_group.NotJoined as error:
             raise errors.Conflict(str(error), code="megatron_not_joined") from None
+
+
+# -- catch-up from a peer: this engine sends (/v1/peer/send), or a catching-up one receives (/v1/refit/peer)
+
+
+@router.post(agent_api.PEER_SEND, status_code=202)
+async def peer_send(
+    body: agent_api.PeerSendRequest, request: fastapi.Request, agent: AgentDep
+) -> responses.JSONResponse:
+    own = agent.peers.start(peer_sends.PeerSendRequest.of(body, agent.transfer_address or _pod_address(request)))
+    others = await peer_sends.forward(agent.peers, agent.siblings, body)
+    return responses.JSONResponse(peer_sends.status_body([own, *others]), status_code=202)
+
+
+@router.get(agent_api.PEER_STATUS)
+async def peer_status(agent: AgentDep) -> responses.JSONResponse:
+    return responses.JSONResponse(peer_sends.status_body([agent.peers.snapshot()]))
+
+
+@refit_router.post("/peer", status_code=202)
+async def refit_peer(
+    body: agent_api.PeerRefitRequest, request: fastapi.Request, agent: AgentDep
+) -> responses.JSONResponse:
+    local_address = agent.transfer_address or _pod_address(request)
+    refit = peer_source.PeerRequest.of(body, _in_flight(body, verifies=True), local_address=local_address)
+    return await _start_refit(agent, refit, agent_api.REFIT_PEER, body)
 
 
 @refit_router.post("/{operation:path}", status_code=404)
@@ -515,34 +549,8 @@ def _pod_address(request: fastapi.Request) -> str | None:
 
 def _refit_status_body(agent: AgentServer, snapshot: refit_phases.Snapshot) -> dict[str, Any]:
     engine = agent.engine
-    body = agent_api.RefitStatusResponse(
-        phase=snapshot.phase,
-        version=snapshot.version,
-        source=snapshot.source,
-        transport=snapshot.transport,
-        rank=snapshot.rank,
-        world_size=snapshot.world_size,
-        phases=[
-            agent_api.PhaseTiming(name=name, milliseconds=round(seconds * 1000)) for name, seconds in snapshot.phases
-        ],
-        duration_milliseconds=None if snapshot.duration_seconds is None else round(snapshot.duration_seconds * 1000),
-        bytes_received=snapshot.bytes_received,
-        buckets=snapshot.buckets,
-        tensors_written=snapshot.tensors_written,
-        error=snapshot.error,
-        timed_out=snapshot.timed_out,
-        reused=snapshot.reused,
-        dirty=agent.refits.dirty,
-        state=engine.state,
-        weight_version=engine.weight_version,
-        world=_world_model(*_last_world(agent)),
-        verification=reports.verification(snapshot.verification),
-        in_flight=reports.in_flight(snapshot.in_flight),
-        staging=reports.staging(snapshot.staging),
-        pause=reports.pause(snapshot.pause),
-        commit=reports.commit(snapshot.commit),
-    )
-    return body.model_dump(mode="json", by_alias=True)
+    held = reports.Held(agent.refits.dirty, engine.state, engine.weight_version, reports.world(*_last_world(agent)))
+    return reports.status(snapshot, held)
 
 
 def _last_world(agent: AgentServer) -> tuple[memberships.WorldSnapshot | None, str]:
@@ -553,28 +561,6 @@ def _last_world(agent: AgentServer) -> tuple[memberships.WorldSnapshot | None, s
     if megatron is not None and (nemo is None or megatron.phase in ("joining", "joined")):
         return megatron, "megatron"
     return nemo, "nemo"
-
-
-def _world_model(world: memberships.WorldSnapshot | None, protocol: str = "nemo") -> agent_api.NemoWorldStatus | None:
-    if world is None:
-        return None
-    return agent_api.NemoWorldStatus.model_validate(
-        {
-            "session": world.session,
-            "phase": world.phase,
-            "protocol": protocol,
-            "rank": world.rank,
-            "generation": world.generation,
-            "error": world.error,
-            "storeReachable": world.store_reachable,
-        }
-    )
-
-
-def _world_body(world: memberships.WorldSnapshot, protocol: str = "nemo") -> dict[str, Any]:
-    model = _world_model(world, protocol)
-    assert model is not None
-    return model.model_dump(mode="json", by_alias=True)
 
 
 def _state(agent: AgentServer) -> responses.JSONResponse:

@@ -222,7 +222,7 @@ def template_hash(fleet: ParsedFleet) -> str:
     spec = fleet.spec
     shaping: dict[str, object] = {
         "model": spec.model,
-        "weights": spec.weights,
+        "weights": {"initial": spec.weights.initial},  # catchUp is the operator's, read between refits
         "parallelism": spec.parallelism,
         "resources": spec.resources,
         "frontend": spec.frontend,

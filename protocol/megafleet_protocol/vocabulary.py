@@ -78,9 +78,9 @@ place), ``joining`` the trainer's world (rendezvous, handshake, manifest check),
 (and writing each in place) or ``staging`` them (into the staging copy while serving), ``applying`` a
 checkpoint, ``staged`` (verified, waiting to switch), ``switching`` (the staged copy goes live at a
 step boundary), ``resuming``; then ``succeeded`` or ``failed``. ``idle``: no attempt yet."""
-RefitSource = Literal["rendezvous", "checkpoint", "nemo"]
-"""Where a refit's weights come from: the trainer's rendezvous, a checkpoint path, or an unmodified
-NeMo RL trainer's own collective."""
+RefitSource = Literal["rendezvous", "checkpoint", "nemo", "peer"]
+"""Where a refit's weights come from: the trainer's rendezvous, a checkpoint path, an unmodified
+NeMo RL trainer's own collective, or a live shard of the same fleet (a catch-up from a peer)."""
 NemoGeneration = Literal["nemo", "vllm"]
 """How a NeMo RL trainer built its refit communicator: ``nemo`` (NeMo >= 0.6) or ``vllm`` (NeMo <= 0.5)."""
 CollectiveBackend = Literal["gloo", "nccl"]

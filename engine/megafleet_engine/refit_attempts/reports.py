@@ -8,11 +8,14 @@ milliseconds. Pure; imports no torch.
 
 from __future__ import annotations
 
-from megafleet_engine.refit_attempts import phases
-from megafleet_protocol import agent_api
+import dataclasses
+from typing import Any
+
+from megafleet_engine.refit_attempts import memberships, phases
+from megafleet_protocol import agent_api, vocabulary
 from megafleet_protocol.refit import verification as verification_module
 
-__all__ = ["commit", "in_flight", "pause", "staging", "verification"]
+__all__ = ["Held", "commit", "in_flight", "pause", "staging", "status", "verification", "world", "world_body"]
 
 
 def verification(outcome: verification_module.Verification | None) -> agent_api.VerificationReport | None:
@@ -76,3 +79,69 @@ def commit(report: phases.Commit | None) -> agent_api.CommitReport | None:
         committed=report.committed,
         expired=report.expired,
     )
+
+
+@dataclasses.dataclass(frozen=True)
+class Held:
+    """What the refit status says of the engine beside its attempt: the dirty flag, the engine's
+    state and version, and the world it has joined (NeMo's or megatron-core's), if any."""
+
+    dirty: bool
+    state: vocabulary.EngineState
+    weight_version: int | None
+    world: agent_api.NemoWorldStatus | None
+
+
+def status(snapshot: phases.Snapshot, held: Held) -> dict[str, Any]:
+    """The agent's ``GET /v1/refit/status`` body for the attempt ``snapshot`` shows."""
+    body = agent_api.RefitStatusResponse(
+        phase=snapshot.phase,
+        version=snapshot.version,
+        source=snapshot.source,
+        transport=snapshot.transport,
+        rank=snapshot.rank,
+        world_size=snapshot.world_size,
+        phases=[
+            agent_api.PhaseTiming(name=name, milliseconds=round(seconds * 1000)) for name, seconds in snapshot.phases
+        ],
+        duration_milliseconds=None if snapshot.duration_seconds is None else round(snapshot.duration_seconds * 1000),
+        bytes_received=snapshot.bytes_received,
+        buckets=snapshot.buckets,
+        tensors_written=snapshot.tensors_written,
+        error=snapshot.error,
+        timed_out=snapshot.timed_out,
+        reused=snapshot.reused,
+        dirty=held.dirty,
+        state=held.state,
+        weight_version=held.weight_version,
+        world=held.world,
+        verification=verification(snapshot.verification),
+        in_flight=in_flight(snapshot.in_flight),
+        staging=staging(snapshot.staging),
+        pause=pause(snapshot.pause),
+        commit=commit(snapshot.commit),
+    )
+    return body.model_dump(mode="json", by_alias=True)
+
+
+def world(joined: memberships.WorldSnapshot | None, protocol: str = "nemo") -> agent_api.NemoWorldStatus | None:
+    """A joined world (NeMo's or, with ``protocol`` ``megatron``, megatron-core's) as its status."""
+    if joined is None:
+        return None
+    return agent_api.NemoWorldStatus.model_validate(
+        {
+            "session": joined.session,
+            "phase": joined.phase,
+            "protocol": protocol,
+            "rank": joined.rank,
+            "generation": joined.generation,
+            "error": joined.error,
+            "storeReachable": joined.store_reachable,
+        }
+    )
+
+
+def world_body(joined: memberships.WorldSnapshot, protocol: str = "nemo") -> dict[str, Any]:
+    model = world(joined, protocol)
+    assert model is not None
+    return model.model_dump(mode="json", by_alias=True)

@@ -7,6 +7,8 @@ The spec's own fields (model, weights, replicas, refit settings) are here; its l
 
 from __future__ import annotations
 
+from typing import Literal
+
 import pydantic
 from pydantic import Field
 
@@ -64,6 +66,13 @@ class WeightsSpec(common.ApiModel):
         description="initial is checkpoint (load weights from model.source at start) or refit (start "
         "without weights and become Ready only when the first Refit has delivered them; NeMo RL's "
         "skip_weight_load).",
+    )
+    catch_up: Literal["peer", "checkpoint"] = Field(
+        default="peer",
+        description="catchUp is how a shard behind the fleet's current version (added by a scale-out, "
+        "healed) gets it between refits: peer (copy it from a shard Ready at that version while that "
+        "shard serves, the current checkpoint when the copy fails or the backend is megatron) or "
+        "checkpoint (the current checkpoint only; without one the shard stays Stale until the next refit).",
     )
 
 
