@@ -118,7 +118,10 @@ def webhook_configurations(manifests: str, port: int) -> list[dict[str, Any]]:
 def conversion(port: int) -> dict[str, Any]:
     """The conversion webhook Kueue's kustomization gives its versioned CRDs."""
     service = {"namespace": NAMESPACE, "name": WEBHOOK_SERVICE, "path": "/convert", "port": port}
-    return {"strategy": "Webhook", "webhook": {"clientConfig": {"service": service}, "conversionReviewVersions": ["v1"]}}
+    return {
+        "strategy": "Webhook",
+        "webhook": {"clientConfig": {"service": service}, "conversionReviewVersions": ["v1"]},
+    }
 
 
 def start(local: cluster.LocalCluster) -> Kueue:
