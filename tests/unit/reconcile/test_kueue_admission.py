@@ -198,6 +198,6 @@ def test_kai_and_volcano_are_refused_with_a_message_that_says_why(scheduler: str
 
 
 def test_kueue_needs_a_queue() -> None:
-    with pytest.raises(pydantic.ValidationError, match="queue .* is required with scheduler Kueue"):
+    with pytest.raises(pydantic.ValidationError, match=r"queue .* is required with scheduler Kueue"):
         v1alpha1.GangSpec.model_validate({"scheduler": "Kueue"})
     assert v1alpha1.GangSpec.model_validate({"scheduler": "Kueue", "queue": "q"}).queue == "q"
