@@ -48,10 +48,10 @@ CONVERTED_CRDS = (
     "cohorts.kueue.x-k8s.io",
     "localqueues.kueue.x-k8s.io",
     "multikueueclusters.kueue.x-k8s.io",
-    "resourceflavors.kueue.x-k8s.io",
     "workloads.kueue.x-k8s.io",
 )
-"""The CRDs Kueue's kustomization gives a conversion webhook (and its certificate manager injects a CA into)."""
+"""The CRDs Kueue's certificate manager injects its CA into, as their conversion webhook's: it fails
+on a CRD without one, so they get the conversion webhook Kueue's kustomization gives them."""
 
 _UNMANAGED_NAMESPACES = {
     "matchExpressions": [
