@@ -38,6 +38,7 @@ from megafleet_dev import cluster, kube, toolchain
 
 NAMESPACE = "kueue-system"
 WEBHOOK_SERVICE = "kueue-webhook-service"
+WEBHOOK_SECRET = "kueue-webhook-server-cert"
 MUTATING = "kueue-mutating-webhook-configuration"
 VALIDATING = "kueue-validating-webhook-configuration"
 QUEUE_LABEL = "kueue.x-k8s.io/queue-name"
@@ -81,7 +82,7 @@ def configuration(folder: Path, *, webhook_port: int, probe_port: int, metrics_p
         "internalCertManagement": {
             "enable": True,
             "webhookServiceName": WEBHOOK_SERVICE,
-            "webhookSecretName": "kueue-webhook-server-cert",
+            "webhookSecretName": WEBHOOK_SECRET,
         },
         "managedJobsNamespaceSelector": _UNMANAGED_NAMESPACES,
         "integrations": {"frameworks": ["pod"]},
@@ -166,10 +167,14 @@ def stop(local: cluster.LocalCluster, running: Kueue) -> None:
 
 
 def _install(client: kube.Kube, port: int) -> None:
-    """Kueue's namespace, the Service its webhooks are called through, its CRDs (conversion pointed
-    at ``port``) and its webhook configurations."""
+    """Kueue's namespace, its certificate Secret, the Service its webhooks are called through, its
+    CRDs (conversion pointed at ``port``) and its webhook configurations."""
     if client.get(f"/api/v1/namespaces/{NAMESPACE}") is None:
         client.create("/api/v1/namespaces", {"metadata": {"name": NAMESPACE}})
+    # Kueue's certificate manager fills this Secret (Kueue's manifests ship it empty); it must exist.
+    secrets = f"/api/v1/namespaces/{NAMESPACE}/secrets"
+    if client.get(f"{secrets}/{WEBHOOK_SECRET}") is None:
+        client.create(secrets, {"metadata": {"name": WEBHOOK_SECRET, "namespace": NAMESPACE}, "type": "Opaque"})
     services = f"/api/v1/namespaces/{NAMESPACE}/services"
     client.delete(f"{services}/{WEBHOOK_SERVICE}", missing_ok=True)
     client.create(
