@@ -12,7 +12,8 @@ are served by the manager on 127.0.0.1. The API server reaches them the way it r
 metrics server (:mod:`megafleet_dev.autoscale`): an ``ExternalName`` Service naming 127.0.0.1, since
 ClusterIPs lead nowhere here. Kueue's own certificate management is left on: it writes a CA and a
 serving certificate for ``kueue-webhook-service.kueue-system.svc`` (the name the API server checks
-through that Service) and injects the CA into the webhook configurations and the CRDs' conversion
+through that Service) into a Secret, which :func:`start` copies into Kueue's certificate folder as a
+kubelet would mount it, and injects the CA into the webhook configurations and the CRDs' conversion
 webhooks. Turned off, Kueue reads its metrics certificate from a fixed ``/etc`` path instead.
 
 The webhook configurations are Kueue's own, trimmed to the pod webhooks and Kueue's objects; the pod
@@ -24,6 +25,7 @@ Invariant: every listener is on 127.0.0.1 on a free port.
 
 from __future__ import annotations
 
+import base64
 import copy
 import dataclasses
 import functools
@@ -149,8 +151,9 @@ def start(local: cluster.LocalCluster) -> Kueue:
         env=env,
     )
     try:
-        local.wait_for("kueue", functools.partial(_http_not_ok, f"http://127.0.0.1:{probe_port}/readyz"))
         with local.kube() as client:
+            local.wait_for("kueue", functools.partial(_mount_certificate, client, folder / "certs"))
+            local.wait_for("kueue", functools.partial(_http_not_ok, f"http://127.0.0.1:{probe_port}/readyz"))
             local.wait_for("kueue", functools.partial(_webhooks_not_serving, client))
     except BaseException:
         local.stop_processes([record])
@@ -200,6 +203,18 @@ def _install(client: kube.Kube, port: int) -> None:
         collection = f"/apis/admissionregistration.k8s.io/v1/{kind}s"
         client.delete(f"{collection}/{configured['metadata']['name']}", missing_ok=True)
         client.create(collection, configured)
+
+
+def _mount_certificate(client: kube.Kube, folder: Path) -> str | None:
+    """Write the certificate Kueue put in its Secret into its certificate folder, as a kubelet mounts
+    the Secret there in a cluster (Kueue waits until it finds the files)."""
+    secret = client.get(f"/api/v1/namespaces/{NAMESPACE}/secrets/{WEBHOOK_SECRET}") or {}
+    data = secret.get("data") or {}
+    if not all(data.get(name) for name in ("ca.crt", "tls.crt", "tls.key")):
+        return f"Kueue has not written its certificate into Secret {WEBHOOK_SECRET} yet"
+    for name in ("ca.crt", "tls.crt", "tls.key"):
+        (folder / name).write_bytes(base64.b64decode(data[name]))
+    return None
 
 
 def _webhooks_not_serving(client: kube.Kube) -> str | None:
