@@ -59,6 +59,13 @@ async def observe(ctx: context.FleetContext) -> None:
         ctx.queued = {shard: kueue.waiting_reason(workload) if shard == first else "" for shard in waiting}
 
 
+def created(ctx: context.FleetContext, shard: int, members: list[Object]) -> None:
+    """A shard just placed waits from now on if Kueue's webhook gated its pods (the created objects
+    say so): no later pod event may come before Kueue admits it."""
+    if uses_kueue(ctx.fleet) and any(kueue.gated(pod) for pod in members):
+        ctx.queued.setdefault(shard, "just placed; Kueue has not admitted its pod group yet")
+
+
 async def _remove_stopped(ctx: context.FleetContext, shard: int, reason: str) -> None:
     """Delete what is left of a shard Kueue stopped and report it once: the first reconcile that sees
     it finds the shard's pods still listed in the status, and clears them so healing counts no restart."""

@@ -116,6 +116,7 @@ async def place(ctx: context.FleetContext) -> None:
     placed = []
     for shard, placement in sorted(plan.placed.items()):
         members = [next(created) for _ in wanted[shard]]
+        admission.created(ctx, shard, members)
         ctx.shards.pods[shard] = [pods.parse(pod, clique_label=request.clique_label) for pod in members]
         where = f"clique {placement.clique}" if placement.clique else "nodes"
         placed.append(f"shard {shard} on {where}: {_nodes(placement)}")
