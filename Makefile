@@ -49,10 +49,10 @@ check: lint
 
 # Everything the tiers use is built first, with its progress shown and outside pytest's per-test
 # timeouts (a cold KEDA build alone takes longer than the autoscale tier's): the control plane, the
-# real node's programs and images, Prometheus and KEDA, in one command so that the image builds
+# real node's programs and images, Prometheus and KEDA, Kueue, in one command so that the image builds
 # (downloads, layer writes) run beside the CPU-bound Go builds. Cached: seconds when nothing changed.
 test: lint
-	$(BIN)/megafleet dev build --real-node --autoscale
+	$(BIN)/megafleet dev build --real-node --autoscale --kueue
 	$(BIN)/pytest
 
 # The chaos drills at full strength: CHAOS_KILLS SIGKILLs of the operator at seeded random

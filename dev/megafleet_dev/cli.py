@@ -21,6 +21,7 @@ from megafleet_dev import (
     demo,
     images,
     kube,
+    kueue,
     nodes,
     progress,
     realnode,
@@ -82,6 +83,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="also Prometheus (scraping every engine pod) and KEDA (operator, external metrics API), "
         "built on first use; docs/autoscaling.md",
     )
+    up.add_argument(
+        "--kueue",
+        action="store_true",
+        help="also Kueue (its controller manager, pod integration, webhooks), built on first use; docs/kueue.md",
+    )
     commands.add_parser("down", help="stop every process of the local cluster and delete its files")
     built = commands.add_parser(
         "images", help="build the operator and engine images with buildah if their inputs changed"
@@ -98,6 +104,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="also the real node's programs (kubelet, kube-proxy, CoreDNS) and the operator and engine images",
     )
     build.add_argument("--autoscale", action="store_true", help="also Prometheus and KEDA")
+    build.add_argument("--kueue", action="store_true", help="also Kueue")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -106,6 +113,7 @@ def run(args: argparse.Namespace) -> int:
         if args.dev_command == "build":
             names = toolchain.CONTROL_PLANE + (realnode.PROGRAMS if args.real_node else ())
             names += toolchain.AUTOSCALE if args.autoscale else ()
+            names += toolchain.KUEUE if args.kueue else ()
             # The Go components and the images build in parallel lanes (megafleet_dev.builds).
             built = builds.ensure_all(names, images.TARGETS if args.real_node else None)
             for component in toolchain.COMPONENTS:
@@ -133,6 +141,7 @@ def run(args: argparse.Namespace) -> int:
                 pod_network=args.pod_network,
                 real_node=real_network,
                 autoscaling=args.autoscale,
+                queueing=args.kueue,
             )
         if args.dev_command == "runner":
             return _runner(state_dir)
@@ -152,6 +161,7 @@ def _up(
     pod_network: str,
     real_node: str | None,
     autoscaling: bool = False,
+    queueing: bool = False,
 ) -> int:
     if list(cluster.running_processes(state_dir)):
         print(f"the local cluster is already running from {state_dir}")
@@ -166,6 +176,8 @@ def _up(
         if full:
             demo.start(local, real_node=real_node is not None)
         scaling = autoscale.start(local) if autoscaling else None
+        if queueing:
+            kueue.start(local)
     except BaseException:
         local.stop()
         raise
@@ -178,6 +190,8 @@ def _up(
     if scaling is not None:
         print(f"\nPrometheus:  {scaling.prometheus_url} (serverAddress of a ScaledObject's prometheus trigger)")
         print("KEDA:        operator and external metrics API (kubectl get apiservice v1beta1.external.metrics.k8s.io)")
+    if queueing:
+        print("Kueue:       pod integration on; make a ResourceFlavor, a ClusterQueue and a LocalQueue (docs/kueue.md)")
     print("\nStop it with: megafleet dev down")
     return 0
 

@@ -31,6 +31,7 @@ PROMETHEUS_RELEASE = "3.16.0"
 KEDA_VERSION = "v2.21.0"
 # The only kube-router release the Go module proxy serves here; its firewall alone is built and run.
 KUBE_ROUTER_VERSION = "v2.1.0"
+KUEUE_VERSION = "v0.17.0"
 
 GOMOD_DIR = Path(__file__).with_name("gomod")
 
@@ -62,9 +63,30 @@ KEDA_CRD_FILES = tuple(
     )
 )
 
+# Kueue's CRDs and its webhook configurations, as its module ships them (megafleet_dev.kueue applies them).
+KUEUE_CRD_FILES = tuple(
+    f"config/components/crd/bases/kueue.x-k8s.io_{name}.yaml"
+    for name in (
+        "admissionchecks",
+        "clusterqueues",
+        "cohorts",
+        "localqueues",
+        "multikueueclusters",
+        "multikueueconfigs",
+        "provisioningrequestconfigs",
+        "resourceflavors",
+        "topologies",
+        "workloadpriorityclasses",
+        "workloads",
+    )
+)
+KUEUE_WEBHOOK_FILES = ("config/components/webhook/manifests.yaml",)
+
 MODULE_FILES: dict[str, tuple[str, tuple[str, ...]]] = {
     "kwok.yaml": ("sigs.k8s.io/kwok", KWOK_STAGE_FILES),
     "keda-crds.yaml": ("github.com/kedacore/keda/v2", KEDA_CRD_FILES),
+    "kueue-crds.yaml": ("sigs.k8s.io/kueue", KUEUE_CRD_FILES),
+    "kueue-webhooks.yaml": ("sigs.k8s.io/kueue", KUEUE_WEBHOOK_FILES),
 }
 """Extras a build writes: target name -> (module, files of its source concatenated into it)."""
 
@@ -206,6 +228,18 @@ COMPONENTS: tuple[Component, ...] = (
         packages=("megafleet.invalid/controlplane/kube-router",),
         programs=("kube-router",),
         ldflags=f"-s -w -X github.com/cloudnativelabs/kube-router/v2/pkg/version.Version={KUBE_ROUTER_VERSION}",
+    ),
+    # Kueue's controller manager (``megafleet dev up --kueue`` and the Kueue tier: megafleet_dev.kueue),
+    # with its CRDs and webhook configurations copied from the module beside it. Every integration
+    # Kueue knows is linked in (only the pod integration is enabled at run time).
+    Component(
+        name="kueue",
+        version=KUEUE_VERSION,
+        module="kueue",
+        packages=("sigs.k8s.io/kueue/cmd/kueue",),
+        programs=("kueue",),
+        extras=("kueue-crds.yaml", "kueue-webhooks.yaml"),
+        ldflags=f"-s -w -X sigs.k8s.io/kueue/pkg/version.GitVersion={KUEUE_VERSION}",
     ),
 )
 
@@ -366,6 +400,9 @@ CONTROL_PLANE = ("etcd", "kubernetes", "kwok", "helm")
 
 AUTOSCALE = ("prometheus", "keda")
 """The autoscale tier's components (:mod:`megafleet_dev.autoscale`), built on demand."""
+
+KUEUE = ("kueue",)
+"""The Kueue tier's component (:mod:`megafleet_dev.kueue`), built on demand."""
 
 
 def ensure_built(names: tuple[str, ...] | None = None, *, report: progress.Progress = progress.print_progress) -> None:

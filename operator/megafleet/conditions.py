@@ -19,6 +19,8 @@ INVALID_SPEC = "InvalidSpec"
 NAME_CONFLICT = "NameConflict"
 REFIT_SESSION_HELD = "RefitSessionHeld"
 """A RefitSession holds the fleet's shards in a trainer's world (:mod:`megafleet.fleet_state.hold`)."""
+ADMITTED = "Admitted"
+"""Kueue admitted every shard of a fleet with ``gang.scheduler: Kueue`` (:mod:`megafleet.reconcile.admission`)."""
 
 Condition = dict[str, Any]
 

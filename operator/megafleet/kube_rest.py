@@ -70,6 +70,8 @@ MegatronGeneration = create_namespaced_resource(
 )
 Refit = create_namespaced_resource(v1alpha1.GROUP, v1alpha1.VERSION, "Refit", "refits")
 RefitSession = create_namespaced_resource(v1alpha1.GROUP, v1alpha1.VERSION, "RefitSession", "refitsessions")
+# Kueue's Workload of a shard's pod group (read only: why a shard waits; megafleet.reconcile.admission).
+Workload = create_namespaced_resource("kueue.x-k8s.io", "v1beta2", "Workload", "workloads")
 
 KINDS: dict[str, Any] = {
     "Pod": Pod,
@@ -82,6 +84,7 @@ KINDS: dict[str, Any] = {
     "MegatronGeneration": MegatronGeneration,
     "Refit": Refit,
     "RefitSession": RefitSession,
+    "Workload": Workload,
 }
 """The kinds the operator reads and writes, as lightkube's resource classes (the lightkube transport
 of :mod:`megafleet.kube` takes them; :data:`RESOURCES` is derived from them)."""

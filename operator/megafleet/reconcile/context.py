@@ -169,6 +169,9 @@ class FleetContext(OnRuntime):
     unplaced: dict[int, str] = dataclasses.field(default_factory=dict)
     """Why each shard that could not be placed was not."""
     reports: pods.Reports = dataclasses.field(default_factory=dict)
+    queued: dict[int, str] = dataclasses.field(default_factory=dict)
+    """The shards Kueue has not admitted (``gang.scheduler: Kueue``), with Kueue's reason for the lowest
+    ('' for the others): :mod:`megafleet.reconcile.admission`."""
 
     @property
     def refit(self) -> Object:
