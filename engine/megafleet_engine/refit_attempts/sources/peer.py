@@ -47,6 +47,8 @@ class PeerRequest:
     local_address: str | None = None
     integrity: vocabulary.Integrity = "checksum"
     collective: vocabulary.CollectiveBackend | None = None
+    commit: vocabulary.CommitMode = "local"  # a catch-up switches when its own copy is verified
+    commit_grace_seconds: float = 30.0
 
     @classmethod
     def of(
