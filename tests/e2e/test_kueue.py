@@ -101,6 +101,12 @@ def gated(pod: Object) -> bool:
     return any(gate.get("name") == "kueue.x-k8s.io/admission" for gate in pod["spec"].get("schedulingGates") or [])
 
 
+def reasons(kube_admin: kube.Kube, events: str) -> list[tuple[str, str, str]]:
+    """The namespace's Events, oldest first: what a failed assertion shows."""
+    found = sorted(kube_admin.list(events)["items"], key=lambda event: event.get("lastTimestamp") or "")
+    return [(event["involvedObject"]["name"], event["reason"], event.get("message", "")) for event in found]
+
+
 def test_kueue_admits_whole_shards_preempts_readmits_and_returns_quota(
     running_kueue: kueue.Kueue, kube_admin: kube.Kube, namespace: str
 ) -> None:
@@ -185,7 +191,8 @@ def test_kueue_admits_whole_shards_preempts_readmits_and_returns_quota(
             what="the preempted shard admitted again and Ready",
         )
         assert healed is not None
-        assert [entry.get("restarts", 0) for entry in healed["status"]["shards"]] == [0, 0], "no restart"
+        restarts = [entry.get("restarts", 0) for entry in healed["status"]["shards"]]
+        assert restarts == [0, 0], (healed["status"]["shards"], reasons(kube_admin, events))
 
         # 6. Both fleets deleted: Kueue's finalizer held no pod back, no Workload is left.
         for name in (LOW, HIGH):
