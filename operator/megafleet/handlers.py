@@ -28,8 +28,8 @@ import kopf
 from megafleet import agent_client, kube, metrics, names, persistence, reconcile
 from megafleet import settings as operator_settings
 from megafleet.api import v1alpha1
-from megafleet.reconcile import cache as watch_cache
 from megafleet.reconcile import admission, context, lost_nodes, pacing
+from megafleet.reconcile import cache as watch_cache
 from megafleet.refits import refit_controller, session_controller, session_status
 
 log = logging.getLogger(__name__)
