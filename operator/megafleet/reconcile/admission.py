@@ -43,10 +43,15 @@ def gang(fleet: desired.ParsedFleet, shard: int, members: list[Object]) -> list[
 
 
 async def observe(ctx: context.FleetContext) -> None:
-    """Record the shards Kueue holds in ``ctx.queued`` and remove, whole, the shards it stopped."""
-    if not uses_kueue(ctx.fleet):
+    """Record the shards Kueue holds in ``ctx.queued``, remove, whole, the shards it stopped and end
+    the groups of the shards that go. A fleet that no longer uses Kueue still ends the groups of its
+    old pods (changing ``gang`` rolls the fleet), looked for only while a shard is terminating."""
+    if not uses_kueue(ctx.fleet) and not ctx.shards.terminating:
         return
     raw = ownership.only_owned(await pods.labelled_objects(ctx.api, ctx.runtime.cache, "Pod", ctx.fleet), ctx.fleet)
+    if not uses_kueue(ctx.fleet):
+        await retire(ctx.api, ctx.fleet.namespace, kueue.retired(raw))
+        return
     gated: dict[int, str] = {}
     stopped: dict[int, str] = {}
     for pod in raw:

@@ -197,6 +197,19 @@ def test_a_shard_scaled_in_has_its_group_ended_so_its_quota_returns() -> None:
     assert not any(fleet.workload_deleted(pod["metadata"]["labels"][kueue.GROUP_LABEL]) for pod in fleet.pods(0))
 
 
+def test_a_fleet_that_left_kueue_still_ends_the_groups_of_its_old_pods() -> None:
+    fleet = Fleet(replicas=1, pipeline=2)
+    fleet.reconcile()
+    fleet.run(0)
+    fleet.hold(0)
+    group = fleet.pods(0)[0]["metadata"]["labels"][kueue.GROUP_LABEL]
+    fleet.api.objects[("MegatronGeneration", "rl", "gen")]["spec"]["placement"] = {}
+    for pod in fleet.pods(0):  # the roll deleted the old shard; Kueue's finalizer holds its pods
+        pod["metadata"]["deletionTimestamp"] = "2026-12-06T12:00:00Z"
+    fleet.reconcile()
+    assert fleet.workload_deleted(group)
+
+
 def test_a_group_is_retired_once_every_pod_goes_and_kueue_still_holds_one() -> None:
     def pod(group: str, *, deleting: bool, held: bool = True) -> Object:
         metadata: Object = {"name": "p", "labels": {kueue.GROUP_LABEL: group}}
