@@ -1,9 +1,10 @@
 """Kopf handlers: every trigger runs the same level-based :func:`megafleet.reconcile.reconcile`.
 
 Imported by ``megafleet operator`` (:mod:`megafleet.operator_main`). Triggers: the fleet is created,
-its spec changes, the operator resumes, any event of a pod the fleet owns, and the observation daemon
-(:mod:`megafleet.reconcile.pacing`: a reconcile every few seconds while the fleet changes, a slow
-agent probe once it is settled). Reconciles read pods, Services and nodes from Kopf indexes
+its spec changes, the operator resumes, any event of a pod the fleet owns (a pod whose fleet is
+gone has its Kueue pod group ended: :func:`megafleet.reconcile.admission.release_orphan`), and the
+observation daemon (:mod:`megafleet.reconcile.pacing`: a reconcile every few seconds while the fleet
+changes, a slow agent probe once it is settled). Reconciles read pods, Services and nodes from Kopf indexes
 (:mod:`megafleet.reconcile.cache`), which Kopf fills before it runs any handler. Refits are
 advanced by :mod:`megafleet.refits.refit_controller` on create and a poll, and RefitSessions by
 :mod:`megafleet.refits.session_controller` on create, resume and a poll. The polls are daemons that end once
@@ -27,8 +28,8 @@ import kopf
 from megafleet import agent_client, kube, metrics, names, persistence, reconcile
 from megafleet import settings as operator_settings
 from megafleet.api import v1alpha1
+from megafleet.reconcile import admission, context, lost_nodes, pacing
 from megafleet.reconcile import cache as watch_cache
-from megafleet.reconcile import context, lost_nodes, pacing
 from megafleet.refits import refit_controller, session_controller, session_status
 
 log = logging.getLogger(__name__)
@@ -251,7 +252,8 @@ async def on_pod_event(
         metrics.RECONCILES.labels(outcome="unchanged").inc()
         return
     gather = runtime.settings.triggers.pod_event_gather_seconds
-    await _reconcile(runtime, namespace, fleet, gather=gather)
+    if not await _reconcile(runtime, namespace, fleet, gather=gather) and type != "DELETED":
+        await admission.release_orphan(runtime.api, _raw(body))  # Kueue's finalizer would hold it
 
 
 def _deleted(type: str | None, **_: Any) -> bool:

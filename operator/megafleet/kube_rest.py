@@ -70,7 +70,7 @@ MegatronGeneration = create_namespaced_resource(
 )
 Refit = create_namespaced_resource(v1alpha1.GROUP, v1alpha1.VERSION, "Refit", "refits")
 RefitSession = create_namespaced_resource(v1alpha1.GROUP, v1alpha1.VERSION, "RefitSession", "refitsessions")
-# Kueue's Workload of a shard's pod group (read only: why a shard waits; megafleet.reconcile.admission).
+# Kueue's Workload of a shard's pod group (why a shard waits; deleted to end the group: megafleet.reconcile.admission).
 Workload = create_namespaced_resource("kueue.x-k8s.io", "v1beta2", "Workload", "workloads")
 
 KINDS: dict[str, Any] = {
