@@ -153,8 +153,11 @@ def train_rank(
     refits: Iterable[Mapping[str, torch.Tensor]],
     bucket_bytes: int,
     sent: list[tuple[int, str, int]],
+    misc_prefix: str = nemo_trainer.GLOO_PREFIX,
 ) -> None:
-    """One training rank, refit after refit: its stage's bulk slices, then NeMo's misc broadcast."""
+    """One training rank, refit after refit: its stage's bulk slices, then NeMo's misc broadcast.
+    ``misc_prefix``: the misc world's gloo store prefix (the engine's agent uses
+    :data:`helpers.nemo_trainer.AGENT_GLOO_PREFIX`)."""
     stage, local = divmod(world_rank, layout.tp)
     timeout = datetime.timedelta(seconds=30)
     # NeMo's order: init_collective (the misc world) first, then the stage communicators
@@ -164,7 +167,7 @@ def train_rank(
         misc_writer: Any = misc_store  # torch's stubs type values as str; bytes are what NeMo stores
         misc_writer.set("nccl_unique_id", os.urandom(128))
     misc_group = nemo_reshard.gloo_group(
-        c10d.PrefixStore(nemo_trainer.GLOO_PREFIX, misc_store),
+        c10d.PrefixStore(misc_prefix, misc_store),
         world_rank,
         misc_world,
         local_address=ADDRESS,
