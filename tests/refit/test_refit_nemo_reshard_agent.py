@@ -183,10 +183,13 @@ def test_two_stages_reshard_into_two_engines_refit_after_refit_each_taking_in_on
 
     code, refused = post(engines[0], "/v1/refit/nemo/reshard", refit_body(5, new))
     assert (code, refused["error"]["code"]) == (409, "nemo_not_joined")
-
     ranks = Trainer()
+    code, refused = post(engines[0], "/v1/refit/nemo/reshard/join", join_bodies(ranks, 0, SESSION)[1])
+    assert (code, refused["error"]["code"]) == (409, "nemo_not_joined"), "NeMo joins its world before the stages"
     try:
         join(engines, ranks)
+        code, refused = post(engines[0], "/v1/refit/nemo/reshard", refit_body(5, new) | {"integrity": "checksum"})
+        assert (code, refused["error"]["code"]) == (409, "refit_mode_unsupported"), "the bulk carries no digest"
         total = sum(t.numel() * t.element_size() for t in new.values())
         for version, weights, output in ((5, new, policy.greedy(PROMPT, TOKENS)), (6, old, before[0])):
             finished = refit(engines, ranks, version, weights)
