@@ -135,7 +135,7 @@ async def advance(ctx: context.SessionContext, worlds: tuple[agent_api.NemoWorld
         await _end(ctx, "Failed", session_status.JOIN_FAILED, message)
         return False
     if state == "joined":
-        await ctx.write(joined(session, message, conditions.now()))
+        await ctx.write(joined(session, message, _stamp(ctx.at)))
         log.info("RefitSession %s/%s: %s", session.namespace, session.name, message)
         return True
     since = _time(found.get("lastTransitionTime")) or ctx.at
@@ -160,7 +160,7 @@ async def _ask(ctx: context.SessionContext) -> bool:
                 message = f"shard {shard}, pod {pod.name} refused to join the stage communicators: {error}"
                 await _end(ctx, "Failed", session_status.JOIN_FAILED, message)
                 return False
-    await ctx.write(asked(session, len(session.members), conditions.now()))
+    await ctx.write(asked(session, len(session.members), _stamp(ctx.at)))  # the join's deadline counts from it
     shards = len(session.members)
     log.info("RefitSession %s/%s: %d shards asked to join the stages", session.namespace, session.name, shards)
     return True
@@ -170,7 +170,15 @@ async def _end(ctx: context.SessionContext, phase: str, reason: str, message: st
     await session_end.end(ctx.api, ctx.agents, ctx.session, phase=phase, reason=reason, message=message)
 
 
+def _stamp(at: datetime.datetime) -> str:
+    return at.strftime(_FORMAT)
+
+
 def _time(text: object) -> datetime.datetime | None:
     if not isinstance(text, str):
         return None
-    return datetime.datetime.strptime(text, "%Y-%m-%dT%H:%M:%SZ").replace(tzinfo=datetime.UTC)
+    return datetime.datetime.strptime(text, _FORMAT).replace(tzinfo=datetime.UTC)
+
+
+_FORMAT = "%Y-%m-%dT%H:%M:%SZ"
+"""A condition's time, as :func:`megafleet.conditions.now` writes it."""
