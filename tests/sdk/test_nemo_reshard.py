@@ -72,7 +72,7 @@ def init_communicator(generation_: nemo.MegafleetGeneration, survivors: list[int
     """The synchronizer's ``init_communicator`` (main: the whole fleet) or ``_build(membership)``
     (the membership line), with the trainer's futures left out (they run on its side)."""
     inference = 3 if survivors is None else len(survivors)
-    stages = {
+    stages: dict[str, Any] = {
         "pp_ips": STAGE_IPS,
         "pp_ports": STAGE_PORTS,
         "pp_size": 2,
