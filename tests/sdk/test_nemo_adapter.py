@@ -494,7 +494,7 @@ RESHARD_CALLS = {
 @pytest.mark.parametrize("call", sorted(RESHARD_CALLS))
 def test_the_seeds_nccl_reshard_calls_need_nemos_own_wire_and_refuse_before_connecting(call: str) -> None:
     """The reshard is the trainer's own wire: an adapter that sends itself (fixed frontends, the
-    megafleet wire) refuses it, naming the wire to use (tests/sdk/test_nemo_reshard.py runs it)."""
+    megafleet wire) refuses it, naming the wire to use (tests/sdk/test_nemo_reshard_sdk.py runs it)."""
     generation_ = nemo.MegafleetGeneration(MODEL, frontends=[URL])
     with pytest.raises(NotImplementedError) as refused:
         RESHARD_CALLS[call](generation_)

@@ -229,4 +229,4 @@ def test_nemos_reshard_refit_info_is_read_and_checked_against_the_fleets_ranks(
     with pytest.raises(ValueError, match="grouped MoE experts"):
         generation_.prepare_nccl_reshard_refit_info(grouped)
     with pytest.raises(RuntimeError, match=r"call init_nccl_reshard_comm_group\(...\) and prepare_nccl_reshard"):
-        generation_.nccl_reshard_refit()  # the stages first (tests/sdk/test_nemo_reshard.py)
+        generation_.nccl_reshard_refit()  # the stages first (tests/sdk/test_nemo_reshard_sdk.py)
