@@ -58,7 +58,7 @@ def test_two_pipeline_stages_reshard_into_two_shards_through_a_refit_session(
         futures_inference = generation.init_collective(address, port, train_world + 2, train_world_size=train_world)
         assert all(ray.get(futures_train + futures_inference, timeout=WAIT))
         stage_ports = [refit_harness.free_port(address) for _ in range(LAYOUT.pp)]
-        stages = {"pp_ips": [address] * LAYOUT.pp, "pp_ports": stage_ports, "pp_size": LAYOUT.pp}
+        stages: dict[str, Any] = {"pp_ips": [address] * LAYOUT.pp, "pp_ports": stage_ports, "pp_size": LAYOUT.pp}
         futures_train = [
             policy.init_nccl_reshard_comm_group.remote(
                 **stages, pp_stages=[0, 1], sub_world_size=3, ranks_in_group=[0, 0]
