@@ -274,16 +274,17 @@ def _unfinished(status: Mapping[str, Any], **_: Any) -> bool:
     return status.get("phase") not in ("Succeeded", "Failed")
 
 
-async def _advance_refit(runtime: context.Runtime, namespace: str, name: str, fleet: str) -> bool:
-    """One step of the Refit; False when it is gone or finished."""
+async def _advance_refit(runtime: context.Runtime, namespace: str, name: str, fleet: str) -> str | None:
+    """One step of the Refit; the phase it was in before the step, None when it is gone or finished."""
     async with runtime.fleet_lock(namespace, fleet):  # never beside the fleet's reconcile
         # Read under the lock: a trigger that waited for it must see what the one before it wrote
         # (two triggers starting the same attempt would each tell the agents to join).
         body = await runtime.api.get("Refit", name, namespace)
-        if body is None or not _unfinished(body.get("status") or {}):
-            return False
+        status = (body or {}).get("status") or {}
+        if body is None or not _unfinished(status):
+            return None
         await refit_controller.advance(runtime, body)
-        return True
+        return str(status.get("phase") or "Pending")
 
 
 @kopf.on.create(*REFITS, backoff=_TRIGGERS.retry_seconds)
@@ -297,9 +298,11 @@ async def poll_refit(
     namespace: str | None, name: str, spec: Mapping[str, Any], memo: kopf.Memo, stopped: kopf.DaemonStopped, **_: Any
 ) -> None:
     runtime, fleet = _runtime(memo), spec["fleetRef"]["name"]
-    await poll(
-        stopped, SETTINGS.refit.poll_seconds, lambda: _advance_refit(runtime, namespace or "default", name, fleet)
-    )
+    while not stopped:  # a timer that ends by itself, as poll(): faster while the Refit runs
+        phase = await _advance_refit(runtime, namespace or "default", name, fleet)
+        if phase is None:
+            return
+        await stopped.wait(SETTINGS.refit.next_poll_seconds(phase))
 
 
 def _session_open(status: Mapping[str, Any], **_: Any) -> bool:
