@@ -25,6 +25,7 @@ from typing import Any
 import pydantic
 
 from megafleet import conditions, kube
+from megafleet.api import v1alpha1
 from megafleet.refits import context, session_end, session_status, session_view
 from megafleet_protocol import agent_api
 
@@ -44,12 +45,19 @@ async def read(api: kube.Api, session: session_view.Session) -> list[agent_api.N
     ref = session.spec.refit_info
     if ref is None:
         raise RefitInfoError(f"RefitSession {session.name} has no refitInfo yet", missing=True)
+    data, source = await packed(api, session.namespace, ref)
+    return parse(data, sha256=ref.sha256, tensors=ref.tensors, source=source)
+
+
+async def packed(api: kube.Api, namespace: str, ref: v1alpha1.RefitInfoRef) -> tuple[bytes, str]:
+    """The gzip'd bytes ``ref`` names (a ConfigMap's ``binaryData`` key) and a name for them in
+    errors; :class:`RefitInfoError` (``missing``) while the ConfigMap or its key does not exist."""
     source = f"ConfigMap {ref.config_map_ref.name} key {ref.config_map_ref.key}"
-    found = await api.get("ConfigMap", ref.config_map_ref.name, session.namespace)
+    found = await api.get("ConfigMap", ref.config_map_ref.name, namespace)
     encoded = ((found or {}).get("binaryData") or {}).get(ref.config_map_ref.key)
     if encoded is None:
         raise RefitInfoError(f"{source} does not exist", missing=True)
-    return parse(base64.b64decode(encoded), sha256=ref.sha256, tensors=ref.tensors, source=source)
+    return base64.b64decode(encoded), source
 
 
 MAX_EXPANDED_BYTES = 64 * 1024 * 1024

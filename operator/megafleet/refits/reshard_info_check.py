@@ -15,7 +15,6 @@ nests no deeper than Python parses, and the tensors must be exactly as many as c
 
 from __future__ import annotations
 
-import base64
 import hashlib
 import json
 import zlib
@@ -39,12 +38,8 @@ async def read(api: kube.Api, session: session_view.Session) -> dict[str, Any]:
     ref = reshard.refit_info if reshard is not None else None
     if ref is None:
         raise RefitInfoError(f"RefitSession {session.name} has no nemoReshard.refitInfo yet", missing=True)
-    source = f"ConfigMap {ref.config_map_ref.name} key {ref.config_map_ref.key}"
-    found = await api.get("ConfigMap", ref.config_map_ref.name, session.namespace)
-    encoded = ((found or {}).get("binaryData") or {}).get(ref.config_map_ref.key)
-    if encoded is None:
-        raise RefitInfoError(f"{source} does not exist", missing=True)
-    return parse(base64.b64decode(encoded), sha256=ref.sha256, tensors=ref.tensors, source=source)
+    data, source = await refit_info_check.packed(api, session.namespace, ref)
+    return parse(data, sha256=ref.sha256, tensors=ref.tensors, source=source)
 
 
 def parse(packed: bytes, *, sha256: str, tensors: int, source: str) -> dict[str, Any]:
