@@ -139,7 +139,7 @@ def test_a_shard_lost_mid_run_is_rebuilt_around_and_current_again_only_after_a_r
         refit(generation, policy, 3)
         current = kube_admin.wait(
             fleet_path,
-            lambda o: all(shard(o, i).get("phase") == "Ready" and shard(o, i).get("weightVersion") == 3 for i in (0, 1)),
+            lambda o: all((shard(o, i).get("phase"), shard(o, i).get("weightVersion")) == ("Ready", 3) for i in (0, 1)),
             timeout=WAIT,
             what="both shards Ready at version 3",
         )
