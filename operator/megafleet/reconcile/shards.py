@@ -86,12 +86,13 @@ async def place(ctx: context.FleetContext, *, outside: frozenset[int] | None = N
     """Plan and create the shards that have no pods (not terminating, not given up on); record in
     ``ctx.unplaced`` why the others could not be placed. Once a refit moved the fleet past the
     checkpoint, new pods start without weights (Stale until a catch-up or refit). With ``outside``
-    (the world of the session that holds the fleet) only shards placed before (in the status: lost,
-    not added by a scale-out) and not in that world are placed again."""
+    (the world of the session that holds the fleet) only shards that were lost (a restart counted, so
+    not added by a scale-out) and are not in that world are placed again."""
     exhausted = {shard for shard, (count, _) in ctx.restarts.items() if count > ctx.settings.shards.max_restarts}
     skip = ctx.shards.terminating | exhausted
     if outside is not None:
-        skip |= outside | (set(range(ctx.fleet.spec.replicas)) - set(ctx.restarts))
+        lost = {shard for shard, (count, _) in ctx.restarts.items() if count > 0}
+        skip |= outside | (set(range(ctx.fleet.spec.replicas)) - lost)
     missing = [shard for shard in range(ctx.fleet.spec.replicas) if shard not in ctx.shards.pods and shard not in skip]
     if not missing:
         return
