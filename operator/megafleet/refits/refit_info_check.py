@@ -20,6 +20,7 @@ import hashlib
 import json
 import re
 import zlib
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 import pydantic
@@ -172,8 +173,18 @@ def _skip_space(text: str, index: int) -> int:
 async def accept(ctx: context.SessionContext) -> bool:
     """Check ``spec.refitInfo`` once; False once the session ended on it (a missing ConfigMap only
     waits: the trainer may write it after the spec)."""
+
+    async def tensors() -> int:
+        return len(await read(ctx.api, ctx.session))
+
+    return await accept_counted(ctx, tensors)
+
+
+async def accept_counted(ctx: context.SessionContext, tensors: Callable[[], Awaitable[int]]) -> bool:
+    """Record what ``tensors()`` (a read of the session's refit info that counts its tensors) found:
+    accepted, waiting while its ConfigMap is missing, or the session ended ``Broken`` on it (False)."""
     try:
-        info = await read(ctx.api, ctx.session)
+        counted = await tensors()
     except RefitInfoError as error:
         if error.missing:
             await ctx.write(session_status.refit_info_waiting(ctx.session, str(error), conditions.now()))
@@ -181,5 +192,5 @@ async def accept(ctx: context.SessionContext) -> bool:
         reason = session_status.REFIT_INFO_REJECTED
         await session_end.end(ctx.api, ctx.agents, ctx.session, phase="Broken", reason=reason, message=str(error))
         return False
-    await ctx.write(session_status.refit_info_accepted(ctx.session, len(info), conditions.now()))
+    await ctx.write(session_status.refit_info_accepted(ctx.session, counted, conditions.now()))
     return True
