@@ -285,14 +285,18 @@ class RestTransport:
                         continue
                     raise _error(response.status, content)
                 pending = b""
-                async for chunk in response.content.iter_any():  # one event a line; a line may be long
-                    pending += chunk
-                    if b"\n" not in chunk:
-                        continue
-                    *lines, pending = pending.split(b"\n")
-                    for line in lines:
-                        if line.strip():
-                            yield _event(line)
+                try:
+                    async for chunk in response.content.iter_any():  # one event a line; a line may be long
+                        pending += chunk
+                        if b"\n" not in chunk:
+                            continue
+                        *lines, pending = pending.split(b"\n")
+                        for line in lines:
+                            if line.strip():
+                                yield _event(line)
+                finally:
+                    if not response.content.at_eof():
+                        _abort(response)
                 return
 
     async def create(self, obj: Object) -> Object:
@@ -317,6 +321,15 @@ class RestTransport:
             content_type="application/merge-patch+json",
         )
         return patched
+
+
+def _abort(response: aiohttp.ClientResponse) -> None:
+    """Drop the connection of a watch its caller left mid-stream (it can never be reused) at once:
+    releasing it would close TLS politely, a round trip the event loop may not live to finish (a
+    caller's ``asyncio.run`` ends), leaving its socket open until the garbage collector finds it."""
+    connection = response.connection
+    if connection is not None and connection.transport is not None:
+        connection.transport.abort()
 
 
 def _event(line: bytes) -> tuple[str, Object]:
