@@ -179,8 +179,10 @@ def test_a_wrong_bucket_size_breaks_the_refit_by_its_deadline_and_a_killed_train
         kube_admin.patch(f"{fleets}/tiny/scale", {"spec": {"replicas": 3}})
         assert kube_admin.wait(
             f"{fleets}/tiny",
-            lambda o: "spec.replicas 3: shard 2 joins at the trainer's next rebuild"
-            in (kube.condition(o, "RefitSessionHeld") or {}).get("message", ""),
+            lambda o: (
+                "spec.replicas 3: shard 2 joins at the trainer's next rebuild"
+                in (kube.condition(o, "RefitSessionHeld") or {}).get("message", "")
+            ),
             timeout=WAIT,
             what="RefitSessionHeld naming the scale",
         )
