@@ -179,7 +179,10 @@ def test_a_wrong_bucket_size_breaks_the_refit_by_its_deadline_and_a_killed_train
         kube_admin.patch(f"{fleets}/tiny/scale", {"spec": {"replicas": 3}})
         assert kube_admin.wait(
             f"{fleets}/tiny",
-            lambda o: "spec.replicas 3 waits" in (kube.condition(o, "RefitSessionHeld") or {}).get("message", ""),
+            lambda o: (
+                "spec.replicas 3: shard 2 joins at the trainer's next rebuild"
+                in (kube.condition(o, "RefitSessionHeld") or {}).get("message", "")
+            ),
             timeout=WAIT,
             what="RefitSessionHeld naming the scale",
         )
@@ -194,6 +197,6 @@ def test_a_wrong_bucket_size_breaks_the_refit_by_its_deadline_and_a_killed_train
         assert operator_env.TRAINER_GONE_SECONDS <= time.monotonic() - killed < bound
         assert kube_admin.wait(
             f"/api/v1/namespaces/{namespace}/pods/tiny-s2-p0", lambda o: o is not None, timeout=WAIT
-        ), "the held scale is applied once the session closed"
+        ), "the scale is placed outside the held world"
     finally:
         generation.shutdown()

@@ -6,7 +6,11 @@ Written from NeMo RL's contract (``nemo_rl/weight_sync/membership.py``,
 * :class:`RefitMembership` and :func:`plan_refit_membership`: the survivors packed contiguously after
   the trainer's ranks, in ascending shard index.
 * :class:`ShardState` and :class:`Monitor`: NeMo's monitor transitions (probes never resurrect a shard
-  out of service, a loaded replacement is STALE, only a completed refit makes it HEALTHY).
+  out of service, a loaded replacement is STALE, only a completed refit makes it HEALTHY, a retired
+  shard stays retired), kept as NeMo keeps them (``_shards``: a :class:`ShardHealth` per shard), and
+  its ``absent_shards`` (DEAD, RESTARTING, RETIRED: the shards a rebuild leaves out).
+* :func:`desired_members`: NeMo's ``desired_membership``, the shards a rebuild names (every tracked
+  shard not absent; NeMo counts them from its generation's ``dp_size``, here the monitor's shard count).
 """
 
 from __future__ import annotations
@@ -45,33 +49,71 @@ class ShardState(enum.StrEnum):
     RETIRED = "retired"
 
 
+ABSENT = (ShardState.DEAD, ShardState.RESTARTING, ShardState.RETIRED)
+
+
+@dataclasses.dataclass
+class ShardHealth:
+    """NeMo's per-shard record (the fields the adapter may touch)."""
+
+    dp_shard_idx: int
+    state: ShardState = ShardState.HEALTHY
+    weight_version: int = 0
+    last_error: str = ""
+
+
 class Monitor:
     """NeMo's ``GenerationFleetHealth`` transitions: probes never resurrect a shard out of service,
-    a loaded replacement is STALE, only a completed refit makes it HEALTHY."""
+    a loaded replacement is STALE, only a completed refit makes it HEALTHY, a retired shard stays so."""
 
     def __init__(self, shard_count: int) -> None:
-        self.shard_count = shard_count
-        self.states = dict.fromkeys(range(shard_count), ShardState.HEALTHY)
+        self._shards = {index: ShardHealth(index) for index in range(shard_count)}
         self.calls: list[tuple[str, int]] = []
 
+    @property
+    def shard_count(self) -> int:
+        return len(self._shards)
+
+    @property
+    def states(self) -> dict[int, ShardState]:
+        return {index: health.state for index, health in sorted(self._shards.items())}
+
     def state_of(self, shard: int) -> ShardState:
-        return self.states[shard]
+        return self._shards[shard].state
 
     def serving_shards(self) -> list[int]:
-        """The shards NeMo dispatches to and keeps in its refit membership."""
+        """The shards NeMo dispatches to."""
         return [shard for shard, state in self.states.items() if state in (ShardState.HEALTHY, ShardState.SUSPECT)]
+
+    def absent_shards(self) -> list[int]:
+        """The shards whose process cannot take part in a collective (a rebuild leaves them out)."""
+        return [shard for shard, state in self.states.items() if state in ABSENT]
 
     def record_probe(self, shard: int, *, ok: bool, error: str = "") -> None:
         self.calls.append(("record_probe", shard))
 
     def mark_restarting(self, shard: int) -> None:
         self.calls.append(("mark_restarting", shard))
-        self.states[shard] = ShardState.RESTARTING
+        if self._shards[shard].state is not ShardState.RETIRED:
+            self._shards[shard].state = ShardState.RESTARTING
 
     def mark_loaded(self, shard: int) -> None:
         self.calls.append(("mark_loaded", shard))
-        self.states[shard] = ShardState.STALE
+        if self._shards[shard].state is not ShardState.RETIRED:
+            self._shards[shard].state = ShardState.STALE
 
     def report_refit(self, shard: int, *, weight_version: int) -> None:
         self.calls.append(("report_refit", shard))
-        self.states[shard] = ShardState.HEALTHY
+        if self._shards[shard].state is not ShardState.RETIRED:
+            self._shards[shard].state = ShardState.HEALTHY
+            self._shards[shard].weight_version = weight_version
+
+    def retire(self, shard: int, *, reason: str) -> None:
+        self.calls.append(("retire", shard))
+        self._shards[shard].state = ShardState.RETIRED
+        self._shards[shard].last_error = reason
+
+
+def desired_members(monitor: Monitor) -> list[int]:
+    """NeMo's ``desired_membership``: every tracked shard that is not absent."""
+    return [shard for shard in range(monitor.shard_count) if shard not in monitor.absent_shards()]

@@ -18,7 +18,14 @@ import torch
 
 from helpers import nemo_reshard_trainer
 from helpers.nemo_fakes import FLEET, NAMESPACE, FakeOperator, fleet_object, install
-from helpers.nemo_fleet_health import Monitor, RefitMembership, ShardState, plan_refit_membership
+from helpers.nemo_fleet_health import (
+    Monitor,
+    RefitMembership,
+    ShardHealth,
+    ShardState,
+    desired_members,
+    plan_refit_membership,
+)
 from megafleet.sdk import errors, nemo
 from megafleet.sdk.nemo import fleet_health, refit_wire_nemo
 
@@ -171,3 +178,53 @@ def test_nemos_reshard_refit_info_is_read_and_checked_against_the_fleets_ranks(
         generation_.prepare_nccl_reshard_refit_info(grouped)
     with pytest.raises(RuntimeError, match=r"call init_nccl_reshard_comm_group\(...\) and prepare_nccl_reshard"):
         generation_.nccl_reshard_refit()  # the stages first (tests/sdk/test_nemo_reshard_sdk.py)
+
+
+def fleet_status(current: int, *shards: tuple[str, int | None]) -> dict[str, Any]:
+    """A fleet status listing ``shards`` (phase, weight version), one per shard of ``spec.replicas``."""
+    entries = [
+        {"index": index, "phase": phase, **({} if version is None else {"weightVersion": version})}
+        for index, (phase, version) in enumerate(shards)
+    ]
+    return {"refit": {"currentVersion": current}, "replicas": len(entries), "shards": entries}
+
+
+def test_a_scale_retires_the_shards_left_out_in_nemos_monitor_and_tracks_the_new_ones_by_nemos_rule() -> None:
+    monitor = Monitor(3)
+    feed = fleet_health.Feed(monitor)
+    ready = ("Ready", 4)
+
+    assert feed.sync(fleet_status(4, ready, ready)) == [(2, "retire"), (0, "alive"), (1, "alive")]  # 3 -> 2
+    assert monitor.state_of(2) is ShardState.RETIRED and desired_members(monitor) == [0, 1]
+    feed.sync(fleet_status(4, ready, ready))
+    assert monitor.calls.count(("retire", 2)) == 1, "retired once"
+
+    # 2 -> 4: shard 2 tracked anew and shard 3 added, both restarting (absent) until loaded
+    told = feed.sync(fleet_status(4, ready, ready, ("Pending", None), ("Starting", None)))
+    assert (2, "add") in told and (3, "add") in told
+    assert monitor.shard_count == 4 and monitor.absent_shards() == [2, 3] and desired_members(monitor) == [0, 1]
+    feed.sync(fleet_status(4, ready, ready, ("Stale", None), ("Stale", 0)))
+    assert [monitor.state_of(i) for i in (2, 3)] == [ShardState.STALE] * 2
+    assert desired_members(monitor) == [0, 1, 2, 3] and monitor.serving_shards() == [0, 1], "named, not served"
+    feed.sync(fleet_status(5, *[("Ready", 5)] * 4))  # the refit after the rebuild that named them
+    assert monitor.serving_shards() == [0, 1, 2, 3] and ("report_refit", 3) in monitor.calls
+
+    monitor.retire(1, reason="restart attempts exhausted")  # NeMo's own retirement is never undone
+    feed.sync(fleet_status(5, *[("Ready", 5)] * 4))
+    assert monitor.state_of(1) is ShardState.RETIRED
+
+
+def test_a_monitor_is_grown_through_its_add_shard_or_nemos_shards_and_refused_otherwise() -> None:
+    class Growing(Monitor):
+        def add_shard(self, index: int) -> None:
+            self.calls.append(("add_shard", index))
+            self._shards[index] = ShardHealth(index, ShardState.RESTARTING)
+
+    growing = Growing(1)
+    fleet_health.add_shard(growing, 1)
+    assert growing.calls == [("add_shard", 1)] and growing.state_of(1) is ShardState.RESTARTING
+    nemo_like = Monitor(1)
+    fleet_health.add_shard(nemo_like, 1)
+    assert nemo_like.shard_count == 2 and nemo_like.state_of(1) is ShardState.RESTARTING
+    with pytest.raises(TypeError, match="has no _shards"):
+        fleet_health.add_shard(object(), 1)

@@ -1,15 +1,24 @@
-"""The hold a RefitSession puts on its fleet: what waits while a trainer's world is held.
+"""The hold a RefitSession puts on its fleet: what waits while a trainer's world is held, and for what.
 
-While ``status.refit.session`` names a session, the fleet's shards are members of a trainer's
-world that cannot grow, shrink or be rebuilt (NeMo RL builds its collective once per run): the
-reconcile (:func:`megafleet.reconcile.reconcile`) then scales, rolls, places and catches up
-nothing, and heals broken shards only (by then the world is lost anyway); a lost shard outside the
-world (a session of NeMo's refit membership, ``spec.shards``, leaves it out) is placed again, so that
-it is there, Stale, when the trainer's next rebuild names it. The condition
-``RefitSessionHeld`` says which changes wait. The RefitSession controller takes the hold
-(:func:`take`) as its session starts to join and releases it (:func:`release`) as the session ends;
-the reconcile reads the holding session's world (:func:`world`), drops a hold whose session is gone,
-and keeps the condition.
+While ``status.refit.session`` names a session, the fleet's shards in its world (``spec.shards``,
+NeMo's refit membership, else the members it published at its join) are ranks of a trainer's
+communicator that only the trainer can rebuild (NeMo RL rebuilds it at a training step's refit, with
+``set_refit_membership`` and ``rebuild_collective``: a new session). So the reconcile
+(:func:`megafleet.reconcile.reconcile`) rolls nothing and loads no checkpoint into a shard while held,
+heals broken shards, and scales at the trainer's rebuilds:
+
+* a scale-out's new shards (and a lost shard outside the world) are placed at once, outside the
+  world: they stay Stale until the trainer's next rebuild names them (NeMo's fleet-health monitor
+  learns of them, :mod:`megafleet.sdk.nemo.fleet_health`) and a refit after it makes them current;
+* a scale-in's shards that are in the world keep serving its refits until a rebuild's membership
+  leaves them out (the monitor is told they retire), then they are removed; those outside it are
+  removed at once.
+
+So a held scale waits at most until the trainer's next rebuild, which NeMo RL does before the refit of
+its next training step. The condition ``RefitSessionHeld`` says what waits and for what
+(:func:`waiting`). The RefitSession controller takes the hold (:func:`take`) as its session starts to
+join and releases it (:func:`release`) as the session ends; the reconcile reads the holding session's
+world (:func:`world`), drops a hold whose session is gone, and keeps the condition.
 Pure except those three.
 """
 
@@ -28,14 +37,19 @@ ends one)."""
 
 async def world(api: kube.Api, namespace: str, session: str, replicas: int) -> list[int] | None:
     """The shards in the trainer's world of the RefitSession ``session`` that holds a fleet of
-    ``replicas`` (its ``spec.shards``, NeMo's refit membership, else every shard), or ``None`` when the
+    ``replicas``: its ``spec.shards`` (NeMo's refit membership), else the members it published at its
+    join (a scale since does not change them), else every shard (before the join); ``None`` when the
     session is gone or ended (its finalizer removed by hand, an operator that stopped between two
     writes): a fleet is never held by nothing."""
     found = await api.get("RefitSession", session, namespace)
-    if found is None or (found.get("status") or {}).get("phase", "Pending") in ENDED:
+    status = (found or {}).get("status") or {}
+    if found is None or status.get("phase", "Pending") in ENDED:
         return None
     shards = (found.get("spec") or {}).get("shards")
-    return sorted(int(shard) for shard in shards) if shards is not None else list(range(replicas))
+    if shards is None:
+        published = (status.get("membership") or {}).get("rankOffsets")
+        shards = [entry["shard"] for entry in published] if published else range(replicas)
+    return sorted(int(shard) for shard in shards)
 
 
 async def take(api: kube.Api, fleet_body: Object, session: str) -> None:
@@ -67,28 +81,45 @@ async def release(api: kube.Api, fleet_body: Object, session: str) -> None:
     )
 
 
-def waiting(fleet: desired.ParsedFleet, shards: pods.Shards) -> list[str]:
-    """The changes of the spec the hold keeps from being applied (empty: none yet)."""
+def waiting(fleet: desired.ParsedFleet, shards: pods.Shards, members: frozenset[int]) -> list[str]:
+    """What the hold keeps from being applied, each saying for what (empty: nothing), with ``members``
+    the shards in the holding session's world: the shards of ``spec.replicas`` outside it (added by a
+    scale-out, or lost) join at the trainer's next rebuild, those above it still in it leave at that
+    rebuild, and a pod template change waits until the session ends."""
     replicas = fleet.spec.replicas
-    present = set(shards.pods) | shards.terminating
     found = []
-    if any(shard >= replicas for shard in present) or any(shard not in present for shard in range(replicas)):
-        found.append(f"spec.replicas {replicas}")
+    joining = [shard for shard in range(replicas) if shard not in members]
+    leaving = sorted(shard for shard in members if shard >= replicas and shard in shards.pods)
+    if joining:
+        found.append(f"spec.replicas {replicas}: {_shards(joining)} join{_s(joining)} at the trainer's next rebuild")
+    if leaving:
+        them = "it" if len(leaving) == 1 else "them"
+        found.append(
+            f"spec.replicas {replicas}: {_shards(leaving)} leave{_s(leaving)} at the trainer's next rebuild "
+            f"(its world still names {them})"
+        )
     current = desired.template_hash(fleet)
-    if any(pod.template_hash != current for members in shards.pods.values() for pod in members):
-        found.append("a pod template change")
+    if any(pod.template_hash != current for members_ in shards.pods.values() for pod in members_):
+        found.append("a pod template change waits until it ends")
     return found
+
+
+def _shards(indices: list[int]) -> str:
+    return f"shard {indices[0]}" if len(indices) == 1 else "shards " + ", ".join(str(i) for i in indices)
+
+
+def _s(indices: list[int]) -> str:
+    return "s" if len(indices) == 1 else ""
 
 
 def held(
     found: list[conditions.Condition], session: str, changes: list[str], *, generation: int, now: str
 ) -> list[conditions.Condition]:
-    """RefitSessionHeld=True, naming the session and the changes that wait for it."""
+    """RefitSessionHeld=True, naming the session and what waits for it (:func:`waiting`)."""
     if changes:
-        verb = "waits" if len(changes) == 1 else "wait"
-        message = f"{' and '.join(changes)} {verb} until RefitSession {session} ends"
+        message = f"RefitSession {session} holds the fleet: " + "; ".join(changes)
     else:
-        message = f"scaling and template rolls wait until RefitSession {session} ends"
+        message = f"template rolls wait until RefitSession {session} ends; scaling applies at its trainer's rebuilds"
     return conditions.set_condition(
         found, conditions.REFIT_SESSION_HELD, conditions.Verdict(True, HELD, message), generation=generation, now=now
     )

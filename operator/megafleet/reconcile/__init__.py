@@ -5,8 +5,9 @@ events of the fleet's pods, one reconcile per fleet at a time. Level-based and i
 step reads what exists, compares it with the spec and writes only the difference, so a reconcile
 with nothing to change makes no API writes. Endpoints are reserved, and published in status and the
 ConfigMap, before any pod exists. While a refit runs, nothing is scaled, rolled or placed; while a
-RefitSession holds the fleet (:mod:`megafleet.fleet_state.hold`), nothing is scaled, rolled, placed
-or caught up either, but broken shards are still healed.
+RefitSession holds the fleet (:mod:`megafleet.fleet_state.hold`), nothing is rolled or caught up,
+broken shards are still healed, and scaling goes on around the trainer's world: new shards are placed
+outside it, and its members above ``spec.replicas`` leave once a rebuild leaves them out.
 
 Steps, each in the module named for it: :mod:`.validate`, :mod:`.endpoints`,
 :mod:`megafleet.fleet_state.pods` (observe; :mod:`.admission` reads what Kueue decided for a fleet
@@ -65,16 +66,15 @@ async def _steps(ctx: context.FleetContext) -> None:
     await status.write(ctx.api, ctx.body, ctx.status)  # published before any pod is created
     ctx.shards = await pods.observe(ctx.api, ctx.fleet, ctx.runtime.cache)
     await admission.observe(ctx)  # before healing: a shard Kueue preempted is no restart
-    frozen = ctx.refitting or ctx.held is not None
-    if not frozen:
-        await shards.scale_down(ctx)
+    held = None if ctx.held is None else ctx.held_world
+    if not ctx.refitting:  # a held world's members above spec.replicas leave at the trainer's rebuild
+        await shards.scale_down(ctx, keep=held or frozenset())
     await shards.heal(ctx)
     await lost_nodes.release(ctx)
-    if not frozen:
+    if not ctx.refitting and held is None:
         await shards.roll(ctx)
-        await shards.place(ctx)
-    elif not ctx.refitting:  # a lost shard outside the trainer's world comes back for its next rebuild
-        await shards.place(ctx, outside=ctx.held_world)
+    if not ctx.refitting:  # while held, outside the world: Stale until the trainer's next rebuild names them
+        await shards.place(ctx, outside=held)
     ctx.reports = await pods.ask_agents(ctx.agents, ctx.shards, ctx.token)
     await fencing.fence(ctx)
     if ctx.held is None:  # a checkpoint load would drop the members' place in the trainer's world
@@ -123,7 +123,7 @@ async def _write_observed(ctx: context.FleetContext) -> None:
     )
     found = list(ctx.status.get("conditions", []))
     if ctx.held is not None:
-        changes = hold.waiting(ctx.fleet, ctx.shards)
+        changes = hold.waiting(ctx.fleet, ctx.shards, ctx.held_world)
         found = hold.held(found, ctx.held, changes, generation=generation, now=now)
     else:
         found = hold.released(found, generation=generation, now=now)

@@ -18,10 +18,11 @@ from megafleet.fleet_state import ownership, pods
 from megafleet.reconcile import admission, context, inventory
 
 
-async def scale_down(ctx: context.FleetContext) -> None:
-    """Drain and remove the shards above ``spec.replicas``, highest last."""
+async def scale_down(ctx: context.FleetContext, *, keep: frozenset[int] = frozenset()) -> None:
+    """Drain and remove the shards above ``spec.replicas``, highest last, except those in ``keep`` (the
+    world of the session that holds the fleet: they leave once the trainer's rebuild leaves them out)."""
     replicas = ctx.fleet.spec.replicas
-    for shard in sorted(index for index in ctx.shards.pods if index >= replicas):
+    for shard in sorted(index for index in ctx.shards.pods if index >= replicas and index not in keep):
         await _drain_and_remove(ctx, shard)
         ctx.notify("Normal", "ShardRemoved", f"shard {shard} drained and removed by scaling to {replicas}")
 
@@ -86,13 +87,12 @@ async def place(ctx: context.FleetContext, *, outside: frozenset[int] | None = N
     """Plan and create the shards that have no pods (not terminating, not given up on); record in
     ``ctx.unplaced`` why the others could not be placed. Once a refit moved the fleet past the
     checkpoint, new pods start without weights (Stale until a catch-up or refit). With ``outside``
-    (the world of the session that holds the fleet) only shards that were lost (a restart counted, so
-    not added by a scale-out) and are not in that world are placed again."""
+    (the world of the session that holds the fleet) only shards not in that world are placed (added by
+    a scale-out, or lost): Stale until the trainer's next rebuild names them and a refit after it."""
     exhausted = {shard for shard, (count, _) in ctx.restarts.items() if count > ctx.settings.shards.max_restarts}
     skip = ctx.shards.terminating | exhausted
     if outside is not None:
-        lost = {shard for shard, (count, _) in ctx.restarts.items() if count > 0}
-        skip |= outside | (set(range(ctx.fleet.spec.replicas)) - lost)
+        skip |= outside
     missing = [shard for shard in range(ctx.fleet.spec.replicas) if shard not in ctx.shards.pods and shard not in skip]
     if not missing:
         return

@@ -93,24 +93,31 @@ def test_an_event_summary_is_cut_with_the_count_left_out() -> None:
     assert context.summary(items[:2]) == "shard 0 on nodes: node-0000; shard 1 on nodes: node-0001"
 
 
-def test_a_held_fleet_places_again_a_lost_shard_outside_the_trainers_world_and_nothing_else() -> None:
-    """NeMo's rebuild over the surviving shards holds the fleet with a session of those shards; the
-    lost one was left unplaced until the session ended, so no later rebuild could name it again."""
+def held_fleet(replicas: int, shards: list[int]) -> tuple[kube_fakes.Api, context.Runtime]:
+    """A fleet of ``replicas`` one-pod shards and a Joined RefitSession ``grpo`` whose world is ``shards``."""
     nodes = [
         {"kind": "Node", "metadata": {"name": f"n{i}", "labels": {}}, "spec": {}, "status": {"allocatable": {GPU: "8"}}}
         for i in range(4)
     ]
     fleet = gpu_fleet(pipeline=1)
-    fleet["spec"]["replicas"] = 3
+    fleet["spec"]["replicas"] = replicas
     session = {
         "apiVersion": "megafleet.dev/v1alpha1",
         "kind": "RefitSession",
         "metadata": {"name": "grpo", "namespace": "rl"},
-        "spec": {"fleetRef": {"name": "gen"}, "shards": [0, 2]},
+        "spec": {"fleetRef": {"name": "gen"}, "shards": shards},
         "status": {"phase": "Joined"},
     }
     api = kube_fakes.Api(fleet, session, *nodes)
-    runtime = context.Runtime.of(api, Agents(), settings.OperatorSettings())
+    return api, context.Runtime.of(api, Agents(), settings.OperatorSettings())
+
+
+def test_a_held_fleet_places_a_lost_shard_and_a_scale_outs_new_one_outside_the_trainers_world() -> None:
+    """NeMo's rebuild over the surviving shards holds the fleet with a session of those shards; the
+    lost one was left unplaced until the session ended, so no later rebuild could name it again; a
+    scale-out's new shard is placed too, Stale until the trainer's next rebuild names it. A lost
+    member is not placed again: its session breaks, the trainer rebuilds without it."""
+    api, runtime = held_fleet(3, [0, 2])
     key = ("MegatronGeneration", "rl", "gen")
 
     def reconcile_once() -> dict[str, Any]:
@@ -124,19 +131,57 @@ def test_a_held_fleet_places_again_a_lost_shard_outside_the_trainers_world_and_n
     api.run_pods("n0")
     reconcile_once()
     api.objects[key]["status"]["refit"] = {"session": "grpo"}  # the session controller's hold
-    api.objects[key]["spec"]["replicas"] = 4  # a scale-out waits for the session
+    api.objects[key]["spec"]["replicas"] = 4  # a scale-out: shard 3 is outside the world
     del api.objects[("Pod", "rl", "gen-s1-p0")]  # deleted by someone: shard 1 is outside the world
     del api.objects[("Pod", "rl", "gen-s2-p0")]  # a member: its session breaks, it waits for that
 
     reconcile_once()  # the deletions show: restarts counted
     held = reconcile_once()
 
-    assert shard_pods() == ["gen-s0-p0", "gen-s1-p0"]
+    assert shard_pods() == ["gen-s0-p0", "gen-s1-p0", "gen-s3-p0"]
     assert held["status"]["refit"]["session"] == "grpo"
-    assert [s["restarts"] for s in held["status"]["shards"][:3]] == [0, 1, 1]
+    assert [s["restarts"] for s in held["status"]["shards"]] == [0, 1, 1, 0]
+    message = next(c for c in held["status"]["conditions"] if c["type"] == "RefitSessionHeld")["message"]
+    assert (
+        message == "RefitSession grpo holds the fleet: spec.replicas 4: shards 1, 3 join at the trainer's next rebuild"
+    )
 
     api.objects[("RefitSession", "rl", "grpo")]["spec"].pop("shards")  # every shard is in its world
     del api.objects[("Pod", "rl", "gen-s1-p0")]
     reconcile_once()
     reconcile_once()
+    assert shard_pods() == ["gen-s0-p0", "gen-s3-p0"]
+
+
+def test_a_held_fleets_scale_in_removes_the_shards_outside_the_world_and_the_members_at_the_rebuild() -> None:
+    api, runtime = held_fleet(3, [0, 2])
+    key = ("MegatronGeneration", "rl", "gen")
+
+    def reconcile_once() -> dict[str, Any]:
+        asyncio.run(reconcile.reconcile(runtime, api.objects[key]))
+        return api.objects[key]
+
+    def shard_pods() -> list[str]:
+        return sorted(name for kind, _, name in api.objects if kind == "Pod")
+
+    reconcile_once()
+    api.run_pods("n0")
+    reconcile_once()
+    api.objects[key]["status"]["refit"] = {"session": "grpo"}
+    api.objects[key]["spec"]["replicas"] = 1
+
+    held = reconcile_once()
+
+    assert shard_pods() == ["gen-s0-p0", "gen-s2-p0"], "shard 1 is outside the world: removed at once"
+    message = next(c for c in held["status"]["conditions"] if c["type"] == "RefitSessionHeld")["message"]
+    assert message == (
+        "RefitSession grpo holds the fleet: spec.replicas 1: shard 2 leaves at the trainer's next rebuild "
+        "(its world still names it)"
+    )
+
+    api.objects[("RefitSession", "rl", "grpo")]["spec"]["shards"] = [0]  # the trainer's rebuild leaves it out
+    held = reconcile_once()
+
     assert shard_pods() == ["gen-s0-p0"]
+    message = next(c for c in held["status"]["conditions"] if c["type"] == "RefitSessionHeld")["message"]
+    assert message == "template rolls wait until RefitSession grpo ends; scaling applies at its trainer's rebuilds"

@@ -239,7 +239,7 @@ def test_deleting_a_session_makes_its_members_leave_and_releases_the_hold(world:
 # -- the hold in the fleet's reconcile -------------------------------------------------------------
 
 
-def test_while_held_scaling_rolling_and_placing_wait_and_healing_runs(world: World) -> None:
+def test_while_held_rolling_waits_a_scale_out_is_placed_outside_the_world_and_healing_runs(world: World) -> None:
     world.session()
     world.joined()
     fleet = world.fleet()
@@ -248,14 +248,17 @@ def test_while_held_scaling_rolling_and_placing_wait_and_healing_runs(world: Wor
     world.reconcile()
 
     pods = sorted(name for kind, _, name in world.api.objects if kind == "Pod")
-    assert pods == ["tiny-s0-p0", "tiny-s1-p0"], "no shard placed, none rolled"
+    assert pods == ["tiny-s0-p0", "tiny-s1-p0", "tiny-s2-p0"], "shard 2 placed outside the world, none rolled"
     held = condition(world.fleet(), conditions.REFIT_SESSION_HELD)
-    assert held["message"] == "spec.replicas 3 and a pod template change wait until RefitSession grpo ends"
+    assert held["message"] == (
+        "RefitSession grpo holds the fleet: spec.replicas 3: shard 2 joins at the trainer's next rebuild; "
+        "a pod template change waits until it ends"
+    )
 
     world.api.objects[("Pod", NS, "tiny-s1-p0")]["status"]["phase"] = "Failed"
     world.reconcile()
     pods = sorted(name for kind, _, name in world.api.objects if kind == "Pod")
-    assert pods == ["tiny-s0-p0"], "the broken shard is healed (removed), not placed again while held"
+    assert pods == ["tiny-s0-p0", "tiny-s2-p0"], "the broken member is healed (removed), not placed again while held"
 
     world.advance()  # the session sees its member gone
     assert world.api.objects[("RefitSession", NS, "grpo")]["status"]["phase"] == "Broken"

@@ -126,7 +126,10 @@ def test_a_scale_down_waits_while_held_and_the_shard_above_it_still_receives_ses
     world.fleet()["spec"]["replicas"] = 1
     world.reconcile()
     assert ("Pod", NS, "tiny-s1-p0") in world.api.objects, "not drained while held"
-    assert condition(world.fleet(), conditions.REFIT_SESSION_HELD)["message"].startswith("spec.replicas 1 waits")
+    assert condition(world.fleet(), conditions.REFIT_SESSION_HELD)["message"] == (
+        "RefitSession grpo holds the fleet: spec.replicas 1: shard 1 leaves at the trainer's next rebuild "
+        "(its world still names it)"
+    )
 
     world.refit(1, {"session": {"name": "grpo"}})
     world.advance_refit("tiny-v1")

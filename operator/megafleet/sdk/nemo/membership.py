@@ -9,7 +9,9 @@ the surviving shards in ascending index after the trainer's ranks, ``workers_per
 the operator packs a RefitSession's ``spec.shards`` the same way, so the trainer's rebuilt world and
 the fleet's agree rank for rank. A rebuild is a new RefitSession over those shards (the old one, which
 the lost member broke, is deleted); a shard outside it heals meanwhile and stays ``Stale`` until a
-completed refit after it rejoins at a later rebuild.
+completed refit after it rejoins at a later rebuild. A scale while the world is held takes effect at
+such a rebuild too: the monitor is told of new shards and of removed ones (:mod:`.fleet_health`), so
+NeMo's next rebuild names the new and leaves out the removed, which the operator then removes.
 """
 
 from __future__ import annotations
