@@ -29,6 +29,10 @@ LWS_VERSION = "v0.9.0"
 PROMETHEUS_VERSION = "v0.316.0"
 PROMETHEUS_RELEASE = "3.16.0"
 KEDA_VERSION = "v2.21.0"
+# Flux's two controllers for the GitOps tier. v1.9.6 is the newest release whose go.mod accepts this
+# machine's Go (v1.10 needs Go 1.27).
+FLUX_SOURCE_VERSION = "v1.9.6"
+FLUX_KUSTOMIZE_VERSION = "v1.9.6"
 
 GOMOD_DIR = Path(__file__).with_name("gomod")
 
@@ -60,9 +64,19 @@ KEDA_CRD_FILES = tuple(
     )
 )
 
+# Flux's CRDs, as its modules ship them (megafleet_dev.gitops applies them). source-controller
+# watches all six of its kinds, so all six are installed though only GitRepository is used.
+FLUX_SOURCE_CRD_FILES = tuple(
+    f"config/crd/bases/source.toolkit.fluxcd.io_{name}.yaml"
+    for name in ("gitrepositories", "buckets", "helmrepositories", "helmcharts", "ocirepositories", "externalartifacts")
+)
+FLUX_KUSTOMIZE_CRD_FILES = ("config/crd/bases/kustomize.toolkit.fluxcd.io_kustomizations.yaml",)
+
 MODULE_FILES: dict[str, tuple[str, tuple[str, ...]]] = {
     "kwok.yaml": ("sigs.k8s.io/kwok", KWOK_STAGE_FILES),
     "keda-crds.yaml": ("github.com/kedacore/keda/v2", KEDA_CRD_FILES),
+    "flux-source-crds.yaml": ("github.com/fluxcd/source-controller", FLUX_SOURCE_CRD_FILES),
+    "flux-kustomize-crds.yaml": ("github.com/fluxcd/kustomize-controller", FLUX_KUSTOMIZE_CRD_FILES),
 }
 """Extras a build writes: target name -> (module, files of its source concatenated into it)."""
 
@@ -193,6 +207,26 @@ COMPONENTS: tuple[Component, ...] = (
         programs=("operator", "adapter"),
         extras=("keda-crds.yaml",),
         ldflags=f"-s -w -X github.com/kedacore/keda/v2/version.Version={KEDA_VERSION.lstrip('v')}",
+    ),
+    # The GitOps tier's programs (megafleet_dev.gitops), built only when it runs: Flux's
+    # source-controller (fetches a git repository into an artifact it serves over HTTP) and
+    # kustomize-controller (applies that artifact with server-side apply, prunes, health-checks).
+    # Two modules, not one: each pins its own kustomize, SOPS and cloud SDK versions.
+    Component(
+        name="flux-source",
+        version=FLUX_SOURCE_VERSION,
+        module="flux-source",
+        packages=("github.com/fluxcd/source-controller",),
+        programs=("source-controller",),
+        extras=("flux-source-crds.yaml",),
+    ),
+    Component(
+        name="flux-kustomize",
+        version=FLUX_KUSTOMIZE_VERSION,
+        module="flux-kustomize",
+        packages=("github.com/fluxcd/kustomize-controller",),
+        programs=("kustomize-controller",),
+        extras=("flux-kustomize-crds.yaml",),
     ),
 )
 
@@ -353,6 +387,9 @@ CONTROL_PLANE = ("etcd", "kubernetes", "kwok", "helm")
 
 AUTOSCALE = ("prometheus", "keda")
 """The autoscale tier's components (:mod:`megafleet_dev.autoscale`), built on demand."""
+
+GITOPS = ("flux-source", "flux-kustomize")
+"""The GitOps tier's components (:mod:`megafleet_dev.gitops`), built on demand."""
 
 
 def ensure_built(names: tuple[str, ...] | None = None, *, report: progress.Progress = progress.print_progress) -> None:

@@ -22,7 +22,7 @@ from __future__ import annotations
 from typing import Any
 
 from megafleet import conditions
-from megafleet.fleet_state import hold, ownership, pods
+from megafleet.fleet_state import hold, ownership, pods, readiness
 from megafleet.reconcile import catch_up, context, endpoints, fencing, lost_nodes, pacing, shards, status, validate
 
 __all__ = ["reconcile"]
@@ -109,6 +109,7 @@ async def _write_observed(ctx: context.FleetContext) -> None:
         found = hold.held(found, ctx.held, changes, generation=generation, now=now)
     else:
         found = hold.released(found, generation=generation, now=now)
+    found = readiness.reconciling(found, hold.waiting(ctx.fleet, ctx.shards), generation=generation, now=now)
     ctx.status = {**ctx.status, "conditions": found}
     if mismatch is not None:
         ctx.notify("Warning", "EndpointsMismatch", mismatch)
