@@ -70,6 +70,8 @@ MegatronGeneration = create_namespaced_resource(
 )
 Refit = create_namespaced_resource(v1alpha1.GROUP, v1alpha1.VERSION, "Refit", "refits")
 RefitSession = create_namespaced_resource(v1alpha1.GROUP, v1alpha1.VERSION, "RefitSession", "refitsessions")
+# NVIDIA's DRA driver's IMEX domain, one per shard spanning nodes (megafleet.compute_domain).
+ComputeDomain = create_namespaced_resource("resource.nvidia.com", "v1beta1", "ComputeDomain", "computedomains")
 
 KINDS: dict[str, Any] = {
     "Pod": Pod,
@@ -82,6 +84,7 @@ KINDS: dict[str, Any] = {
     "MegatronGeneration": MegatronGeneration,
     "Refit": Refit,
     "RefitSession": RefitSession,
+    "ComputeDomain": ComputeDomain,
 }
 """The kinds the operator reads and writes, as lightkube's resource classes (the lightkube transport
 of :mod:`megafleet.kube` takes them; :data:`RESOURCES` is derived from them)."""
