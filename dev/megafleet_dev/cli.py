@@ -19,6 +19,7 @@ from megafleet_dev import (
     builds,
     cluster,
     demo,
+    gitops,
     images,
     kube,
     nodes,
@@ -82,6 +83,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="also Prometheus (scraping every engine pod) and KEDA (operator, external metrics API), "
         "built on first use; docs/autoscaling.md",
     )
+    up.add_argument(
+        "--gitops",
+        action="store_true",
+        help="also Flux's source-controller and kustomize-controller, built on first use; docs/gitops.md",
+    )
     commands.add_parser("down", help="stop every process of the local cluster and delete its files")
     built = commands.add_parser(
         "images", help="build the operator and engine images with buildah if their inputs changed"
@@ -98,6 +104,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="also the real node's programs (kubelet, kube-proxy, CoreDNS) and the operator and engine images",
     )
     build.add_argument("--autoscale", action="store_true", help="also Prometheus and KEDA")
+    build.add_argument("--gitops", action="store_true", help="also Flux's source-controller and kustomize-controller")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -106,6 +113,7 @@ def run(args: argparse.Namespace) -> int:
         if args.dev_command == "build":
             names = toolchain.CONTROL_PLANE + (realnode.PROGRAMS if args.real_node else ())
             names += toolchain.AUTOSCALE if args.autoscale else ()
+            names += toolchain.GITOPS if args.gitops else ()
             # The Go components and the images build in parallel lanes (megafleet_dev.builds).
             built = builds.ensure_all(names, images.TARGETS if args.real_node else None)
             for component in toolchain.COMPONENTS:
@@ -132,7 +140,7 @@ def run(args: argparse.Namespace) -> int:
                 full=not args.control_plane_only,
                 pod_network=args.pod_network,
                 real_node=real_network,
-                autoscaling=args.autoscale,
+                addons=frozenset(name for name, on in (("autoscale", args.autoscale), ("gitops", args.gitops)) if on),
             )
         if args.dev_command == "runner":
             return _runner(state_dir)
@@ -151,8 +159,9 @@ def _up(
     full: bool,
     pod_network: str,
     real_node: str | None,
-    autoscaling: bool = False,
+    addons: frozenset[str] = frozenset(),
 ) -> int:
+    """Start the local cluster; ``addons``: ``autoscale`` (Prometheus, KEDA), ``gitops`` (Flux)."""
     if list(cluster.running_processes(state_dir)):
         print(f"the local cluster is already running from {state_dir}")
         return _status(state_dir)
@@ -165,7 +174,9 @@ def _up(
             realnode.start(local, network=real_node)
         if full:
             demo.start(local, real_node=real_node is not None)
-        scaling = autoscale.start(local) if autoscaling else None
+        scaling = autoscale.start(local) if "autoscale" in addons else None
+        if "gitops" in addons:
+            gitops.start(local)
     except BaseException:
         local.stop()
         raise
@@ -175,6 +186,8 @@ def _up(
     print(f"  {toolchain.kubectl_path()} get nodes -L {nodes.CLIQUE_LABEL}")
     if full:
         print("\n".join(demo.usage(local)))
+    if "gitops" in addons:
+        print(f"\nFlux:        source-controller and kustomize-controller watch every namespace ({gitops.NAMESPACE})")
     if scaling is not None:
         print(f"\nPrometheus:  {scaling.prometheus_url} (serverAddress of a ScaledObject's prometheus trigger)")
         print("KEDA:        operator and external metrics API (kubectl get apiservice v1beta1.external.metrics.k8s.io)")
