@@ -213,16 +213,22 @@ class ChannelTemplates:
 
     def _run(self) -> None:
         while not self._stopped.wait(self._interval):
-            for domain in self._client.list(DOMAINS)["items"]:
-                if domain["metadata"].get("deletionTimestamp"):
-                    continue
-                template = channel_template(domain)
-                namespace, name = template["metadata"]["namespace"], template["metadata"]["name"]
-                templates = f"/apis/resource.k8s.io/v1/namespaces/{namespace}/resourceclaimtemplates"
-                if self._client.get(f"{templates}/{name}") is not None:
-                    continue
-                try:
-                    self._client.create(templates, template)
-                except kube.KubeError:  # the domain went away meanwhile; the next pass looks again
-                    continue
-                self.made.append(f"{namespace}/{name}")
+            try:
+                self._pass()
+            except kube.KubeError:  # the API server is busy (a CRD's storage initializing): next pass
+                continue
+
+    def _pass(self) -> None:
+        for domain in self._client.list(DOMAINS)["items"]:
+            if domain["metadata"].get("deletionTimestamp"):
+                continue
+            template = channel_template(domain)
+            namespace, name = template["metadata"]["namespace"], template["metadata"]["name"]
+            templates = f"/apis/resource.k8s.io/v1/namespaces/{namespace}/resourceclaimtemplates"
+            if self._client.get(f"{templates}/{name}") is not None:
+                continue
+            try:
+                self._client.create(templates, template)
+            except kube.KubeError:  # the domain went away meanwhile; the next pass looks again
+                continue
+            self.made.append(f"{namespace}/{name}")
