@@ -27,11 +27,11 @@ from helpers import refit_e2e as base
 from megafleet.objects import Object
 from megafleet_dev import cluster, gitops, gitserver, kube
 
-pytestmark = [pytest.mark.gitops, pytest.mark.timeout(900)]
+pytestmark = [pytest.mark.gitops, pytest.mark.timeout(1500)]
 
 FLEET = "tiny"
 SYNC = "fleets"
-WAIT = 300
+WAIT = 420
 CHECKPOINT = "tiny://llama?seed=7"
 KUSTOMIZATIONS = f"/apis/kustomize.toolkit.fluxcd.io/v1/namespaces/{gitops.NAMESPACE}/kustomizations"
 GIT_REPOSITORIES = f"/apis/source.toolkit.fluxcd.io/v1/namespaces/{gitops.NAMESPACE}/gitrepositories"
