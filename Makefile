@@ -8,7 +8,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: up down status build test lint check chaos soak
+.PHONY: up down status build test lint check chaos soak gitops
 
 $(STAMP): pyproject.toml
 	@echo "[megafleet] installing the project and its dependencies into $(VENV) (torch is ~3 GB on a cold pip cache)"
@@ -44,7 +44,14 @@ check: lint
 # (downloads, layer writes) run beside the CPU-bound Go builds. Cached: seconds when nothing changed.
 test: lint
 	$(BIN)/megafleet dev build --real-node --autoscale
-	$(BIN)/pytest
+	$(BIN)/pytest -m "not gitops"
+
+# The GitOps tier: Flux's source-controller and kustomize-controller (built first, cached) sync a
+# fleet from a git repository served over loopback (docs/gitops.md). Kept out of `make test`: its two
+# cold builds would take CI past its budget (docs/development.md, "Measured start-up").
+gitops: build
+	$(BIN)/megafleet dev build --gitops
+	$(BIN)/pytest -m gitops tests/e2e/test_gitops.py
 
 # The chaos drills at full strength: CHAOS_KILLS SIGKILLs of the operator at seeded random
 # points (CHAOS_SEED) and CHAOS_CP_FAULTS restarts of the API server and etcd; the node-loss, agent-cut
