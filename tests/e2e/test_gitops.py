@@ -69,8 +69,14 @@ def refit_manifest(namespace: str) -> Object:
     return manifest
 
 
+README = "fleets/README.md"
+"""Keeps ``fleets/`` in git once its manifests are removed (git tracks no empty folder, and a
+Kustomization whose path is gone fails instead of pruning)."""
+
+
 def files(namespace: str, *, replicas: int, max_batch: int = 8) -> dict[str, str | None]:
     return {
+        README: "The fleets Flux applies.\n",
         "fleets/fleet.yaml": yaml.safe_dump(fleet_manifest(namespace, replicas=replicas, max_batch=max_batch)),
         "fleets/refit.yaml": yaml.safe_dump(refit_manifest(namespace)),
     }
@@ -171,7 +177,9 @@ def test_a_fleet_lives_in_git(
     assert_only_flux_owns_the_spec(fleet)
 
     # Deleted by removing its files: Flux prunes the fleet, the operator's children go with it.
-    removed = repository.commit({name: None for name in files(namespace, replicas=2)}, "remove the fleet")
+    removed = repository.commit(
+        {name: None for name in files(namespace, replicas=2) if name != README}, "remove the fleet"
+    )
     request_sync(kube_admin)
     synced(kube_admin, removed)
     assert kube_admin.wait(fleet_path(namespace), lambda obj: obj is None, timeout=WAIT, what="fleet pruned") is None
