@@ -8,7 +8,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: up down status build test lint check chaos soak gitops
+.PHONY: up up-prerequisites go-lane down status build test lint check chaos soak gitops
 
 $(STAMP): pyproject.toml
 	@echo "[megafleet] installing the project and its dependencies into $(VENV) (torch is ~3 GB on a cold pip cache)"
@@ -20,8 +20,17 @@ $(STAMP): pyproject.toml
 build: $(STAMP)
 	$(BIN)/megafleet dev build
 
-up: build
+# A first `make up` installs the Python environment and compiles the control plane at the same time
+# (two jobs: pip's download and install, and the Go lane, `megafleet_dev.go_lane`, which needs only
+# the machine's python3); each prints what it is doing, and `dev up` starts once both are done.
+up: up-prerequisites
 	$(BIN)/megafleet dev up
+
+up-prerequisites:
+	@$(MAKE) --no-print-directory -j2 $(STAMP) go-lane
+
+go-lane:
+	@PYTHONPATH=dev $(PYTHON) -m megafleet_dev.go_lane
 
 down: $(STAMP)
 	$(BIN)/megafleet dev down
@@ -40,10 +49,10 @@ check: lint
 
 # Everything the tiers use is built first, with its progress shown and outside pytest's per-test
 # timeouts (a cold KEDA build alone takes longer than the autoscale tier's): the control plane, the
-# real node's programs and images, Prometheus and KEDA, in one command so that the image builds
+# real node's programs and images, Prometheus and KEDA, Kueue, in one command so that the image builds
 # (downloads, layer writes) run beside the CPU-bound Go builds. Cached: seconds when nothing changed.
 test: lint
-	$(BIN)/megafleet dev build --real-node --autoscale
+	$(BIN)/megafleet dev build --real-node --autoscale --kueue
 	$(BIN)/pytest -m "not gitops"
 
 # The GitOps tier: Flux's source-controller and kustomize-controller (built first, cached) sync a

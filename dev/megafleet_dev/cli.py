@@ -22,6 +22,7 @@ from megafleet_dev import (
     gitops,
     images,
     kube,
+    kueue,
     nodes,
     progress,
     realnode,
@@ -88,6 +89,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         action="store_true",
         help="also Flux's source-controller and kustomize-controller, built on first use; docs/gitops.md",
     )
+    up.add_argument(
+        "--kueue",
+        action="store_true",
+        help="also Kueue (its controller manager, pod integration, webhooks), built on first use; docs/kueue.md",
+    )
     commands.add_parser("down", help="stop every process of the local cluster and delete its files")
     built = commands.add_parser(
         "images", help="build the operator and engine images with buildah if their inputs changed"
@@ -105,6 +111,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     build.add_argument("--autoscale", action="store_true", help="also Prometheus and KEDA")
     build.add_argument("--gitops", action="store_true", help="also Flux's source-controller and kustomize-controller")
+    build.add_argument("--kueue", action="store_true", help="also Kueue")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -114,6 +121,7 @@ def run(args: argparse.Namespace) -> int:
             names = toolchain.CONTROL_PLANE + (realnode.PROGRAMS if args.real_node else ())
             names += toolchain.AUTOSCALE if args.autoscale else ()
             names += toolchain.GITOPS if args.gitops else ()
+            names += toolchain.KUEUE if args.kueue else ()
             # The Go components and the images build in parallel lanes (megafleet_dev.builds).
             built = builds.ensure_all(names, images.TARGETS if args.real_node else None)
             for component in toolchain.COMPONENTS:
@@ -140,7 +148,11 @@ def run(args: argparse.Namespace) -> int:
                 full=not args.control_plane_only,
                 pod_network=args.pod_network,
                 real_node=real_network,
-                addons=frozenset(name for name, on in (("autoscale", args.autoscale), ("gitops", args.gitops)) if on),
+                addons=frozenset(
+                    name
+                    for name, on in (("autoscale", args.autoscale), ("gitops", args.gitops), ("kueue", args.kueue))
+                    if on
+                ),
             )
         if args.dev_command == "runner":
             return _runner(state_dir)
@@ -161,7 +173,7 @@ def _up(
     real_node: str | None,
     addons: frozenset[str] = frozenset(),
 ) -> int:
-    """Start the local cluster; ``addons``: ``autoscale`` (Prometheus, KEDA), ``gitops`` (Flux)."""
+    """Start the local cluster; ``addons``: ``autoscale`` (Prometheus, KEDA), ``gitops`` (Flux), ``kueue`` (Kueue)."""
     if list(cluster.running_processes(state_dir)):
         print(f"the local cluster is already running from {state_dir}")
         return _status(state_dir)
@@ -177,6 +189,8 @@ def _up(
         scaling = autoscale.start(local) if "autoscale" in addons else None
         if "gitops" in addons:
             gitops.start(local)
+        if "kueue" in addons:
+            kueue.start(local)
     except BaseException:
         local.stop()
         raise
@@ -191,6 +205,8 @@ def _up(
     if scaling is not None:
         print(f"\nPrometheus:  {scaling.prometheus_url} (serverAddress of a ScaledObject's prometheus trigger)")
         print("KEDA:        operator and external metrics API (kubectl get apiservice v1beta1.external.metrics.k8s.io)")
+    if "kueue" in addons:
+        print("Kueue:       pod integration on; make a ResourceFlavor, a ClusterQueue and a LocalQueue (docs/kueue.md)")
     print("\nStop it with: megafleet dev down")
     return 0
 

@@ -1,7 +1,8 @@
 """A real CPU node in the local cluster: containerd + runc + CNI bridge, a kubelet registered with
 the API server by a client certificate (Node authorizer, NodeRestriction, RBAC), kube-proxy for
-ClusterIP Services and CoreDNS for ``<service>.<namespace>.svc`` names, all inside a network and
-mount namespace this module makes (:mod:`megafleet_dev.sandbox`).
+ClusterIP Services, CoreDNS for ``<service>.<namespace>.svc`` names and a NetworkPolicy engine
+(:mod:`megafleet_dev.netpolicy`), all inside a network and mount namespace this module makes
+(:mod:`megafleet_dev.sandbox`).
 
 Called by ``megafleet dev up --real-node`` and the ``realnode`` test tier, after
 :meth:`cluster.LocalCluster.start`. Every program is a process of the cluster (stopped by
@@ -34,7 +35,7 @@ import sys
 import time
 from pathlib import Path
 
-from megafleet_dev import builds, cluster, images, kube, pki, progress, sandbox, toolchain
+from megafleet_dev import builds, cluster, images, kube, netpolicy, pki, progress, sandbox, toolchain
 
 NODE_NAME = "megafleet-node-0"
 REAL_NODE_LABEL = "megafleet.dev/real-node"
@@ -45,7 +46,7 @@ CTR_NAMESPACE = "k8s.io"
 # In the node's private /run (a tmpfs of its mount namespace): short (unix socket paths are limited
 # to about 100 bytes, and a test's state folder is long), and invisible on the host.
 CONTAINERD_SOCKET = Path("/run/containerd/containerd.sock")
-PROGRAMS = ("node", "coredns")  # toolchain components the real node runs
+PROGRAMS = ("node", "coredns", "kube-router")  # toolchain components the real node runs
 APISERVER_SLICE = "megafleet-dev-apiserver"
 """The EndpointSlice that gives the ``kubernetes`` Service its endpoint (:func:`apiserver_slice`)."""
 
@@ -351,6 +352,7 @@ def start(
         node = _start(local, folder, addresses, host_link, node_link, cgroup, report)
         _import_images(node, built, folder / "containerd", report)
         _wait_ready(local, report)
+        netpolicy.start(local, node.holder_pid, NODE_NAME, folder / "kube-router.kubeconfig", report)
     except BaseException:
         sandbox.teardown(local.state_dir)
         raise
@@ -385,6 +387,7 @@ def _certificates(local: cluster.LocalCluster, folder: Path, addresses: Addresse
         "kubelet": (f"system:node:{NODE_NAME}", ("system:nodes",)),
         "kube-proxy": ("system:kube-proxy", ()),  # bound to system:node-proxier by the bootstrap policy
         "coredns": ("megafleet:coredns", ()),
+        "kube-router": (netpolicy.USER, ()),
     }
     server = f"https://127.0.0.1:{API_PORT_IN_NODE}"
     paths: dict[str, Path] = {}

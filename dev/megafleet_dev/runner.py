@@ -5,7 +5,9 @@ anything; this runner watches pods labelled ``megafleet.dev/component=engine`` t
 and, once such a pod is Running with a (loopback) pod IP, starts its container command as a local process with the pod's
 environment: ``fieldRef`` values are resolved, Secret volumes and ``secretKeyRef`` values are read
 from the API and written to a private folder, and the shard's master address (a headless-Service
-DNS name) is mapped to pod 0's IP. A deleted pod's process is stopped; one that exits makes its pod
+DNS name) is mapped to pod 0's IP. A deleted pod's process is stopped, and a deleted pod that a
+finalizer keeps (Kueue's, on the pods of a queued fleet) is then reported Failed, as a kubelet ends a
+deleted pod's phase (KWOK would leave it Running, and its finalizer's owner waiting); one that exits makes its pod
 Failed with the engine's termination message in its container status, as a kubelet reports it (the
 engine writes it to ``MEGAFLEET_TERMINATION_LOG``, a file of the pod's folder here). Pods of the real
 node (routable pod IPs) are left to its kubelet. Started by
@@ -97,6 +99,8 @@ class Runner:
             # A pod of the real node (a routable pod IP) runs in a real container: not ours.
             if running and not ipaddress.ip_address(pod["status"]["podIP"]).is_loopback:
                 continue
+            if pod["metadata"].get("deletionTimestamp") and running and pod["metadata"].get("finalizers"):
+                self._report_deleted(pod)
             if pod["metadata"].get("deletionTimestamp") or not running or _wants_gpus(pod):
                 continue
             live[uid] = pod
@@ -189,6 +193,18 @@ class Runner:
             self.client.patch(f"/api/v1/namespaces/{namespace}/pods/{name}/status", status)
         except kube.KubeError:
             log.exception("could not report the exit of %s/%s", namespace, name)
+
+    def _report_deleted(self, pod: dict[str, Any]) -> None:
+        """Stop a deleted pod's process and end its phase (Failed), as a kubelet does before the pod
+        goes: what the finalizer's owner waits for."""
+        uid, namespace, name = pod["metadata"]["uid"], pod["metadata"]["namespace"], pod["metadata"]["name"]
+        if uid in self.processes:
+            self._kill(uid)
+        status = {"status": {"phase": "Failed", "reason": "Terminated", "message": "the pod was deleted"}}
+        try:
+            self.client.patch(f"/api/v1/namespaces/{namespace}/pods/{name}/status", status)
+        except kube.KubeError:
+            log.exception("could not end the phase of deleted %s/%s", namespace, name)
 
     def _kill(self, uid: str) -> None:
         process = self.processes.pop(uid)

@@ -29,6 +29,9 @@ LWS_VERSION = "v0.9.0"
 PROMETHEUS_VERSION = "v0.316.0"
 PROMETHEUS_RELEASE = "3.16.0"
 KEDA_VERSION = "v2.21.0"
+# The only kube-router release the Go module proxy serves here; its firewall alone is built and run.
+KUBE_ROUTER_VERSION = "v2.1.0"
+KUEUE_VERSION = "v0.17.0"
 # Flux's two controllers for the GitOps tier. v1.9.6 is the newest release whose go.mod accepts this
 # machine's Go (v1.10 needs Go 1.27).
 FLUX_SOURCE_VERSION = "v1.9.6"
@@ -64,6 +67,24 @@ KEDA_CRD_FILES = tuple(
     )
 )
 
+# Kueue's CRDs and its webhook configurations, as its module ships them (megafleet_dev.kueue applies them).
+KUEUE_CRD_FILES = tuple(
+    f"config/components/crd/bases/kueue.x-k8s.io_{name}.yaml"
+    for name in (
+        "admissionchecks",
+        "clusterqueues",
+        "cohorts",
+        "localqueues",
+        "multikueueclusters",
+        "multikueueconfigs",
+        "provisioningrequestconfigs",
+        "resourceflavors",
+        "topologies",
+        "workloadpriorityclasses",
+        "workloads",
+    )
+)
+KUEUE_WEBHOOK_FILES = ("config/components/webhook/manifests.yaml",)
 # Flux's CRDs, as its modules ship them (megafleet_dev.gitops applies them). source-controller
 # watches all six of its kinds, so all six are installed though only GitRepository is used.
 FLUX_SOURCE_CRD_FILES = tuple(
@@ -75,6 +96,8 @@ FLUX_KUSTOMIZE_CRD_FILES = ("config/crd/bases/kustomize.toolkit.fluxcd.io_kustom
 MODULE_FILES: dict[str, tuple[str, tuple[str, ...]]] = {
     "kwok.yaml": ("sigs.k8s.io/kwok", KWOK_STAGE_FILES),
     "keda-crds.yaml": ("github.com/kedacore/keda/v2", KEDA_CRD_FILES),
+    "kueue-crds.yaml": ("sigs.k8s.io/kueue", KUEUE_CRD_FILES),
+    "kueue-webhooks.yaml": ("sigs.k8s.io/kueue", KUEUE_WEBHOOK_FILES),
     "flux-source-crds.yaml": ("github.com/fluxcd/source-controller", FLUX_SOURCE_CRD_FILES),
     "flux-kustomize-crds.yaml": ("github.com/fluxcd/kustomize-controller", FLUX_KUSTOMIZE_CRD_FILES),
 }
@@ -207,6 +230,29 @@ COMPONENTS: tuple[Component, ...] = (
         programs=("operator", "adapter"),
         extras=("keda-crds.yaml",),
         ldflags=f"-s -w -X github.com/kedacore/keda/v2/version.Version={KEDA_VERSION.lstrip('v')}",
+    ),
+    # The real node's NetworkPolicy engine (megafleet_dev.netpolicy): kube-router's network policy
+    # controller alone, started by a small main (gomod/kube-router/main.go) instead of kube-router's,
+    # which links its router and service proxy too: 580 packages to build instead of 960.
+    Component(
+        name="kube-router",
+        version=KUBE_ROUTER_VERSION,
+        module="kube-router",
+        packages=("megafleet.invalid/controlplane/kube-router",),
+        programs=("kube-router",),
+        ldflags=f"-s -w -X github.com/cloudnativelabs/kube-router/v2/pkg/version.Version={KUBE_ROUTER_VERSION}",
+    ),
+    # Kueue's controller manager (``megafleet dev up --kueue`` and the Kueue tier: megafleet_dev.kueue),
+    # with its CRDs and webhook configurations copied from the module beside it. Every integration
+    # Kueue knows is linked in (only the pod integration is enabled at run time).
+    Component(
+        name="kueue",
+        version=KUEUE_VERSION,
+        module="kueue",
+        packages=("sigs.k8s.io/kueue/cmd/kueue",),
+        programs=("kueue",),
+        extras=("kueue-crds.yaml", "kueue-webhooks.yaml"),
+        ldflags=f"-s -w -X sigs.k8s.io/kueue/pkg/version.GitVersion={KUEUE_VERSION}",
     ),
     # The GitOps tier's programs (megafleet_dev.gitops), built only when it runs: Flux's
     # source-controller (fetches a git repository into an artifact it serves over HTTP) and
@@ -387,6 +433,9 @@ CONTROL_PLANE = ("etcd", "kubernetes", "kwok", "helm")
 
 AUTOSCALE = ("prometheus", "keda")
 """The autoscale tier's components (:mod:`megafleet_dev.autoscale`), built on demand."""
+
+KUEUE = ("kueue",)
+"""The Kueue tier's component (:mod:`megafleet_dev.kueue`), built on demand."""
 
 GITOPS = ("flux-source", "flux-kustomize")
 """The GitOps tier's components (:mod:`megafleet_dev.gitops`), built on demand."""

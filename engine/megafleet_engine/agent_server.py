@@ -40,7 +40,17 @@ Routes: ``GET /healthz``, ``GET /readyz``, ``GET /v1/state``, ``POST /v1/suspend
   previous refit), ``inFlight`` (requested and effective mode, why they differ, what was kept,
   drained, aborted, recomputed), ``staging`` and ``pause`` (stall, gate closed, switch, recompute).
 * ``POST /v1/refit/abort``: fail the running attempt now, as its watchdog would at the deadline,
-  and close a parked transfer group.
+  and close a parked transfer group (a staged copy is discarded, a paused engine released).
+* ``POST /v1/refit/commit``: the operator's commit (``commit: operator``): the attempt staged for
+  ``version`` switches; idempotent (a rank that serves it answers 200), 409 ``not_staged`` where no
+  attempt waits for it. A staged attempt under ``commit: trainer`` or ``operator`` reports ``staged``
+  and waits for its commit until its deadline plus ``commitGraceSeconds``, then discards its copy
+  and fails (nothing switched); an attempt that receives in place cannot wait and switches as
+  ``commit: local`` does (its ``commit`` report says so).
+* ``POST /v1/refit/peer`` (202) and ``POST /v1/peer/send`` (202, ``GET /v1/peer/status``): catch up
+  from a live shard of the fleet: the peer sends its live weights while it serves
+  (:mod:`megafleet_engine.peer_sends`), each rank of the catching-up shard receives from the peer's rank
+  of the same number (:mod:`megafleet_engine.refit_attempts.sources.peer`).
 
 On a pod with several local ranks, local rank 0's agent forwards the refit calls to the others
 (:mod:`megafleet_engine.siblings`) and answers with one status for the pod: failed when any rank
@@ -73,15 +83,16 @@ from fastapi import responses
 
 from megafleet_engine import engine as engine_module
 from megafleet_engine import metrics as metrics_module
+from megafleet_engine import peer_sends
 from megafleet_engine import siblings as siblings_module
 from megafleet_engine.openai import errors
 from megafleet_engine.refit_attempts import controller as refit_controller
-from megafleet_engine.refit_attempts import megatron_group, memberships, sources
+from megafleet_engine.refit_attempts import megatron_group, memberships, reports, sources
 from megafleet_engine.refit_attempts import phases as refit_phases
 from megafleet_engine.refit_attempts.sources import checkpoint, nemo_collective
+from megafleet_engine.refit_attempts.sources import peer as peer_source
 from megafleet_engine.refit_attempts.sources import rendezvous as rendezvous_source
 from megafleet_protocol import agent_api, vocabulary
-from megafleet_protocol.refit import verification
 
 __all__ = [
     "AgentServer",
@@ -107,11 +118,13 @@ class AgentServer:
     transfer_address: str | None = None  # where refit transports bind; None: the address this agent serves on
     refits: refit_controller.RefitController = dataclasses.field(init=False, repr=False, compare=False)
     megatron: megatron_group.NativeRefits = dataclasses.field(init=False, repr=False, compare=False)
+    peers: peer_sends.PeerSends = dataclasses.field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         controller = refit_controller.RefitController(self.engine, rank=self.rank, metrics=self.metrics)
         object.__setattr__(self, "refits", controller)
         object.__setattr__(self, "megatron", megatron_group.NativeRefits(controller))
+        object.__setattr__(self, "peers", peer_sends.PeerSends(self.engine, controller, self.rank))
 
 
 def _agent(request: fastapi.Request) -> AgentServer:
@@ -240,6 +253,7 @@ async def refit_prepare(
         local_address=agent.transfer_address or _pod_address(request),
         integrity=body.integrity,
         collective=body.collective,
+        **_commit(body, trainer=True),
     )
     return await _start_refit(agent, refit, agent_api.REFIT_PREPARE, body)
 
@@ -253,6 +267,7 @@ async def refit_checkpoint(body: agent_api.CheckpointRefitRequest, agent: AgentD
         suspend_mode=_in_flight(body),
         kv_cache_mode=body.kv_cache_mode,
         staging=body.staging,
+        **_commit(body),
     )
     return await _start_refit(agent, refit, agent_api.REFIT_CHECKPOINT, body)
 
@@ -270,7 +285,7 @@ async def refit_nemo_join(
         local_address=agent.transfer_address or _pod_address(request),
     )
     with _refusals():
-        own = _world_body(agent.refits.join(join))
+        own = reports.world_body(agent.refits.join(join))
     others = await _forward(agent, agent_api.REFIT_NEMO_JOIN, body)
     combined = own if others is None else siblings_module.combine_world([own, *others])
     return responses.JSONResponse(combined, status_code=202)
@@ -280,7 +295,7 @@ async def refit_nemo_join(
 async def refit_nemo_leave(body: agent_api.NemoLeaveRequest, agent: AgentDep) -> responses.JSONResponse:
     """Leave ``session``'s world on every rank of the pod (idempotent; a rank that cannot be reached
     holds nothing worth leaving)."""
-    own = _world_body(agent.refits.leave(body.session))
+    own = reports.world_body(agent.refits.leave(body.session))
     if agent.siblings is None:
         return responses.JSONResponse(own)
     try:
@@ -311,7 +326,7 @@ async def refit_nemo(
             kv_cache_mode=body.kv_cache_mode,
             staging=body.staging,
         )
-        session_refit = dataclasses.replace(session_refit, integrity=body.integrity)
+        session_refit = dataclasses.replace(session_refit, integrity=body.integrity, **_commit(body))
         return await _start_refit(agent, session_refit, agent_api.REFIT_NEMO, body)
     refit = nemo_collective.NemoRequest(
         version=body.version,
@@ -325,6 +340,7 @@ async def refit_nemo(
         staging=body.staging,
         local_address=agent.transfer_address or _pod_address(request),
         integrity=body.integrity,
+        **_commit(body),
     )
     return await _start_refit(agent, refit, agent_api.REFIT_NEMO, body)
 
@@ -355,6 +371,19 @@ async def refit_abort(body: agent_api.RefitAbortRequest, agent: AgentDep) -> res
     return responses.JSONResponse(siblings_module.combine(own, others))
 
 
+@refit_router.post("/commit")
+async def refit_commit(body: agent_api.RefitCommitRequest, agent: AgentDep) -> responses.JSONResponse:
+    """The operator's commit: the attempt staged for ``version`` switches, on every rank of the pod
+    (idempotent: a rank that already serves it answers its status; 409 ``not_staged`` otherwise)."""
+    try:
+        snapshot = agent.refits.commit(body.version)
+    except refit_controller.NotStaged as error:
+        raise errors.Conflict(str(error), code="not_staged") from None
+    own = _refit_status_body(agent, snapshot)
+    others = await _forward(agent, agent_api.REFIT_COMMIT, body, abort=False)
+    return responses.JSONResponse(own if others is None else siblings_module.combine(own, others))
+
+
 @refit_router.post("/megatron/join", status_code=202)
 async def refit_megatron_join(body: agent_api.MegatronJoinRequest, agent: AgentDep) -> responses.JSONResponse:
     rendezvous = body.rendezvous
@@ -365,7 +394,7 @@ async def refit_megatron_join(body: agent_api.MegatronJoinRequest, agent: AgentD
         timeout_seconds=body.timeout_seconds,
     )
     with _megatron_refusals():
-        own = _world_body(agent.megatron.join(join, asyncio.get_running_loop()), protocol="megatron")
+        own = reports.world_body(agent.megatron.join(join, asyncio.get_running_loop()), protocol="megatron")
     others = await _forward(agent, agent_api.REFIT_MEGATRON_JOIN, body)
     combined = own if others is None else siblings_module.combine_world([own, *others])
     return responses.JSONResponse(combined, status_code=202)
@@ -373,6 +402,11 @@ async def refit_megatron_join(body: agent_api.MegatronJoinRequest, agent: AgentD
 
 @refit_router.post("/megatron", status_code=202)
 async def refit_megatron(body: agent_api.MegatronRefitRequest, agent: AgentDep) -> responses.JSONResponse:
+    if body.commit != "local":
+        raise errors.Conflict(
+            "megatron-core's swap writes the live model: it cannot stage, so it cannot wait for a commit",
+            code="refit_mode_unsupported",
+        )
     refit = megatron_group.RefitRequest(
         version=body.version,
         session=body.session,
@@ -391,7 +425,7 @@ async def refit_megatron(body: agent_api.MegatronRefitRequest, agent: AgentDep) 
 @refit_router.post("/megatron/leave")
 async def refit_megatron_leave(body: agent_api.NemoLeaveRequest, agent: AgentDep) -> responses.JSONResponse:
     left = agent.megatron.leave(body.session)
-    own = None if left is None else _world_body(left, protocol="megatron")
+    own = None if left is None else reports.world_body(left, protocol="megatron")
     others = await _forward(agent, agent_api.REFIT_MEGATRON_LEAVE, body)
     return responses.JSONResponse({"world": own if others is None else siblings_module.combine_world([own, *others])})
 
@@ -406,6 +440,32 @@ def _megatron_refusals() -> Iterator[None]:
             raise errors.Conflict(str(error), code="backend_cannot_swap") from None
         except megatron_group.NotJoined as error:
             raise errors.Conflict(str(error), code="megatron_not_joined") from None
+
+
+# -- catch-up from a peer: this engine sends (/v1/peer/send), or a catching-up one receives (/v1/refit/peer)
+
+
+@router.post(agent_api.PEER_SEND, status_code=202)
+async def peer_send(
+    body: agent_api.PeerSendRequest, request: fastapi.Request, agent: AgentDep
+) -> responses.JSONResponse:
+    own = agent.peers.start(peer_sends.PeerSendRequest.of(body, agent.transfer_address or _pod_address(request)))
+    others = await peer_sends.forward(agent.peers, agent.siblings, body)
+    return responses.JSONResponse(peer_sends.status_body([own, *others]), status_code=202)
+
+
+@router.get(agent_api.PEER_STATUS)
+async def peer_status(agent: AgentDep) -> responses.JSONResponse:
+    return responses.JSONResponse(peer_sends.status_body([agent.peers.snapshot()]))
+
+
+@refit_router.post("/peer", status_code=202)
+async def refit_peer(
+    body: agent_api.PeerRefitRequest, request: fastapi.Request, agent: AgentDep
+) -> responses.JSONResponse:
+    local_address = agent.transfer_address or _pod_address(request)
+    refit = peer_source.PeerRequest.of(body, _in_flight(body, verifies=True), local_address=local_address)
+    return await _start_refit(agent, refit, agent_api.REFIT_PEER, body)
 
 
 @refit_router.post("/{operation:path}", status_code=404)
@@ -423,6 +483,16 @@ async def _start_refit(
     own = _refit_status_body(agent, snapshot)
     others = await _forward(agent, path, body)
     return responses.JSONResponse(own if others is None else siblings_module.combine(own, others), status_code=202)
+
+
+def _commit(body: agent_api.RefitRequest, *, trainer: bool = False) -> dict[str, Any]:
+    """The request's commit fields; refuses a trainer's commit on a source without our trainer."""
+    if body.commit == "trainer" and not trainer:
+        raise errors.Conflict(
+            "only a trainer on the megafleet wire (POST /v1/refit/prepare) commits: use commit operator",
+            code="refit_mode_unsupported",
+        )
+    return {"commit": body.commit, "commit_grace_seconds": float(body.commit_grace_seconds)}
 
 
 def _in_flight(body: agent_api.RefitRequest, *, verifies: bool = False) -> vocabulary.InFlightMode:
@@ -448,15 +518,19 @@ def _refusals() -> Iterator[None]:
         raise errors.InvalidRequest(str(error), code="invalid_refit") from None
 
 
-async def _forward(agent: AgentServer, path: str, body: pydantic.BaseModel) -> list[dict[str, Any]] | None:
+async def _forward(
+    agent: AgentServer, path: str, body: pydantic.BaseModel, *, abort: bool = True
+) -> list[dict[str, Any]] | None:
     """Send the call this rank accepted to the pod's other ranks (``None``: no others); when one of
-    them refuses, this rank's attempt is aborted too and the call fails."""
+    them refuses, this rank's attempt is aborted too (unless not ``abort``: a commit, which the
+    operator repeats) and the call fails."""
     if agent.siblings is None:
         return None
     try:
         return await agent.siblings.post(path, body.model_dump(mode="json", by_alias=True))
     except siblings_module.SiblingError as error:
-        agent.refits.abort(str(error))
+        if abort:
+            agent.refits.abort(str(error))
         raise errors.Conflict(str(error), code="refit_refused") from None
 
 
@@ -475,78 +549,8 @@ def _pod_address(request: fastapi.Request) -> str | None:
 
 def _refit_status_body(agent: AgentServer, snapshot: refit_phases.Snapshot) -> dict[str, Any]:
     engine = agent.engine
-    body = agent_api.RefitStatusResponse(
-        phase=snapshot.phase,
-        version=snapshot.version,
-        source=snapshot.source,
-        transport=snapshot.transport,
-        rank=snapshot.rank,
-        world_size=snapshot.world_size,
-        phases=[
-            agent_api.PhaseTiming(name=name, milliseconds=round(seconds * 1000)) for name, seconds in snapshot.phases
-        ],
-        duration_milliseconds=None if snapshot.duration_seconds is None else round(snapshot.duration_seconds * 1000),
-        bytes_received=snapshot.bytes_received,
-        buckets=snapshot.buckets,
-        tensors_written=snapshot.tensors_written,
-        error=snapshot.error,
-        timed_out=snapshot.timed_out,
-        reused=snapshot.reused,
-        dirty=agent.refits.dirty,
-        state=engine.state,
-        weight_version=engine.weight_version,
-        world=_world_model(*_last_world(agent)),
-        verification=_verification_model(snapshot.verification),
-        in_flight=None if snapshot.in_flight is None else _in_flight_report(snapshot.in_flight),
-        staging=None if snapshot.staging is None else _staging_report(snapshot.staging),
-        pause=None if snapshot.pause is None else _pause_report(snapshot.pause),
-    )
-    return body.model_dump(mode="json", by_alias=True)
-
-
-def _verification_model(outcome: verification.Verification | None) -> agent_api.VerificationReport | None:
-    if outcome is None:
-        return None
-    mismatch = outcome.mismatch
-    return agent_api.VerificationReport(
-        integrity=outcome.integrity,
-        method=outcome.method,
-        buckets=outcome.buckets,
-        mismatch=None
-        if mismatch is None
-        else agent_api.BucketMismatch(bucket=mismatch.bucket, first_tensor=mismatch.first_tensor),
-        bucket_digests=list(outcome.bucket_digests),
-        non_finite=outcome.non_finite,
-    )
-
-
-def _in_flight_report(report: refit_phases.InFlight) -> agent_api.InFlightReport:
-    return agent_api.InFlightReport(
-        requested=report.requested,
-        effective=report.effective,
-        kv_cache_mode=report.kv_cache_mode,
-        reason=report.reason,
-        kept=report.kept,
-        drained=report.drained,
-        aborted=report.aborted,
-        aborted_tokens=report.aborted_tokens,
-        recomputed_tokens=report.recomputed_tokens,
-    )
-
-
-def _staging_report(report: refit_phases.Staging) -> agent_api.StagingReport:
-    return agent_api.StagingReport(
-        requested=report.requested, effective=report.effective, reason=report.reason, bytes=report.bytes
-    )
-
-
-def _pause_report(report: refit_phases.Pause) -> agent_api.PauseReport:
-    return agent_api.PauseReport(
-        stall_milliseconds=report.stall_seconds * 1000,
-        gate_closed_milliseconds=report.gate_closed_seconds * 1000,
-        switch_milliseconds=report.switch_seconds * 1000,
-        recompute_milliseconds=report.recompute_seconds * 1000,
-    )
+    held = reports.Held(agent.refits.dirty, engine.state, engine.weight_version, reports.world(*_last_world(agent)))
+    return reports.status(snapshot, held)
 
 
 def _last_world(agent: AgentServer) -> tuple[memberships.WorldSnapshot | None, str]:
@@ -557,28 +561,6 @@ def _last_world(agent: AgentServer) -> tuple[memberships.WorldSnapshot | None, s
     if megatron is not None and (nemo is None or megatron.phase in ("joining", "joined")):
         return megatron, "megatron"
     return nemo, "nemo"
-
-
-def _world_model(world: memberships.WorldSnapshot | None, protocol: str = "nemo") -> agent_api.NemoWorldStatus | None:
-    if world is None:
-        return None
-    return agent_api.NemoWorldStatus.model_validate(
-        {
-            "session": world.session,
-            "phase": world.phase,
-            "protocol": protocol,
-            "rank": world.rank,
-            "generation": world.generation,
-            "error": world.error,
-            "storeReachable": world.store_reachable,
-        }
-    )
-
-
-def _world_body(world: memberships.WorldSnapshot, protocol: str = "nemo") -> dict[str, Any]:
-    model = _world_model(world, protocol)
-    assert model is not None
-    return model.model_dump(mode="json", by_alias=True)
 
 
 def _state(agent: AgentServer) -> responses.JSONResponse:

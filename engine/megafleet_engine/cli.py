@@ -175,6 +175,7 @@ def _load_backend(
         load_weights=not deferred,
         parallel=parallel,
         options=options,
+        prefix_caching=None if settings.prefix_caching == "auto" else settings.prefix_caching == "true",
     )
 
 

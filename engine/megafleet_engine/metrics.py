@@ -6,13 +6,17 @@ with the engine (in the engine core process). It is fed by the frontend through
 tokens, time to first token), directly in process or forwarded by the API-server processes
 (:mod:`megafleet_engine.core_ipc`), and by the refit code (:meth:`Metrics.observe_refit`,
 :meth:`Metrics.observe_refit_stall`); queue depth, waiting and running sequences, KV-cache use,
-generated tokens, the sequences refits kept and the tokens they recomputed, weight version and
-engine state are read from the engine at scrape time. :func:`build_app` is called by
+generated tokens, the sequences refits kept and the tokens they recomputed, the prompt tokens the
+backend's prefix cache saved (:class:`~megafleet_engine.backends.base.CachesPrefixes`), weight version
+and engine state are read from the engine at scrape time. :func:`build_app` is called by
 :mod:`megafleet_engine.server`.
 
 Names follow Prometheus's conventions (``megafleet_`` prefix, base units, ``_total`` counters,
 ``_ratio`` for 0..1): tokens per second is ``rate(megafleet_generated_tokens_total[1m])``, not a
-gauge. What an autoscaler reads (docs/autoscaling.md): ``megafleet_waiting_sequences`` and
+gauge, and the prefix cache's hit rate over a window is
+``rate(megafleet_prefix_cache_hit_tokens_total[1m]) / rate(megafleet_prefix_cache_prompt_tokens_total[1m])``
+(``megafleet_prefix_cache_hit_ratio`` is the same since the engine started). What an autoscaler
+reads (docs/autoscaling.md): ``megafleet_waiting_sequences`` and
 ``megafleet_running_sequences`` per pod, summed per fleet by the ``fleet`` label Prometheus adds.
 """
 
@@ -27,6 +31,8 @@ import prometheus_client
 from fastapi import responses
 from prometheus_client import core, registry
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from megafleet_engine.backends import base
 
 if TYPE_CHECKING:
     from megafleet_engine import engine as engine_module
@@ -162,6 +168,7 @@ class _EngineCollector(registry.Collector):
             "Tokens whose KV cache a refit recomputed with the new weights (keep with kvCacheMode recompute).",
             value=engine.pauses.recomputed_tokens,
         )
+        yield from _prefix_cache(engine.backend)
         version = core.GaugeMetricFamily(
             "megafleet_weight_version", "Weight version served; absent until the first weights are loaded."
         )
@@ -172,6 +179,28 @@ class _EngineCollector(registry.Collector):
         for name in STATES:
             state.add_metric([name], 1.0 if engine.state == name else 0.0)
         yield state
+
+
+def _prefix_cache(backend: object) -> Iterator[core.Metric]:
+    """The prefix cache's counters, for a backend that has one (on or off)."""
+    if not isinstance(backend, base.CachesPrefixes):
+        return
+    counters = backend.prefix_cache
+    yield core.CounterMetricFamily(
+        "megafleet_prefix_cache_prompt_tokens",
+        "Prompt tokens of the sequences the backend prefilled (each sequence's whole prompt).",
+        value=counters.prompt_tokens,
+    )
+    yield core.CounterMetricFamily(
+        "megafleet_prefix_cache_hit_tokens",
+        "Prompt tokens whose KV came from the prefix cache or a sibling's prefill instead of a forward.",
+        value=counters.hit_tokens,
+    )
+    yield core.GaugeMetricFamily(
+        "megafleet_prefix_cache_hit_ratio",
+        "Hit tokens over prompt tokens since the engine started (0 before any prompt).",
+        value=counters.hit_ratio,
+    )
 
 
 class RequestMetrics:

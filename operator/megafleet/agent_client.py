@@ -184,6 +184,23 @@ class AgentClient:
             return f"agent at {pod_ip}:{self.port} unreachable: {type(error).__name__}"
         return None if response.status_code in (200, 202) else f"HTTP {response.status_code}: {response.text[:300]}"
 
+    async def peer_send(self, pod_ip: str, token: str, body: agent_api.PeerSendRequest) -> str | None:
+        """``POST /v1/peer/send``: send the pod's live weights to shards catching up (the pod's agent
+        forwards it to its other local ranks); returns an error text, or None."""
+        return await self._post(pod_ip, token, agent_api.PEER_SEND, body)
+
+    async def peer_status(self, pod_ip: str, token: str) -> agent_api.PeerSendStatus | None:
+        """``GET /v1/peer/status``: the pod's last peer copy, or None when the agent cannot be asked."""
+        try:
+            response = await self._call(
+                "GET", self._url(pod_ip, agent_api.PEER_STATUS), headers={"Authorization": f"Bearer {token}"}
+            )
+            if response.status_code != 200:
+                return None
+            return agent_api.PeerSendStatus.model_validate_json(response.content)
+        except (*Unreachable, pydantic.ValidationError):
+            return None
+
     async def refit_abort(self, pod_ip: str, token: str, reason: str) -> None:
         """POST /v1/refit/abort; an agent that cannot be reached has nothing left to abort."""
         try:
@@ -195,6 +212,11 @@ class AgentClient:
             )
         except Unreachable:
             return
+
+    async def refit_commit(self, pod_ip: str, token: str, version: int) -> str | None:
+        """``POST /v1/refit/commit``: the staged ``version`` goes live on the pod (idempotent); an error
+        text (409: no attempt of the pod waits for that commit), or None."""
+        return await self._post(pod_ip, token, agent_api.REFIT_COMMIT, agent_api.RefitCommitRequest(version=version))
 
     async def refit_status(self, pod_ip: str, token: str) -> agent_api.RefitStatusResponse | None:
         """GET /v1/refit/status, or None when the agent cannot be asked (or answers something malformed)."""
@@ -236,6 +258,7 @@ _REFIT_PATHS: dict[type[pydantic.BaseModel], str] = {
     agent_api.CheckpointRefitRequest: agent_api.REFIT_CHECKPOINT,
     agent_api.NemoRefitRequest: agent_api.REFIT_NEMO,
     agent_api.MegatronRefitRequest: agent_api.REFIT_MEGATRON,
+    agent_api.PeerRefitRequest: agent_api.REFIT_PEER,
 }
 """Where each kind of refit request starts its attempt."""
 

@@ -1,10 +1,11 @@
 """Growing delays between retries of an operator action that keeps failing.
 
-Used by :mod:`megafleet.reconcile.catch_up` for a shard's catch-up from the fleet's current
-checkpoint: a checkpoint that cannot be loaded (missing on that node, corrupt, the wrong shape) is
-tried again after 10 s, 20 s, 40 s, ... up to 5 minutes (:class:`megafleet.settings.CatchUpSettings`),
-not at every reconcile. Kept in the operator's memory (Kopf's ``memo``), as client-go's rate
-limiters are: an operator that restarts (or a new leader) starts the delays over.
+Used by :mod:`megafleet.reconcile.catch_up` for a shard's catch-up from a peer or from the fleet's
+current checkpoint, each source its own key: a checkpoint that cannot be loaded (missing on that
+node, corrupt, the wrong shape) is tried again after 10 s, 20 s, 40 s, ... up to 5 minutes
+(:class:`megafleet.settings.CatchUpSettings`), not at every reconcile. Kept in the operator's memory
+(Kopf's ``memo``), as client-go's rate limiters are: an operator that restarts (or a new leader)
+starts the delays over.
 Pure: the caller passes the clock.
 """
 
@@ -56,6 +57,18 @@ class Backoff:
             return left, counted
         entry.retried = True
         return 0.0, counted
+
+    def left(self, key: Hashable, *, now: float) -> float:
+        """Seconds before the action for ``key`` may run again (0: now), counting nothing: for an
+        action whose last run was not the last one of its kind (another source ran since)."""
+        entry = self._entries.get(key)
+        return 0.0 if entry is None else max(entry.next_at - now, 0.0)
+
+    def retrying(self, key: Hashable) -> None:
+        """The action for ``key`` runs again now (it was due by :meth:`left`): its next failure counts."""
+        entry = self._entries.get(key)
+        if entry is not None:
+            entry.retried = True
 
     def forget(self, keep: Callable[[Hashable], bool]) -> None:
         """Drop every key for which ``keep`` is false (an action that no longer applies)."""

@@ -25,6 +25,8 @@ STALLED = "Stalled"
 something (InvalidSpec, NameConflict): GitOps health checks fail at once instead of timing out."""
 REFIT_SESSION_HELD = "RefitSessionHeld"
 """A RefitSession holds the fleet's shards in a trainer's world (:mod:`megafleet.fleet_state.hold`)."""
+ADMITTED = "Admitted"
+"""Kueue admitted every shard of a fleet with ``gang.scheduler: Kueue`` (:mod:`megafleet.reconcile.admission`)."""
 
 Condition = dict[str, Any]
 

@@ -217,12 +217,13 @@ def template_hash(fleet: ParsedFleet) -> str:
     """A hash of every spec field that shapes a pod; pods with another hash are rolled.
 
     Fields added after the first release enter only when set (:data:`_ADDED_LATER`, ``pod`` when not
-    its default, ``refit.staging`` and its headroom when staging is not off), so an operator upgrade
+    its default, ``refit.staging`` and its headroom when staging is not off, ``placement.gang`` when a
+    gang scheduler is named), so an operator upgrade
     never rolls a fleet that does not use them."""
     spec = fleet.spec
     shaping: dict[str, object] = {
         "model": spec.model,
-        "weights": spec.weights,
+        "weights": {"initial": spec.weights.initial},  # catchUp is the operator's, read between refits
         "parallelism": spec.parallelism,
         "resources": spec.resources,
         "frontend": spec.frontend,
@@ -232,6 +233,8 @@ def template_hash(fleet: ParsedFleet) -> str:
     }
     if spec.pod != v1alpha1.PodSpec():
         shaping["pod"] = spec.pod
+    if spec.placement.gang.scheduler != "None":  # Kueue's pod group labels (megafleet.kueue)
+        shaping["gang"] = spec.placement.gang
     if spec.refit.staging != "off":  # the engines allocate the staging copy at start
         shaping["refitStaging"] = {"staging": spec.refit.staging, "headroomMiB": spec.refit.staging_headroom_mi_b}
     text = json.dumps(

@@ -72,6 +72,8 @@ Refit = create_namespaced_resource(v1alpha1.GROUP, v1alpha1.VERSION, "Refit", "r
 RefitSession = create_namespaced_resource(v1alpha1.GROUP, v1alpha1.VERSION, "RefitSession", "refitsessions")
 # NVIDIA's DRA driver's IMEX domain, one per shard spanning nodes (megafleet.compute_domain).
 ComputeDomain = create_namespaced_resource("resource.nvidia.com", "v1beta1", "ComputeDomain", "computedomains")
+# Kueue's Workload of a shard's pod group (read only: why a shard waits; megafleet.reconcile.admission).
+Workload = create_namespaced_resource("kueue.x-k8s.io", "v1beta2", "Workload", "workloads")
 
 KINDS: dict[str, Any] = {
     "Pod": Pod,
@@ -85,6 +87,7 @@ KINDS: dict[str, Any] = {
     "Refit": Refit,
     "RefitSession": RefitSession,
     "ComputeDomain": ComputeDomain,
+    "Workload": Workload,
 }
 """The kinds the operator reads and writes, as lightkube's resource classes (the lightkube transport
 of :mod:`megafleet.kube` takes them; :data:`RESOURCES` is derived from them)."""

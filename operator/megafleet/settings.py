@@ -79,13 +79,17 @@ class ShardSettings:
 
 @dataclasses.dataclass(frozen=True)
 class CatchUpSettings:
-    """Delays between checkpoint catch-ups of a shard that keep failing."""
+    """Delays between catch-ups of a shard (from a peer, from the checkpoint) that keep failing, and
+    the peer copies' transport."""
 
     first_seconds: float = 10.0
     """Seconds after the first failure (default 10); doubled after each further failure."""
     most_seconds: float = 300.0
     """The longest delay in seconds (default 300): a checkpoint that became loadable is tried again
     within five minutes."""
+    peer_collective: str = ""
+    """The transfer group of copies from a peer: ``gloo`` or ``nccl``; empty (default): the engines'
+    own (NCCL between GPU engines, gloo between CPU ones), as for a trainer's refit."""
 
 
 @dataclasses.dataclass(frozen=True)

@@ -19,16 +19,20 @@ from megafleet_protocol import vocabulary
 
 __all__ = [
     "HEALTHZ",
+    "PEER_SEND",
+    "PEER_STATUS",
     "READYZ",
     "REFIT",
     "REFIT_ABORT",
     "REFIT_CHECKPOINT",
+    "REFIT_COMMIT",
     "REFIT_MEGATRON",
     "REFIT_MEGATRON_JOIN",
     "REFIT_MEGATRON_LEAVE",
     "REFIT_NEMO",
     "REFIT_NEMO_JOIN",
     "REFIT_NEMO_LEAVE",
+    "REFIT_PEER",
     "REFIT_PREPARE",
     "REFIT_STATUS",
     "RESUME",
@@ -37,6 +41,7 @@ __all__ = [
     "BucketMismatch",
     "Capabilities",
     "CheckpointRefitRequest",
+    "CommitReport",
     "InFlightReport",
     "MegatronJoinRequest",
     "MegatronRefitRequest",
@@ -46,9 +51,14 @@ __all__ = [
     "NemoTensor",
     "NemoWorldStatus",
     "PauseReport",
+    "PeerBody",
+    "PeerRefitRequest",
+    "PeerSendRequest",
+    "PeerSendStatus",
     "PhaseTiming",
     "PrepareRequest",
     "RefitAbortRequest",
+    "RefitCommitRequest",
     "RefitRequest",
     "RefitStatusResponse",
     "RendezvousBody",
@@ -75,6 +85,7 @@ REFIT_MEGATRON_JOIN = f"{REFIT}/megatron/join"
 REFIT_MEGATRON_LEAVE = f"{REFIT}/megatron/leave"
 REFIT_STATUS = f"{REFIT}/status"
 REFIT_ABORT = f"{REFIT}/abort"
+REFIT_COMMIT = f"{REFIT}/commit"
 
 
 class _Body(pydantic.BaseModel):
@@ -124,6 +135,19 @@ class _RefitBody(_Body):
     )
     integrity: vocabulary.Integrity = Field(
         default="none", description="checksum: verify every bucket's digest before the switch."
+    )
+    commit: vocabulary.CommitMode = Field(
+        default="local",
+        description="who lets a staged version go live: local (this shard once its receive completed), trainer "
+        "(the sender's commit key, megafleet wire only) or operator (POST /v1/refit/commit); an attempt that "
+        "receives in place cannot wait and switches as local does.",
+    )
+    commit_grace_seconds: int = Field(
+        default=30,
+        ge=5,
+        le=600,
+        description="how long past timeoutSeconds a staged attempt waits for its commit; then it discards the "
+        "staged copy and fails (the old version serves on).",
     )
 
 
@@ -279,12 +303,82 @@ def _check_inference_rank(rendezvous: RendezvousBody) -> None:
         )
 
 
-RefitRequest = PrepareRequest | CheckpointRefitRequest | NemoRefitRequest | MegatronRefitRequest
+# -- catch-up from a peer: a live shard sends its weights to shards behind the fleet's version ------
+
+PEER_SEND = "/v1/peer/send"
+PEER_STATUS = "/v1/peer/status"
+REFIT_PEER = f"{REFIT}/peer"
+
+
+class PeerSendRequest(_Body):
+    """``POST /v1/peer/send`` (202), on a Ready shard at the fleet's current version: send its live
+    weights as ``version`` to ``receivers`` shards catching up (each receiving rank calls
+    ``POST /v1/refit/peer``). Each rank ``r`` of the pod serves its own world at ``port + r``
+    (rank 0 of ``1 + receivers`` ranks); the engine serves on while its tensors are read."""
+
+    version: int = Field(ge=0, le=2**53, description="the version this engine must be serving; sent under it.")
+    port: int = Field(ge=1, le=65535 - 1024, description="the base port: shard rank r listens at port + r.")
+    receivers: int = Field(default=1, ge=1, le=1024, description="the shards that receive this copy at once.")
+    timeout_seconds: int = Field(default=300, ge=1, le=86400, description="bound of the whole copy, in seconds.")
+    bucket_size_mib: int = Field(default=1024, ge=1, le=65536, alias="bucketSizeMiB")
+    integrity: vocabulary.Integrity = Field(
+        default="checksum", description="checksum: seal every bucket with its mf64 digest when the receivers ask."
+    )
+    collective: vocabulary.CollectiveBackend | None = Field(
+        default=None, description="unset: NCCL from a GPU engine, gloo from a CPU one (the receivers must match)."
+    )
+
+
+class PeerBody(_Body):
+    """Where a catching-up rank finds its peer: the sending pod's address and base port, how many
+    shards receive the copy and this shard's place among them (1 to ``receivers``)."""
+
+    address: str = Field(min_length=1, max_length=253, description="the sending pod's address.")
+    port: int = Field(ge=1, le=65535 - 1024, description="the sender's base port (rank r's world is at port + r).")
+    receivers: int = Field(default=1, ge=1, le=1024)
+    index: int = Field(default=1, ge=1, le=1024, description="this shard's rank in each world (1 to receivers).")
+    shard: int | None = Field(default=None, ge=0, description="the sending shard's index, for the status and logs.")
+
+
+class PeerRefitRequest(_RefitBody):
+    """``POST /v1/refit/peer`` (202): catch up to ``version`` from a live shard of the same fleet, which
+    was asked to send it (``POST /v1/peer/send``); shard rank r receives from the peer's rank r."""
+
+    peer: PeerBody
+    bucket_size_mib: int = Field(default=1024, ge=1, le=65536, alias="bucketSizeMiB")
+    collective: vocabulary.CollectiveBackend | None = Field(
+        default=None, description="unset: NCCL on a GPU engine, gloo on a CPU one (as the sender's)."
+    )
+
+
+class PeerSendStatus(_Response):
+    """``GET /v1/peer/status`` (and the answer of ``POST /v1/peer/send``): this rank's last copy."""
+
+    phase: Literal["idle", "sending", "sent", "failed"]
+    version: int | None = None
+    port: int | None = None
+    receivers: int = 0
+    bytes_sent: int = 0
+    buckets: int = 0
+    verified: bool = Field(default=False, description="every bucket carried its mf64 digest, checked by each receiver.")
+    seconds: float | None = None
+    error: str | None = None
+
+
+RefitRequest = PrepareRequest | CheckpointRefitRequest | NemoRefitRequest | MegatronRefitRequest | PeerRefitRequest
 """A request that starts a refit attempt."""
 
 
 class RefitAbortRequest(_Body):
     reason: str = Field(default="requested by the operator", max_length=1024)
+
+
+class RefitCommitRequest(_Body):
+    """``POST /v1/refit/commit``: let the staged ``version`` go live (``commit: operator``). Answers the
+    status; idempotent once the version serves; 409 ``not_staged`` unless an attempt to ``version`` is
+    staged (or switching, or succeeded)."""
+
+    version: int = Field(ge=0, le=2**53, description="the version the operator decided to commit.")
 
 
 class PhaseTiming(_Response):
@@ -350,6 +444,18 @@ class VerificationReport(_Response):
     )
 
 
+class CommitReport(_Response):
+    """Who lets an attempt's version go live, and whether it was let."""
+
+    requested: vocabulary.CommitMode
+    effective: vocabulary.CommitMode = Field(description="local when the attempt received in place.")
+    reason: str | None = Field(default=None, description="why effective differs from requested.")
+    committed: bool = Field(default=False, description="the commit came (or, local, the switch began).")
+    expired: bool = Field(
+        default=False, description="no commit came within the deadline plus the grace: the staged copy was discarded."
+    )
+
+
 class RefitStatusResponse(_Response):
     """``GET /v1/refit/status`` (and the answer of every refit call): the current or last attempt."""
 
@@ -379,6 +485,7 @@ class RefitStatusResponse(_Response):
     staging: StagingReport | None = None
     pause: PauseReport | None = None
     verification: VerificationReport | None = None
+    commit: CommitReport | None = None
 
 
 class NemoWorldStatus(_Response):

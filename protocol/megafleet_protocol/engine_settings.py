@@ -25,6 +25,8 @@ from typing import Literal, get_args
 from megafleet_protocol import env, http_limits, ports, vocabulary
 
 FusedKernels = Literal["off", "rope-swiglu", "gemv", "all"]
+PrefixCaching = Literal["auto", "true", "false"]
+"""Whether the backend shares prompt-prefix KV among sequences (``auto``: the backend's default)."""
 """The megatron backend's fused-kernel choices (``EngineOptions.fused_kernels``)."""
 
 __all__ = ["Settings", "SettingsError", "default_api_servers", "from_env", "termination_log", "usable_cpus"]
@@ -157,6 +159,15 @@ class Settings:
     to capture at start, and it pays only where the time outside decode steps counts (batch 1:
     with ``gemv``, 222 tok/s on an H200: ``bench/README.md``). Does nothing without decode CUDA graphs
     (``MEGAFLEET_CUDA_GRAPHS``)."""
+
+    prefix_caching: PrefixCaching = "auto"
+    """``MEGAFLEET_PREFIX_CACHING``: ``auto``, ``true`` or ``false``: whether the backend prefills a
+    prompt prefix once for every sequence that shares it (the samples of one prompt, a shared system
+    prompt). The transformers backend shares one prefill among the identical prompts of a batch;
+    the megatron backend turns on megatron-core's own prefix caching (``enable_prefix_caching``, KV
+    blocks shared by hash). Either way a refit invalidates every cached block computed with the old
+    weights. ``auto`` (the default): on for transformers, off for megatron until its GPU tests and
+    the rollout benchmark have run on it (``bench/README.md``)."""
 
     kv_cache_gib: int = 20
     """``MEGAFLEET_KV_CACHE_GIB``: GPU memory for the paged KV cache of the megatron backend, in GiB.
@@ -316,6 +327,9 @@ def from_env(environ: Mapping[str, str] | None = None) -> Settings:
             env.FUSED_KERNELS, _choices(FusedKernels, defaults.fused_kernels), defaults.fused_kernels
         ),  # type: ignore[arg-type]
         prefill_graphs=reader.flag(env.PREFILL_GRAPHS, defaults.prefill_graphs),
+        prefix_caching=reader.choice(
+            env.PREFIX_CACHING, _choices(PrefixCaching, defaults.prefix_caching), defaults.prefix_caching
+        ),  # type: ignore[arg-type]
         kv_cache_gib=reader.integer(env.KV_CACHE_GIB, defaults.kv_cache_gib),
         refit_wait_seconds=reader.integer(env.REFIT_WAIT_SECONDS, defaults.refit_wait_seconds),
         refit_staging=reader.choice(

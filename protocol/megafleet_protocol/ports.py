@@ -7,7 +7,7 @@ derive an attempt's port with :func:`attempt_port`.
 
 from __future__ import annotations
 
-__all__ = ["AGENT_PORT", "MASTER_PORT", "METRICS_PORT", "attempt_port"]
+__all__ = ["AGENT_PORT", "MASTER_PORT", "METRICS_PORT", "PEER_PORT", "attempt_port"]
 
 AGENT_PORT = 8471
 """The pod agent's API (the operator's calls)."""
@@ -15,6 +15,9 @@ METRICS_PORT = 9400
 """The engine's Prometheus ``/metrics``."""
 MASTER_PORT = 29500
 """Rank 0's torch.distributed rendezvous inside a shard (torch's default)."""
+PEER_PORT = 29600
+"""Where a shard that sends its weights to shards catching up from it (``POST /v1/peer/send``) listens:
+shard rank ``r``'s store at ``PEER_PORT + r`` on its pod's address (one copy at a time per engine)."""
 
 
 def attempt_port(base_port: int, attempt: int) -> int:

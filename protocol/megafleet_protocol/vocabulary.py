@@ -13,6 +13,7 @@ __all__ = [
     "AttemptPhase",
     "BackendName",
     "CollectiveBackend",
+    "CommitMode",
     "Dtype",
     "EngineState",
     "InFlightMode",
@@ -77,10 +78,16 @@ place), ``joining`` the trainer's world (rendezvous, handshake, manifest check),
 (and writing each in place) or ``staging`` them (into the staging copy while serving), ``applying`` a
 checkpoint, ``staged`` (verified, waiting to switch), ``switching`` (the staged copy goes live at a
 step boundary), ``resuming``; then ``succeeded`` or ``failed``. ``idle``: no attempt yet."""
-RefitSource = Literal["rendezvous", "checkpoint", "nemo"]
-"""Where a refit's weights come from: the trainer's rendezvous, a checkpoint path, or an unmodified
-NeMo RL trainer's own collective."""
+RefitSource = Literal["rendezvous", "checkpoint", "nemo", "peer"]
+"""Where a refit's weights come from: the trainer's rendezvous, a checkpoint path, an unmodified
+NeMo RL trainer's own collective, or a live shard of the same fleet (a catch-up from a peer)."""
 NemoGeneration = Literal["nemo", "vllm"]
 """How a NeMo RL trainer built its refit communicator: ``nemo`` (NeMo >= 0.6) or ``vllm`` (NeMo <= 0.5)."""
 CollectiveBackend = Literal["gloo", "nccl"]
 """The torch.distributed backend of a refit's transfer group: gloo on CPU, NCCL on GPU."""
+CommitMode = Literal["local", "trainer", "operator"]
+"""Who lets a staged refit's new version go live (``spec.refit.commit``, a Refit's ``commit``, the agent's
+``commit``): ``local``, each shard as soon as its own receive completed (in place this is the only
+mode); ``trainer``, the sender on the megafleet wire once every receiver reported ``staged/<r>``;
+``operator``, the operator once every member reported ``staged`` (it records ``status.commit.decidedTime``
+first). Under ``trainer`` and ``operator`` no shard switches before every member has staged and verified."""

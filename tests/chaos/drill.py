@@ -368,7 +368,8 @@ class Drill:
         scale = f"{self.fleet_path}/scale"
 
         def create() -> None:
-            self.kube.create(base.fleets(ns), base.tiny_fleet(replicas=2, refit={"timeoutSeconds": 30}))
+            manifest = base.tiny_fleet(replicas=2, refit={"timeoutSeconds": 30}, weights={"catchUp": "checkpoint"})
+            self.kube.create(base.fleets(ns), manifest)  # the catch-up step is the checkpoint's
 
         def scale_to(replicas: int) -> Callable[[], None]:
             return lambda: ignore(self.kube.patch(scale, {"spec": {"replicas": replicas}}))

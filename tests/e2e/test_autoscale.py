@@ -128,7 +128,7 @@ def fleet_path(namespace: str) -> str:
 
 
 def start_fleet(kube_admin: kube.Kube, namespace: str) -> None:
-    manifest = base.tiny_fleet(replicas=1)
+    manifest = base.tiny_fleet(replicas=1, weights={"catchUp": "checkpoint"})  # new shards load the checkpoint
     manifest["spec"]["engine"]["maxBatchSize"] = MAX_BATCH
     kube_admin.create(base.fleets(namespace), manifest)
     assert kube_admin.wait(fleet_path(namespace), base.ready, timeout=WAIT, what="one shard Ready") is not None

@@ -1,9 +1,10 @@
 """Refit recovery end to end (docs/refit-protocol.md), against the real control plane with real engine
 processes and gloo on CPU: a shard killed in the middle of a refit is dropped and the retry succeeds
-on the live shards; a restarted shard comes back Stale and unrouted until it caught up (at the next
-refit, or at once from the checkpoint the current version came from); a reshard refit through the
-operator. A client sends greedy requests to every frontend throughout, and every response it gets
-must be exactly one weight version's output."""
+on the live shards; a restarted shard of a fleet that catches up from the checkpoint only comes back
+Stale and unrouted until it caught up (at the next refit, or at once from the checkpoint the current
+version came from; tests/e2e/test_catch_up_from_peer.py copies it from a peer); a reshard refit
+through the operator. A client sends greedy requests to every frontend throughout, and every
+response it gets must be exactly one weight version's output."""
 
 from __future__ import annotations
 
@@ -288,7 +289,10 @@ def test_a_shard_killed_mid_refit_is_dropped_the_retry_succeeds_and_it_rejoins_o
     models: dict[int, Model],
 ) -> None:
     expected = {version: model.greedy() for version, model in models.items()}
-    kube_admin.create(base.fleets(namespace), base.tiny_fleet(replicas=3, refit={"timeoutSeconds": 60}))
+    # catchUp checkpoint: the restarted shard has no peer copy, so it stays Stale until the next refit
+    # (tests/e2e/test_catch_up_from_peer.py heals one from a peer).
+    manifest = base.tiny_fleet(replicas=3, refit={"timeoutSeconds": 60}, weights={"catchUp": "checkpoint"})
+    kube_admin.create(base.fleets(namespace), manifest)
     assert kube_admin.wait(fleet_path(namespace), base.ready, timeout=WAIT) is not None
     original = kube_admin.get(f"/api/v1/namespaces/{namespace}/pods/{FLEET}-s1-p0")
     assert original is not None
@@ -369,7 +373,7 @@ def test_a_shard_restarted_after_a_checkpoint_refit_is_stale_until_it_loaded_tha
     models: dict[int, Model],
 ) -> None:
     expected = {version: model.greedy() for version, model in models.items() if version < 2}
-    kube_admin.create(base.fleets(namespace), base.tiny_fleet(replicas=2))
+    kube_admin.create(base.fleets(namespace), base.tiny_fleet(replicas=2, weights={"catchUp": "checkpoint"}))
     assert kube_admin.wait(fleet_path(namespace), base.ready, timeout=WAIT) is not None
     kube_admin.create(
         base.refits(namespace),

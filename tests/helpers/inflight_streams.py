@@ -70,6 +70,7 @@ class ShardLoad:
     url: str
     streams: list[Stream]
     started: threading.Event = dataclasses.field(default_factory=threading.Event)
+    max_tokens: int = MAX_TOKENS
 
     def run(self) -> None:
         try:
@@ -77,7 +78,7 @@ class ShardLoad:
                 chunks = client.completions.create(
                     model="tiny",
                     prompt=[stream.prompt for stream in self.streams],
-                    max_tokens=MAX_TOKENS,
+                    max_tokens=self.max_tokens,
                     temperature=0,
                     stream=True,
                     extra_body={"return_token_ids": True, "ignore_eos": True},
@@ -110,12 +111,13 @@ def frontends(kube_admin: kube.Kube, namespace: str, fleet: Object) -> list[str]
     return urls
 
 
-def start_streams(urls: list[str]) -> list[tuple[ShardLoad, threading.Thread]]:
-    """:data:`STREAMS` sequences spread over ``urls``, one request per frontend; returns once every
-    sequence produced :data:`SWITCH_AFTER` tokens."""
+def start_streams(urls: list[str], max_tokens: int = MAX_TOKENS) -> list[tuple[ShardLoad, threading.Thread]]:
+    """:data:`STREAMS` sequences of ``max_tokens`` spread over ``urls``, one request per frontend;
+    returns once every sequence produced :data:`SWITCH_AFTER` tokens."""
     running = []
     for offset, url in enumerate(urls):
-        load = ShardLoad(url, [Stream(prompt(index)) for index in range(offset, STREAMS, len(urls))])
+        streams = [Stream(prompt(index)) for index in range(offset, STREAMS, len(urls))]
+        load = ShardLoad(url, streams, max_tokens=max_tokens)
         thread = threading.Thread(target=load.run, daemon=True)
         thread.start()
         running.append((load, thread))
@@ -144,7 +146,7 @@ def fresh_continuations(load: ShardLoad) -> list[list[int]]:
         completion = client.completions.create(
             model="tiny",
             prompt=[stream.prompt + stream.tokens[: stream.switch] for stream in load.streams],
-            max_tokens=MAX_TOKENS - min(stream.switch for stream in load.streams),
+            max_tokens=load.max_tokens - min(stream.switch for stream in load.streams),
             temperature=0,
             extra_body={"return_token_ids": True, "ignore_eos": True},
         )
@@ -187,15 +189,15 @@ def check_kept(loads: list[ShardLoad], kv: str) -> int:
         fresh = fresh_continuations(load) if kv == "recompute" else None
         for index, stream in enumerate(load.streams):
             assert stream.error is None, stream.error
-            assert stream.finish_reason == "length" and len(stream.tokens) == MAX_TOKENS
+            assert stream.finish_reason == "length" and len(stream.tokens) == load.max_tokens
             switch = stream.switch
-            assert stream.versions == [0] * switch + [1] * (MAX_TOKENS - switch)
+            assert stream.versions == [0] * switch + [1] * (load.max_tokens - switch)
             expected: list[dict[str, Any]] = [{"start": 0, "version": 0}]
-            if switch < MAX_TOKENS:
+            if switch < load.max_tokens:
                 expected.append({"start": switch, "version": 1, "kv": kv})
             assert stream.plain_spans() == expected
             assert stream.tokens[:switch] == continuation(OLD_SOURCE, stream.prompt, switch)
-            if SWITCH_AFTER <= switch < MAX_TOKENS:
+            if SWITCH_AFTER <= switch < load.max_tokens:
                 spanning += 1
                 if fresh is not None:
                     after = stream.tokens[switch:]

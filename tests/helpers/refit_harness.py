@@ -158,8 +158,11 @@ class AgentClient:
         bucket_size_mib: int = 1,
         integrity: str = "none",
         kv_cache_mode: str | None = None,
+        more: Mapping[str, object] = {},
     ) -> httpx.Response:
+        """``more``: further body fields by their wire names (``staging``, ``commit``, ...)."""
         body = {
+            **more,
             "version": version,
             "transport": transport,
             "bucketSizeMiB": bucket_size_mib,

@@ -70,6 +70,8 @@ class Agents:
         self.protocol = "nemo"  # the session's, which every leave must name
         self.capabilities: dict[str, agent_api.Capabilities] = {}  # GET /v1/state's, by pod IP (default: none)
         self.reports: dict[str, dict[str, Any]] = {}  # more fields of a refit's status, by pod IP
+        self.commits: list[tuple[str, int]] = []  # POST /v1/refit/commit calls: pod IP, version
+        self.after_commit: dict[str, str] = {}  # the phase a committed pod reports, by IP (default succeeded)
 
     async def states(self, pod_ips: list[str], token: str) -> list[agent_client.AgentState]:
         return [
@@ -112,6 +114,11 @@ class Agents:
 
     async def refit_abort(self, pod_ip: str, token: str, reason: str) -> None:
         self.aborts.append(pod_ip)
+
+    async def refit_commit(self, pod_ip: str, token: str, version: int) -> str | None:
+        self.commits.append((pod_ip, version))
+        self.refit_phase[pod_ip] = self.after_commit.get(pod_ip, "succeeded")
+        return None
 
     async def refit_status(self, pod_ip: str, token: str) -> agent_api.RefitStatusResponse | None:
         version = self.versions.get(pod_ip)

@@ -6,7 +6,9 @@ node): its own state folder, KWOK pod network and real-node network. The fixture
 the root ``local_cluster``, ``kube_admin``, ``kubeconfig``, ``crds`` and ``operator`` for the tests
 in this folder (every one that touches a cluster: a session fixture of the root conftest would be
 cached with the e2e cluster); the operator runs on the host as a user runs it and reaches the pods
-through the route to the node.
+through the route to the node. ``chart_namespace`` is the chart installed as a user installs it (its
+in-cluster operator, its agent NetworkPolicy enforced by the node's policy engine), shared by the
+tests of the chart's operator and of that policy.
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from helpers import pod_networks
+from helpers import chart_release, pod_networks
 from helpers.operators import Operators
 from megafleet_dev import cluster, kube, realnode
 
@@ -74,3 +76,26 @@ def operator(
         yield operators.logs[0]
     finally:
         operators.close()
+
+
+@pytest.fixture(scope="session")
+def chart_namespace(
+    real_node: realnode.RealNode, kube_admin: kube.Kube, kubeconfig: Path, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[str]:
+    """The chart installed into a fresh restricted namespace, watching it; yields the namespace."""
+    namespace = kube_admin.create_namespace("chartop")
+    kube_admin.patch(
+        f"/api/v1/namespaces/{namespace}",
+        {"metadata": {"labels": {"pod-security.kubernetes.io/enforce": "restricted"}}},
+    )
+    values = tmp_path_factory.mktemp("chart") / "values.yaml"
+    values.write_text(yaml.safe_dump(chart_release.values(namespace)))
+    release, chart = chart_release.RELEASE, str(chart_release.CHART)
+    installed = chart_release.helm(kubeconfig, "install", release, chart, "-n", namespace, "--values", str(values))
+    assert installed.returncode == 0, installed.stderr
+    try:
+        yield namespace
+    finally:
+        chart_release.helm(kubeconfig, "uninstall", release, "--namespace", namespace, "--wait", "--timeout", "120s")
+        kube_admin.delete(f"/api/v1/namespaces/{namespace}", missing_ok=True)
+        kube_admin.delete(f"/apis/kopf.dev/v1/clusterkopfpeerings/{release}", missing_ok=True)

@@ -17,7 +17,6 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import subprocess
 import tempfile
 from collections.abc import Iterator
 from pathlib import Path
@@ -27,13 +26,13 @@ import httpx
 import pytest
 import yaml
 
-from megafleet_dev import images, kube, realnode, toolchain
+from helpers import chart_release
+from megafleet_dev import kube, realnode
 
 pytestmark = [pytest.mark.realnode, pytest.mark.e2e, pytest.mark.timeout(1800)]
 
 ROOT = Path(__file__).resolve().parents[2]
-CHART = ROOT / "charts" / "megafleet"
-RELEASE = "megafleet-rn"  # holds the chart name: the objects are named after the release alone
+RELEASE = chart_release.RELEASE
 WAIT = 300  # operator pods start, then the engine imports torch on two shared cores
 SHM_BYTES = 128 << 20
 
@@ -64,16 +63,6 @@ def fleets(namespace: str) -> str:
     return f"/apis/megafleet.dev/v1alpha1/namespaces/{namespace}/megatrongenerations"
 
 
-def helm(kubeconfig: Path, *args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [str(toolchain.program_path("helm")), f"--kubeconfig={kubeconfig}", *args],
-        capture_output=True,
-        text=True,
-        check=False,
-        timeout=300,
-    )
-
-
 @pytest.fixture(scope="module")
 def checkpoint() -> Iterator[Path]:
     """The tiny model saved as a Hugging Face checkpoint folder, readable by the engine's user."""
@@ -91,40 +80,10 @@ def checkpoint() -> Iterator[Path]:
         shutil.rmtree(folder, ignore_errors=True)
 
 
-@pytest.fixture(scope="module")
-def installed(
-    real_node: realnode.RealNode, kube_admin: kube.Kube, kubeconfig: Path, tmp_path_factory: pytest.TempPathFactory
-) -> Iterator[str]:
-    """The chart installed into a fresh restricted namespace, watching it; yields the namespace."""
-    namespace = kube_admin.create_namespace("chartop")
-    kube_admin.patch(
-        f"/api/v1/namespaces/{namespace}",
-        {"metadata": {"labels": {"pod-security.kubernetes.io/enforce": "restricted"}}},
-    )
-    values = tmp_path_factory.mktemp("chart") / "values.yaml"
-    values.write_text(
-        yaml.safe_dump(
-            {
-                "image": {"tag": images.project_version(), "pullPolicy": "Never"},
-                "operator": {"watchNamespaces": [namespace], "verbose": True},
-                "nodeSelector": {realnode.REAL_NODE_LABEL: "true"},
-            }
-        )
-    )
-    installed = helm(kubeconfig, "install", RELEASE, str(CHART), "--namespace", namespace, "--values", str(values))
-    assert installed.returncode == 0, installed.stderr
-    try:
-        yield namespace
-    finally:
-        helm(kubeconfig, "uninstall", RELEASE, "--namespace", namespace, "--wait", "--timeout", "120s")
-        kube_admin.delete(f"/api/v1/namespaces/{namespace}", missing_ok=True)
-        kube_admin.delete(f"/apis/kopf.dev/v1/clusterkopfpeerings/{RELEASE}", missing_ok=True)
-
-
 def test_the_chart_installed_operator_runs_two_peered_replicas_under_its_service_account(
-    installed: str, kube_admin: kube.Kube
+    chart_namespace: str, kube_admin: kube.Kube
 ) -> None:
-    namespace = installed
+    namespace = chart_namespace
     deployment = kube_admin.wait(
         f"/apis/apps/v1/namespaces/{namespace}/deployments/{RELEASE}",
         lambda obj: (obj or {}).get("status", {}).get("availableReplicas") == 2,
@@ -132,9 +91,9 @@ def test_the_chart_installed_operator_runs_two_peered_replicas_under_its_service
         what="both operator replicas available",
     )
     assert deployment is not None
-    pods = kube_admin.list(
-        f"/api/v1/namespaces/{namespace}/pods", label_selector="app.kubernetes.io/component=operator"
-    )["items"]
+    pods = kube_admin.list(f"/api/v1/namespaces/{namespace}/pods", label_selector=chart_release.OPERATOR_SELECTOR)[
+        "items"
+    ]
     assert len(pods) == 2
     assert {pod["spec"]["serviceAccountName"] for pod in pods} == {RELEASE}
     assert {pod["spec"]["nodeName"] for pod in pods} == {realnode.NODE_NAME}  # real containers
@@ -150,9 +109,9 @@ def test_the_chart_installed_operator_runs_two_peered_replicas_under_its_service
 
 
 def test_the_in_cluster_operator_serves_the_tiny_fleet_from_a_checkpoint_volume(
-    installed: str, checkpoint: Path, kube_admin: kube.Kube, real_node: realnode.RealNode
+    chart_namespace: str, checkpoint: Path, kube_admin: kube.Kube, real_node: realnode.RealNode
 ) -> None:
-    namespace = installed
+    namespace = chart_namespace
     volume = f"{namespace}-tiny"
     kube_admin.create(
         "/api/v1/persistentvolumes",

@@ -1,6 +1,8 @@
 """``megafleet dev down`` leaves nothing of a real node: no process in its cgroups or netns, no
-host link or route, no cgroup; and the host's global sysctls and forwarding are untouched. The test
-tier's own stop (:func:`realnode.stop`) deletes the node's containerd store and keeps the logs."""
+host link or route, no cgroup; and the host's global sysctls and forwarding are untouched. The
+NetworkPolicy engine's iptables chains and ipsets exist in the node's namespace only, never in the
+host's, and go with it. The test tier's own stop (:func:`realnode.stop`) deletes the node's
+containerd store and keeps the logs."""
 
 from __future__ import annotations
 
@@ -14,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from helpers import pod_networks
-from megafleet_dev import cluster, realnode, sandbox
+from megafleet_dev import cluster, netpolicy, realnode, sandbox
 
 pytestmark = [pytest.mark.realnode, pytest.mark.e2e, pytest.mark.timeout(900)]
 
@@ -48,6 +50,8 @@ def test_dev_down_removes_every_trace_of_the_real_node() -> None:
         assert read_settings() == before  # the node's own forwarding and fake sysctls only
         routes = subprocess.run(["ip", "route"], capture_output=True, text=True, check=True).stdout
         assert str(node.addresses.pods) in routes and "default" not in _node_routes(node)
+        assert all(f":{chain} " in netpolicy.filter_rules(node.holder_pid) for chain in netpolicy.CHAINS)
+        assert _policy_engine_on_host() == []  # its rules and sets are the node namespace's own
     except BaseException:
         local.stop()
         raise
@@ -65,6 +69,7 @@ def test_dev_down_removes_every_trace_of_the_real_node() -> None:
     routes = subprocess.run(["ip", "route"], capture_output=True, text=True, check=True).stdout
     assert str(node.addresses.pods) not in routes
     assert read_settings() == before
+    assert _policy_engine_on_host() == []
 
 
 def test_the_tier_stop_deletes_the_containerd_store_and_keeps_the_logs() -> None:
@@ -95,3 +100,12 @@ def _size(folder: Path) -> int:
 
 def _node_routes(node: realnode.RealNode) -> str:
     return sandbox.in_node(node.holder_pid, "ip", "route").stdout
+
+
+def _policy_engine_on_host() -> list[str]:
+    """kube-router's chains, rules and sets as the host's own namespace has them (it must have none)."""
+    tables = subprocess.run(["iptables-save", "-t", "filter"], capture_output=True, text=True, check=True).stdout
+    sets = subprocess.run(["ipset", "list", "-n"], capture_output=True, text=True, check=True).stdout
+    chains = ("KUBE-ROUTER", "KUBE-NWPLCY", "KUBE-POD-FW")
+    rules = [line for line in tables.splitlines() if any(chain in line for chain in chains)]
+    return rules + [name for name in sets.split() if name.startswith(("KUBE-", "kube-router"))]

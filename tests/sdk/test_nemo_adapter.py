@@ -487,7 +487,6 @@ RESHARD_CALLS = {
     "rebuild_nccl_reshard_comm_group": lambda g: g.rebuild_nccl_reshard_comm_group(
         object(), pp_ips=["a"], pp_ports=[1], pp_size=1, train_ranks_per_stage=2, sub_world_size=4
     ),
-    "prepare_nccl_reshard_refit_info": lambda g: g.prepare_nccl_reshard_refit_info({}),
     "nccl_reshard_refit": lambda g: g.nccl_reshard_refit(refit_timeout_s=5.0),
 }
 

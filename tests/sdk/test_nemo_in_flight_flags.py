@@ -263,17 +263,18 @@ def test_the_flags_come_from_the_factory_then_validate_settings_then_the_generat
     assert refit_specs(operator) == [spec, spec]
 
 
-def test_validate_settings_reads_nemos_pydantic_master_config_and_still_refuses_fleet_health() -> None:
+def test_validate_settings_reads_nemos_pydantic_master_config_and_accepts_fleet_health() -> None:
     master = SingleControllerMasterConfig(policy={"generation": {"backend": "megatron"}})
     nemo.MegafleetGeneration.validate_settings(master)
     assert nemo.MegafleetGeneration.validated_flags() == async_flags.AsyncFlags(
         True, False, "async_rl (NeMo RL's single controller)"
     )
-    unhealthy = SingleControllerMasterConfig(
-        policy={}, async_rl=AsyncRLConfig(generation_fleet_health={"enabled": True})
+    # fleet health is served now (attach_fleet_health feeds NeMo's monitor); its async flags are read as before
+    healthy = SingleControllerMasterConfig(policy={}, async_rl=AsyncRLConfig(generation_fleet_health={"enabled": True}))
+    nemo.MegafleetGeneration.validate_settings(healthy)
+    assert nemo.MegafleetGeneration.validated_flags() == async_flags.AsyncFlags(
+        True, False, "async_rl (NeMo RL's single controller)"
     )
-    with pytest.raises(NotImplementedError, match="generation_fleet_health"):
-        nemo.MegafleetGeneration.validate_settings(unhealthy)
 
 
 def test_the_cfg_keeps_nemos_kv_cache_management_mode_over_the_fleets(

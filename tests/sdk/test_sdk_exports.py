@@ -18,6 +18,7 @@ import megafleet.sdk.nemo
 SDK_NAMES = [
     "Answer",
     "Attempt",
+    "CommitMode",
     "Fleet",
     "FleetError",
     "FleetNotFound",

@@ -158,8 +158,8 @@ def test_a_checkpoint_refit_is_followed_through_its_refit_object_then_routed() -
 
 
 def test_a_refits_overrides_go_into_its_spec_and_its_result_says_what_ran() -> None:
-    """``Fleet.refit(..., in_flight=, kv_cache_mode=, staging=)`` set the Refit's overrides (the NeMo
-    adapter's async-GRPO flags arrive this way); the result carries the status's report of them."""
+    """``Fleet.refit(..., in_flight=, kv_cache_mode=, staging=, commit=)`` set the Refit's overrides (the
+    NeMo adapter's async-GRPO flags arrive this way); the result carries the status's report of them."""
     api = kube_fakes.Api(tiny(**serving()))
     report = {
         "inFlight": {"requested": "keep", "effective": "keep", "kvCacheMode": "recompute", "kept": 8},
@@ -171,6 +171,7 @@ def test_a_refits_overrides_go_into_its_spec_and_its_result_says_what_ran() -> N
             "recomputeMaxMilliseconds": 4,
             "shards": [{"shard": 0, "stallMilliseconds": 11}],
         },
+        "commit": {"requested": "operator", "mode": "operator", "decidedTime": "2026-01-01T00:00:05Z"},
     }
 
     async def operator() -> None:
@@ -187,7 +188,13 @@ def test_a_refits_overrides_go_into_its_spec_and_its_result_says_what_ran() -> N
     async def scenario(client: fleet.Fleet) -> fleet.RefitResult:
         acting = asyncio.create_task(operator())
         result = await client.refit(
-            1, checkpoint="/ckpt/v1", timeout=10, in_flight="keep", kv_cache_mode="recompute", staging="auto"
+            1,
+            checkpoint="/ckpt/v1",
+            timeout=10,
+            in_flight="keep",
+            kv_cache_mode="recompute",
+            staging="auto",
+            commit="operator",
         )
         await acting
         return result
@@ -195,6 +202,8 @@ def test_a_refits_overrides_go_into_its_spec_and_its_result_says_what_ran() -> N
     result = run(api, scenario)
     spec = api.objects[("Refit", NS, result.name)]["spec"]
     assert (spec["inFlight"], spec["kvCacheMode"], spec["staging"]) == ("keep", "recompute", "auto")
+    assert spec["commit"] == "operator"
+    assert result.commit is not None and result.commit.decided_time == "2026-01-01T00:00:05Z"
     assert result.in_flight is not None and (result.in_flight.effective, result.in_flight.kept) == ("keep", 8)
     assert result.staging is not None and result.staging.effective == "staged"
     assert result.pause is not None and (result.pause.stall_max_milliseconds, result.pause.shards[0].shard) == (13, 0)

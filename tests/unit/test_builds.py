@@ -3,12 +3,14 @@ images build at the same time, and a failed lane lets the other finish before it
 
 from __future__ import annotations
 
+import subprocess
+import sys
 import threading
 from pathlib import Path
 
 import pytest
 
-from megafleet_dev import builds, images, progress, toolchain
+from megafleet_dev import builds, go_lane, images, progress, toolchain
 
 PAUSE = images.Image("pause", images.PAUSE_REFERENCE, Path("/nowhere/pause.tar"), "k")
 
@@ -55,3 +57,22 @@ def test_without_targets_no_image_is_built(monkeypatch: pytest.MonkeyPatch) -> N
     monkeypatch.setattr(toolchain, "ensure_built", lambda names, *, report: None)
     monkeypatch.setattr(images, "ensure_all", lambda *_: pytest.fail("an image was built"))
     assert builds.ensure_all(("etcd",), None, lambda _: None).images == []
+
+
+def test_the_go_lane_of_make_up_needs_only_the_standard_library() -> None:
+    # `make up` runs it before the virtual environment exists, with the machine's python3 in
+    # isolated mode: any third-party import (now or added later to toolchain/progress) fails here.
+    dev = Path(__file__).resolve().parents[2] / "dev"
+    probe = (
+        "import sys; sys.path.insert(0, sys.argv[1]); import megafleet_dev.go_lane; "
+        "print(' '.join(sorted({m.split('.')[0] for m in sys.modules} - set(sys.stdlib_module_names) - {'__main__'})))"
+    )
+    result = subprocess.run(
+        [sys.executable, "-I", "-S", "-c", probe, str(dev)], capture_output=True, text=True, timeout=60
+    )
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.split() == ["megafleet_dev"]
+
+
+def test_the_go_lane_refuses_unknown_components_without_building() -> None:
+    assert go_lane.main(["etcd", "no-such-component"]) == 2

@@ -6,6 +6,7 @@ GPUs and megatron-core, and is imported only when asked for.
 
 from __future__ import annotations
 
+import dataclasses
 from typing import TYPE_CHECKING
 
 from megafleet_engine.backends import base
@@ -27,12 +28,15 @@ def load_backend(
     load_weights: bool = True,
     parallel: base.Parallel | None = None,
     options: megatron.EngineOptions | None = None,
+    prefix_caching: bool | None = None,
 ) -> base.Backend:
     """Build a backend for ``source``; with ``load_weights=False`` (deferred init) the parameters
     exist but hold no trained values until the first refit writes them.
 
     ``parallel`` places this process in its shard's model-parallel world and ``options`` tunes
-    megatron's engine (megatron only: every ``transformers`` rank holds the whole model, TP = 1)."""
+    megatron's engine (megatron only: every ``transformers`` rank holds the whole model, TP = 1).
+    ``prefix_caching`` (``None``: the backend's default, on for transformers, ``options.prefix_caching``
+    for megatron) shares prompt-prefix KV among sequences (:class:`.base.CachesPrefixes`)."""
     if dtype not in DTYPES:
         raise ValueError(f"dtype {dtype!r} is not one of {', '.join(DTYPES)}")
     if backend == "transformers":
@@ -45,10 +49,13 @@ def load_backend(
             dtype=dtype,
             device=device,
             load_weights=load_weights,
+            prefix_caching=True if prefix_caching is None else prefix_caching,
         )
     if backend == "megatron":
         from megafleet_engine.backends import megatron
 
+        if prefix_caching is not None:
+            options = dataclasses.replace(options or megatron.EngineOptions(), prefix_caching=prefix_caching)
         result: base.Backend = megatron.load(
             source,
             name=name,

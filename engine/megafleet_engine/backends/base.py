@@ -10,6 +10,7 @@ so protocol and HTTP code can import these types cheaply.
 from __future__ import annotations
 
 import dataclasses
+import typing
 from collections.abc import Callable, Collection, Generator, Sequence
 from typing import TYPE_CHECKING, Any, Literal, Protocol
 
@@ -172,6 +173,39 @@ Admit = Callable[[int], Admission]
 take now (``0``: none, only ask what leaves); returns the :class:`Admission`. The call is the step
 boundary where a refit that keeps the running sequences parks the backend thread: it may take as
 long as the refit's writes (its weight writes and ``settle`` run inside it, on this thread)."""
+
+
+@dataclasses.dataclass
+class PrefixCacheCounters:
+    """What a backend's prefix cache saved since it started (read by the engine's metrics, on any
+    thread: two ints, each written by the backend thread only)."""
+
+    prompt_tokens: int = 0
+    """Prompt tokens of the sequences the backend prefilled (counting each sequence's own prompt)."""
+    hit_tokens: int = 0
+    """Of those, tokens whose KV came from the cache or a sibling's prefill instead of a forward."""
+
+    @property
+    def hit_ratio(self) -> float:
+        """``hit_tokens / prompt_tokens`` (0 before any prompt)."""
+        return self.hit_tokens / self.prompt_tokens if self.prompt_tokens else 0.0
+
+
+@typing.runtime_checkable
+class CachesPrefixes(Protocol):
+    """A backend that shares prompt-prefix KV among sequences (and says how much it saved). Its cache
+    is tied to the weight version: a refit, in every mode (drained, aborted, kept in flight, staged),
+    invalidates every block computed with the old weights before any later sequence can read one."""
+
+    @property
+    def prefix_caching(self) -> bool:
+        """Whether sharing is on (a backend built with it off counts no hits)."""
+        ...
+
+    @property
+    def prefix_cache(self) -> PrefixCacheCounters:
+        """What sharing saved since the backend started."""
+        ...
 
 
 @dataclasses.dataclass(frozen=True)

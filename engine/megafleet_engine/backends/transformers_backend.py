@@ -22,6 +22,19 @@ fresh batch of those prefixes would start. A staging copy (:meth:`~TransformersB
 is one tensor per parameter, committed with ``torch._foreach_copy_``.
 One process holds the whole model: it never follows another rank and has nothing to settle.
 
+Prefix sharing (``prefix_caching``, on by default): the identical prefixes of a batch (the samples of
+one prompt: OpenAI's ``n``, GRPO's repeated prompts, which the SDK routes to one shard) are prefilled
+once; the rows of that one forward's cache, its logits, mask and positions are then repeated for
+every sibling (``DynamicCache.batch_select_indices``), so the batch decodes exactly as if each had
+been prefilled alone. Shared prefixes that are not whole prompts (a system prompt before different
+questions) and prompts of different batches are not shared: the left-padded cache of a static batch
+puts a prefix at a different column in every batch and row, so reusing it would mean copying and
+re-aligning KV per row, which costs about what the prefill of a short prefix does on this backend
+(CPU, small models). Nothing cached outlives its batch, so a refit never meets a block of old weights
+here: a batch kept across a refit keeps its KV by its own mode (``persist``: the KV of the old
+weights, the mode's meaning; ``recompute``: re-prefilled with the new weights, siblings once again).
+:attr:`~TransformersBackend.prefix_cache` counts the prompt tokens a prefill skipped.
+
 Tokens are drawn, and log-probabilities reported, as :mod:`megafleet_engine.backends.sampling`
 says: by default those of the filtered distribution the token was drawn from (NeMo RL's processed
 log-probabilities), ``log_softmax`` of the raw logits when greedy or when the sequence asks for
@@ -71,8 +84,11 @@ class TransformersBackend:
         *,
         name: str,
         max_sequence_length: int,
+        prefix_caching: bool = True,
     ) -> None:
         self.model = model
+        self.prefix_caching = prefix_caching
+        self.prefix_cache = base.PrefixCacheCounters()
         self.tokenizer = tokenizer
         self.device = next(model.parameters()).device
         eos = tokenizer.eos_token_id
@@ -197,11 +213,26 @@ class TransformersBackend:
             output = self._forward(input_ids, attention_mask, position_ids, output.cache)
 
     def _prefill(self, running: Sequence[_Running]) -> _Output:
-        """One forward over every row's prompt and generated tokens, left-padded, into a new cache."""
+        """One forward over every row's prompt and generated tokens, left-padded, into a new cache;
+        identical prefixes (with :attr:`prefix_caching`) run once and their rows are repeated."""
         prefixes = [(*state.request.prompt_token_ids, *state.tokens) for state in running]
-        input_ids, attention_mask = self._left_pad(prefixes)
+        unique = list(dict.fromkeys(prefixes)) if self.prefix_caching else prefixes
+        self.prefix_cache.prompt_tokens += sum(len(prefix) for prefix in prefixes)
+        self.prefix_cache.hit_tokens += sum(len(prefix) for prefix in prefixes) - sum(len(prefix) for prefix in unique)
+        input_ids, attention_mask = self._left_pad(unique)
         position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)
-        return self._forward(input_ids, attention_mask, position_ids, transformers.DynamicCache())
+        output = self._forward(input_ids, attention_mask, position_ids, transformers.DynamicCache())
+        if len(unique) == len(prefixes):
+            return output
+        row = {prefix: index for index, prefix in enumerate(unique)}
+        rows = torch.tensor([row[prefix] for prefix in prefixes], dtype=torch.long, device=self.device)
+        output.cache.batch_select_indices(rows)
+        return _Output(
+            output.logits[:, -1:, :].index_select(0, rows),  # only the last position is read
+            output.cache,
+            output.attention_mask.index_select(0, rows),
+            output.position_ids.index_select(0, rows),
+        )
 
     def _forward(
         self,
@@ -315,7 +346,14 @@ def _top(logprobs: torch.Tensor, count: int | None) -> tuple[tuple[int, float], 
 
 
 def load(
-    source: str, *, name: str, max_sequence_length: int, dtype: str, device: str, load_weights: bool
+    source: str,
+    *,
+    name: str,
+    max_sequence_length: int,
+    dtype: str,
+    device: str,
+    load_weights: bool,
+    prefix_caching: bool = True,
 ) -> TransformersBackend:
     """A backend for a ``tiny://`` model or a local Hugging Face checkpoint folder."""
     torch_dtype = getattr(torch, dtype)
@@ -332,7 +370,9 @@ def load(
             model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch_dtype)
         model.eval()
     model.to(device)
-    return TransformersBackend(model, tokenizer, name=name, max_sequence_length=max_sequence_length)
+    return TransformersBackend(
+        model, tokenizer, name=name, max_sequence_length=max_sequence_length, prefix_caching=prefix_caching
+    )
 
 
 def _scramble(model: transformers.PreTrainedModel) -> None:

@@ -12,8 +12,12 @@ leave may call from any thread. The phases, in order:
    leaves it serving), join or reuse the trainer's world (``joining``), receive and write
    (``receiving``, or ``staging`` into the staging copy) or load (``applying``), and verify no tensor
    was rebound;
-2. commit (:mod:`~megafleet_engine.refit_attempts.engine_hold`): a staged attempt holds the engine
-   now (``staged``, then ``switching``); settle (on a shard of several ranks, agree that every rank
+2. commit (:mod:`~megafleet_engine.refit_attempts.engine_hold`): a staged attempt whose commit is
+   the trainer's or the operator's reports ``staged`` and waits for it
+   (:meth:`Attempt.wait_for_commit`; the trainer's through its source, the operator's through the
+   :mod:`~megafleet_engine.refit_attempts.commit_gate`) until its deadline plus its grace, else it
+   fails with the staged copy discarded; a staged attempt holds the engine now (``switching``);
+   settle (on a shard of several ranks, agree that every rank
    holds the new version); claim success; serve the version: a kept engine switches at its step
    boundary (``switching``), a drained or aborted one resumes (``resuming``), a staged copy is copied
    into the live weights first; park the source's group for the next refit, report ``succeeded`` and
@@ -28,13 +32,14 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import dataclasses
 import logging
 import threading
 from collections.abc import Callable, Coroutine
 from typing import TYPE_CHECKING, Any, TypeVar
 
-from megafleet_engine.refit_attempts import engine_hold, watchdog
-from megafleet_protocol.refit import errors
+from megafleet_engine.refit_attempts import commit_gate, engine_hold, phases, watchdog
+from megafleet_protocol.refit import deadlines, errors
 
 if TYPE_CHECKING:
     from megafleet_engine import metrics as metrics_module
@@ -91,7 +96,11 @@ class Attempt:
             self.record.enter("staging")
         elif modes.keep:
             self.record.enter("pausing")
+        if request.commit != "local":
+            self.record.set_reports(commit=modes.commit)
         self.hold = engine_hold.EngineHold(target, loop, modes, self.record, self.deadline)
+        self.gate = commit_gate.CommitGate()  # the operator's commit (POST /v1/refit/commit)
+        self._commit_waited = False  # the attempt's thread went through wait_for_commit
         self.aborted = threading.Event()  # the communicator's abort flag, also before it exists
         self._watchdog = watchdog.Watchdog(request.timeout_seconds, self._expire)
         self._thread = threading.Thread(target=self._run, name=f"megafleet-refit-{request.version}", daemon=True)
@@ -110,6 +119,7 @@ class Attempt:
         holds part of the version goes stale) and tear its group down (any thread)."""
         if not self.record.finish(error=reason, timed_out=timed_out):
             return
+        self.gate.shut(reason)
         self.hold.release(reason)
         self.aborted.set()
         self._settle(ok=False)  # a following rank tells its first rank it does not hold the version
@@ -181,6 +191,44 @@ class Attempt:
         self.target.mark_dirty(True)
         return self._on_loop(self.engine.run_exclusive(guarded), "writing weights")
 
+    def wait_for_commit(self, decide: Callable[[deadlines.Deadline], None] | None = None) -> None:
+        """A staged attempt whose commit is the trainer's or the operator's: report ``staged`` and wait
+        for the commit until the deadline plus ``commit_grace_seconds`` (``decide``: the source waits
+        for the trainer's; else the operator's, through :attr:`gate`); once per attempt, nothing for
+        any other attempt. Raises :class:`~megafleet_protocol.refit.errors.CommitExpired` past that,
+        :class:`RefitAborted` on an abort or the trainer's no-go."""
+        if not self.modes.waits_for_commit or self._commit_waited:
+            return
+        self._commit_waited = True
+        grace = self.request.commit_grace_seconds
+        self.record.enter("staged")
+        self._watchdog.extend(grace)
+        waiting = deadlines.Deadline(max(self.deadline.remaining, 0.0) + grace)
+        if decide is not None:
+            decide(waiting)
+        else:
+            self.gate.wait(waiting.remaining, self._expired_message())
+        self.record.set_reports(commit=dataclasses.replace(self.modes.commit, committed=True))
+
+    def commit(self) -> phases.Snapshot:
+        """The operator's commit (``POST /v1/refit/commit``, any thread): open the gate of an attempt
+        staged for it. Idempotent: an attempt that serves the version, or whose gate is open, answers
+        its status; :class:`~megafleet_engine.refit_attempts.controller.NotStaged` otherwise."""
+        from megafleet_engine.refit_attempts import controller
+
+        snapshot = self.record.snapshot()
+        if snapshot.phase == "succeeded" or (self.gate.opened and snapshot.phase != "failed"):
+            return snapshot
+        if self.modes.commit.effective != "operator":
+            raise controller.NotStaged(
+                f"the refit to weight version {snapshot.version} is not the operator's to commit "
+                f"(commit {self.modes.commit.effective}; it is {snapshot.phase})"
+            )
+        if snapshot.phase != "staged" or not self.gate.open():
+            detail = f": {snapshot.error}" if snapshot.error else ""
+            raise controller.NotStaged(f"the refit to weight version {snapshot.version} is {snapshot.phase}{detail}")
+        return self.record.snapshot()
+
     # -- settle, commit, fail ---------------------------------------------------------------------
 
     def _settle(self, *, ok: bool) -> None:
@@ -204,6 +252,7 @@ class Attempt:
             )
 
     def _commit(self) -> None:
+        self.wait_for_commit()
         pause = self.hold.commit(lambda: self._settle(ok=True))
         self.target.mark_dirty(False)
         self.record.set_reports(pause=pause)
@@ -228,14 +277,28 @@ class Attempt:
             log.error("refit to weight version %d refused: %s", self.request.version, reason)
 
     def _fail(self, error: Exception) -> None:
+        if isinstance(error, errors.CommitExpired):
+            self.record.set_reports(commit=dataclasses.replace(self.modes.commit, expired=True))
         message = str(error) or type(error).__name__
         if not isinstance(error, errors.RefitError):
             log.exception("refit to weight version %d raised", self.request.version)
             message = f"{type(error).__name__}: {message}"
         self.abort(message, timed_out=isinstance(error, errors.RefitTimeout))
 
+    def _expired_message(self) -> str:
+        request = self.request
+        return (
+            f"CommitExpired: no {self.modes.commit.effective} commit came within timeoutSeconds="
+            f"{request.timeout_seconds:g} plus commitGraceSeconds={request.commit_grace_seconds:g}; the staged "
+            f"copy is discarded and weight version {self.engine.weight_version} serves on"
+        )
+
     def _expire(self) -> None:
         snapshot = self.record.snapshot()
+        if snapshot.phase == "staged" and self._commit_waited:
+            self.record.set_reports(commit=dataclasses.replace(self.modes.commit, expired=True))
+            self.abort(self._expired_message(), timed_out=True)
+            return
         self.abort(
             f"the refit did not finish within timeoutSeconds={self.request.timeout_seconds:g} "
             f"(it was {snapshot.phase}); aborted by the watchdog",

@@ -40,7 +40,7 @@ if TYPE_CHECKING:
     from megafleet_engine import metrics as metrics_module
     from megafleet_engine.refit_attempts.sources import nemo_collective
 
-__all__ = ["Busy", "NotJoined", "RefitController", "Refused"]
+__all__ = ["Busy", "NotJoined", "NotStaged", "RefitController", "Refused"]
 
 log = logging.getLogger(__name__)
 
@@ -51,6 +51,10 @@ class Refused(errors.RefitError):
 
 class NotJoined(Refused):
     """A session refit on a rank that holds no joined membership of NeMo's world for it."""
+
+
+class NotStaged(Refused):
+    """An operator's commit for a version no attempt of this engine waits for (409 ``not_staged``)."""
 
 
 class Busy(Refused):
@@ -156,7 +160,19 @@ class RefitController:
             backend=backend_name(engine.backend),
             keep_modes=engine.backend.keep_modes,
             copy=engine.staging,
+            commit=request.commit,
         )
+
+    def commit(self, version: int) -> phases.Snapshot:
+        """The operator's commit of ``version`` (``POST /v1/refit/commit``): the attempt staged for it
+        switches. Idempotent (an attempt that serves it answers its status); raises :class:`NotStaged`
+        when no attempt to ``version`` waits for the operator's commit."""
+        with self._lock:
+            attempt = self._attempt
+        if attempt is None or attempt.request.version != version:
+            last = "no refit ran" if attempt is None else f"the last refit is to version {attempt.request.version}"
+            raise NotStaged(f"no refit to weight version {version} is staged on this rank ({last})")
+        return attempt.commit()
 
     def join(self, request: nemo_collective.NemoJoinRequest) -> memberships.WorldSnapshot:
         """Join NeMo's world for ``request.session`` on a thread of its own (the trainer's store master

@@ -8,7 +8,10 @@ engine; :func:`resolve` is a pure function (table-tested). Rules:
   otherwise the attempt drains, and the report says so with the reason (never a silent downgrade);
 * ``staging: auto`` stages when the engine holds a staging copy, else writes in place with the
   reason; ``required`` without a copy is ``unavailable`` (the attempt fails with that message before
-  it touches the engine, which serves on); ``off`` writes in place.
+  it touches the engine, which serves on); ``off`` writes in place;
+* a ``trainer`` or ``operator`` commit holds only for a staged attempt: in place the live weights are
+  already written when the receive completes, so the attempt cannot wait and switches as ``local``
+  does (the report says why).
 """
 
 from __future__ import annotations
@@ -35,6 +38,8 @@ class Modes:
     """Requested staging and whether it stages."""
     unavailable: str | None = None
     """Why the attempt cannot run at all (``StagingUnavailable: ...``: staging required, no copy)."""
+    commit: phases.Commit = dataclasses.field(default_factory=lambda: phases.Commit("local", "local"))
+    """Who lets the version go live: the request's commit when staged, else local."""
 
     @property
     def keep(self) -> bool:
@@ -43,6 +48,11 @@ class Modes:
     @property
     def staged(self) -> bool:
         return self.staging.effective == "staged"
+
+    @property
+    def waits_for_commit(self) -> bool:
+        """A staged attempt that waits for the trainer's or the operator's commit before it switches."""
+        return self.staged and self.commit.effective != "local"
 
     @property
     def suspend_mode(self) -> vocabulary.SuspendMode:
@@ -58,10 +68,28 @@ def resolve(
     backend: str,
     keep_modes: frozenset[vocabulary.KvCacheMode],
     copy: refit_staging.StagingPlan,
+    commit: vocabulary.CommitMode = "local",
 ) -> Modes:
-    """The modes of an attempt that asked for ``in_flight``, ``kv_cache_mode`` and ``staging``, on an
-    engine whose ``backend`` (its name, for the reason) keeps under ``keep_modes`` and whose staging
-    ``copy`` was decided at its start."""
+    """The modes of an attempt that asked for ``in_flight``, ``kv_cache_mode``, ``staging`` and
+    ``commit``, on an engine whose ``backend`` (its name, for the reason) keeps under ``keep_modes``
+    and whose staging ``copy`` was decided at its start."""
+    modes = _resolve(in_flight, kv_cache_mode, staging, backend, keep_modes, copy)
+    if commit == "local":
+        return modes
+    if modes.staged:
+        return dataclasses.replace(modes, commit=phases.Commit(requested=commit, effective=commit))
+    why = "this shard receives in place and cannot wait for a commit; it switches when its own receive completes"
+    return dataclasses.replace(modes, commit=phases.Commit(requested=commit, effective="local", reason=why))
+
+
+def _resolve(
+    in_flight: vocabulary.InFlightMode,
+    kv_cache_mode: vocabulary.KvCacheMode,
+    staging: vocabulary.StagingMode,
+    backend: str,
+    keep_modes: frozenset[vocabulary.KvCacheMode],
+    copy: refit_staging.StagingPlan,
+) -> Modes:
     effective, reason = in_flight, None
     if in_flight == "keep" and kv_cache_mode not in keep_modes:
         effective = "drain"

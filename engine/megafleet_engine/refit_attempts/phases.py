@@ -10,8 +10,8 @@ fail it (so an engine is never resumed by an attempt that was already reported f
 fails after that claim (:meth:`Progress.cancel_commit`) gives the failure back its say.
 
 Besides its phase and timings, an attempt reports what it did with the sequences in flight
-(:class:`InFlight`), where it received its weights (:class:`Staging`) and how long it kept the engine
-from generating (:class:`Pause`).
+(:class:`InFlight`), where it received its weights (:class:`Staging`), how long it kept the engine
+from generating (:class:`Pause`) and who let its version go live (:class:`Commit`).
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ from collections.abc import Iterator
 from megafleet_protocol import vocabulary
 from megafleet_protocol.refit import verification
 
-__all__ = ["TIMED_PHASES", "InFlight", "Pause", "Progress", "Snapshot", "Staging"]
+__all__ = ["TIMED_PHASES", "Commit", "InFlight", "Pause", "Progress", "Snapshot", "Staging"]
 
 TIMED_PHASES = ("suspend", "pause", "join", "receive", "apply", "switch", "resume")
 """Names of the timings, in order (the Refit status's ``phases``). Buckets are pipelined (bucket k is
@@ -63,6 +63,18 @@ class Staging:
 
 
 @dataclasses.dataclass(frozen=True)
+class Commit:
+    """Who lets the attempt's version go live (``effective`` is ``local`` when it received in place,
+    with the ``reason``), whether the commit came, and whether the wait for it expired."""
+
+    requested: vocabulary.CommitMode
+    effective: vocabulary.CommitMode
+    reason: str | None = None
+    committed: bool = False
+    expired: bool = False
+
+
+@dataclasses.dataclass(frozen=True)
 class Pause:
     """How long a successful attempt kept the engine from generating, in seconds: ``stall`` from its
     last step before the switch to its first after (a drain's wait excluded), ``gate_closed`` while
@@ -96,6 +108,7 @@ class Snapshot:
     in_flight: InFlight | None = None
     staging: Staging | None = None
     pause: Pause | None = None  # once the engine serves the version
+    commit: Commit | None = None
 
 
 class Progress:
@@ -142,7 +155,12 @@ class Progress:
             self._aliases = dict(aliases)
 
     def set_reports(
-        self, *, in_flight: InFlight | None = None, staging: Staging | None = None, pause: Pause | None = None
+        self,
+        *,
+        in_flight: InFlight | None = None,
+        staging: Staging | None = None,
+        pause: Pause | None = None,
+        commit: Commit | None = None,
     ) -> None:
         """Replace the reports given (the others stay)."""
         with self._lock:
@@ -152,6 +170,7 @@ class Progress:
                 in_flight=in_flight or state.in_flight,
                 staging=staging or state.staging,
                 pause=pause or state.pause,
+                commit=commit or state.commit,
             )
 
     @contextlib.contextmanager

@@ -9,9 +9,9 @@ RefitSession holds the fleet (:mod:`megafleet.fleet_state.hold`), nothing is sca
 or caught up either, but broken shards are still healed.
 
 Steps, each in the module named for it: :mod:`.validate`, :mod:`.endpoints`,
-:mod:`megafleet.fleet_state.pods` (observe), :mod:`.shards` (scale down, heal, roll, place;
-:mod:`.lost_nodes` releases shards on lost nodes after healing), :mod:`.fencing`, :mod:`.catch_up`,
-:mod:`.status`.
+:mod:`megafleet.fleet_state.pods` (observe; :mod:`.admission` reads what Kueue decided for a fleet
+that uses it), :mod:`.shards` (scale down, heal, roll, place; :mod:`.lost_nodes` releases shards on
+lost nodes after healing), :mod:`.fencing`, :mod:`.catch_up`, :mod:`.status`.
 Pods, Services and nodes are read from the watch-fed :mod:`.cache` when the operator runs one.
 An object under a derived name that the fleet does not own stops the sequence
 (:mod:`megafleet.fleet_state.ownership`): NameConflict, nothing adopted or published.
@@ -23,7 +23,18 @@ from typing import Any
 
 from megafleet import conditions
 from megafleet.fleet_state import hold, ownership, pods, readiness
-from megafleet.reconcile import catch_up, context, endpoints, fencing, lost_nodes, pacing, shards, status, validate
+from megafleet.reconcile import (
+    admission,
+    catch_up,
+    context,
+    endpoints,
+    fencing,
+    lost_nodes,
+    pacing,
+    shards,
+    status,
+    validate,
+)
 
 __all__ = ["reconcile"]
 
@@ -53,6 +64,7 @@ async def _steps(ctx: context.FleetContext) -> None:
     await endpoints.reserve(ctx)
     await status.write(ctx.api, ctx.body, ctx.status)  # published before any pod is created
     ctx.shards = await pods.observe(ctx.api, ctx.fleet, ctx.runtime.cache)
+    await admission.observe(ctx)  # before healing: a shard Kueue preempted is no restart
     frozen = ctx.refitting or ctx.held is not None
     if not frozen:
         await shards.scale_down(ctx)
@@ -110,6 +122,7 @@ async def _write_observed(ctx: context.FleetContext) -> None:
     else:
         found = hold.released(found, generation=generation, now=now)
     found = readiness.reconciling(found, hold.waiting(ctx.fleet, ctx.shards), generation=generation, now=now)
+    found = admission.condition(ctx, found, now=now)
     ctx.status = {**ctx.status, "conditions": found}
     if mismatch is not None:
         ctx.notify("Warning", "EndpointsMismatch", mismatch)

@@ -73,8 +73,11 @@ class Runtime:
     placement_lock: asyncio.Lock
     """Serialises inventory-plan-create across fleets, so each sees the GPUs the others took."""
     catch_up: backoff.Backoff
-    """Delays between checkpoint catch-ups that keep failing, keyed by (namespace, fleet, shard,
-    version, checkpoint)."""
+    """Delays between catch-ups that keep failing, keyed by (namespace, fleet, shard, version, source:
+    the checkpoint's path, or ``peer``)."""
+    catching_up: dict[tuple[str, str, int], tuple[int, str]] = dataclasses.field(default_factory=dict)
+    """The catch-ups started, keyed by (namespace, fleet, shard): the version and the source (a peer
+    shard, a checkpoint), for the ``CaughtUp`` Event once the shard serves it (in memory only)."""
     store_lost: dict[tuple[str, str], float] = dataclasses.field(default_factory=dict)
     """When (monotonic seconds) every member of a joined RefitSession, keyed by (namespace, name),
     first reported the trainer's store unreachable; kept in memory only (an operator restart starts
@@ -166,6 +169,9 @@ class FleetContext(OnRuntime):
     unplaced: dict[int, str] = dataclasses.field(default_factory=dict)
     """Why each shard that could not be placed was not."""
     reports: pods.Reports = dataclasses.field(default_factory=dict)
+    queued: dict[int, str] = dataclasses.field(default_factory=dict)
+    """The shards Kueue has not admitted (``gang.scheduler: Kueue``), with Kueue's reason for the lowest
+    ('' for the others): :mod:`megafleet.reconcile.admission`."""
 
     @property
     def refit(self) -> Object:

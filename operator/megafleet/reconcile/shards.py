@@ -15,7 +15,7 @@ from lightkube import operators
 from megafleet import desired, planner
 from megafleet.api import checks
 from megafleet.fleet_state import ownership, pods
-from megafleet.reconcile import compute_domains, context, inventory
+from megafleet.reconcile import admission, compute_domains, context, inventory
 
 
 async def scale_down(ctx: context.FleetContext) -> None:
@@ -97,7 +97,9 @@ async def place(ctx: context.FleetContext) -> None:
     async with ctx.runtime.placement_lock:  # fleets plan one at a time, each seeing what the others took
         plan = planner.plan_placement(request, await _inventory(ctx))
         wanted = {
-            shard: desired.shard_pods(ctx.fleet, shard, placement, defer_weights=defer_weights)
+            shard: admission.gang(
+                ctx.fleet, shard, desired.shard_pods(ctx.fleet, shard, placement, defer_weights=defer_weights)
+            )
             for shard, placement in plan.placed.items()
         }
         wanted = await compute_domains.attach(ctx, plan.placed, wanted)  # domains before their pods
@@ -115,6 +117,7 @@ async def place(ctx: context.FleetContext) -> None:
     placed = []
     for shard, placement in sorted(plan.placed.items()):
         members = [next(created) for _ in wanted[shard]]
+        admission.created(ctx, shard, members)
         ctx.shards.pods[shard] = [pods.parse(pod, clique_label=request.clique_label) for pod in members]
         where = f"clique {placement.clique}" if placement.clique else "nodes"
         placed.append(f"shard {shard} on {where}: {_nodes(placement)}")

@@ -10,12 +10,16 @@ then each member shard's ranks at its offset (:func:`megafleet.planner.rank_offs
 reads ``status.membership`` to learn the world size before it opens its rendezvous store. A failed
 attempt stops every other member at once and is retried with the live shards, up to
 ``refit.max_attempts``; a Refit through a session has exactly one (a trainer's broadcast cannot be
-replayed), and its failure breaks the session.
+replayed), and its failure breaks the session. Under a two-phase commit (:mod:`.commit`) a failure
+before the commit fails the attempt with nothing switched; a member that fails *after* it (the
+operator's ``status.commit.decidedTime`` is on record, or the member reports the trainer's commit) is
+fenced instead: its shard goes Stale and the Refit succeeds with the condition Degraded.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import datetime
 import logging
 
 import pydantic
@@ -26,6 +30,7 @@ from megafleet.fleet_state import pods
 from megafleet.objects import Object
 from megafleet.refits import (
     agreement,
+    commit,
     context,
     fleet_lock,
     member_reports,
@@ -182,6 +187,10 @@ class _Progress:
     failure: member_reports.Failure | None = None
     unstarted: dict[int, list[pods.Pod]] = dataclasses.field(default_factory=dict)
     """Member shards an agent of which does not show this attempt (never told, or not yet)."""
+    fenced: dict[int, str] = dataclasses.field(default_factory=dict)
+    """Member shards that failed after the commit, and why: they go Stale, the Refit is Degraded."""
+    pods: int = 0
+    """Member pods asked (those of the fenced shards excluded)."""
 
 
 async def collect(ctx: context.RefitContext) -> None:
@@ -190,7 +199,7 @@ async def collect(ctx: context.RefitContext) -> None:
     disagree (``DigestDisagreement``); once every one succeeded the Refit finishes with their reports
     summed (:func:`.member_reports.summary`), the fleet moving to its version."""
     members = [entry["shard"] for entry in (ctx.status.get("membership") or {}).get("rankOffsets", [])]
-    progress = await _progress(ctx, members)
+    progress = await _progress(ctx, members, decided=commit.decided_time(ctx.status) is not None)
     if progress.failure is not None:
         failure = progress.failure
         await fail(ctx, members, failure.message, reason=failure.reason, report=failure.status)
@@ -198,13 +207,15 @@ async def collect(ctx: context.RefitContext) -> None:
     if progress.unstarted:  # an operator may have died before telling them
         await _retell(ctx, members, progress.unstarted)
         return
+    if commit.operator_commits(ctx.status) and not await _operator_commit(ctx, members, progress):
+        return
     if not all(member.report.phase == "succeeded" for member in progress.reports):
         return
-    disagreement = agreement.agreement([member for member in progress.reports if member.report.source == "nemo"])
-    if disagreement is not None:
-        checked = disagreement.verification(ctx.fleet.spec.refit.integrity)
-        report = {"verification": checked.model_dump(mode="json", by_alias=True, exclude_none=True)}
-        await fail(ctx, members, disagreement.message, reason=refit_status.DIGEST_DISAGREEMENT, report=report)
+    if await _disagree(ctx, members, progress):
+        return
+    if progress.fenced and not progress.serving:
+        message = "every member failed to switch after the commit: " + "; ".join(progress.fenced.values())
+        await fleet_lock.finish(ctx.api, ctx.body, ctx.fleet_body, refit_status.failed(message))
         return
     summed = member_reports.summary(
         progress.reports,
@@ -220,8 +231,47 @@ async def collect(ctx: context.RefitContext) -> None:
         report=summed.status,
         keep_unavailable=summed.keep_unavailable,
     )
+    if progress.fenced:
+        outcome = refit_status.fenced(outcome, progress.fenced)
     await fleet_lock.finish(ctx.api, ctx.body, ctx.fleet_body, outcome)
     await _record_session_version(ctx)
+
+
+async def _operator_commit(ctx: context.RefitContext, members: list[int], progress: _Progress) -> bool:
+    """Under ``commit: operator``: decide (:func:`.commit.commit_decision`), record the decision and
+    tell the members still staged; an attempt whose members cannot all stage in time fails
+    (``CommitExpired``, nothing switched), and so does one whose members' digests disagree. Returns
+    whether the decision is on record (the members switch)."""
+    refit = ctx.fleet.spec.refit
+    decision = commit.commit_decision(
+        ctx.status,
+        progress.reports,
+        datetime.datetime.now(datetime.UTC),
+        pods=progress.pods,
+        wait_seconds=refit.timeout_seconds + refit.commit_grace_seconds,
+    )
+    if isinstance(decision, commit.Abort):
+        await fail(ctx, members, decision.message, reason=refit_status.COMMIT_EXPIRED)
+        return False
+    if isinstance(decision, commit.Wait):
+        return False
+    if not decision.decided:
+        if await _disagree(ctx, members, progress):  # before anything switches
+            return False
+        await commit.decide_commit(ctx)
+    await commit.push_commit(ctx, progress.reports)
+    return True
+
+
+async def _disagree(ctx: context.RefitContext, members: list[int], progress: _Progress) -> bool:
+    """Members of NeMo's wire whose bucket digests disagree fail the attempt (``DigestDisagreement``)."""
+    disagreement = agreement.agreement([member for member in progress.reports if member.report.source == "nemo"])
+    if disagreement is None:
+        return False
+    checked = disagreement.verification(ctx.fleet.spec.refit.integrity)
+    report = {"verification": checked.model_dump(mode="json", by_alias=True, exclude_none=True)}
+    await fail(ctx, members, disagreement.message, reason=refit_status.DIGEST_DISAGREEMENT, report=report)
+    return True
 
 
 async def _retell(ctx: context.RefitContext, members: list[int], waiting: dict[int, list[pods.Pod]]) -> None:
@@ -242,32 +292,51 @@ async def _retell(ctx: context.RefitContext, members: list[int], waiting: dict[i
         log.warning("Refit %s: %s (tried again at the next poll)", ctx.name, refused)
 
 
-async def _progress(ctx: context.RefitContext, members: list[int]) -> _Progress:
-    """The members' reports, up to the first failure, and the members that have not started the attempt."""
+async def _progress(ctx: context.RefitContext, members: list[int], *, decided: bool = False) -> _Progress:
+    """The members' reports, up to the first failure, and the members that have not started the
+    attempt; once the commit was ``decided`` (or a member reports the trainer's commit), a member
+    that failed or is gone is fenced instead of failing the attempt."""
     found = _Progress()
     for shard in members:
         if shard not in ctx.pods:
-            found.failure = member_reports.Failure(f"shard {shard} left the fleet during the refit")
+            gone = f"shard {shard} left the fleet during the refit"
+            if decided:
+                found.fenced[shard] = gone
+                continue
+            found.failure = member_reports.Failure(gone)
             return found
         for pod in ctx.pods[shard]:
             report = await ctx.agents.refit_status(pod.ip, ctx.token)
-            if report is None:
-                found.failure = member_reports.Failure(f"the agent of {pod.name} is gone")
-                return found
-            if report.version != ctx.spec.version:
+            if report is not None and report.version != ctx.spec.version:
                 found.unstarted[shard] = ctx.pods[shard]
                 break
-            member = member_reports.MemberReport(shard, pod.name, report)
-            if report.phase == "failed":
-                found.failure = member_reports.failure(member)
+            if report is None or report.phase == "failed":
+                failure = _failure(
+                    pod, None if report is None else member_reports.MemberReport(shard, pod.name, report)
+                )
+                if decided or (report is not None and report.commit is not None and report.commit.committed):
+                    found.fenced[shard] = f"shard {shard}: {failure.message}"
+                    break
+                found.failure = failure
                 return found
-            found.reports.append(member)
-        if shard in found.unstarted:
+            found.reports.append(member_reports.MemberReport(shard, pod.name, report))
+        if shard in found.unstarted or shard in found.fenced:
+            found.reports = [member for member in found.reports if member.shard != shard]
             continue
+        found.pods += len(ctx.pods[shard])
         shard_reports = [member.report for member in found.reports[-len(ctx.pods[shard]) :]]
         if all(report.state == "ready" and report.weight_version == ctx.spec.version for report in shard_reports):
             found.serving.append(shard)
     return found
+
+
+def _failure(pod: pods.Pod, member: member_reports.MemberReport | None) -> member_reports.Failure:
+    """Why a member pod failed the attempt: its report's failure, or its agent is gone (``None``)."""
+    return (
+        member_reports.failure(member)
+        if member is not None
+        else member_reports.Failure(f"the agent of {pod.name} is gone")
+    )
 
 
 async def fail(

@@ -18,7 +18,7 @@ async def not_ready(ctx: context.SessionContext) -> str | None:
     """What a join waits for: a shard without all its pods running (``ctx.pods``), or an agent that
     does not answer or reports its engine failed; None when every shard can join. An engine still
     loading, or without weights, can join: a join needs no weights."""
-    for shard in range(ctx.fleet.spec.replicas):
+    for shard in ctx.session.spec.member_shards(ctx.fleet.spec.replicas):  # shards outside the world may heal
         members = ctx.pods.get(shard)
         if members is None:
             return f"waiting for shard {shard}'s pods to run"

@@ -8,7 +8,10 @@ the Refit's status (:func:`started_status`). Nothing is downgraded silently: a m
 in the KV mode asked for makes every member drain, and the Refit says so with the condition
 ``KeepUnavailable``; ``staging: required`` that a member cannot honour fails the Refit
 ``StagingUnavailable`` before any agent is asked to receive; ``staging: auto`` without a staging copy
-is sent as ``off`` and the status says why.
+is sent as ``off`` and the status says why. The commit (:func:`commit_mode`) is the Refit's or the
+fleet's: ``trainer`` or ``operator`` only when the members stage (in place they cannot wait, so the
+commit is ``local``, as it always was), and ``trainer`` only where our trainer sends (a rendezvous
+source); elsewhere the operator decides.
 """
 
 from __future__ import annotations
@@ -31,6 +34,12 @@ ENGINE_DRAINED = "EngineDrained"
 """KeepUnavailable's reason: a member's engine drained on its own and its report says why."""
 NATIVE_SWAP_WRITES_LIVE = "megatron-core's swap writes the live model (no staging copy)"
 """Why a Refit through a megatron-native session never stages."""
+IN_PLACE_COMMITS_LOCAL = (
+    "the members receive in place and cannot wait for a commit: each switches when its receive completes"
+)
+"""Why a Refit that asked for a trainer's or operator's commit commits local."""
+NO_TRAINER_COMMIT = "only a trainer on the megafleet wire (a rendezvous source) commits; the operator does"
+"""Why a Refit that asked for the trainer's commit on another source gets the operator's."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -56,12 +65,20 @@ class Modes:
     staging: vocabulary.StagingMode
     """What every member is asked to do: ``staging_requested``, or off when ``auto`` cannot stage."""
     integrity: vocabulary.Integrity
+    """The fleet's ``refit.integrity`` for a version that travels on a wire; ``none`` for a checkpoint
+    load (no bucket travels, so there is no digest to check, and agents refuse integrity there)."""
     keep_unavailable: conditions.Verdict | None = None
     """Why the members drain although keep was asked for (the condition KeepUnavailable), or None."""
     staging_reason: str | None = None
     """Why ``staging`` is off although ``staging_requested`` is not."""
     staging_unavailable: str | None = None
     """Why ``staging: required`` cannot be honoured: the Refit fails StagingUnavailable before it starts."""
+    commit_requested: vocabulary.CommitMode = "local"
+    commit: vocabulary.CommitMode = "local"
+    """Who lets the staged version go live, as every member is told (:func:`commit_mode`)."""
+    commit_reason: str | None = None
+    """Why ``commit`` differs from ``commit_requested``."""
+    commit_grace_seconds: int = 30
 
 
 def resolve(
@@ -79,17 +96,41 @@ def resolve(
     in_flight: vocabulary.InFlightMode = "drain" if keep_unavailable is not None else requested
     staging_requested = refit.staging or fleet.refit.staging
     cannot_stage = _cannot_stage(members, native_swap=native_swap) if staging_requested != "off" else None
+    staging: vocabulary.StagingMode = "off" if cannot_stage is not None else staging_requested
+    commit_requested = refit.commit or fleet.refit.commit
+    commit, commit_reason = commit_mode(
+        commit_requested, staged=staging != "off", trainer=refit.source.rendezvous is not None
+    )
     return Modes(
         requested=requested,
         in_flight=in_flight,
         kv_cache_mode=asked_kv if in_flight == "keep" else fleet.engine.kv_cache_mode,
         staging_requested=staging_requested,
-        staging="off" if cannot_stage is not None else staging_requested,
-        integrity=fleet.refit.integrity,
+        staging=staging,
+        integrity="none" if refit.source.checkpoint is not None else fleet.refit.integrity,
         keep_unavailable=keep_unavailable,
         staging_reason=cannot_stage if staging_requested == "auto" else None,
         staging_unavailable=cannot_stage if staging_requested == "required" else None,
+        commit_requested=commit_requested,
+        commit=commit,
+        commit_reason=commit_reason,
+        commit_grace_seconds=fleet.refit.commit_grace_seconds,
     )
+
+
+def commit_mode(
+    requested: vocabulary.CommitMode, *, staged: bool, trainer: bool
+) -> tuple[vocabulary.CommitMode, str | None]:
+    """The commit every member is told for ``requested``, and why it differs: ``local`` unless the
+    members stage (``staged``), ``operator`` for a trainer's commit without our trainer (``trainer``:
+    the source is a rendezvous)."""
+    if requested == "local":
+        return "local", None
+    if not staged:
+        return "local", IN_PLACE_COMMITS_LOCAL
+    if requested == "trainer" and not trainer:
+        return "operator", NO_TRAINER_COMMIT
+    return requested, None
 
 
 def _keep_unavailable(kv: vocabulary.KvCacheMode, members: Sequence[MemberCapabilities]) -> conditions.Verdict | None:
@@ -126,13 +167,17 @@ def request_fields(modes: Modes) -> dict[str, Any]:
         fields["staging"] = modes.staging
     if modes.integrity != "none":
         fields["integrity"] = modes.integrity
+    if modes.commit != "local":
+        fields["commit"] = modes.commit
+        fields["commit_grace_seconds"] = modes.commit_grace_seconds
     return fields
 
 
 def started_status(modes: Modes) -> Object:
     """What the Refit's status records of its modes when its attempt starts: ``inFlight`` (what was
-    asked and what the members were told), and ``staging`` when it is already known to be in place
-    (else None, which clears an earlier attempt's)."""
+    asked and what the members were told), ``staging`` when it is already known to be in place (else
+    None, which clears an earlier attempt's), and ``commit`` unless it is local (an attempt is retried
+    only before its commit was decided, so there is no ``decidedTime`` to clear)."""
     in_flight = v1alpha1.InFlightStatus(
         requested=modes.requested,
         effective=modes.in_flight,
@@ -140,6 +185,9 @@ def started_status(modes: Modes) -> Object:
         reason=modes.keep_unavailable.message if modes.keep_unavailable is not None else None,
     )
     status: Object = {"inFlight": _dump(in_flight), "staging": None}
+    if modes.commit_requested != "local":
+        commit = v1alpha1.CommitStatus(requested=modes.commit_requested, mode=modes.commit, reason=modes.commit_reason)
+        status["commit"] = _dump(commit)
     if modes.staging == "off":
         staging = v1alpha1.StagingStatus(
             requested=modes.staging_requested, effective="inPlace", reason=modes.staging_reason

@@ -47,6 +47,12 @@ STAGING_UNAVAILABLE = "StagingUnavailable"
 """Reason of the Failed condition of a Refit with ``staging: required`` that a member cannot stage."""
 DIGEST_DISAGREEMENT = "DigestDisagreement"
 """Reason of the Failed condition of a Refit whose members' bucket digests disagree (NeMo's wire)."""
+COMMIT_EXPIRED = "CommitExpired"
+"""Reason of the Failed condition of a Refit whose staged members' wait for the commit ran out (nothing switched)."""
+DEGRADED = "Degraded"
+"""Condition of a Refit that succeeded although a member failed to switch after the commit (its shard is fenced)."""
+SWITCH_FAILED = "SwitchFailed"
+"""Degraded's reason: a member failed after the commit; its shard went Stale and catches up as a Stale shard does."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -73,10 +79,20 @@ class Outcome:
     ``lastStallMilliseconds`` from them."""
     keep_unavailable: conditions.Verdict | None = None
     """Set: the Refit's condition KeepUnavailable (a member drained on its own although told to keep)."""
+    fenced: tuple[tuple[int, str], ...] = ()
+    """Member shards that failed to switch after the commit, and why: Stale in the fleet, the Refit Degraded."""
 
 
 def failed(message: str, reason: str | None = None, *, report: Object | None = None) -> Outcome:
     return Outcome("Failed", message, reason=reason, report=report)
+
+
+def fenced(outcome: Outcome, shards: dict[int, str]) -> Outcome:
+    """A success whose member ``shards`` failed after the commit (shard -> why): they are fenced."""
+    found = tuple(sorted(shards.items()))
+    named = ", ".join(str(shard) for shard, _ in found)
+    message = f"{outcome.message}; shards {named} failed to switch after the commit and are Stale"
+    return dataclasses.replace(outcome, message=message, fenced=found)
 
 
 def current_version(fleet_status: Object) -> int | None:
@@ -166,6 +182,10 @@ def final(refit: Object, outcome: Outcome, now: str) -> Object:
         found = conditions.set_condition(
             found, KEEP_UNAVAILABLE, outcome.keep_unavailable, generation=generation, now=now
         )
+    if outcome.fenced:
+        why = "; ".join(message for _, message in outcome.fenced)
+        verdict = conditions.Verdict(True, SWITCH_FAILED, f"fenced Stale after the commit: {why}")
+        found = conditions.set_condition(found, DEGRADED, verdict, generation=generation, now=now)
     update: Object = {"phase": outcome.phase, "message": outcome.message, "completionTime": now, "conditions": found}
     update.update(outcome.report or {})
     if outcome.phases is not None:
@@ -198,6 +218,9 @@ def released_fleet(fleet_body: Object, refit: str, outcome: Outcome, now: str) -
         fleet_refit["currentCheckpoint"] = outcome.checkpoint
     patch: Object = {"refit": fleet_refit}
     fleet_status = fleet_body.get("status") or {}
+    if version is not None and outcome.fenced and fleet_status.get("shards"):
+        fleet_status = {**fleet_status, "shards": fenced_shards(fleet_status["shards"], outcome.fenced)}
+        patch["shards"] = fleet_status["shards"]
     if version is not None and outcome.serving and fleet_status.get("shards"):
         replicas = int((fleet_body.get("spec") or {}).get("replicas", 1))
         generation = int(fleet_body["metadata"].get("generation", 1))
@@ -230,12 +253,17 @@ def settled_status(
     """The fleet status fields a successful refit settles at once: the member shards (see
     :func:`settled_shards`), ``readyReplicas``, ``weightVersion`` when every Ready shard serves
     ``version``, and the Ready, Degraded and WeightsCurrent conditions, computed as the reconcile
-    computes them, so readiness does not wait for its next pass."""
+    computes them, so readiness does not wait for its next pass (a ``ShardsFailing`` Degraded, which
+    needs the reconcile's view of restarts, is kept until every shard is Ready)."""
     shards = settled_shards(fleet_status.get("shards") or [], serving, version)
     ready = sum(1 for entry in shards if entry.get("phase") == "Ready")
     found = list(fleet_status.get("conditions") or [])
     found = readiness.ready_condition(found, ready, replicas, generation=generation, now=now)
-    found = readiness.degraded(found, ready, replicas, generation=generation, now=now)
+    previous = conditions.find(found, conditions.DEGRADED)
+    if not (previous is not None and previous.get("reason") == "ShardsFailing" and ready < replicas):
+        # A shard not ready after restarts stays named (only the reconcile observes restarts): a
+        # refit that leaves some shard unsettled never turns ShardsFailing into ShardsUnavailable.
+        found = readiness.degraded(found, ready, replicas, generation=generation, now=now)
     found = readiness.weights_current(found, shards, {"currentVersion": version}, generation=generation, now=now)
     settled: Object = {"shards": shards, "readyReplicas": ready, "conditions": found}
     if {entry.get("weightVersion") for entry in shards if entry.get("phase") == "Ready"} == {version}:
@@ -255,6 +283,16 @@ def settled_shards(shards: Iterable[Object], serving: Iterable[int], version: in
             entry.pop("lastError", None)
         updated.append(entry)
     return updated
+
+
+def fenced_shards(shards: Iterable[Object], fenced: Iterable[tuple[int, str]]) -> list[Object]:
+    """``status.shards`` with each shard that failed to switch after a commit ``Stale`` (never routed;
+    it catches up as any Stale shard does), its ``lastError`` saying why."""
+    why = dict(fenced)
+    return [
+        {**entry, "phase": "Stale", "lastError": why[entry["index"]]} if entry.get("index") in why else entry
+        for entry in shards
+    ]
 
 
 def prunable(refits: Iterable[Object], limit: int) -> list[str]:

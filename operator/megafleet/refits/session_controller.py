@@ -128,9 +128,10 @@ async def _take_and_join(ctx: context.SessionContext) -> None:
     """Hold the fleet, publish the membership, and ask every member pod to join."""
     world, fleet = ctx.session.spec.world, ctx.fleet
     shard_size = fleet.layout.pods_per_shard * fleet.layout.ranks_per_pod
-    membership = planner.rank_offsets(world.trainer_world_size, range(fleet.spec.replicas), shard_size)
+    shards = ctx.session.spec.member_shards(fleet.spec.replicas)  # NeMo's packing: ascending, no gaps
+    membership = planner.rank_offsets(world.trainer_world_size, shards, shard_size)
     await hold.take(ctx.api, ctx.fleet_body, ctx.session.name)
-    await ctx.write(session_status.joining(ctx.session, membership, len(ctx.pods)))
+    await ctx.write(session_status.joining(ctx.session, membership, len(shards)))
     left = max(1, int((ctx.session.deadline - ctx.at).total_seconds()))
     for shard, offset in sorted(membership.offsets.items()):
         for pod in ctx.pods[shard]:
@@ -139,7 +140,7 @@ async def _take_and_join(ctx: context.SessionContext) -> None:
                 message = f"shard {shard}, pod {pod.name} refused the join: {error}"
                 await _end(ctx, "Failed", session_status.JOIN_FAILED, message)
                 return
-    log.info("RefitSession %s/%s: %d shards asked to join", ctx.session.namespace, ctx.session.name, len(ctx.pods))
+    log.info("RefitSession %s/%s: %d shards asked to join", ctx.session.namespace, ctx.session.name, len(shards))
 
 
 def _join_body(

@@ -48,11 +48,18 @@ def check(spec: v1alpha1.RefitSessionSpec, fleet: desired.ParsedFleet) -> tuple[
             f"runs {fleet.spec.engine.backend}: use nemoCollective"
         )
     shard_size = fleet.layout.pods_per_shard * fleet.layout.ranks_per_pod
-    fleet_ranks, wanted = fleet.spec.replicas * shard_size, world.world_size - world.trainer_world_size
+    members = spec.member_shards(fleet.spec.replicas)
+    outside = [shard for shard in members if shard >= fleet.spec.replicas]
+    if outside:
+        return WORLD_SIZE_MISMATCH, (
+            f"the trainer's membership names shards {outside}, but fleet {fleet.name} has {fleet.spec.replicas}"
+        )
+    fleet_ranks, wanted = len(members) * shard_size, world.world_size - world.trainer_world_size
     if fleet_ranks != wanted:
+        fielded = f"{fleet.spec.replicas} shards" if spec.shards is None else f"{len(members)} member shards"
         return WORLD_SIZE_MISMATCH, (
             f"the trainer's inference world is {wanted} ranks (worldSize {world.world_size} - trainerWorldSize "
-            f"{world.trainer_world_size}); fleet {fleet.name} has {fleet.spec.replicas} shards x {shard_size} ranks "
+            f"{world.trainer_world_size}); fleet {fleet.name} has {fielded} x {shard_size} ranks "
             f"= {fleet_ranks}"
         )
     return None

@@ -12,8 +12,9 @@
   ``engine`` extra).
 * :mod:`megafleet.sdk.nemo`: :class:`~megafleet.sdk.nemo.MegafleetGeneration`, NeMo RL's
   ``GenerationInterface`` over a fleet (needs torch).
-* The words a refit's overrides take (``Fleet.refit(..., in_flight=, kv_cache_mode=, staging=)``):
-  ``InFlightMode``, ``KvCacheMode`` and ``StagingMode``, from :mod:`megafleet_protocol.vocabulary`.
+* The words a refit's overrides take (``Fleet.refit(..., in_flight=, kv_cache_mode=, staging=, commit=)``):
+  ``InFlightMode``, ``KvCacheMode``, ``StagingMode`` and ``CommitMode``, from
+  :mod:`megafleet_protocol.vocabulary`.
 
 Names are imported on first use, so ``import megafleet.sdk`` (or :mod:`megafleet.sdk.fleet`) does not
 import torch. ``__all__`` is fixed by ``tests/sdk/test_sdk_exports.py``. The SDK imports only the
@@ -42,7 +43,7 @@ if TYPE_CHECKING:
     from megafleet_protocol.ports import attempt_port
     from megafleet_protocol.refit.errors import ReceiverFailed, RefitError, RefitRejected, RefitTimeout
     from megafleet_protocol.refit.sender import SendReport, WeightSender
-    from megafleet_protocol.vocabulary import InFlightMode, KvCacheMode, StagingMode
+    from megafleet_protocol.vocabulary import CommitMode, InFlightMode, KvCacheMode, StagingMode
 
 _HOMES = {
     "FleetError": "megafleet.sdk.errors",
@@ -69,6 +70,7 @@ _HOMES = {
     "RefitError": "megafleet_protocol.refit.errors",
     "RefitRejected": "megafleet_protocol.refit.errors",
     "RefitTimeout": "megafleet_protocol.refit.errors",
+    "CommitMode": "megafleet_protocol.vocabulary",
     "InFlightMode": "megafleet_protocol.vocabulary",
     "KvCacheMode": "megafleet_protocol.vocabulary",
     "StagingMode": "megafleet_protocol.vocabulary",
@@ -77,6 +79,7 @@ _HOMES = {
 __all__ = [
     "Answer",
     "Attempt",
+    "CommitMode",
     "Fleet",
     "FleetError",
     "FleetNotFound",

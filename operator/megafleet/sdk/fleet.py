@@ -147,6 +147,12 @@ class RefitResult:
         None when no member reported it."""
         return self.status.pause
 
+    @property
+    def commit(self) -> v1alpha1.CommitStatus | None:
+        """Who let the staged version go live and, for the operator, when it decided; None under
+        ``commit: local``."""
+        return self.status.commit
+
 
 class Fleet:
     """Client of one MegatronGeneration.
@@ -256,21 +262,22 @@ class Fleet:
     async def complete(
         self, prompt: generation.Prompt, sampling: generation.Sampling = generation.DEFAULT_SAMPLING
     ) -> generation.Answer:
-        """One completion (text or token-id prompt) on the least busy frontend."""
+        """One completion (text or token-id prompt) on the shard the router places it on (:mod:`.affinity`)."""
         await self._ensure_routed()
         return await self.generator.complete(prompt, sampling)
 
     async def chat(
         self, messages: Sequence[generation.Message], sampling: generation.Sampling = generation.DEFAULT_SAMPLING
     ) -> generation.Answer:
-        """One chat completion on the least busy frontend."""
+        """One chat completion on the shard the router places the conversation on (:mod:`.affinity`)."""
         await self._ensure_routed()
         return await self.generator.chat(messages, sampling)
 
     async def complete_batch(
         self, prompts: Sequence[generation.Prompt], sampling: generation.Sampling = generation.DEFAULT_SAMPLING
     ) -> list[generation.Answer]:
-        """Every prompt at once, spread over all routable frontends; answers in prompt order."""
+        """Every prompt at once, spread over all routable frontends (each prompt's samples on one shard);
+        answers in prompt order."""
         await self._ensure_routed()
         return await self.generator.complete_batch(prompts, sampling)
 
@@ -297,6 +304,7 @@ class Fleet:
         in_flight: vocabulary.InFlightMode | None = None,
         kv_cache_mode: vocabulary.KvCacheMode | None = None,
         staging: vocabulary.StagingMode | None = None,
+        commit: vocabulary.CommitMode | None = None,
     ) -> RefitResult:
         """Create a Refit to ``version`` and see it through; afterwards route to its member shards.
 
@@ -312,6 +320,10 @@ class Fleet:
             kv_cache_mode: the KV cache of kept sequences: ``persist``, ``recompute`` or ``offload``
                 (megatron); None: the fleet's ``engine.kvCacheMode``.
             staging: ``off``, ``auto`` or ``required`` (the Refit's ``staging``); None: the fleet's.
+            commit: who lets the staged version go live: ``local``, ``trainer`` (this process's sender
+                commits once every receiver staged) or ``operator`` (the Refit's ``commit``); None: the
+                fleet's ``refit.commit``. Under ``trainer`` and ``operator`` no shard switches before
+                every member staged and verified.
 
         Raises:
             RefitFailed: the Refit ended Failed, was deleted, or did not finish in time; the message
@@ -332,6 +344,7 @@ class Fleet:
             in_flight=in_flight,
             kv_cache_mode=kv_cache_mode,
             staging=staging,
+            commit=commit,
         )
         created = await self.api.create(
             {

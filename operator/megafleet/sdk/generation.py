@@ -8,12 +8,15 @@ from anywhere (the ``<fleet>-endpoints`` ConfigMap, a test)::
         answers = await generator.complete_batch([[1, 40, 41], "Hello"], Sampling(max_tokens=16, temperature=0))
         answers[0].token_ids, answers[0].logprobs, answers[0].weight_version
 
-Every request goes to the frontend with the fewest outstanding requests (:class:`~megafleet.sdk.routing.Router`).
-A completion batch is sent as few batched requests (``prompt`` as a list: OpenAI's batch form, which
-the engine admits as one batch): one chunk per frontend at least, each of at most
-:data:`~megafleet_protocol.frontend.MAX_SEQUENCES_PER_REQUEST` prompts (:func:`chunks`), all in
-flight at once. A chat batch goes the same way to the engine's ``/v1/chat/completions/batch``
-extension (``messages`` as a list of conversations, each rendered with the chat template by the
+Every prompt goes to the shard :meth:`~megafleet.sdk.routing.Router.place` chooses
+(:mod:`megafleet.sdk.affinity`): the samples of one prompt (identical prompts of a batch) and the turns
+of one conversation reach one engine, which prefills their shared prefix once, while distinct prompts
+spread over the shards within a load bound. A completion batch is sent as few batched requests
+(``prompt`` as a list: OpenAI's batch form, which the engine admits as one batch): per shard, chunks of
+at most :data:`~megafleet_protocol.frontend.MAX_SEQUENCES_PER_REQUEST` prompts (:func:`chunks`), all in
+flight at once; a request whose shard fails goes to the frontend with the fewest outstanding
+requests. A chat batch goes the same way to the engine's ``/v1/chat/completions/batch`` extension
+(``messages`` as a list of conversations, each rendered with the chat template by the
 engine: the client needs no tokenizer); OpenAI's chat API has no batch form.
 ``Sampling(text=False)`` asks for token ids only (the engine's ``detokenize: false``: no text is
 made). The engine's RL extensions are always asked for:
@@ -45,7 +48,7 @@ from typing import Any, TypeVar
 
 import httpx
 
-from megafleet.sdk import errors, routing
+from megafleet.sdk import affinity, errors, routing
 from megafleet_protocol import frontend as frontend_limits
 
 __all__ = ["DEFAULT_SAMPLING", "WEIGHT_VERSION_HEADER", "Answer", "Generator", "Sampling", "VersionSpan", "chunks"]
@@ -213,7 +216,7 @@ class Generator:
         body = {**sampling.body(), "model": self.model, "prompt": prompt if isinstance(prompt, str) else list(prompt)}
         if sampling.logprobs:
             body["logprobs"] = 0
-        return await self._send("/completions", body, _completion_answer)
+        return await self._send("/completions", body, _completion_answer, self._place([prompt])[0])
 
     async def _fitted(self, prompt: Prompt, sampling: Sampling) -> Sampling:
         """``sampling`` clamped for a token prompt (text prompts are not: their length is the engine's)."""
@@ -263,7 +266,7 @@ class Generator:
         body = {**sampling.body(), "model": self.model, "messages": [dict(message) for message in messages]}
         if sampling.logprobs:
             body["logprobs"] = True
-        return await self._send("/chat/completions", body, _chat_answer)
+        return await self._send("/chat/completions", body, _chat_answer, self._place([messages])[0])
 
     async def complete_batch(self, prompts: Sequence[Prompt], sampling: Sampling = DEFAULT_SAMPLING) -> list[Answer]:
         """Every prompt at once as batched requests (:meth:`batch_requests`), spread over the
@@ -285,13 +288,13 @@ class Generator:
         not yet awaited, which returns one answer per index). Callers that stream (the NeMo adapter's
         ``generate_async``) await each request on its own; :meth:`complete_batch` gathers them."""
 
-        def request(sampling: Sampling, members: list[int]) -> Coroutine[Any, Any, list[Answer]]:
+        def request(sampling: Sampling, shard: int | None, members: list[int]) -> Coroutine[Any, Any, list[Answer]]:
             body = {**sampling.body(), "model": self.model, "prompt": [_wire(prompts[index]) for index in members]}
             if sampling.logprobs:
                 body["logprobs"] = 0
-            return self._send("/completions", body, _completion_answers)
+            return self._send("/completions", body, _completion_answers, shard, len(members))
 
-        return self._grouped(samplings, request)
+        return self._grouped(samplings, self._place(prompts), request)
 
     async def chat_batch(
         self, conversations: Sequence[Sequence[Message]], sampling: Sampling = DEFAULT_SAMPLING
@@ -310,36 +313,50 @@ class Generator:
         """The batched chat requests for ``conversations``, each with its own sampling, shaped as
         :meth:`batch_requests`' (conversations of equal sampling share requests)."""
 
-        def request(sampling: Sampling, members: list[int]) -> Coroutine[Any, Any, list[Answer]]:
+        def request(sampling: Sampling, shard: int | None, members: list[int]) -> Coroutine[Any, Any, list[Answer]]:
             messages = [[dict(message) for message in conversations[index]] for index in members]
             body = {**sampling.body(), "model": self.model, "messages": messages}
             if sampling.logprobs:
                 body["logprobs"] = True
-            return self._send("/chat/completions/batch", body, _chat_answers)
+            return self._send("/chat/completions/batch", body, _chat_answers, shard, len(members))
 
-        return self._grouped(samplings, request)
+        return self._grouped(samplings, self._place(conversations), request)
+
+    def _place(self, prompts: Sequence[Prompt] | Sequence[Sequence[Message]]) -> list[int | None]:
+        """The shard of every prompt or conversation (:meth:`~megafleet.sdk.routing.Router.place`)."""
+        return self.router.place([affinity.key(prompt) for prompt in prompts])
 
     def _grouped(
-        self, samplings: Sequence[Sampling], request: Callable[[Sampling, list[int]], Coroutine[Any, Any, list[Answer]]]
+        self,
+        samplings: Sequence[Sampling],
+        shards: Sequence[int | None],
+        request: Callable[[Sampling, int | None, list[int]], Coroutine[Any, Any, list[Answer]]],
     ) -> list[tuple[list[int], Coroutine[Any, Any, list[Answer]]]]:
-        """``request(sampling, members)`` for every chunk (:func:`chunks`, one per frontend at least)
-        of the indexes that share a sampling; with the indexes each carries, in order."""
-        groups: dict[Sampling, list[int]] = {}
+        """``request(sampling, shard, members)`` for every chunk (:func:`chunks`) of the indexes that
+        share a sampling and a shard (``shards``, one per index); with the indexes each carries, in order."""
+        groups: dict[tuple[Sampling, int | None], list[int]] = {}
         for index, chosen in enumerate(samplings):
-            groups.setdefault(chosen, []).append(index)
-        frontends = max(len(self.router.frontends), 1)
+            groups.setdefault((chosen, shards[index]), []).append(index)
         requests: list[tuple[list[int], Coroutine[Any, Any, list[Answer]]]] = []
-        for chosen, indexes in groups.items():
-            for piece in chunks(len(indexes), frontends):
+        for (chosen, shard), indexes in groups.items():
+            for piece in chunks(len(indexes), 1):
                 members = [indexes[position] for position in piece]
-                requests.append((members, request(chosen, members)))
+                requests.append((members, request(chosen, shard, members)))
         return requests
 
-    async def _send(self, path: str, body: dict[str, Any], parse: Callable[[httpx.Response, routing.Frontend], T]) -> T:
+    async def _send(
+        self,
+        path: str,
+        body: dict[str, Any],
+        parse: Callable[[httpx.Response, routing.Frontend], T],
+        shard: int | None = None,
+        sequences: int = 1,
+    ) -> T:
+        """POST ``body`` to shard ``shard``'s frontend (else, or once it failed, the least busy one)."""
         failures: dict[str, str] = {}
         while True:
             try:
-                frontend = self.router.acquire(exclude=failures)
+                frontend = self.router.acquire(exclude=failures, prefer=shard, sequences=sequences)
             except errors.NoFrontend:
                 if failures:
                     raise errors.GenerationFailed(failures) from None
@@ -350,7 +367,7 @@ class Generator:
                 failures[frontend.url] = f"{type(error).__name__}: {error}"
                 continue
             finally:
-                self.router.release(frontend)
+                self.router.release(frontend, sequences=sequences)
             if response.status_code == 200:
                 return parse(response, frontend)
             failures[frontend.url] = f"HTTP {response.status_code}: {_error_message(response)}"

@@ -9,19 +9,21 @@ traffic: their engines hold requests during the refit's suspend and serve them w
 and the operator marks them ``Ready`` at it in the very status patch that ends the refit, so no
 client waits for the operator's next observation
 (:func:`megafleet.refits.refit_status.settled_status`). Among the routable frontends the
-:class:`Router` picks the one with the fewest outstanding requests, rotating among ties, so a batch
-submitted at once spreads evenly and a slow frontend gets less.
+:class:`Router` picks the shard :mod:`megafleet.sdk.affinity` places a prompt on (:meth:`Router.place`:
+the samples of one prompt and the turns of one conversation together, distinct prompts spread, no
+shard over the load bound), else the one with the fewest outstanding requests, rotating among ties,
+so a batch submitted at once spreads evenly and a slow frontend gets less.
 """
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from typing import Literal
 
 from megafleet.api import v1alpha1
-from megafleet.sdk import errors
+from megafleet.sdk import affinity, errors
 
 __all__ = ["Addressing", "Frontend", "Router", "endpoint_urls", "pod_urls", "routable", "select"]
 
@@ -89,7 +91,10 @@ def select(urls: Mapping[int, str], versions: Mapping[int, int | None]) -> list[
 class Router:
     """Least-outstanding-requests choice among frontends; not thread-safe (one event loop uses it).
 
-    :meth:`acquire` picks a frontend and counts the request against it until :meth:`release`
+    :meth:`place` says which shard each prompt of a batch should go to (:func:`.affinity.assign`
+    over the sequences outstanding per shard, with :attr:`memory` of where recent prompts went).
+    :meth:`acquire` picks a frontend (the ``prefer``red shard's when it is routable and not excluded)
+    and counts the request and its sequences against it until :meth:`release`
     (:meth:`lease` does both around a ``with`` block).
     :meth:`update` replaces the frontends; requests in flight on a dropped frontend finish there.
     ``sent`` counts requests leased per URL since the router was made.
@@ -98,8 +103,11 @@ class Router:
     def __init__(self, frontends: Iterable[Frontend] = ()) -> None:
         self._frontends: list[Frontend] = []
         self._outstanding: dict[str, int] = {}
+        self._sequences: dict[str, int] = {}
         self._turn = 0
         self.sent: dict[str, int] = {}
+        self.memory = affinity.Memory()
+        """Where recent prompts went: a later turn of a conversation follows its earlier turns."""
         self.update(frontends)
 
     @property
@@ -112,9 +120,22 @@ class Router:
     def update(self, frontends: Iterable[Frontend]) -> None:
         self._frontends = sorted(frontends, key=lambda frontend: frontend.shard)
 
-    def acquire(self, *, exclude: Iterable[str] = ()) -> Frontend:
-        """The frontend with the fewest outstanding requests (ties: the next in turn), counted as busy
-        with one more request until :meth:`release`.
+    def load(self) -> dict[int, int]:
+        """Sequences outstanding per shard (of the current frontends)."""
+        return {frontend.shard: self._sequences.get(frontend.url, 0) for frontend in self._frontends}
+
+    def place(self, prompts: Sequence[affinity.Key]) -> list[int | None]:
+        """The shard each prompt should go to (:func:`.affinity.assign`); ``None`` for every prompt
+        while no frontend is routable (:meth:`acquire` then raises)."""
+        shards = [frontend.shard for frontend in self._frontends]
+        if not shards:
+            return [None] * len(prompts)
+        return list(affinity.assign(prompts, shards, load=self.load(), memory=self.memory))
+
+    def acquire(self, *, exclude: Iterable[str] = (), prefer: int | None = None, sequences: int = 1) -> Frontend:
+        """The frontend of shard ``prefer`` when it is a candidate, else the one with the fewest
+        outstanding requests (ties: the next in turn), counted as busy with one more request of
+        ``sequences`` sequences until :meth:`release`.
 
         Raises:
             NoFrontend: no frontend is left once ``exclude`` (URLs already tried) is removed.
@@ -126,21 +147,27 @@ class Router:
                 "no Ready frontend at the fleet's current weight version"
                 + (f" besides {', '.join(sorted(skipped))}" if skipped else "")
             )
-        start = self._turn % len(candidates)
-        rotated = candidates[start:] + candidates[:start]
-        chosen = min(rotated, key=lambda frontend: self._outstanding.get(frontend.url, 0))
-        self._turn += 1
+        preferred = [frontend for frontend in candidates if frontend.shard == prefer]
+        if preferred:
+            chosen = preferred[0]
+        else:
+            start = self._turn % len(candidates)
+            rotated = candidates[start:] + candidates[:start]
+            chosen = min(rotated, key=lambda frontend: self._outstanding.get(frontend.url, 0))
+            self._turn += 1
         self._outstanding[chosen.url] = self._outstanding.get(chosen.url, 0) + 1
+        self._sequences[chosen.url] = self._sequences.get(chosen.url, 0) + sequences
         self.sent[chosen.url] = self.sent.get(chosen.url, 0) + 1
         return chosen
 
-    def release(self, frontend: Frontend) -> None:
-        """The request :meth:`acquire` counted against ``frontend`` is over."""
-        left = self._outstanding.get(frontend.url, 0) - 1
-        if left > 0:
-            self._outstanding[frontend.url] = left
-        else:
-            self._outstanding.pop(frontend.url, None)
+    def release(self, frontend: Frontend, *, sequences: int = 1) -> None:
+        """The request of ``sequences`` sequences :meth:`acquire` counted against ``frontend`` is over."""
+        for counts, done in ((self._outstanding, 1), (self._sequences, sequences)):
+            left = counts.get(frontend.url, 0) - done
+            if left > 0:
+                counts[frontend.url] = left
+            else:
+                counts.pop(frontend.url, None)
 
     @contextlib.contextmanager
     def lease(self, *, exclude: Iterable[str] = ()) -> Iterator[Frontend]:

@@ -103,6 +103,10 @@ class Communicator:
         self.asked_checksums: frozenset[str] = frozenset()
         """Trainer: the digests every receiver asked for in its hello of the current round (a receiver
         older than digests asks for none)."""
+        self.asks_commit = False
+        """Receiver: its next hello says it waits for the trainer's commit after it staged."""
+        self.commit_ranks: frozenset[int] = frozenset()
+        """Trainer: the group ranks whose hello of the current round waits for its commit."""
         self.rounds = 0
         """Rounds opened on this communicator."""
         self._store: c10d.Store | None = store
@@ -202,18 +206,25 @@ class Communicator:
         held = manifest is not None and all(hello.manifest == manifest for hello in hellos.values())
         asked = [frozenset(hello.checksums) for hello in hellos.values()]
         self.asked_checksums = frozenset.intersection(*asked) if asked else frozenset()
+        self.commit_ranks = frozenset(rank for rank, hello in hellos.items() if hello.commit)
         self.held_manifest = manifest if held else None
-        self.set(round_messages.GROUP_KEY, round_messages.Decision(name, keep, self.held_manifest).encode())
+        decision = round_messages.Decision(name, keep, self.held_manifest, commit=bool(self.commit_ranks))
+        self.set(round_messages.GROUP_KEY, decision.encode())
         self.reused = keep
         if not keep:
             self._regroup(name)
             self.handshake()
 
     def _follow(self, manifest: str | None, checksums: tuple[str, ...]) -> None:
-        hello = round_messages.Hello(self.session, self.group_name, manifest, checksums)
+        hello = round_messages.Hello(self.session, self.group_name, manifest, checksums, self.asks_commit)
         self.set(round_messages.hello_key(self.group_rank), hello.encode())
         raw = self.get(round_messages.GROUP_KEY, what="the trainer's group decision")
         decision = round_messages.Decision.decode(raw)
+        if self.asks_commit and not decision.commit:
+            raise errors.ProtocolError(
+                "this refit waits for the trainer's commit, but the trainer's SDK does not commit (it is older "
+                "than the two-phase commit): nothing was received; use commit operator or local"
+            )
         if decision.manifest is not None and decision.manifest != manifest:
             raise errors.ProtocolError(
                 f"the trainer says this rank holds manifest {decision.manifest!r}, but it holds {manifest!r}"

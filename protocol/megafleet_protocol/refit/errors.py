@@ -4,6 +4,7 @@ Exception tree::
 
     RefitError                 any refit failure; the message says what and where
     ├── RefitTimeout           the refit's deadline passed (a bounded wait ran out, or the watchdog fired)
+    │   └── CommitExpired      receiver side: a staged copy's commit did not come within the deadline + grace
     ├── RefitAborted           the attempt was aborted on purpose (watchdog, ``POST /v1/refit/abort``)
     ├── ProtocolError          the peer does not speak this protocol, or sent something malformed
     ├── ManifestMismatch       receiver side: the manifest does not cover this rank's parameters
@@ -25,6 +26,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "BucketMismatch",
+    "CommitExpired",
     "ManifestMismatch",
     "NonFiniteWeights",
     "ProtocolError",
@@ -42,6 +44,11 @@ class RefitError(RuntimeError):
 
 class RefitTimeout(RefitError):
     """The refit's deadline passed before this step finished."""
+
+
+class CommitExpired(RefitTimeout):
+    """A staged attempt's commit (the trainer's or the operator's) did not come before its deadline
+    plus its grace: the staged copy is discarded and the old version serves on."""
 
 
 class RefitAborted(RefitError):

@@ -28,18 +28,26 @@ def hello_key(group_rank: int) -> str:
 @dataclasses.dataclass(frozen=True)
 class Hello:
     """A receiver's opening of a round: the session it read, the group it still holds, the
-    manifest it accepted last (its id, see :meth:`Communicator.open_round`) and the digests it asks
+    manifest it accepted last (its id, see :meth:`Communicator.open_round`), the digests it asks
     the trainer to seal its buckets with (empty: none; a receiver older than digests sends no such
-    field)."""
+    field) and whether it waits for the trainer's commit after it staged (``commit``; a receiver
+    older than the two-phase commit sends no such field and switches on its own)."""
 
     session: str
     group: str | None
     manifest: str | None = None
     checksums: tuple[str, ...] = ()
+    commit: bool = False
 
     def encode(self) -> str:
         return json.dumps(
-            {"session": self.session, "group": self.group, "manifest": self.manifest, "checksums": list(self.checksums)}
+            {
+                "session": self.session,
+                "group": self.group,
+                "manifest": self.manifest,
+                "checksums": list(self.checksums),
+                "commit": self.commit,
+            }
         )
 
     @classmethod
@@ -54,6 +62,7 @@ class Hello:
                 _optional_str(value["group"]),
                 _optional_str(value.get("manifest")),
                 tuple(str(name) for name in checksums),
+                bool(value.get("commit", False)),
             )
         except (KeyError, TypeError, AttributeError, json.JSONDecodeError) as error:
             raise errors.ProtocolError(f"malformed hello: {error!r}") from None
@@ -61,21 +70,30 @@ class Hello:
 
 @dataclasses.dataclass(frozen=True)
 class Decision:
-    """The trainer's decision for a round: the group every rank uses, whether it is kept, and the
-    manifest every receiver already holds (``None``: the manifest exchange follows)."""
+    """The trainer's decision for a round: the group every rank uses, whether it is kept, the
+    manifest every receiver already holds (``None``: the manifest exchange follows) and whether the
+    trainer commits for the receivers that asked (``commit``; a trainer older than the two-phase
+    commit sends no such field, and a receiver waiting for its commit fails at once instead of
+    waiting out its grace)."""
 
     group: str
     keep: bool
     manifest: str | None = None
+    commit: bool = False
 
     def encode(self) -> str:
-        return json.dumps({"group": self.group, "keep": self.keep, "manifest": self.manifest})
+        return json.dumps({"group": self.group, "keep": self.keep, "manifest": self.manifest, "commit": self.commit})
 
     @classmethod
     def decode(cls, raw: bytes) -> Decision:
         try:
             value = json.loads(raw)
-            return cls(str(value["group"]), bool(value["keep"]), _optional_str(value.get("manifest")))
+            return cls(
+                str(value["group"]),
+                bool(value["keep"]),
+                _optional_str(value.get("manifest")),
+                bool(value.get("commit", False)),
+            )
         except (KeyError, TypeError, AttributeError, json.JSONDecodeError) as error:
             raise errors.ProtocolError(f"malformed group decision: {error!r}") from None
 

@@ -29,6 +29,7 @@ import torch.distributed as dist
 
 from megafleet_protocol import vocabulary
 from megafleet_protocol.refit import (
+    commit_round,
     communicator,
     cuda_streams,
     deadlines,
@@ -85,6 +86,10 @@ class WeightSender:
             ``none``: never (a receiver that requires digests then rejects the manifest).
         corrupt_bucket: test only: flip one byte of this bucket (its first payload byte) after its
             digest was taken, so tests can prove that receivers catch and name a corrupt bucket.
+        corrupt_receiver: test only, with ``corrupt_bucket`` and the reshard transport: flip the byte in
+            the buckets of this group rank only (one shard's bucket is corrupt, the others' are not).
+        withhold_commit: test only: after the buckets, fail as a trainer that dies before its commit
+            would (receivers waiting for it stay on their version and give their staged copy up).
     """
 
     def __init__(
@@ -100,6 +105,8 @@ class WeightSender:
         device: torch.device | str | None = None,
         integrity: vocabulary.Integrity = "checksum",
         corrupt_bucket: int | None = None,  # test only
+        corrupt_receiver: int | None = None,  # test only
+        withhold_commit: bool = False,  # test only
     ) -> None:
         if rank != 0:
             raise ValueError(f"trainer rank {rank} sends nothing in protocol 1; only trainer rank 0 runs a sender")
@@ -118,6 +125,8 @@ class WeightSender:
         self._offer: _Offer | None = None  # the last send's manifest, which every receiver holds
         self.integrity = integrity
         self._corrupt_bucket = corrupt_bucket
+        self._withhold_commit = withhold_commit
+        self._corrupt_receiver = corrupt_receiver
 
     @property
     def usable(self) -> bool:
@@ -227,6 +236,10 @@ class WeightSender:
             buckets = self._scatter(comm, offer.plans, source.tensors, meanwhile, sealed=sealed)
             sent = sum(plan.total_bytes for plan in offer.plans.values())
         transferred = time.monotonic()
+        if comm.commit_ranks:  # receivers that staged wait for this trainer's commit before they switch
+            if self._withhold_commit:
+                raise errors.RefitAborted("test: the trainer withheld its commit")
+            commit_round.decide(comm, comm.commit_ranks)
         self._acknowledgements(comm)
         finished = time.monotonic()
         self._offer = offer
@@ -276,7 +289,8 @@ class WeightSender:
         done with them by then, and a store that serves refit after refit does not grow)."""
         receivers = range(1, self.rendezvous.group_size)
         keys = [round_messages.GROUP_KEY] + [round_messages.hello_key(r) for r in receivers]
-        keys += [wire.done_key(r) for r in receivers]
+        keys += [wire.done_key(r) for r in receivers] + [commit_round.staged_key(r) for r in receivers]
+        keys.append(commit_round.COMMIT_KEY)
         if exchanged:
             keys += [wire.MANIFEST_KEY, wire.GO_KEY] + [wire.verdict_key(r) for r in receivers]
             if transport == "reshard":
@@ -423,7 +437,7 @@ class WeightSender:
                 chunk = buffers[slot].narrow(0, 0, size)
                 for placement in by_bucket[bucket]:
                     wire.pack(chunk, placement, tensors[placement.region.name])
-                self._seal(chunk, bucket, sealed)
+                self._seal(chunk, bucket, sealed, receiver=group_rank)
                 in_flight[slot] = comm.send(chunk, dst=group_rank, tag=bucket, what=what)
                 count += 1
         meanwhile()
@@ -432,12 +446,13 @@ class WeightSender:
                 comm.wait(work, what="the last buckets")
         return count
 
-    def _seal(self, chunk: torch.Tensor, bucket: int, sealed: bool) -> None:
+    def _seal(self, chunk: torch.Tensor, bucket: int, sealed: bool, *, receiver: int | None = None) -> None:
         """Seal packed bucket ``bucket`` with its trailer (``sealed``), on the current stream; under
-        test, then flip its first byte (``corrupt_bucket``), so its digest no longer matches."""
+        test, then flip its first byte (``corrupt_bucket``, to group rank ``receiver`` only when
+        ``corrupt_receiver`` says so), so its digest no longer matches."""
         if sealed:
             trailers.seal(chunk, bucket)
-        if bucket == self._corrupt_bucket:
+        if bucket == self._corrupt_bucket and self._corrupt_receiver in (None, receiver):
             chunk.narrow(0, 0, 1).bitwise_xor_(0xFF)
 
     def _acknowledgements(self, comm: communicator.Communicator) -> None:

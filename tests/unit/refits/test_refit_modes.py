@@ -48,10 +48,20 @@ def test_every_member_is_told_the_modes_the_refit_resolved() -> None:
     done = run(world, "tiny-v1")
 
     assert done["phase"] == "Succeeded", done
-    expected = {"suspendMode": "keep", "kvCacheMode": "recompute", "staging": "auto", "integrity": "checksum"}
+    # A checkpoint load carries no bucket, so the fleet's integrity is not asked of it.
+    expected = {"suspendMode": "keep", "kvCacheMode": "recompute", "staging": "auto", "integrity": None}
     assert [modes_of(body) for body in sent(world)] == [expected, expected]
     assert done["inFlight"]["requested"] == done["inFlight"]["effective"] == "keep"
     assert "KeepUnavailable" not in {c["type"] for c in done["conditions"]}
+
+
+def test_a_rendezvous_refit_asks_for_the_fleets_integrity() -> None:
+    world = World(refit={"integrity": "checksum"})
+    world.start()
+    world.refit(1, RENDEZVOUS)
+
+    assert run(world, "tiny-v1")["phase"] == "Succeeded"
+    assert {body.get("integrity") for body in sent(world)} == {"checksum"}
 
 
 def test_a_fleet_at_its_defaults_sends_drain_and_its_kv_mode_and_nothing_new() -> None:

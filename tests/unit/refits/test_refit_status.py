@@ -112,6 +112,13 @@ def test_a_successful_refit_settles_readiness_and_weights_current_in_the_same_pa
         "True",
         "False",
     )
+    # A shard failing after restarts stays named until every shard is Ready again.
+    failing = {"type": "Degraded", "status": "True", "reason": "ShardsFailing", "message": "shard 1: crash"}
+    with_failing = {**before, "conditions": [*before["conditions"], failing]}
+    kept = refit_status.settled_status(with_failing, [0], 4, replicas=2, generation=7, now="t1")
+    assert {c["type"]: c for c in kept["conditions"]}["Degraded"] == failing
+    healed = refit_status.settled_status(with_failing, [0, 1], 4, replicas=2, generation=7, now="t1")
+    assert {c["type"]: c["reason"] for c in healed["conditions"]}["Degraded"] == "AsDesired"
 
 
 def spec(version: int, **source: Any) -> v1alpha1.RefitObjectSpec:

@@ -299,3 +299,38 @@ def test_the_trainer_gone_bound_is_an_operator_setting_overridable_from_the_envi
     assert operator_settings.OperatorSettings.from_environ({}) == operator_settings.OperatorSettings()
     with pytest.raises(ValueError, match="MEGAFLEET_SESSION_TRAINER_GONE_SECONDS='soon'"):
         operator_settings.OperatorSettings.from_environ({name: "soon"})
+
+
+# -- the trainer's membership (NeMo's set_refit_membership, a rebuild over the live shards) ---------
+
+
+def test_a_session_over_the_trainers_surviving_shards_packs_them_and_ignores_the_lost_one() -> None:
+    world = World(replicas=3)
+    world.start()
+    del world.api.objects[("Pod", NS, "tiny-s1-p0")]  # shard 1 was lost; it heals outside the world
+    world.session(world_size=4, trainer=2, shards=[2, 0])
+
+    joining = world.advance()["status"]
+
+    assert joining["phase"] == "Joining", joining
+    assert joining["membership"]["rankOffsets"] == [{"shard": 0, "offset": 2}, {"shard": 2, "offset": 3}]
+    ips = world.pod_ips()
+    assert [(ip, body.rendezvous.rank_offset) for ip, body in world.agents.joins] == [
+        (ips["tiny-s0-p0"], 2),
+        (ips["tiny-s2-p0"], 3),
+    ]
+    assert joining["message"].startswith("2 shards join")
+
+
+def test_a_membership_the_fleet_cannot_field_fails_naming_the_member_shards() -> None:
+    world = World(replicas=3)
+    world.start()
+    world.session(world_size=5, trainer=2, shards=[0, 2])
+    status = world.advance()["status"]
+    assert status["phase"] == "Failed" and "fleet tiny has 2 member shards x 1 ranks = 2" in status["message"]
+
+    outside = World(replicas=2)
+    outside.start()
+    outside.session(world_size=4, trainer=2, shards=[0, 2])
+    status = outside.advance()["status"]
+    assert status["phase"] == "Failed" and "membership names shards [2], but fleet tiny has 2" in status["message"]

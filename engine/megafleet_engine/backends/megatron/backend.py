@@ -11,7 +11,10 @@ passes its ``kv_cache_mode``, by default ``EngineOptions.kv_cache_mode``). A dra
 graphs; ``offload`` frees the KV buffer (into a pinned host copy when built with
 ``kv_cache_mode="offload"``, else by deleting it) and the graphs, then rebuilds both; ``recompute``
 deletes the KV buffer and the graphs and allocates a fresh buffer and block allocator after.
-Megatron's prefix caching is off, so no KV block computed with old weights serves a later request.
+With megatron's prefix caching on (:attr:`.build.EngineOptions.prefix_caching`) every resume and
+switch, on every rank, forgets the registered prefix blocks (:func:`.kv_cache.invalidate_prefixes`),
+so no KV block computed with old weights serves a later request: the cache is tied to the weight
+version in every refit mode (drained, aborted, kept in flight, staged).
 
 A refit that keeps the running sequences (:attr:`~MegatronBackend.keep_modes`: ``persist`` and
 ``recompute``, and ``offload`` when built for it with static KV pointers) writes while the scheduler
@@ -284,8 +287,29 @@ class MegatronBackend:
             outcome = self._kv.switch(tick.mode)
         elif tick.control == "discard":
             self._settlement.forget()
+        if tick.control in ("resume", "switch"):  # the weights may have changed: no old prefix may match
+            kv_cache.invalidate_prefixes(self.engine.context.kv_block_allocator)
         self._batch.held = self._kv.kept
         return outcome
+
+    @property
+    def prefix_caching(self) -> bool:
+        """Whether megatron's prefix caching is on (:attr:`.build.EngineOptions.prefix_caching`)."""
+        return bool(getattr(self.engine.context, "enable_prefix_caching", False))
+
+    @property
+    def prefix_cache(self) -> base.PrefixCacheCounters:
+        """Prompt tokens megatron prefilled and skipped (its engine's running totals plus the
+        context's counts not yet folded into them); megatron counts them only with its prefix
+        caching on (off: zeros)."""
+        engine, context = self.engine, self.engine.context
+        computed = getattr(engine, "_prefill_tokens_computed", 0) + getattr(
+            context, "prefix_cache_prefill_computed_tokens", 0
+        )
+        skipped = getattr(engine, "_prefill_tokens_skipped", 0) + getattr(
+            context, "prefix_cache_prefill_skipped_tokens", 0
+        )
+        return base.PrefixCacheCounters(prompt_tokens=int(computed + skipped), hit_tokens=int(skipped))
 
     @property
     def follows(self) -> bool:

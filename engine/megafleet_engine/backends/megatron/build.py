@@ -124,6 +124,15 @@ class EngineOptions:
     sequences under ``offload``: without it megatron captures the graphs again at the resume, which
     resets its context, so the requests it kept there would be lost (the backend does not offer
     ``offload`` as a keep mode then). Off by default: the graphs are captured again."""
+    prefix_caching: bool = False
+    """megatron-core's own prefix caching (``InferenceConfig.enable_prefix_caching``, with its
+    ``PrefixCachingEvictionPolicy.LRU``): a request's whole KV blocks (:attr:`block_size_tokens`
+    tokens each) are registered under a hash chained over the prompt's blocks, and a later request
+    whose prompt starts with the same blocks reuses them instead of prefilling (the samples of one
+    prompt, and shared system prompts of at least one block); released blocks stay cached until the
+    pool needs them. A refit invalidates every registered block (:func:`.kv_cache.invalidate_prefixes`).
+    Off by default until the GPU tests and the rollout benchmark have run with it
+    (``MEGAFLEET_PREFIX_CACHING``)."""
     staging: vocabulary.StagingMode = "off"
     """Whether :func:`.loader.load` allocates a staging copy of this rank's parameters, which staged
     refits write while the engine serves (``MEGAFLEET_REFIT_STAGING``): ``off`` never; ``auto`` and
@@ -333,6 +342,8 @@ def build_engine(model: Any, tokenizer: IdTokenizer, max_sequence_length: int, o
         logprobs_mode="processed_logprobs",  # the log-probabilities megatron returns
         async_sched_mode=schedule_mode(options.async_schedule),
         static_kv_memory_pointers=static_kv_pointers(options),
+        enable_prefix_caching=options.prefix_caching,
+        prefix_caching_eviction_policy=config_module.PrefixCachingEvictionPolicy.LRU,
     )
     context = megatron_core("inference.contexts.dynamic_context").DynamicInferenceContext(model.config, config)
     kernels = FUSED_CHOICES[options.fused_kernels]

@@ -37,7 +37,7 @@ import torch
 from megafleet_engine.backends.megatron import build
 from megafleet_protocol import vocabulary
 
-__all__ = ["KvCache", "check_mode"]
+__all__ = ["KvCache", "check_mode", "invalidate_prefixes"]
 
 log = logging.getLogger(__name__)
 
@@ -45,6 +45,27 @@ log = logging.getLogger(__name__)
 def check_mode(kv_cache_mode: str) -> None:
     if kv_cache_mode not in ("persist", "offload", "recompute"):
         raise ValueError(f"unknown KV-cache mode {kv_cache_mode!r}: persist, offload or recompute")
+
+
+def invalidate_prefixes(allocator: Any) -> int:
+    """Forget every prefix hash megatron's ``KVBlockAllocator`` registered (see the module docstring);
+    returns how many blocks were registered. Nothing to do with prefix caching off."""
+    if not getattr(allocator, "enable_prefix_caching", False):
+        return 0
+    registered = torch.nonzero(allocator.block_hashes != -1, as_tuple=True)[0]
+    if registered.numel() == 0:
+        allocator.kv_hash_to_block_id.clear()
+        return 0
+    held = allocator.block_ref_counts[registered] > 0
+    allocator._deregister_blocks(registered[~held])  # cached, held by nobody: back to the free pool
+    kept = registered[held]
+    allocator.block_hashes[kept] = -1  # a running request's own blocks: unmatched from now on
+    if hasattr(allocator, "block_parent_id"):  # the LRU policy's chain bookkeeping
+        allocator.block_parent_id[kept] = -1
+        allocator.block_child_count[kept] = 0
+        allocator.block_timestamps[kept] = 0
+    allocator.kv_hash_to_block_id.clear()
+    return int(registered.numel())
 
 
 class KvCache:

@@ -30,7 +30,7 @@ from megafleet_protocol import vocabulary
 
 if TYPE_CHECKING:
     from megafleet_engine.refit_attempts import phases, weight_target
-    from megafleet_protocol.refit import communicator
+    from megafleet_protocol.refit import communicator, deadlines
 
 __all__ = ["Request", "Run", "Source", "Unfit"]
 
@@ -92,6 +92,12 @@ class Run(Protocol):
 
     def drop_parked(self) -> None:
         """Discard what the last successful refit kept (another kind of refit: the next one joins afresh)."""
+
+    def wait_for_commit(self, decide: Callable[[deadlines.Deadline], None] | None = None) -> None:
+        """Staged under a trainer's or operator's commit: report ``staged`` and wait for the commit
+        until the deadline plus the grace (``decide``: how the source waits for its trainer's);
+        nothing otherwise. A source that does not call it gets the operator's wait after
+        :meth:`Source.run` returns."""
 
 
 class Source(Protocol):
@@ -159,6 +165,16 @@ class Request(Protocol):
 
     @property
     def kv_cache_mode(self) -> vocabulary.KvCacheMode | None: ...
+
+    @property
+    def commit(self) -> vocabulary.CommitMode:
+        """Who lets a staged version go live (the agent body's ``commit``)."""
+        ...
+
+    @property
+    def commit_grace_seconds(self) -> float:
+        """How long past its deadline a staged attempt waits for its commit."""
+        ...
 
     @property
     def key(self) -> tuple[object, ...]:

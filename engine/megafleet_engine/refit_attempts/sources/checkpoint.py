@@ -34,6 +34,8 @@ class CheckpointRequest:
     suspend_mode: vocabulary.InFlightMode = "drain"
     kv_cache_mode: vocabulary.KvCacheMode | None = None
     staging: vocabulary.StagingMode = "off"
+    commit: vocabulary.CommitMode = "local"  # staged: wait for the trainer's or the operator's commit
+    commit_grace_seconds: float = 30.0  # how long past the deadline a staged attempt waits for it
 
     @property
     def key(self) -> tuple[object, ...]:

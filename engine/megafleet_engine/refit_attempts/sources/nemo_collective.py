@@ -57,6 +57,8 @@ class NemoRequest:
     session: str | None = None  # set: receive over the world joined for this session, never join
     integrity: vocabulary.Integrity = "none"  # checksum: digest every bucket, count non-finite values
     staging: vocabulary.StagingMode = "off"
+    commit: vocabulary.CommitMode = "local"  # staged: wait for the trainer's or the operator's commit
+    commit_grace_seconds: float = 30.0  # how long past the deadline a staged attempt waits for it
 
     @property
     def key(self) -> tuple[object, ...]:

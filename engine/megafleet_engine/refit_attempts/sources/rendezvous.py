@@ -6,9 +6,12 @@ attempt (:mod:`megafleet_engine.refit_attempts.attempt`) on its thread: the susp
 overlaps the join; a transfer group parked by the last successful refit of the same rendezvous is
 reused when the trainer's store still answers with its session, else a new one is built once the
 suspend ended; the receiver (:func:`megafleet_protocol.refit.receiver.receive`) writes in place
-through the attempt's backend thread. After the engine serves the version the group is parked for
-the next refit and the trainer is told ``done``; a failure is told to the trainer before the group
-is aborted.
+through the attempt's backend thread. A staged attempt whose commit is the trainer's
+(``commit: trainer``) asks for it in its hello, reports ``staged/<r>`` once verified and waits for
+the trainer's ``commit`` (:mod:`megafleet_protocol.refit.commit_round`) before it switches. After the
+engine serves the version the group is parked for the next refit and the trainer is told ``done``; a
+failure is told to the trainer (``staged/<r>`` too while it waits for a commit) before the group is
+aborted.
 """
 
 from __future__ import annotations
@@ -24,7 +27,7 @@ from megafleet_protocol.refit import errors
 
 if TYPE_CHECKING:
     from megafleet_engine.refit_attempts import sources, weight_target
-    from megafleet_protocol.refit import communicator, receiver
+    from megafleet_protocol.refit import communicator, deadlines, receiver
 
 __all__ = ["RendezvousRequest", "RendezvousSource"]
 
@@ -54,6 +57,8 @@ class RendezvousRequest:
     local_address: str | None = None  # where this rank's gloo transport binds; None: the route to the trainer
     integrity: vocabulary.Integrity = "none"  # checksum: ask for sealed buckets and check every trailer
     collective: vocabulary.CollectiveBackend | None = None  # None: NCCL on a GPU engine, gloo on a CPU one
+    commit: vocabulary.CommitMode = "local"  # staged: wait for the trainer's or the operator's commit
+    commit_grace_seconds: float = 30.0  # how long past the deadline a staged attempt waits for it
 
     @property
     def key(self) -> tuple[object, ...]:
@@ -97,6 +102,8 @@ class RendezvousSource:
         self._received: receiver.Received | None = None  # what the transfer took in
         self._served: tuple[communicator.Communicator | None, str | None, bool] = (None, None, False)
         self._told = False  # the trainer got this attempt's outcome
+        self._asks_commit = False  # this attempt stages and waits for the trainer's commit
+        self._staged_told = False  # the trainer got this attempt's staged report
 
     def record(self) -> phases.Progress:
         request = self.request
@@ -147,6 +154,7 @@ class RendezvousSource:
         if record.finished:  # aborted while joining: the abort did not see this group
             comm.abort()
             raise errors.RefitAborted("the refit was aborted while joining")
+        self._asks_commit = comm.asks_commit = run.target.staged and request.commit == "trainer"
         self._received = receiver.receive(
             comm,
             sink,
@@ -160,6 +168,16 @@ class RendezvousSource:
             after_writes=lambda: run.target.verify_in_place(before),
             integrity=request.integrity,
         )
+        if self._asks_commit:
+            run.wait_for_commit(lambda deadline: self._trainer_commit(comm, deadline))
+
+    def _trainer_commit(self, comm: communicator.Communicator, deadline: deadlines.Deadline) -> None:
+        """Tell the trainer this rank staged the version, and wait for its commit until ``deadline``."""
+        from megafleet_protocol.refit import commit_round
+
+        self._staged_told = True
+        commit_round.report_staged(comm, commit_round.Staged(ok=True))
+        commit_round.await_commit(comm, deadline)
 
     def _take_parked(
         self, run: sources.Run, key: tuple[object, ...]
@@ -200,6 +218,8 @@ class RendezvousSource:
             with self._lock:
                 comm = self._comm
             if comm is not None:
+                if self._asks_commit and not self._staged_told:  # the trainer waits for it before done
+                    _tell_staged(comm, error)
                 _tell(comm, comm.namespace, ok=False, error=error)
             return
         comm, namespace, parked = self._served
@@ -240,3 +260,15 @@ def _tell(
         comm.set(wire.done_key(comm.group_rank), done.encode(), namespace=namespace)
     except RuntimeError as error:
         log.debug("could not report the refit outcome to the trainer: %s", error)
+
+
+def _tell_staged(comm: communicator.Communicator, error: str) -> None:
+    """Report to the trainer that this rank did not stage (best effort, as :func:`_tell`)."""
+    from megafleet_protocol.refit import commit_round
+
+    if not comm.namespace:
+        return
+    try:
+        commit_round.report_staged(comm, commit_round.Staged(ok=False, error=error), namespace=comm.namespace)
+    except RuntimeError as failure:
+        log.debug("could not report the staging failure to the trainer: %s", failure)

@@ -96,6 +96,7 @@ from megafleet.api.v1alpha1.refit import (
     SessionSource,
 )
 from megafleet.api.v1alpha1.refit_report import (
+    CommitStatus,
     InFlightStatus,
     LastInFlight,
     MismatchStatus,
@@ -132,6 +133,7 @@ __all__ = [
     "ApiModel",
     "CacheSpec",
     "CheckpointSource",
+    "CommitStatus",
     "Condition",
     "ConditionStatus",
     "ConfigMapKeyRef",

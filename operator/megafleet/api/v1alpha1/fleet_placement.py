@@ -16,7 +16,7 @@ from pydantic import Field
 from megafleet.api.v1alpha1 import common
 
 NvlinkPolicy = Literal["Required", "Preferred"]
-GangScheduler = Literal["None", "Kueue", "KAI", "Volcano"]
+GangScheduler = Literal["None", "Kueue"]
 
 _EXTENDED_RESOURCE = (
     r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*/[A-Za-z0-9]([-A-Za-z0-9_.]*[A-Za-z0-9])?$"
@@ -187,20 +187,58 @@ class Toleration(common.ApiModel):
         return self
 
 
+GANG_SCHEDULERS_REFUSED = (
+    "scheduler must be None or Kueue: KAI and Volcano are not supported (nothing in megafleet would "
+    "hand them a shard); docs/kueue.md"
+)
+_QUEUE_NEEDED = "queue (the LocalQueue in the fleet's namespace) is required with scheduler Kueue"
+
+
 class GangSpec(common.ApiModel):
-    """Hints for a gang scheduler; megafleet places shards whole either way."""
+    """Whether each shard is one gang admitted whole by a queueing layer (docs/kueue.md)."""
+
+    model_config = pydantic.ConfigDict(
+        json_schema_extra={
+            "x-kubernetes-validations": [
+                common.cel("self.scheduler in ['None', 'Kueue']", GANG_SCHEDULERS_REFUSED, field_path=".scheduler"),
+                common.cel("self.scheduler != 'Kueue' || has(self.queue)", _QUEUE_NEEDED, field_path=".queue"),
+            ]
+        }
+    )
 
     scheduler: GangScheduler = Field(
-        default="None", description="scheduler is None, Kueue, KAI or Volcano; megafleet adds its annotations."
+        default="None",
+        description="scheduler is None (the operator's placement alone) or Kueue: each shard's pods are one "
+        "Kueue pod group in the LocalQueue named by queue, admitted whole against its ClusterQueue's quota "
+        "(docs/kueue.md).",
     )
-    queue: str | None = Field(default=None, max_length=253, description="queue is the scheduler's queue name.")
+    queue: str | None = Field(
+        default=None,
+        max_length=63,
+        pattern=common.LABEL_VALUE,
+        description="queue is the Kueue LocalQueue (in the fleet's namespace) the shards wait in; required "
+        "with scheduler Kueue.",
+    )
+
+    @pydantic.field_validator("scheduler", mode="before")
+    @classmethod
+    def _supported(cls, scheduler: object) -> object:
+        if scheduler in ("KAI", "Volcano"):
+            raise ValueError(GANG_SCHEDULERS_REFUSED)
+        return scheduler
+
+    @pydantic.model_validator(mode="after")
+    def _queue_named(self) -> GangSpec:
+        if self.scheduler == "Kueue" and not self.queue:
+            raise ValueError(_QUEUE_NEEDED)
+        return self
 
 
 _LabelValue = Annotated[str, Field(max_length=63, pattern=common.LABEL_VALUE)]
 
 
 class PlacementSpec(common.ApiModel):
-    """Where shards go."""
+    """Where shards go, and who admits them (``gang``)."""
 
     model_config = pydantic.ConfigDict(
         json_schema_extra={
@@ -249,5 +287,5 @@ class PlacementSpec(common.ApiModel):
     gang: GangSpec = Field(
         default_factory=GangSpec,
         json_schema_extra=common.defaulted(GangSpec),
-        description="gang holds gang-scheduler hints.",
+        description="gang says whether a queueing layer (Kueue) admits each shard whole.",
     )

@@ -7,6 +7,8 @@ The spec's own fields (model, weights, replicas, refit settings) are here; its l
 
 from __future__ import annotations
 
+from typing import Literal
+
 import pydantic
 from pydantic import Field
 
@@ -64,6 +66,13 @@ class WeightsSpec(common.ApiModel):
         description="initial is checkpoint (load weights from model.source at start) or refit (start "
         "without weights and become Ready only when the first Refit has delivered them; NeMo RL's "
         "skip_weight_load).",
+    )
+    catch_up: Literal["peer", "checkpoint"] = Field(
+        default="peer",
+        description="catchUp is how a shard behind the fleet's current version (added by a scale-out, "
+        "healed) gets it between refits: peer (copy it from a shard Ready at that version while that "
+        "shard serves, the current checkpoint when the copy fails or the backend is megatron) or "
+        "checkpoint (the current checkpoint only; without one the shard stays Stale until the next refit).",
     )
 
 
@@ -123,6 +132,22 @@ class RefitSpec(common.ApiModel):
         default="none",
         description="integrity is none or checksum (every bucket carries a digest that the receivers verify "
         "before the switch; on NeMo RL's wire, which carries none, the members compare their digests).",
+    )
+    commit: vocabulary.CommitMode = Field(
+        default="local",
+        description="commit is who lets a staged refit's new version go live: local (each shard as soon as its "
+        "own receive completed), trainer (the trainer's SDK on the megafleet wire, once every receiver "
+        "staged; the operator decides for other sources) or operator (the operator, once every member "
+        "staged; it records status.commit.decidedTime first). Under trainer and operator no shard switches "
+        "before every member has staged and verified; a refit received in place cannot wait and commits "
+        "local. A Refit's own commit overrides it.",
+    )
+    commit_grace_seconds: int = Field(
+        default=30,
+        ge=5,
+        le=600,
+        description="commitGraceSeconds is how long past timeoutSeconds a staged member waits for its commit "
+        "before it discards the staged copy and fails the refit (the old version serves on).",
     )
 
 

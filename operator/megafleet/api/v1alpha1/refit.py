@@ -98,6 +98,11 @@ class RefitObjectSpec(common.ApiModel):
         description="staging overrides the fleet's refit.staging for this refit (off, auto or required; "
         "staging needs the copy the engines allocated at start); unset: the fleet's.",
     )
+    commit: vocabulary.CommitMode | None = Field(
+        default=None,
+        description="commit overrides the fleet's refit.commit for this refit (local, trainer or operator); "
+        "unset: the fleet's.",
+    )
 
 
 class RefitObjectStatus(common.ApiModel):
@@ -109,8 +114,9 @@ class RefitObjectStatus(common.ApiModel):
         json_schema_extra={"x-kubernetes-list-type": "map", "x-kubernetes-list-map-keys": ["type"]},
         description="conditions of the refit: Complete, Failed (its reason says why: VersionNotNewer, "
         "SessionHeld, SessionNotJoined, RefitInfoMissing, InvalidSpec, BucketMismatch, NonFiniteWeights, "
-        "StagingUnavailable, DigestDisagreement, or Failed), KeepUnavailable (keep was asked for, and the "
-        "members drained: BackendCannotKeep, KvCacheModeNotKept, EngineDrained).",
+        "StagingUnavailable, DigestDisagreement, CommitExpired, or Failed), KeepUnavailable (keep was asked for, "
+        "and the members drained: BackendCannotKeep, KvCacheModeNotKept, EngineDrained), Degraded (a member "
+        "failed to switch after the commit: its shard is fenced Stale; SwitchFailed).",
     )
     membership: common.Membership | None = Field(default=None, description="membership the refit ran with.")
     attempts: int = Field(default=0, ge=0, description="attempts made (a failed attempt is retried once).")
@@ -136,6 +142,11 @@ class RefitObjectStatus(common.ApiModel):
     )
     verification: refit_report.VerificationStatus | None = Field(
         default=None, description="verification says what checked the weights' bytes before the switch."
+    )
+    commit: refit_report.CommitStatus | None = Field(
+        default=None,
+        description="commit says who lets the staged version go live and, once the operator decided, when "
+        "(decidedTime, written before any member is told to switch); absent under commit local.",
     )
 
 

@@ -99,6 +99,25 @@ class VerificationStatus(common.ApiModel):
     mismatch: MismatchStatus | None = Field(default=None, description="mismatch is the bucket that failed, if any.")
 
 
+class CommitStatus(common.ApiModel):
+    """Who lets a staged refit's version go live, and when the operator decided it did."""
+
+    requested: vocabulary.CommitMode = Field(
+        description="requested is the commit asked for: the Refit's commit, else the fleet's refit.commit."
+    )
+    mode: vocabulary.CommitMode = Field(
+        description="mode is the commit the members were told: local when they receive in place, operator "
+        "for a trainer commit on a source without the megafleet wire's trainer."
+    )
+    reason: str | None = Field(default=None, description="reason says why mode differs from requested.")
+    decided_time: str | None = Field(
+        default=None,
+        json_schema_extra={"format": "date-time"},
+        description="decidedTime is when the operator decided to commit (write-ahead: set before any member "
+        "is told to switch; after an operator restart the members still staged are told again).",
+    )
+
+
 class LastInFlight(common.ApiModel):
     """How the fleet's last successful refit treated its sequences in flight."""
 

@@ -5,7 +5,7 @@ Created and deleted by the trainer; its status is written only by the operator's
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Annotated, Literal
 
 import pydantic
 from pydantic import Field
@@ -108,6 +108,11 @@ class RefitSessionSpec(common.ApiModel):
                     "!has(oldSelf.refitInfo) || (has(self.refitInfo) && self.refitInfo == oldSelf.refitInfo)",
                     "refitInfo is set once",
                 ),
+                # the trainer's refit membership (NeMo's set_refit_membership)
+                common.cel(
+                    "has(self.shards) == has(oldSelf.shards) && (!has(self.shards) || self.shards == oldSelf.shards)",
+                    "shards is immutable",
+                ),
             ]
         }
     )
@@ -125,6 +130,16 @@ class RefitSessionSpec(common.ApiModel):
     join_timeout_seconds: int = Field(
         default=240, ge=1, le=3600, description="joinTimeoutSeconds bounds the join (NeMo's store waits 300 s)."
     )
+    shards: list[Annotated[int, Field(ge=0)]] | None = Field(
+        default=None,
+        min_length=1,
+        max_length=4096,
+        json_schema_extra={"x-kubernetes-list-type": "set"},
+        description=(
+            "shards: the fleet's shards in the trainer's world (NeMo's refit membership, the live ones "
+            "after a rebuild), packed in ascending index after the trainer's ranks; default every shard."
+        ),
+    )
 
     @pydantic.model_validator(mode="after")
     def _one_protocol(self) -> RefitSessionSpec:
@@ -132,7 +147,13 @@ class RefitSessionSpec(common.ApiModel):
             raise ValueError("set exactly one of nemoCollective and megatronNative")
         if self.refit_info is not None and self.nemo_collective is None:
             raise ValueError("refitInfo belongs to nemoCollective")
+        if self.shards is not None and len(set(self.shards)) != len(self.shards):
+            raise ValueError(f"shards repeats an index: {self.shards}")
         return self
+
+    def member_shards(self, replicas: int) -> list[int]:
+        """The shards in the trainer's world, ascending: ``shards``, or every one of ``replicas``."""
+        return sorted(self.shards) if self.shards is not None else list(range(replicas))
 
     @property
     def world(self) -> _TrainerWorld:

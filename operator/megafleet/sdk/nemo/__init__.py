@@ -10,6 +10,9 @@ Modules:
   method and property of NeMo RL's ``GenerationInterface`` and ``MegatronGeneration``, main and the
   development line); methods NeMo RL hands to ``ray.get`` return Ray refs (:mod:`~megafleet.sdk.nemo.refs`).
 * :mod:`~megafleet.sdk.nemo.class_hooks`: NeMo RL's class-level hooks (``validate_settings`` and the rest).
+* :mod:`~megafleet.sdk.nemo.membership`: NeMo RL's refit membership (``set_refit_membership``, the
+  rebuild over the live shards) and its fleet-health monitor fed from the fleet
+  (:mod:`~megafleet.sdk.nemo.fleet_health`); the check of its reshard refit info.
 * :mod:`~megafleet.sdk.nemo.unsupported`: what a fleet refuses, loudly, with what to use instead.
 * :mod:`~megafleet.sdk.nemo.async_flags`: NeMo RL's async flags (in-flight weight updates, KV
   recompute) and the in-flight modes of every Refit the adapter makes;
@@ -25,7 +28,8 @@ Modules:
   :mod:`~megafleet.sdk.nemo.refit_wire_choice` picks the one the adapter's handle names.
 * :mod:`~megafleet.sdk.nemo.clients`: the connection made on first use, and :class:`Handle`, what
   pickling keeps; :mod:`~megafleet.sdk.nemo.generation_counters`: NeMo RL's logger and step counters.
-* :mod:`~megafleet.sdk.nemo.factory`: :func:`nemo_factory`, the stand-in for NeMo RL's constructors.
+* :mod:`~megafleet.sdk.nemo.factory`: :func:`nemo_factory`, the stand-in for NeMo RL's generation
+  classes (a class bound to the fleet: GRPO's class-level calls stand on it).
 """
 
 from __future__ import annotations

@@ -29,6 +29,7 @@ from megafleet.sdk.nemo import (
     class_hooks,
     generation_counters,
     kv_invalidation,
+    membership,
     refit_wire_choice,
     refit_wires,
     refs,
@@ -44,7 +45,7 @@ __all__ = ["MegafleetGeneration"]
 log = logging.getLogger(__name__)
 
 
-class MegafleetGeneration(class_hooks.ClassHooks, unsupported.Unsupported):
+class MegafleetGeneration(class_hooks.ClassHooks, membership.MembershipHooks, unsupported.Unsupported):
     """NeMo RL's ``GenerationInterface`` backed by a MegatronGeneration fleet.
 
     Args:
@@ -322,7 +323,8 @@ class MegafleetGeneration(class_hooks.ClassHooks, unsupported.Unsupported):
     async def _answers(
         self, clients: connection.Clients, prompts: list[list[int]], samplings: list[generation.Sampling]
     ) -> list[generation.Answer]:
-        """Every sample's answer, in order, from batched requests (one per frontend per chunk)."""
+        """Every sample's answer, in order, from batched requests (per shard and chunk: a prompt's samples,
+        and the turns of one conversation, go to one shard; :mod:`megafleet.sdk.affinity`)."""
         return await clients.generator.complete_fitted(prompts, await self._fit(clients, prompts, samplings))
 
     async def _fit(
@@ -394,13 +396,6 @@ class MegafleetGeneration(class_hooks.ClassHooks, unsupported.Unsupported):
         self._wire.init_collective(ip, port, world_size, train_world_size, refit_backend)
         return refs.object_refs([True])
 
-    def rebuild_collective(self, membership: Any, ip: str, port: int) -> refs.ObjectRefs:
-        """:meth:`init_collective` again for the trainer's new world (``membership.world_size`` and
-        ``train_world_size``); which shards join is the operator's choice, whatever ``membership`` lists."""
-        train_world_size = int(getattr(membership, "train_world_size", 1))
-        world_size = int(getattr(membership, "world_size", train_world_size))
-        return self.init_collective(ip, port, world_size, train_world_size=train_world_size)
-
     def prepare_refit_info(self, state_dict_info: Mapping[str, Any] | None) -> None:
         """The trainer's tensor list (NeMo RL's state-dict info, ``{name: (shape, dtype)}`` in its
         order); ``None`` (MegatronGeneration's call) checks nothing."""
@@ -459,6 +454,7 @@ class MegafleetGeneration(class_hooks.ClassHooks, unsupported.Unsupported):
         target = self._target() if version is None else version
         self._wire.update(target, _bound(refit_timeout_s), weights, self._refit_modes())
         self.weight_version = target
+        self.sync_fleet_health()
         return refs.object_refs([True])
 
     def update_weights_from_checkpoint(
@@ -482,6 +478,14 @@ class MegafleetGeneration(class_hooks.ClassHooks, unsupported.Unsupported):
         return refs.object_refs([alive])[0]
 
     # -- internals -------------------------------------------------------------------------------
+
+    def fleet_status(self) -> dict[str, Any]:
+        """The fleet's ``status`` as the API server has it now (``{}`` with fixed frontends)."""
+        clients = self._connect()
+        if clients.fleet is None:
+            return {}
+        state = clients.loop.run(clients.fleet.get())
+        return state.status.model_dump(mode="json", by_alias=True)
 
     def _connect(self) -> connection.Clients:
         """The clients, made on first use (also in an unpickled copy); thread-safe."""

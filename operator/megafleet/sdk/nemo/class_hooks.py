@@ -26,20 +26,15 @@ class ClassHooks:
     @classmethod
     def validate_settings(cls, master_config: Any) -> None:
         """Refuse a NeMo RL master config (a mapping or its pydantic ``MasterConfig``) the fleet cannot
-        serve: colocated inference, fleet health; remember its async flags for this class's refits.
+        serve (colocated inference); remember its async flags for this class's refits. NeMo's fleet
+        health (``async_rl.generation_fleet_health``) is served: ``attach_fleet_health`` feeds its
+        monitor from the fleet's shard states.
 
         Raises:
-            NotImplementedError: ``policy.generation.colocated.enabled`` or
-                ``async_rl.generation_fleet_health.enabled`` is set.
+            NotImplementedError: ``policy.generation.colocated.enabled`` is set.
         """
         policy = async_flags.field(master_config, "policy") or {}
         config_.refuse_unsupported_config(async_flags.field(policy, "generation") or {})
-        health = async_flags.field(async_flags.field(master_config, "async_rl"), "generation_fleet_health")
-        if async_flags.field(health, "enabled"):
-            raise NotImplementedError(
-                "async_rl.generation_fleet_health.enabled=true is not supported for MegafleetGeneration: "
-                "the operator watches the fleet's shards and refits only live ones; unset it"
-            )
         cls._validated_flags = async_flags.from_master_config(master_config)
 
     @classmethod

@@ -11,7 +11,7 @@ Called by :class:`~megafleet.sdk.nemo.MegafleetGeneration`.
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from megafleet.api import v1alpha1
@@ -51,6 +51,9 @@ class MegafleetWire:
         self._close_sender()  # another rendezvous: the next refit opens a new session
         self._rendezvous = v1alpha1.RendezvousSource(address=ip, port=port, trainer_world_size=train_world_size)
         log.info("refits rendezvous at %s:%d (the caller expects a world of %d)", ip, port, world_size)
+
+    def set_membership(self, shards: Sequence[int] | None) -> None:
+        """Nothing: the operator refits the live shards itself."""
 
     def prepare_refit_info(self, state_dict_info: Mapping[str, Any] | None) -> None:
         """Remember the names every refit must send; ``None`` (MegatronGeneration's call) checks nothing."""

@@ -28,7 +28,7 @@ import logging
 import secrets
 import time
 import warnings
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from megafleet import kube
@@ -74,6 +74,7 @@ class NemoWire:
         self._pending: tuple[int, str] | None = None  # (version, Refit) made by begin
         self._native = False  # the session is megatronNative (megatron-core plans the transfer: no refit info)
         self._bucket_bytes: int | None = None  # the nemoCollective session's B
+        self._shards: list[int] | None = None  # the trainer's refit membership (None: every shard)
 
     @property
     def session(self) -> str | None:
@@ -113,6 +114,10 @@ class NemoWire:
         if self._session is not None and not self._info_stored:
             self._clients().loop.run(self._store_info(self._session))
 
+    def set_membership(self, shards: Sequence[int] | None) -> None:
+        """The shards of the next session (NeMo's refit membership), packed by the operator as NeMo packs them."""
+        self._shards = None if shards is None else sorted(shards)
+
     def init_collective(self, ip: str, port: int, world_size: int, train_world_size: int, backend: str | None) -> None:
         """Check, then create the session and wait until every shard joined NeMo's world.
 
@@ -123,7 +128,7 @@ class NemoWire:
         """
         clients = self._clients()
         found = clients.loop.run(self._fleet())
-        problem = sessions.world_check(found, world_size, train_world_size)
+        problem = sessions.world_check(found, world_size, train_world_size, self._shards)
         if problem is not None:
             raise ValueError(problem)
         world: _World
@@ -235,7 +240,7 @@ class NemoWire:
             log.info("deleting RefitSession %s/%s: init_collective makes a new one", namespace, older)
             await api.delete("RefitSession", older, namespace)
         name = f"{self._fleet_name}-nemo-{secrets.token_hex(3)}"
-        await api.create(sessions.session(name, namespace, found, world, self._options.join_timeout_s))
+        await api.create(sessions.session(name, namespace, found, world, self._options.join_timeout_s, self._shards))
         self._session, self._info_stored = name, False
         self._native = isinstance(world, v1alpha1.MegatronNativeSpec)
         self._bucket_bytes = world.bucket_bytes if isinstance(world, v1alpha1.NemoCollectiveSpec) else None

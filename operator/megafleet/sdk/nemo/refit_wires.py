@@ -17,7 +17,7 @@ GRPO reads the trainer's futures before ours, so a failure reported as a value w
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any, Protocol
 
 from megafleet.sdk import weights as weight_senders
@@ -44,6 +44,9 @@ class Wire(Protocol):
 
     def prepare_refit_info(self, state_dict_info: Mapping[str, Any] | None) -> None:
         """The trainer's tensor list (NeMo RL's ``prepare_refit_info``), in its order."""
+
+    def set_membership(self, shards: Sequence[int] | None) -> None:
+        """The fleet's shards in the trainer's next world (NeMo's refit membership; ``None``: every shard)."""
 
     def sender_spec(self) -> CollectiveSenderSpec:
         """What the trainer's broadcast should use (``get_collective_sender_spec``)."""

@@ -11,7 +11,7 @@ Called by :class:`~megafleet.sdk.nemo.refit_wire_nemo.NemoWire`. Pure: JSON obje
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any, Literal
 
 from megafleet.api import v1alpha1
@@ -43,12 +43,25 @@ def fleet_ranks(fleet: Object) -> tuple[int, int]:
     return spec.replicas, parallelism.tensor * parallelism.pipeline * parallelism.context
 
 
-def world_check(fleet: Object, world_size: int, train_world_size: int) -> str | None:
-    """Why NeMo's world cannot be fielded by this fleet (``None`` when it can): the fleet must bring
-    exactly ``world_size - train_world_size`` ranks."""
+def world_check(
+    fleet: Object, world_size: int, train_world_size: int, members: Sequence[int] | None = None
+) -> str | None:
+    """Why NeMo's world cannot be fielded by this fleet (``None`` when it can): the fleet (or the
+    ``members`` of NeMo's refit membership) must bring exactly ``world_size - train_world_size`` ranks."""
     shards, per_shard = fleet_ranks(fleet)
     name = (fleet.get("metadata") or {}).get("name", "?")
     inference = world_size - train_world_size
+    if members is not None:
+        outside = [shard for shard in members if shard >= shards]
+        if outside:
+            return f"NeMo's refit membership names shards {outside}; fleet {name} has {shards}"
+        if inference != len(members) * per_shard:
+            return (
+                f"NeMo's inference world is {inference} ranks (world_size {world_size} - train_world_size "
+                f"{train_world_size}); its membership's {len(members)} shards x {per_shard} ranks = "
+                f"{len(members) * per_shard}"
+            )
+        return None
     if inference == shards * per_shard:
         return None
     return (
@@ -65,8 +78,10 @@ def session(
     fleet: Object,
     world: v1alpha1.NemoCollectiveSpec | v1alpha1.MegatronNativeSpec,
     join_timeout_seconds: int,
+    shards: Sequence[int] | None = None,
 ) -> dict[str, Any]:
-    """A ``RefitSession`` for ``world``, owned by the fleet (deleted with it)."""
+    """A ``RefitSession`` for ``world``, owned by the fleet (deleted with it); ``shards``: NeMo's refit
+    membership (``None``: every shard)."""
     metadata = fleet["metadata"]
     nemo = isinstance(world, v1alpha1.NemoCollectiveSpec)
     spec = v1alpha1.RefitSessionSpec(
@@ -74,6 +89,7 @@ def session(
         nemo_collective=world if nemo else None,
         megatron_native=None if nemo else world,
         join_timeout_seconds=join_timeout_seconds,
+        shards=None if shards is None else list(shards),
     )
     return {
         "apiVersion": v1alpha1.API_VERSION,

@@ -46,17 +46,6 @@ class Unsupported:
             "frontend URLs; read dp_openai_server_base_urls after prepare_for_generation()"
         )
 
-    def set_refit_membership(self, membership: Any) -> None:
-        """Not available: the operator decides a refit's membership from the live shards.
-
-        Raises:
-            NotImplementedError: always.
-        """
-        raise NotImplementedError(
-            "MegafleetGeneration takes no refit membership from the trainer: the operator refits the live "
-            "shards and retries without a dead one; call update_weights_from_collective() as usual"
-        )
-
     def update_weights_via_ipc_zmq(self) -> refs.ObjectRefs:
         """Not available: CUDA IPC needs the engines in the trainer's processes (colocated).
 
@@ -97,29 +86,15 @@ class Unsupported:
         """Not available: see :meth:`nccl_reshard_refit`."""
         raise _no_reshard()
 
-    def prepare_nccl_reshard_refit_info(self, refit_info: dict[str, Any]) -> None:
-        """Not available: see :meth:`nccl_reshard_refit`."""
-        raise _no_reshard()
-
     def nccl_reshard_refit(self, refit_timeout_s: float | None = None) -> refs.ObjectRefs:
-        """Not available: megafleet refits send full Hugging Face tensors to every shard, which
-        re-shards them itself; NCCL M-to-N resharding from pipeline stages is not implemented.
+        """Not available yet: the fleet's engines can receive NeMo's M-to-N reshard
+        (:mod:`megafleet_protocol.refit.nemo_reshard`), but the operator does not yet have the shards
+        join the stage communicators (``prepare_nccl_reshard_refit_info`` checks the refit info).
 
         Raises:
             NotImplementedError: always.
         """
         raise _no_reshard()
-
-    def attach_fleet_health(self, monitor: Any, selector: Any) -> None:
-        """Not available: the operator watches the fleet's shards itself.
-
-        Raises:
-            NotImplementedError: always.
-        """
-        raise NotImplementedError(
-            "async_rl.generation_fleet_health.enabled=true is not supported for the MegafleetGeneration generation "
-            "backend: the operator watches the shards and refits only live ones"
-        )
 
     def pause_generation(self, mode: str) -> None:
         """Not available: clients cannot pause a fleet; the fleet pauses itself during each Refit.
@@ -174,8 +149,9 @@ class Unsupported:
 
 def _no_reshard() -> NotImplementedError:
     return NotImplementedError(
-        "refit_transport='nccl_reshard' (NCCL M-to-N resharding) is not supported by megafleet: every shard "
-        "receives full tensors and re-shards them itself; use the collective path (init_collective + "
+        "refit_transport='nccl_reshard' (NCCL M-to-N resharding) is not run by the megafleet operator yet: the "
+        "engines' receiving side exists, but no shard joins the pipeline stages' communicators; use the "
+        "collective path (init_collective + "
         "update_weights_from_collective; refit_transport='collective'). The fleet never joins the reshard "
         "group, so the trainer's own futures of this call (its pipeline stages' init_nccl_reshard_comm_group "
         "and nccl_reshard_refit) will wait on their store and time out there: do not ray.get them"

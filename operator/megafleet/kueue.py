@@ -1,0 +1,102 @@
+"""Kueue's pod-group vocabulary: what makes one shard's pods one gang that Kueue admits whole, and
+what the operator reads back (a shard waiting for quota, a shard Kueue preempted).
+
+Pure functions over pod and Workload JSON; called by :mod:`megafleet.reconcile.shards` (pods of a
+shard joined into a group as they are created) and :mod:`megafleet.reconcile.admission` (what Kueue
+decided). docs/kueue.md says why a pod group (and not a Workload the operator writes itself) and
+which of the operator's placement and Kueue's admission decides what.
+
+A shard's pods carry the LocalQueue's name (``kueue.x-k8s.io/queue-name``), one group name and the
+group's size (``pod-group-name`` / ``pod-group-total-count``): Kueue's pod webhook gates each pod
+(``kueue.x-k8s.io/admission``) and Kueue makes one Workload for the group, named after it, which it
+admits only when the quota holds every pod; then it ungates them all. The group is marked
+``pod-group-serving`` (as Kueue's own LeaderWorkerSet integration marks its groups): its pods
+serve until deleted, never "finish". Each incarnation of a shard gets a group of its own name, so a
+shard placed again after a preemption never meets its old, evicted Workload.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import secrets
+
+from megafleet.objects import Object
+
+QUEUE_LABEL = "kueue.x-k8s.io/queue-name"
+GROUP_LABEL = "kueue.x-k8s.io/pod-group-name"
+GROUP_TOTAL_ANNOTATION = "kueue.x-k8s.io/pod-group-total-count"
+SERVING_ANNOTATION = "kueue.x-k8s.io/pod-group-serving"
+ROLE_ANNOTATION = "kueue.x-k8s.io/role-hash"
+ADMISSION_GATE = "kueue.x-k8s.io/admission"
+"""The scheduling gate Kueue's pod webhook adds and removes once the group is admitted."""
+TERMINATION_TARGET = "TerminationTarget"
+"""The pod condition Kueue sets on each pod it stops (its reason: ``WorkloadEvicted`` for a preemption)."""
+WORKLOADS = "/apis/kueue.x-k8s.io/v1beta2/namespaces/{namespace}/workloads/{name}"
+
+ROLE_FRONTEND = "frontend"
+ROLE_RANKS = "ranks"
+"""A group's roles: Kueue makes a pod set per role. Its own role hash would count each pod's node pin
+(the affinity differs per pod), one pod set per pod, and Kueue refuses a group of more than 8."""
+
+GROUP_NAME_CHARACTERS = 63
+"""A group name is a label value and the Workload's name."""
+
+
+def group_name(fleet: str, shard: int, nonce: str | None = None) -> str:
+    """A new group name for one incarnation of ``shard``: ``<fleet>-<shard>-<nonce>``, the fleet's
+    name shortened (with a hash of it) where the whole would not fit a label value."""
+    nonce = nonce or secrets.token_hex(3)
+    tail = f"-{shard}-{nonce}"
+    room = GROUP_NAME_CHARACTERS - len(tail)
+    head = fleet if len(fleet) <= room else f"{fleet[: room - 9]}-{hashlib.sha256(fleet.encode()).hexdigest()[:8]}"
+    return f"{head}{tail}".lower()
+
+
+def join(pods: list[Object], *, queue: str, group: str) -> list[Object]:
+    """``pods`` (one shard, pod 0 first) as one Kueue pod group in ``queue``: labels and annotations added."""
+    joined = []
+    for index, pod in enumerate(pods):
+        metadata = pod["metadata"]
+        labels = {**metadata.get("labels", {}), QUEUE_LABEL: queue, GROUP_LABEL: group}
+        annotations = {
+            **metadata.get("annotations", {}),
+            GROUP_TOTAL_ANNOTATION: str(len(pods)),
+            SERVING_ANNOTATION: "true",
+            ROLE_ANNOTATION: ROLE_FRONTEND if index == 0 else ROLE_RANKS,
+        }
+        joined.append({**pod, "metadata": {**metadata, "labels": labels, "annotations": annotations}})
+    return joined
+
+
+def group_of(pod: Object) -> str | None:
+    """The Kueue group a pod belongs to, if any."""
+    group: str | None = (pod["metadata"].get("labels") or {}).get(GROUP_LABEL)
+    return group
+
+
+def gated(pod: Object) -> bool:
+    """Kueue holds the pod: its group is not admitted (yet, or again)."""
+    gates = (pod.get("spec") or {}).get("schedulingGates") or []
+    return any(gate.get("name") == ADMISSION_GATE for gate in gates)
+
+
+def stopped_by_kueue(pod: Object) -> str | None:
+    """Why Kueue stopped the pod (its ``TerminationTarget`` condition: the eviction's message, e.g. a
+    preemption), or None."""
+    for condition in (pod.get("status") or {}).get("conditions") or []:
+        if condition.get("type") == TERMINATION_TARGET and condition.get("status") == "True":
+            reason = str(condition.get("reason") or "Stopped")
+            message = str(condition.get("message") or "").strip()
+            return f"{reason}: {message}" if message else reason
+    return None
+
+
+def waiting_reason(workload: Object | None) -> str:
+    """Why Kueue has not admitted a group, from its Workload: the ``QuotaReserved`` condition's
+    message (Kueue says which resource of which flavor is short), else the Workload's absence."""
+    if workload is None:
+        return "Kueue has not made the group's Workload yet"
+    for condition in (workload.get("status") or {}).get("conditions") or []:
+        if condition.get("type") == "QuotaReserved" and condition.get("status") != "True":
+            return str(condition.get("message") or condition.get("reason") or "no quota reserved")
+    return "quota reserved, waiting for Kueue to admit the group"

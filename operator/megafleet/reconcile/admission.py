@@ -1,0 +1,103 @@
+"""Kueue's admission of whole shards, for a fleet with ``spec.placement.gang.scheduler: Kueue``.
+
+Called by :func:`megafleet.reconcile.reconcile`: :func:`observe` right after the pods are observed
+(before healing), :func:`gang` by :func:`megafleet.reconcile.shards.place` on each shard's pods as
+they are made, and :func:`condition` when the status is written. The operator's placement decides
+where a shard goes (nodes, clique) and makes its pods; Kueue decides whether and when the shard
+runs (its ClusterQueue's quota, priorities, preemption): the pods wait behind Kueue's scheduling
+gate until their group is admitted, all of them at once. Neither overrides the other
+(docs/kueue.md).
+
+- A shard whose pods are gated waits: the ``Admitted`` condition is False, reason
+  ``WaitingForQuota``, naming the LocalQueue and Kueue's own words for the lowest waiting shard.
+- A shard Kueue stopped (its pods carry Kueue's ``TerminationTarget`` condition: a preemption) is
+  removed whole (what Kueue has not deleted yet, the operator deletes), reported once
+  (``ShardPreempted``) and not counted as a restart; it is placed again as a new group and waits
+  in the queue until Kueue admits it.
+"""
+
+from __future__ import annotations
+
+from megafleet import conditions, desired, kueue, names
+from megafleet.fleet_state import ownership, pods
+from megafleet.objects import Object
+from megafleet.reconcile import context
+
+
+def uses_kueue(fleet: desired.ParsedFleet) -> bool:
+    return fleet.spec.placement.gang.scheduler == "Kueue"
+
+
+def gang(fleet: desired.ParsedFleet, shard: int, members: list[Object]) -> list[Object]:
+    """One shard's pods as one Kueue pod group of a new name, when the fleet uses Kueue."""
+    queue = fleet.spec.placement.gang.queue
+    if not uses_kueue(fleet) or queue is None:
+        return members
+    return kueue.join(members, queue=queue, group=kueue.group_name(fleet.name, shard))
+
+
+async def observe(ctx: context.FleetContext) -> None:
+    """Record the shards Kueue holds in ``ctx.queued`` and remove, whole, the shards it stopped."""
+    if not uses_kueue(ctx.fleet):
+        return
+    raw = ownership.only_owned(await pods.labelled_objects(ctx.api, ctx.runtime.cache, "Pod", ctx.fleet), ctx.fleet)
+    gated: dict[int, str] = {}
+    stopped: dict[int, str] = {}
+    for pod in raw:
+        shard = int(pod["metadata"]["labels"][names.LABEL_SHARD])
+        reason = kueue.stopped_by_kueue(pod)
+        if reason is not None:
+            stopped.setdefault(shard, reason)
+        elif kueue.gated(pod) and not pod["metadata"].get("deletionTimestamp"):
+            gated.setdefault(shard, kueue.group_of(pod) or "")
+    for shard, reason in sorted(stopped.items()):
+        await _remove_stopped(ctx, shard, reason)
+    waiting = sorted(shard for shard in gated if shard not in stopped)
+    if waiting:
+        first = waiting[0]
+        workload = await ctx.api.get("Workload", gated[first], ctx.fleet.namespace) if gated[first] else None
+        ctx.queued = {shard: kueue.waiting_reason(workload) if shard == first else "" for shard in waiting}
+
+
+def created(ctx: context.FleetContext, shard: int, members: list[Object]) -> None:
+    """A shard just placed waits from now on if Kueue's webhook gated its pods (the created objects
+    say so): no later pod event may come before Kueue admits it."""
+    if uses_kueue(ctx.fleet) and any(kueue.gated(pod) for pod in members):
+        ctx.queued.setdefault(shard, "just placed; Kueue has not admitted its pod group yet")
+
+
+async def _remove_stopped(ctx: context.FleetContext, shard: int, reason: str) -> None:
+    """Delete what is left of a shard Kueue stopped and report it once: the first reconcile that sees
+    it finds the shard's pods still listed in the status, and clears them so healing counts no restart."""
+    for pod in ctx.shards.take(shard):
+        await ctx.api.delete("Pod", pod.name, ctx.fleet.namespace)
+    entries = list(ctx.status.get("shards", []))
+    listed = [index for index, item in enumerate(entries) if item.get("index") == shard and item.get("pods")]
+    if not listed:
+        return
+    entries[listed[0]] = {**entries[listed[0]], "pods": []}
+    ctx.status = {**ctx.status, "shards": entries}
+    queue = ctx.fleet.spec.placement.gang.queue
+    ctx.notify(
+        "Warning",
+        "ShardPreempted",
+        f"shard {shard} was stopped by Kueue ({reason}): removed whole; it waits in LocalQueue {queue} to be "
+        "admitted again",
+    )
+
+
+def condition(ctx: context.FleetContext, found: list[conditions.Condition], *, now: str) -> list[conditions.Condition]:
+    """``found`` with ``Admitted`` set (fleets using Kueue only): False while a shard waits."""
+    if not uses_kueue(ctx.fleet):
+        return found
+    queue, generation = ctx.fleet.spec.placement.gang.queue, ctx.fleet.generation
+    if ctx.queued:
+        shards = ", ".join(str(shard) for shard in sorted(ctx.queued))
+        first = min(ctx.queued)
+        message = (
+            f"shards {shards} wait in LocalQueue {queue}: not admitted by Kueue (shard {first}: {ctx.queued[first]})"
+        )
+        verdict = conditions.Verdict(False, "WaitingForQuota", message[: context.SUMMARY_CHARACTERS])
+    else:
+        verdict = conditions.Verdict(True, "AllShardsAdmitted", f"Kueue admitted every shard from LocalQueue {queue}")
+    return conditions.set_condition(found, conditions.ADMITTED, verdict, generation=generation, now=now)
