@@ -138,9 +138,18 @@ def test_staging_auto_without_a_copy_says_why_and_required_fails_before_it_start
             id="defaults-leave-staging-and-integrity-to-the-agent",
         ),
         pytest.param(
-            modes.resolve(fleet(inFlight="keep", staging="auto", integrity="checksum"), refit(), members(KEEPS_ALL)),
+            modes.resolve(
+                fleet(inFlight="keep", staging="auto", integrity="checksum"),
+                refit(source={"rendezvous": {"address": "10.0.0.1", "port": 29600}}),
+                members(KEEPS_ALL),
+            ),
             {"suspendMode": "keep", "kvCacheMode": "persist", "staging": "auto", "integrity": "checksum"},
             id="everything-on",
+        ),
+        pytest.param(
+            modes.resolve(fleet(inFlight="keep", staging="auto", integrity="checksum"), refit(), members(KEEPS_ALL)),
+            {"suspendMode": "keep", "kvCacheMode": "persist", "staging": "auto"},
+            id="a-checkpoint-load-asks-no-integrity",
         ),
     ],
 )

@@ -287,7 +287,7 @@ class MegatronBackend:
             outcome = self._kv.switch(tick.mode)
         elif tick.control == "discard":
             self._settlement.forget()
-        if tick.control in ("resume", "switch"):  # the weights may have changed: no old prefix may match
+        if tick.control in ("resume", "switch") and self.prefix_caching:  # new weights: no old prefix may match
             kv_cache.invalidate_prefixes(self.engine.context.kv_block_allocator)
         self._batch.held = self._kv.kept
         return outcome
