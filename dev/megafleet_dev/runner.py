@@ -188,7 +188,7 @@ class Runner:
         code = process.popen.returncode
         self.processes.pop(process.uid)
         namespace, name = pod["metadata"]["namespace"], pod["metadata"]["name"]
-        status = {"status": exit_status(pod, code, process.termination_log)}
+        status = status_patch(pod, exit_status(pod, code, process.termination_log))
         try:
             self.client.patch(f"/api/v1/namespaces/{namespace}/pods/{name}/status", status)
         except kube.KubeError:
@@ -200,7 +200,7 @@ class Runner:
         uid, namespace, name = pod["metadata"]["uid"], pod["metadata"]["namespace"], pod["metadata"]["name"]
         if uid in self.processes:
             self._kill(uid)
-        status = {"status": {"phase": "Failed", "reason": "Terminated", "message": "the pod was deleted"}}
+        status = status_patch(pod, {"phase": "Failed", "reason": "Terminated", "message": "the pod was deleted"})
         try:
             self.client.patch(f"/api/v1/namespaces/{namespace}/pods/{name}/status", status)
         except kube.KubeError:
@@ -215,6 +215,14 @@ class Runner:
             except subprocess.TimeoutExpired:
                 os.killpg(process.popen.pid, signal.SIGKILL)
                 process.popen.wait()
+
+
+def status_patch(pod: dict[str, Any], status: dict[str, Any]) -> dict[str, Any]:
+    """A merge patch of ``pod``'s status that names its uid, as a kubelet's does: the API server
+    refuses it (the uid cannot change) once the pod is gone and a new pod has its name, as a shard
+    placed again has (its engine's end, reported after the old pod's finalizer let it go, must not
+    end the new pod)."""
+    return {"metadata": {"uid": pod["metadata"]["uid"]}, "status": status}
 
 
 def exit_status(pod: dict[str, Any], code: int, termination_log: Path) -> dict[str, Any]:

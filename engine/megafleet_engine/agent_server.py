@@ -28,6 +28,8 @@ Routes: ``GET /healthz``, ``GET /readyz``, ``GET /v1/state``, ``POST /v1/suspend
   ``init_collective`` time, on a thread, without suspending; ``POST /v1/refit/nemo/leave`` (200,
   idempotent): drop that membership (a refit running over it fails). While joined, each rank probes
   the trainer's store every 10 s (``world.storeReachable`` in the status).
+* ``POST /v1/refit/nemo/reshard/join`` and ``/v1/refit/nemo/reshard`` (202): NeMo's M-to-N reshard beside a
+  joined world: join every pipeline stage's communicator, then refits (:mod:`.refit_attempts.sources.nemo_reshard`).
 * ``POST /v1/refit/megatron/join`` (202), ``POST /v1/refit/megatron`` (202) and
   ``POST /v1/refit/megatron/leave``: megatron-core's own refit from a megatron-core trainer
   (:mod:`megafleet_engine.refit_attempts.megatron_group`): join its refit group at the store at
@@ -87,9 +89,9 @@ from megafleet_engine import peer_sends
 from megafleet_engine import siblings as siblings_module
 from megafleet_engine.openai import errors
 from megafleet_engine.refit_attempts import controller as refit_controller
-from megafleet_engine.refit_attempts import megatron_group, memberships, reports, sources
+from megafleet_engine.refit_attempts import megatron_group, reports, reshard_stages, sources
 from megafleet_engine.refit_attempts import phases as refit_phases
-from megafleet_engine.refit_attempts.sources import checkpoint, nemo_collective
+from megafleet_engine.refit_attempts.sources import checkpoint, nemo_collective, nemo_reshard
 from megafleet_engine.refit_attempts.sources import peer as peer_source
 from megafleet_engine.refit_attempts.sources import rendezvous as rendezvous_source
 from megafleet_protocol import agent_api, vocabulary
@@ -313,10 +315,8 @@ async def refit_nemo(
     rendezvous = body.rendezvous
     info = tuple((tensor.name, tuple(tensor.shape), tensor.dtype) for tensor in body.refit_info)
     if rendezvous is None:  # the session form: over the world joined by /nemo/join, never joining
-        try:
+        with _refusals():  # 409 nemo_not_joined
             joined = agent.refits.joined(body.session)
-        except refit_controller.NotJoined as error:
-            raise errors.Conflict(str(error), code="nemo_not_joined") from None
         session_refit = joined.refit(
             version=body.version,
             refit_info=info,
@@ -343,6 +343,26 @@ async def refit_nemo(
         **_commit(body),
     )
     return await _start_refit(agent, refit, agent_api.REFIT_NEMO, body)
+
+
+@refit_router.post("/nemo/reshard/join", status_code=202)
+async def refit_nemo_reshard_join(
+    body: agent_api.NemoReshardJoinRequest, request: fastapi.Request, agent: AgentDep
+) -> responses.JSONResponse:
+    join = reshard_stages.StageJoinRequest.of(body, agent.transfer_address or _pod_address(request))
+    with _refusals():
+        own = reports.world_body(agent.refits.join_stages(join))
+    others = await _forward(agent, agent_api.REFIT_NEMO_RESHARD_JOIN, body)
+    combined = own if others is None else siblings_module.combine_world([own, *others])
+    return responses.JSONResponse(combined, status_code=202)
+
+
+@refit_router.post("/nemo/reshard", status_code=202)
+async def refit_nemo_reshard(body: agent_api.NemoReshardRefitRequest, agent: AgentDep) -> responses.JSONResponse:
+    with _refusals():
+        joined, stages = agent.refits.joined(body.session), agent.refits.stages(body.session)
+        refit = nemo_reshard.ReshardRequest.of(body, joined, stages, _in_flight(body), **_commit(body))
+    return await _start_refit(agent, refit, agent_api.REFIT_NEMO_RESHARD, body)
 
 
 @refit_router.get("/status")
@@ -510,6 +530,8 @@ def _refusals() -> Iterator[None]:
     """The controller's refusals of a refit or join as the agent answers them (409, or 400)."""
     try:
         yield
+    except refit_controller.NotJoined as error:
+        raise errors.Conflict(str(error), code="nemo_not_joined") from None
     except refit_controller.Busy as error:
         raise errors.Conflict(str(error), code="refit_in_progress") from None
     except refit_controller.Refused as error:
@@ -549,18 +571,9 @@ def _pod_address(request: fastapi.Request) -> str | None:
 
 def _refit_status_body(agent: AgentServer, snapshot: refit_phases.Snapshot) -> dict[str, Any]:
     engine = agent.engine
-    held = reports.Held(agent.refits.dirty, engine.state, engine.weight_version, reports.world(*_last_world(agent)))
+    shown = reports.shown_world(agent.megatron.world(), agent.refits.world())
+    held = reports.Held(agent.refits.dirty, engine.state, engine.weight_version, reports.world(*shown))
     return reports.status(snapshot, held)
-
-
-def _last_world(agent: AgentServer) -> tuple[memberships.WorldSnapshot | None, str]:
-    """The membership the refit status shows: a megatron-native one while it is joining or joined
-    (or when there is no NeMo one), else NeMo's, with its protocol."""
-    megatron = agent.megatron.world()
-    nemo = agent.refits.world()
-    if megatron is not None and (nemo is None or megatron.phase in ("joining", "joined")):
-        return megatron, "megatron"
-    return nemo, "nemo"
 
 
 def _state(agent: AgentServer) -> responses.JSONResponse:

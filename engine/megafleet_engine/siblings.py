@@ -100,14 +100,24 @@ _WORLD_ORDER = ("failed", "left", "joining", "joined")
 def combine_world(ranks: Sequence[Mapping[str, Any] | None]) -> dict[str, Any] | None:
     """One membership of NeMo's world for the pod from every rank's (``world`` of the refit status,
     or a join's answer): the least advanced phase of any rank (failed first, then left, joining,
-    joined), with the errors of the ranks that failed; ``None`` when no rank joined anything."""
+    joined), with the errors of the ranks that failed; ``None`` when no rank joined anything. The
+    stage communicators of NeMo's reshard (``reshard``) are combined the same way."""
+    combined = _least_advanced(ranks, "NeMo's world")
+    if combined is not None and any(world and world.get("reshard") for world in ranks):
+        combined["reshard"] = _least_advanced(
+            [world.get("reshard") if world else None for world in ranks], "the stage communicators"
+        )
+    return combined
+
+
+def _least_advanced(ranks: Sequence[Mapping[str, Any] | None], what: str) -> dict[str, Any] | None:
     worlds = [world for world in ranks if world]
     if not worlds:
         return None
     combined = dict(worlds[0])
     if len(worlds) < len(ranks):  # a rank that never heard of the join holds no membership
         combined["phase"] = "failed"
-        combined["error"] = "a rank of this pod has not joined NeMo's world"
+        combined["error"] = f"a rank of this pod has not joined {what}"
         return combined
     combined["phase"] = min((str(world.get("phase")) for world in worlds), key=_WORLD_ORDER.index)
     errors = [f"rank {world.get('rank')}: {world.get('error')}" for world in worlds if world.get("error")]

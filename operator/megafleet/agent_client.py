@@ -146,22 +146,24 @@ class AgentClient:
 
     async def refit_start(self, pod_ip: str, token: str, body: agent_api.RefitRequest) -> str | None:
         """Start a refit attempt: ``POST /v1/refit/prepare`` (a rendezvous request),
-        ``/v1/refit/checkpoint``, ``/v1/refit/nemo`` (a session refit over a joined NeMo world) or
-        ``/v1/refit/megatron`` (a session refit over a joined megatron-core group); returns an error
+        ``/v1/refit/checkpoint``, ``/v1/refit/nemo`` (a session refit over a joined NeMo world),
+        ``/v1/refit/nemo/reshard`` (the same with NeMo's M-to-N reshard), ``/v1/refit/megatron`` (a
+        session refit over a joined megatron-core group) or ``/v1/refit/peer``; returns an error
         text, or None."""
         return await self._post(pod_ip, token, _REFIT_PATHS[type(body)], body)
 
     async def join(
-        self, pod_ip: str, token: str, body: agent_api.NemoJoinRequest | agent_api.MegatronJoinRequest
+        self,
+        pod_ip: str,
+        token: str,
+        body: agent_api.NemoJoinRequest | agent_api.MegatronJoinRequest | agent_api.NemoReshardJoinRequest,
     ) -> str | None:
         """Join a trainer's world for a RefitSession (``POST /v1/refit/nemo/join`` or
-        ``/v1/refit/megatron/join``; the pod's agent forwards it to its other local ranks); the join
-        runs on in the pod and ``GET /v1/refit/status``'s ``world`` tells its outcome. Returns an
-        error text, or None."""
-        path = (
-            agent_api.REFIT_NEMO_JOIN if isinstance(body, agent_api.NemoJoinRequest) else agent_api.REFIT_MEGATRON_JOIN
-        )
-        return await self._post(pod_ip, token, path, body)
+        ``/v1/refit/megatron/join``), or the stage communicators of NeMo's reshard beside a joined
+        NeMo world (``/v1/refit/nemo/reshard/join``); the pod's agent forwards it to its other local
+        ranks; the join runs on in the pod and ``GET /v1/refit/status``'s ``world`` tells its outcome.
+        Returns an error text, or None."""
+        return await self._post(pod_ip, token, _JOIN_PATHS[type(body)], body)
 
     async def leave(self, pod_ip: str, token: str, session: str, *, protocol: Literal["nemo", "megatron"]) -> None:
         """``POST /v1/refit/nemo/leave`` or ``/v1/refit/megatron/leave``: drop the pod's membership of
@@ -259,8 +261,15 @@ _REFIT_PATHS: dict[type[pydantic.BaseModel], str] = {
     agent_api.NemoRefitRequest: agent_api.REFIT_NEMO,
     agent_api.MegatronRefitRequest: agent_api.REFIT_MEGATRON,
     agent_api.PeerRefitRequest: agent_api.REFIT_PEER,
+    agent_api.NemoReshardRefitRequest: agent_api.REFIT_NEMO_RESHARD,
 }
 """Where each kind of refit request starts its attempt."""
+_JOIN_PATHS: dict[type[pydantic.BaseModel], str] = {
+    agent_api.NemoJoinRequest: agent_api.REFIT_NEMO_JOIN,
+    agent_api.MegatronJoinRequest: agent_api.REFIT_MEGATRON_JOIN,
+    agent_api.NemoReshardJoinRequest: agent_api.REFIT_NEMO_RESHARD_JOIN,
+}
+"""Where each kind of join goes."""
 
 
 def _json(body: pydantic.BaseModel) -> Any:

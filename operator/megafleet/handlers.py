@@ -1,9 +1,10 @@
 """Kopf handlers: every trigger runs the same level-based :func:`megafleet.reconcile.reconcile`.
 
 Imported by ``megafleet operator`` (:mod:`megafleet.operator_main`). Triggers: the fleet is created,
-its spec changes, the operator resumes, any event of a pod the fleet owns, and the observation daemon
-(:mod:`megafleet.reconcile.pacing`: a reconcile every few seconds while the fleet changes, a slow
-agent probe once it is settled). Reconciles read pods, Services and nodes from Kopf indexes
+its spec changes, the operator resumes, any event of a pod the fleet owns (a pod whose fleet is
+gone has its Kueue pod group ended: :func:`megafleet.reconcile.admission.release_orphan`), and the
+observation daemon (:mod:`megafleet.reconcile.pacing`: a reconcile every few seconds while the fleet
+changes, a slow agent probe once it is settled). Reconciles read pods, Services and nodes from Kopf indexes
 (:mod:`megafleet.reconcile.cache`), which Kopf fills before it runs any handler. Refits are
 advanced by :mod:`megafleet.refits.refit_controller` on create and a poll, and RefitSessions by
 :mod:`megafleet.refits.session_controller` on create, resume and a poll. The polls are daemons that end once
@@ -27,8 +28,8 @@ import kopf
 from megafleet import agent_client, kube, metrics, names, persistence, reconcile
 from megafleet import settings as operator_settings
 from megafleet.api import v1alpha1
+from megafleet.reconcile import admission, context, lost_nodes, pacing
 from megafleet.reconcile import cache as watch_cache
-from megafleet.reconcile import context, lost_nodes, pacing
 from megafleet.refits import refit_controller, session_controller, session_status
 
 log = logging.getLogger(__name__)
@@ -251,7 +252,8 @@ async def on_pod_event(
         metrics.RECONCILES.labels(outcome="unchanged").inc()
         return
     gather = runtime.settings.triggers.pod_event_gather_seconds
-    await _reconcile(runtime, namespace, fleet, gather=gather)
+    if not await _reconcile(runtime, namespace, fleet, gather=gather) and type != "DELETED":
+        await admission.release_orphan(runtime.api, _raw(body))  # Kueue's finalizer would hold it
 
 
 def _deleted(type: str | None, **_: Any) -> bool:
@@ -272,16 +274,17 @@ def _unfinished(status: Mapping[str, Any], **_: Any) -> bool:
     return status.get("phase") not in ("Succeeded", "Failed")
 
 
-async def _advance_refit(runtime: context.Runtime, namespace: str, name: str, fleet: str) -> bool:
-    """One step of the Refit; False when it is gone or finished."""
+async def _advance_refit(runtime: context.Runtime, namespace: str, name: str, fleet: str) -> str | None:
+    """One step of the Refit; the phase it was in before the step, None when it is gone or finished."""
     async with runtime.fleet_lock(namespace, fleet):  # never beside the fleet's reconcile
         # Read under the lock: a trigger that waited for it must see what the one before it wrote
         # (two triggers starting the same attempt would each tell the agents to join).
         body = await runtime.api.get("Refit", name, namespace)
-        if body is None or not _unfinished(body.get("status") or {}):
-            return False
+        status = (body or {}).get("status") or {}
+        if body is None or not _unfinished(status):
+            return None
         await refit_controller.advance(runtime, body)
-        return True
+        return str(status.get("phase") or "Pending")
 
 
 @kopf.on.create(*REFITS, backoff=_TRIGGERS.retry_seconds)
@@ -295,9 +298,11 @@ async def poll_refit(
     namespace: str | None, name: str, spec: Mapping[str, Any], memo: kopf.Memo, stopped: kopf.DaemonStopped, **_: Any
 ) -> None:
     runtime, fleet = _runtime(memo), spec["fleetRef"]["name"]
-    await poll(
-        stopped, SETTINGS.refit.poll_seconds, lambda: _advance_refit(runtime, namespace or "default", name, fleet)
-    )
+    while not stopped:  # a timer that ends by itself, as poll(): faster while the Refit runs
+        phase = await _advance_refit(runtime, namespace or "default", name, fleet)
+        if phase is None:
+            return
+        await stopped.wait(SETTINGS.refit.next_poll_seconds(phase))
 
 
 def _session_open(status: Mapping[str, Any], **_: Any) -> bool:

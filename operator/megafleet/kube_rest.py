@@ -72,7 +72,7 @@ Refit = create_namespaced_resource(v1alpha1.GROUP, v1alpha1.VERSION, "Refit", "r
 RefitSession = create_namespaced_resource(v1alpha1.GROUP, v1alpha1.VERSION, "RefitSession", "refitsessions")
 # NVIDIA's DRA driver's IMEX domain, one per shard spanning nodes (megafleet.compute_domain).
 ComputeDomain = create_namespaced_resource("resource.nvidia.com", "v1beta1", "ComputeDomain", "computedomains")
-# Kueue's Workload of a shard's pod group (read only: why a shard waits; megafleet.reconcile.admission).
+# Kueue's Workload of a shard's pod group (why a shard waits; deleted to end the group: megafleet.reconcile.admission).
 Workload = create_namespaced_resource("kueue.x-k8s.io", "v1beta2", "Workload", "workloads")
 
 KINDS: dict[str, Any] = {

@@ -13,6 +13,12 @@ admits only when the quota holds every pod; then it ungates them all. The group 
 ``pod-group-serving`` (as Kueue's own LeaderWorkerSet integration marks its groups): its pods
 serve until deleted, never "finish". Each incarnation of a shard gets a group of its own name, so a
 shard placed again after a preemption never meets its old, evicted Workload.
+
+A group ends when the operator deletes its Workload (:func:`retired` says which), Kueue's own way of
+ending a pod group: Kueue then stops what is left of it and takes its finalizer off the pods. Nothing
+else ends a serving group: it never finishes, and an evicted one waits in the queue, holding its
+deleted pods under Kueue's finalizer, for replacement pods of the same group, which the operator
+never makes (a shard placed again is a new group).
 """
 
 from __future__ import annotations
@@ -29,6 +35,8 @@ SERVING_ANNOTATION = "kueue.x-k8s.io/pod-group-serving"
 ROLE_ANNOTATION = "kueue.x-k8s.io/role-hash"
 ADMISSION_GATE = "kueue.x-k8s.io/admission"
 """The scheduling gate Kueue's pod webhook adds and removes once the group is admitted."""
+MANAGED_FINALIZER = "kueue.x-k8s.io/managed"
+"""Kueue's finalizer on each pod of a group: it holds a deleted pod until Kueue lets the group go."""
 TERMINATION_TARGET = "TerminationTarget"
 """The pod condition Kueue sets on each pod it stops (its reason: ``WorkloadEvicted`` for a preemption)."""
 WORKLOADS = "/apis/kueue.x-k8s.io/v1beta2/namespaces/{namespace}/workloads/{name}"
@@ -72,6 +80,23 @@ def group_of(pod: Object) -> str | None:
     """The Kueue group a pod belongs to, if any."""
     group: str | None = (pod["metadata"].get("labels") or {}).get(GROUP_LABEL)
     return group
+
+
+def retired(pods: list[Object]) -> list[str]:
+    """The groups among ``pods`` that are over but still held by Kueue: every pod of the group being
+    deleted (the operator removes, and Kueue stops, whole shards) and one still carrying Kueue's
+    finalizer. Each incarnation of a shard is a group of its own, so such a group never runs again."""
+    members: dict[str, list[Object]] = {}
+    for pod in pods:
+        group = group_of(pod)
+        if group:
+            members.setdefault(group, []).append(pod)
+    return sorted(
+        group
+        for group, found in members.items()
+        if all(pod["metadata"].get("deletionTimestamp") for pod in found)
+        and any(MANAGED_FINALIZER in (pod["metadata"].get("finalizers") or []) for pod in found)
+    )
 
 
 def gated(pod: Object) -> bool:

@@ -97,10 +97,19 @@ class RefitSettings:
     """The Refit controller (:mod:`megafleet.refits.refit_controller`)."""
 
     poll_seconds: float = 1.0
-    """Seconds between progress polls of a running refit's agents (default 1)."""
+    """Seconds between steps of a Refit that does not run yet (waiting for its fleet or its trainer;
+    default 1)."""
+    running_poll_seconds: float = 0.2
+    """Seconds between progress polls of a running Refit's agents (default 0.2): a staged member
+    waits for the operator's commit, and every poll of the wait is time the fleet serves the old
+    version."""
     max_attempts: int = 2
     """Attempts of one Refit (default 2): a failed attempt is retried once with the shards still
     alive, then the Refit is ``Failed``."""
+
+    def next_poll_seconds(self, phase: str) -> float:
+        """How long the Refit timer waits after a step of a Refit that was in ``phase``."""
+        return self.running_poll_seconds if phase == "Running" else self.poll_seconds
 
 
 @dataclasses.dataclass(frozen=True)

@@ -9,11 +9,11 @@ shard: 1 CPU, 1 GiB):
    ``Admitted`` condition False naming the LocalQueue and Kueue's reason (the quota);
 2. the quota raised to two shards: the waiting shard is admitted, the fleet is Ready with both;
 3. a fleet of a higher PriorityClass in the same queue: Kueue preempts one shard of the first
-   fleet, which the operator reports (``ShardPreempted``), and the higher fleet is Ready.
-
-Not shown here yet (docs/kueue.md, "On the local cluster"): the preempted shard waiting again and
-healed once a scale-in returns the quota; on this cluster its stopped pods stay terminating under
-Kueue's finalizer.
+   fleet, which the operator reports (``ShardPreempted``), and the higher fleet is Ready;
+4. the preempted shard is placed again as a new pod group, which waits for quota (no restart);
+5. the higher fleet scaled in to no shard: its quota returns, the waiting shard is admitted and the
+   first fleet is Ready with both shards again;
+6. both fleets deleted: no pod is left terminating under Kueue's finalizer, no Workload is left.
 
 Its own tier (marker ``kueue``; ``pytest -m kueue tests/e2e/test_kueue.py``): Kueue is built on first
 use (docs/development.md gives the cold build time).
@@ -101,7 +101,13 @@ def gated(pod: Object) -> bool:
     return any(gate.get("name") == "kueue.x-k8s.io/admission" for gate in pod["spec"].get("schedulingGates") or [])
 
 
-def test_kueue_admits_whole_shards_preempts_and_returns_quota(
+def reasons(kube_admin: kube.Kube, events: str) -> list[tuple[str, str, str]]:
+    """The namespace's Events, oldest first: what a failed assertion shows."""
+    found = sorted(kube_admin.list(events)["items"], key=lambda event: event.get("lastTimestamp") or "")
+    return [(event["involvedObject"]["name"], event["reason"], event.get("message", "")) for event in found]
+
+
+def test_kueue_admits_whole_shards_preempts_readmits_and_returns_quota(
     running_kueue: kueue.Kueue, kube_admin: kube.Kube, namespace: str
 ) -> None:
     suffix = uuid.uuid4().hex[:6]
@@ -162,9 +168,37 @@ def test_kueue_admits_whole_shards_preempts_and_returns_quota(
             events, bool, field_selector="reason=ShardPreempted", timeout=WAIT, what="a ShardPreempted Event"
         )
         assert "stopped by Kueue" in preempted[0]["message"] and preempted[0]["involvedObject"]["name"] == LOW
-        assert kube_admin.wait(
-            f"{base.fleets(namespace)}/{HIGH}", base.ready, timeout=WAIT, what="the higher priority fleet Ready"
+        high = f"{base.fleets(namespace)}/{HIGH}"
+        assert kube_admin.wait(high, base.ready, timeout=WAIT, what="the higher priority fleet Ready")
+
+        # 4. The preempted shard is placed again as a new group, which waits in the queue.
+        kube_admin.wait(
+            low,
+            lambda o: ready_shards(o) == 1 and admitted(o).get("reason") == "WaitingForQuota",
+            timeout=WAIT,
+            what="the preempted shard waiting for quota again",
         )
+        pods = engine_pods(kube_admin, namespace, LOW)
+        regrouped = {pod["metadata"]["labels"]["kueue.x-k8s.io/pod-group-name"] for pod in pods if gated(pod)}
+        assert len(pods) == 2 and len(regrouped) == 1 and not regrouped & groups, "a new group, gated"
+
+        # 5. The higher fleet scaled in: its quota returns and the waiting shard is admitted.
+        kube_admin.patch(high, {"spec": {"replicas": 0}})
+        healed = kube_admin.wait(
+            low,
+            lambda o: base.ready(o) and ready_shards(o) == 2 and admitted(o).get("status") == "True",
+            timeout=WAIT,
+            what="the preempted shard admitted again and Ready",
+        )
+        assert healed is not None
+        restarts = [entry.get("restarts", 0) for entry in healed["status"]["shards"]]
+        assert restarts == [0, 0], (healed["status"]["shards"], reasons(kube_admin, events))
+
+        # 6. Both fleets deleted: Kueue's finalizer held no pod back, no Workload is left.
+        for name in (LOW, HIGH):
+            kube_admin.delete(f"{base.fleets(namespace)}/{name}")
+        for collection in (f"/api/v1/namespaces/{namespace}/pods", f"{kueue.API}/namespaces/{namespace}/workloads"):
+            kube_admin.wait_items(collection, lambda items: not items, timeout=WAIT, what=f"{collection} empty")
     finally:
         for name in (LOW, HIGH):
             kube_admin.delete(f"{base.fleets(namespace)}/{name}", missing_ok=True)

@@ -21,20 +21,17 @@ from typing import Any
 
 import pytest
 import ray
-import torch
 
-from helpers import nemo_collector, nemo_trainer, operator_env, refit_e2e, refit_harness
+from helpers import nemo_collector, nemo_serving, nemo_trainer, operator_env, refit_e2e, refit_harness
 from megafleet.sdk import errors, nemo
 from megafleet_dev import kube
-from megafleet_engine.models import tiny
 
 WAIT = refit_e2e.WAIT
 TRAINER_RANKS = 2
 FLEET_RANKS = 2  # two shards of one rank
 WORLD = TRAINER_RANKS + FLEET_RANKS
 GPU_MEMORY = 7_500_000  # a "trainer GPU" whose NeMo bucket target (x 0.02) splits the tiny model in ~3 buckets
-MAX_TOKENS = 8
-PROMPTS = [[1, 50], [1, 60, 61], [1, 41, 43, 42, 44], [1, 70, 71, 72]]
+MAX_TOKENS = nemo_serving.MAX_TOKENS
 REFIT_DEADLINE = 20  # spec.refit.timeoutSeconds of the wrong-bucket fleet
 PROBE_SECONDS = 10  # the agents' probe of the trainer's store
 
@@ -51,43 +48,6 @@ def phase_in(*phases: str) -> Any:
 def local_ray() -> Iterator[None]:
     with nemo_collector.local_ray():
         yield
-
-
-def batch() -> dict[str, torch.Tensor]:
-    width = max(len(prompt) for prompt in PROMPTS)
-    return {
-        "input_ids": torch.tensor([prompt + [0] * (width - len(prompt)) for prompt in PROMPTS]),
-        "input_lengths": torch.tensor([len(prompt) for prompt in PROMPTS]),
-    }
-
-
-def expected(step: int) -> tuple[list[list[int]], list[list[float]]]:
-    """Greedy tokens and their logprobs from a local transformers copy holding step ``step``'s tensors."""
-    model, _ = tiny.build_tiny(nemo_trainer.step_source(step))
-    tokens, logprobs = [], []
-    for prompt in PROMPTS:
-        inputs = torch.tensor([prompt])
-        with torch.inference_mode():
-            output = model.generate(
-                inputs, attention_mask=torch.ones_like(inputs), do_sample=False, max_new_tokens=MAX_TOKENS
-            )
-            generated = output[0, len(prompt) :]
-            logits = model(output[:, :-1]).logits[0, len(prompt) - 1 :]
-        tokens.append([int(token) for token in generated])
-        chosen = torch.log_softmax(logits.float(), dim=-1).gather(1, generated.unsqueeze(1)).squeeze(1)
-        logprobs.append([float(value) for value in chosen])
-    return tokens, logprobs
-
-
-def check_serves(generation: nemo.MegafleetGeneration, step: int, version: int) -> None:
-    out = generation.generate(batch(), greedy=True)
-    tokens, logprobs = expected(step)
-    assert out["weight_versions"].tolist() == [version] * len(PROMPTS)
-    for i, prompt in enumerate(PROMPTS):
-        length = int(out["generation_lengths"][i])
-        assert out["output_ids"][i, len(prompt) : len(prompt) + length].tolist() == tokens[i], (step, i)
-        served = out["logprobs"][i, len(prompt) : len(prompt) + length]
-        assert torch.allclose(served, torch.tensor(logprobs[i]), atol=1e-4), (step, i, served, logprobs[i])
 
 
 def adapter(namespace: str, kubeconfig: Path, **options: Any) -> nemo.MegafleetGeneration:
@@ -131,7 +91,7 @@ def test_nemos_own_trainer_refits_the_fleet_in_vllms_order_and_the_collective_sy
             assert ray.get(futures_train, timeout=WAIT)[0] >= 3  # several buckets
             assert all(ray.get(futures_inference))
             assert generation.weight_version == step
-            check_serves(generation, step, version=step)
+            nemo_serving.check_serves(generation, step, version=step)
         generation.shutdown()
         kube_admin.wait_items(
             sessions(namespace), lambda items: not items, timeout=WAIT, what="the session deleted at shutdown"
@@ -160,7 +120,7 @@ def test_nemos_own_trainer_refits_the_fleet_in_vllms_order_and_the_collective_sy
         futures_inference = generation.update_weights_from_collective()
         ray.get(futures_train, timeout=WAIT)
         assert all(ray.get(futures_inference))
-        check_serves(generation, 4, version=4)
+        nemo_serving.check_serves(generation, 4, version=4)
     finally:
         generation.shutdown()
         failures = ray.get(policy.shutdown.remote(), timeout=WAIT)

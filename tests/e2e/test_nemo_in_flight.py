@@ -5,7 +5,7 @@ The real local control plane, the operator and two tiny CPU engine pods (a 2,048
 test plays async GRPO's driver (``grpo.py``'s refit: the collector's ``prepare_for_refit``, the
 refit, ``set_weight_version``, ``resume_after_refit``) with a local Ray, the adapter made by
 ``nemo_factory(..., master_config=...)`` and :class:`helpers.nemo_collector.Collector` as the
-trajectory collector: a Ray actor holding a pickled copy, generating eight 1,400-token samples
+trajectory collector: a Ray actor holding a pickled copy, generating eight 600-token samples
 (greedy, ``ignore_eos``; one ``generate_async`` call, so each engine runs its four as one batch)
 while three refits land, each once the engines' token counters show the samples well under way.
 
@@ -48,7 +48,7 @@ TRAINER_RANKS = 2
 WORLD = TRAINER_RANKS + 2  # two shards of one rank
 GPU_MEMORY = 7_500_000  # NeMo's bucket target for it (x 0.02) splits the tiny model in ~3 buckets
 LIMIT = 2048  # the tiny model's positions
-NEW_TOKENS = 1400
+NEW_TOKENS = 600  # long enough that the first refit lands mid-generation, short for CI's budget
 PROMPTS = [[1, 40 + i, 41 + 2 * i, 42] for i in range(8)]  # four per shard (maxBatchSize 8)
 REFITS = 3
 PODS = ["tiny-s0-p0", "tiny-s1-p0"]
@@ -142,7 +142,7 @@ def async_grpo(
     batch = ray.get(collector.start.remote(PROMPTS, together=True))  # each engine starts its four at once
     running_after = []
     for step in range(1, REFITS + 1):
-        per_sample = step * NEW_TOKENS // (REFITS + 2)  # 280, 560, 840 of 1,400
+        per_sample = step * NEW_TOKENS // (REFITS + 2)  # 120, 240, 360 of 600
         wait_generated(kube_admin, namespace, before + per_sample * len(PROMPTS), f"before refit {step}")
         ray.get(collector.prepare_for_refit.remote(), timeout=WAIT)  # in flight: returns at once
         refit(step)

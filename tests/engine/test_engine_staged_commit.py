@@ -148,6 +148,9 @@ def test_no_commit_within_the_deadline_plus_the_grace_discards_the_staged_copy(
     async def scenario() -> list[list[int]]:
         running = await staged_while_running(core, refits, request(timeout=10.0, grace=1.0))
         await harness.until(lambda: refits.snapshot().phase == "failed", "the commit's expiry", timeout=60)
+        # The attempt's thread discards the copy once the failure is recorded (the status says failed
+        # first): awaited, not assumed, so that a loaded machine cannot race the count below.
+        await harness.until(lambda: backend.discarded > 0, "the staged copy discarded", timeout=60)
         return await running.finished(FINISHED_SECONDS)
 
     tokens = asyncio.run(scenario())

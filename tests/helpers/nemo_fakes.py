@@ -5,9 +5,10 @@
 
 Used by tests/unit/test_nemo_wire.py (``refit_wire="nemo"``) and tests/sdk/test_nemo_in_flight_flags.py
 (NeMo RL's async flags on both wires). What the fakes do not do: :class:`FakeOperator` runs no
-attempts and sends nothing to engines, it moves a session to its phase and a Refit from Pending to
-Running to Succeeded (or Failed) as it is read; its ``status.inFlight`` is the spec's request
-(``drain`` when unset) unless the test says the engines could not keep. :class:`SpanFrontend`
+attempts and sends nothing to engines, it moves a session to its phase (and its NeMo reshard stages
+to ``ReshardJoined``) and a Refit from Pending to Running to Succeeded (or Failed) as it is read; its
+``status.inFlight`` is the spec's request (``drain`` when unset) unless the test says the engines could
+not keep. :class:`SpanFrontend`
 generates token 7 only, with fixed logprobs.
 """
 
@@ -124,9 +125,14 @@ class FakeOperator(kube_fakes.Api):
                 if status.get("phase", "Pending") == "Pending":
                     status["phase"] = self.session_phase
                     status["message"] = "" if self.session_phase == "Joined" else "JoinFailed: pod tiny-s1-p0 refused"
-                reference = obj["spec"].get("refitInfo")
-                if reference and not status.get("conditions"):
-                    status["conditions"] = [self._info_condition(namespace, reference)]
+                reshard = obj["spec"].get("nemoReshard")
+                reference = obj["spec"].get("refitInfo") or (reshard or {}).get("refitInfo")
+                found = {condition["type"] for condition in status.get("conditions", [])}
+                if reference and "RefitInfoAccepted" not in found:
+                    status.setdefault("conditions", []).append(self._info_condition(namespace, reference))
+                if reshard and "ReshardJoined" not in found and status["phase"] == "Joined":
+                    joined = {"type": "ReshardJoined", "status": "True", "reason": "AllMembersJoined", "message": ""}
+                    status.setdefault("conditions", []).append(joined)
             elif kind == "Refit":
                 phase = status.get("phase")
                 if phase is None:

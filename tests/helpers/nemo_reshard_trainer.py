@@ -11,7 +11,9 @@ fleet's receiving side (it holds no tests). Written from NeMo RL's contract (its
   store when it is the stage's first rank (world rank 0 also hosts the misc world's store), joins the
   stage communicator (``T_s + G`` ranks) and the misc world (``T + G``), warms both up, and per refit
   sends its slices of each of its stage's bulk tensors as the reshard plan says (gloo point-to-point
-  standing in for NCCL), then takes part in NeMo's packed broadcast of the misc tensors.
+  standing in for NCCL), then takes part in NeMo's packed broadcast of the misc tensors; its steps
+  (:func:`join_misc`, :func:`join_stage`, :func:`send_refit`) also serve the policy workers of the
+  end-to-end tests (:mod:`helpers.nemo_reshard_policy`), which NeMo's synchronizer drives one call at a time.
 
 The per-message plan is the one both ends of NeMo's reshard compute from the refit info
 (:mod:`megafleet_protocol.refit.nemo_reshard_plan`; its own tests hold it to NeMo's algorithm).
@@ -153,45 +155,78 @@ def train_rank(
     refits: Iterable[Mapping[str, torch.Tensor]],
     bucket_bytes: int,
     sent: list[tuple[int, str, int]],
+    misc_prefix: str = nemo_trainer.GLOO_PREFIX,
 ) -> None:
-    """One training rank, refit after refit: its stage's bulk slices, then NeMo's misc broadcast."""
-    stage, local = divmod(world_rank, layout.tp)
-    timeout = datetime.timedelta(seconds=30)
+    """One training rank, refit after refit: its stage's bulk slices, then NeMo's misc broadcast.
+    ``misc_prefix``: the misc world's gloo store prefix (the engine's agent uses
+    :data:`helpers.nemo_trainer.AGENT_GLOO_PREFIX`)."""
     # NeMo's order: init_collective (the misc world) first, then the stage communicators
-    misc_world = layout.train_ranks + layout.gen_ranks
-    misc_store = c10d.TCPStore(ADDRESS, ports.misc, misc_world, world_rank == 0, timeout)  # the master waits for all
-    if world_rank == 0:
-        misc_writer: Any = misc_store  # torch's stubs type values as str; bytes are what NeMo stores
-        misc_writer.set("nccl_unique_id", os.urandom(128))
-    misc_group = nemo_reshard.gloo_group(
-        c10d.PrefixStore(nemo_trainer.GLOO_PREFIX, misc_store),
-        world_rank,
-        misc_world,
-        local_address=ADDRESS,
-        timeout=20,
-    )
-    misc_group.broadcast([torch.ones(1) if world_rank == 0 else torch.zeros(1)], _root()).wait()
-    sub_world = layout.tp + layout.gen_ranks
-    stage_store = c10d.TCPStore(ADDRESS, ports.stages[stage], sub_world, local == 0, timeout)
-    if local == 0:
-        writer: Any = stage_store
-        writer.set("nccl_unique_id", os.urandom(128))
-    stage_group = nemo_reshard.gloo_group(
-        c10d.PrefixStore(nemo_reshard.GLOO_PREFIX, stage_store), local, sub_world, local_address=ADDRESS, timeout=20
-    )
-    stage_group.broadcast([torch.ones(1) if local == 0 else torch.zeros(1)], _root()).wait()
+    misc = join_misc(world_rank, layout=layout, port=ports.misc, prefix=misc_prefix)
+    stage = join_stage(world_rank, layout=layout, port=ports.stages[world_rank // layout.tp])
     for weights in refits:
-        info = refit_info(weights, layout)
-        for layer in info["layer_names"]:
-            for entry in info["per_layer_params"][layer]:
-                if entry.get("pp_stage", 0) != stage:
-                    continue  # each stage sends only its own layers
-                _send(
-                    entry, tp_slice(weights[entry["name"]], entry["name"], local, layout.tp), local, stage_group, sent
-                )
-        misc = [weights[name] for name in info["misc_meta"]]
-        for parts in nemo_trainer.nemo_buckets(misc, bucket_bytes):
-            misc_group.broadcast([torch.cat(parts)], _root()).wait()
+        send_refit(
+            world_rank, layout=layout, weights=weights, groups=(stage, misc), bucket_bytes=bucket_bytes, sent=sent
+        )
+
+
+Joined = tuple[Any, Any]
+"""A communicator as a rank holds it: its store (kept open: the master counts its clients) and its group."""
+
+
+def join_misc(world_rank: int, *, layout: Layout, port: int, prefix: str, timeout: float = 30.0) -> Joined:
+    """NeMo's world (``init_collective``): ``T + G`` ranks, world rank 0 hosts the store (its constructor
+    returns once every rank connected) and publishes the unique id; the warm-up broadcast.
+    ``timeout`` bounds the store's wait and each of the group's operations."""
+    world = layout.train_ranks + layout.gen_ranks
+    store = c10d.TCPStore(ADDRESS, port, world, world_rank == 0, datetime.timedelta(seconds=timeout))
+    if world_rank == 0:
+        writer: Any = store  # torch's stubs type values as str; bytes are what NeMo stores
+        writer.set("nccl_unique_id", os.urandom(128))
+    group = nemo_reshard.gloo_group(
+        c10d.PrefixStore(prefix, store), world_rank, world, local_address=ADDRESS, timeout=timeout
+    )
+    group.broadcast([torch.ones(1) if world_rank == 0 else torch.zeros(1)], _root()).wait()
+    return store, group
+
+
+def join_stage(world_rank: int, *, layout: Layout, port: int, timeout: float = 30.0) -> Joined:
+    """Its stage's communicator (``init_nccl_reshard_comm_group``): ``T_s + G`` ranks, the stage's first
+    rank hosts the store; the warm-up broadcast."""
+    local = world_rank % layout.tp
+    sub_world = layout.tp + layout.gen_ranks
+    store = c10d.TCPStore(ADDRESS, port, sub_world, local == 0, datetime.timedelta(seconds=timeout))
+    if local == 0:
+        writer: Any = store
+        writer.set("nccl_unique_id", os.urandom(128))
+    group = nemo_reshard.gloo_group(
+        c10d.PrefixStore(nemo_reshard.GLOO_PREFIX, store), local, sub_world, local_address=ADDRESS, timeout=timeout
+    )
+    group.broadcast([torch.ones(1) if local == 0 else torch.zeros(1)], _root()).wait()
+    return store, group
+
+
+def send_refit(
+    world_rank: int,
+    *,
+    layout: Layout,
+    weights: Mapping[str, torch.Tensor],
+    groups: tuple[Joined, Joined],
+    bucket_bytes: int,
+    sent: list[tuple[int, str, int]],
+) -> None:
+    """One ``nccl_reshard_refit`` of one rank (``groups``: its stage's communicator, NeMo's world): its
+    slices of its stage's bulk tensors, layer by layer, then NeMo's packed broadcast of the misc ones."""
+    stage, local = divmod(world_rank, layout.tp)
+    (_, stage_group), (_, misc_group) = groups
+    info = refit_info(weights, layout)
+    for layer in info["layer_names"]:
+        for entry in info["per_layer_params"][layer]:
+            if entry.get("pp_stage", 0) != stage:
+                continue  # each stage sends only its own layers
+            _send(entry, tp_slice(weights[entry["name"]], entry["name"], local, layout.tp), local, stage_group, sent)
+    misc = [weights[name] for name in info["misc_meta"]]
+    for parts in nemo_trainer.nemo_buckets(misc, bucket_bytes):
+        misc_group.broadcast([torch.cat(parts)], _root()).wait()
 
 
 def _send(entry: Mapping[str, Any], local_tensor: torch.Tensor, rank: int, group: Any, sent: list[Any]) -> None:

@@ -59,6 +59,7 @@ class Agents:
     def __init__(self) -> None:
         self.worlds: dict[str, agent_api.NemoWorldStatus | None] = {}
         self.joins: list[tuple[str, agent_api.NemoJoinRequest | agent_api.MegatronJoinRequest]] = []
+        self.stage_joins: list[tuple[str, agent_api.NemoReshardJoinRequest]] = []  # NeMo's reshard stages
         self.leaves: list[tuple[str, str]] = []
         self.starts: list[tuple[str, agent_api.RefitRequest]] = []
         self.aborts: list[str] = []
@@ -84,8 +85,13 @@ class Agents:
         ]
 
     async def join(
-        self, pod_ip: str, token: str, body: agent_api.NemoJoinRequest | agent_api.MegatronJoinRequest
+        self,
+        pod_ip: str,
+        token: str,
+        body: agent_api.NemoJoinRequest | agent_api.MegatronJoinRequest | agent_api.NemoReshardJoinRequest,
     ) -> str | None:
+        if isinstance(body, agent_api.NemoReshardJoinRequest):
+            return self._join_stages(pod_ip, body)
         self.joins.append((pod_ip, body))
         if pod_ip in self.refuse_join:
             return self.refuse_join[pod_ip]
@@ -99,6 +105,23 @@ class Agents:
         for ip, world in self.worlds.items():
             if world is not None and only in (None, ip):
                 self.worlds[ip] = world.model_copy(update={"phase": phase, "error": error, **fields})
+
+    def _join_stages(self, pod_ip: str, body: agent_api.NemoReshardJoinRequest) -> str | None:
+        """The stages' join: ``joining`` beside the pod's NeMo world until :meth:`settle_stages`."""
+        self.stage_joins.append((pod_ip, body))
+        if pod_ip in self.refuse_join:
+            return self.refuse_join[pod_ip]
+        world = self.worlds.get(pod_ip)
+        assert world is not None and world.session == body.session, "NeMo's world is joined first"
+        stages = agent_api.NemoReshardStatus(phase="joining", stages=len(body.stages), rank=body.rank_offset)
+        self.worlds[pod_ip] = world.model_copy(update={"reshard": stages})
+        return None
+
+    def settle_stages(self, phase: str = "joined", *, error: str | None = None, only: str | None = None) -> None:
+        for ip, world in self.worlds.items():
+            if world is not None and world.reshard is not None and only in (None, ip):
+                stages = world.reshard.model_copy(update={"phase": phase, "error": error})
+                self.worlds[ip] = world.model_copy(update={"reshard": stages})
 
     async def leave(self, pod_ip: str, token: str, session: str, *, protocol: str) -> None:
         assert protocol == self.protocol, protocol
@@ -224,6 +247,31 @@ class World:
             "sha256": sha256 or hashlib.sha256(packed).hexdigest(),
             "tensors": len(INFO),
         }
+
+    def reshard(self, name: str = "grpo", *, stages: int = 2, info: Object | None = None) -> None:
+        """NeMo's ``init_nccl_reshard_comm_group`` on the session (``stages`` stages sharing the
+        trainer's ranks), and its ``prepare_nccl_reshard_refit_info`` when ``info`` is given."""
+        body = self.api.objects[("RefitSession", NS, name)]
+        world = body["spec"]["nemoCollective"]
+        per_stage = world["trainerWorldSize"] // stages
+        body["spec"]["nemoReshard"] = {
+            "stages": [{"address": f"127.0.9.{3 + stage}", "port": 29800 + stage} for stage in range(stages)],
+            "trainerRanksPerStage": per_stage,
+            "subWorldSize": per_stage + world["worldSize"] - world["trainerWorldSize"],
+        }
+        if info is not None:
+            packed = gzip.compress(json.dumps(info).encode())
+            self.api.objects[("ConfigMap", NS, f"{name}-reshard-info")] = {
+                "kind": "ConfigMap",
+                "metadata": {"name": f"{name}-reshard-info", "namespace": NS},
+                "binaryData": {"reshardInfo.json.gz": base64.b64encode(packed).decode()},
+            }
+            tensors = sum(len(entries) for entries in info["per_layer_params"].values()) + len(info["misc_meta"])
+            body["spec"]["nemoReshard"]["refitInfo"] = {
+                "configMapRef": {"name": f"{name}-reshard-info", "key": "reshardInfo.json.gz"},
+                "sha256": hashlib.sha256(packed).hexdigest(),
+                "tensors": tensors,
+            }
 
     def advance(self, name: str = "grpo") -> Object:
         body = self.api.objects[("RefitSession", NS, name)]

@@ -20,13 +20,11 @@ import shutil
 import tempfile
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
 
 import httpx
 import pytest
-import yaml
 
-from helpers import chart_release
+from helpers import chart_release, real_node_fleet
 from megafleet_dev import kube, realnode
 
 pytestmark = [pytest.mark.realnode, pytest.mark.e2e, pytest.mark.timeout(1800)]
@@ -144,11 +142,9 @@ def test_the_in_cluster_operator_serves_the_tiny_fleet_from_a_checkpoint_volume(
             },
         )
         kube_admin.create(f"{core}/configmaps", {"metadata": {"name": "tuning"}, "data": {"LEVEL": "3"}})
-        manifest: dict[str, Any] = yaml.safe_load((ROOT / "examples" / "tiny-cpu.yaml").read_text())
+        manifest = real_node_fleet.tiny(replicas=1)
         spec = manifest["spec"]
-        spec["replicas"] = 1
         spec["model"]["source"] = "/models/tiny"
-        spec["placement"]["nodeSelector"] = {realnode.REAL_NODE_LABEL: "true"}
         spec["engine"]["envFrom"] = [{"configMapRef": {"name": "tuning"}, "prefix": "TUNED_"}]
         spec["pod"] = {
             "labels": {"team": "rl"},

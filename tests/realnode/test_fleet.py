@@ -18,9 +18,8 @@ from typing import Any
 
 import httpx
 import pytest
-import yaml
 
-from helpers import refit_e2e
+from helpers import real_node_fleet, refit_e2e
 from megafleet_dev import images, kube, realnode, sandbox
 from megafleet_protocol import agent_api, ports
 
@@ -113,8 +112,7 @@ def fleet(operator: Path, kube_admin: kube.Kube) -> Iterator[tuple[str, dict[str
     # The restricted Pod Security Standard, enforced by the API server's admission for every pod
     # here: the engine pods and the client pods must pass it as they are.
     kube_admin.patch(f"/api/v1/namespaces/{namespace}", {"metadata": {"labels": {RESTRICTED: "restricted"}}})
-    manifest = yaml.safe_load((ROOT / "examples" / "tiny-cpu.yaml").read_text())
-    manifest["spec"]["placement"]["nodeSelector"] = {realnode.REAL_NODE_LABEL: "true"}
+    manifest = real_node_fleet.tiny(replicas=2)
     kube_admin.create(fleets(namespace), manifest)
     ready = kube_admin.wait(f"{fleets(namespace)}/tiny", is_ready, timeout=WAIT, what="the tiny fleet Ready")
     assert ready is not None

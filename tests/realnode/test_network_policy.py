@@ -25,7 +25,7 @@ from typing import Any
 import httpx
 import pytest
 
-from helpers import chart_release, refit_e2e
+from helpers import chart_release, real_node_fleet, refit_e2e
 from megafleet_dev import images, kube, netpolicy, realnode, sandbox
 from megafleet_protocol import agent_api, ports
 
@@ -124,10 +124,9 @@ def guarded(chart_namespace: str, kube_admin: kube.Kube, real_node: realnode.Rea
     """A one-shard tiny fleet in the chart's namespace, reconciled by the chart's operator; yields
     its engine pod once the policy engine guards that pod's address."""
     namespace = chart_namespace
-    manifest = refit_e2e.tiny_fleet(replicas=1)
+    manifest = real_node_fleet.tiny(replicas=1)
     manifest["metadata"]["name"] = FLEET
     manifest["spec"]["model"]["servedName"] = "tiny"  # the name the clients here ask for
-    manifest["spec"]["placement"]["nodeSelector"] = {realnode.REAL_NODE_LABEL: "true"}
     kube_admin.create(fleets(namespace), manifest)
     try:
         ready = kube_admin.wait(f"{fleets(namespace)}/{FLEET}", refit_e2e.ready, timeout=WAIT, what="the fleet Ready")

@@ -12,8 +12,8 @@ from typing import Any
 
 import httpx
 import pytest
-import yaml
 
+from helpers import real_node_fleet
 from megafleet_dev import kube, realnode
 
 pytestmark = [pytest.mark.realnode, pytest.mark.e2e, pytest.mark.timeout(1800)]
@@ -86,9 +86,7 @@ def test_scaling_up_serves_and_scaling_down_drains_without_failing_a_request(
         {"metadata": {"labels": {"pod-security.kubernetes.io/enforce": "restricted"}}},
     )
     try:
-        manifest = yaml.safe_load((ROOT / "examples" / "tiny-cpu.yaml").read_text())
-        manifest["spec"]["replicas"] = 1
-        manifest["spec"]["placement"]["nodeSelector"] = {realnode.REAL_NODE_LABEL: "true"}
+        manifest = real_node_fleet.tiny(replicas=1)
         kube_admin.create(fleets(namespace), manifest)
         path = f"{fleets(namespace)}/tiny"
         assert kube_admin.wait(path, is_ready, timeout=WAIT, what="1 shard Ready") is not None

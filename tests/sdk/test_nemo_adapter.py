@@ -492,15 +492,14 @@ RESHARD_CALLS = {
 
 
 @pytest.mark.parametrize("call", sorted(RESHARD_CALLS))
-def test_the_seeds_nccl_reshard_calls_refuse_naming_the_collective_path_and_the_trainers_store_timeout(
-    call: str,
-) -> None:
+def test_the_seeds_nccl_reshard_calls_need_nemos_own_wire_and_refuse_before_connecting(call: str) -> None:
+    """The reshard is the trainer's own wire: an adapter that sends itself (fixed frontends, the
+    megafleet wire) refuses it, naming the wire to use (tests/sdk/test_nemo_reshard_sdk.py runs it)."""
     generation_ = nemo.MegafleetGeneration(MODEL, frontends=[URL])
     with pytest.raises(NotImplementedError) as refused:
         RESHARD_CALLS[call](generation_)
     message = str(refused.value)
-    assert "use the collective path" in message and "update_weights_from_collective" in message
-    assert "time out" in message and "store" in message
+    assert "nccl_reshard" in message and "refit_wire='nemo'" in message
     assert not generation_.connected
 
 

@@ -228,5 +228,5 @@ def test_nemos_reshard_refit_info_is_read_and_checked_against_the_fleets_ranks(
     grouped["per_layer_params"]["model.layers.0"][0]["grouped_expert_proj"] = "up_proj"
     with pytest.raises(ValueError, match="grouped MoE experts"):
         generation_.prepare_nccl_reshard_refit_info(grouped)
-    with pytest.raises(NotImplementedError, match="not run by the megafleet operator yet"):
-        generation_.nccl_reshard_refit()
+    with pytest.raises(RuntimeError, match=r"call init_nccl_reshard_comm_group\(...\) and prepare_nccl_reshard"):
+        generation_.nccl_reshard_refit()  # the stages first (tests/sdk/test_nemo_reshard_sdk.py)

@@ -98,6 +98,38 @@ def test_joins_leaves_and_session_refits_go_to_their_routes() -> None:
     assert json.loads(seen[4].content) == {"session": "uid-1"}
 
 
+def test_the_reshard_stages_join_and_refit_go_to_their_routes() -> None:
+    seen: list[Seen] = []
+    stages = agent_api.NemoReshardJoinRequest(
+        session="uid-1",
+        stages=[agent_api.NemoReshardStage(address="10.0.3.17", port=1500)],
+        trainer_ranks_per_stage=2,
+        sub_world_size=4,
+        rank_offset=3,
+    )
+    refit = agent_api.NemoReshardRefitRequest(
+        version=5, session="uid-1", refit_info={"layer_names": []}, bucket_bytes=64
+    )
+
+    async def calls(agents: agent_client.AgentClient) -> list[str | None]:
+        return [await agents.join("127.0.0.1", "t0k", stages), await agents.refit_start("127.0.0.1", "t0k", refit)]
+
+    assert run(seen, 202, calls) == [None, None]
+    assert [request.path for request in seen] == ["/v1/refit/nemo/reshard/join", "/v1/refit/nemo/reshard"]
+    joined = json.loads(seen[0].content)
+    assert (joined["stages"], joined["rankOffset"], joined["subWorldSize"]) == (
+        [{"address": "10.0.3.17", "port": 1500}],
+        3,
+        4,
+    )
+    assert json.loads(seen[1].content) == {
+        "version": 5,
+        "session": "uid-1",
+        "refitInfo": {"layer_names": []},
+        "bucketBytes": 64,
+    }
+
+
 def test_a_refused_join_is_an_error_text_naming_the_status() -> None:
     body = agent_api.NemoJoinRequest(session="uid-1", rendezvous=RENDEZVOUS)
     error = run([], 409, lambda agents: agents.join("127.0.0.1", "t0k", body))

@@ -7,7 +7,8 @@ source (:mod:`~megafleet_engine.refit_attempts.sources`) to an attempt
 (:mod:`~megafleet_engine.refit_attempts.attempt`, which runs on a thread of its own) together with
 what the last successful refit parked, and keeps the weight target
 (:mod:`~megafleet_engine.refit_attempts.weight_target`: dirty, parked) and the membership of NeMo's
-world joined for a session (:mod:`~megafleet_engine.refit_attempts.nemo_world`).
+world joined for a session (:mod:`~megafleet_engine.refit_attempts.nemo_world`), with the stage
+communicators of NeMo's M-to-N reshard joined beside it (:mod:`~megafleet_engine.refit_attempts.reshard_stages`).
 :meth:`RefitController.start` returns at once.
 
 Each attempt's modes (:meth:`RefitController.modes`: drain, abort or keep; in place or staged) are
@@ -32,7 +33,15 @@ import threading
 from typing import TYPE_CHECKING
 
 from megafleet_engine.refit_attempts import attempt as attempt_module
-from megafleet_engine.refit_attempts import memberships, modes, nemo_world, phases, sources, weight_target
+from megafleet_engine.refit_attempts import (
+    memberships,
+    modes,
+    nemo_world,
+    phases,
+    reshard_stages,
+    sources,
+    weight_target,
+)
 from megafleet_protocol.refit import errors
 
 if TYPE_CHECKING:
@@ -126,9 +135,13 @@ class RefitController:
         """
         try:
             source = request.source(self.target)
-        except sources.Unfit:
+        except sources.Unfit as error:
             if not self.running:
                 self.target.discard_parked()
+                with self._lock:
+                    world = self._world
+                if world is not None:  # they serve NeMo's world, which is gone with what was parked
+                    world.leave_stages(str(error))
             raise
         with self._lock:
             current = self._attempt
@@ -197,9 +210,36 @@ class RefitController:
             self._world = world
         if current is not None:
             current.aborted.set()
+            current.leave_stages(f"another session ({request.session!r}) joined")
         self.target.discard_parked()  # another world (or a failed join of this one): NeMo's world cannot be rejoined
         world.start(self.target, current=self._holds, probe_seconds=lambda: self.store_probe_seconds)
         return world.snapshot()
+
+    def join_stages(self, request: reshard_stages.StageJoinRequest) -> memberships.WorldSnapshot:
+        """Join the stage communicators of NeMo's M-to-N reshard for ``request.session`` on a thread of
+        its own, without suspending the engine, and hang them on the session's NeMo world (which this
+        rank must hold: :class:`NotJoined`). Returns at once with the world's status.
+
+        The same request again while it joins or is joined answers its status; another one (NeMo's
+        rebuild) leaves the old stages first. Raises :class:`Busy` while a refit runs and
+        :class:`ValueError` for a rank outside the stages' inference ranks."""
+        request.rank(self.rank)  # ValueError: not an inference rank of the stages
+        self.joined(request.session)  # NotJoined: NeMo joins its world before the stages
+        with self._lock:
+            world = self._world
+            if world is None or world.request.session != request.session:
+                raise NotJoined(f"this rank no longer holds NeMo's world for session {request.session!r}")
+            current = world.stages
+            if current is not None and current.request == request and current.snapshot().phase in ("joining", "joined"):
+                return world.snapshot()
+            if self._attempt is not None and not self._attempt.record.finished:
+                raise Busy(self._attempt.record.snapshot())
+            stages = reshard_stages.StageMembership(request, self.rank)
+            world.stages = stages
+        if current is not None:
+            current.leave("the stage communicators were joined again")
+        stages.start(self.target)
+        return self.world() or world.snapshot()
 
     def _holds(self, world: nemo_world.NemoMembership) -> bool:
         """Whether ``world`` is still the membership this rank keeps (not left, not replaced)."""
@@ -229,6 +269,20 @@ class RefitController:
             )
         return world.request
 
+    def stages(self, session: str) -> reshard_stages.StageMembership:
+        """The stage communicators this rank joined beside ``session``'s NeMo world (a refit checks
+        they are joined when it runs); :class:`NotJoined` when it holds none for it."""
+        self.joined(session)
+        with self._lock:
+            world = self._world
+            stages = world.stages if world is not None and world.request.session == session else None
+        if stages is None:
+            raise NotJoined(
+                f"this rank has not joined the stage communicators of session {session!r}: call "
+                "POST /v1/refit/nemo/reshard/join first"
+            )
+        return stages
+
     def leave(self, session: str) -> memberships.WorldSnapshot:
         """Drop this rank's membership of ``session``'s world (``POST /v1/refit/nemo/leave``): stop a
         join in progress, fail a refit running over it (the engine stays stale, as after any failed
@@ -247,6 +301,7 @@ class RefitController:
             parked.discard()
         if world.receiver is not None:
             world.receiver.close()
+        world.leave_stages()
         log.info("left NeMo's world for session %s", session)
         return world.snapshot()
 
@@ -258,6 +313,7 @@ class RefitController:
             world = self._world
         if world is not None:
             world.aborted.set()
+            world.leave_stages(f"aborted: {reason}")  # NeMo's world goes with the parked group below
         if attempt is not None:
             attempt.abort(f"aborted: {reason}", timed_out=False)
         self.target.discard_parked()
@@ -270,6 +326,7 @@ class RefitController:
             world = self._world
         if world is not None:
             world.aborted.set()
+            world.leave_stages("the engine is stopping")
         self.target.discard_parked()
 
 

@@ -15,13 +15,24 @@ import socket
 
 from megafleet_protocol import vocabulary
 
-__all__ = ["STORE_PROBE_SECONDS", "STORE_PROBE_TIMEOUT_SECONDS", "WorldSnapshot", "store_listening"]
+__all__ = ["STORE_PROBE_SECONDS", "STORE_PROBE_TIMEOUT_SECONDS", "ReshardSnapshot", "WorldSnapshot", "store_listening"]
 
 STORE_PROBE_SECONDS = 10.0
 """Seconds between probes of the trainer's store while this rank holds a joined world (the operator
 closes the session once every member found the store unreachable for a minute)."""
 STORE_PROBE_TIMEOUT_SECONDS = 2.0
 """How long one probe may wait for the store to accept a connection."""
+
+
+@dataclasses.dataclass(frozen=True)
+class ReshardSnapshot:
+    """The stage communicators of NeMo's M-to-N reshard this rank joined beside a session's NeMo world
+    (``world.reshard`` in the refit status)."""
+
+    phase: str  # joining | joined | failed | left
+    stages: int
+    rank: int
+    error: str | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -34,6 +45,7 @@ class WorldSnapshot:
     generation: vocabulary.NemoGeneration | None = None
     error: str | None = None
     store_reachable: bool | None = None  # the last probe of the trainer's store; None: not probed yet
+    reshard: ReshardSnapshot | None = None  # the stage communicators joined beside NeMo's world, if any
 
 
 def store_listening(address: str, port: int, *, timeout: float) -> bool:

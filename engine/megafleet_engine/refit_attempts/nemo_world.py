@@ -7,7 +7,9 @@ thread of its own (the trainer's store master waits for every rank, so it takes 
 slowest rank) without suspending the engine, then the store probe runs on another. The membership is
 parked in the weight target exactly as a successful NeMo refit parks its own
 (:class:`~megafleet_engine.refit_attempts.sources.nemo_collective.Joined`), so the session's first
-refit reuses it (``reused``, no ``join`` phase) and never joins itself.
+refit reuses it (``reused``, no ``join`` phase) and never joins itself. The stage communicators of
+NeMo's M-to-N reshard, joined later for the same session (:mod:`.reshard_stages`), hang on it
+(:attr:`NemoMembership.stages`) and end with it.
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ import threading
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
-from megafleet_engine.refit_attempts import memberships
+from megafleet_engine.refit_attempts import memberships, reshard_stages
 from megafleet_engine.refit_attempts.sources import nemo_collective
 from megafleet_protocol.refit import errors
 
@@ -47,15 +49,22 @@ class NemoMembership:
         self.aborted = threading.Event()
         self.thread: threading.Thread | None = None
         self.store_reachable: bool | None = None  # written by the store probe's thread
+        self.stages: reshard_stages.StageMembership | None = None  # NeMo's reshard, joined after the world
 
     def snapshot(self) -> memberships.WorldSnapshot:
         phase = self.phase
         if phase == "joined" and (self.receiver is None or self.receiver.closed):
             phase = "left"
         generation = self.receiver.generation if self.receiver is not None else self.request.generation
+        stages = self.stages.snapshot() if self.stages is not None else None
         return memberships.WorldSnapshot(
-            self.request.session, phase, self.rank, generation, self.error, self.store_reachable
+            self.request.session, phase, self.rank, generation, self.error, self.store_reachable, stages
         )
+
+    def leave_stages(self, reason: str | None = None) -> None:
+        """Leave the stage communicators hung on this world, if any (the world ends, or a new join)."""
+        if self.stages is not None:
+            self.stages.leave(reason)
 
     def holds(self, kept: weight_target.Kept) -> bool:
         """Whether ``kept`` (what the weight target parks) is this membership."""

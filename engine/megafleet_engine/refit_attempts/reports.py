@@ -15,7 +15,18 @@ from megafleet_engine.refit_attempts import memberships, phases
 from megafleet_protocol import agent_api, vocabulary
 from megafleet_protocol.refit import verification as verification_module
 
-__all__ = ["Held", "commit", "in_flight", "pause", "staging", "status", "verification", "world", "world_body"]
+__all__ = [
+    "Held",
+    "commit",
+    "in_flight",
+    "pause",
+    "shown_world",
+    "staging",
+    "status",
+    "verification",
+    "world",
+    "world_body",
+]
 
 
 def verification(outcome: verification_module.Verification | None) -> agent_api.VerificationReport | None:
@@ -137,8 +148,19 @@ def world(joined: memberships.WorldSnapshot | None, protocol: str = "nemo") -> a
             "generation": joined.generation,
             "error": joined.error,
             "storeReachable": joined.store_reachable,
+            "reshard": None if joined.reshard is None else dataclasses.asdict(joined.reshard),
         }
     )
+
+
+def shown_world(
+    megatron: memberships.WorldSnapshot | None, nemo: memberships.WorldSnapshot | None
+) -> tuple[memberships.WorldSnapshot | None, str]:
+    """The membership the refit status shows, with its protocol: a megatron-native one while it is
+    joining or joined (or when there is no NeMo one), else NeMo's."""
+    if megatron is not None and (nemo is None or megatron.phase in ("joining", "joined")):
+        return megatron, "megatron"
+    return nemo, "nemo"
 
 
 def world_body(joined: memberships.WorldSnapshot, protocol: str = "nemo") -> dict[str, Any]:

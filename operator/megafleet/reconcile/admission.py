@@ -14,11 +14,17 @@ gate until their group is admitted, all of them at once. Neither overrides the o
   removed whole (what Kueue has not deleted yet, the operator deletes), reported once
   (``ShardPreempted``) and not counted as a restart; it is placed again as a new group and waits
   in the queue until Kueue admits it.
+- A shard whose pods are all being deleted (scaled in, healed, rolled, stopped by Kueue) has its
+  group's Workload deleted (:func:`retire`): Kueue then lets the pods go and the quota returns. Left
+  alone, Kueue would hold the pods under its finalizer, and an evicted group's Workload would wait in
+  the queue for replacement pods, so the shard would never be placed again. The pods of a deleted
+  fleet are let go the same way, from their events (:func:`release_orphan`, called by
+  :mod:`megafleet.handlers`).
 """
 
 from __future__ import annotations
 
-from megafleet import conditions, desired, kueue, names
+from megafleet import conditions, desired, kube, kueue, names
 from megafleet.fleet_state import ownership, pods
 from megafleet.objects import Object
 from megafleet.reconcile import context
@@ -37,10 +43,15 @@ def gang(fleet: desired.ParsedFleet, shard: int, members: list[Object]) -> list[
 
 
 async def observe(ctx: context.FleetContext) -> None:
-    """Record the shards Kueue holds in ``ctx.queued`` and remove, whole, the shards it stopped."""
-    if not uses_kueue(ctx.fleet):
+    """Record the shards Kueue holds in ``ctx.queued``, remove, whole, the shards it stopped and end
+    the groups of the shards that go. A fleet that no longer uses Kueue still ends the groups of its
+    old pods (changing ``gang`` rolls the fleet), looked for only while a shard is terminating."""
+    if not uses_kueue(ctx.fleet) and not ctx.shards.terminating:
         return
     raw = ownership.only_owned(await pods.labelled_objects(ctx.api, ctx.runtime.cache, "Pod", ctx.fleet), ctx.fleet)
+    if not uses_kueue(ctx.fleet):
+        await retire(ctx.api, ctx.fleet.namespace, kueue.retired(raw))
+        return
     gated: dict[int, str] = {}
     stopped: dict[int, str] = {}
     for pod in raw:
@@ -52,11 +63,33 @@ async def observe(ctx: context.FleetContext) -> None:
             gated.setdefault(shard, kueue.group_of(pod) or "")
     for shard, reason in sorted(stopped.items()):
         await _remove_stopped(ctx, shard, reason)
+    await retire(ctx.api, ctx.fleet.namespace, kueue.retired(raw))
     waiting = sorted(shard for shard in gated if shard not in stopped)
     if waiting:
         first = waiting[0]
         workload = await ctx.api.get("Workload", gated[first], ctx.fleet.namespace) if gated[first] else None
         ctx.queued = {shard: kueue.waiting_reason(workload) if shard == first else "" for shard in waiting}
+
+
+async def retire(api: kube.Api, namespace: str, groups: list[str]) -> None:
+    """End each pod group of ``groups`` (:func:`megafleet.kueue.retired`) the way Kueue ends one: its
+    Workload deleted. Kueue stops what is left of the group, takes its finalizer off the pods and
+    releases the group's quota."""
+    for group in groups:
+        await api.delete("Workload", group, namespace)
+
+
+async def release_orphan(api: kube.Api, pod: Object) -> None:
+    """``pod`` is of a fleet that is gone (the garbage collector deletes its pods): end its group, if
+    the pod was the fleet's (its controller a MegatronGeneration of the name its label gives)."""
+    metadata = pod["metadata"]
+    fleet = (metadata.get("labels") or {}).get(names.LABEL_FLEET)
+    owned = any(
+        owner.get("kind") == "MegatronGeneration" and owner.get("name") == fleet and owner.get("controller")
+        for owner in metadata.get("ownerReferences") or []
+    )
+    if owned:
+        await retire(api, metadata.get("namespace") or "default", kueue.retired([pod]))
 
 
 def created(ctx: context.FleetContext, shard: int, members: list[Object]) -> None:

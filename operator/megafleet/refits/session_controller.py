@@ -18,7 +18,9 @@ says where it stands and each call advances it by one step over a
 * ``Joining``: every member pod reports ``world.phase`` ``joined`` → ``Joined``; a refusal, a
   failed join, a lost pod or the deadline → ``Failed``, ``JoinFailed`` naming the pod (never retried:
   the trainer's store has already counted or timed out its clients).
-* ``Joined``: the refit info is checked once (:mod:`.refit_info_check`); a member gone, failed,
+* ``Joined``: the refit info is checked once (:mod:`.refit_info_check`, or NeMo's reshard refit info,
+  :mod:`.reshard_info_check`); with ``spec.nemoReshard`` the members join the stage communicators
+  beside the world (:mod:`.session_reshard`, condition ``ReshardJoined``); a member gone, failed,
   restarted or out of the world → ``Broken``, ``MemberLost`` naming shard and pod; every member
   reporting the trainer's store unreachable for ``trainer_gone_seconds`` → ``Closed``,
   ``TrainerGone``. While a Refit through the session runs, the Refit controller owns the outcome.
@@ -39,7 +41,16 @@ from megafleet import conditions, planner
 from megafleet.fleet_state import hold, pods, token
 from megafleet.objects import Object
 from megafleet.reconcile import context as reconcile_context
-from megafleet.refits import context, members, refit_info_check, session_end, session_status, session_view
+from megafleet.refits import (
+    context,
+    members,
+    refit_info_check,
+    reshard_info_check,
+    session_end,
+    session_reshard,
+    session_status,
+    session_view,
+)
 from megafleet_protocol import agent_api
 
 log = logging.getLogger(__name__)
@@ -199,9 +210,12 @@ async def _joined(ctx: context.SessionContext) -> None:
     if ctx.fleet_refit.get("active") is not None:
         return  # a Refit through this session runs: the Refit controller decides how it ends
     accepted = conditions.find(ctx.session.conditions, session_status.REFIT_INFO_ACCEPTED) or {}
-    checking = ctx.session.spec.refit_info is not None and accepted.get("status") != "True"
-    if checking and not await refit_info_check.accept(ctx):
+    spec, checked = ctx.session.spec, accepted.get("status") == "True"
+    if not checked and spec.refit_info is not None and not await refit_info_check.accept(ctx):
         return  # the session ended on it
+    reshard_info = spec.nemo_reshard.refit_info if spec.nemo_reshard is not None else None
+    if not checked and reshard_info is not None and not await reshard_info_check.accept(ctx):
+        return
     ctx.token = await token.read(ctx.api, ctx.fleet)
     found = await members.report(ctx)
     key = (ctx.session.namespace, ctx.session.name)
@@ -209,6 +223,9 @@ async def _joined(ctx: context.SessionContext) -> None:
         ctx.runtime.store_lost.pop(key, None)
         await _end(ctx, "Broken", session_status.MEMBER_LOST, found.lost)
         return
+    if spec.nemo_reshard is not None and not await session_reshard.advance(ctx, found.worlds):
+        ctx.runtime.store_lost.pop(key, None)
+        return  # the stages' join failed, or a member lost its stages
     await _watch_the_trainer(ctx, found.worlds)
 
 

@@ -3,18 +3,32 @@
 Called by the Refit controller (:mod:`.refit_controller`) for a Pending Refit that names a session;
 its progress is collected like any attempt's (:func:`.attempts.collect`). The session's membership
 and held world are used as they are (never recomputed), every member pod is told to receive
-(``POST /v1/refit/nemo`` or ``/v1/refit/megatron`` in the session form), and there is exactly one
+(``POST /v1/refit/nemo``, ``/v1/refit/nemo/reshard`` for a session with NeMo's M-to-N reshard, or
+``/v1/refit/megatron``, in the session form), and there is exactly one
 attempt: a trainer's broadcast cannot be replayed, so a failure breaks the session. A Refit through
-a session that is not ``Joined`` (or not this fleet's) fails ``SessionNotJoined``; a NeMo session
-without usable refit info fails ``RefitInfoMissing``. Its modes are resolved against the members'
-capabilities as any attempt's (:func:`.modes.resolve`); megatron-core's own swap never stages.
+a session that is not ``Joined`` (or not this fleet's, or whose reshard stages are not joined) fails
+``SessionNotJoined``; a NeMo session without usable refit info fails ``RefitInfoMissing``. Its modes
+are resolved against the members' capabilities as any attempt's (:func:`.modes.resolve`);
+megatron-core's own swap never stages.
 """
 
 from __future__ import annotations
 
+from typing import Any
+
 from megafleet import conditions
 from megafleet.api import v1alpha1
-from megafleet.refits import attempts, context, fleet_lock, modes, refit_info_check, refit_status, session_view
+from megafleet.refits import (
+    attempts,
+    context,
+    fleet_lock,
+    modes,
+    refit_info_check,
+    refit_status,
+    reshard_info_check,
+    session_reshard,
+    session_view,
+)
 from megafleet_protocol import agent_api
 
 
@@ -29,10 +43,13 @@ async def start(ctx: context.RefitContext) -> None:
             ctx.api, ctx.body, None, refit_status.failed(refused or "", refit_status.SESSION_NOT_JOINED)
         )
         return
-    info: list[agent_api.NemoTensor] = []
+    info: list[agent_api.NemoTensor] | dict[str, Any] = []
     if session.spec.nemo_collective is not None:
         try:
-            info = await refit_info_check.read(ctx.api, session)
+            if session.spec.nemo_reshard is not None:
+                info = await reshard_info_check.read(ctx.api, session)
+            else:
+                info = await refit_info_check.read(ctx.api, session)
         except refit_info_check.RefitInfoError as error:
             message = f"RefitSession {session.name} has no usable refitInfo: {error}"
             await fleet_lock.finish(
@@ -94,17 +111,29 @@ def not_joined(session: session_view.Session | None, spec: v1alpha1.RefitObjectS
     if session.phase != "Joined":
         detail = f": {session.status.message}" if session.status.message else ""
         return f"RefitSession {named} is {session.phase}, not Joined{detail}"
-    return None
+    return session_reshard.not_joined(session)
 
 
 def _request(
-    ctx: context.RefitContext, session: session_view.Session, info: list[agent_api.NemoTensor], chosen: modes.Modes
-) -> agent_api.NemoRefitRequest | agent_api.MegatronRefitRequest:
+    ctx: context.RefitContext,
+    session: session_view.Session,
+    info: list[agent_api.NemoTensor] | dict[str, Any],
+    chosen: modes.Modes,
+) -> agent_api.NemoRefitRequest | agent_api.MegatronRefitRequest | agent_api.NemoReshardRefitRequest:
     """The body every member pod gets: the same for all (each rank knows its place in the world)."""
     version, timeout, fields = ctx.spec.version, ctx.fleet.spec.refit.timeout_seconds, modes.request_fields(chosen)
     nemo = session.spec.nemo_collective
     if nemo is None:
         return agent_api.MegatronRefitRequest(version=version, timeout_seconds=timeout, session=session.key, **fields)
+    if isinstance(info, dict):  # NeMo's M-to-N reshard: the bulk over the stages, the rest over the world
+        return agent_api.NemoReshardRefitRequest(
+            version=version,
+            timeout_seconds=timeout,
+            **fields,
+            session=session.key,
+            refit_info=info,
+            bucket_bytes=nemo.bucket_bytes,
+        )
     return agent_api.NemoRefitRequest(
         version=version,
         timeout_seconds=timeout,

@@ -135,8 +135,10 @@ def refit_info_waiting(session: session_view.Session, why: str, now: str) -> Obj
 
 
 def refit_info_accepted(session: session_view.Session, tensors: int, now: str) -> Object:
-    """RefitInfoAccepted=True, Checked, with the count and the start of the sha256."""
-    ref = session.spec.refit_info
+    """RefitInfoAccepted=True, Checked, with the count and the start of the sha256 (of the collective's
+    refit info, or of NeMo's reshard refit info)."""
+    reshard = session.spec.nemo_reshard
+    ref = session.spec.refit_info or (reshard.refit_info if reshard is not None else None)
     message = f"{tensors} tensors, sha256 {ref.sha256[:12]}…" if ref is not None else ""
     found = conditions.set_condition(
         session.conditions,

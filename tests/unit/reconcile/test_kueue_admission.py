@@ -13,7 +13,7 @@ from helpers import agent_fakes, kube_fakes
 from megafleet import agent_client, kueue, reconcile, settings
 from megafleet.api import v1alpha1
 from megafleet.objects import Object
-from megafleet.reconcile import context
+from megafleet.reconcile import admission, context
 
 GPU = "nvidia.com/gpu"
 QUEUE = "team-a"
@@ -98,6 +98,14 @@ class Fleet:
         }
         self.api.objects[("Workload", "rl", group)] = workload
 
+    def hold(self, shard: int) -> None:
+        """Kueue's webhook put its finalizer on the shard's pods (as it does when they are created)."""
+        for pod in self.pods(shard):
+            pod["metadata"]["finalizers"] = [kueue.MANAGED_FINALIZER]
+
+    def workload_deleted(self, group: str) -> bool:
+        return any(key == ("Workload", "rl", group) for key, _ in self.api.memory.deleted)
+
     def evict(self, shard: int, *, delete: int) -> None:
         """Kueue stopped the shard's group: each pod marked, the first ``delete`` of them terminating."""
         for index, pod in enumerate(self.pods(shard)):
@@ -149,6 +157,7 @@ def test_a_preempted_shard_is_removed_whole_reported_once_and_placed_again_as_a_
     fleet.reconcile()
     before = fleet.pods(0)[0]["metadata"]["labels"][kueue.GROUP_LABEL]
 
+    fleet.hold(0)
     fleet.evict(0, delete=1)  # Kueue has deleted one pod of the group so far
     body = fleet.reconcile()
 
@@ -158,7 +167,10 @@ def test_a_preempted_shard_is_removed_whole_reported_once_and_placed_again_as_a_
     remaining = [pod for pod in fleet.pods(0) if not pod["metadata"].get("deletionTimestamp")]
     assert remaining == [], "the operator deletes what Kueue has not: the shard goes whole"
     assert "ShardRestarting" not in [reason for reason, _ in fleet.events]
+    assert fleet.pods(0), "Kueue's finalizer holds the deleted pod"
 
+    fleet.reconcile()  # every pod of the group going: its Workload deleted, Kueue lets the group go
+    assert fleet.workload_deleted(before)
     for pod in fleet.pods(0):  # Kueue's finalizer released, the pods gone
         del fleet.api.objects[("Pod", "rl", pod["metadata"]["name"])]
     body = fleet.reconcile()
@@ -167,6 +179,68 @@ def test_a_preempted_shard_is_removed_whole_reported_once_and_placed_again_as_a_
     assert len(again) == 2 and again[0]["metadata"]["labels"][kueue.GROUP_LABEL] != before
     assert [entry.get("restarts", 0) for entry in body["status"]["shards"]] == [0, 0]
     assert [reason for reason, _ in fleet.events].count("ShardPreempted") == 1
+
+
+def test_a_shard_scaled_in_has_its_group_ended_so_its_quota_returns() -> None:
+    fleet = Fleet(replicas=2, pipeline=2)
+    fleet.reconcile()
+    fleet.run(0)
+    fleet.run(1)
+    fleet.hold(1)
+    fleet.reconcile()
+    group = fleet.pods(1)[0]["metadata"]["labels"][kueue.GROUP_LABEL]
+    fleet.api.objects[("MegatronGeneration", "rl", "gen")]["spec"]["replicas"] = 1
+    for pod in fleet.pods(1):  # what the scale-in's deletion leaves: the pods held by Kueue's finalizer
+        pod["metadata"]["deletionTimestamp"] = "2026-12-06T12:00:00Z"
+    fleet.reconcile()
+    assert fleet.workload_deleted(group)
+    assert not any(fleet.workload_deleted(pod["metadata"]["labels"][kueue.GROUP_LABEL]) for pod in fleet.pods(0))
+
+
+def test_a_fleet_that_left_kueue_still_ends_the_groups_of_its_old_pods() -> None:
+    fleet = Fleet(replicas=1, pipeline=2)
+    fleet.reconcile()
+    fleet.run(0)
+    fleet.hold(0)
+    group = fleet.pods(0)[0]["metadata"]["labels"][kueue.GROUP_LABEL]
+    fleet.api.objects[("MegatronGeneration", "rl", "gen")]["spec"]["placement"] = {}
+    for pod in fleet.pods(0):  # the roll deleted the old shard; Kueue's finalizer holds its pods
+        pod["metadata"]["deletionTimestamp"] = "2026-12-06T12:00:00Z"
+    fleet.reconcile()
+    assert fleet.workload_deleted(group)
+
+
+def test_a_group_is_retired_once_every_pod_goes_and_kueue_still_holds_one() -> None:
+    def pod(group: str, *, deleting: bool, held: bool = True) -> Object:
+        metadata: Object = {"name": "p", "labels": {kueue.GROUP_LABEL: group}}
+        if deleting:
+            metadata["deletionTimestamp"] = "2026-12-06T12:00:00Z"
+        if held:
+            metadata["finalizers"] = [kueue.MANAGED_FINALIZER]
+        return {"metadata": metadata}
+
+    going = [pod("a", deleting=True), pod("a", deleting=True, held=False)]
+    partly = [pod("b", deleting=True), pod("b", deleting=False)]
+    released = [pod("c", deleting=True, held=False)]
+    assert kueue.retired(going + partly + released + [{"metadata": {"name": "plain"}}]) == ["a"]
+
+
+def test_the_pods_of_a_deleted_fleet_have_their_group_ended_when_they_were_the_fleets() -> None:
+    owner = {"kind": "MegatronGeneration", "name": "gen", "uid": "uid-gen", "controller": True}
+    labels = {"megafleet.dev/fleet": "gen", kueue.GROUP_LABEL: "gen-0-abc123"}
+    metadata = {
+        "name": "gen-s0-p0",
+        "namespace": "rl",
+        "labels": labels,
+        "deletionTimestamp": "2026-12-06T12:00:00Z",
+        "finalizers": [kueue.MANAGED_FINALIZER],
+    }
+    api = kube_fakes.Api()
+    asyncio.run(admission.release_orphan(api, {"metadata": {**metadata, "ownerReferences": [owner]}}))
+    assert [key for key, _ in api.memory.deleted] == [("Workload", "rl", "gen-0-abc123")]
+    foreign = {**owner, "controller": False}
+    asyncio.run(admission.release_orphan(api, {"metadata": {**metadata, "ownerReferences": [foreign]}}))
+    assert len(api.memory.deleted) == 1, "a pod the fleet did not control is left alone"
 
 
 def test_a_fleet_without_a_gang_scheduler_has_no_kueue_labels_nor_admitted_condition() -> None:

@@ -110,10 +110,12 @@ from megafleet.api.v1alpha1.refit_session import (
     CopyBackend,
     MegatronNativeSpec,
     NemoCollectiveSpec,
+    NemoReshardSpec,
     RefitInfoRef,
     RefitSessionPhase,
     RefitSessionSpec,
     RefitSessionStatus,
+    ReshardStage,
 )
 
 KINDS: tuple[KindInfo, ...] = (megatron_generation.KIND, refit.KIND, refit_session.KIND)
@@ -166,6 +168,7 @@ __all__ = [
     "MismatchStatus",
     "ModelSpec",
     "NemoCollectiveSpec",
+    "NemoReshardSpec",
     "NfsSource",
     "NvlinkPolicy",
     "ObjectRef",
@@ -187,6 +190,7 @@ __all__ = [
     "RefitSourceSpec",
     "RefitSpec",
     "RendezvousSource",
+    "ReshardStage",
     "ResourcesSpec",
     "SecretKeyRef",
     "SecretVolumeSource",

@@ -85,6 +85,37 @@ class RefitInfoRef(common.ApiModel):
     tensors: int = Field(ge=1, le=1 << 20, description="tensors is the number of entries.")
 
 
+class ReshardStage(common.ApiModel):
+    """One training pipeline stage's communicator: the store its first trainer rank hosts."""
+
+    address: str = Field(
+        min_length=1,
+        max_length=253,
+        pattern=r"^[A-Za-z0-9]([-A-Za-z0-9.:]*[A-Za-z0-9])?$",
+        description="address of the stage's store (NeMo's pp_ips[stage]).",
+    )
+    port: int = Field(ge=1, le=65535, description="port of the stage's store (NeMo's pp_ports[stage]).")
+
+
+class NemoReshardSpec(common.ApiModel):
+    """NeMo RL's M-to-N reshard: the bulk from every training pipeline stage, the rest over the collective."""
+
+    stages: list[ReshardStage] = Field(
+        min_length=1, max_length=1024, description="stages: every stage's store, in stage order (pp_ips, pp_ports)."
+    )
+    trainer_ranks_per_stage: int = Field(
+        ge=1, le=65536, description="trainerRanksPerStage: each stage's trainer ranks (first in its communicator)."
+    )
+    sub_world_size: int = Field(
+        ge=2, le=65536, description="subWorldSize: each stage communicator's ranks, trainer plus the fleet's."
+    )
+    refit_info: RefitInfoRef | None = Field(
+        default=None,
+        description="refitInfo: NeMo's prepare_nccl_reshard_refit_info (its wire-safe form, a gzip'd JSON "
+        "object); tensors counts its bulk and misc tensors. Set once, before the first Refit.",
+    )
+
+
 class RefitSessionSpec(common.ApiModel):
     """One trainer world the fleet joins at the trainer's ``init_collective`` and holds for its refits."""
 
@@ -113,6 +144,32 @@ class RefitSessionSpec(common.ApiModel):
                     "has(self.shards) == has(oldSelf.shards) && (!has(self.shards) || self.shards == oldSelf.shards)",
                     "shards is immutable",
                 ),
+                # NeMo's M-to-N reshard: its stages are added once to a joined nemoCollective session
+                common.cel("!has(self.nemoReshard) || has(self.nemoCollective)", "nemoReshard needs nemoCollective"),
+                common.cel(
+                    "!has(self.nemoReshard) || !has(self.refitInfo)",
+                    "refitInfo and nemoReshard exclude each other (the reshard's info is nemoReshard.refitInfo)",
+                ),
+                common.cel(
+                    "!has(self.nemoReshard) || !has(self.nemoCollective) || (self.nemoReshard.subWorldSize == "
+                    "self.nemoReshard.trainerRanksPerStage + self.nemoCollective.worldSize - "
+                    "self.nemoCollective.trainerWorldSize && self.nemoReshard.trainerRanksPerStage * "
+                    "size(self.nemoReshard.stages) == self.nemoCollective.trainerWorldSize)",
+                    "nemoReshard: subWorldSize must be trainerRanksPerStage plus the fleet's ranks, and "
+                    "trainerRanksPerStage x stages the trainer's ranks",
+                ),
+                common.cel(
+                    "!has(oldSelf.nemoReshard) || (has(self.nemoReshard) && self.nemoReshard.stages == "
+                    "oldSelf.nemoReshard.stages && self.nemoReshard.trainerRanksPerStage == "
+                    "oldSelf.nemoReshard.trainerRanksPerStage && self.nemoReshard.subWorldSize == "
+                    "oldSelf.nemoReshard.subWorldSize)",
+                    "nemoReshard is set once (its refitInfo may be added once)",
+                ),
+                common.cel(
+                    "!has(oldSelf.nemoReshard) || !has(oldSelf.nemoReshard.refitInfo) || (has(self.nemoReshard) && "
+                    "has(self.nemoReshard.refitInfo) && self.nemoReshard.refitInfo == oldSelf.nemoReshard.refitInfo)",
+                    "nemoReshard.refitInfo is set once",
+                ),
             ]
         }
     )
@@ -126,6 +183,11 @@ class RefitSessionSpec(common.ApiModel):
     )
     refit_info: RefitInfoRef | None = Field(
         default=None, description="refitInfo: the trainer's tensor list; set once, before the first Refit."
+    )
+    nemo_reshard: NemoReshardSpec | None = Field(
+        default=None,
+        description="nemoReshard: NeMo's M-to-N reshard stages (init_nccl_reshard_comm_group), set once after "
+        "the nemoCollective world joined; the members join them beside it (condition ReshardJoined).",
     )
     join_timeout_seconds: int = Field(
         default=240, ge=1, le=3600, description="joinTimeoutSeconds bounds the join (NeMo's store waits 300 s)."
@@ -149,6 +211,10 @@ class RefitSessionSpec(common.ApiModel):
             raise ValueError("refitInfo belongs to nemoCollective")
         if self.shards is not None and len(set(self.shards)) != len(self.shards):
             raise ValueError(f"shards repeats an index: {self.shards}")
+        if self.nemo_reshard is not None:
+            problem = _reshard_problem(self.nemo_reshard, self.nemo_collective, self.refit_info)
+            if problem is not None:
+                raise ValueError(problem)
         return self
 
     def member_shards(self, replicas: int) -> list[int]:
@@ -163,6 +229,28 @@ class RefitSessionSpec(common.ApiModel):
         return world
 
 
+def _reshard_problem(
+    reshard: NemoReshardSpec, collective: NemoCollectiveSpec | None, refit_info: RefitInfoRef | None
+) -> str | None:
+    """Why ``nemoReshard`` cannot stand beside the rest of the spec (the CEL rules' words), or None."""
+    if collective is None:
+        return "nemoReshard needs nemoCollective"
+    if refit_info is not None:
+        return "refitInfo and nemoReshard exclude each other (the reshard's info is nemoReshard.refitInfo)"
+    fleet_ranks = collective.world_size - collective.trainer_world_size
+    if reshard.sub_world_size != reshard.trainer_ranks_per_stage + fleet_ranks:
+        return (
+            f"nemoReshard: subWorldSize {reshard.sub_world_size} must be trainerRanksPerStage "
+            f"{reshard.trainer_ranks_per_stage} plus the fleet's {fleet_ranks} ranks"
+        )
+    if reshard.trainer_ranks_per_stage * len(reshard.stages) != collective.trainer_world_size:
+        return (
+            f"nemoReshard: {len(reshard.stages)} stages x trainerRanksPerStage {reshard.trainer_ranks_per_stage} "
+            f"must be the trainer's {collective.trainer_world_size} ranks"
+        )
+    return None
+
+
 class RefitSessionStatus(common.ApiModel):
     """The held world; written only by the operator."""
 
@@ -170,7 +258,7 @@ class RefitSessionStatus(common.ApiModel):
     conditions: list[common.Condition] = Field(
         default_factory=list,
         json_schema_extra={"x-kubernetes-list-type": "map", "x-kubernetes-list-map-keys": ["type"]},
-        description="conditions: Joined, RefitInfoAccepted, Broken.",
+        description="conditions: Joined, RefitInfoAccepted, Broken, ReshardJoined.",
     )
     membership: common.Membership | None = Field(
         default=None, description="membership decided once at the join: shard i's ranks start at T + i x S."

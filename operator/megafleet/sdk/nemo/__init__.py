@@ -12,7 +12,9 @@ Modules:
 * :mod:`~megafleet.sdk.nemo.class_hooks`: NeMo RL's class-level hooks (``validate_settings`` and the rest).
 * :mod:`~megafleet.sdk.nemo.membership`: NeMo RL's refit membership (``set_refit_membership``, the
   rebuild over the live shards) and its fleet-health monitor fed from the fleet
-  (:mod:`~megafleet.sdk.nemo.fleet_health`); the check of its reshard refit info.
+  (:mod:`~megafleet.sdk.nemo.fleet_health`).
+* :mod:`~megafleet.sdk.nemo.reshard`: NeMo RL's M-to-N reshard (``init_nccl_reshard_comm_group``, its
+  rebuild, ``prepare_nccl_reshard_refit_info``, ``nccl_reshard_refit``) through the session.
 * :mod:`~megafleet.sdk.nemo.unsupported`: what a fleet refuses, loudly, with what to use instead.
 * :mod:`~megafleet.sdk.nemo.async_flags`: NeMo RL's async flags (in-flight weight updates, KV
   recompute) and the in-flight modes of every Refit the adapter makes;

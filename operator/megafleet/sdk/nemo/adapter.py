@@ -33,6 +33,7 @@ from megafleet.sdk.nemo import (
     refit_wire_choice,
     refit_wires,
     refs,
+    reshard,
     unsupported,
     versions,
 )
@@ -45,7 +46,9 @@ __all__ = ["MegafleetGeneration"]
 log = logging.getLogger(__name__)
 
 
-class MegafleetGeneration(class_hooks.ClassHooks, membership.MembershipHooks, unsupported.Unsupported):
+class MegafleetGeneration(
+    class_hooks.ClassHooks, membership.MembershipHooks, reshard.ReshardHooks, unsupported.Unsupported
+):
     """NeMo RL's ``GenerationInterface`` backed by a MegatronGeneration fleet.
 
     Args:

@@ -1,7 +1,7 @@
 """NeMo RL's refit membership over a fleet: which shards take part in refits after a shard was lost
 (``set_refit_membership``), their rebuilt ranks (``_refit_ranked_workers``), and the rebuild of the
-trainer's world over them (``rebuild_collective``); NeMo's fleet-health monitor fed from the
-fleet's shard states (``attach_fleet_health``); and the check of NeMo's M-to-N reshard refit info.
+trainer's world over them (``rebuild_collective``; its reshard stages are :mod:`.reshard`'s); NeMo's
+fleet-health monitor fed from the fleet's shard states (``attach_fleet_health``).
 
 :class:`MembershipHooks` is a base of :class:`~megafleet.sdk.nemo.adapter.MegafleetGeneration`.
 NeMo's membership (``nemo_rl.weight_sync.membership.RefitMembership``, read by its attributes) packs
@@ -19,7 +19,6 @@ from collections.abc import Mapping
 from typing import Any
 
 from megafleet.sdk.nemo import fleet_health, refit_wires, refs
-from megafleet_protocol.refit import nemo_reshard_info
 
 __all__ = ["Membership", "MembershipHooks", "RankedWorker"]
 
@@ -79,7 +78,6 @@ class MembershipHooks:
     _wire: refit_wires.Wire
     _refit_membership: Membership | None = None
     _fleet_monitor: fleet_health.Feed | None = None
-    _reshard_info: nemo_reshard_info.ReshardInfo | None = None
 
     def init_collective(
         self, ip: str, port: int, world_size: int, *, train_world_size: int, refit_backend: str | None = None
@@ -101,6 +99,13 @@ class MembershipHooks:
         """
         self._refit_membership = Membership.of(membership)
         self._wire.set_membership(self._refit_membership.shards)
+
+    def refit_inference_ranks(self) -> int | None:
+        """The inference ranks in the trainer's world now: the membership's, else the fleet's (if known)."""
+        membership = self._refit_membership
+        if membership is not None:
+            return membership.world_size - membership.train_world_size
+        return self.get_inference_world_size()
 
     def refit_ranked_workers(self) -> list[RankedWorker]:
         """The inference ranks that take part in refits, with their rebuilt and original ranks
@@ -132,24 +137,6 @@ class MembershipHooks:
         return self.init_collective(
             ip, port, self._refit_membership.world_size, train_world_size=self._refit_membership.train_world_size
         )
-
-    def prepare_nccl_reshard_refit_info(self, refit_info: dict[str, Any]) -> None:
-        """Read and check NeMo's M-to-N reshard refit info (its trainer's
-        ``prepare_nccl_reshard_refit_info``, wire-safe form) and keep it for the reshard refits; the
-        refits themselves are not run by the operator yet (``nccl_reshard_refit`` says so).
-
-        Raises:
-            ValueError: it does not parse, names grouped MoE experts, or was built for another number
-                of inference ranks than this fleet's (when the API server is known).
-        """
-        parsed = nemo_reshard_info.ReshardInfo.parse(refit_info)
-        fleet_ranks = self.get_inference_world_size()
-        if fleet_ranks is not None and parsed.gen_world_size not in (0, fleet_ranks):
-            raise ValueError(
-                f"NeMo's reshard refit info was built for {parsed.gen_world_size} inference ranks; the fleet "
-                f"has {fleet_ranks}"
-            )
-        self._reshard_info = parsed
 
     def attach_fleet_health(self, monitor: Any, selector: Any) -> None:
         """Give NeMo's fleet-health monitor the fleet's shard states from now on (at once, and after

@@ -3,6 +3,10 @@ order) as the fleet reads it: gzip'd JSON ``[[name, shape, dtype], ...]`` in an 
 owned by the RefitSession, named by the session's ``spec.refitInfo`` with its sha256 and count
 (proposal 0001, section 1).
 
+NeMo's M-to-N reshard refit info (``prepare_nccl_reshard_refit_info``, its wire-safe JSON object) is
+stored the same way (:func:`encode_reshard`), named by ``spec.nemoReshard.refitInfo``; its count is
+its bulk and misc tensors.
+
 Called by :class:`~megafleet.sdk.nemo.refit_wire_nemo.NemoWire`. Pure: the gzip is deterministic
 (no timestamp), so the same info always has the same sha256.
 """
@@ -19,7 +23,7 @@ from typing import Any
 
 from megafleet.api import v1alpha1
 
-__all__ = ["KEY", "MAX_GZIPPED_BYTES", "Encoded", "config_map", "decode", "encode", "reference"]
+__all__ = ["KEY", "MAX_GZIPPED_BYTES", "Encoded", "config_map", "decode", "encode", "encode_reshard", "reference"]
 
 KEY = "refitInfo.json.gz"
 """The ConfigMap's key (binaryData)."""
@@ -60,6 +64,28 @@ def encode(state_dict_info: Mapping[str, Any]) -> Encoded:
             f"{MAX_GZIPPED_BYTES} bytes a RefitSession's ConfigMap may hold"
         )
     return Encoded(gzipped, hashlib.sha256(gzipped).hexdigest(), len(entries))
+
+
+def encode_reshard(info: Mapping[str, Any]) -> Encoded:
+    """NeMo's wire-safe reshard refit info, as it is (its tensors: every layer's bulk entries and the
+    misc ones, in order).
+
+    Raises:
+        ValueError: not JSON (NeMo's wire-safe form is), or more than :data:`MAX_GZIPPED_BYTES` gzip'd.
+    """
+    try:
+        text = json.dumps(info, separators=(",", ":")).encode()
+    except (TypeError, ValueError) as error:
+        raise ValueError(f"NeMo's reshard refit info is not its wire-safe form (plain JSON): {error}") from None
+    per_layer = info.get("per_layer_params") or {}
+    tensors = sum(len(per_layer[layer]) for layer in info.get("layer_names") or ()) + len(info.get("misc_meta") or {})
+    gzipped = gzip.compress(text, compresslevel=9, mtime=0)
+    if len(gzipped) > MAX_GZIPPED_BYTES:
+        raise ValueError(
+            f"NeMo's reshard refit info names {tensors} tensors, {len(gzipped)} bytes gzip'd: more than the "
+            f"{MAX_GZIPPED_BYTES} bytes a RefitSession's ConfigMap may hold"
+        )
+    return Encoded(gzipped, hashlib.sha256(gzipped).hexdigest(), tensors)
 
 
 def decode(gzipped: bytes) -> list[tuple[str, list[int], str]]:

@@ -15,6 +15,10 @@ section 4), through Kubernetes objects the operator acts on:
   synchronizer's ``suspend_for_refit``); wait for ``Succeeded``. A failure
   raises :class:`~megafleet.sdk.errors.RefitFailed` naming the session's state and the restart advice.
 * ``close`` (``shutdown``): delete the session (its finalizer makes the members leave).
+* NeMo's M-to-N reshard: ``join_stages`` (``init_nccl_reshard_comm_group``) sets the session's
+  ``nemoReshard`` and waits for ``ReshardJoined``; ``prepare_reshard_info`` stores NeMo's reshard refit
+  info as ``nemoReshard.refitInfo``; ``reshard`` (``nccl_reshard_refit``) is ``update``'s Refit, which
+  the operator sends to the reshard route (``update`` itself is refused on such a session).
 
 Only the driver's adapter refits; pickled copies (the async collector) never touch this wire.
 Waiting polls the API server (every :data:`POLL_SECONDS`).
@@ -75,6 +79,9 @@ class NemoWire:
         self._native = False  # the session is megatronNative (megatron-core plans the transfer: no refit info)
         self._bucket_bytes: int | None = None  # the nemoCollective session's B
         self._shards: list[int] | None = None  # the trainer's refit membership (None: every shard)
+        self._reshard = False  # the session has NeMo's reshard stages (init_nccl_reshard_comm_group)
+        self._reshard_info: refit_info.Encoded | None = None  # prepare_nccl_reshard_refit_info's
+        self._reshard_stored = False
 
     @property
     def session(self) -> str | None:
@@ -178,6 +185,14 @@ class NemoWire:
                 "refit_wire='nemo': the trainer's policy sends the weights (broadcast_weights_for_collective); "
                 "weights= is for refit_wire='megafleet'"
             )
+        if self._reshard:
+            raise RuntimeError(
+                f"RefitSession {self._session} receives NeMo's M-to-N reshard: the trainer sends with "
+                "nccl_reshard_refit, and so must this side (nccl_reshard_refit, not update_weights_from_collective)"
+            )
+        self._refit(version, timeout, modes)
+
+    def _refit(self, version: int, timeout: float, modes: async_flags.RefitModes) -> None:
         session = self._require_session()
         clients = self._clients()
         pending, self._pending = self._pending, None
@@ -187,6 +202,51 @@ class NemoWire:
         clients.loop.run(self._await_refit(name, session, timeout))
         if clients.fleet is not None:
             clients.loop.run(clients.fleet.refresh())  # route to the shards at the new version now
+
+    # -- NeMo's M-to-N reshard --------------------------------------------------------------------
+
+    def join_stages(self, pp_ips: Sequence[str], pp_ports: Sequence[int], per_stage: int, sub_world: int) -> None:
+        """NeMo's ``init_nccl_reshard_comm_group``: the stages (their stores, ``per_stage`` trainer ranks
+        each, ``sub_world`` ranks in all) become the session's ``nemoReshard``; returns once every
+        member joined them (and stores the reshard refit info if it was given first).
+
+        Raises:
+            ValueError: the stages do not fit the session's world; nothing was changed.
+            RuntimeError: no session, or a megatron-native one (the reshard rides NeMo's collective).
+            RefitFailed: the members could not join the stages.
+        """
+        session = self._require_session()
+        if self._native:
+            raise RuntimeError("NeMo's reshard rides NeMo's collective: init_collective without refit_backend")
+        self._clients().loop.run(self._join_stages(session, pp_ips, pp_ports, per_stage, sub_world))
+
+    def prepare_reshard_info(self, info: Mapping[str, Any]) -> None:
+        """NeMo's reshard refit info (its wire-safe form, already checked by the adapter): stored for
+        the session now when it has its stages, else when it gets them."""
+        encoded = refit_info.encode_reshard(info)
+        if self._reshard_info is not None and self._reshard_stored and encoded.sha256 != self._reshard_info.sha256:
+            raise ValueError(
+                f"NeMo's reshard refit info changed but RefitSession {self._session} holds the first one: "
+                "rebuild (rebuild_collective, rebuild_nccl_reshard_comm_group) for a new session"
+            )
+        self._reshard_info = encoded
+        if self._session is not None and self._reshard and not self._reshard_stored:
+            self._clients().loop.run(self._store_reshard_info(self._session))
+
+    def reshard(self, version: int, timeout: float, modes: async_flags.RefitModes) -> None:
+        """NeMo's ``nccl_reshard_refit``: a Refit over the session, which the operator sends to the
+        members' reshard route; returns once the fleet serves ``version``.
+
+        Raises:
+            RuntimeError: no session with stages, or no reshard refit info stored.
+            RefitFailed: as :meth:`update`.
+        """
+        if not self._reshard or not self._reshard_stored:
+            raise RuntimeError(
+                "call init_nccl_reshard_comm_group(...) and prepare_nccl_reshard_refit_info(...) "
+                "before nccl_reshard_refit"
+            )
+        self._refit(version, timeout, modes)
 
     def end(self) -> None:
         """``resume_after_refit``: the fleet resumed itself; forget a Refit ``update`` did not wait for."""
@@ -242,6 +302,9 @@ class NemoWire:
         name = f"{self._fleet_name}-nemo-{secrets.token_hex(3)}"
         await api.create(sessions.session(name, namespace, found, world, self._options.join_timeout_s, self._shards))
         self._session, self._info_stored = name, False
+        # a new world: NeMo joins its stages again and sends a reshard refit info planned for it
+        self._reshard = self._reshard_stored = False
+        self._reshard_info = None
         self._native = isinstance(world, v1alpha1.MegatronNativeSpec)
         self._bucket_bytes = world.bucket_bytes if isinstance(world, v1alpha1.NemoCollectiveSpec) else None
         log.info("RefitSession %s/%s: %s", namespace, name, world)
@@ -264,13 +327,52 @@ class NemoWire:
         self._info_stored = True
         await self._await_session(name, info.sha256)
 
-    async def _await_session(self, name: str, info_sha256: str | None) -> None:
-        """Until the session is Joined (and accepted the info), bounded by its join timeout."""
+    async def _join_stages(
+        self, name: str, pp_ips: Sequence[str], pp_ports: Sequence[int], per_stage: int, sub_world: int
+    ) -> None:
+        api, namespace = self._api()
+        found = await api.get("RefitSession", name, namespace)
+        if found is None:
+            raise errors.RefitFailed(name, f"{sessions.describe(name, None)}; {sessions.RESTART_ADVICE}")
+        stages = sessions.reshard_stages(found.get("spec") or {}, pp_ips, pp_ports, per_stage, sub_world)
+        reshard = stages.model_dump(mode="json", by_alias=True, exclude_none=True)
+        await api.patch("RefitSession", name, namespace, {"spec": {"nemoReshard": reshard}})
+        self._reshard = True
+        log.info("RefitSession %s/%s: NeMo's reshard over %d stages", namespace, name, len(stages.stages))
+        await self._await_session(name, None, sessions.stages_outcome)
+        if self._reshard_info is not None:
+            await self._store_reshard_info(name)
+
+    async def _store_reshard_info(self, name: str) -> None:
+        api, namespace = self._api()
+        info = self._reshard_info
+        assert info is not None
+        owner = await api.get("RefitSession", name, namespace)
+        if owner is None:
+            raise errors.RefitFailed(name, f"{sessions.describe(name, None)}; {sessions.RESTART_ADVICE}")
+        config_map = f"{name}-reshard-info"
+        await api.create(refit_info.config_map(config_map, namespace, info, owner))
+        reference = refit_info.reference(config_map, info).model_dump(mode="json", by_alias=True)
+        await api.patch("RefitSession", name, namespace, {"spec": {"nemoReshard": {"refitInfo": reference}}})
+        self._reshard_stored = True
+        await self._await_session(name, info.sha256)
+
+    async def _await_session(
+        self,
+        name: str,
+        info_sha256: str | None,
+        judge: Callable[[str, dict[str, Any] | None], tuple[str, str]] | None = None,
+    ) -> None:
+        """Until the session is Joined (and accepted the info, or ``judge`` says done), bounded by its
+        join timeout."""
         api, namespace = self._api()
         deadline = time.monotonic() + self._options.join_timeout_s + 30
         while True:
             found = await api.get("RefitSession", name, namespace)
-            state, message = sessions.outcome(name, found, info_sha256=info_sha256)
+            if judge is not None:
+                state, message = judge(name, found)
+            else:
+                state, message = sessions.outcome(name, found, info_sha256=info_sha256)
             if state == "done":
                 return
             if state == "failed":
@@ -282,7 +384,7 @@ class NemoWire:
     async def _create_refit(self, version: int, modes: async_flags.RefitModes) -> str:
         api, namespace = self._api()
         session = self._require_session()
-        if self._info is None and not self._native:
+        if self._info is None and not self._native and not self._reshard:
             raise RuntimeError("call prepare_refit_info(policy.prepare_refit_info()) before the first refit")
         name = f"{self._fleet_name}-v{version}-{secrets.token_hex(3)}"
         await api.create(sessions.refit(name, namespace, self._fleet_name, version, session, modes))

@@ -5,6 +5,9 @@
   fleet) and each ``Refit`` that names it, with the in-flight modes of NeMo RL's async flags.
 * :func:`outcome` / :func:`refit_outcome`: whether a session joined and a Refit succeeded, and the
   message the adapter raises when not (with the restart advice: NeMo RL cannot rebuild its world).
+* :func:`reshard_stages` / :func:`stages_outcome`: NeMo's M-to-N reshard stages
+  (``init_nccl_reshard_comm_group``) as the session's ``nemoReshard``, checked against its world, and
+  whether the members joined them.
 
 Called by :class:`~megafleet.sdk.nemo.refit_wire_nemo.NemoWire`. Pure: JSON objects in and out.
 """
@@ -25,7 +28,9 @@ __all__ = [
     "outcome",
     "refit",
     "refit_outcome",
+    "reshard_stages",
     "session",
+    "stages_outcome",
     "world_check",
 ]
 
@@ -183,3 +188,37 @@ def refit_outcome(
         refit_part = f"Refit {refit_name} {what}" + (f" ({message})" if message else "")
         return "failed", f"{refit_part}; {describe(session_name, session_obj)}; {RESTART_ADVICE}"
     return "waiting", f"Refit {refit_name} is {phase or 'Pending'}"
+
+
+def reshard_stages(
+    spec: Object, pp_ips: Sequence[str], pp_ports: Sequence[int], train_ranks_per_stage: int, sub_world_size: int
+) -> v1alpha1.NemoReshardSpec:
+    """NeMo's ``init_nccl_reshard_comm_group`` arguments as the session's ``nemoReshard``, checked
+    against the session's ``spec`` (its world) as the API server will check them.
+
+    Raises:
+        ValueError: the stages do not fit the session's world (naming the numbers).
+    """
+    reshard = v1alpha1.NemoReshardSpec(
+        stages=[v1alpha1.ReshardStage(address=ip, port=port) for ip, port in zip(pp_ips, pp_ports, strict=True)],
+        trainer_ranks_per_stage=train_ranks_per_stage,
+        sub_world_size=sub_world_size,
+    )
+    merged = {**spec, "nemoReshard": reshard.model_dump(mode="json", by_alias=True, exclude_none=True)}
+    try:
+        v1alpha1.RefitSessionSpec.model_validate(merged)
+    except ValueError as error:
+        raise ValueError(f"NeMo's reshard stages do not fit the RefitSession's world: {error}") from None
+    return reshard
+
+
+def stages_outcome(name: str, obj: Object | None) -> tuple[Outcome, str]:
+    """Whether the session's members joined NeMo's reshard stages (condition ``ReshardJoined``)."""
+    phase = _status(obj).get("phase") or "Pending"
+    if obj is None or phase in _ENDED:
+        return "failed", f"{describe(name, obj)}; {RESTART_ADVICE}"
+    joined = _condition(obj, "ReshardJoined")
+    if joined is None or joined.get("status") != "True":
+        why = (joined or {}).get("message") or "not asked yet"
+        return "waiting", f"RefitSession {name}'s members are joining the stage communicators ({why})"
+    return "done", describe(name, obj)

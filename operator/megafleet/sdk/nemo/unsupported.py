@@ -67,35 +67,6 @@ class Unsupported:
             "refit_backend='nvshmem' is not supported by megafleet; use 'nccl' (GPU engines) or 'gloo'"
         )
 
-    def init_nccl_reshard_comm_group(
-        self, *, pp_ips: list[str], pp_ports: list[int], pp_size: int, train_ranks_per_stage: int, sub_world_size: int
-    ) -> refs.ObjectRefs:
-        """Not available: see :meth:`nccl_reshard_refit`."""
-        raise _no_reshard()
-
-    def rebuild_nccl_reshard_comm_group(
-        self,
-        membership: Any,
-        *,
-        pp_ips: list[str],
-        pp_ports: list[int],
-        pp_size: int,
-        train_ranks_per_stage: int,
-        sub_world_size: int,
-    ) -> refs.ObjectRefs:
-        """Not available: see :meth:`nccl_reshard_refit`."""
-        raise _no_reshard()
-
-    def nccl_reshard_refit(self, refit_timeout_s: float | None = None) -> refs.ObjectRefs:
-        """Not available yet: the fleet's engines can receive NeMo's M-to-N reshard
-        (:mod:`megafleet_protocol.refit.nemo_reshard`), but the operator does not yet have the shards
-        join the stage communicators (``prepare_nccl_reshard_refit_info`` checks the refit info).
-
-        Raises:
-            NotImplementedError: always.
-        """
-        raise _no_reshard()
-
     def pause_generation(self, mode: str) -> None:
         """Not available: clients cannot pause a fleet; the fleet pauses itself during each Refit.
 
@@ -145,14 +116,3 @@ class Unsupported:
             "token capture is not supported for MegafleetGeneration: every answer already carries its "
             "token ids, logprobs and weight version"
         )
-
-
-def _no_reshard() -> NotImplementedError:
-    return NotImplementedError(
-        "refit_transport='nccl_reshard' (NCCL M-to-N resharding) is not run by the megafleet operator yet: the "
-        "engines' receiving side exists, but no shard joins the pipeline stages' communicators; use the "
-        "collective path (init_collective + "
-        "update_weights_from_collective; refit_transport='collective'). The fleet never joins the reshard "
-        "group, so the trainer's own futures of this call (its pipeline stages' init_nccl_reshard_comm_group "
-        "and nccl_reshard_refit) will wait on their store and time out there: do not ray.get them"
-    )
