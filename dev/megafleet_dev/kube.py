@@ -13,6 +13,7 @@ import time
 import uuid
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import httpx
 import yaml
@@ -43,6 +44,21 @@ class WaitTimeout(TimeoutError):
         summary = json.dumps(last.get("status"), indent=1)[:2000] if last else "absent"
         super().__init__(f"timed out after {timeout:.0f} s waiting for {what}; last status: {summary}")
         self.last = last
+
+
+def brief(obj: Object) -> dict[str, Any]:
+    """What a timed-out wait shows of one object of a collection: its name, phase, node and
+    conditions, without the metadata (managed fields, owners) that would fill the message first."""
+    status = obj.get("status") or {}
+    return {
+        "name": obj.get("metadata", {}).get("name"),
+        "phase": status.get("phase"),
+        "node": (obj.get("spec") or {}).get("nodeName"),
+        "conditions": [
+            {key: condition.get(key) for key in ("type", "status", "reason", "message") if condition.get(key)}
+            for condition in status.get("conditions") or []
+        ],
+    }
 
 
 class Kube:
@@ -183,7 +199,7 @@ class Kube:
                 return list(listing["items"])
             remaining = deadline - time.monotonic()
             if remaining <= 0:
-                raise WaitTimeout(what or collection, timeout, {"status": listing["items"]})
+                raise WaitTimeout(what or collection, timeout, {"status": [brief(i) for i in listing["items"]]})
             params = {
                 "watch": "1",
                 "resourceVersion": listing["metadata"]["resourceVersion"],

@@ -9,13 +9,23 @@ speaks; unknown request fields are refused.
 from __future__ import annotations
 
 import collections
-from typing import Any, Literal
+from typing import Literal
 
 import pydantic
 from pydantic import Field
-from pydantic.alias_generators import to_camel
 
 from megafleet_protocol import vocabulary
+from megafleet_protocol.agent_bodies import Body as _Body
+from megafleet_protocol.agent_bodies import RefitBody as _RefitBody
+from megafleet_protocol.agent_bodies import Response as _Response
+from megafleet_protocol.agent_reshard import (
+    REFIT_NEMO_RESHARD,
+    REFIT_NEMO_RESHARD_JOIN,
+    NemoReshardJoinRequest,
+    NemoReshardRefitRequest,
+    NemoReshardStage,
+    NemoReshardStatus,
+)
 
 __all__ = [
     "HEALTHZ",
@@ -94,16 +104,6 @@ REFIT_ABORT = f"{REFIT}/abort"
 REFIT_COMMIT = f"{REFIT}/commit"
 
 
-class _Body(pydantic.BaseModel):
-    model_config = pydantic.ConfigDict(alias_generator=to_camel, populate_by_name=True, extra="forbid")
-
-
-class _Response(pydantic.BaseModel):
-    """A response body: a client ignores fields a newer agent adds."""
-
-    model_config = pydantic.ConfigDict(alias_generator=to_camel, populate_by_name=True, extra="ignore")
-
-
 class SuspendRequest(_Body):
     mode: vocabulary.SuspendMode = Field(
         default="drain", description="drain waits for requests in flight; abort ends them."
@@ -123,38 +123,6 @@ class RendezvousBody(_Body):
     world_size: int = Field(ge=2, le=1 << 20, description="trainer ranks plus every live shard's ranks.")
     rank_offset: int = Field(ge=1, le=1 << 20, description="global rank of this shard's rank 0.")
     trainer_world_size: int = Field(default=1, ge=1, le=1 << 16, description="trainer ranks (they come first).")
-
-
-class _RefitBody(_Body):
-    version: int = Field(ge=0, le=2**53, description="the weight version served once the refit completes.")
-    timeout_seconds: int = Field(default=300, ge=1, le=86400, description="the watchdog's deadline, in seconds.")
-    suspend_mode: vocabulary.InFlightMode = Field(
-        default="drain",
-        description="the sequences in flight: drain waits for them, abort ends them, keep pauses the engine "
-        "between two steps and continues them on the new weights (their KV as kvCacheMode says).",
-    )
-    kv_cache_mode: vocabulary.KvCacheMode | None = Field(default=None, description="unset: the engine's own mode.")
-    staging: vocabulary.StagingMode = Field(
-        default="off",
-        description="receive into a staging copy while serving (auto: when the memory allows; required: "
-        "fail otherwise) so that the pause covers the switch only; off: write in place.",
-    )
-    integrity: vocabulary.Integrity = Field(
-        default="none", description="checksum: verify every bucket's digest before the switch."
-    )
-    commit: vocabulary.CommitMode = Field(
-        default="local",
-        description="who lets a staged version go live: local (this shard once its receive completed), trainer "
-        "(the sender's commit key, megafleet wire only) or operator (POST /v1/refit/commit); an attempt that "
-        "receives in place cannot wait and switches as local does.",
-    )
-    commit_grace_seconds: int = Field(
-        default=30,
-        ge=5,
-        le=600,
-        description="how long past timeoutSeconds a staged attempt waits for its commit; then it discards the "
-        "staged copy and fails (the old version serves on).",
-    )
 
 
 class PrepareRequest(_RefitBody):
@@ -368,75 +336,6 @@ class PeerSendStatus(_Response):
     buckets: int = 0
     verified: bool = Field(default=False, description="every bucket carried its mf64 digest, checked by each receiver.")
     seconds: float | None = None
-    error: str | None = None
-
-
-# -- NeMo RL's M-to-N reshard: the bulk from every training pipeline stage, the rest over NeMo's world ---
-
-REFIT_NEMO_RESHARD = f"{REFIT}/nemo/reshard"
-REFIT_NEMO_RESHARD_JOIN = f"{REFIT}/nemo/reshard/join"
-
-
-class NemoReshardStage(_Body):
-    """One training pipeline stage's communicator: the store its first trainer rank hosts."""
-
-    address: str = Field(min_length=1, max_length=253, description="the stage's store address (pp_ips[s]).")
-    port: int = Field(ge=1, le=65535, description="the stage's store port (pp_ports[s]).")
-
-
-class NemoReshardJoinRequest(_Body):
-    """``POST /v1/refit/nemo/reshard/join`` (202): join every training pipeline stage's communicator
-    (NeMo's ``init_nccl_reshard_comm_group``) for ``session``, whose NeMo world this pod joined first
-    (409 ``nemo_not_joined`` otherwise), in stage order, on a thread, without suspending the engine."""
-
-    session: str = Field(min_length=1, max_length=253, description="the RefitSession whose NeMo world this pod holds.")
-    stages: list[NemoReshardStage] = Field(
-        min_length=1, max_length=1024, description="every stage's store, in stage order (pp_ips, pp_ports)."
-    )
-    trainer_ranks_per_stage: int = Field(ge=1, le=1 << 16, description="the trainer ranks of each stage (first).")
-    sub_world_size: int = Field(ge=2, le=1 << 20, description="each stage communicator's ranks: trainer + inference.")
-    rank_offset: int = Field(
-        ge=1,
-        le=1 << 20,
-        description="this shard's first rank in every stage communicator: trainerRanksPerStage plus the "
-        "shard's prefix among the inference ranks.",
-    )
-    timeout_seconds: int = Field(default=240, ge=1, le=86400, description="how long joining every stage may take.")
-
-    @pydantic.model_validator(mode="after")
-    def _inference_rank(self) -> NemoReshardJoinRequest:
-        if not self.trainer_ranks_per_stage <= self.rank_offset < self.sub_world_size:
-            raise ValueError(
-                f"rankOffset {self.rank_offset} is not an inference rank of a stage communicator: those are "
-                f"{self.trainer_ranks_per_stage} .. {self.sub_world_size - 1}"
-            )
-        return self
-
-
-class NemoReshardRefitRequest(_RefitBody):
-    """``POST /v1/refit/nemo/reshard`` (202): one refit of NeMo's M-to-N reshard over the communicators
-    joined for ``session``: each rank receives its slices of the bulk tensors from the stages' trainer
-    ranks, then the other tensors over NeMo's world (its packed broadcast); never joins (409
-    ``nemo_not_joined``). A refit info that does not fit this engine is refused (400) before anything
-    is suspended."""
-
-    session: str = Field(min_length=1, max_length=253, description="the joined session it must be.")
-    refit_info: dict[str, Any] = Field(
-        description="NeMo's wire-safe reshard refit info (prepare_nccl_reshard_refit_info): layer_names, "
-        "per_layer_params, misc_meta, train_world_size, gen_world_size, pp_size."
-    )
-    bucket_bytes: int = Field(ge=1, le=1 << 40, description="the trainer's packed-bucket target of the misc tensors.")
-    generation: vocabulary.NemoGeneration | None = Field(
-        default=None, description="the trainer's communicator (NeMo >= 0.6, or vLLM's); unset: from its store."
-    )
-
-
-class NemoReshardStatus(_Response):
-    """This rank's (or, combined, the pod's) membership of the stage communicators of a NeMo world."""
-
-    phase: Literal["joining", "joined", "failed", "left"]
-    stages: int = Field(default=0, ge=0, description="the stage communicators joined (or being joined).")
-    rank: int | None = Field(default=None, description="this rank in every stage communicator.")
     error: str | None = None
 
 

@@ -2,15 +2,13 @@
 (:class:`helpers.nemo_fakes.FakeOperator`): ``set_refit_membership`` with NeMo's packing, the rebuilt
 ranks of the live shards (``_refit_ranked_workers``), ``rebuild_collective`` as a new RefitSession of
 exactly those shards after a lost member broke the old one, and NeMo's fleet-health monitor fed from
-the fleet's shard states (``attach_fleet_health``). The monitor and the membership are stand-ins
-written from NeMo RL's contract (``nemo_rl/weight_sync/membership.py``,
-``nemo_rl/models/generation/fleet_health.py``), not from the adapter.
+the fleet's shard states (``attach_fleet_health``). The monitor and the membership are
+:mod:`helpers.nemo_fleet_health`'s stand-ins, written from NeMo RL's contract.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import enum
 import sys
 from collections.abc import Iterator
 from typing import Any
@@ -20,68 +18,11 @@ import torch
 
 from helpers import nemo_reshard_trainer
 from helpers.nemo_fakes import FLEET, NAMESPACE, FakeOperator, fleet_object, install
+from helpers.nemo_fleet_health import Monitor, RefitMembership, ShardState, plan_refit_membership
 from megafleet.sdk import errors, nemo
 from megafleet.sdk.nemo import fleet_health, refit_wire_nemo
 
 INFO = {"model.embed_tokens.weight": ((64, 16), torch.float32), "lm_head.weight": ((64, 16), torch.float32)}
-
-
-@dataclasses.dataclass(frozen=True)
-class RefitMembership:
-    """NeMo's membership: survivors packed contiguously after the trainer's ranks."""
-
-    world_size: int
-    train_world_size: int
-    shard_prefixes: dict[int, int]
-    workers_per_shard: int
-
-
-def plan_refit_membership(surviving: list[int], *, per_shard: int, train_world_size: int) -> RefitMembership:
-    """NeMo's ``plan_refit_membership``: ascending survivors, prefix = position x workers per shard."""
-    shards = sorted(set(surviving))
-    return RefitMembership(
-        train_world_size + len(shards) * per_shard,
-        train_world_size,
-        {shard: position * per_shard for position, shard in enumerate(shards)},
-        per_shard,
-    )
-
-
-class ShardState(enum.StrEnum):
-    HEALTHY = "healthy"
-    SUSPECT = "suspect"
-    DEAD = "dead"
-    RESTARTING = "restarting"
-    STALE = "stale"
-    RETIRED = "retired"
-
-
-class Monitor:
-    """NeMo's ``GenerationFleetHealth`` transitions: probes never resurrect a shard out of service,
-    a loaded replacement is STALE, only a completed refit makes it HEALTHY."""
-
-    def __init__(self, shard_count: int) -> None:
-        self.shard_count = shard_count
-        self.states = dict.fromkeys(range(shard_count), ShardState.HEALTHY)
-        self.calls: list[tuple[str, int]] = []
-
-    def state_of(self, shard: int) -> ShardState:
-        return self.states[shard]
-
-    def record_probe(self, shard: int, *, ok: bool, error: str = "") -> None:
-        self.calls.append(("record_probe", shard))
-
-    def mark_restarting(self, shard: int) -> None:
-        self.calls.append(("mark_restarting", shard))
-        self.states[shard] = ShardState.RESTARTING
-
-    def mark_loaded(self, shard: int) -> None:
-        self.calls.append(("mark_loaded", shard))
-        self.states[shard] = ShardState.STALE
-
-    def report_refit(self, shard: int, *, weight_version: int) -> None:
-        self.calls.append(("report_refit", shard))
-        self.states[shard] = ShardState.HEALTHY
 
 
 @pytest.fixture(autouse=True)

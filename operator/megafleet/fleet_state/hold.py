@@ -3,10 +3,13 @@
 While ``status.refit.session`` names a session, the fleet's shards are members of a trainer's
 world that cannot grow, shrink or be rebuilt (NeMo RL builds its collective once per run): the
 reconcile (:func:`megafleet.reconcile.reconcile`) then scales, rolls, places and catches up
-nothing, and heals broken shards only (by then the world is lost anyway). The condition
+nothing, and heals broken shards only (by then the world is lost anyway); a lost shard outside the
+world (a session of NeMo's refit membership, ``spec.shards``, leaves it out) is placed again, so that
+it is there, Stale, when the trainer's next rebuild names it. The condition
 ``RefitSessionHeld`` says which changes wait. The RefitSession controller takes the hold
 (:func:`take`) as its session starts to join and releases it (:func:`release`) as the session ends;
-the reconcile drops a hold whose session is gone (:func:`orphaned`) and keeps the condition.
+the reconcile reads the holding session's world (:func:`world`), drops a hold whose session is gone,
+and keeps the condition.
 Pure except those three.
 """
 
@@ -23,11 +26,16 @@ ENDED = ("Broken", "Closed", "Failed")
 ends one)."""
 
 
-async def orphaned(api: kube.Api, namespace: str, session: str) -> bool:
-    """Whether the RefitSession ``session`` that holds a fleet is gone or ended (its finalizer
-    removed by hand, an operator that stopped between two writes): a fleet is never held by nothing."""
+async def world(api: kube.Api, namespace: str, session: str, replicas: int) -> list[int] | None:
+    """The shards in the trainer's world of the RefitSession ``session`` that holds a fleet of
+    ``replicas`` (its ``spec.shards``, NeMo's refit membership, else every shard), or ``None`` when the
+    session is gone or ended (its finalizer removed by hand, an operator that stopped between two
+    writes): a fleet is never held by nothing."""
     found = await api.get("RefitSession", session, namespace)
-    return found is None or (found.get("status") or {}).get("phase", "Pending") in ENDED
+    if found is None or (found.get("status") or {}).get("phase", "Pending") in ENDED:
+        return None
+    shards = (found.get("spec") or {}).get("shards")
+    return sorted(int(shard) for shard in shards) if shards is not None else list(range(replicas))
 
 
 async def take(api: kube.Api, fleet_body: Object, session: str) -> None:

@@ -73,6 +73,8 @@ async def _steps(ctx: context.FleetContext) -> None:
     if not frozen:
         await shards.roll(ctx)
         await shards.place(ctx)
+    elif not ctx.refitting:  # a lost shard outside the trainer's world comes back for its next rebuild
+        await shards.place(ctx, outside=ctx.held_world)
     ctx.reports = await pods.ask_agents(ctx.agents, ctx.shards, ctx.token)
     await fencing.fence(ctx)
     if ctx.held is None:  # a checkpoint load would drop the members' place in the trainer's world
@@ -82,10 +84,14 @@ async def _steps(ctx: context.FleetContext) -> None:
 
 
 async def _verify_hold(ctx: context.FleetContext) -> None:
-    """Drop a hold whose session is gone or ended: a fleet is never held by nothing. The caller
-    writes the status."""
+    """Read the holding session's world into ``ctx.held_world``; drop a hold whose session is gone or
+    ended: a fleet is never held by nothing. The caller writes the status."""
     session = ctx.held
-    if session is None or not await hold.orphaned(ctx.api, ctx.fleet.namespace, session):
+    if session is None:
+        return
+    members = await hold.world(ctx.api, ctx.fleet.namespace, session, ctx.fleet.spec.replicas)
+    if members is not None:
+        ctx.held_world = frozenset(members)
         return
     ctx.status = {**ctx.status, "refit": {**ctx.refit, "session": None}}
     ctx.notify("Warning", "RefitSessionReleased", f"RefitSession {session} is gone or ended: the hold is released")

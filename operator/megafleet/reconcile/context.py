@@ -169,6 +169,8 @@ class FleetContext(OnRuntime):
     unplaced: dict[int, str] = dataclasses.field(default_factory=dict)
     """Why each shard that could not be placed was not."""
     reports: pods.Reports = dataclasses.field(default_factory=dict)
+    held_world: frozenset[int] = frozenset()
+    """The shards in the trainer's world of the session that holds the fleet (empty when none does)."""
     queued: dict[int, str] = dataclasses.field(default_factory=dict)
     """The shards Kueue has not admitted (``gang.scheduler: Kueue``), with Kueue's reason for the lowest
     ('' for the others): :mod:`megafleet.reconcile.admission`."""
@@ -187,6 +189,7 @@ class FleetContext(OnRuntime):
     @property
     def held(self) -> str | None:
         """The RefitSession whose trainer world the shards hold (``status.refit.session``): scaling,
-        rolling, placing and checkpoint catch-ups wait until it ends; healing does not."""
+        rolling, placing and checkpoint catch-ups wait until it ends; healing does not, nor the placing
+        of a lost shard outside its world (``held_world``)."""
         session: str | None = self.refit.get("session")
         return session

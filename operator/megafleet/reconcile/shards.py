@@ -82,12 +82,17 @@ async def roll(ctx: context.FleetContext) -> None:
             return
 
 
-async def place(ctx: context.FleetContext) -> None:
+async def place(ctx: context.FleetContext, *, outside: frozenset[int] | None = None) -> None:
     """Plan and create the shards that have no pods (not terminating, not given up on); record in
     ``ctx.unplaced`` why the others could not be placed. Once a refit moved the fleet past the
-    checkpoint, new pods start without weights (Stale until a catch-up or refit)."""
+    checkpoint, new pods start without weights (Stale until a catch-up or refit). With ``outside``
+    (the world of the session that holds the fleet) only shards that were lost (a restart counted, so
+    not added by a scale-out) and are not in that world are placed again."""
     exhausted = {shard for shard, (count, _) in ctx.restarts.items() if count > ctx.settings.shards.max_restarts}
     skip = ctx.shards.terminating | exhausted
+    if outside is not None:
+        lost = {shard for shard, (count, _) in ctx.restarts.items() if count > 0}
+        skip |= outside | (set(range(ctx.fleet.spec.replicas)) - lost)
     missing = [shard for shard in range(ctx.fleet.spec.replicas) if shard not in ctx.shards.pods and shard not in skip]
     if not missing:
         return

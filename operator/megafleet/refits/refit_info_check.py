@@ -20,11 +20,13 @@ import hashlib
 import json
 import re
 import zlib
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 import pydantic
 
 from megafleet import conditions, kube
+from megafleet.api import v1alpha1
 from megafleet.refits import context, session_end, session_status, session_view
 from megafleet_protocol import agent_api
 
@@ -44,12 +46,19 @@ async def read(api: kube.Api, session: session_view.Session) -> list[agent_api.N
     ref = session.spec.refit_info
     if ref is None:
         raise RefitInfoError(f"RefitSession {session.name} has no refitInfo yet", missing=True)
+    data, source = await packed(api, session.namespace, ref)
+    return parse(data, sha256=ref.sha256, tensors=ref.tensors, source=source)
+
+
+async def packed(api: kube.Api, namespace: str, ref: v1alpha1.RefitInfoRef) -> tuple[bytes, str]:
+    """The gzip'd bytes ``ref`` names (a ConfigMap's ``binaryData`` key) and a name for them in
+    errors; :class:`RefitInfoError` (``missing``) while the ConfigMap or its key does not exist."""
     source = f"ConfigMap {ref.config_map_ref.name} key {ref.config_map_ref.key}"
-    found = await api.get("ConfigMap", ref.config_map_ref.name, session.namespace)
+    found = await api.get("ConfigMap", ref.config_map_ref.name, namespace)
     encoded = ((found or {}).get("binaryData") or {}).get(ref.config_map_ref.key)
     if encoded is None:
         raise RefitInfoError(f"{source} does not exist", missing=True)
-    return parse(base64.b64decode(encoded), sha256=ref.sha256, tensors=ref.tensors, source=source)
+    return base64.b64decode(encoded), source
 
 
 MAX_EXPANDED_BYTES = 64 * 1024 * 1024
@@ -164,8 +173,18 @@ def _skip_space(text: str, index: int) -> int:
 async def accept(ctx: context.SessionContext) -> bool:
     """Check ``spec.refitInfo`` once; False once the session ended on it (a missing ConfigMap only
     waits: the trainer may write it after the spec)."""
+
+    async def tensors() -> int:
+        return len(await read(ctx.api, ctx.session))
+
+    return await accept_counted(ctx, tensors)
+
+
+async def accept_counted(ctx: context.SessionContext, tensors: Callable[[], Awaitable[int]]) -> bool:
+    """Record what ``tensors()`` (a read of the session's refit info that counts its tensors) found:
+    accepted, waiting while its ConfigMap is missing, or the session ended ``Broken`` on it (False)."""
     try:
-        info = await read(ctx.api, ctx.session)
+        counted = await tensors()
     except RefitInfoError as error:
         if error.missing:
             await ctx.write(session_status.refit_info_waiting(ctx.session, str(error), conditions.now()))
@@ -173,5 +192,5 @@ async def accept(ctx: context.SessionContext) -> bool:
         reason = session_status.REFIT_INFO_REJECTED
         await session_end.end(ctx.api, ctx.agents, ctx.session, phase="Broken", reason=reason, message=str(error))
         return False
-    await ctx.write(session_status.refit_info_accepted(ctx.session, len(info), conditions.now()))
+    await ctx.write(session_status.refit_info_accepted(ctx.session, counted, conditions.now()))
     return True

@@ -15,15 +15,14 @@ nests no deeper than Python parses, and the tensors must be exactly as many as c
 
 from __future__ import annotations
 
-import base64
 import hashlib
 import json
 import zlib
 from collections.abc import Mapping
 from typing import Any
 
-from megafleet import conditions, kube
-from megafleet.refits import context, refit_info_check, session_end, session_status, session_view
+from megafleet import kube
+from megafleet.refits import context, refit_info_check, session_view
 
 ENTRY_BYTES = 16 * 1024
 """The room each counted tensor gets once inflated: a bulk entry's name, shape, dtype and two rank
@@ -39,12 +38,8 @@ async def read(api: kube.Api, session: session_view.Session) -> dict[str, Any]:
     ref = reshard.refit_info if reshard is not None else None
     if ref is None:
         raise RefitInfoError(f"RefitSession {session.name} has no nemoReshard.refitInfo yet", missing=True)
-    source = f"ConfigMap {ref.config_map_ref.name} key {ref.config_map_ref.key}"
-    found = await api.get("ConfigMap", ref.config_map_ref.name, session.namespace)
-    encoded = ((found or {}).get("binaryData") or {}).get(ref.config_map_ref.key)
-    if encoded is None:
-        raise RefitInfoError(f"{source} does not exist", missing=True)
-    return parse(base64.b64decode(encoded), sha256=ref.sha256, tensors=ref.tensors, source=source)
+    data, source = await refit_info_check.packed(api, session.namespace, ref)
+    return parse(data, sha256=ref.sha256, tensors=ref.tensors, source=source)
 
 
 def parse(packed: bytes, *, sha256: str, tensors: int, source: str) -> dict[str, Any]:
@@ -89,16 +84,11 @@ def count(info: Any) -> int | None:
 async def accept(ctx: context.SessionContext) -> bool:
     """Check ``spec.nemoReshard.refitInfo`` once; False once the session ended on it (a missing
     ConfigMap only waits: the trainer may write it after the spec)."""
-    try:
-        await read(ctx.api, ctx.session)
-    except RefitInfoError as error:
-        if error.missing:
-            await ctx.write(session_status.refit_info_waiting(ctx.session, str(error), conditions.now()))
-            return True
-        reason = session_status.REFIT_INFO_REJECTED
-        await session_end.end(ctx.api, ctx.agents, ctx.session, phase="Broken", reason=reason, message=str(error))
-        return False
-    reshard = ctx.session.spec.nemo_reshard
-    assert reshard is not None and reshard.refit_info is not None
-    await ctx.write(session_status.refit_info_accepted(ctx.session, reshard.refit_info.tensors, conditions.now()))
-    return True
+
+    async def tensors() -> int:
+        reshard = ctx.session.spec.nemo_reshard
+        await read(ctx.api, ctx.session)  # raises unless it exists and holds as many tensors as counted
+        assert reshard is not None and reshard.refit_info is not None
+        return reshard.refit_info.tensors
+
+    return await refit_info_check.accept_counted(ctx, tensors)

@@ -91,3 +91,52 @@ def test_an_event_summary_is_cut_with_the_count_left_out() -> None:
     shown = message.count("shard ")
     assert message.endswith(f"; and {100 - shown} more") and 0 < shown < 100
     assert context.summary(items[:2]) == "shard 0 on nodes: node-0000; shard 1 on nodes: node-0001"
+
+
+def test_a_held_fleet_places_again_a_lost_shard_outside_the_trainers_world_and_nothing_else() -> None:
+    """NeMo's rebuild over the surviving shards holds the fleet with a session of those shards; the
+    lost one was left unplaced until the session ended, so no later rebuild could name it again."""
+    nodes = [
+        {"kind": "Node", "metadata": {"name": f"n{i}", "labels": {}}, "spec": {}, "status": {"allocatable": {GPU: "8"}}}
+        for i in range(4)
+    ]
+    fleet = gpu_fleet(pipeline=1)
+    fleet["spec"]["replicas"] = 3
+    session = {
+        "apiVersion": "megafleet.dev/v1alpha1",
+        "kind": "RefitSession",
+        "metadata": {"name": "grpo", "namespace": "rl"},
+        "spec": {"fleetRef": {"name": "gen"}, "shards": [0, 2]},
+        "status": {"phase": "Joined"},
+    }
+    api = kube_fakes.Api(fleet, session, *nodes)
+    runtime = context.Runtime.of(api, Agents(), settings.OperatorSettings())
+    key = ("MegatronGeneration", "rl", "gen")
+
+    def reconcile_once() -> dict[str, Any]:
+        asyncio.run(reconcile.reconcile(runtime, api.objects[key]))
+        return api.objects[key]
+
+    def shard_pods() -> list[str]:
+        return sorted(name for kind, _, name in api.objects if kind == "Pod")
+
+    reconcile_once()
+    api.run_pods("n0")
+    reconcile_once()
+    api.objects[key]["status"]["refit"] = {"session": "grpo"}  # the session controller's hold
+    api.objects[key]["spec"]["replicas"] = 4  # a scale-out waits for the session
+    del api.objects[("Pod", "rl", "gen-s1-p0")]  # deleted by someone: shard 1 is outside the world
+    del api.objects[("Pod", "rl", "gen-s2-p0")]  # a member: its session breaks, it waits for that
+
+    reconcile_once()  # the deletions show: restarts counted
+    held = reconcile_once()
+
+    assert shard_pods() == ["gen-s0-p0", "gen-s1-p0"]
+    assert held["status"]["refit"]["session"] == "grpo"
+    assert [s["restarts"] for s in held["status"]["shards"][:3]] == [0, 1, 1]
+
+    api.objects[("RefitSession", "rl", "grpo")]["spec"].pop("shards")  # every shard is in its world
+    del api.objects[("Pod", "rl", "gen-s1-p0")]
+    reconcile_once()
+    reconcile_once()
+    assert shard_pods() == ["gen-s0-p0"]
