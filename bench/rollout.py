@@ -131,7 +131,8 @@ class Peak:
 def hit_rate(before: base.PrefixCacheCounters, after: base.PrefixCacheCounters) -> dict[str, Any]:
     prompt = after.prompt_tokens - before.prompt_tokens
     hits = after.hit_tokens - before.hit_tokens
-    return {"prefilled_prompt_tokens": prompt, "cache_hit_tokens": hits, "cache_hit_rate": round(hits / prompt, 4)}
+    rate = round(hits / prompt, 4) if prompt else 0.0  # megatron counts nothing with caching off
+    return {"prefilled_prompt_tokens": prompt, "cache_hit_tokens": hits, "cache_hit_rate": rate}
 
 
 def counters(backend: Any) -> base.PrefixCacheCounters:

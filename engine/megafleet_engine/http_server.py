@@ -29,6 +29,15 @@ production HTTP servers set it (nginx's names in brackets); the values are
   before the app holds more of it than that.
 * Head size [``large_client_header_buffers``]: h11's 16 KiB (:data:`MAX_HEAD_BYTES`); a larger head
   is answered ``400`` by uvicorn.
+* Lame duck [Envoy's drain period], the frontend only: a stopping frontend finishes the responses in
+  flight (uvicorn's graceful shutdown) but, unlike uvicorn, does not close an idle kept-alive
+  connection at once: a client may be sending its next request on it at that moment, and would read
+  "server disconnected without sending a response" for a request that was never seen. The
+  connection stays open for :data:`LAME_DUCK_SECONDS` (longer than common clients keep an idle
+  connection: httpx's and the ``openai`` client's 5 s); a request arriving on it meanwhile is
+  answered ``503`` with ``Retry-After`` and ``Connection: close`` without reaching the app (a client
+  retries it on another shard), and one still idle then is closed. The agent's and the metrics
+  server's clients (the operator, Prometheus) retry on their own: they close idle ones at once.
 
 Every server speaks HTTP/1.1 through h11 (:class:`BoundedH11Protocol`, uvicorn's h11 protocol with a
 few timers per connection), whether or not httptools is installed, so these bounds always hold; no
@@ -56,6 +65,7 @@ from uvicorn.protocols.http import h11_impl
 from megafleet_protocol import http_limits
 
 __all__ = [
+    "LAME_DUCK_SECONDS",
     "MAX_HEAD_BYTES",
     "REFUSED_LINGER_SECONDS",
     "BodyLimit",
@@ -75,6 +85,9 @@ WARN_EVERY_SECONDS = 10.0
 """Shortest interval between two log lines about refused connections of one server."""
 GRACEFUL_SHUTDOWN_SECONDS = 10
 """How long a stopping server waits for responses in flight before closing their connections."""
+LAME_DUCK_SECONDS = 6.0
+"""How long a stopping frontend keeps an idle kept-alive connection open (below
+:data:`GRACEFUL_SHUTDOWN_SECONDS`, above the 5 s for which httpx and the ``openai`` client keep one)."""
 OWN_FILES = 1024
 """File descriptors a serving process keeps for itself beside its connections (files, pipes, IPC)."""
 
@@ -118,7 +131,9 @@ def allow_open_files(connections: int) -> int:
 
 def protocol_for(limits: http_limits.HttpLimits, *, name: str) -> type[BoundedH11Protocol]:
     """:class:`BoundedH11Protocol` for one server (uvicorn takes a protocol class, built per connection)."""
-    bound = type(f"BoundedH11Protocol[{name}]", (BoundedH11Protocol,), {"limits": limits, "server_name": name})
+    lame_duck = LAME_DUCK_SECONDS if name == "frontend" else 0.0
+    attributes = {"limits": limits, "server_name": name, "lame_duck_seconds": lame_duck}
+    bound = type(f"BoundedH11Protocol[{name}]", (BoundedH11Protocol,), attributes)
     return cast(type[BoundedH11Protocol], bound)
 
 
@@ -137,6 +152,7 @@ class BoundedH11Protocol(h11_impl.H11Protocol):
 
     limits: ClassVar[http_limits.HttpLimits]
     server_name: ClassVar[str] = "http"
+    lame_duck_seconds: ClassVar[float] = 0.0
     _last_warning: ClassVar[float] = 0.0
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
@@ -145,7 +161,9 @@ class BoundedH11Protocol(h11_impl.H11Protocol):
         self._body_timer: asyncio.TimerHandle | None = None
         self._send_timer: asyncio.TimerHandle | None = None
         self._linger: asyncio.TimerHandle | None = None
+        self._lame_duck: asyncio.TimerHandle | None = None
         self._refused = False
+        self._stopping = False
 
     # -- connection limit ------------------------------------------------------------------------
 
@@ -178,6 +196,9 @@ class BoundedH11Protocol(h11_impl.H11Protocol):
     def data_received(self, data: bytes) -> None:
         if self._refused:
             return  # discarded: the answer is sent, the connection closes
+        if self._stopping:
+            self._answer_stopping()
+            return
         super().data_received(data)
         self._retime()
 
@@ -187,11 +208,44 @@ class BoundedH11Protocol(h11_impl.H11Protocol):
             self._retime()  # a pipelined request may have started
 
     def connection_lost(self, exc: Exception | None) -> None:
-        for timer in (self._head_timer, self._body_timer, self._send_timer, self._linger):
+        for timer in (self._head_timer, self._body_timer, self._send_timer, self._linger, self._lame_duck):
             if timer is not None:
                 timer.cancel()
-        self._head_timer = self._body_timer = self._send_timer = self._linger = None
+        self._head_timer = self._body_timer = self._send_timer = self._linger = self._lame_duck = None
         super().connection_lost(exc)
+
+    # -- lame duck -----------------------------------------------------------------------------------
+
+    def shutdown(self) -> None:
+        """The server is stopping: a response in flight ends the connection when it completes
+        (uvicorn's way); an idle connection waits out the lame-duck period (module docstring)."""
+        idle = self.cycle is None or self.cycle.response_complete
+        if not idle or self.transport.is_closing() or self.lame_duck_seconds <= 0:
+            super().shutdown()
+            return
+        self._stopping = True
+        if self.conn.trailing_data[0]:  # part of the next request came already
+            self._answer_stopping()
+            return
+        self._lame_duck = self.loop.call_later(self.lame_duck_seconds, self._lame_duck_over)
+
+    def _lame_duck_over(self) -> None:
+        self._lame_duck = None
+        if not self.transport.is_closing():
+            super().shutdown()
+
+    def _answer_stopping(self) -> None:
+        """Answer the request that came on an idle connection of a stopping server, and close it."""
+        self._refused = True
+        if self._lame_duck is not None:
+            self._lame_duck.cancel()
+            self._lame_duck = None
+        message = f"the {self.server_name} server is shutting down; retry on another server"
+        error = {"message": message, "type": "service_unavailable", "code": "shutting_down"}
+        self.transport.write(_answer(503, "Service Unavailable", error, "retry-after: 1"))
+        if self.transport.can_write_eof():
+            self.transport.write_eof()
+        self._linger = self.loop.call_later(REFUSED_LINGER_SECONDS, self.transport.close)
 
     # -- head and body timeouts --------------------------------------------------------------------
 

@@ -255,8 +255,9 @@ class Client:
                     continue
                 shard, url = routes[-1] if self.aim_last else routes[next(self._turn) % len(routes)]
                 # Kept-alive connections, as the client makes them: a draining shard closes each
-                # connection after its response (Connection: close), so none is left idle for its
-                # server's exit to reset under the next request.
+                # connection after its response (Connection: close), and its stopping frontend
+                # answers a request on one left idle since before the drain with 503 rather than
+                # closing it under the request (the lame duck of megafleet_engine.http_server).
                 client = clients.get(url) or clients.setdefault(
                     url, openai.OpenAI(base_url=url, api_key="unused", max_retries=0, timeout=120)
                 )

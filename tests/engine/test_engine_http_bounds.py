@@ -22,6 +22,7 @@ import pytest
 
 from helpers import engine_command
 from helpers import engine_harness as harness
+from megafleet_engine import http_server
 from megafleet_protocol import http_limits
 
 pytestmark = pytest.mark.slow  # each test starts an engine and its servers
@@ -215,6 +216,39 @@ def test_a_server_holds_at_most_its_connection_limit_and_idle_ones_close_after_k
         finally:
             for sock in kept:
                 sock.close()
+
+
+def _accepts(address: str) -> bool:
+    try:
+        connect(address).close()
+        return True
+    except OSError:
+        return False
+
+
+def test_a_stopping_server_answers_a_request_on_an_idle_connection_rather_than_dropping_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Told to stop while two kept-alive connections are idle, a server stops accepting but keeps
+    them for the lame-duck period: a request sent on one meanwhile is answered 503 (OpenAI body,
+    Retry-After, Connection: close) rather than dropped unanswered; the other, still idle, is closed
+    when the period ends, and the server stops."""
+    monkeypatch.setattr(http_server, "LAME_DUCK_SECONDS", 2.0)
+    with harness.serve(harness.tiny_backend(), harness.token_file(tmp_path)) as served:
+        frontend = served.servers.address("frontend")
+        assert frontend is not None
+        with connect(frontend) as asking, connect(frontend) as idle:
+            for sock in (asking, idle):
+                assert _get_health(sock).startswith(b"HTTP/1.1 200 ")
+            served.servers.stop()
+            wait_for(lambda: not _accepts(frontend), "the stopping server to close its listening socket", 10)
+            answer = _get_health(asking)
+            assert answer.startswith(b"HTTP/1.1 503 "), answer[:80]
+            head, _, body = answer.partition(b"\r\n\r\n")
+            assert b"retry-after: 1" in head.lower() and b"connection: close" in head.lower()
+            assert json.loads(body)["error"]["code"] == "shutting_down"
+            assert asking.recv(1) == b"", "the answered connection is closed"
+            assert idle.recv(1) == b"", "the idle connection is closed when the lame-duck period ends"
 
 
 def test_a_body_over_the_limit_is_a_413_and_a_stalled_one_a_408(tmp_path: Path) -> None:

@@ -40,6 +40,12 @@ def test_every_server_is_bounded_and_takes_no_websockets() -> None:
     protocol = config.http_protocol_class
     assert issubclass(protocol, http_server.BoundedH11Protocol)
     assert (protocol.limits, protocol.server_name) == (limits, "agent")
+    assert protocol.lame_duck_seconds == 0, "the agent's clients retry: its idle connections close at once"
+    frontend = http_server.config(fastapi.FastAPI(), limits, name="frontend")
+    frontend.load()
+    served = frontend.http_protocol_class
+    assert issubclass(served, http_server.BoundedH11Protocol)
+    assert served.lame_duck_seconds == http_server.LAME_DUCK_SECONDS
     assert config.ws_protocol_class is None
     assert (config.timeout_keep_alive, config.h11_max_incomplete_event_size) == (9, http_server.MAX_HEAD_BYTES)
     assert isinstance(config.app, http_server.BodyLimit) and config.app.max_bytes == 100

@@ -49,9 +49,16 @@ def check_mode(kv_cache_mode: str) -> None:
 
 def invalidate_prefixes(allocator: Any) -> int:
     """Forget every prefix hash megatron's ``KVBlockAllocator`` registered (see the module docstring);
-    returns how many blocks were registered. Nothing to do with prefix caching off."""
+    returns how many blocks were registered. Nothing to do with prefix caching off. Runs in
+    inference mode whatever the caller's (a refit's thread is not): the allocator's tensors were made
+    in it, and torch refuses in-place updates of those outside it."""
     if not getattr(allocator, "enable_prefix_caching", False):
         return 0
+    with torch.inference_mode():
+        return _invalidate(allocator)
+
+
+def _invalidate(allocator: Any) -> int:
     registered = torch.nonzero(allocator.block_hashes != -1, as_tuple=True)[0]
     if registered.numel() == 0:
         allocator.kv_hash_to_block_id.clear()
