@@ -1,14 +1,15 @@
 # The two commands of the README: `make up` (local control plane with simulated GPU nodes) and
-# `make test` (linters, type checker and the whole test suite, what CI runs). `make check` is the
-# fast tier for the edit loop: linters, types (tests included) and the unit, engine, refit and SDK
-# tests that need no control plane and start no engine, process group or subprocess (marker `slow`).
+# `make test` (linters, type checker and the whole test suite but the GitOps tier, `make gitops`:
+# what CI runs). `make check` is the fast tier for the edit loop: linters, types (tests included)
+# and the unit, engine, refit and SDK tests that need no control plane and start no engine, process
+# group or subprocess (marker `slow`).
 # Every target installs what is missing first.
 PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: up up-prerequisites go-lane down status build test lint check chaos soak
+.PHONY: up up-prerequisites go-lane down status build test lint check chaos soak gitops
 
 $(STAMP): pyproject.toml
 	@echo "[megafleet] installing the project and its dependencies into $(VENV) (torch is ~3 GB on a cold pip cache)"
@@ -53,7 +54,15 @@ check: lint
 # (downloads, layer writes) run beside the CPU-bound Go builds. Cached: seconds when nothing changed.
 test: lint
 	$(BIN)/megafleet dev build --real-node --autoscale --kueue
-	$(BIN)/pytest
+	$(BIN)/pytest -m "not gitops"
+
+# The GitOps tier: Flux's source-controller and kustomize-controller (built first, cached) sync a
+# fleet from a git repository served over loopback (docs/gitops.md). Kept out of `make test`: its two
+# cold builds would take CI past its budget (docs/development.md, "Measured start-up"). The build step
+# builds the control plane and Flux only (progress lines per component), nothing of the other tiers.
+gitops: $(STAMP)
+	$(BIN)/megafleet dev build --gitops
+	$(BIN)/pytest -m gitops tests/e2e/test_gitops.py
 
 # The chaos drills at full strength: CHAOS_KILLS SIGKILLs of the operator at seeded random
 # points (CHAOS_SEED) and CHAOS_CP_FAULTS restarts of the API server and etcd; the node-loss, agent-cut

@@ -19,6 +19,7 @@ from megafleet_dev import (
     builds,
     cluster,
     demo,
+    gitops,
     images,
     kube,
     kueue,
@@ -84,6 +85,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "built on first use; docs/autoscaling.md",
     )
     up.add_argument(
+        "--gitops",
+        action="store_true",
+        help="also Flux's source-controller and kustomize-controller, built on first use; docs/gitops.md",
+    )
+    up.add_argument(
         "--kueue",
         action="store_true",
         help="also Kueue (its controller manager, pod integration, webhooks), built on first use; docs/kueue.md",
@@ -104,6 +110,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="also the real node's programs (kubelet, kube-proxy, CoreDNS) and the operator and engine images",
     )
     build.add_argument("--autoscale", action="store_true", help="also Prometheus and KEDA")
+    build.add_argument("--gitops", action="store_true", help="also Flux's source-controller and kustomize-controller")
     build.add_argument("--kueue", action="store_true", help="also Kueue")
 
 
@@ -113,6 +120,7 @@ def run(args: argparse.Namespace) -> int:
         if args.dev_command == "build":
             names = toolchain.CONTROL_PLANE + (realnode.PROGRAMS if args.real_node else ())
             names += toolchain.AUTOSCALE if args.autoscale else ()
+            names += toolchain.GITOPS if args.gitops else ()
             names += toolchain.KUEUE if args.kueue else ()
             # The Go components and the images build in parallel lanes (megafleet_dev.builds).
             built = builds.ensure_all(names, images.TARGETS if args.real_node else None)
@@ -140,8 +148,11 @@ def run(args: argparse.Namespace) -> int:
                 full=not args.control_plane_only,
                 pod_network=args.pod_network,
                 real_node=real_network,
-                autoscaling=args.autoscale,
-                queueing=args.kueue,
+                addons=frozenset(
+                    name
+                    for name, on in (("autoscale", args.autoscale), ("gitops", args.gitops), ("kueue", args.kueue))
+                    if on
+                ),
             )
         if args.dev_command == "runner":
             return _runner(state_dir)
@@ -160,9 +171,9 @@ def _up(
     full: bool,
     pod_network: str,
     real_node: str | None,
-    autoscaling: bool = False,
-    queueing: bool = False,
+    addons: frozenset[str] = frozenset(),
 ) -> int:
+    """Start the local cluster; ``addons``: ``autoscale`` (Prometheus, KEDA), ``gitops`` (Flux), ``kueue`` (Kueue)."""
     if list(cluster.running_processes(state_dir)):
         print(f"the local cluster is already running from {state_dir}")
         return _status(state_dir)
@@ -175,8 +186,10 @@ def _up(
             realnode.start(local, network=real_node)
         if full:
             demo.start(local, real_node=real_node is not None)
-        scaling = autoscale.start(local) if autoscaling else None
-        if queueing:
+        scaling = autoscale.start(local) if "autoscale" in addons else None
+        if "gitops" in addons:
+            gitops.start(local)
+        if "kueue" in addons:
             kueue.start(local)
     except BaseException:
         local.stop()
@@ -187,10 +200,12 @@ def _up(
     print(f"  {toolchain.kubectl_path()} get nodes -L {nodes.CLIQUE_LABEL}")
     if full:
         print("\n".join(demo.usage(local)))
+    if "gitops" in addons:
+        print(f"\nFlux:        source-controller and kustomize-controller watch every namespace ({gitops.NAMESPACE})")
     if scaling is not None:
         print(f"\nPrometheus:  {scaling.prometheus_url} (serverAddress of a ScaledObject's prometheus trigger)")
         print("KEDA:        operator and external metrics API (kubectl get apiservice v1beta1.external.metrics.k8s.io)")
-    if queueing:
+    if "kueue" in addons:
         print("Kueue:       pod integration on; make a ResourceFlavor, a ClusterQueue and a LocalQueue (docs/kueue.md)")
     print("\nStop it with: megafleet dev down")
     return 0

@@ -32,6 +32,10 @@ KEDA_VERSION = "v2.21.0"
 # The only kube-router release the Go module proxy serves here; its firewall alone is built and run.
 KUBE_ROUTER_VERSION = "v2.1.0"
 KUEUE_VERSION = "v0.17.0"
+# Flux's two controllers for the GitOps tier. v1.9.6 is the newest release whose go.mod accepts this
+# machine's Go (v1.10 needs Go 1.27).
+FLUX_SOURCE_VERSION = "v1.9.6"
+FLUX_KUSTOMIZE_VERSION = "v1.9.6"
 
 GOMOD_DIR = Path(__file__).with_name("gomod")
 
@@ -81,12 +85,21 @@ KUEUE_CRD_FILES = tuple(
     )
 )
 KUEUE_WEBHOOK_FILES = ("config/components/webhook/manifests.yaml",)
+# Flux's CRDs, as its modules ship them (megafleet_dev.gitops applies them). source-controller
+# watches all six of its kinds, so all six are installed though only GitRepository is used.
+FLUX_SOURCE_CRD_FILES = tuple(
+    f"config/crd/bases/source.toolkit.fluxcd.io_{name}.yaml"
+    for name in ("gitrepositories", "buckets", "helmrepositories", "helmcharts", "ocirepositories", "externalartifacts")
+)
+FLUX_KUSTOMIZE_CRD_FILES = ("config/crd/bases/kustomize.toolkit.fluxcd.io_kustomizations.yaml",)
 
 MODULE_FILES: dict[str, tuple[str, tuple[str, ...]]] = {
     "kwok.yaml": ("sigs.k8s.io/kwok", KWOK_STAGE_FILES),
     "keda-crds.yaml": ("github.com/kedacore/keda/v2", KEDA_CRD_FILES),
     "kueue-crds.yaml": ("sigs.k8s.io/kueue", KUEUE_CRD_FILES),
     "kueue-webhooks.yaml": ("sigs.k8s.io/kueue", KUEUE_WEBHOOK_FILES),
+    "flux-source-crds.yaml": ("github.com/fluxcd/source-controller", FLUX_SOURCE_CRD_FILES),
+    "flux-kustomize-crds.yaml": ("github.com/fluxcd/kustomize-controller", FLUX_KUSTOMIZE_CRD_FILES),
 }
 """Extras a build writes: target name -> (module, files of its source concatenated into it)."""
 
@@ -240,6 +253,26 @@ COMPONENTS: tuple[Component, ...] = (
         programs=("kueue",),
         extras=("kueue-crds.yaml", "kueue-webhooks.yaml"),
         ldflags=f"-s -w -X sigs.k8s.io/kueue/pkg/version.GitVersion={KUEUE_VERSION}",
+    ),
+    # The GitOps tier's programs (megafleet_dev.gitops), built only when it runs: Flux's
+    # source-controller (fetches a git repository into an artifact it serves over HTTP) and
+    # kustomize-controller (applies that artifact with server-side apply, prunes, health-checks).
+    # Two modules, not one: each pins its own kustomize, SOPS and cloud SDK versions.
+    Component(
+        name="flux-source",
+        version=FLUX_SOURCE_VERSION,
+        module="flux-source",
+        packages=("github.com/fluxcd/source-controller",),
+        programs=("source-controller",),
+        extras=("flux-source-crds.yaml",),
+    ),
+    Component(
+        name="flux-kustomize",
+        version=FLUX_KUSTOMIZE_VERSION,
+        module="flux-kustomize",
+        packages=("github.com/fluxcd/kustomize-controller",),
+        programs=("kustomize-controller",),
+        extras=("flux-kustomize-crds.yaml",),
     ),
 )
 
@@ -403,6 +436,9 @@ AUTOSCALE = ("prometheus", "keda")
 
 KUEUE = ("kueue",)
 """The Kueue tier's component (:mod:`megafleet_dev.kueue`), built on demand."""
+
+GITOPS = ("flux-source", "flux-kustomize")
+"""The GitOps tier's components (:mod:`megafleet_dev.gitops`), built on demand."""
 
 
 def ensure_built(names: tuple[str, ...] | None = None, *, report: progress.Progress = progress.print_progress) -> None:

@@ -17,6 +17,12 @@ ENDPOINTS_VERIFIED = "EndpointsVerified"
 DEGRADED = "Degraded"
 INVALID_SPEC = "InvalidSpec"
 NAME_CONFLICT = "NameConflict"
+RECONCILING = "Reconciling"
+"""kstatus's abnormal-true condition: True while the operator still brings the shards to the spec
+(placing, scaling in, rolling a changed template), so GitOps health checks wait for it."""
+STALLED = "Stalled"
+"""kstatus's abnormal-true condition for a fleet the operator cannot act on until a person changes
+something (InvalidSpec, NameConflict): GitOps health checks fail at once instead of timing out."""
 REFIT_SESSION_HELD = "RefitSessionHeld"
 """A RefitSession holds the fleet's shards in a trainer's world (:mod:`megafleet.fleet_state.hold`)."""
 ADMITTED = "Admitted"

@@ -70,6 +70,8 @@ MegatronGeneration = create_namespaced_resource(
 )
 Refit = create_namespaced_resource(v1alpha1.GROUP, v1alpha1.VERSION, "Refit", "refits")
 RefitSession = create_namespaced_resource(v1alpha1.GROUP, v1alpha1.VERSION, "RefitSession", "refitsessions")
+# NVIDIA's DRA driver's IMEX domain, one per shard spanning nodes (megafleet.compute_domain).
+ComputeDomain = create_namespaced_resource("resource.nvidia.com", "v1beta1", "ComputeDomain", "computedomains")
 # Kueue's Workload of a shard's pod group (why a shard waits; deleted to end the group: megafleet.reconcile.admission).
 Workload = create_namespaced_resource("kueue.x-k8s.io", "v1beta2", "Workload", "workloads")
 
@@ -84,6 +86,7 @@ KINDS: dict[str, Any] = {
     "MegatronGeneration": MegatronGeneration,
     "Refit": Refit,
     "RefitSession": RefitSession,
+    "ComputeDomain": ComputeDomain,
     "Workload": Workload,
 }
 """The kinds the operator reads and writes, as lightkube's resource classes (the lightkube transport

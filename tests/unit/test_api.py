@@ -90,3 +90,12 @@ def test_operator_rejects_what_admission_rejects(path: Path) -> None:
     _, problems = checks.parse_spec(manifest["spec"], name=manifest["metadata"]["name"])
     assert problems, "no problem reported"
     assert any(problem.field.startswith(field) or field.startswith(problem.field) for problem in problems), problems
+
+
+def test_a_fleet_shows_an_unobserved_generation_before_the_operator_writes_status() -> None:
+    """kstatus (Flux's health check) takes an object without status for Current: the schema's default
+    makes a new fleet read as generation 1 of which 0 is observed, in progress."""
+    definition = crd.definition(v1alpha1.KINDS[0])
+    status = definition["spec"]["versions"][0]["schema"]["openAPIV3Schema"]["properties"]["status"]
+    assert status["default"] == {"observedGeneration": 0}
+    assert "observedGeneration" in status["properties"]

@@ -70,3 +70,15 @@ def test_free_port_is_bindable_on_loopback() -> None:
     port = cluster.free_port()
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", port))
+
+
+def test_flux_is_built_only_for_the_gitops_tier(empty_cache: Path) -> None:
+    assert toolchain.GITOPS == ("flux-source", "flux-kustomize")
+    assert not set(toolchain.GITOPS) & set(toolchain.CONTROL_PLANE + toolchain.AUTOSCALE)
+    assert toolchain.program_path("source-controller").parent.name == f"flux-source-{toolchain.FLUX_SOURCE_VERSION}"
+    assert toolchain.program_path("flux-kustomize-crds.yaml").parent.name == (
+        f"flux-kustomize-{toolchain.FLUX_KUSTOMIZE_VERSION}"
+    )
+    for component in toolchain.COMPONENTS:
+        if component.name in toolchain.GITOPS:
+            assert (toolchain.GOMOD_DIR / component.module / "go.sum").is_file()

@@ -110,6 +110,8 @@ def definition(info: v1alpha1.KindInfo) -> dict[str, Any]:
             "status": openapi_schema(info.status),
         },
     }
+    if info.status_default is not None:
+        schema["properties"]["status"]["default"] = info.status_default
     if info.validations:
         schema["x-kubernetes-validations"] = list(info.validations)
     return {

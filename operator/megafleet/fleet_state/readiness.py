@@ -27,6 +27,19 @@ def ready_condition(
     )
 
 
+def reconciling(
+    found: list[conditions.Condition], changes: Sequence[str], *, generation: int, now: str
+) -> list[conditions.Condition]:
+    """Reconciling (kstatus's convention): True while ``changes`` of the spec are not applied to the
+    shards yet (:func:`megafleet.fleet_state.hold.waiting` names them), so a reader of kstatus (Flux's
+    health check) sees the fleet in progress during a roll even while every old shard still serves."""
+    if changes:
+        verdict = conditions.Verdict(True, "Progressing", f"applying {' and '.join(changes)}")
+    else:
+        verdict = conditions.Verdict(False, "AsDesired", "")
+    return conditions.set_condition(found, conditions.RECONCILING, verdict, generation=generation, now=now)
+
+
 MESSAGE_CHARACTERS = 2000
 """The longest Degraded message :func:`degraded` writes (each failing shard's line holds its
 ``lastError``, up to a termination message's 1,000 characters)."""

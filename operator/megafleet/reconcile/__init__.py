@@ -23,7 +23,7 @@ from __future__ import annotations
 from typing import Any
 
 from megafleet import conditions
-from megafleet.fleet_state import hold, ownership, pods
+from megafleet.fleet_state import hold, ownership, pods, readiness
 from megafleet.reconcile import (
     admission,
     catch_up,
@@ -127,6 +127,7 @@ async def _write_observed(ctx: context.FleetContext) -> None:
         found = hold.held(found, ctx.held, changes, generation=generation, now=now)
     else:
         found = hold.released(found, generation=generation, now=now)
+    found = readiness.reconciling(found, hold.waiting(ctx.fleet, ctx.shards), generation=generation, now=now)
     found = admission.condition(ctx, found, now=now)
     ctx.status = {**ctx.status, "conditions": found}
     if mismatch is not None:

@@ -39,7 +39,7 @@ from megafleet.fleet_state import ownership
 from megafleet.fleet_state import pods as pod_view
 from megafleet.objects import Object
 from megafleet.reconcile import cache as watch_cache
-from megafleet.reconcile import context
+from megafleet.reconcile import compute_domains, context
 
 UNREACHABLE = "node.kubernetes.io/unreachable"
 OUT_OF_SERVICE = "node.kubernetes.io/out-of-service"
@@ -196,6 +196,7 @@ async def release(ctx: context.FleetContext) -> None:
             continue  # deleting already (our own earlier pass, or Kubernetes' eviction): only forced again
         for pod in found.others:
             await ctx.api.delete("Pod", pod, ctx.fleet.namespace)
+        await compute_domains.remove(ctx, found.shard)  # its IMEX domain goes with it
         count = ctx.restarts.get(found.shard, (0, None))[0] + 1
         ctx.restarts[found.shard] = (count, str(first))
         ctx.notify(

@@ -15,7 +15,7 @@ from lightkube import operators
 from megafleet import desired, planner
 from megafleet.api import checks
 from megafleet.fleet_state import ownership, pods
-from megafleet.reconcile import admission, context, inventory
+from megafleet.reconcile import admission, compute_domains, context, inventory
 
 
 async def scale_down(ctx: context.FleetContext, *, keep: frozenset[int] = frozenset()) -> None:
@@ -107,6 +107,7 @@ async def place(ctx: context.FleetContext, *, outside: frozenset[int] | None = N
             )
             for shard, placement in plan.placed.items()
         }
+        wanted = await compute_domains.attach(ctx, plan.placed, wanted)  # domains before their pods
         planned = [pod for shard in sorted(wanted) for pod in wanted[shard]]
         if cache is not None:  # counted from now on: the next fleet plans while these are created
             cache.reserve(planned)
@@ -196,3 +197,4 @@ async def _remove(ctx: context.FleetContext, shard: int) -> None:
     """Delete every pod of ``shard`` (whole or nothing); it is placed again once they are gone."""
     for pod in ctx.shards.take(shard):
         await ctx.api.delete("Pod", pod.name, ctx.fleet.namespace)
+    await compute_domains.remove(ctx, shard)

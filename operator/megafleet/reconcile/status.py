@@ -287,6 +287,9 @@ def with_endpoints(
         generation=fleet.generation,
         now=now,
     )
+    found = conditions.set_condition(
+        found, conditions.STALLED, conditions.Verdict(False, "AsDesired", ""), generation=fleet.generation, now=now
+    )
     return {
         **status,
         "endpoints": [endpoint.model_dump(mode="json", by_alias=True) for endpoint in endpoints],
@@ -297,7 +300,7 @@ def with_endpoints(
 
 def invalid(status: Object, message: str, *, generation: int, now: str, kind: str = conditions.INVALID_SPEC) -> Object:
     """``status`` of a fleet that cannot be acted on: ``kind`` (InvalidSpec, or NameConflict when a
-    derived name is taken) True and not Ready, both with ``message``."""
+    derived name is taken) True, not Ready and Stalled (kstatus's word for it), all with ``message``."""
     found = conditions.set_condition(
         list(status.get("conditions", [])),
         kind,
@@ -307,6 +310,9 @@ def invalid(status: Object, message: str, *, generation: int, now: str, kind: st
     )
     found = conditions.set_condition(
         found, conditions.READY, conditions.Verdict(False, kind, message), generation=generation, now=now
+    )
+    found = conditions.set_condition(
+        found, conditions.STALLED, conditions.Verdict(True, kind, message), generation=generation, now=now
     )
     return {**status, "conditions": found, "observedGeneration": generation}
 

@@ -97,3 +97,14 @@ def test_weights_current(
 ) -> None:
     found = readiness.weights_current([], shard_entries, refit, generation=3, now=NOW)
     assert condition(found, conditions.WEIGHTS_CURRENT) == expected
+
+
+def test_reconciling_is_true_while_changes_are_applied_and_false_once_they_are() -> None:
+    found = readiness.reconciling([], ["spec.replicas 3", "a pod template change"], generation=3, now=NOW)
+    assert condition(found, conditions.RECONCILING) == (
+        "True",
+        "Progressing",
+        "applying spec.replicas 3 and a pod template change",
+    )
+    settled = readiness.reconciling(found, [], generation=3, now=NOW)
+    assert condition(settled, conditions.RECONCILING) == ("False", "AsDesired", "")

@@ -357,3 +357,11 @@ def test_an_ended_pod_says_why_its_engine_exited_in_the_restart_reason() -> None
     layout = fleet().layout
     assert shard_steps.broken([ended], layout, "h") == f"pods ended: gen-s0-p0 ({EXITED})"
     assert shard_steps.broken([dataclasses.replace(pod(0), phase="Failed")], layout, "h") == "pods ended: gen-s0-p0"
+
+
+def test_a_fleet_that_cannot_be_acted_on_is_stalled_until_its_spec_is_valid() -> None:
+    """kstatus reads Stalled=True as Failed: a GitOps health check fails at once instead of timing out."""
+    invalid = status.invalid({}, "spec.replicas: too many", generation=3, now=NOW)
+    assert condition(invalid["conditions"], conditions.STALLED) == ("True", "InvalidSpec", "spec.replicas: too many")
+    valid = status.with_endpoints(invalid, fleet(), [], now=LATER)
+    assert condition(valid["conditions"], conditions.STALLED) == ("False", "AsDesired", "")

@@ -123,3 +123,7 @@ class KindInfo:
     description: str
     validations: tuple[JsonDict, ...] = ()
     """CEL rules on the whole object (its name), beside the spec's own."""
+    status_default: JsonDict | None = None
+    """The status the API server shows before the operator wrote one (a schema default, applied on
+    every read): kstatus readers such as Flux's health check then see a generation not yet observed,
+    not an object without status that they would take for Current."""

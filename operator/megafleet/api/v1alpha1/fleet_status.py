@@ -90,7 +90,8 @@ class MegatronGenerationStatus(common.ApiModel):
         json_schema_extra={"x-kubernetes-list-type": "map", "x-kubernetes-list-map-keys": ["type"]},
         description="conditions: EndpointsReserved, Placed, Ready, WeightsCurrent, EndpointsVerified, "
         "Degraded, InvalidSpec, NameConflict (an object under a derived name is not the fleet's), "
-        "RefitSessionHeld.",
+        "RefitSessionHeld, Reconciling (True while shards are placed, removed or rolled to the spec) and "
+        "Stalled (True with InvalidSpec or NameConflict): kstatus's conventions, read by GitOps health checks.",
     )
     replicas: int = Field(
         default=0, ge=0, description="replicas is the number of shards that exist (scale subresource)."

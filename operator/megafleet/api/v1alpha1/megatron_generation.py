@@ -289,6 +289,7 @@ KIND = common.KindInfo(
     status=fleet_status.MegatronGenerationStatus,
     scale=True,
     validations=_FLEET_NAME_RULES,
+    status_default={"observedGeneration": 0},
     description="MegatronGeneration is an LLM generation fleet for reinforcement learning: shards of "
     "GPU pods placed by NVLink domain, with OpenAI-compatible frontends whose addresses are "
     "reserved before any engine starts, refitted with new weights by Refit objects.",
