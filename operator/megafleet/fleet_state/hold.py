@@ -81,6 +81,20 @@ async def release(api: kube.Api, fleet_body: Object, session: str) -> None:
     )
 
 
+def unapplied(fleet: desired.ParsedFleet, shards: pods.Shards) -> list[str]:
+    """The changes of the spec not applied to the shards yet, held or not (empty: none): the
+    Reconciling condition's (:func:`megafleet.fleet_state.readiness.reconciling`)."""
+    replicas = fleet.spec.replicas
+    present = set(shards.pods) | shards.terminating
+    found = []
+    if any(shard >= replicas for shard in present) or any(shard not in present for shard in range(replicas)):
+        found.append(f"spec.replicas {replicas}")
+    current = desired.template_hash(fleet)
+    if any(pod.template_hash != current for members in shards.pods.values() for pod in members):
+        found.append("a pod template change")
+    return found
+
+
 def waiting(fleet: desired.ParsedFleet, shards: pods.Shards, members: frozenset[int]) -> list[str]:
     """What the hold keeps from being applied, each saying for what (empty: nothing), with ``members``
     the shards in the holding session's world: the shards of ``spec.replicas`` outside it (added by a

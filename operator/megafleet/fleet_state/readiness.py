@@ -31,7 +31,7 @@ def reconciling(
     found: list[conditions.Condition], changes: Sequence[str], *, generation: int, now: str
 ) -> list[conditions.Condition]:
     """Reconciling (kstatus's convention): True while ``changes`` of the spec are not applied to the
-    shards yet (:func:`megafleet.fleet_state.hold.waiting` names them), so a reader of kstatus (Flux's
+    shards yet (:func:`megafleet.fleet_state.hold.unapplied` names them), so a reader of kstatus (Flux's
     health check) sees the fleet in progress during a roll even while every old shard still serves."""
     if changes:
         verdict = conditions.Verdict(True, "Progressing", f"applying {' and '.join(changes)}")

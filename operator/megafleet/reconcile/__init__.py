@@ -127,7 +127,7 @@ async def _write_observed(ctx: context.FleetContext) -> None:
         found = hold.held(found, ctx.held, changes, generation=generation, now=now)
     else:
         found = hold.released(found, generation=generation, now=now)
-    found = readiness.reconciling(found, hold.waiting(ctx.fleet, ctx.shards), generation=generation, now=now)
+    found = readiness.reconciling(found, hold.unapplied(ctx.fleet, ctx.shards), generation=generation, now=now)
     found = admission.condition(ctx, found, now=now)
     ctx.status = {**ctx.status, "conditions": found}
     if mismatch is not None:
