@@ -178,6 +178,8 @@ def test_a_held_fleets_scale_in_removes_the_shards_outside_the_world_and_the_mem
         "RefitSession grpo holds the fleet: spec.replicas 1: shard 2 leaves at the trainer's next rebuild "
         "(its world still names it)"
     )
+    reconciling = next(c for c in held["status"]["conditions"] if c["type"] == "Reconciling")
+    assert (reconciling["status"], reconciling["message"]) == ("True", "applying spec.replicas 1")
 
     api.objects[("RefitSession", "rl", "grpo")]["spec"]["shards"] = [0]  # the trainer's rebuild leaves it out
     held = reconcile_once()
@@ -185,3 +187,6 @@ def test_a_held_fleets_scale_in_removes_the_shards_outside_the_world_and_the_mem
     assert shard_pods() == ["gen-s0-p0"]
     message = next(c for c in held["status"]["conditions"] if c["type"] == "RefitSessionHeld")["message"]
     assert message == "template rolls wait until RefitSession grpo ends; scaling applies at its trainer's rebuilds"
+    settled = reconcile_once()  # the next reconcile sees shard 2 gone
+    reconciling = next(c for c in settled["status"]["conditions"] if c["type"] == "Reconciling")
+    assert reconciling["status"] == "False", "the scale-in is applied"
