@@ -16,8 +16,7 @@ from __future__ import annotations
 
 import copy
 
-from megafleet import desired, names, planner
-from megafleet.api import v1alpha1
+from megafleet import desired, planner
 from megafleet.objects import Object
 
 GROUP = "resource.nvidia.com"
@@ -43,30 +42,10 @@ def name(fleet: str, shard: int, token: str) -> str:
 def compute_domain(fleet: desired.ParsedFleet, shard: int, domain: str, placement: planner.ShardPlacement) -> Object:
     """The ComputeDomain of one placed shard: one IMEX daemon per node of the shard (``numNodes``,
     which the driver reads in both of its daemon modes), one channel per pod."""
-    labels = {
-        names.LABEL_FLEET: fleet.name,
-        names.LABEL_COMPONENT: COMPONENT,
-        names.LABEL_SHARD: str(shard),
-        names.LABEL_MANAGED_BY: "megafleet",
-    }
     return {
         "apiVersion": API_VERSION,
         "kind": KIND,
-        "metadata": {
-            "name": domain,
-            "namespace": fleet.namespace,
-            "labels": labels,
-            "ownerReferences": [
-                {
-                    "apiVersion": v1alpha1.API_VERSION,
-                    "kind": "MegatronGeneration",
-                    "name": fleet.name,
-                    "uid": fleet.uid,
-                    "controller": True,
-                    "blockOwnerDeletion": True,
-                }
-            ],
-        },
+        "metadata": desired.metadata(fleet, domain, COMPONENT, shard),
         "spec": {
             "numNodes": len({pod.node for pod in placement.pods}),
             "channel": {"resourceClaimTemplate": {"name": domain}, "allocationMode": "Single"},

@@ -37,7 +37,9 @@ class ParsedFleet:
         return planner.pod_layout(checks.parallelism(self.spec.parallelism), self.spec.resources.gpus_per_node)
 
 
-def _meta(fleet: ParsedFleet, name: str, component: str, shard: int | None = None) -> Object:
+def metadata(fleet: ParsedFleet, name: str, component: str, shard: int | None = None) -> Object:
+    """The metadata of an object the fleet owns: its labels (fleet, component, shard) and the fleet as
+    its controlling owner."""
     labels = {names.LABEL_FLEET: fleet.name, names.LABEL_COMPONENT: component, names.LABEL_MANAGED_BY: "megafleet"}
     if shard is not None:
         labels[names.LABEL_SHARD] = str(shard)
@@ -93,7 +95,7 @@ def _frontends_service(fleet: ParsedFleet, group: int, shards: list[int]) -> Obj
     return {
         "apiVersion": "v1",
         "kind": "Service",
-        "metadata": _meta(fleet, names.frontends_service(fleet.name, group), "frontends"),
+        "metadata": metadata(fleet, names.frontends_service(fleet.name, group), "frontends"),
         "spec": {
             "type": "ClusterIP",
             "selector": {names.LABEL_FLEET: fleet.name, names.LABEL_COMPONENT: "engine", names.LABEL_POD_INDEX: "0"},
@@ -118,7 +120,7 @@ def frontend_service(fleet: ParsedFleet, shard: int) -> Object:
     return {
         "apiVersion": "v1",
         "kind": "Service",
-        "metadata": _meta(fleet, names.frontend_service(fleet.name, shard), "frontend", shard),
+        "metadata": metadata(fleet, names.frontend_service(fleet.name, shard), "frontend", shard),
         "spec": {
             "type": "ClusterIP",
             "selector": {names.LABEL_FLEET: fleet.name, names.LABEL_SHARD: str(shard), names.LABEL_POD_INDEX: "0"},
@@ -141,7 +143,7 @@ def ranks_service(fleet: ParsedFleet) -> Object:
     return {
         "apiVersion": "v1",
         "kind": "Service",
-        "metadata": _meta(fleet, names.ranks_service(fleet.name), "ranks"),
+        "metadata": metadata(fleet, names.ranks_service(fleet.name), "ranks"),
         "spec": {
             "clusterIP": "None",
             "publishNotReadyAddresses": True,
@@ -176,7 +178,7 @@ def agent_secret(fleet: ParsedFleet, token: str) -> Object:
         "apiVersion": "v1",
         "kind": "Secret",
         "type": "Opaque",
-        "metadata": _meta(fleet, names.agent_secret(fleet.name), "agent-token"),
+        "metadata": metadata(fleet, names.agent_secret(fleet.name), "agent-token"),
         "data": {names.AGENT_TOKEN_KEY: base64.b64encode(token.encode()).decode()},
     }
 
@@ -204,7 +206,7 @@ def endpoints_configmap(fleet: ParsedFleet, endpoints: list[v1alpha1.Endpoint]) 
     return {
         "apiVersion": "v1",
         "kind": "ConfigMap",
-        "metadata": _meta(fleet, names.endpoints_configmap(fleet.name), "endpoints"),
+        "metadata": metadata(fleet, names.endpoints_configmap(fleet.name), "endpoints"),
         "data": {
             "endpoints.json": json.dumps(listed, indent=2, sort_keys=True),
             "urls": "".join(f"{endpoint.url}\n" for endpoint in endpoints),
@@ -297,10 +299,10 @@ def _pod(
 ) -> Object:
     spec = fleet.spec
     name = names.pod(fleet.name, shard, index)
-    metadata = _meta(fleet, name, "engine", shard)
+    meta = metadata(fleet, name, "engine", shard)
     # The user's labels and annotations first: the operator's own keys win on conflict.
-    metadata["labels"] = {**spec.pod.labels, **metadata["labels"], names.LABEL_POD_INDEX: str(index)}
-    metadata["annotations"] = {**spec.pod.annotations, names.ANNOTATION_TEMPLATE_HASH: template_hash(fleet)}
+    meta["labels"] = {**spec.pod.labels, **meta["labels"], names.LABEL_POD_INDEX: str(index)}
+    meta["annotations"] = {**spec.pod.annotations, names.ANNOTATION_TEMPLATE_HASH: template_hash(fleet)}
     resources: Object = {**spec.resources.extra, "cpu": spec.resources.cpu, "memory": spec.resources.memory}
     if layout.gpus_per_pod:
         resources[spec.resources.gpu_resource] = str(layout.gpus_per_pod)
@@ -323,7 +325,7 @@ def _pod(
     return {
         "apiVersion": "v1",
         "kind": "Pod",
-        "metadata": metadata,
+        "metadata": meta,
         "spec": {
             "hostname": name,
             **({"subdomain": names.ranks_service(fleet.name)} if layout.pods_per_shard > 1 else {}),
