@@ -19,14 +19,14 @@ side in a Ray actor, NeMo's fleet-health monitor attached, each training step Ne
   HPA writes nothing more.
 
 Its tier is the autoscale one (marker ``autoscale``): Prometheus and KEDA are started for this module.
-Its timeline (seconds from the load's start) is logged at INFO (``--log-cli-level=INFO``).
+Its timeline (seconds from the load's start) is a property of its JUnit report (``--junitxml``).
 """
 
 from __future__ import annotations
 
-import logging
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -121,7 +121,12 @@ def wait_for_metric(url: str, name: str, namespace: str, *, shard: int, above: f
 
 
 def test_keda_scales_a_fleet_held_by_nemos_trainer_out_and_back_in_at_its_rebuilds(
-    autoscaler: autoscale.Autoscale, kube_admin: kube.Kube, namespace: str, kubeconfig: Path, local_ray: None
+    autoscaler: autoscale.Autoscale,
+    kube_admin: kube.Kube,
+    namespace: str,
+    kubeconfig: Path,
+    local_ray: None,
+    record_property: Callable[[str, object], None],
 ) -> None:
     url = autoscaler.prometheus_url
     fleet_path = held.fleet_path(namespace)
@@ -133,10 +138,10 @@ def test_keda_scales_a_fleet_held_by_nemos_trainer_out_and_back_in_at_its_rebuil
             timeline.setdefault(name, time.monotonic())
 
     kube_admin.create(refit_e2e.fleets(namespace), refit_e2e.tiny_fleet(replicas=1, refit={"bucketSizeMiB": 1}))
+    scaling.autoscale_fleet(kube_admin, namespace, url, held.FLEET, SETTINGS)  # while the shard starts
     with held.training(namespace, kubeconfig, shards=1) as trainer:
         monitor = trainer.monitor
         [first] = kube_admin.list(held.sessions(namespace))["items"]
-        scaling.autoscale_fleet(kube_admin, namespace, url, held.FLEET, SETTINGS)
         rollouts = Rollouts(trainer.factory(config=LOAD_CONFIG))
         try:
             assert rollouts.generation.prepare_for_generation()
@@ -145,6 +150,7 @@ def test_keda_scales_a_fleet_held_by_nemos_trainer_out_and_back_in_at_its_rebuil
 
             # The HPA scales 1 -> 2: shard 1 placed at once, outside the world, Stale, the fleet held.
             def shard_1_stale(obj: Object | None) -> bool:
+                assert not rollouts.failures, rollouts.failures[:3]  # no load: no scale-out to wait for
                 seen("scaled_out", obj, 2)
                 return held.shard(obj, 1).get("phase") == "Stale"
 
@@ -181,7 +187,6 @@ def test_keda_scales_a_fleet_held_by_nemos_trainer_out_and_back_in_at_its_rebuil
             wait_for_metric(url, "megafleet_generated_tokens_total", namespace, shard=1, above=0)
             timeline["shard_1_served"] = time.monotonic()
             assert scaling.metric(url, "megafleet_weight_version", namespace, held.FLEET, shard=1) == 2
-            nemo_serving.check_serves(trainer.generation, 2, version=2)
 
             # The rollouts drop to a trickle: the HPA scales 2 -> 1; shard 1 stays in the world.
             rollouts.run(1, TRICKLE_ROWS)
@@ -223,7 +228,7 @@ def test_keda_scales_a_fleet_held_by_nemos_trainer_out_and_back_in_at_its_rebuil
     final = kube_admin.get(fleet_path)
     assert final is not None and final["spec"]["replicas"] == 1
     start = timeline["load_started"]
-    logging.getLogger(__name__).info(
-        "seconds from the load's start: %s",
+    record_property(
+        "secondsFromLoadStart",
         {name: round(at - start, 1) for name, at in sorted(timeline.items(), key=lambda item: item[1])},
     )
