@@ -41,7 +41,6 @@ from megafleet_protocol.refit import sender as sdk
 
 pytestmark = [pytest.mark.autoscale, pytest.mark.timeout(600)]
 
-ROOT = Path(__file__).resolve().parents[2]
 FLEET = "tiny"
 WAIT = 180
 CHECKPOINT = "tiny://llama?seed=7"  # version 1's weights, loaded as a checkpoint
