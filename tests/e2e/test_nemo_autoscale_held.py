@@ -19,7 +19,7 @@ side in a Ray actor, NeMo's fleet-health monitor attached, each training step Ne
   HPA writes nothing more.
 
 Its tier is the autoscale one (marker ``autoscale``): Prometheus and KEDA are started for this module.
-Its timeline (seconds from the load's start) is a property of its JUnit report (``--junitxml``).
+Its timeline (seconds from the load's start) is a property of the JUnit report's test suite (``--junitxml``).
 """
 
 from __future__ import annotations
@@ -126,7 +126,7 @@ def test_keda_scales_a_fleet_held_by_nemos_trainer_out_and_back_in_at_its_rebuil
     namespace: str,
     kubeconfig: Path,
     local_ray: None,
-    record_property: Callable[[str, object], None],
+    record_testsuite_property: Callable[[str, object], None],
 ) -> None:
     url = autoscaler.prometheus_url
     fleet_path = held.fleet_path(namespace)
@@ -228,7 +228,7 @@ def test_keda_scales_a_fleet_held_by_nemos_trainer_out_and_back_in_at_its_rebuil
     final = kube_admin.get(fleet_path)
     assert final is not None and final["spec"]["replicas"] == 1
     start = timeline["load_started"]
-    record_property(
-        "secondsFromLoadStart",
+    record_testsuite_property(
+        "nemoAutoscaleHeldSecondsFromLoadStart",
         {name: round(at - start, 1) for name, at in sorted(timeline.items(), key=lambda item: item[1])},
     )
