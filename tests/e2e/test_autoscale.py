@@ -22,7 +22,6 @@ import dataclasses
 import itertools
 import json
 import os
-import subprocess
 import threading
 import time
 from collections.abc import Iterator
@@ -32,17 +31,16 @@ from typing import Any
 import httpx
 import openai
 import pytest
-import yaml
 
+from helpers import autoscale_e2e as scaling
 from helpers import refit_e2e as base
 from megafleet.objects import Object
-from megafleet_dev import autoscale, cluster, kube, toolchain
+from megafleet_dev import autoscale, kube
 from megafleet_protocol import ports
 from megafleet_protocol.refit import sender as sdk
 
 pytestmark = [pytest.mark.autoscale, pytest.mark.timeout(600)]
 
-ROOT = Path(__file__).resolve().parents[2]
 FLEET = "tiny"
 WAIT = 180
 CHECKPOINT = "tiny://llama?seed=7"  # version 1's weights, loaded as a checkpoint
@@ -54,7 +52,6 @@ TRICKLE_MAX_TOKENS = 192
 index), so the drain of each removed shard has requests to finish, whatever the operator's reaction
 time and however many shards one HPA step removes."""
 MAX_TOKENS = 48
-SCRAPE_SECONDS = 1.0
 # The chart values of the ScaledObject (autoscaling.*): short windows to keep the test short.
 SETTINGS = {
     "minReplicas": 1,
@@ -72,55 +69,19 @@ SERVING = ("Ready", "Refitting")  # a refitting shard holds requests at its gate
 
 
 @pytest.fixture(scope="module")
-def autoscaler(local_cluster: cluster.LocalCluster, operator: Path) -> Iterator[autoscale.Autoscale]:
-    running = autoscale.start(local_cluster, scrape_interval_seconds=SCRAPE_SECONDS)
-    try:
-        yield running
-    finally:
-        autoscale.stop(local_cluster, running)
-
-
-@pytest.fixture(scope="module")
 def results() -> Iterator[dict[str, Any]]:
     found: dict[str, Any] = {
-        "settings": {**SETTINGS, "scrapeIntervalSeconds": SCRAPE_SECONDS, "hpaSyncPeriodSeconds": 15},
+        "settings": {
+            **SETTINGS,
+            "scrapeIntervalSeconds": scaling.SCRAPE_SECONDS,
+            "hpaSyncPeriodSeconds": scaling.HPA_SYNC_SECONDS,
+        },
         "load": {"workers": WORKERS, "trickle": TRICKLE, "maxTokens": MAX_TOKENS, "maxBatchSize": MAX_BATCH},
     }
     yield found
     target = os.environ.get("MEGAFLEET_AUTOSCALE_RESULTS")
     if target:
         Path(target).write_text(json.dumps(found, indent=2) + "\n")
-
-
-def scaled_object(namespace: str, prometheus_url: str) -> dict[str, Any]:
-    """The chart's ScaledObject for the fleet (helm template with ``autoscaling.*`` values)."""
-    values = {"autoscaling": {"prometheusAddress": prometheus_url, "fleets": [{"name": FLEET, **SETTINGS}]}}
-    rendered = subprocess.run(
-        [
-            str(toolchain.program_path("helm")),
-            "template",
-            "megafleet",
-            str(ROOT / "charts" / "megafleet"),
-            "--namespace",
-            namespace,
-            "--show-only",
-            "templates/scaledobjects.yaml",
-            "--values",
-            "-",
-        ],
-        input=yaml.safe_dump(values),
-        capture_output=True,
-        text=True,
-        check=True,
-        timeout=60,
-    ).stdout
-    (document,) = [doc for doc in yaml.safe_load_all(rendered) if doc]
-    assert document["kind"] == "ScaledObject" and document["metadata"]["namespace"] == namespace
-    return dict(document)
-
-
-def scaled_objects(namespace: str) -> str:
-    return f"/apis/keda.sh/v1alpha1/namespaces/{namespace}/scaledobjects"
 
 
 def fleet_path(namespace: str) -> str:
@@ -134,40 +95,10 @@ def start_fleet(kube_admin: kube.Kube, namespace: str) -> None:
     assert kube_admin.wait(fleet_path(namespace), base.ready, timeout=WAIT, what="one shard Ready") is not None
 
 
-def autoscale_fleet(kube_admin: kube.Kube, namespace: str, prometheus_url: str) -> None:
-    """Create the ScaledObject and wait until KEDA made its HPA and reads the metric."""
-    kube_admin.create(scaled_objects(namespace), scaled_object(namespace, prometheus_url))
-    ready = kube_admin.wait(
-        f"{scaled_objects(namespace)}/{FLEET}",
-        lambda o: (kube.condition(o, "Ready") or {}).get("status") == "True",
-        timeout=WAIT,
-        what="the ScaledObject Ready",
-    )
-    assert ready is not None
-    hpa = kube_admin.wait(
-        f"/apis/autoscaling/v2/namespaces/{namespace}/horizontalpodautoscalers/keda-hpa-{FLEET}",
-        lambda o: (kube.condition(o, "ScalingActive") or {}).get("status") == "True",
-        timeout=WAIT,
-        what="the HPA reading the external metric",
-    )
-    assert hpa is not None
-    assert hpa["spec"]["scaleTargetRef"] == {
-        "apiVersion": "megafleet.dev/v1alpha1",
-        "kind": "MegatronGeneration",
-        "name": FLEET,
-    }
-    assert (hpa["spec"]["minReplicas"], hpa["spec"]["maxReplicas"]) == (1, 3)
-
-
 def checkpoint_refit(kube_admin: kube.Kube, namespace: str, version: int, path: str) -> None:
     refit = base.create_refit(kube_admin, namespace, FLEET, version, checkpoint=path)
     done = kube_admin.wait(refit, base.refit_ended, timeout=WAIT, what="the checkpoint refit")
     assert done is not None and done["status"]["phase"] == "Succeeded", (done or {}).get("status")
-
-
-def metric(prometheus_url: str, name: str, namespace: str) -> float:
-    found = autoscale.query(prometheus_url, f'sum({name}{{namespace="{namespace}",fleet="{FLEET}"}})')
-    return found or 0.0
 
 
 # -- the client ----------------------------------------------------------------------------------
@@ -308,7 +239,9 @@ class Sampler:
 
     def _run(self) -> None:
         while not self._stop.is_set():
-            self.samples.append((time.monotonic(), metric(self._url, "megafleet_waiting_sequences", self._namespace)))
+            self.samples.append(
+                (time.monotonic(), scaling.metric(self._url, "megafleet_waiting_sequences", self._namespace, FLEET))
+            )
             self._stop.wait(0.5)  # the sampling period
 
 
@@ -324,7 +257,7 @@ def test_load_scales_the_fleet_out_and_back_in_with_new_shards_caught_up_first(
 ) -> None:
     start_fleet(kube_admin, namespace)
     checkpoint_refit(kube_admin, namespace, 1, CHECKPOINT)
-    autoscale_fleet(kube_admin, namespace, autoscaler.prometheus_url)
+    scaling.autoscale_fleet(kube_admin, namespace, autoscaler.prometheus_url, FLEET, SETTINGS)
     url = autoscaler.prometheus_url
     # Prometheus found the engine through the API server and labels it with its fleet and shard.
     scraped = autoscale.query(url, f'count(up{{namespace="{namespace}",fleet="{FLEET}",shard="0"}} == 1)')
@@ -424,7 +357,7 @@ def test_a_scale_decision_during_a_refit_places_nothing_until_the_refit_ended(
     results: dict[str, Any],
 ) -> None:
     start_fleet(kube_admin, namespace)
-    autoscale_fleet(kube_admin, namespace, autoscaler.prometheus_url)
+    scaling.autoscale_fleet(kube_admin, namespace, autoscaler.prometheus_url, FLEET, SETTINGS)
     trainer = base.TrainerModel()
     port = base.free_port()
     name = f"{FLEET}-v1"

@@ -128,6 +128,40 @@ def test_pod_addressing_routes_to_the_pods_ips() -> None:
     assert [(f.shard, f.url) for f in frontends] == [(0, "http://127.0.0.20:8000/v1"), (1, "http://127.0.0.21:8000/v1")]
 
 
+def test_routes_older_than_their_max_age_follow_a_scale_out_and_in_and_survive_a_failed_read(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A client that never refits (an RL job's rollout workers) still routes to the shards a scale adds
+    and stops routing to those it removes, within ``ROUTES_MAX_AGE_SECONDS``; a failed read keeps the
+    routes there are."""
+    one = serving(version=1)
+    one["shards"][1] = {"index": 1, "phase": "Stale", "pods": ["tiny-s1-p0"]}  # a scale-out's new shard
+    api = kube_fakes.Api(tiny(**one))
+
+    async def scenario(client: fleet.Fleet) -> list[list[int]]:
+        seen = []
+        await client.ensure_routed()  # nothing routed yet: read at once
+        seen.append([frontend.shard for frontend in client.router.frontends])
+        await api.patch_status("MegatronGeneration", "tiny", NS, serving(version=1))  # shard 1 caught up
+        monkeypatch.setattr(fleet, "ROUTES_MAX_AGE_SECONDS", 60.0)
+        await client.ensure_routed()  # young routes: not read again
+        seen.append([frontend.shard for frontend in client.router.frontends])
+        monkeypatch.setattr(fleet, "ROUTES_MAX_AGE_SECONDS", 0.0)
+        await client.ensure_routed()
+        seen.append([frontend.shard for frontend in client.router.frontends])
+        scaled_in = serving(version=1)
+        scaled_in["shards"] = scaled_in["shards"][:1]
+        await api.patch_status("MegatronGeneration", "tiny", NS, scaled_in)
+        await client.ensure_routed()
+        seen.append([frontend.shard for frontend in client.router.frontends])
+        await api.delete("MegatronGeneration", "tiny", NS)
+        await client.ensure_routed()  # the read fails: the routes stay
+        seen.append([frontend.shard for frontend in client.router.frontends])
+        return seen
+
+    assert run(api, scenario) == [[0], [0], [0, 1], [0], [0]]
+
+
 def test_a_checkpoint_refit_is_followed_through_its_refit_object_then_routed() -> None:
     api = kube_fakes.Api(tiny(**serving()))
 

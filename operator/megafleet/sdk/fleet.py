@@ -39,6 +39,7 @@ import contextlib
 import dataclasses
 import logging
 import threading
+import time
 from collections.abc import AsyncIterator, Callable, Sequence
 from pathlib import Path
 from types import TracebackType
@@ -61,6 +62,11 @@ log = logging.getLogger(__name__)
 FIELD_MANAGER = "megafleet-sdk"
 """Field manager of the objects the SDK writes (Refits)."""
 DEFAULT_READY_TIMEOUT_SECONDS = 600.0
+ROUTES_MAX_AGE_SECONDS = 2.0
+"""How long a client routes from the fleet's status it read last before a request reads it again: the
+shards a scale adds take requests, and those it removes stop taking them, within this of the status
+saying so in every client of the fleet, not only in the one that refits it (an RL job's rollout
+workers hold copies of the NeMo adapter that never refit)."""
 """Waiting for a fleet: engines load their checkpoints first, which takes minutes for large models."""
 DEFAULT_REFIT_TIMEOUT_SECONDS = 900.0
 """Waiting for a Refit: up to two attempts of the fleet's ``refit.timeoutSeconds`` (300 s by default)."""
@@ -195,6 +201,7 @@ class Fleet:
             self.api = kube.Api(client)
         self.addressing = addressing
         self.router = routing.Router()
+        self._routed_at = float("-inf")
         self.generator = generation.Generator(self.router, model=name, api_key=api_key, http=http)
 
     async def aclose(self) -> None:
@@ -263,14 +270,14 @@ class Fleet:
         self, prompt: generation.Prompt, sampling: generation.Sampling = generation.DEFAULT_SAMPLING
     ) -> generation.Answer:
         """One completion (text or token-id prompt) on the shard the router places it on (:mod:`.affinity`)."""
-        await self._ensure_routed()
+        await self.ensure_routed()
         return await self.generator.complete(prompt, sampling)
 
     async def chat(
         self, messages: Sequence[generation.Message], sampling: generation.Sampling = generation.DEFAULT_SAMPLING
     ) -> generation.Answer:
         """One chat completion on the shard the router places the conversation on (:mod:`.affinity`)."""
-        await self._ensure_routed()
+        await self.ensure_routed()
         return await self.generator.chat(messages, sampling)
 
     async def complete_batch(
@@ -278,7 +285,7 @@ class Fleet:
     ) -> list[generation.Answer]:
         """Every prompt at once, spread over all routable frontends (each prompt's samples on one shard);
         answers in prompt order."""
-        await self._ensure_routed()
+        await self.ensure_routed()
         return await self.generator.complete_batch(prompts, sampling)
 
     async def chat_batch(
@@ -288,7 +295,7 @@ class Fleet:
     ) -> list[generation.Answer]:
         """Every conversation at once as batched requests (the engine's ``/v1/chat/completions/batch``:
         one per routable frontend at least), spread over all of them; answers in order."""
-        await self._ensure_routed()
+        await self.ensure_routed()
         return await self.generator.chat_batch(conversations, sampling)
 
     # -- refits ----------------------------------------------------------------------------------
@@ -470,11 +477,23 @@ class Fleet:
     async def _route(self, state: FleetState) -> list[routing.Frontend]:
         frontends = await self.frontends(state)
         self.router.update(frontends)
+        self._routed_at = time.monotonic()
         return frontends
 
-    async def _ensure_routed(self) -> None:
+    async def ensure_routed(self) -> None:
+        """Route from the fleet's status when nothing is routed yet, or when the routes are older than
+        :data:`ROUTES_MAX_AGE_SECONDS` (one refresh at a time: meanwhile, and if reading the status
+        fails, requests go by the routes there are)."""
         if not self.router.frontends:
             await self.refresh()
+            return
+        if time.monotonic() - self._routed_at < ROUTES_MAX_AGE_SECONDS:
+            return
+        self._routed_at = time.monotonic()
+        try:
+            await self.refresh()
+        except (kube.ApiError, errors.FleetNotFound, httpx.HTTPError) as error:
+            log.warning("fleet %s/%s: kept its routes; reading its status failed: %s", self.namespace, self.name, error)
 
 
 def _not_ready(state: FleetState, detail: str) -> errors.FleetNotReady:

@@ -335,8 +335,8 @@ class MegafleetGeneration(
     ) -> list[generation.Sampling]:
         """Route, then clamp every sample's ``max_tokens`` to its room; refuse (naming the sample) a
         prompt that leaves none, before any request is sent."""
-        if clients.fleet is not None and not clients.generator.router.frontends:
-            await clients.fleet.refresh()
+        if clients.fleet is not None:
+            await clients.fleet.ensure_routed()  # a scale's shards come and go in every copy
         fitted = []
         for index, (prompt, sampling) in enumerate(zip(prompts, samplings, strict=True)):
             try:
