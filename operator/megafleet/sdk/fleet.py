@@ -62,12 +62,13 @@ log = logging.getLogger(__name__)
 FIELD_MANAGER = "megafleet-sdk"
 """Field manager of the objects the SDK writes (Refits)."""
 DEFAULT_READY_TIMEOUT_SECONDS = 600.0
+"""Waiting for a fleet: engines load their checkpoints first, which takes minutes for large models."""
 ROUTES_MAX_AGE_SECONDS = 2.0
 """How long a client routes from the fleet's status it read last before a request reads it again: the
 shards a scale adds take requests, and those it removes stop taking them, within this of the status
 saying so in every client of the fleet, not only in the one that refits it (an RL job's rollout
-workers hold copies of the NeMo adapter that never refit)."""
-"""Waiting for a fleet: engines load their checkpoints first, which takes minutes for large models."""
+workers hold copies of the NeMo adapter that never refit). A refit's end settles the new version and
+its shards in one status write, so a read never finds a fleet between the two."""
 DEFAULT_REFIT_TIMEOUT_SECONDS = 900.0
 """Waiting for a Refit: up to two attempts of the fleet's ``refit.timeoutSeconds`` (300 s by default)."""
 
