@@ -167,7 +167,7 @@ def _start_prometheus(
         )
     )
     url = f"http://127.0.0.1:{port}"
-    local.wait_for("prometheus", functools.partial(_http_not_ok, f"{url}/-/ready"))
+    local.wait_for("prometheus", functools.partial(cluster.http_not_ok, f"{url}/-/ready"))
     return url
 
 
@@ -217,7 +217,7 @@ def _start_keda(local: cluster.LocalCluster, folder: Path, started: list[cluster
             env=env,
         )
     )
-    local.wait_for("keda-operator", functools.partial(_http_not_ok, f"http://127.0.0.1:{probes}/readyz"))
+    local.wait_for("keda-operator", functools.partial(cluster.http_not_ok, f"http://127.0.0.1:{probes}/readyz"))
 
     secure_port, adapter_metrics = cluster.free_port(), cluster.free_port()
     kubeconfig = str(local.kubeconfig)
@@ -281,11 +281,3 @@ def _not_available(client: kube.Kube) -> str | None:
     if available.get("status") == "True":
         return None
     return f"APIService {METRICS_API} not Available: {available.get('message', 'no condition yet')}"
-
-
-def _http_not_ok(url: str) -> str | None:
-    try:
-        response = httpx.get(url, timeout=2.0)
-    except httpx.HTTPError as error:
-        return f"{type(error).__name__}: {error}"
-    return None if response.status_code == 200 else f"HTTP {response.status_code}"

@@ -289,7 +289,7 @@ class LocalCluster:
                 "--log-level=warn",
             ],
         )
-        self._ready_checks["etcd"] = functools.partial(_http_not_ok, f"http://127.0.0.1:{client_port}/health")
+        self._ready_checks["etcd"] = functools.partial(http_not_ok, f"http://127.0.0.1:{client_port}/health")
         self._wait("etcd", self._ready_checks["etcd"])
 
         api_port = free_port()
@@ -330,7 +330,7 @@ class LocalCluster:
             ],
         )
         self._ready_checks["kube-apiserver"] = functools.partial(
-            _http_not_ok, f"https://127.0.0.1:{api_port}/readyz?verbose", verify=str(self.ca_file)
+            http_not_ok, f"https://127.0.0.1:{api_port}/readyz?verbose", verify=str(self.ca_file)
         )
         self._wait("kube-apiserver", self._ready_checks["kube-apiserver"])
         self._write_kubeconfig(api_port)
@@ -377,7 +377,7 @@ class LocalCluster:
             ],
         )
         for name, port in (("kube-controller-manager", kcm_port), ("kube-scheduler", scheduler_port)):
-            self._wait(name, functools.partial(_http_not_ok, f"https://127.0.0.1:{port}/healthz", verify=False))
+            self._wait(name, functools.partial(http_not_ok, f"https://127.0.0.1:{port}/healthz", verify=False))
 
     def _start_kwok(self) -> None:
         port = free_port()
@@ -396,7 +396,7 @@ class LocalCluster:
                 "--node-lease-duration-seconds=40",
             ],
         )
-        self._wait("kwok", functools.partial(_http_not_ok, f"http://127.0.0.1:{port}/healthz"))
+        self._wait("kwok", functools.partial(http_not_ok, f"http://127.0.0.1:{port}/healthz"))
 
     def _create_nodes(self) -> None:
         manifests = nodes.node_manifests(self.pools, self.pod_network)
@@ -506,8 +506,9 @@ class LocalCluster:
         raise ClusterError(f"{what} was not ready after {START_TIMEOUT_SECONDS:.0f} s ({reason}); see {log}")
 
 
-def _http_not_ok(url: str, *, verify: bool | str = True) -> str | None:
-    """None when ``url`` answers 200, else a short reason (status and body, or the error)."""
+def http_not_ok(url: str, *, verify: bool | str = True) -> str | None:
+    """None when ``url`` answers 200, else a short reason (status and body, or the error): the
+    readiness probe of every component the dev cluster starts (:meth:`LocalCluster.wait_for`)."""
     try:
         context = ssl.create_default_context(cafile=verify) if isinstance(verify, str) else verify
         response = httpx.get(url, verify=context, timeout=2.0)

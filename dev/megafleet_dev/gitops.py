@@ -32,7 +32,6 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-import httpx
 import yaml
 
 from megafleet_dev import cluster, toolchain
@@ -147,13 +146,5 @@ def _spawn(local: cluster.LocalCluster, name: str, flags: list[str], env: dict[s
         ],
         env=env,
     )
-    local.wait_for(name, functools.partial(_http_not_ok, f"http://127.0.0.1:{health}/readyz"))
+    local.wait_for(name, functools.partial(cluster.http_not_ok, f"http://127.0.0.1:{health}/readyz"))
     return record
-
-
-def _http_not_ok(url: str) -> str | None:
-    try:
-        response = httpx.get(url, timeout=2.0)
-    except httpx.HTTPError as error:
-        return f"{type(error).__name__}: {error}"
-    return None if response.status_code == 200 else f"HTTP {response.status_code}"

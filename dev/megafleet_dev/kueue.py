@@ -33,7 +33,6 @@ import os
 from pathlib import Path
 from typing import Any
 
-import httpx
 import yaml
 
 from megafleet_dev import cluster, kube, toolchain
@@ -153,7 +152,7 @@ def start(local: cluster.LocalCluster) -> Kueue:
     try:
         with local.kube() as client:
             local.wait_for("kueue", functools.partial(_mount_certificate, client, folder / "certs"))
-            local.wait_for("kueue", functools.partial(_http_not_ok, f"http://127.0.0.1:{probe_port}/readyz"))
+            local.wait_for("kueue", functools.partial(cluster.http_not_ok, f"http://127.0.0.1:{probe_port}/readyz"))
             local.wait_for("kueue", functools.partial(_webhooks_not_serving, client))
     except BaseException:
         local.stop_processes([record])
@@ -225,11 +224,3 @@ def _webhooks_not_serving(client: kube.Kube) -> str | None:
     except kube.KubeError as error:
         return f"Kueue's webhooks do not answer yet: {str(error)[:200]}"
     return None
-
-
-def _http_not_ok(url: str) -> str | None:
-    try:
-        response = httpx.get(url, timeout=2.0)
-    except httpx.HTTPError as error:
-        return f"{type(error).__name__}: {error}"
-    return None if response.status_code == 200 else f"HTTP {response.status_code}"
