@@ -112,6 +112,18 @@ def held_fleet(replicas: int, shards: list[int]) -> tuple[kube_fakes.Api, contex
     return api, context.Runtime.of(api, Agents(), settings.OperatorSettings())
 
 
+def held_reconcile(api: Any, runtime: Any) -> dict[str, Any]:
+    """One reconcile of the held fleet ``gen``; its object after it."""
+    key = ("MegatronGeneration", "rl", "gen")
+    asyncio.run(reconcile.reconcile(runtime, api.objects[key]))
+    found: dict[str, Any] = api.objects[key]
+    return found
+
+
+def pods_of(api: Any) -> list[str]:
+    return sorted(name for kind, _, name in api.objects if kind == "Pod")
+
+
 def test_a_held_fleet_places_a_lost_shard_and_a_scale_outs_new_one_outside_the_trainers_world() -> None:
     """NeMo's rebuild over the surviving shards holds the fleet with a session of those shards; the
     lost one was left unplaced until the session ended, so no later rebuild could name it again; a
@@ -120,25 +132,18 @@ def test_a_held_fleet_places_a_lost_shard_and_a_scale_outs_new_one_outside_the_t
     api, runtime = held_fleet(3, [0, 2])
     key = ("MegatronGeneration", "rl", "gen")
 
-    def reconcile_once() -> dict[str, Any]:
-        asyncio.run(reconcile.reconcile(runtime, api.objects[key]))
-        return api.objects[key]
-
-    def shard_pods() -> list[str]:
-        return sorted(name for kind, _, name in api.objects if kind == "Pod")
-
-    reconcile_once()
+    held_reconcile(api, runtime)
     api.run_pods("n0")
-    reconcile_once()
+    held_reconcile(api, runtime)
     api.objects[key]["status"]["refit"] = {"session": "grpo"}  # the session controller's hold
     api.objects[key]["spec"]["replicas"] = 4  # a scale-out: shard 3 is outside the world
     del api.objects[("Pod", "rl", "gen-s1-p0")]  # deleted by someone: shard 1 is outside the world
     del api.objects[("Pod", "rl", "gen-s2-p0")]  # a member: its session breaks, it waits for that
 
-    reconcile_once()  # the deletions show: restarts counted
-    held = reconcile_once()
+    held_reconcile(api, runtime)  # the deletions show: restarts counted
+    held = held_reconcile(api, runtime)
 
-    assert shard_pods() == ["gen-s0-p0", "gen-s1-p0", "gen-s3-p0"]
+    assert pods_of(api) == ["gen-s0-p0", "gen-s1-p0", "gen-s3-p0"]
     assert held["status"]["refit"]["session"] == "grpo"
     assert [s["restarts"] for s in held["status"]["shards"]] == [0, 1, 1, 0]
     message = next(c for c in held["status"]["conditions"] if c["type"] == "RefitSessionHeld")["message"]
@@ -148,31 +153,24 @@ def test_a_held_fleet_places_a_lost_shard_and_a_scale_outs_new_one_outside_the_t
 
     api.objects[("RefitSession", "rl", "grpo")]["spec"].pop("shards")  # every shard is in its world
     del api.objects[("Pod", "rl", "gen-s1-p0")]
-    reconcile_once()
-    reconcile_once()
-    assert shard_pods() == ["gen-s0-p0", "gen-s3-p0"]
+    held_reconcile(api, runtime)
+    held_reconcile(api, runtime)
+    assert pods_of(api) == ["gen-s0-p0", "gen-s3-p0"]
 
 
 def test_a_held_fleets_scale_in_removes_the_shards_outside_the_world_and_the_members_at_the_rebuild() -> None:
     api, runtime = held_fleet(3, [0, 2])
     key = ("MegatronGeneration", "rl", "gen")
 
-    def reconcile_once() -> dict[str, Any]:
-        asyncio.run(reconcile.reconcile(runtime, api.objects[key]))
-        return api.objects[key]
-
-    def shard_pods() -> list[str]:
-        return sorted(name for kind, _, name in api.objects if kind == "Pod")
-
-    reconcile_once()
+    held_reconcile(api, runtime)
     api.run_pods("n0")
-    reconcile_once()
+    held_reconcile(api, runtime)
     api.objects[key]["status"]["refit"] = {"session": "grpo"}
     api.objects[key]["spec"]["replicas"] = 1
 
-    held = reconcile_once()
+    held = held_reconcile(api, runtime)
 
-    assert shard_pods() == ["gen-s0-p0", "gen-s2-p0"], "shard 1 is outside the world: removed at once"
+    assert pods_of(api) == ["gen-s0-p0", "gen-s2-p0"], "shard 1 is outside the world: removed at once"
     message = next(c for c in held["status"]["conditions"] if c["type"] == "RefitSessionHeld")["message"]
     assert message == (
         "RefitSession grpo holds the fleet: spec.replicas 1: shard 2 leaves at the trainer's next rebuild "
@@ -182,11 +180,11 @@ def test_a_held_fleets_scale_in_removes_the_shards_outside_the_world_and_the_mem
     assert (reconciling["status"], reconciling["message"]) == ("True", "applying spec.replicas 1")
 
     api.objects[("RefitSession", "rl", "grpo")]["spec"]["shards"] = [0]  # the trainer's rebuild leaves it out
-    held = reconcile_once()
+    held = held_reconcile(api, runtime)
 
-    assert shard_pods() == ["gen-s0-p0"]
+    assert pods_of(api) == ["gen-s0-p0"]
     message = next(c for c in held["status"]["conditions"] if c["type"] == "RefitSessionHeld")["message"]
     assert message == "template rolls wait until RefitSession grpo ends; scaling applies at its trainer's rebuilds"
-    settled = reconcile_once()  # the next reconcile sees shard 2 gone
+    settled = held_reconcile(api, runtime)  # the next reconcile sees shard 2 gone
     reconciling = next(c for c in settled["status"]["conditions"] if c["type"] == "Reconciling")
     assert reconciling["status"] == "False", "the scale-in is applied"
