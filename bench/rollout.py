@@ -328,6 +328,26 @@ def dimensions(backend: Any) -> dict[str, int]:
     }
 
 
+def source_dimensions(source: str) -> dict[str, int]:
+    """:func:`dimensions` of a megatron source from its shape alone (the http path on a GPU, whose
+    model lives in the engine process): parameters counted as a Llama of that shape holds them, bf16."""
+    from megafleet_engine.backends.megatron import model_sources
+
+    shape = model_sources.parse_source(source).shape
+    head_dim = shape.head_dim or shape.hidden // shape.heads
+    attention = shape.hidden * head_dim * (2 * shape.heads + 2 * shape.kv_heads)
+    layer = attention + 3 * shape.hidden * shape.intermediate + 2 * shape.hidden
+    embeddings = shape.vocab * shape.hidden * (1 if shape.tied_embeddings else 2)
+    return {"layers": shape.layers, "heads": shape.heads, "kv_heads": shape.kv_heads, "head_dim": head_dim,
+            "parameters": shape.layers * layer + embeddings + shape.hidden, "bytes_per_value": 2}  # fmt: skip
+
+
+def model_vocab(source: str) -> int:
+    from megafleet_engine.backends.megatron import model_sources
+
+    return model_sources.parse_source(source).shape.vocab
+
+
 def bound(
     requests: Sequence[base.SequenceRequest], model: dict[str, int], max_batch_size: int, speed: dict[str, float]
 ) -> dict[str, Any]:
@@ -351,20 +371,30 @@ def bound(
 # -- the run --------------------------------------------------------------------------------------
 
 
-def local_engines(shards: int, args: argparse.Namespace) -> tuple[list[Any], list[str], list[str]]:
-    """``shards`` engine processes on loopback serving ``--source`` on CPU (the CPU run's fleet), one
+def local_engines(shards: int, args: argparse.Namespace, device: str) -> tuple[list[Any], list[str], list[str]]:
+    """``shards`` engine processes on loopback serving ``--source``: on CPU (the CPU run's fleet) one
     torch thread each (measured on the 2-core machine: a 16-token request took 2.5-3.0 s with
-    torch's default threads under load, 0.6-1.0 s with one)."""
+    torch's default threads under load, 0.6-1.0 s with one); on GPUs one megatron engine per GPU
+    (bf16, ``--kv-cache-gib``): a single-GPU machine's one-shard fleet."""
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
     from helpers import engine_command
 
     token = engine_command.token_file(Path(args.out).parent)
+    gpu = {
+        "MEGAFLEET_BACKEND": "megatron",
+        "MEGAFLEET_DTYPE": "bfloat16",
+        "MEGAFLEET_LOCAL_GPUS": "1",
+        "MEGAFLEET_KV_CACHE_GIB": str(int(args.kv_cache_gib)),
+    }
+    cpu = {"OMP_NUM_THREADS": "1"}  # several engines share this machine's cores
+    if device == "cuda":
+        shards = torch.cuda.device_count()
     processes = [
         engine_command.EngineCommand(
             {
                 "MEGAFLEET_MODEL_SOURCE": args.source,
                 "MEGAFLEET_SERVED_MODEL_NAME": args.model,
-                "MEGAFLEET_DTYPE": "float32",
+                "MEGAFLEET_DTYPE": "float32",  # the GPU's engine: bf16, below
                 "MEGAFLEET_MAX_SEQUENCE_LENGTH": str(args.max_sequence_length),
                 "MEGAFLEET_MAX_BATCH_SIZE": str(args.max_batch_size),
                 "MEGAFLEET_HOST": f"127.0.77.{shard + 1}",
@@ -374,8 +404,8 @@ def local_engines(shards: int, args: argparse.Namespace) -> tuple[list[Any], lis
                 "MEGAFLEET_AGENT_TOKEN_FILE": str(token),
                 "MEGAFLEET_API_SERVERS": "0",
                 "MEGAFLEET_PREFIX_CACHING": "true" if args.prefix_caching else "false",
-                "OMP_NUM_THREADS": "1",  # one torch thread per engine: several share this machine's cores
             }
+            | (gpu | {"CUDA_VISIBLE_DEVICES": str(shard)} if device == "cuda" else cpu)
         )
         for shard in range(shards)
     ]
@@ -415,13 +445,13 @@ def load(args: argparse.Namespace, device: str) -> Any:
     )
 
 
-def http_path(args: argparse.Namespace, requests: Sequence[base.SequenceRequest]) -> dict[str, Any]:
+def http_path(args: argparse.Namespace, requests: Sequence[base.SequenceRequest], device: str) -> dict[str, Any]:
     """The http path over ``--frontends`` (with ``--metrics``), else over local engine processes."""
     processes: list[Any] = []
     frontends = [url for url in args.frontends.split(",") if url]
     metrics = [url for url in args.metrics.split(",") if url]
     if not frontends:
-        processes, frontends, metrics = local_engines(args.shards, args)
+        processes, frontends, metrics = local_engines(args.shards, args, device)
     try:
         return {"shards": len(frontends), **over_http(frontends, metrics, requests, args.model)}
     finally:
@@ -447,7 +477,7 @@ def main() -> None:
     parser.add_argument("--max-sequence-length", type=int, default=8192)
     parser.add_argument("--kv-cache-gib", type=float, default=60.0)
     parser.add_argument("--prefix-caching", default="true", choices=("true", "false"))
-    parser.add_argument("--shards", type=int, default=2, help="--tiny: local engine processes for http")
+    parser.add_argument("--shards", type=int, default=2, help="http, CPU: local engines (GPUs: one each)")
     parser.add_argument("--frontends", default="", help="http: the fleet's OpenAI base URLs, comma-separated")
     parser.add_argument("--metrics", default="", help="http: the engines' /metrics URLs, comma-separated")
     parser.add_argument("--model", default="tiny", help="http: the served model name")
@@ -474,7 +504,10 @@ def main() -> None:
     }
     save = benchkit.saver(Path(args.out), result)
     backend = load(args, device) if {"direct", "engine"} & set(paths) else None
-    vocab = backend.info.vocab_size if backend is not None else 32000
+    model = dimensions(backend) if backend is not None else None
+    if model is None and device == "cuda":  # http alone: the engine process holds the model
+        model = source_dimensions(source)
+    vocab = backend.info.vocab_size if backend is not None else (model_vocab(source) if device == "cuda" else 32000)
     requests = workload(args, vocab)
     result["workload"] = {
         "sequences": len(requests),
@@ -484,8 +517,8 @@ def main() -> None:
         "output_median": statistics.median(request.params.max_tokens for request in requests),
         "output_max": max(request.params.max_tokens for request in requests),
     }
-    if backend is not None:
-        result["bound"] = bound(requests, dimensions(backend), args.max_batch_size, device_speed(device))
+    if model is not None:
+        result["bound"] = bound(requests, model, args.max_batch_size, device_speed(device))
     save()
     for path in paths:
         print(f"rollout: {path}, {len(requests)} sequences", file=sys.stderr)
@@ -497,19 +530,7 @@ def main() -> None:
         elif path == "engine":
             result["paths"][path] = through_engine(backend, requests, args.max_batch_size)
         elif path == "http":
-            processes: list[Any] = []
-            frontends = [url for url in args.frontends.split(",") if url]
-            metrics = [url for url in args.metrics.split(",") if url]
-            if not frontends:
-                processes, frontends, metrics = local_engines(args.shards, args)
-            try:
-                result["paths"][path] = {
-                    "shards": len(frontends),
-                    **over_http(frontends, metrics, requests, args.model),
-                }
-            finally:
-                for process in processes:
-                    process.stop()
+            result["paths"][path] = http_path(args, requests, device)
         if "bound" in result and "wall_s" in result["paths"][path]:
             result["paths"][path]["of_bound"] = round(result["bound"]["bound_s"] / result["paths"][path]["wall_s"], 4)
         save()
