@@ -195,7 +195,12 @@ def check_disagreement(statuses: list[dict[str, Any]], weights: Mapping[str, tor
         f"members that agree on {expected[CORRUPT_BUCKET]}"
     )
     recorded = found.verification("checksum").model_dump(mode="json", by_alias=True, exclude_none=True)
-    assert recorded["mismatch"] == {"shard": VICTIM, "pod": f"member-{VICTIM}", "bucket": CORRUPT_BUCKET}
+    assert recorded["mismatch"] == {
+        "shard": VICTIM,
+        "pod": f"member-{VICTIM}",
+        "bucket": CORRUPT_BUCKET,
+        "firstTensor": "",
+    }
     two = agreement.agreement(reports[:2])  # two members: no majority, the one that differs from the first is named
     assert (
         two is not None
