@@ -266,9 +266,10 @@ async def refit_checkpoint(body: agent_api.CheckpointRefitRequest, agent: AgentD
         version=body.version,
         path=body.path,
         timeout_seconds=body.timeout_seconds,
-        suspend_mode=_in_flight(body),
+        suspend_mode=_in_flight(body, verifies=True),
         kv_cache_mode=body.kv_cache_mode,
         staging=body.staging,
+        integrity=body.integrity,
         **_commit(body),
     )
     return await _start_refit(agent, refit, agent_api.REFIT_CHECKPOINT, body)
@@ -431,9 +432,10 @@ async def refit_megatron(body: agent_api.MegatronRefitRequest, agent: AgentDep) 
         version=body.version,
         session=body.session,
         timeout_seconds=body.timeout_seconds,
-        suspend_mode=_in_flight(body),
+        suspend_mode=_in_flight(body, verifies=True),
         kv_cache_mode=body.kv_cache_mode,
         staging=body.staging,
+        integrity=body.integrity,
     )
     with _megatron_refusals():
         snapshot = agent.megatron.refit(refit, asyncio.get_running_loop())
@@ -516,8 +518,8 @@ def _commit(body: agent_api.RefitRequest, *, trainer: bool = False) -> dict[str,
 
 
 def _in_flight(body: agent_api.RefitRequest, *, verifies: bool = False) -> vocabulary.InFlightMode:
-    """The request's in-flight mode; refuses integrity on a source that does not ``verify``
-    (checkpoint and megatron-native refits carry no digest)."""
+    """The request's in-flight mode; refuses integrity on a source that does not ``verify`` (NeMo's
+    M-to-N reshard: its bulk carries no digest and its ranks' digests are not compared)."""
     if body.integrity != "none" and not verifies:
         raise errors.Conflict(
             "this engine verifies no bucket digests yet: integrity checksum is not built", code="refit_mode_unsupported"

@@ -133,7 +133,9 @@ def combine(own: Mapping[str, Any], others: Sequence[Mapping[str, Any]]) -> dict
     succeeded only when every rank has; otherwise it is in the least advanced phase of any rank.
     Timings are the slowest rank's, counters are summed, ``dirty`` and ``timedOut`` are any rank's,
     ``verification`` the first rank's that caught a mismatch or a non-finite tensor (else local rank
-    0's), with the buckets every rank verified.
+    0's), with the buckets every rank verified and, when the ranks' ``bucketDigests`` differ (each rank
+    digested its own parameters: megatron-native, a checkpoint), every rank's list one after another
+    in rank order (ranks of NeMo's wire receive the same bytes and report one list).
     ``state`` and ``weightVersion`` stay local rank 0's: the pod serves what that rank serves."""
     ranks = [own, *others]
     combined = dict(own)
@@ -164,4 +166,8 @@ def combine(own: Mapping[str, Any], others: Sequence[Mapping[str, Any]]) -> dict
     if verified:  # a rank that caught something speaks for the pod; its buckets are summed like the counters
         caught = [one for one in verified if one.get("mismatch") or one.get("nonFinite")]
         combined["verification"] = {**(caught or verified)[0], "buckets": sum(int(one["buckets"]) for one in verified)}
+        in_order = sorted((status for status in ranks if status.get("verification")), key=lambda s: s.get("rank") or 0)
+        lists = [list(status["verification"].get("bucketDigests") or []) for status in in_order]
+        if any(found != lists[0] for found in lists):
+            combined["verification"]["bucketDigests"] = [one for found in lists for one in found]
     return combined

@@ -7,7 +7,7 @@ while eight long greedy streams run.
   so the trainer refuses its commit and shard 1, which staged, discards its copy: every attempt fails,
   the Refit ends Failed ``BucketMismatch`` naming the bucket, and NO shard switched: every streamed
   token is version 0's, every stream's spans are one span of version 0, the fleet stays at version 0.
-* ``commit: operator`` (a checkpoint, on a fleet without integrity: a checkpoint carries no digest):
+* ``commit: operator`` (a checkpoint, on a fleet without integrity):
   every member stages, the operator records
   ``status.commit.decidedTime`` and tells both to switch; every stream spans the switch, both shards
   serve version 1.
@@ -57,7 +57,7 @@ def fleet(operator: object, kube_admin: kube.Kube, namespace: str) -> Object:
 
 @pytest.fixture
 def operator_fleet(operator: object, kube_admin: kube.Kube, namespace: str) -> Object:
-    """Staged, the operator commits (a checkpoint carries no digest: integrity stays none)."""
+    """Staged, the operator commits (integrity none: the parameter digests are not asked for here)."""
     return create_fleet(kube_admin, namespace, {"staging": "auto", "commit": "operator"})
 
 

@@ -26,6 +26,7 @@ from megafleet_engine.backends import transformers_backend
 from megafleet_engine.backends.megatron import native_refit
 from megafleet_engine.models import tiny
 from megafleet_engine.refit_attempts import memberships
+from megafleet_protocol.refit import parameter_digests
 
 SOURCE = "tiny://llama"
 PROMPT = [40, 41, 42, 43, 44]
@@ -360,6 +361,37 @@ def test_swaps_suspend_write_in_place_and_serve_each_version(swapping: tuple[har
     assert seen[2][0] == original, "version 3 holds the start's weights again"
     again = post(served, "/v1/refit/megatron", refit_body(3))
     assert again.status_code == 202 and again.json()["phase"] == "succeeded" and len(group.swapped) == 3
+
+
+@pytest.mark.slow  # starts an engine, a server, Ray or a subprocess, or computes for a while
+def test_a_swap_with_integrity_reports_the_digests_of_the_parameters_it_wrote(
+    swapping: tuple[harness.Served, FakeReceiver],
+) -> None:
+    """megatron-core's reshard carries no digest: with ``integrity: checksum`` the rank digests its
+    parameters after the swap, on the backend thread (the transformers backend stands in for megatron's:
+    the same source and digest function), for the operator to compare across the shards."""
+    served, receiver = swapping
+    group = receiver.group
+    assert post(served, "/v1/refit/megatron/join", join_body()).status_code == 202
+    wait_world(served, "joined")
+    checked = refit(served, 1, integrity="checksum")
+    unchecked = refit(served, 2)
+    back = refit(served, 3, integrity="checksum")
+
+    assert [status["phase"] for status in (checked, unchecked, back)] == ["succeeded"] * 3
+    for status, weights in ((checked, group.versions[0]), (back, group.versions[2])):
+        expected = parameter_digests.digest_tensors(weights)  # the trainer's tensors, by name
+        assert status["verification"] == {
+            "integrity": "checksum",
+            "method": "agreement",
+            "buckets": expected.buckets,
+            "mismatch": None,
+            "bucketDigests": list(expected.bucket_digests),
+            "nonFinite": None,
+        }
+    assert not (unchecked["verification"] or {}).get("bucketDigests"), "integrity none digests nothing"
+    assert checked["verification"]["bucketDigests"] != back["verification"]["bucketDigests"]
+    assert group.swapped == ["megafleet-engine"] * 3, "the digests ran where the swap did"
 
 
 @pytest.mark.slow  # starts an engine, a server, Ray or a subprocess, or computes for a while

@@ -66,6 +66,19 @@ def test_the_rank_that_caught_a_corrupt_bucket_speaks_for_the_pods_verification(
     assert "verification" not in siblings.combine(_status("succeeded", 1), [_status("succeeded", 2)])
 
 
+def test_ranks_that_digested_their_own_parameters_report_their_lists_in_rank_order() -> None:
+    def digests(*found: str) -> dict[str, Any]:
+        report = {"integrity": "checksum", "method": "agreement", "buckets": len(found), "mismatch": None}
+        return report | {"bucketDigests": list(found), "nonFinite": None}
+
+    own = _status("succeeded", 4, verification=digests("a0", "a1"))
+    combined = siblings.combine(own, [_status("succeeded", 6, verification=digests("c0")),
+                                      _status("succeeded", 5, verification=digests("b0", "b1"))])  # fmt: skip
+    assert combined["verification"] == digests("a0", "a1", "b0", "b1", "c0"), "megatron-native, a checkpoint"
+    same = siblings.combine(own, [_status("succeeded", 5, verification=digests("a0", "a1"))])
+    assert same["verification"] == digests("a0", "a1") | {"buckets": 4}, "NeMo's wire: every rank the same bytes"
+
+
 def test_sibling_ports_follow_the_agent_port() -> None:
     assert [siblings.sibling_port(8471, rank) for rank in range(3)] == [8471, 8472, 8473]
 

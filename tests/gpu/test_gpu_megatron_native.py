@@ -17,6 +17,7 @@ With ``MEGAFLEET_GPU_REPORT=FILE`` set, the test appends what it measured to ``F
 from __future__ import annotations
 
 import faulthandler
+import importlib.util
 import os
 import queue
 import subprocess
@@ -33,6 +34,7 @@ import torch
 
 from helpers import engine_harness, gpu, megatron_trainer, refit_harness
 from megafleet_engine.backends import base, megatron
+from megafleet_protocol.refit import digest, parameter_digests
 
 ON_GPU = [
     pytest.mark.gpu,
@@ -193,6 +195,80 @@ def test_the_engine_receives_two_versions_by_megatron_cores_swap(
     assert served_tokens[1] != served_tokens[0], "version 1 (other weights) changes the greedy tokens"
     assert served_tokens[2] == served_tokens[0], "version 2 (the start's weights again) serves the start's tokens"
     assert megatron_trainer.checksum(backend.model) == initial
+
+
+def reference_digests(parameters: dict[str, torch.Tensor]) -> list[str]:
+    """The parameter digests by their definition, on the host: each group's tensors (name order, each
+    at a multiple of 8 bytes) in a zeroed buffer, numpy's mf64 with the group's index as seed."""
+    raw = {
+        name: tensor.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
+        for name, tensor in parameters.items()
+    }
+    found = []
+    for index, group in enumerate(parameter_digests.plan_groups([(name, len(data)) for name, data in raw.items()])):
+        buffer = bytearray(group[-1].offset + group[-1].nbytes)
+        for placed in group:
+            buffer[placed.offset : placed.offset + placed.nbytes] = raw[placed.name]
+        found.append(digest.hex_digest(digest.reference(bytes(buffer), index)))
+    return found
+
+
+def test_swaps_with_integrity_report_each_ranks_parameter_digests_as_numpy_computes_them(
+    backend: megatron.MegatronBackend, tmp_path: Path
+) -> None:
+    """``integrity: checksum`` on a megatron-native refit: after megatron-core's swap the rank digests
+    its parameters on the GPU (the Triton kernel when Triton is installed) and reports them
+    (``verification.method: agreement``, for the operator to compare across shards). The digests equal
+    numpy's over the same bytes, differ for another version, and come back for the start's weights."""
+    port = refit_harness.free_port() - 1  # the group's store listens at port + 1
+    trainer = TrainerProcess(port, "gloo", torch.cuda.current_device(), tmp_path / "trainer.log")
+    served_backend = cast(Any, backend)
+    reported: dict[int, list[str]] = {}
+    try:
+        with (
+            engine_harness.serve(served_backend, engine_harness.token_file(tmp_path)) as served,
+            served.agent() as agent,
+        ):
+            initial = reference_digests(backend.parameters())
+            trainer.expect("built")
+            rendezvous = {"address": "127.0.0.1", "port": port, "worldSize": 2, "rankOffset": 1, "trainerWorldSize": 1}
+            join = agent.post(
+                "/v1/refit/megatron/join",
+                json={"session": SESSION, "rendezvous": rendezvous, "copyBackend": "gloo", "timeoutSeconds": 90},
+            )
+            assert join.status_code == 202, join.text
+            trainer.expect("prepared")
+            assert wait_joined(agent)["phase"] == "joined"
+            for weight_version, seed in VERSIONS:
+                trainer.tell(f"swap {seed}")
+                trainer.expect("checksum")
+                body = {"version": weight_version, "session": SESSION, "timeoutSeconds": 90, "integrity": "checksum"}
+                refit = agent.post("/v1/refit/megatron", json=body)
+                assert refit.status_code == 202, refit.text
+                status = refit_harness.AgentClient(served.agent_url).wait_finished(WAIT_SECONDS)
+                assert status["phase"] == "succeeded", status
+                trainer.expect("swapped")
+                verification = status["verification"]
+                assert (verification["integrity"], verification["method"]) == ("checksum", "agreement"), verification
+                assert verification["bucketDigests"] == reference_digests(backend.parameters())
+                reported[weight_version] = verification["bucketDigests"]
+            agent.post("/v1/refit/megatron/leave", json={"session": SESSION})
+        trainer.tell("exit")
+    finally:
+        trainer.close()
+    assert reported[1] != initial, "version 1 (other weights) has other digests"
+    assert reported[2] == initial, "version 2 (the start's weights again) has the start's digests"
+    if importlib.util.find_spec("triton") is not None:
+        assert digest._kernel() is not None, "on CUDA with Triton the digests take the kernel"
+    parameters = backend.parameters()
+    torch.cuda.synchronize()
+    timings = []
+    for _ in range(5):
+        started = time.perf_counter()
+        parameter_digests.digest_tensors(parameters)
+        timings.append(time.perf_counter() - started)
+    nbytes = sum(tensor.numel() * tensor.element_size() for tensor in parameters.values())
+    gpu.report("megatron_native_digests", bytes=nbytes, digest_ms=[round(t * 1000, 3) for t in timings])
 
 
 # -- the trainer process ---------------------------------------------------------------------------

@@ -30,7 +30,7 @@ def payload(size: int, seed: int) -> torch.Tensor:
 
 @needs_triton
 @pytest.mark.parametrize("size", SIZES)
-@pytest.mark.parametrize("bucket", [0, 1, 2**32 - 1])
+@pytest.mark.parametrize("bucket", [0, 1, 2**32 - 1, digest.seed_at(3, 1 << 40)])  # the last: a range deep in a group
 def test_the_kernel_and_torch_on_the_gpu_equal_numpy(size: int, bucket: int) -> None:
     host = payload(size, size + bucket)
     expected = digest.reference(host.numpy().tobytes(), bucket)
@@ -95,3 +95,27 @@ def test_the_kernel_reads_a_1_gib_bucket_at_memory_speed() -> None:
     gb_per_s = 2**30 / seconds / 1e9
     gpu.report("mf64_kernel_1gib", milliseconds=round(seconds * 1e3, 3), gb_per_s=round(gb_per_s, 1))
     assert gb_per_s > 200, f"{gb_per_s:.0f} GB/s"
+
+
+def test_parameter_digests_on_the_gpu_equal_numpys_over_the_laid_out_groups() -> None:
+    """A rank's parameter digests (megatron-native, a checkpoint) on the GPU: mixed dtypes, odd sizes and a
+    strided view, grouped small so that ranges start deep in their groups."""
+    from megafleet_protocol.refit import parameter_digests
+
+    generator = torch.Generator().manual_seed(11)
+    host = {
+        "b.weight": torch.randn(300, 77, generator=generator).to(torch.bfloat16),
+        "a.norm": torch.randn(33, generator=generator),
+        "c.odd": payload(13, 5),
+        "d.strided": torch.randn(64, 48, generator=generator).t(),
+    }
+    on_gpu = {name: tensor.cuda() for name, tensor in host.items()}
+    got = parameter_digests.digest_tensors(on_gpu, group_bytes=40_000).bucket_digests
+    raw = {name: t.contiguous().reshape(-1).view(torch.uint8).numpy().tobytes() for name, t in host.items()}
+    expected = []
+    for index, group in enumerate(parameter_digests.plan_groups([(n, len(b)) for n, b in raw.items()], 40_000)):
+        buffer = bytearray(group[-1].offset + group[-1].nbytes)
+        for placed in group:
+            buffer[placed.offset : placed.offset + placed.nbytes] = raw[placed.name]
+        expected.append(digest.hex_digest(digest.reference(bytes(buffer), index)))
+    assert len(expected) > 1 and list(got) == expected

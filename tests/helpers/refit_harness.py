@@ -28,7 +28,7 @@ import openai
 import torch
 
 from helpers import engine_command
-from megafleet_engine import backends, engine, metrics, server
+from megafleet_engine import backends, engine, metrics, refit_staging, server
 from megafleet_engine.backends import transformers_backend, weight_maps
 from megafleet_engine.models import tiny
 from megafleet_engine.refit_attempts import controller as refit_controller
@@ -250,10 +250,14 @@ def tiny_backend(*, deferred: bool = False) -> transformers_backend.Transformers
 
 
 @contextlib.contextmanager
-def serve_in_process(token: Path, *, deferred: bool = False) -> Iterator[InProcessEngine]:
-    """An engine (weight version 0, or deferred) with frontend and agent on 127.0.0.1, in this process."""
+def serve_in_process(token: Path, *, deferred: bool = False, staging: bool = False) -> Iterator[InProcessEngine]:
+    """An engine (weight version 0, or deferred) with frontend and agent on 127.0.0.1, in this process;
+    ``staging``: it holds a staging copy, as ``MEGAFLEET_REFIT_STAGING=auto`` gives it with room."""
     backend = tiny_backend(deferred=deferred)
     the_engine = engine.Engine(backend, weight_version=None if deferred else 0)
+    if staging:
+        backend.prepare_staging()
+        the_engine.staging = refit_staging.StagingPlan("auto", bytes=backend.staging_bytes())
     try:
         servers = server.EngineServers(
             the_engine,

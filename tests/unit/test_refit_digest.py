@@ -127,8 +127,8 @@ import sys, torch
 from megafleet_protocol.refit import digest, digest_kernel
 for words in (0, 1, 2048, 2049, 5000):
     data = torch.randint(0, 256, (words * 8,), dtype=torch.uint8, generator=torch.Generator().manual_seed(words))
-    for bucket in (0, 1, 77, 2**32 - 1):
-        got = digest.unsigned(int(digest_kernel.digest_words(data.view(torch.int64), bucket).item()))
+    for bucket in (0, 1, 77, 2**32 - 1, digest.seed_at(3, 1 << 40)):  # the last: a range deep in a group
+        got = digest.unsigned(int(digest_kernel.digest_words(data.view(torch.int64), digest._signed(bucket)).item()))
         assert got == digest.reference(data.numpy().tobytes(), bucket), (words, bucket)
 print("equal")
 """

@@ -151,6 +151,7 @@ class RefitRequest:
     suspend_mode: vocabulary.InFlightMode = "drain"
     kv_cache_mode: vocabulary.KvCacheMode | None = None
     staging: vocabulary.StagingMode = "off"
+    integrity: vocabulary.Integrity = "none"  # checksum: every rank digests its parameters after the swap
 
 
 class _Membership:
@@ -356,6 +357,7 @@ class NativeRefits:
             suspend_mode=request.suspend_mode,
             kv_cache_mode=request.kv_cache_mode,
             staging=request.staging,
+            integrity=request.integrity,
         )
         return self.refits.start(swap, loop)
 

@@ -29,6 +29,8 @@ from typing import TYPE_CHECKING, Protocol
 from megafleet_protocol.refit import errors
 
 if TYPE_CHECKING:
+    import torch
+
     from megafleet_engine import engine as engine_module
     from megafleet_engine.backends import base
     from megafleet_protocol.refit import receiver
@@ -75,6 +77,11 @@ class WeightTarget(Protocol):
 
     def fresh_sink(self) -> receiver.Sink:
         """A sink over the target's tensors with nothing written."""
+        ...
+
+    def tensors(self) -> dict[str, torch.Tensor]:
+        """The target's tensors by name, as they hold the version written (the backend's parameters,
+        or its staging copy): what a rank digests for the members' agreement."""
         ...
 
     def live_pointers(self) -> dict[str, int]:
@@ -152,6 +159,10 @@ class LiveTarget:
             with self._lock:
                 self._sink = template
         return template.fresh()
+
+    def tensors(self) -> dict[str, torch.Tensor]:
+        """The engine's live parameters by name."""
+        return self.engine.backend.parameters()
 
     def live_pointers(self) -> dict[str, int]:
         """The parameters' storage addresses before a refit writes: those the last refit verified
@@ -249,6 +260,12 @@ class StagingTarget:
             with self._lock:
                 self._sink = template
         return template.fresh()
+
+    def tensors(self) -> dict[str, torch.Tensor]:
+        """The staging copy by name (the names of the live parameters)."""
+        from megafleet_engine.refit_attempts import sinks
+
+        return sinks.Staged(self.backend).parameters()
 
     def live_pointers(self) -> dict[str, int]:
         """The staging copy's storage addresses (it is never rebound either)."""

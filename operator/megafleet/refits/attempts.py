@@ -264,8 +264,9 @@ async def _operator_commit(ctx: context.RefitContext, members: list[int], progre
 
 
 async def _disagree(ctx: context.RefitContext, members: list[int], progress: _Progress) -> bool:
-    """Members of NeMo's wire whose bucket digests disagree fail the attempt (``DigestDisagreement``)."""
-    disagreement = agreement.agreement([member for member in progress.reports if member.report.source == "nemo"])
+    """Members whose digests disagree fail the attempt (``DigestDisagreement``): NeMo's wire's bucket
+    digests, or the parameter digests of a checkpoint load or megatron-core's swap."""
+    disagreement = agreement.agreement(progress.reports)
     if disagreement is None:
         return False
     checked = disagreement.verification(ctx.fleet.spec.refit.integrity)

@@ -65,8 +65,9 @@ class Modes:
     staging: vocabulary.StagingMode
     """What every member is asked to do: ``staging_requested``, or off when ``auto`` cannot stage."""
     integrity: vocabulary.Integrity
-    """The fleet's ``refit.integrity`` for a version that travels on a wire; ``none`` for a checkpoint
-    load (no bucket travels, so there is no digest to check, and agents refuse integrity there)."""
+    """The fleet's ``refit.integrity``: on a wire, its buckets' digests; after a checkpoint load or
+    megatron-core's swap, each rank's parameter digests, which the operator compares across the
+    shards (:mod:`.agreement`)."""
     keep_unavailable: conditions.Verdict | None = None
     """Why the members drain although keep was asked for (the condition KeepUnavailable), or None."""
     staging_reason: str | None = None
@@ -107,7 +108,7 @@ def resolve(
         kv_cache_mode=asked_kv if in_flight == "keep" else fleet.engine.kv_cache_mode,
         staging_requested=staging_requested,
         staging=staging,
-        integrity="none" if refit.source.checkpoint is not None else fleet.refit.integrity,
+        integrity=fleet.refit.integrity,
         keep_unavailable=keep_unavailable,
         staging_reason=cannot_stage if staging_requested == "auto" else None,
         staging_unavailable=cannot_stage if staging_requested == "required" else None,

@@ -49,6 +49,7 @@ __all__ = [
     "fmix64",
     "hex_digest",
     "reference",
+    "seed_at",
     "torch_digest",
     "unsigned",
     "warm_up",
@@ -85,6 +86,15 @@ def unsigned(value: int) -> int:
 def hex_digest(value: int) -> str:
     """16 lower-case hex digits (the form the status reports)."""
     return f"{unsigned(value):016x}"
+
+
+def seed_at(bucket: int, word_offset: int) -> int:
+    """The seed that digests a range starting at word ``word_offset`` of bucket ``bucket`` as that part of
+    the bucket: the position term of word ``i`` of the range is ``(word_offset + i) * MULTIPLIER + bucket``,
+    which is ``i * MULTIPLIER + seed_at(bucket, word_offset)``. The digests of a bucket's word-aligned
+    ranges, each with its seed, add up (mod 2**64) to the bucket's digest, without the bucket ever being
+    copied together."""
+    return (word_offset * MULTIPLIER + bucket) & MASK64
 
 
 def fmix64(k: int) -> int:

@@ -219,6 +219,9 @@ class NemoReceiver:
         self.generation = generation
         self.unique_id = unique_id
         self.refits = 0
+        self.corrupt_bucket: int | None = None
+        """Test only: flip the first byte of this bucket (counted from 0) as it arrives, before it is
+        digested and written: a transport fault on this rank alone, which its digests must show."""
         self._store: c10d.Store | None = store  # kept open: the trainer's store counts its clients
         self._collective = collective
         self._aborted = False
@@ -297,6 +300,8 @@ class NemoReceiver:
             if self._aborted:
                 raise errors.RefitAborted(f"the refit was aborted before {what}")
             self._collective.broadcast(chunk, deadline=deadline, what=what)
+            if index == self.corrupt_bucket and size:  # test only
+                chunk.narrow(0, 0, 1).bitwise_not_()
             received += size
             tensors = unpack(chunk, bucket)
             if checks is not None:

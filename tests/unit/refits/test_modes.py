@@ -148,8 +148,8 @@ def test_staging_auto_without_a_copy_says_why_and_required_fails_before_it_start
         ),
         pytest.param(
             modes.resolve(fleet(inFlight="keep", staging="auto", integrity="checksum"), refit(), members(KEEPS_ALL)),
-            {"suspendMode": "keep", "kvCacheMode": "persist", "staging": "auto"},
-            id="a-checkpoint-load-asks-no-integrity",
+            {"suspendMode": "keep", "kvCacheMode": "persist", "staging": "auto", "integrity": "checksum"},
+            id="a-checkpoint-load-digests-what-it-loaded",
         ),
     ],
 )

@@ -48,8 +48,8 @@ def test_every_member_is_told_the_modes_the_refit_resolved() -> None:
     done = run(world, "tiny-v1")
 
     assert done["phase"] == "Succeeded", done
-    # A checkpoint load carries no bucket, so the fleet's integrity is not asked of it.
-    expected = {"suspendMode": "keep", "kvCacheMode": "recompute", "staging": "auto", "integrity": None}
+    # A checkpoint load carries no bucket; each rank digests what it loaded, for the shards' agreement.
+    expected = {"suspendMode": "keep", "kvCacheMode": "recompute", "staging": "auto", "integrity": "checksum"}
     assert [modes_of(body) for body in sent(world)] == [expected, expected]
     assert done["inFlight"]["requested"] == done["inFlight"]["effective"] == "keep"
     assert "KeepUnavailable" not in {c["type"] for c in done["conditions"]}
@@ -192,6 +192,31 @@ def test_members_of_nemos_wire_whose_digests_disagree_fail_the_refit_and_break_t
     assert done["verification"]["mismatch"] == {"shard": 1, "pod": "tiny-s1-p0", "bucket": 1, "firstTensor": ""}
     assert world.api.objects[("RefitSession", NS, "grpo")]["status"]["phase"] == "Broken"
     assert all(modes_of(body)["suspendMode"] == "drain" for body in sent(world)), "a session refit carries it too"
+
+
+def test_shards_that_loaded_other_bytes_from_one_checkpoint_fail_the_refit_naming_the_minority() -> None:
+    """A checkpoint refit with ``integrity: checksum``: every rank digests the parameters it loaded, and
+    the pods at the same position of every shard must agree (here one pod per shard, three shards)."""
+    world = World(refit={"integrity": "checksum"}, replicas=3)
+    world.start()
+    ips = world.pod_ips()
+    for pod, digests in (("tiny-s0-p0", ["aa", "bb"]), ("tiny-s1-p0", ["aa", "bb"]), ("tiny-s2-p0", ["aa", "cc"])):
+        world.agents.reports[ips[pod]] = {
+            "source": "checkpoint",
+            "verification": agent_api.VerificationReport(
+                integrity="checksum", method="agreement", buckets=2, bucket_digests=digests
+            ),
+        }
+    world.refit(1, {"checkpoint": {"path": "/ckpt/1"}})
+
+    done = run(world, "tiny-v1")
+
+    assert {body.get("integrity") for body in sent(world)} == {"checksum"}
+    assert done["phase"] == "Failed", done
+    failed = condition(world.api.objects[("Refit", NS, "tiny-v1")], "Failed")
+    assert failed["reason"] == refit_status.DIGEST_DISAGREEMENT
+    assert "shard 2, pod tiny-s2-p0: bucket 1's digest cc differs from the 2 of 3 members" in failed["message"]
+    assert done["verification"]["mismatch"] == {"shard": 2, "pod": "tiny-s2-p0", "bucket": 1, "firstTensor": ""}
 
 
 def test_staging_required_that_the_engines_cannot_honour_fails_before_any_member_receives() -> None:

@@ -5,7 +5,10 @@ attempt (:mod:`megafleet_engine.refit_attempts.attempt`) on its thread: drop any
 by an earlier refit (the next rendezvous joins afresh), hold the engine (suspend or pause), then the
 backend's ``load_checkpoint`` on the backend thread, which must write every parameter in place (or,
 staged, into the staging copy on the attempt's thread while the engine serves). Nothing is kept
-afterwards and no trainer is told (it reads the status).
+afterwards and no trainer is told (it reads the status). With ``integrity: checksum`` the rank digests
+the tensors it loaded (:mod:`megafleet_protocol.refit.parameter_digests`, right after the load, where
+it ran) for the operator to compare across the shards that loaded the same checkpoint: a shard that
+read other bytes (a checkpoint rewritten during the load, a stale or failing volume) disagrees.
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ from megafleet_protocol.refit import errors
 
 if TYPE_CHECKING:
     from megafleet_engine.refit_attempts import sources, weight_target
+    from megafleet_protocol.refit import verification
 
 __all__ = ["CheckpointRequest", "CheckpointSource"]
 
@@ -36,6 +40,7 @@ class CheckpointRequest:
     staging: vocabulary.StagingMode = "off"
     commit: vocabulary.CommitMode = "local"  # staged: wait for the trainer's or the operator's commit
     commit_grace_seconds: float = 30.0  # how long past the deadline a staged attempt waits for it
+    integrity: vocabulary.Integrity = "none"  # checksum: digest what was loaded, for the members' agreement
 
     @property
     def key(self) -> tuple[object, ...]:
@@ -58,15 +63,27 @@ class CheckpointSource:
         return f"checkpoint {self.request.path}, timeout {self.request.timeout_seconds:g} s"
 
     def run(self, run: sources.Run) -> None:
+        from megafleet_protocol.refit import parameter_digests
+
         run.drop_parked()  # another kind of refit: the next rendezvous joins afresh
         check_exists(self.request.path)  # before the engine is touched: nothing in flight is disturbed
         run.suspend()
         run.record.enter("applying")
         target = run.target
         before = target.live_pointers()
+        digested: list[verification.Verification] = []
+
+        def load() -> int:
+            loaded = target.load_checkpoint(self.request.path)
+            if self.request.integrity == "checksum":  # where the load ran, before anything else writes
+                digested.append(parameter_digests.digest_tensors(target.tensors(), integrity="checksum"))
+            return loaded
+
         with run.record.timed("apply"):
-            run.apply(lambda: target.load_checkpoint(self.request.path))
+            run.apply(load)
         target.verify_in_place(before)
+        if digested:
+            run.record.verified(digested[0])
 
     def keep(self, target: weight_target.WeightTarget) -> None:
         """Nothing to keep: a checkpoint builds no group."""

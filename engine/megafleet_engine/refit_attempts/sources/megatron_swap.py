@@ -15,6 +15,11 @@ leave) for the agent; the megatron backend's
 builds the torch.distributed group and runs ``prepare_swap_model_weights`` and ``swap_model_weights``
 on the model). A failed or timed-out swap breaks the group for good (:meth:`Swappable.fail`): the
 trainer's ranks are stuck in the same collective.
+
+megatron-core's reshard carries no digest. With ``integrity: checksum`` each rank digests its
+parameters right after the swap, on the backend thread (:mod:`megafleet_protocol.refit.parameter_digests`:
+``mf64`` per group of parameters in name order, on the GPU), and reports them for the operator to compare
+across the shards: the same position in every shard holds the same TP/PP ranks, so the same bytes.
 """
 
 from __future__ import annotations
@@ -28,6 +33,7 @@ from megafleet_protocol.refit import errors
 
 if TYPE_CHECKING:
     from megafleet_engine.refit_attempts import sources, weight_target
+    from megafleet_protocol.refit import verification
 
 __all__ = ["SwapRequest", "SwapSource", "Swappable"]
 
@@ -60,6 +66,7 @@ class SwapRequest:
     staging: vocabulary.StagingMode = "off"
     commit: vocabulary.CommitMode = "local"  # staged: wait for the trainer's or the operator's commit
     commit_grace_seconds: float = 30.0  # how long past the deadline a staged attempt waits for it
+    integrity: vocabulary.Integrity = "none"  # checksum: digest the parameters after the swap
 
     @property
     def key(self) -> tuple[object, ...]:
@@ -93,7 +100,10 @@ class SwapSource:
         )
 
     def run(self, run: sources.Run) -> None:
-        """Suspend, then one megatron-core swap into the live parameters on the backend thread."""
+        """Suspend, then one megatron-core swap into the live parameters on the backend thread (and,
+        with ``integrity: checksum``, the digests of what it wrote, there too)."""
+        from megafleet_protocol.refit import parameter_digests
+
         run.drop_parked()  # another kind of refit: its group is of no further use
         if run.target.staged:
             raise errors.RefitError("megatron-core's swap writes the live model: it cannot stage")
@@ -101,9 +111,12 @@ class SwapSource:
         run.record.enter("receiving")
         before = run.target.live_pointers()
         counts: list[tuple[int, int]] = []
+        digested: list[verification.Verification] = []
 
         def swap() -> int:
             counts.append(self.request.group.swap())
+            if self.request.integrity == "checksum":
+                digested.append(parameter_digests.digest_tensors(run.target.tensors(), integrity="checksum"))
             return counts[-1][0]
 
         with run.record.timed("receive"):
@@ -111,6 +124,8 @@ class SwapSource:
         tensors, nbytes = counts[0] if counts else (0, 0)
         run.record.count(bytes_received=nbytes, tensors_written=tensors)
         run.target.verify_in_place(before)
+        if digested:
+            run.record.verified(digested[0])
 
     def keep(self, target: weight_target.WeightTarget) -> None:
         """Nothing to park: the group stays with its membership

@@ -131,7 +131,8 @@ class RefitSpec(common.ApiModel):
     integrity: vocabulary.Integrity = Field(
         default="none",
         description="integrity is none or checksum (every bucket carries a digest that the receivers verify "
-        "before the switch; on NeMo RL's wire, which carries none, the members compare their digests).",
+        "before the switch; on NeMo RL's wire, which carries none, the members compare their digests; after "
+        "a checkpoint load or megatron-core's swap, each rank digests its parameters and the shards compare them).",
     )
     commit: vocabulary.CommitMode = Field(
         default="local",

@@ -1,0 +1,105 @@
+"""A checkpoint refit with ``integrity: checksum`` through the agent (``POST /v1/refit/checkpoint``) on the
+tiny CPU engine: the rank digests the parameters it loaded (:mod:`megafleet_protocol.refit.parameter_digests`)
+and reports them for the operator to compare across the shards that loaded the same checkpoint
+(``verification.method: agreement``). In place, the digests are the loaded version's; staged under the
+operator's commit, they are the staging copy's, reported while the engine still serves the old version
+(the operator compares them before it commits); an engine that loaded other bytes reports other digests."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from helpers import engine_harness as harness
+from helpers import refit_harness
+from megafleet_engine import refit_staging
+from megafleet_engine.backends import transformers_backend
+from megafleet_engine.models import tiny
+from megafleet_protocol.refit import digest, parameter_digests
+
+pytestmark = pytest.mark.slow  # each test starts an engine and its servers
+
+NEW = "tiny://llama?seed=1"
+PROMPT = [40, 41, 42, 43, 44]
+WAIT_SECONDS = 60.0
+
+
+@pytest.fixture
+def served(tmp_path: Path) -> Iterator[harness.Served]:
+    model, tokenizer = tiny.build_tiny("tiny://llama")
+    backend = transformers_backend.TransformersBackend(
+        model, tokenizer, name=harness.MODEL, max_sequence_length=harness.MAX_SEQUENCE_LENGTH
+    )
+    backend.prepare_staging()
+    with harness.serve(backend, harness.token_file(tmp_path)) as running:
+        running.engine.staging = refit_staging.StagingPlan("auto", bytes=backend.staging_bytes())
+        yield running
+
+
+def reference_digests(weights: dict[str, torch.Tensor]) -> list[str]:
+    """The definition by hand: each group's tensors at their offsets in a zeroed buffer, numpy's mf64."""
+    raw = {
+        name: tensor.contiguous().reshape(-1).view(torch.uint8).numpy().tobytes() for name, tensor in weights.items()
+    }
+    found = []
+    for index, group in enumerate(parameter_digests.plan_groups([(name, len(data)) for name, data in raw.items()])):
+        buffer = bytearray(group[-1].offset + group[-1].nbytes)
+        for placed in group:
+            buffer[placed.offset : placed.offset + placed.nbytes] = raw[placed.name]
+        found.append(digest.hex_digest(digest.reference(bytes(buffer), index)))
+    return found
+
+
+def checkpoint(served: harness.Served, version: int, path: str, **more: Any) -> None:
+    body = {"version": version, "path": path, "timeoutSeconds": 30, "integrity": "checksum", **more}
+    with served.agent() as agent:
+        response = agent.post("/v1/refit/checkpoint", json=body)
+    assert response.status_code == 202, response.text
+
+
+def wait_phase(served: harness.Served, phase: str) -> dict[str, Any]:
+    client = refit_harness.AgentClient(served.agent_url)
+    deadline = time.monotonic() + WAIT_SECONDS
+    while True:
+        status = client.status()
+        if status["phase"] == phase:
+            return status
+        assert status["phase"] != "failed", status
+        assert time.monotonic() < deadline, f"the refit did not reach {phase}: {status}"
+        time.sleep(refit_harness.REFIT_POLL_SECONDS)  # polling the agent's status with a deadline
+
+
+def test_an_in_place_checkpoint_load_reports_the_digests_of_what_it_loaded(served: harness.Served) -> None:
+    checkpoint(served, 1, NEW)
+    done = wait_phase(served, "succeeded")
+
+    expected = reference_digests(tiny.reference_weights(NEW))
+    assert expected == reference_digests(served.backend.parameters())
+    assert done["verification"] == {
+        "integrity": "checksum",
+        "method": "agreement",
+        "buckets": len(expected),
+        "mismatch": None,
+        "bucketDigests": expected,
+        "nonFinite": None,
+    }
+
+
+def test_a_staged_load_reports_the_staging_copys_digests_before_the_operators_commit(served: harness.Served) -> None:
+    before = refit_harness.completion_ids(served.frontend_url, PROMPT, 6)
+    live = {name: tensor.clone() for name, tensor in served.backend.parameters().items()}
+    checkpoint(served, 1, NEW, staging="required", commit="operator")
+    staged = wait_phase(served, "staged")
+
+    assert staged["verification"]["bucketDigests"] == reference_digests(served.backend.staged_parameters())
+    assert staged["verification"]["bucketDigests"] != reference_digests(live), "the new version's, not the live one's"
+    assert refit_harness.completion_ids(served.frontend_url, PROMPT, 6) == before, "it serves the old version meanwhile"
+    with served.agent() as agent:
+        assert agent.post("/v1/refit/commit", json={"version": 1}).status_code == 200
+    done = wait_phase(served, "succeeded")
+    assert done["verification"]["bucketDigests"] == reference_digests(served.backend.parameters())
