@@ -33,7 +33,7 @@ KV_CACHE_MODE_NOT_KEPT = "KvCacheModeNotKept"
 ENGINE_DRAINED = "EngineDrained"
 """KeepUnavailable's reason: a member's engine drained on its own and its report says why."""
 DRAIN_WITHOUT_CONDITION = "the fleet's refit.inFlight is keep; set it to drain to drain without this condition"
-"""Added to KeepUnavailable's message when keep came from the fleet (its default), not the Refit."""
+"""Added to KeepUnavailable's message when keep came from the fleet (often its default), not the Refit."""
 NATIVE_SWAP_WRITES_LIVE = "megatron-core's swap writes the live model (no staging copy)"
 """Why a Refit through a megatron-native session never stages."""
 IN_PLACE_COMMITS_LOCAL = (
@@ -95,7 +95,7 @@ def resolve(
     requested = refit.in_flight or fleet.refit.in_flight
     asked_kv = refit.kv_cache_mode or fleet.engine.kv_cache_mode
     keep_unavailable = (
-        _keep_unavailable(asked_kv, members, fleet_default=refit.in_flight is None) if requested == "keep" else None
+        _keep_unavailable(asked_kv, members, from_fleet=refit.in_flight is None) if requested == "keep" else None
     )
     in_flight: vocabulary.InFlightMode = "drain" if keep_unavailable is not None else requested
     staging_requested = refit.staging or fleet.refit.staging
@@ -138,17 +138,18 @@ def commit_mode(
 
 
 def _keep_unavailable(
-    kv: vocabulary.KvCacheMode, members: Sequence[MemberCapabilities], *, fleet_default: bool
+    kv: vocabulary.KvCacheMode, members: Sequence[MemberCapabilities], *, from_fleet: bool
 ) -> conditions.Verdict | None:
-    """Why ``members`` cannot keep under ``kv``, or None; ``fleet_default``: keep is the fleet's
-    ``refit.inFlight`` (its default), not the Refit's own, so the message says how to drain without it."""
+    """Why ``members`` cannot keep under ``kv``, or None; ``from_fleet``: keep is the fleet's
+    ``refit.inFlight`` (often its default), not the Refit's own, so the message says how to drain
+    without the condition."""
     cannot = [member for member in members if kv not in member.capabilities.keep_modes]
     if not cannot:
         return None
     first = cannot[0]
     more = f" (and {len(cannot) - 1} more pods)" if len(cannot) > 1 else ""
     where = f"shard {first.shard} (pod {first.pod})"
-    hint = f" ({DRAIN_WITHOUT_CONDITION})" if fleet_default else ""
+    hint = f" ({DRAIN_WITHOUT_CONDITION})" if from_fleet else ""
     kept = first.capabilities.keep_modes
     if not kept:
         message = f"{where} cannot keep sequences across a refit{more}; every member drained{hint}"
