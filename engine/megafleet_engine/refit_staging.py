@@ -15,7 +15,7 @@ The memory rule (:func:`decide`, a pure function)::
     B = receive buffers: 2 x the bucket bytes
     H = headroom (MEGAFLEET_REFIT_STAGING_HEADROOM_MIB)
     F = free memory now: on a GPU, what cudaMemGetInfo reports free plus what torch holds reserved
-        but unallocated; on the CPU, min(MemAvailable, cgroup memory.max - memory.current)
+        but unallocated; on the CPU, min(MemAvailable, the cgroup's limit - usage: v2 or v1)
     stage  <=>  F >= P + B + H
 
 Imports no torch (the engine's module, which the API-server processes load, imports this one).

@@ -188,7 +188,10 @@ class Settings:
     allocate it when the memory rule allows (free memory after the model and its KV cache covers the
     copy, two bucket buffers and the headroom: :mod:`megafleet_engine.refit_staging`); without room the
     pod still serves and ``GET /v1/state`` says why, and the refits that require staging fail with
-    ``StagingUnavailable``. Default ``off``: the copy doubles the weights' memory."""
+    ``StagingUnavailable``. Default ``off``: the copy doubles the weights' memory, and an engine
+    started without the setting (by hand, or by an operator that never sends staging) would hold a
+    copy nothing uses. The operator always sets it, from spec.refit.staging, whose default is
+    ``auto``."""
 
     refit_staging_headroom_mib: int = 1024
     """``MEGAFLEET_REFIT_STAGING_HEADROOM_MIB``: memory the staging rule leaves free beside the copy and

@@ -368,7 +368,9 @@ class Drill:
         scale = f"{self.fleet_path}/scale"
 
         def create() -> None:
-            manifest = base.tiny_fleet(replicas=2, refit={"timeoutSeconds": 30}, weights={"catchUp": "checkpoint"})
+            # drain: a request's tokens are the greedy output of the one version stamped on it
+            refit = {**base.DRAIN_IN_PLACE, "timeoutSeconds": 30}
+            manifest = base.tiny_fleet(replicas=2, refit=refit, weights={"catchUp": "checkpoint"})
             self.kube.create(base.fleets(ns), manifest)  # the catch-up step is the checkpoint's
 
         def scale_to(replicas: int) -> Callable[[], None]:

@@ -56,7 +56,8 @@ def test_agent_cut_during_a_refit_ends_the_refit_cleanly_and_the_fleet_converges
         refit_v1 = f"{base.refits(namespace)}/{drill_module.FLEET}-v1"
 
         def create() -> None:
-            kube_admin.create(base.fleets(namespace), base.tiny_fleet(replicas=2, refit={"timeoutSeconds": 30}))
+            refit = {**base.DRAIN_IN_PLACE, "timeoutSeconds": 30}  # no mixed answer; engines suspended
+            kube_admin.create(base.fleets(namespace), base.tiny_fleet(replicas=2, refit=refit))
 
         def cut_during_refit() -> Callable[[], None]:
             join = drill.refit_rendezvous(1, drill_module.SOURCES[1])

@@ -82,7 +82,7 @@ def test_node_not_ready_then_deleted_replaces_its_shards_with_no_failed_or_mixed
     started = time.monotonic()
     try:
         create = drill_module.simple_action(
-            lambda: kube_admin.create(base.fleets(namespace), base.tiny_fleet(replicas=2))
+            lambda: kube_admin.create(base.fleets(namespace), base.tiny_fleet(replicas=2, refit=base.DRAIN_IN_PLACE))
         )
         drill.step("create", create, lambda: drill.settled(2, 0), None)
         lost = _nodes_of(drill.fleet())[1][0]

@@ -54,7 +54,8 @@ def test_soak_refits_and_scale_changes_under_load_serve_everything_and_grow_noth
     namespace = kube_admin.create_namespace("c")
     drill = drill_module.Drill(kube_admin, kubeconfig, pod_runner, operators, namespace, {})
     try:
-        kube_admin.create(base.fleets(namespace), base.tiny_fleet(replicas=3, refit={"timeoutSeconds": 60}))
+        refit = {**base.DRAIN_IN_PLACE, "timeoutSeconds": 60}  # no mixed answer
+        kube_admin.create(base.fleets(namespace), base.tiny_fleet(replicas=3, refit=refit))
         kube_admin.wait(drill.fleet_path, lambda f: drill.settled(3, 0), timeout=drill_module.STEP_TIMEOUT_SECONDS)
         soak = soak_module.Soak(drill, minutes)
         with drill_module.Client(kubeconfig, namespace, expected) as client, soak_module.Sampler(drill) as sampler:

@@ -95,7 +95,9 @@ def test_an_operator_killed_mid_refit_leaves_it_to_its_successor_and_no_engine_s
 ) -> None:
     namespace = own_namespace
     first = operators.start()
-    kube_admin.create(base.fleets(namespace), base.tiny_fleet(replicas=2, refit={"timeoutSeconds": 60}))
+    kube_admin.create(
+        base.fleets(namespace), base.tiny_fleet(replicas=2, refit={**base.DRAIN_IN_PLACE, "timeoutSeconds": 60})
+    )
     assert kube_admin.wait(f"{base.fleets(namespace)}/{FLEET}", base.ready, timeout=WAIT) is not None
     trainer = base.TrainerModel()
     path, sender, attempt = _start_refit(kube_admin, namespace)
@@ -157,7 +159,9 @@ def test_an_operator_killed_while_no_trainer_sends_fails_the_refit_and_resumes_e
     its old weights again."""
     namespace = own_namespace
     first = operators.start()
-    kube_admin.create(base.fleets(namespace), base.tiny_fleet(replicas=2, refit={"timeoutSeconds": 10}))
+    kube_admin.create(
+        base.fleets(namespace), base.tiny_fleet(replicas=2, refit={**base.DRAIN_IN_PLACE, "timeoutSeconds": 10})
+    )
     assert kube_admin.wait(f"{base.fleets(namespace)}/{FLEET}", base.ready, timeout=WAIT) is not None
     path, sender, _ = _start_refit(kube_admin, namespace)
     _all_in(kube_admin, namespace, "suspended")

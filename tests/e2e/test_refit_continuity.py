@@ -2,11 +2,12 @@
 (docs/architecture.md#what-every-refit-shares), against the real control plane, the operator and
 engine pods run by the local runner.
 
-A trainer refits a two-shard tiny fleet 20 times in a row through the SDK (each version other
-weights: a seed whose greedy output differs from every other version's, sent over gloo with a
-sender kept open). Meanwhile threads hammer every frontend directly (pod IPs, no retries) and a
-second SDK :class:`~megafleet.sdk.fleet.Fleet` (another client, routing from the fleet's status it
-re-reads before every request) generates too. Every answer must come back (no 503: a request that
+A trainer refits a two-shard tiny fleet that drains (``inFlight: drain``; staging at its default,
+auto) 20 times in a row through the SDK (each version other weights: a seed whose greedy output
+differs from every other version's, sent over gloo with a sender kept open). Meanwhile threads
+hammer every frontend directly (pod IPs, no retries) and a second SDK
+:class:`~megafleet.sdk.fleet.Fleet` (another client, routing from the fleet's status it re-reads
+before every request) generates too. Every answer must come back (no 503: a request that
 reaches a suspended engine waits and is served by the new version) and its tokens must be the
 greedy continuation of exactly the version stamped on it. Then two Refits that would go backwards
 (the current version, an older one) fail at once with reason ``VersionNotNewer`` while the fleet
@@ -136,7 +137,8 @@ def test_clients_see_no_error_and_no_mixed_answer_across_20_refits_and_stale_ref
     operator: Path, kube_admin: kube.Kube, namespace: str, kubeconfig: Path
 ) -> None:
     models, expected = versions()
-    kube_admin.create(refit_e2e.fleets(namespace), refit_e2e.tiny_fleet())
+    # drain: no answer spans two versions (keep, the default, would continue them on the new weights)
+    kube_admin.create(refit_e2e.fleets(namespace), refit_e2e.tiny_fleet(refit={"inFlight": "drain"}))
     assert kube_admin.wait(f"{refit_e2e.fleets(namespace)}/tiny", refit_e2e.ready, timeout=refit_e2e.WAIT)
     urls = []
     for pod in ("tiny-s0-p0", "tiny-s1-p0"):

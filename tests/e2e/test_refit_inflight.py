@@ -5,9 +5,10 @@ CPU fleet, against the real control plane, the operator and engine pods run by t
 No stream fails; every streamed chunk's tokens carry the version that computed them and each
 stream's final spans say exactly where its switch fell. Under ``kvCacheMode: recompute`` the tokens
 after the switch are what a fresh model at the new version generates greedily from the prompt plus
-the tokens before it, and the tokens before it are the old version's own greedy output; under
-``persist`` and staging the pause is the switch only. A keep Refit that fails (its checkpoint does
-not exist) leaves every stream running on the old version.
+the tokens before it, and the tokens before it are the old version's own greedy output; a Refit at the fleet's defaults
+(``inFlight: keep`` under ``persist``, ``staging: auto``: no refit settings anywhere) keeps and stages,
+its pause the switch only. A keep Refit that fails (its checkpoint does not exist) leaves every stream
+running on the old version.
 """
 
 from __future__ import annotations
@@ -29,13 +30,15 @@ def create_fleet(kube_admin: kube.Kube, namespace: str, **refit: str) -> Object:
 
 @pytest.fixture
 def fleet(operator: object, kube_admin: kube.Kube, namespace: str) -> Object:
-    return create_fleet(kube_admin, namespace)
+    """The fleet whose refits write in place (``spec.refit.staging: off``: no staging copy)."""
+    return create_fleet(kube_admin, namespace, staging="off")
 
 
 @pytest.fixture
 def staged_fleet(operator: object, kube_admin: kube.Kube, namespace: str) -> Object:
-    """The fleet whose engines hold a staging copy (``spec.refit.staging: auto``, allocated at start)."""
-    return create_fleet(kube_admin, namespace, staging="auto")
+    """The fleet at its defaults: its engines hold a staging copy (``spec.refit.staging: auto``, the
+    default, allocated at start when the memory allows: the local runner's pods have no memory limit)."""
+    return create_fleet(kube_admin, namespace)
 
 
 def ended(kube_admin: kube.Kube, path: str) -> Object:
@@ -65,18 +68,21 @@ def test_a_keep_refit_recomputes_mid_generation_and_every_stream_continues_on_th
     assert inflight.check_kept(loads, "recompute") == inflight.STREAMS  # every stream spanned it
 
 
-def test_a_staged_persist_keep_refit_pauses_only_for_the_switch(
+def test_a_refit_at_the_defaults_keeps_under_persist_stages_and_pauses_only_for_the_switch(
     staged_fleet: Object, kube_admin: kube.Kube, namespace: str
 ) -> None:
+    """Neither the fleet nor the Refit names an in-flight mode, a KV mode or staging."""
     running = inflight.start_streams(inflight.frontends(kube_admin, namespace, staged_fleet))
 
-    path = inflight.create_refit(kube_admin, namespace, 1, inflight.NEW_SOURCE, inFlight="keep", kvCacheMode="persist")
+    path = inflight.create_refit(kube_admin, namespace, 1, inflight.NEW_SOURCE)
     result = ended(kube_admin, path)
     loads = inflight.finish(running)
 
     status = result["status"]
     assert status["phase"] == "Succeeded", status
-    assert status["inFlight"]["effective"] == "keep" and status["inFlight"]["kept"] == inflight.STREAMS
+    assert status["inFlight"]["requested"] == status["inFlight"]["effective"] == "keep"
+    assert status["inFlight"]["kvCacheMode"] == "persist" and status["inFlight"]["kept"] == inflight.STREAMS
+    assert status["staging"]["requested"] == "auto"
     assert status["staging"]["effective"] == "staged" and status["staging"]["bytes"] > 0
     assert status["pause"]["shards"] and status["pause"]["stallMaxMilliseconds"] >= 0
     assert inflight.check_kept(loads, "persist") == inflight.STREAMS

@@ -1,5 +1,6 @@
-"""Refit end to end: a trainer process changes its weights and refits a fleet through a Refit
-object, the operator drives the agents, and every frontend then serves the trainer's weights."""
+"""Refit end to end: a trainer process changes its weights and refits a fleet at its refit defaults
+(keep, staging auto) through a Refit object, the operator drives the agents, and every frontend then
+serves the trainer's weights."""
 
 from __future__ import annotations
 
@@ -23,7 +24,11 @@ def test_a_refit_object_brings_every_frontend_to_the_trainers_weights(
 
     assert result["status"]["phase"] == "Succeeded", result["status"]
     assert result["status"]["membership"]["worldSize"] == 3  # 1 trainer rank + 2 one-rank shards
-    assert {p["name"] for p in result["status"]["phases"]} >= {"suspend", "join", "receive", "apply", "resume"}
+    # The fleet's defaults: keep (a pause at a step boundary, then the switch) and staging auto.
+    assert {p["name"] for p in result["status"]["phases"]} >= {"pause", "join", "receive", "apply", "switch"}
+    assert result["status"]["inFlight"]["requested"] == result["status"]["inFlight"]["effective"] == "keep"
+    staging = result["status"]["staging"]
+    assert staging["requested"] == "auto" and (staging["effective"] == "staged" or staging.get("reason")), staging
     fleet = kube_admin.wait(
         f"{refit_e2e.fleets(namespace)}/tiny",
         lambda o: refit_e2e.ready(o) and (o or {})["status"].get("weightVersion") == 1,

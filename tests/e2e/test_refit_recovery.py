@@ -4,7 +4,7 @@ on the live shards; a restarted shard of a fleet that catches up from the checkp
 Stale and unrouted until it caught up (at the next refit, or at once from the checkpoint the current
 version came from; tests/e2e/test_catch_up_from_peer.py copies it from a peer); a reshard refit
 through the operator. A client sends greedy requests to every frontend throughout, and every
-response it gets must be exactly one weight version's output."""
+response it gets must be exactly one weight version's output (the fleets drain: ``refit_e2e.DRAIN_IN_PLACE``)."""
 
 from __future__ import annotations
 
@@ -291,7 +291,8 @@ def test_a_shard_killed_mid_refit_is_dropped_the_retry_succeeds_and_it_rejoins_o
     expected = {version: model.greedy() for version, model in models.items()}
     # catchUp checkpoint: the restarted shard has no peer copy, so it stays Stale until the next refit
     # (tests/e2e/test_catch_up_from_peer.py heals one from a peer).
-    manifest = base.tiny_fleet(replicas=3, refit={"timeoutSeconds": 60}, weights={"catchUp": "checkpoint"})
+    settings = {**base.DRAIN_IN_PLACE, "timeoutSeconds": 60}  # answers of one version each; suspended members
+    manifest = base.tiny_fleet(replicas=3, refit=settings, weights={"catchUp": "checkpoint"})
     kube_admin.create(base.fleets(namespace), manifest)
     assert kube_admin.wait(fleet_path(namespace), base.ready, timeout=WAIT) is not None
     original = kube_admin.get(f"/api/v1/namespaces/{namespace}/pods/{FLEET}-s1-p0")
@@ -373,7 +374,8 @@ def test_a_shard_restarted_after_a_checkpoint_refit_is_stale_until_it_loaded_tha
     models: dict[int, Model],
 ) -> None:
     expected = {version: model.greedy() for version, model in models.items() if version < 2}
-    kube_admin.create(base.fleets(namespace), base.tiny_fleet(replicas=2, weights={"catchUp": "checkpoint"}))
+    manifest = base.tiny_fleet(replicas=2, refit=base.DRAIN_IN_PLACE, weights={"catchUp": "checkpoint"})
+    kube_admin.create(base.fleets(namespace), manifest)  # drain: every answer is one version's
     assert kube_admin.wait(fleet_path(namespace), base.ready, timeout=WAIT) is not None
     kube_admin.create(
         base.refits(namespace),

@@ -201,6 +201,13 @@ def test_free_memory_on_the_cpu_reads_meminfo_and_the_cgroup(tmp_path: Path) -> 
     (cgroup / "memory.max").write_text(f"{8 * GIB}\n")
     (cgroup / "memory.current").write_text(f"{3 * GIB}\n")
     assert staging_memory._cgroup_room(cgroup) == 5 * GIB
+    v1 = tmp_path / "v1"  # cgroup v1 (the real node's): the pod's limit counts there too
+    (v1 / "memory").mkdir(parents=True)
+    (v1 / "memory" / "memory.limit_in_bytes").write_text("9223372036854771712\n")  # no limit
+    (v1 / "memory" / "memory.usage_in_bytes").write_text(f"{GIB}\n")
+    assert staging_memory._cgroup_room(v1) is None
+    (v1 / "memory" / "memory.limit_in_bytes").write_text(f"{2 * GIB}\n")
+    assert staging_memory._cgroup_room(v1) == GIB
     free, measured = staging_memory.free_memory("cpu")
     assert free > 0 and measured.startswith("free (")
 

@@ -7,9 +7,8 @@ Used by tests/unit/test_nemo_wire.py (``refit_wire="nemo"``) and tests/sdk/test_
 (NeMo RL's async flags on both wires). What the fakes do not do: :class:`FakeOperator` runs no
 attempts and sends nothing to engines, it moves a session to its phase (and its NeMo reshard stages
 to ``ReshardJoined``) and a Refit from Pending to Running to Succeeded (or Failed) as it is read; its
-``status.inFlight`` is the spec's request (``drain`` when unset) unless the test says the engines could
-not keep. :class:`SpanFrontend`
-generates token 7 only, with fixed logprobs.
+``status.inFlight`` is the spec's request (the fleet's ``refit.inFlight`` when unset) unless the test
+says the engines could not keep. :class:`SpanFrontend` generates token 7 only, with fixed logprobs.
 """
 
 from __future__ import annotations
@@ -161,7 +160,7 @@ class FakeOperator(kube_fakes.Api):
             return
         fleet_obj = self.objects[("MegatronGeneration", NAMESPACE, FLEET)]
         refit["status"]["phase"] = "Succeeded"
-        refit["status"]["inFlight"] = self._in_flight(refit["spec"], fleet_obj["spec"]["engine"]["kvCacheMode"])
+        refit["status"]["inFlight"] = self._in_flight(refit["spec"], fleet_obj["spec"])
         version = refit["spec"]["version"]
         fleet_obj["status"]["refit"]["currentVersion"] = version
         if session is not None:
@@ -169,14 +168,14 @@ class FakeOperator(kube_fakes.Api):
         if self.on_succeeded is not None:
             self.on_succeeded(version)
 
-    def _in_flight(self, spec: dict[str, Any], fleet_kv_cache_mode: str) -> dict[str, Any]:
+    def _in_flight(self, spec: dict[str, Any], fleet_spec: dict[str, Any]) -> dict[str, Any]:
         """What the operator reports: the request, and what the engines did with it."""
-        requested = spec.get("inFlight", "drain")
+        requested = spec.get("inFlight") or fleet_spec.get("refit", {}).get("inFlight", v1alpha1.DEFAULT_IN_FLIGHT)
         effective = "drain" if self.cannot_keep and requested == "keep" else requested
         return {
             "requested": requested,
             "effective": effective,
-            "kvCacheMode": spec.get("kvCacheMode", fleet_kv_cache_mode),
+            "kvCacheMode": spec.get("kvCacheMode", fleet_spec["engine"]["kvCacheMode"]),
         }
 
 

@@ -34,6 +34,11 @@ def refits(namespace: str) -> str:
 
 
 REFIT_ENDED = ("Succeeded", "Failed")
+DRAIN_IN_PLACE: dict[str, Any] = {"inFlight": "drain", "staging": "off"}
+"""``spec.refit`` of a fleet whose refits suspend the engines (drain) and write the live weights
+while they are suspended, as every refit did before keep and staging became the defaults: named by
+the tests of a suspended engine (its agent ``suspended`` while the weights travel, requests held at
+its gate, answers that never span two versions)."""
 
 
 def refit_manifest(fleet: str, version: int, *, port: int | None = None, checkpoint: str | None = None) -> Object:

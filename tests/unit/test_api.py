@@ -99,3 +99,38 @@ def test_a_fleet_shows_an_unobserved_generation_before_the_operator_writes_statu
     status = definition["spec"]["versions"][0]["schema"]["openAPIV3Schema"]["properties"]["status"]
     assert status["default"] == {"observedGeneration": 0}
     assert "observedGeneration" in status["properties"]
+
+
+def test_a_fleet_without_refit_settings_keeps_its_sequences_and_stages_and_its_crd_says_so() -> None:
+    """The refit defaults (proposal 0003, step 10): in flight keep, staging auto; integrity and commit
+    stay none and local (the digest's GPU cost is unmeasured). The API server fills the same values in:
+    the CRD's default for spec.refit and for each field."""
+    spec = v1alpha1.MegatronGenerationSpec.model_validate({"model": {"source": "/m"}})
+    refit = crd.definition(v1alpha1.KINDS[0])["spec"]["versions"][0]["schema"]["openAPIV3Schema"]["properties"]["spec"][
+        "properties"
+    ]["refit"]
+    expected = {"inFlight": "keep", "staging": "auto", "integrity": "none", "commit": "local"}
+
+    assert (spec.refit.in_flight, spec.refit.staging, spec.refit.integrity, spec.refit.commit) == tuple(
+        expected.values()
+    )
+    assert {key: refit["default"][key] for key in expected} == expected
+    assert {key: refit["properties"][key]["default"] for key in expected} == expected
+
+
+def test_keep_with_offload_is_admitted_on_either_backend() -> None:
+    """keep is the default, so a fleet whose engines cannot keep under its KV mode (offload on the
+    transformers backend) is not refused: its Refits drain and say KeepUnavailable."""
+    definition = crd.definition(v1alpha1.KINDS[0])
+    rules = definition["spec"]["versions"][0]["schema"]["openAPIV3Schema"]["properties"]["spec"][
+        "x-kubernetes-validations"
+    ]
+    raw = {
+        "model": {"source": "/m"},
+        "resources": {"gpusPerNode": 1},
+        "engine": {"backend": "transformers", "kvCacheMode": "offload"},
+        "refit": {"inFlight": "keep"},
+    }
+
+    assert not [rule for rule in rules if "inFlight" in rule["rule"]]
+    assert checks.parse_spec(raw, name="f")[1] == []

@@ -301,8 +301,10 @@ def test_every_pod_template_field_rolls_the_fleet() -> None:
 
 def test_an_operator_upgrade_does_not_roll_fleets_that_leave_the_new_fields_unset() -> None:
     """The hashes the operator computed before spec.pod, resources.extra, engine.envFrom and env
-    valueFrom existed (main at b8c7848): unchanged, so upgrading the operator rolls no shard."""
-    with_env = fleet(engine={"env": [{"name": "A", "value": "b"}]})
+    valueFrom existed (main at b8c7848): unchanged, so upgrading the operator rolls no shard. These
+    fleets' refit.staging is off: the API server stored that default (off until staging became auto)
+    in every fleet created since the field existed, and it stays stored across the CRD upgrade."""
+    with_env = fleet(engine={"env": [{"name": "A", "value": "b"}]}, refit={"staging": "off"})
     cpu = desired.ParsedFleet(
         "big",
         "rl",
@@ -313,6 +315,7 @@ def test_an_operator_upgrade_does_not_roll_fleets_that_leave_the_new_fields_unse
                 "model": {"source": "tiny://"},
                 "resources": {"gpusPerNode": 0, "cpu": "1", "memory": "2Gi"},
                 "engine": {"backend": "transformers"},
+                "refit": {"staging": "off"},
             }
         ),
     )
@@ -320,15 +323,30 @@ def test_an_operator_upgrade_does_not_roll_fleets_that_leave_the_new_fields_unse
     assert desired.template_hash(cpu) == "f2c324051a1f41ad"
 
 
+def test_a_fleet_stored_before_refit_staging_existed_reads_auto_and_rolls_once() -> None:
+    """A fleet whose stored spec has no refit.staging (created before the field) reads the default,
+    auto, after the CRD upgrade: its engines must start again to allocate the staging copy, so its
+    hash changes (one roll, shard by shard). Its earlier hash is the same spec's with staging off."""
+    unset = fleet()
+    stored_off = fleet(refit={"staging": "off"})
+
+    assert unset.spec.refit.staging == "auto"
+    assert desired.template_hash(unset) != desired.template_hash(stored_off)
+    assert desired.template_hash(unset) == desired.template_hash(fleet(refit={"staging": "auto"}))
+
+
 def test_refit_staging_reaches_the_engines_and_rolls_the_fleet_only_when_on() -> None:
     """The engines allocate the staging copy at start, so staging (and, while it is on, its headroom)
     shapes the pod; the other refit settings are read per refit and roll nothing."""
-    base = desired.template_hash(fleet())
+    base = desired.template_hash(fleet(refit={"staging": "off"}))
     staged = fleet(refit={"staging": "auto", "stagingHeadroomMiB": 2048})
     values = env(desired.shard_pods(staged, 0, PLACEMENT)[0])
+    defaults = env(desired.shard_pods(fleet(), 0, PLACEMENT)[0])
 
     assert (values["MEGAFLEET_REFIT_STAGING"], values["MEGAFLEET_REFIT_STAGING_HEADROOM_MIB"]) == ("auto", "2048")
-    assert env(desired.shard_pods(fleet(), 0, PLACEMENT)[0])["MEGAFLEET_REFIT_STAGING"] == "off"
+    # A fleet without a refit section stages: the env says so (the engine's own default, unset, is off).
+    assert (defaults["MEGAFLEET_REFIT_STAGING"], defaults["MEGAFLEET_REFIT_STAGING_HEADROOM_MIB"]) == ("auto", "1024")
+    assert env(desired.shard_pods(fleet(refit={"staging": "off"}), 0, PLACEMENT)[0])["MEGAFLEET_REFIT_STAGING"] == "off"
     assert desired.template_hash(staged) != base
     assert desired.template_hash(fleet(refit={"staging": "required", "stagingHeadroomMiB": 2048})) not in (
         base,
@@ -337,7 +355,7 @@ def test_refit_staging_reaches_the_engines_and_rolls_the_fleet_only_when_on() ->
     assert desired.template_hash(fleet(refit={"staging": "auto"})) != desired.template_hash(staged)
     unchanged = [
         {"refit": {"staging": "off", "stagingHeadroomMiB": 2048}},
-        {"refit": {"inFlight": "keep", "integrity": "checksum", "timeoutSeconds": 60}},
+        {"refit": {"staging": "off", "inFlight": "drain", "integrity": "checksum", "timeoutSeconds": 60}},
     ]
     assert {desired.template_hash(fleet(**spec)) for spec in unchanged} == {base}
 

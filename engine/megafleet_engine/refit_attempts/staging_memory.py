@@ -36,7 +36,7 @@ def free_memory(device: str) -> tuple[int, str]:
     available = _meminfo_available(Path("/proc/meminfo"))
     limit = _cgroup_room(Path("/sys/fs/cgroup"))
     if limit is not None and limit < available:
-        return limit, "free (cgroup memory.max - memory.current)"
+        return limit, "free (cgroup limit - usage)"
     return available, "free (MemAvailable)"
 
 
@@ -91,12 +91,25 @@ def _meminfo_available(meminfo: Path) -> int:
 
 
 def _cgroup_room(root: Path) -> int | None:
-    """``memory.max - memory.current`` of this process's cgroup (v2), or ``None`` without a limit."""
-    try:
-        limit = (root / "memory.max").read_text().strip()
-        current = int((root / "memory.current").read_text().strip())
-    except (OSError, ValueError):
-        return None
-    if limit == "max":
-        return None
-    return max(int(limit) - current, 0)
+    """The room left under this process's cgroup memory limit, or ``None`` without a limit: cgroup v2's
+    ``memory.max - memory.current``, else cgroup v1's ``memory/memory.limit_in_bytes -
+    memory/memory.usage_in_bytes`` (a container sees its own cgroup there; v1's "no limit" is a number
+    near 2**63, taken as none)."""
+    for limit_file, usage_file in (("memory.max", "memory.current"), _CGROUP_V1):
+        try:
+            limit = (root / limit_file).read_text().strip()
+            current = int((root / usage_file).read_text().strip())
+        except (OSError, ValueError):
+            continue
+        if limit == "max" or (limit.isdigit() and int(limit) >= _CGROUP_V1_UNLIMITED):
+            return None
+        try:
+            return max(int(limit) - current, 0)
+        except ValueError:
+            continue
+    return None
+
+
+_CGROUP_V1 = ("memory/memory.limit_in_bytes", "memory/memory.usage_in_bytes")
+_CGROUP_V1_UNLIMITED = 2**62
+"""cgroup v1 writes "no limit" as the largest page-aligned 64-bit number (9223372036854771712)."""

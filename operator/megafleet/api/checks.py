@@ -26,7 +26,7 @@ def parse_spec(
         spec = v1alpha1.MegatronGenerationSpec.model_validate(raw)
     except pydantic.ValidationError as error:
         return None, [_problem(item) for item in error.errors()]
-    problems = planner.validate(fleet_settings(spec)) + pod_problems(spec) + refit_problems(spec)
+    problems = planner.validate(fleet_settings(spec)) + pod_problems(spec)
     if name is not None:
         problems += name_problems(name, spec)
     return spec, problems
@@ -54,16 +54,6 @@ def pod_problems(spec: v1alpha1.MegatronGenerationSpec) -> list[planner.Problem]
     if shm is not None and quantity(shm) > quantity(spec.resources.memory):
         message = f"{v1alpha1.SHM_OVER_MEMORY} ({shm} > {spec.resources.memory})"
         return [planner.Problem("spec.pod.shmSize", message)]
-    return []
-
-
-def refit_problems(spec: v1alpha1.MegatronGenerationSpec) -> list[planner.Problem]:
-    """The refit settings' cross-field rule (also a CEL rule): only megatron keeps a sequence's KV
-    cache in host memory across a refit."""
-    engine = spec.engine
-    if spec.refit.in_flight == "keep" and engine.kv_cache_mode == "offload" and engine.backend != "megatron":
-        message = f"{v1alpha1.KEEP_OFFLOAD_NEEDS_MEGATRON} (backend {engine.backend})"
-        return [planner.Problem("spec.refit.inFlight", message)]
     return []
 
 

@@ -32,6 +32,8 @@ KV_CACHE_MODE_NOT_KEPT = "KvCacheModeNotKept"
 """KeepUnavailable's reason: a member's engine keeps sequences, but not in the KV mode asked for."""
 ENGINE_DRAINED = "EngineDrained"
 """KeepUnavailable's reason: a member's engine drained on its own and its report says why."""
+DRAIN_WITHOUT_CONDITION = "the fleet's refit.inFlight is keep; set it to drain to drain without this condition"
+"""Added to KeepUnavailable's message when keep came from the fleet (often its default), not the Refit."""
 NATIVE_SWAP_WRITES_LIVE = "megatron-core's swap writes the live model (no staging copy)"
 """Why a Refit through a megatron-native session never stages."""
 IN_PLACE_COMMITS_LOCAL = (
@@ -93,7 +95,9 @@ def resolve(
     ``native_swap``: the Refit goes through a megatron-native session (megatron-core's own swap)."""
     requested = refit.in_flight or fleet.refit.in_flight
     asked_kv = refit.kv_cache_mode or fleet.engine.kv_cache_mode
-    keep_unavailable = _keep_unavailable(asked_kv, members) if requested == "keep" else None
+    keep_unavailable = (
+        _keep_unavailable(asked_kv, members, from_fleet=refit.in_flight is None) if requested == "keep" else None
+    )
     in_flight: vocabulary.InFlightMode = "drain" if keep_unavailable is not None else requested
     staging_requested = refit.staging or fleet.refit.staging
     cannot_stage = _cannot_stage(members, native_swap=native_swap) if staging_requested != "off" else None
@@ -134,18 +138,24 @@ def commit_mode(
     return requested, None
 
 
-def _keep_unavailable(kv: vocabulary.KvCacheMode, members: Sequence[MemberCapabilities]) -> conditions.Verdict | None:
+def _keep_unavailable(
+    kv: vocabulary.KvCacheMode, members: Sequence[MemberCapabilities], *, from_fleet: bool
+) -> conditions.Verdict | None:
+    """Why ``members`` cannot keep under ``kv``, or None; ``from_fleet``: keep is the fleet's
+    ``refit.inFlight`` (often its default), not the Refit's own, so the message says how to drain
+    without the condition."""
     cannot = [member for member in members if kv not in member.capabilities.keep_modes]
     if not cannot:
         return None
     first = cannot[0]
     more = f" (and {len(cannot) - 1} more pods)" if len(cannot) > 1 else ""
     where = f"shard {first.shard} (pod {first.pod})"
+    hint = f" ({DRAIN_WITHOUT_CONDITION})" if from_fleet else ""
     kept = first.capabilities.keep_modes
     if not kept:
-        message = f"{where} cannot keep sequences across a refit{more}; every member drained"
+        message = f"{where} cannot keep sequences across a refit{more}; every member drained{hint}"
         return conditions.Verdict(True, BACKEND_CANNOT_KEEP, message)
-    message = f"{where} keeps with {' or '.join(kept)}, not {kv}{more}; every member drained"
+    message = f"{where} keeps with {' or '.join(kept)}, not {kv}{more}; every member drained{hint}"
     return conditions.Verdict(True, KV_CACHE_MODE_NOT_KEPT, message)
 
 

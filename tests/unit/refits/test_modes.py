@@ -18,11 +18,13 @@ KEEPS_ALL = agent_api.Capabilities(keep_modes=["persist", "offload", "recompute"
 TRANSFORMERS = agent_api.Capabilities(keep_modes=["persist", "recompute"], staging_bytes=1 << 20)
 NOTHING = agent_api.Capabilities()
 NO_ROOM = agent_api.Capabilities(keep_modes=["persist"], staging_reason="needs 19.1 GiB, free 9.8 GiB")
+MEGATRON = agent_api.Capabilities(keep_modes=["persist", "recompute"], staging_bytes=1 << 30)
+"""A megatron engine as the operator starts it: no static KV pointers, so it does not keep under offload."""
 
 
-def fleet(**refit: Any) -> v1alpha1.MegatronGenerationSpec:
+def fleet(engine: dict[str, Any] | None = None, **refit: Any) -> v1alpha1.MegatronGenerationSpec:
     return v1alpha1.MegatronGenerationSpec.model_validate(
-        {"model": {"source": "/m"}, "resources": {"gpusPerNode": 1}, "refit": refit}
+        {"model": {"source": "/m"}, "resources": {"gpusPerNode": 1}, "engine": engine or {}, "refit": refit}
     )
 
 
@@ -45,20 +47,40 @@ def resolved(found: modes.Modes) -> tuple[str, str, str, str, str | None]:
 @pytest.mark.parametrize(
     ("fleet_spec", "refit_spec", "capabilities", "expected"),
     [
-        pytest.param(fleet(), refit(), [NOTHING], ("drain", "drain", "persist", "off", None), id="defaults-as-today"),
         pytest.param(
-            fleet(inFlight="keep"), refit(), [KEEPS_ALL, KEEPS_ALL], ("keep", "keep", "persist", "off", None), id="keep"
+            fleet(), refit(), [KEEPS_ALL], ("keep", "keep", "persist", "auto", None), id="defaults-keep-and-stage"
         ),
         pytest.param(
             fleet(),
-            refit(inFlight="keep", kvCacheMode="recompute"),
+            refit(),
+            [NOTHING],
+            ("keep", "drain", "persist", "off", modes.BACKEND_CANNOT_KEEP),
+            id="defaults-on-an-engine-that-neither-keeps-nor-stages",
+        ),
+        pytest.param(
+            fleet(inFlight="drain", staging="off"),
+            refit(),
+            [KEEPS_ALL],
+            ("drain", "drain", "persist", "off", None),
+            id="drain-and-off-named",
+        ),
+        pytest.param(
+            fleet(inFlight="keep", staging="off"),
+            refit(),
+            [KEEPS_ALL, KEEPS_ALL],
+            ("keep", "keep", "persist", "off", None),
+            id="keep",
+        ),
+        pytest.param(
+            fleet(inFlight="drain", staging="off"),
+            refit(inFlight="keep", kvCacheMode="recompute", staging="auto"),
             [TRANSFORMERS],
-            ("keep", "keep", "recompute", "off", None),
+            ("keep", "keep", "recompute", "auto", None),
             id="refit-overrides-fleet",
         ),
         pytest.param(
             fleet(inFlight="keep"),
-            refit(inFlight="abort"),
+            refit(inFlight="abort", staging="off"),
             [KEEPS_ALL],
             ("abort", "abort", "persist", "off", None),
             id="refit-abort-over-fleet-keep",
@@ -74,24 +96,35 @@ def resolved(found: modes.Modes) -> tuple[str, str, str, str, str | None]:
             fleet(),
             refit(inFlight="keep", kvCacheMode="offload"),
             [TRANSFORMERS],
-            ("keep", "drain", "persist", "off", modes.KV_CACHE_MODE_NOT_KEPT),
+            ("keep", "drain", "persist", "auto", modes.KV_CACHE_MODE_NOT_KEPT),
             id="kv-mode-not-kept-drains-with-the-fleets-kv",
         ),
         pytest.param(
-            fleet(staging="auto"), refit(), [KEEPS_ALL], ("drain", "drain", "persist", "auto", None), id="auto-stages"
+            fleet(engine={"backend": "megatron", "kvCacheMode": "offload"}),
+            refit(),
+            [MEGATRON],
+            ("keep", "drain", "offload", "auto", modes.KV_CACHE_MODE_NOT_KEPT),
+            id="default-keep-under-offload-drains-and-says-so",
         ),
         pytest.param(
-            fleet(staging="auto"),
+            fleet(inFlight="drain", staging="auto"),
+            refit(),
+            [KEEPS_ALL],
+            ("drain", "drain", "persist", "auto", None),
+            id="auto-stages",
+        ),
+        pytest.param(
+            fleet(),
             refit(),
             [KEEPS_ALL, NO_ROOM],
-            ("drain", "drain", "persist", "off", None),
+            ("keep", "keep", "persist", "off", None),
             id="auto-without-room-in-place",
         ),
         pytest.param(
             fleet(staging="auto"),
             refit(staging="off"),
             [KEEPS_ALL],
-            ("drain", "drain", "persist", "off", None),
+            ("keep", "keep", "persist", "off", None),
             id="refit-turns-staging-off",
         ),
     ],
@@ -111,10 +144,28 @@ def test_keep_unavailable_names_the_member_and_what_it_keeps() -> None:
 
     assert cannot is not None and cannot.status is True
     assert cannot.message == (
-        "shard 1 (pod f-s1-p0) cannot keep sequences across a refit (and 1 more pods); every member drained"
+        "shard 1 (pod f-s1-p0) cannot keep sequences across a refit (and 1 more pods); every member drained "
+        f"({modes.DRAIN_WITHOUT_CONDITION})"
     )
     assert kv is not None
     assert kv.message == "shard 0 (pod f-s0-p0) keeps with persist or recompute, not offload; every member drained"
+
+
+def test_keep_unavailable_under_the_fleets_default_says_how_to_drain_without_it() -> None:
+    """keep is the default: a fleet whose engines cannot keep under its KV mode drains at every Refit, and
+    the condition tells how to ask for drain instead (a Refit's own keep gets no such hint)."""
+    megatron_offload = fleet(engine={"backend": "megatron", "kvCacheMode": "offload"})
+    default = modes.resolve(megatron_offload, refit(), members(MEGATRON)).keep_unavailable
+    asked = modes.resolve(megatron_offload, refit(inFlight="keep"), members(MEGATRON)).keep_unavailable
+    named = modes.resolve(fleet(inFlight="drain"), refit(), members(NOTHING)).keep_unavailable
+
+    assert default is not None and default.reason == modes.KV_CACHE_MODE_NOT_KEPT
+    assert default.message == (
+        "shard 0 (pod f-s0-p0) keeps with persist or recompute, not offload; every member drained "
+        "(the fleet's refit.inFlight is keep; set it to drain to drain without this condition)"
+    )
+    assert asked is not None and modes.DRAIN_WITHOUT_CONDITION not in asked.message
+    assert named is None
 
 
 def test_staging_auto_without_a_copy_says_why_and_required_fails_before_it_starts() -> None:
@@ -135,7 +186,7 @@ def test_staging_auto_without_a_copy_says_why_and_required_fails_before_it_start
         pytest.param(
             modes.resolve(fleet(), refit(), members(NOTHING)),
             {"suspendMode": "drain", "kvCacheMode": "persist"},
-            id="defaults-leave-staging-and-integrity-to-the-agent",
+            id="defaults-on-an-engine-that-neither-keeps-nor-stages",
         ),
         pytest.param(
             modes.resolve(
@@ -163,13 +214,14 @@ def test_every_request_carries_the_modes(found: modes.Modes, expected: Object) -
     ("found", "expected"),
     [
         pytest.param(
-            modes.resolve(fleet(inFlight="keep"), refit(), members(NOTHING)),
+            modes.resolve(fleet(inFlight="keep", staging="off"), refit(), members(NOTHING)),
             {
                 "inFlight": {
                     "requested": "keep",
                     "effective": "drain",
                     "kvCacheMode": "persist",
-                    "reason": "shard 0 (pod f-s0-p0) cannot keep sequences across a refit; every member drained",
+                    "reason": "shard 0 (pod f-s0-p0) cannot keep sequences across a refit; every member drained "
+                    f"({modes.DRAIN_WITHOUT_CONDITION})",
                     "kept": 0,
                     "drained": 0,
                     "aborted": 0,
@@ -181,7 +233,7 @@ def test_every_request_carries_the_modes(found: modes.Modes, expected: Object) -
             id="drained-in-place",
         ),
         pytest.param(
-            modes.resolve(fleet(staging="auto"), refit(), members(KEEPS_ALL)),
+            modes.resolve(fleet(inFlight="drain", staging="auto"), refit(), members(KEEPS_ALL)),
             {
                 "inFlight": {
                     "requested": "drain",

@@ -64,14 +64,36 @@ def test_a_rendezvous_refit_asks_for_the_fleets_integrity() -> None:
     assert {body.get("integrity") for body in sent(world)} == {"checksum"}
 
 
-def test_a_fleet_at_its_defaults_sends_drain_and_its_kv_mode_and_nothing_new() -> None:
+def test_a_fleet_at_its_defaults_keeps_and_stages_without_integrity() -> None:
+    world = World()
+    world.start()
+    for ip in world.pod_ips().values():
+        world.agents.capabilities[ip] = KEEPS
+    world.refit(1, RENDEZVOUS)
+
+    done = run(world, "tiny-v1")
+    assert done["phase"] == "Succeeded"
+    expected = {"suspendMode": "keep", "kvCacheMode": "persist", "staging": "auto", "integrity": None}
+    assert [modes_of(body) for body in sent(world)] == [expected, expected]
+    assert done["inFlight"]["requested"] == done["inFlight"]["effective"] == "keep"
+    assert "KeepUnavailable" not in {c["type"] for c in done["conditions"]}
+
+
+def test_a_fleet_at_its_defaults_on_engines_too_old_to_keep_drains_sends_nothing_new_and_says_so() -> None:
+    """Engines whose state lists no capabilities (built before keep and staging) are sent what they
+    understand (drain, the KV mode); the Refit says why it drained, nothing silently downgraded."""
     world = World()
     world.start()
     world.refit(1, RENDEZVOUS)
 
-    assert run(world, "tiny-v1")["phase"] == "Succeeded"
+    done = run(world, "tiny-v1")
+    assert done["phase"] == "Succeeded"
     expected = {"suspendMode": "drain", "kvCacheMode": "persist", "staging": None, "integrity": None}
     assert [modes_of(body) for body in sent(world)] == [expected, expected]
+    unavailable = condition(world.api.objects[("Refit", NS, "tiny-v1")], refit_status.KEEP_UNAVAILABLE)
+    assert (unavailable["status"], unavailable["reason"]) == ("True", modes.BACKEND_CANNOT_KEEP)
+    assert (done["inFlight"]["requested"], done["inFlight"]["effective"]) == ("keep", "drain")
+    assert done["staging"]["effective"] == "inPlace" and "cannot stage" in done["staging"]["reason"]
 
 
 def test_a_member_that_cannot_keep_makes_every_member_drain_and_the_refit_says_so() -> None:
@@ -88,7 +110,8 @@ def test_a_member_that_cannot_keep_makes_every_member_drain_and_the_refit_says_s
     unavailable = condition(world.api.objects[("Refit", NS, "tiny-v1")], refit_status.KEEP_UNAVAILABLE)
     assert (unavailable["status"], unavailable["reason"]) == ("True", modes.BACKEND_CANNOT_KEEP)
     assert unavailable["message"] == (
-        "shard 1 (pod tiny-s1-p0) cannot keep sequences across a refit; every member drained"
+        f"shard 1 (pod tiny-s1-p0) cannot keep sequences across a refit; every member drained "
+        f"({modes.DRAIN_WITHOUT_CONDITION})"
     )
     assert running["inFlight"]["effective"] == "drain", "said while it runs"
     assert done["phase"] == "Succeeded"

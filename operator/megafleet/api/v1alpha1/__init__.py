@@ -76,8 +76,9 @@ from megafleet.api.v1alpha1.fleet_status import (
     ShardStatus,
 )
 from megafleet.api.v1alpha1.megatron_generation import (
+    DEFAULT_IN_FLIGHT,
+    DEFAULT_STAGING,
     DNS_1035_LABEL,
-    KEEP_OFFLOAD_NEEDS_MEGATRON,
     NAME_MAX,
     NAME_NOT_DNS_1035,
     NAME_TOO_LONG,
@@ -123,9 +124,10 @@ KINDS: tuple[KindInfo, ...] = (megatron_generation.KIND, refit.KIND, refit_sessi
 
 __all__ = [
     "API_VERSION",
+    "DEFAULT_IN_FLIGHT",
+    "DEFAULT_STAGING",
     "DNS_1035_LABEL",
     "GROUP",
-    "KEEP_OFFLOAD_NEEDS_MEGATRON",
     "KINDS",
     "NAME_MAX",
     "NAME_NOT_DNS_1035",

@@ -86,7 +86,7 @@ class RefitObjectSpec(common.ApiModel):
     in_flight: vocabulary.InFlightMode | None = Field(
         default=None,
         description="inFlight overrides the fleet's refit.inFlight for this refit (drain, abort or keep); "
-        "unset: the fleet's.",
+        "unset: the fleet's (keep unless the fleet says otherwise).",
     )
     kv_cache_mode: vocabulary.KvCacheMode | None = Field(
         default=None,
@@ -96,7 +96,8 @@ class RefitObjectSpec(common.ApiModel):
     staging: vocabulary.StagingMode | None = Field(
         default=None,
         description="staging overrides the fleet's refit.staging for this refit (off, auto or required; "
-        "staging needs the copy the engines allocated at start); unset: the fleet's.",
+        "staging needs the copy the engines allocated at start); unset: the fleet's (auto unless the fleet "
+        "says otherwise).",
     )
     commit: vocabulary.CommitMode | None = Field(
         default=None,
