@@ -166,8 +166,8 @@ class Settings:
     prompt). The transformers backend shares one prefill among the identical prompts of a batch;
     the megatron backend turns on megatron-core's own prefix caching (``enable_prefix_caching``, KV
     blocks shared by hash). Either way a refit invalidates every cached block computed with the old
-    weights. ``auto`` (the default): on for transformers, off for megatron until its GPU tests and
-    the rollout benchmark have run on it (``bench/README.md``)."""
+    weights. ``auto`` (the default): on for both (megatron: since its GPU tests passed with it and
+    the rollout benchmark measured 1.23x output tokens/s, ``bench/README.md``); ``false`` turns it off."""
 
     kv_cache_gib: int = 20
     """``MEGAFLEET_KV_CACHE_GIB``: GPU memory for the paged KV cache of the megatron backend, in GiB.

@@ -1040,7 +1040,7 @@ class TestRefitKvModes:
     ) -> None:
         backend = build(built)
         context = backend.engine.context
-        assert not context.enable_prefix_caching
+        assert context.enable_prefix_caching  # the default: a refit must invalidate what the old weights cached
         scheduler = engine_module.Engine(backend, max_batch_size=8, kv_cache_mode=mode)
         requests = greedy_requests(prompts)
         kv_bytes = context.memory_buffer.numel() * context.memory_buffer.element_size()

