@@ -96,8 +96,11 @@ async def place(ctx: context.FleetContext, *, outside: frozenset[int] | None = N
     missing = [shard for shard in range(ctx.fleet.spec.replicas) if shard not in ctx.shards.pods and shard not in skip]
     if not missing:
         return
-    request = _request(ctx, missing)
     defer_weights = ctx.refit.get("currentVersion") is not None
+    if admission.kueue_places(ctx.fleet):
+        await _hand_to_kueue(ctx, missing, defer_weights=defer_weights)
+        return
+    request = _request(ctx, missing)
     cache = ctx.runtime.cache if ctx.runtime.cache is not None and ctx.runtime.cache.ready else None
     async with ctx.runtime.placement_lock:  # fleets plan one at a time, each seeing what the others took
         plan = planner.plan_placement(request, await _inventory(ctx))
@@ -131,6 +134,29 @@ async def place(ctx: context.FleetContext, *, outside: frozenset[int] | None = N
     if plan.unplaced:
         ctx.notify("Warning", "Unschedulable", context.summary([plan.unplaced[s] for s in sorted(plan.unplaced)]))
     ctx.unplaced = dict(plan.unplaced)
+
+
+async def _hand_to_kueue(ctx: context.FleetContext, missing: list[int], *, defer_weights: bool) -> None:
+    """Create the ``missing`` shards' pods unpinned, each shard one pod group asking Kueue's TAS for
+    a clique (``gang.placedBy: Kueue``): Kueue chooses the clique and the nodes when it admits the
+    group and pins each pod to its node then (a hostname node selector), which the planner of every
+    fleet counts from that moment on (:func:`megafleet.fleet_state.pods.pinned_node`). Nothing is
+    planned here, so nothing is unplaced: a shard no clique holds waits in the queue, and the
+    ``Admitted`` condition gives Kueue's reason."""
+    wanted = {
+        shard: admission.gang(ctx.fleet, shard, desired.shard_pods(ctx.fleet, shard, None, defer_weights=defer_weights))
+        for shard in missing
+    }
+    made = iter(await _create(ctx, [pod for shard in missing for pod in wanted[shard]]))
+    clique_label = ctx.fleet.spec.placement.clique_label
+    for shard in missing:
+        members = [next(made) for _ in wanted[shard]]
+        admission.created(ctx, shard, members)
+        ctx.shards.pods[shard] = [pods.parse(pod, clique_label=clique_label) for pod in members]
+    request = ", ".join(f"{key.split('/')[-1]}={value}" for key, value in sorted(admission.topology(ctx.fleet).items()))
+    shards = ", ".join(str(shard) for shard in missing)
+    ctx.notify("Normal", "ShardsPlaced", f"shards {shards} handed to Kueue to place ({request})")
+    ctx.unplaced = {}
 
 
 def _nodes(placement: planner.ShardPlacement) -> str:
