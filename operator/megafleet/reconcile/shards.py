@@ -12,7 +12,7 @@ from typing import Any
 
 from lightkube import operators
 
-from megafleet import desired, planner
+from megafleet import compute_domain, desired, kueue, planner
 from megafleet.api import checks
 from megafleet.fleet_state import ownership, pods
 from megafleet.reconcile import admission, compute_domains, context, inventory
@@ -110,7 +110,8 @@ async def place(ctx: context.FleetContext, *, outside: frozenset[int] | None = N
             )
             for shard, placement in plan.placed.items()
         }
-        wanted = await compute_domains.attach(ctx, plan.placed, wanted)  # domains before their pods
+        spans = {shard: compute_domain.nodes_spanned(placement) for shard, placement in plan.placed.items()}
+        wanted = await compute_domains.attach(ctx, spans, wanted)  # domains before their pods
         planned = [pod for shard in sorted(wanted) for pod in wanted[shard]]
         if cache is not None:  # counted from now on: the next fleet plans while these are created
             cache.reserve(planned)
@@ -147,6 +148,8 @@ async def _hand_to_kueue(ctx: context.FleetContext, missing: list[int], *, defer
         shard: admission.gang(ctx.fleet, shard, desired.shard_pods(ctx.fleet, shard, None, defer_weights=defer_weights))
         for shard in missing
     }
+    if kueue.REQUIRED_TOPOLOGY in admission.topology(ctx.fleet):  # one clique, a node per pod: a domain
+        wanted = await compute_domains.attach(ctx, dict.fromkeys(missing, ctx.fleet.layout.pods_per_shard), wanted)
     made = iter(await _create(ctx, [pod for shard in missing for pod in wanted[shard]]))
     clique_label = ctx.fleet.spec.placement.clique_label
     for shard in missing:

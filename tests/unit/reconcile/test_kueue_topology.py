@@ -11,7 +11,7 @@ import pydantic
 import pytest
 
 from helpers import agent_fakes, kube_fakes
-from megafleet import desired, kueue, planner, reconcile, settings
+from megafleet import compute_domain, desired, kueue, planner, reconcile, settings
 from megafleet.api import v1alpha1
 from megafleet.objects import Object
 from megafleet.reconcile import cache, context, inventory
@@ -188,3 +188,17 @@ def spec(placed_by: str | None) -> v1alpha1.MegatronGenerationSpec:
 def test_needs_clique_matches_what_the_planner_requires() -> None:
     assert planner.needs_clique(planner.Parallelism(tensor=16), 8)
     assert not planner.needs_clique(planner.Parallelism(tensor=8), 8)
+
+
+def test_a_shard_kueue_places_in_one_clique_gets_its_compute_domain_before_its_pods() -> None:
+    cluster = Cluster(manifest(tensor=16), node("n0", "c0"))
+    created: list[str] = []
+    cluster.api.observers.append(
+        lambda verb, kind, namespace, name, obj: created.append(kind) if verb == "create" else None
+    )
+    cluster.reconcile()
+    made = [obj for (kind, _, _), obj in sorted(cluster.api.objects.items()) if kind == compute_domain.KIND]
+    assert [domain["spec"]["numNodes"] for domain in made] == [2, 2], "a node per pod of a 16-GPU shard"
+    assert created.index("Pod") > created.index(compute_domain.KIND) and created.count(compute_domain.KIND) == 2
+    for pod in cluster.pods():
+        assert pod["spec"]["resourceClaims"][0]["name"] == compute_domain.CLAIM_NAME
