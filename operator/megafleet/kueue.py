@@ -43,6 +43,9 @@ SERVING_ANNOTATION = "kueue.x-k8s.io/pod-group-serving"
 ROLE_ANNOTATION = "kueue.x-k8s.io/role-hash"
 ADMISSION_GATE = "kueue.x-k8s.io/admission"
 """The scheduling gate Kueue's pod webhook adds and removes once the group is admitted."""
+TOPOLOGY_GATE = "kueue.x-k8s.io/topology"
+"""The gate Kueue's TAS removes from an admitted pod once it wrote the pod's node into its node selector."""
+HOSTNAME_LABEL = "kubernetes.io/hostname"
 MANAGED_FINALIZER = "kueue.x-k8s.io/managed"
 """Kueue's finalizer on each pod of a group: it holds a deleted pod until Kueue lets the group go."""
 TERMINATION_TARGET = "TerminationTarget"
@@ -171,3 +174,49 @@ def short_of_topology(reason: str) -> bool:
     """Whether Kueue's reason for not admitting a group is its Topology: no domain holds the pod set
     (e.g. no clique has room for the whole shard), as opposed to the quota."""
     return any(words in reason for words in TOPOLOGY_SHORT)
+
+
+def awaiting_node(pod: Object) -> str | None:
+    """The group of a pod Kueue admitted but has not pinned to its node yet (its admission gate gone,
+    its topology gate still on, not bound): the node is in the group's Workload only."""
+    spec = pod.get("spec") or {}
+    gates = {gate.get("name") for gate in spec.get("schedulingGates") or []}
+    if TOPOLOGY_GATE in gates and ADMISSION_GATE not in gates and not spec.get("nodeName"):
+        return group_of(pod)
+    return None
+
+
+def assigned_pods(workload: Object | None) -> dict[str, int]:
+    """Pods per node that Kueue's TAS assigned a Workload at admission (``status.admission``'s
+    topology assignments, v1beta2's compressed slices), for a Topology whose lowest level is the
+    hostname; empty for anything else."""
+    found: dict[str, int] = {}
+    admission = ((workload or {}).get("status") or {}).get("admission") or {}
+    for assignment in admission.get("podSetAssignments") or []:
+        topology = assignment.get("topologyAssignment") or {}
+        levels = topology.get("levels") or []
+        if not levels or levels[-1] != HOSTNAME_LABEL:
+            continue
+        for piece in topology.get("slices") or []:
+            count = int(piece.get("domainCount") or 0)
+            values = (piece.get("valuesPerLevel") or [{}])[-1]
+            counts = piece.get("podCounts") or {}
+            individual = values.get("individual") or {}
+            roots = individual.get("roots") or []
+            for index in range(count):
+                if "universal" in values:
+                    host = str(values["universal"])
+                elif index < len(roots):
+                    host = f"{individual.get('prefix') or ''}{roots[index]}{individual.get('suffix') or ''}"
+                else:
+                    continue
+                listed = counts.get("individual") or []
+                pods = (
+                    int(counts["universal"])
+                    if "universal" in counts
+                    else int(listed[index])
+                    if index < len(listed)
+                    else 0
+                )
+                found[host] = found.get(host, 0) + pods
+    return found

@@ -201,7 +201,9 @@ async def _create(ctx: context.FleetContext, planned: list[dict[str, Any]]) -> l
 
 async def _inventory(ctx: context.FleetContext) -> list[planner.NodeInfo]:
     """Nodes and the pods not ended, from the watch-fed cache where it covers them (see
-    :mod:`.cache` for how fresh), else LISTed."""
+    :mod:`.cache` for how fresh), else LISTed; and the Workload of each Kueue group admitted whose
+    pods Kueue's TAS has not pinned yet (a moment, between its admission and its ungating), whose
+    topology assignment names their nodes."""
     cache = ctx.runtime.cache if ctx.runtime.cache is not None and ctx.runtime.cache.ready else None
     live = cache.live_pods() if cache is not None else None
     if live is None:
@@ -210,7 +212,17 @@ async def _inventory(ctx: context.FleetContext) -> list[planner.NodeInfo]:
             live = cache.with_reserved(live)
     found = cache.nodes() if cache is not None else await ctx.api.list("Node")
     spec = ctx.fleet.spec
-    return inventory.nodes(found, live, resource=spec.resources.gpu_resource, tolerations=spec.placement.tolerations)
+    workloads = {
+        (namespace, group): await ctx.api.get("Workload", group, namespace)
+        for namespace, group in inventory.awaiting_groups(live)
+    }
+    return inventory.nodes(
+        found,
+        live,
+        resource=spec.resources.gpu_resource,
+        tolerations=spec.placement.tolerations,
+        assigned=inventory.assigned_gpus(live, workloads, spec.resources.gpu_resource),
+    )
 
 
 async def _drain_and_remove(ctx: context.FleetContext, shard: int) -> None:

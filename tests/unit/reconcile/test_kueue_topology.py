@@ -202,3 +202,75 @@ def test_a_shard_kueue_places_in_one_clique_gets_its_compute_domain_before_its_p
     assert created.index("Pod") > created.index(compute_domain.KIND) and created.count(compute_domain.KIND) == 2
     for pod in cluster.pods():
         assert pod["spec"]["resourceClaims"][0]["name"] == compute_domain.CLAIM_NAME
+
+
+ADMITTED_NOT_PINNED = {
+    "admission": {
+        "podSetAssignments": [
+            {
+                "name": "shard",
+                "count": 3,
+                "topologyAssignment": {
+                    "levels": ["kubernetes.io/hostname"],
+                    "slices": [
+                        {
+                            "domainCount": 2,
+                            "valuesPerLevel": [{"individual": {"prefix": "n", "roots": ["0", "1"]}}],
+                            "podCounts": {"individual": [1, 1]},
+                        },
+                        {"domainCount": 1, "valuesPerLevel": [{"universal": "n2"}], "podCounts": {"universal": 1}},
+                    ],
+                },
+            }
+        ]
+    }
+}
+
+
+def group_pod(name: str, gates: list[str], node_selector: dict[str, str] | None = None) -> Object:
+    return {
+        "metadata": {"name": name, "namespace": "rl", "labels": {kueue.GROUP_LABEL: "gen-0-abc"}},
+        "spec": {
+            "schedulingGates": [{"name": gate} for gate in gates],
+            **({"nodeSelector": node_selector} if node_selector else {}),
+            "containers": [{"resources": {"requests": {GPU: "8"}}}],
+        },
+    }
+
+
+def test_topology_assignments_read_in_kueues_compressed_form() -> None:
+    assert kueue.assigned_pods({"status": ADMITTED_NOT_PINNED}) == {"n0": 1, "n1": 1, "n2": 1}
+    assert kueue.assigned_pods(None) == {}
+    clique_only = {"admission": {"podSetAssignments": [{"topologyAssignment": {"levels": [CLIQUE], "slices": []}}]}}
+    assert kueue.assigned_pods({"status": clique_only}) == {}, "no node named: nothing to count"
+
+
+def test_gpus_kueue_assigned_before_it_pinned_the_pods_count_on_the_assigned_nodes_once() -> None:
+    # Admitted (admission gate gone), one pod already pinned to n0, two still behind the topology gate.
+    raw = [
+        group_pod("gen-0-0", [], {"kubernetes.io/hostname": "n0"}),
+        group_pod("gen-0-1", [kueue.TOPOLOGY_GATE]),
+        group_pod("gen-0-2", [kueue.TOPOLOGY_GATE]),
+    ]
+    live = [slim for slim in (cache.slim_pod(pod) for pod in raw) if slim is not None]
+    assert inventory.awaiting_groups(live) == [("rl", "gen-0-abc")]
+    assigned = inventory.assigned_gpus(live, {("rl", "gen-0-abc"): {"status": ADMITTED_NOT_PINNED}}, GPU)
+    assert assigned == {"n1": 8, "n2": 8}, "n0's pod counts itself"
+    found = inventory.nodes([node(f"n{i}") for i in range(4)], live, resource=GPU, tolerations=[], assigned=assigned)
+    assert {info.name: info.free_gpus for info in found} == {"n0": 0, "n1": 0, "n2": 0, "n3": 8}
+    # Still waiting for quota (both gates on): no node is Kueue's yet.
+    waiting = cache.slim_pod(group_pod("gen-1-0", [kueue.ADMISSION_GATE, kueue.TOPOLOGY_GATE]))
+    assert waiting is not None and inventory.awaiting_groups([waiting]) == []
+
+
+def test_an_operator_placed_fleet_plans_around_a_group_kueue_admitted_but_has_not_pinned() -> None:
+    other = manifest(tensor=8, placed_by="Operator")
+    other["metadata"] = {**other["metadata"], "name": "other", "uid": "uid-other"}
+    other["spec"]["replicas"] = 1
+    workload = {"kind": "Workload", "metadata": {"name": "gen-0-abc", "namespace": "rl"}, "status": ADMITTED_NOT_PINNED}
+    gated = [{"kind": "Pod", **group_pod(f"gen-0-{i}", [kueue.TOPOLOGY_GATE])} for i in range(3)]
+    cluster = Cluster(other, *(node(f"n{i}") for i in range(4)), workload, *gated)
+    cluster.reconcile("other")
+    (pod,) = cluster.pods("other")
+    term = pod["spec"]["affinity"]["nodeAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"]
+    assert term["nodeSelectorTerms"][0]["matchFields"][0]["values"] == ["n3"], "n0-n2 are Kueue's"
