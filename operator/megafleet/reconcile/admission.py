@@ -6,7 +6,9 @@ they are made, and :func:`condition` when the status is written. The operator's 
 where a shard goes (nodes, clique) and makes its pods; Kueue decides whether and when the shard
 runs (its ClusterQueue's quota, priorities, preemption): the pods wait behind Kueue's scheduling
 gate until their group is admitted, all of them at once. Neither overrides the other
-(docs/kueue.md).
+(docs/kueue.md). With ``gang.placedBy: Kueue`` Kueue's Topology Aware Scheduling decides where as
+well (:func:`kueue_places`): the pods go unpinned, asking for one clique (:func:`topology`), and a
+shard no clique holds waits with the reason ``WaitingForTopology``.
 
 - A shard whose pods are gated waits: the ``Admitted`` condition is False, reason
   ``WaitingForQuota``, naming the LocalQueue and Kueue's own words for the lowest waiting shard.
