@@ -136,6 +136,8 @@ def test_a_shard_no_clique_holds_waits_with_kueues_topology_reason() -> None:
     waiting = admitted(cluster.reconcile())
     assert (waiting["status"], waiting["reason"]) == ("False", "WaitingForTopology")
     assert f"wait in LocalQueue {QUEUE}" in waiting["message"] and NO_CLIQUE in waiting["message"]
+    last = cluster.runtime.observed[("rl", "gen")]
+    assert not last.settled and not last.starting, "reconciled on a timer: Kueue's reason changes without pods"
 
 
 def test_quota_and_topology_reasons_are_told_apart() -> None:
