@@ -31,7 +31,7 @@ CLAIM_NAME = "compute-domain-channel"
 
 def spans_nodes(placement: planner.ShardPlacement) -> bool:
     """Whether a placed shard needs a domain: its pods sit on more than one node of one clique."""
-    return placement.clique is not None and len({pod.node for pod in placement.pods}) > 1
+    return nodes_spanned(placement) > 1
 
 
 def name(fleet: str, shard: int, token: str) -> str:
@@ -39,7 +39,12 @@ def name(fleet: str, shard: int, token: str) -> str:
     return f"{fleet}-s{shard}-cd-{token}"
 
 
-def compute_domain(fleet: desired.ParsedFleet, shard: int, domain: str, placement: planner.ShardPlacement) -> Object:
+def nodes_spanned(placement: planner.ShardPlacement) -> int:
+    """How many nodes of one clique a placed shard spans (0: none, its pods share no clique)."""
+    return len({pod.node for pod in placement.pods}) if placement.clique is not None else 0
+
+
+def compute_domain(fleet: desired.ParsedFleet, shard: int, domain: str, nodes: int) -> Object:
     """The ComputeDomain of one placed shard: one IMEX daemon per node of the shard (``numNodes``,
     which the driver reads in both of its daemon modes), one channel per pod."""
     return {
@@ -47,7 +52,7 @@ def compute_domain(fleet: desired.ParsedFleet, shard: int, domain: str, placemen
         "kind": KIND,
         "metadata": desired.metadata(fleet, domain, COMPONENT, shard),
         "spec": {
-            "numNodes": len({pod.node for pod in placement.pods}),
+            "numNodes": nodes,
             "channel": {"resourceClaimTemplate": {"name": domain}, "allocationMode": "Single"},
         },
     }

@@ -249,8 +249,9 @@ def template_hash(fleet: ParsedFleet) -> str:
     return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
-_ADDED_LATER: dict[str, object] = {"extra": {}, "envFrom": [], "valueFrom": None}
-"""Fields of ``resources``, ``engine`` and ``engine.env[]`` added after the first release, at their defaults."""
+_ADDED_LATER: dict[str, object] = {"extra": {}, "envFrom": [], "valueFrom": None, "placedBy": "Operator"}
+"""Fields of ``resources``, ``engine``, ``engine.env[]`` and ``placement.gang`` added after the first
+release, at their defaults."""
 
 
 def _without_added_defaults(value: object) -> object:
@@ -274,9 +275,11 @@ def _dump(value: object) -> object:
 
 
 def shard_pods(
-    fleet: ParsedFleet, shard: int, placement: planner.ShardPlacement, *, defer_weights: bool = False
+    fleet: ParsedFleet, shard: int, placement: planner.ShardPlacement | None, *, defer_weights: bool = False
 ) -> list[Object]:
-    """Every pod of one placed shard, pinned to the placement's nodes (and clique).
+    """Every pod of one placed shard, pinned to the placement's nodes (and clique); with no
+    ``placement`` (``gang.placedBy: Kueue``: Kueue's Topology Aware Scheduling chooses the clique and
+    the nodes when it admits the shard) pinned to nothing but ``placement.nodeSelector``.
 
     ``defer_weights``: start the engines without weights (``MEGAFLEET_WEIGHTS_INITIAL=refit``) whatever
     ``spec.weights.initial`` says; the reconcile asks for it once a refit has moved the fleet past the
@@ -293,7 +296,7 @@ def _pod(
     shard: int,
     index: int,
     layout: planner.PodLayout,
-    placement: planner.ShardPlacement,
+    placement: planner.ShardPlacement | None,
     *,
     defer_weights: bool,
 ) -> Object:
@@ -333,7 +336,7 @@ def _pod(
             "terminationGracePeriodSeconds": 30,
             "enableServiceLinks": False,
             **_pod_identity(spec.pod),
-            "affinity": _affinity(fleet, placement, index),
+            **({"affinity": _affinity(fleet, placement, index)} if placement is not None else {}),
             "nodeSelector": dict(spec.placement.node_selector),
             "tolerations": [
                 t.model_dump(mode="json", by_alias=True, exclude_none=True) for t in spec.placement.tolerations

@@ -46,7 +46,7 @@ class Pod:
     node: str
     """The node the scheduler bound the pod to."""
     pinned_node: str | None
-    """The node the pod's hostname affinity pins it to."""
+    """The node the pod is pinned to (its affinity, or the hostname node selector Kueue injected)."""
     clique: str | None
     """The clique label value the pod's node affinity requires."""
     template_hash: str | None
@@ -114,7 +114,10 @@ def exit_reason(status: Object) -> str | None:
 
 def pinned_node(pod: Object) -> str | None:
     """The node a pod is pinned to by a one-node affinity (the operator's pods are): a
-    ``metadata.name`` field term, or the hostname label term pods created before it carry."""
+    ``metadata.name`` field term, or the hostname label term pods created before it carry; else by a
+    hostname node selector (Kueue's TAS injects it into a pod it admitted: ``gang.placedBy: Kueue``).
+    A hostname label is taken for the node's name, as the dev cluster and most clusters have it."""
+    selected = (pod.get("spec", {}).get("nodeSelector") or {}).get(HOSTNAME_LABEL)
     affinity = pod.get("spec", {}).get("affinity") or {}
     required = (affinity.get("nodeAffinity") or {}).get("requiredDuringSchedulingIgnoredDuringExecution") or {}
     for term in required.get("nodeSelectorTerms", []):
@@ -124,7 +127,7 @@ def pinned_node(pod: Object) -> str | None:
             values = expression.get("values", [])
             if expression.get("key") == key and expression.get("operator") == "In":
                 return str(values[0]) if len(values) == 1 else None
-    return None
+    return str(selected) if selected else None
 
 
 def _required_label(spec: Object, label: str) -> str | None:

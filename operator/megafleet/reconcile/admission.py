@@ -6,7 +6,9 @@ they are made, and :func:`condition` when the status is written. The operator's 
 where a shard goes (nodes, clique) and makes its pods; Kueue decides whether and when the shard
 runs (its ClusterQueue's quota, priorities, preemption): the pods wait behind Kueue's scheduling
 gate until their group is admitted, all of them at once. Neither overrides the other
-(docs/kueue.md).
+(docs/kueue.md). With ``gang.placedBy: Kueue`` Kueue's Topology Aware Scheduling decides where as
+well (:func:`kueue_places`): the pods go unpinned, asking for one clique (:func:`topology`), and a
+shard no clique holds waits with the reason ``WaitingForTopology``.
 
 - A shard whose pods are gated waits: the ``Admitted`` condition is False, reason
   ``WaitingForQuota``, naming the LocalQueue and Kueue's own words for the lowest waiting shard.
@@ -24,7 +26,8 @@ gate until their group is admitted, all of them at once. Neither overrides the o
 
 from __future__ import annotations
 
-from megafleet import conditions, desired, kube, kueue, names
+from megafleet import conditions, desired, kube, kueue, names, planner
+from megafleet.api import checks
 from megafleet.fleet_state import ownership, pods
 from megafleet.objects import Object
 from megafleet.reconcile import context
@@ -34,12 +37,35 @@ def uses_kueue(fleet: desired.ParsedFleet) -> bool:
     return fleet.spec.placement.gang.scheduler == "Kueue"
 
 
+def kueue_places(fleet: desired.ParsedFleet) -> bool:
+    """Kueue's Topology Aware Scheduling, not the operator's planner, chooses the shards' cliques
+    and nodes (``gang.placedBy: Kueue``)."""
+    return uses_kueue(fleet) and fleet.spec.placement.gang.placed_by == "Kueue"
+
+
+def topology(fleet: desired.ParsedFleet) -> dict[str, str]:
+    """What a shard Kueue places asks of its Topology: one clique of ``placement.cliqueLabel`` when
+    its NVLink span crosses nodes (required or preferred, as ``placement.nvlink``), else nothing."""
+    spec = fleet.spec
+    crosses = planner.needs_clique(checks.parallelism(spec.parallelism), spec.resources.gpus_per_node)
+    return kueue.topology_request(
+        clique_label=spec.placement.clique_label,
+        needs_clique=crosses and fleet.layout.pods_per_shard > 1,
+        required=spec.placement.nvlink == "Required",
+    )
+
+
 def gang(fleet: desired.ParsedFleet, shard: int, members: list[Object]) -> list[Object]:
-    """One shard's pods as one Kueue pod group of a new name, when the fleet uses Kueue."""
+    """One shard's pods as one Kueue pod group of a new name, when the fleet uses Kueue; asking
+    Kueue's TAS for a clique when Kueue places it."""
     queue = fleet.spec.placement.gang.queue
     if not uses_kueue(fleet) or queue is None:
         return members
-    return kueue.join(members, queue=queue, group=kueue.group_name(fleet.name, shard))
+    group = kueue.group_name(fleet.name, shard)
+    if kueue_places(fleet):
+        asked = topology(fleet)
+        return kueue.join(members, queue=queue, group=group, topology=asked, index_label=names.LABEL_POD_INDEX)
+    return kueue.join(members, queue=queue, group=group)
 
 
 async def observe(ctx: context.FleetContext) -> None:
@@ -130,7 +156,8 @@ def condition(ctx: context.FleetContext, found: list[conditions.Condition], *, n
         message = (
             f"shards {shards} wait in LocalQueue {queue}: not admitted by Kueue (shard {first}: {ctx.queued[first]})"
         )
-        verdict = conditions.Verdict(False, "WaitingForQuota", message[: context.SUMMARY_CHARACTERS])
+        reason = "WaitingForTopology" if kueue.short_of_topology(ctx.queued[first]) else "WaitingForQuota"
+        verdict = conditions.Verdict(False, reason, message[: context.SUMMARY_CHARACTERS])
     else:
         verdict = conditions.Verdict(True, "AllShardsAdmitted", f"Kueue admitted every shard from LocalQueue {queue}")
     return conditions.set_condition(found, conditions.ADMITTED, verdict, generation=generation, now=now)

@@ -41,8 +41,11 @@ from typing import Any
 
 import msgspec
 
-from megafleet import names
+from megafleet import kueue, names
 from megafleet.objects import Object
+
+HOSTNAME_LABEL = kueue.HOSTNAME_LABEL
+"""A pod's hostname node selector, kept in the slim pod (``megafleet.fleet_state.pods.pinned_node``)."""
 
 Index = Mapping[Any, Iterable[Object]]
 """A Kopf index as handlers receive it: key to the values of every object indexed under it."""
@@ -93,13 +96,25 @@ def slim_pod(body: Mapping[str, Any]) -> Object | None:
         {"resources": {"requests": dict((c.get("resources") or {}).get("requests") or {})}}
         for c in spec.get("containers") or []
     ]
+    pinned = (spec.get("nodeSelector") or {}).get(HOSTNAME_LABEL)
+    group = (body["metadata"].get("labels") or {}).get(kueue.GROUP_LABEL)
+    gates = spec.get("schedulingGates")
     return {
         "metadata": {
             "namespace": body["metadata"].get("namespace"),
             "name": body["metadata"]["name"],
             "uid": body["metadata"].get("uid"),
+            # a Kueue group's pods Kueue admitted but has not pinned yet: inventory.assigned_gpus
+            **({"labels": {kueue.GROUP_LABEL: group}} if group else {}),
         },
-        "spec": {"nodeName": spec.get("nodeName"), "affinity": spec.get("affinity"), "containers": containers},
+        "spec": {
+            "nodeName": spec.get("nodeName"),
+            "affinity": spec.get("affinity"),
+            # the node Kueue's TAS pinned an admitted pod to (gang.placedBy: Kueue): pods.pinned_node
+            **({"nodeSelector": {HOSTNAME_LABEL: pinned}} if pinned else {}),
+            **({"schedulingGates": gates} if group and gates else {}),
+            "containers": containers,
+        },
     }
 
 

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import secrets
 
-from megafleet import compute_domain, kube, names, planner
+from megafleet import compute_domain, kube, names
 from megafleet.fleet_state import ownership
 from megafleet.objects import Object
 from megafleet.reconcile import context
@@ -29,23 +29,23 @@ def spanning(ctx: context.FleetContext) -> bool:
 
 
 async def attach(
-    ctx: context.FleetContext, placed: dict[int, planner.ShardPlacement], wanted: dict[int, list[Object]]
+    ctx: context.FleetContext, spans: dict[int, int], wanted: dict[int, list[Object]]
 ) -> dict[int, list[Object]]:
     """``wanted`` (each placed shard's pods) with a new ComputeDomain made for every shard that spans
-    nodes and its pods claiming the domain's channel; the others as they are."""
+    nodes of one clique (``spans``: shard to its node count, from the operator's placement or, for a
+    shard Kueue places in one clique, its pod count) and its pods claiming the domain's channel; the
+    others as they are."""
     if not spanning(ctx):
         return wanted
     attached = dict(wanted)
     made, missing_api = [], False
-    for shard, placement in sorted(placed.items()):
-        if not compute_domain.spans_nodes(placement) or missing_api:
+    for shard, nodes in sorted(spans.items()):
+        if nodes < 2 or missing_api:
             continue
         try:
             await remove(ctx, shard)
             domain = compute_domain.name(ctx.fleet.name, shard, secrets.token_hex(3))
-            await ownership.create(
-                ctx.api, ctx.fleet, compute_domain.compute_domain(ctx.fleet, shard, domain, placement)
-            )
+            await ownership.create(ctx.api, ctx.fleet, compute_domain.compute_domain(ctx.fleet, shard, domain, nodes))
         except kube.ApiError as error:
             if error.code != 404:
                 raise

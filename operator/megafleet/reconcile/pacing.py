@@ -56,10 +56,11 @@ checkpoint catch-up, which a timer retries, and a Failed one for a restart."""
 
 def starting(ctx: context.FleetContext) -> bool:
     """Not settled, but nothing but the pods and agents themselves can move it on: every shard up
-    to ``replicas`` is placed, none terminates or waits for GPUs, no refit runs or session holds
-    the fleet, and each shard is Starting, Loading or Ready."""
+    to ``replicas`` is placed, none terminates, waits for GPUs or for Kueue (whose reason, read from
+    a Workload, changes without any pod changing), no refit runs or session holds the fleet, and
+    each shard is Starting, Loading or Ready."""
     replicas = ctx.fleet.spec.replicas
-    if ctx.refitting or ctx.held is not None or ctx.unplaced or ctx.shards.terminating:
+    if ctx.refitting or ctx.held is not None or ctx.unplaced or ctx.shards.terminating or ctx.queued:
         return False
     if set(ctx.shards.pods) != set(range(replicas)):
         return False

@@ -12,7 +12,7 @@ from typing import Any
 
 from lightkube import operators
 
-from megafleet import desired, planner
+from megafleet import compute_domain, desired, kueue, planner
 from megafleet.api import checks
 from megafleet.fleet_state import ownership, pods
 from megafleet.reconcile import admission, compute_domains, context, inventory
@@ -96,8 +96,11 @@ async def place(ctx: context.FleetContext, *, outside: frozenset[int] | None = N
     missing = [shard for shard in range(ctx.fleet.spec.replicas) if shard not in ctx.shards.pods and shard not in skip]
     if not missing:
         return
-    request = _request(ctx, missing)
     defer_weights = ctx.refit.get("currentVersion") is not None
+    if admission.kueue_places(ctx.fleet):
+        await _hand_to_kueue(ctx, missing, defer_weights=defer_weights)
+        return
+    request = _request(ctx, missing)
     cache = ctx.runtime.cache if ctx.runtime.cache is not None and ctx.runtime.cache.ready else None
     async with ctx.runtime.placement_lock:  # fleets plan one at a time, each seeing what the others took
         plan = planner.plan_placement(request, await _inventory(ctx))
@@ -107,7 +110,8 @@ async def place(ctx: context.FleetContext, *, outside: frozenset[int] | None = N
             )
             for shard, placement in plan.placed.items()
         }
-        wanted = await compute_domains.attach(ctx, plan.placed, wanted)  # domains before their pods
+        spans = {shard: compute_domain.nodes_spanned(placement) for shard, placement in plan.placed.items()}
+        wanted = await compute_domains.attach(ctx, spans, wanted)  # domains before their pods
         planned = [pod for shard in sorted(wanted) for pod in wanted[shard]]
         if cache is not None:  # counted from now on: the next fleet plans while these are created
             cache.reserve(planned)
@@ -131,6 +135,31 @@ async def place(ctx: context.FleetContext, *, outside: frozenset[int] | None = N
     if plan.unplaced:
         ctx.notify("Warning", "Unschedulable", context.summary([plan.unplaced[s] for s in sorted(plan.unplaced)]))
     ctx.unplaced = dict(plan.unplaced)
+
+
+async def _hand_to_kueue(ctx: context.FleetContext, missing: list[int], *, defer_weights: bool) -> None:
+    """Create the ``missing`` shards' pods unpinned, each shard one pod group asking Kueue's TAS for
+    a clique (``gang.placedBy: Kueue``): Kueue chooses the clique and the nodes when it admits the
+    group and pins each pod to its node then (a hostname node selector), which the planner of every
+    fleet counts from that moment on (:func:`megafleet.fleet_state.pods.pinned_node`). Nothing is
+    planned here, so nothing is unplaced: a shard no clique holds waits in the queue, and the
+    ``Admitted`` condition gives Kueue's reason."""
+    wanted = {
+        shard: admission.gang(ctx.fleet, shard, desired.shard_pods(ctx.fleet, shard, None, defer_weights=defer_weights))
+        for shard in missing
+    }
+    if kueue.REQUIRED_TOPOLOGY in admission.topology(ctx.fleet):  # one clique, a node per pod: a domain
+        wanted = await compute_domains.attach(ctx, dict.fromkeys(missing, ctx.fleet.layout.pods_per_shard), wanted)
+    made = iter(await _create(ctx, [pod for shard in missing for pod in wanted[shard]]))
+    clique_label = ctx.fleet.spec.placement.clique_label
+    for shard in missing:
+        members = [next(made) for _ in wanted[shard]]
+        admission.created(ctx, shard, members)
+        ctx.shards.pods[shard] = [pods.parse(pod, clique_label=clique_label) for pod in members]
+    request = ", ".join(f"{key.split('/')[-1]}={value}" for key, value in sorted(admission.topology(ctx.fleet).items()))
+    shards = ", ".join(str(shard) for shard in missing)
+    ctx.notify("Normal", "ShardsPlaced", f"shards {shards} handed to Kueue to place ({request})")
+    ctx.unplaced = {}
 
 
 def _nodes(placement: planner.ShardPlacement) -> str:
@@ -172,7 +201,9 @@ async def _create(ctx: context.FleetContext, planned: list[dict[str, Any]]) -> l
 
 async def _inventory(ctx: context.FleetContext) -> list[planner.NodeInfo]:
     """Nodes and the pods not ended, from the watch-fed cache where it covers them (see
-    :mod:`.cache` for how fresh), else LISTed."""
+    :mod:`.cache` for how fresh), else LISTed; and the Workload of each Kueue group admitted whose
+    pods Kueue's TAS has not pinned yet (a moment, between its admission and its ungating), whose
+    topology assignment names their nodes."""
     cache = ctx.runtime.cache if ctx.runtime.cache is not None and ctx.runtime.cache.ready else None
     live = cache.live_pods() if cache is not None else None
     if live is None:
@@ -181,7 +212,17 @@ async def _inventory(ctx: context.FleetContext) -> list[planner.NodeInfo]:
             live = cache.with_reserved(live)
     found = cache.nodes() if cache is not None else await ctx.api.list("Node")
     spec = ctx.fleet.spec
-    return inventory.nodes(found, live, resource=spec.resources.gpu_resource, tolerations=spec.placement.tolerations)
+    workloads = {
+        (namespace, group): await ctx.api.get("Workload", group, namespace)
+        for namespace, group in inventory.awaiting_groups(live)
+    }
+    return inventory.nodes(
+        found,
+        live,
+        resource=spec.resources.gpu_resource,
+        tolerations=spec.placement.tolerations,
+        assigned=inventory.assigned_gpus(live, workloads, spec.resources.gpu_resource),
+    )
 
 
 async def _drain_and_remove(ctx: context.FleetContext, shard: int) -> None:

@@ -43,6 +43,7 @@ from megafleet.api.v1alpha1.fleet_engine import (
     SecretKeyRef,
 )
 from megafleet.api.v1alpha1.fleet_placement import (
+    GangPlacer,
     GangScheduler,
     GangSpec,
     NvlinkPolicy,
@@ -154,6 +155,7 @@ __all__ = [
     "FleetRef",
     "FleetRefitStatus",
     "FrontendSpec",
+    "GangPlacer",
     "GangScheduler",
     "GangSpec",
     "HostPathSource",

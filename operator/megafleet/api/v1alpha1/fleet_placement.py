@@ -17,6 +17,7 @@ from megafleet.api.v1alpha1 import common
 
 NvlinkPolicy = Literal["Required", "Preferred"]
 GangScheduler = Literal["None", "Kueue"]
+GangPlacer = Literal["Operator", "Kueue"]
 
 _EXTENDED_RESOURCE = (
     r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*/[A-Za-z0-9]([-A-Za-z0-9_.]*[A-Za-z0-9])?$"
@@ -192,6 +193,7 @@ GANG_SCHEDULERS_REFUSED = (
     "hand them a shard); docs/kueue.md"
 )
 _QUEUE_NEEDED = "queue (the LocalQueue in the fleet's namespace) is required with scheduler Kueue"
+_KUEUE_PLACES_NEEDS_KUEUE = "placedBy Kueue (Kueue's Topology Aware Scheduling) needs scheduler Kueue"
 
 
 class GangSpec(common.ApiModel):
@@ -202,6 +204,11 @@ class GangSpec(common.ApiModel):
             "x-kubernetes-validations": [
                 common.cel("self.scheduler in ['None', 'Kueue']", GANG_SCHEDULERS_REFUSED, field_path=".scheduler"),
                 common.cel("self.scheduler != 'Kueue' || has(self.queue)", _QUEUE_NEEDED, field_path=".queue"),
+                common.cel(
+                    "!has(self.placedBy) || self.placedBy == 'Operator' || self.scheduler == 'Kueue'",
+                    _KUEUE_PLACES_NEEDS_KUEUE,
+                    field_path=".placedBy",
+                ),
             ]
         }
     )
@@ -219,6 +226,14 @@ class GangSpec(common.ApiModel):
         description="queue is the Kueue LocalQueue (in the fleet's namespace) the shards wait in; required "
         "with scheduler Kueue.",
     )
+    placed_by: GangPlacer = Field(
+        default="Operator",
+        description="placedBy says who chooses each shard's NVLink clique and nodes: Operator (the operator's "
+        "planner; every pod is pinned to its node) or Kueue (Kueue's Topology Aware Scheduling: each shard's pod "
+        "group asks for one clique, the placement.cliqueLabel level, and Kueue chooses the clique and the nodes "
+        "when it admits the shard; the LocalQueue's flavor must be a TAS flavor). Kueue needs scheduler Kueue "
+        "(docs/kueue.md).",
+    )
 
     @pydantic.field_validator("scheduler", mode="before")
     @classmethod
@@ -231,6 +246,8 @@ class GangSpec(common.ApiModel):
     def _queue_named(self) -> GangSpec:
         if self.scheduler == "Kueue" and not self.queue:
             raise ValueError(_QUEUE_NEEDED)
+        if self.placed_by == "Kueue" and self.scheduler != "Kueue":
+            raise ValueError(_KUEUE_PLACES_NEEDS_KUEUE)
         return self
 
 
