@@ -13,14 +13,13 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-import torch
 
 from helpers import engine_harness as harness
 from helpers import refit_harness
 from megafleet_engine import refit_staging
 from megafleet_engine.backends import transformers_backend
 from megafleet_engine.models import tiny
-from megafleet_protocol.refit import digest, parameter_digests
+from megafleet_protocol.refit import parameter_digests
 
 pytestmark = pytest.mark.slow  # each test starts an engine and its servers
 
@@ -39,20 +38,6 @@ def served(tmp_path: Path) -> Iterator[harness.Served]:
     with harness.serve(backend, harness.token_file(tmp_path)) as running:
         running.engine.staging = refit_staging.StagingPlan("auto", bytes=backend.staging_bytes())
         yield running
-
-
-def reference_digests(weights: dict[str, torch.Tensor]) -> list[str]:
-    """The definition by hand: each group's tensors at their offsets in a zeroed buffer, numpy's mf64."""
-    raw = {
-        name: tensor.contiguous().reshape(-1).view(torch.uint8).numpy().tobytes() for name, tensor in weights.items()
-    }
-    found = []
-    for index, group in enumerate(parameter_digests.plan_groups([(name, len(data)) for name, data in raw.items()])):
-        buffer = bytearray(group[-1].offset + group[-1].nbytes)
-        for placed in group:
-            buffer[placed.offset : placed.offset + placed.nbytes] = raw[placed.name]
-        found.append(digest.hex_digest(digest.reference(bytes(buffer), index)))
-    return found
 
 
 def checkpoint(served: harness.Served, version: int, path: str, **more: Any) -> None:
@@ -78,8 +63,8 @@ def test_an_in_place_checkpoint_load_reports_the_digests_of_what_it_loaded(serve
     checkpoint(served, 1, NEW)
     done = wait_phase(served, "succeeded")
 
-    expected = reference_digests(tiny.reference_weights(NEW))
-    assert expected == reference_digests(served.backend.parameters())
+    expected = parameter_digests.reference(tiny.reference_weights(NEW))
+    assert expected == parameter_digests.reference(served.backend.parameters())
     assert done["verification"] == {
         "integrity": "checksum",
         "method": "agreement",
@@ -96,10 +81,12 @@ def test_a_staged_load_reports_the_staging_copys_digests_before_the_operators_co
     checkpoint(served, 1, NEW, staging="required", commit="operator")
     staged = wait_phase(served, "staged")
 
-    assert staged["verification"]["bucketDigests"] == reference_digests(served.backend.staged_parameters())
-    assert staged["verification"]["bucketDigests"] != reference_digests(live), "the new version's, not the live one's"
+    assert staged["verification"]["bucketDigests"] == parameter_digests.reference(served.backend.staged_parameters())
+    assert staged["verification"]["bucketDigests"] != parameter_digests.reference(live), (
+        "the new version's, not the live one's"
+    )
     assert refit_harness.completion_ids(served.frontend_url, PROMPT, 6) == before, "it serves the old version meanwhile"
     with served.agent() as agent:
         assert agent.post("/v1/refit/commit", json={"version": 1}).status_code == 200
     done = wait_phase(served, "succeeded")
-    assert done["verification"]["bucketDigests"] == reference_digests(served.backend.parameters())
+    assert done["verification"]["bucketDigests"] == parameter_digests.reference(served.backend.parameters())

@@ -205,22 +205,6 @@ def test_the_engine_receives_two_versions_by_megatron_cores_swap(
     assert megatron_trainer.checksum(backend.model) == initial
 
 
-def reference_digests(parameters: dict[str, torch.Tensor]) -> list[str]:
-    """The parameter digests by their definition, on the host: each group's tensors (name order, each
-    at a multiple of 8 bytes) in a zeroed buffer, numpy's mf64 with the group's index as seed."""
-    raw = {
-        name: tensor.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
-        for name, tensor in parameters.items()
-    }
-    found = []
-    for index, group in enumerate(parameter_digests.plan_groups([(name, len(data)) for name, data in raw.items()])):
-        buffer = bytearray(group[-1].offset + group[-1].nbytes)
-        for placed in group:
-            buffer[placed.offset : placed.offset + placed.nbytes] = raw[placed.name]
-        found.append(digest.hex_digest(digest.reference(bytes(buffer), index)))
-    return found
-
-
 def test_swaps_with_integrity_report_each_ranks_parameter_digests_as_numpy_computes_them(
     backend: megatron.MegatronBackend, tmp_path: Path
 ) -> None:
@@ -237,7 +221,7 @@ def test_swaps_with_integrity_report_each_ranks_parameter_digests_as_numpy_compu
             engine_harness.serve(served_backend, engine_harness.token_file(tmp_path)) as served,
             served.agent() as agent,
         ):
-            initial = reference_digests(backend.parameters())
+            initial = parameter_digests.reference(backend.parameters())
             trainer.expect("built")
             rendezvous = {"address": "127.0.0.1", "port": port, "worldSize": 2, "rankOffset": 1, "trainerWorldSize": 1}
             join = agent.post(
@@ -258,7 +242,7 @@ def test_swaps_with_integrity_report_each_ranks_parameter_digests_as_numpy_compu
                 trainer.expect("swapped")
                 verification = status["verification"]
                 assert (verification["integrity"], verification["method"]) == ("checksum", "agreement"), verification
-                assert verification["bucketDigests"] == reference_digests(backend.parameters())
+                assert verification["bucketDigests"] == parameter_digests.reference(backend.parameters())
                 reported[weight_version] = verification["bucketDigests"]
             agent.post("/v1/refit/megatron/leave", json={"session": SESSION})
         trainer.tell("exit")

@@ -8,8 +8,6 @@ CPU) take the same path the megatron backend's take on a GPU."""
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-
 import pytest
 import torch
 from hypothesis import given, settings
@@ -20,21 +18,6 @@ from megafleet_engine.models import tiny
 from megafleet_protocol.refit import digest, parameter_digests
 
 Placed = parameter_digests.Placed
-
-
-def expected(tensors: Mapping[str, torch.Tensor], group_bytes: int) -> list[str]:
-    """The definition, by hand: each group's tensors at their offsets in a zeroed buffer, digested whole."""
-    raw = {
-        name: tensor.contiguous().reshape(-1).view(torch.uint8).numpy().tobytes() for name, tensor in tensors.items()
-    }
-    groups = parameter_digests.plan_groups([(name, len(data)) for name, data in raw.items()], group_bytes)
-    found = []
-    for index, group in enumerate(groups):
-        buffer = bytearray(group[-1].offset + group[-1].nbytes)
-        for placed in group:
-            buffer[placed.offset : placed.offset + placed.nbytes] = raw[placed.name]
-        found.append(digest.hex_digest(digest.reference(bytes(buffer), index)))
-    return found
 
 
 def mixed() -> dict[str, torch.Tensor]:
@@ -78,7 +61,7 @@ def test_a_group_size_must_be_positive() -> None:
 def test_each_groups_digest_is_mf64_of_its_bytes_as_laid_out(group_bytes: int) -> None:
     tensors = mixed()
     outcome = parameter_digests.digest_tensors(tensors, group_bytes=group_bytes)
-    want = expected(tensors, group_bytes)
+    want = parameter_digests.reference(tensors, group_bytes)
     assert (outcome.integrity, outcome.method, outcome.buckets) == ("checksum", "agreement", len(want))
     assert list(outcome.bucket_digests) == want
     assert outcome.mismatch is None and outcome.non_finite is None
@@ -136,7 +119,7 @@ def test_two_backends_with_the_same_weights_agree_and_another_version_does_not()
     )
     digests = [parameter_digests.digest_tensors(b.parameters(), group_bytes=1 << 14).bucket_digests for b in (one, two)]
     assert len(digests[0]) > 3 and digests[0] == digests[1]
-    assert list(digests[0]) == expected(one.parameters(), 1 << 14)
+    assert list(digests[0]) == parameter_digests.reference(one.parameters(), 1 << 14)
     two.load_checkpoint("tiny://llama?seed=1")
     other = parameter_digests.digest_tensors(two.parameters(), group_bytes=1 << 14).bucket_digests
     changed = [index for index, (a, b) in enumerate(zip(digests[0], other, strict=True)) if a != b]

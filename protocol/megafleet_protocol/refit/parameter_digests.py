@@ -31,7 +31,7 @@ import torch
 from megafleet_protocol import vocabulary
 from megafleet_protocol.refit import digest, verification
 
-__all__ = ["ALIGNMENT", "GROUP_BYTES", "Placed", "digest_tensors", "plan_groups"]
+__all__ = ["ALIGNMENT", "GROUP_BYTES", "Placed", "digest_tensors", "plan_groups", "reference"]
 
 GROUP_BYTES = 1 << 30
 """The default group size (1 GiB): an 8B model's rank reports a few dozen digests at most."""
@@ -94,6 +94,22 @@ def digest_tensors(
     return verification.Verification(
         integrity, "agreement", buckets=len(groups), bucket_digests=tuple(digest.hex_digest(int(one)) for one in read)
     )
+
+
+def reference(tensors: Mapping[str, torch.Tensor], group_bytes: int = GROUP_BYTES) -> list[str]:
+    """What :func:`digest_tensors` reports, by the definition on the host (the tests' reference): each
+    group's tensors copied to their offsets in a zeroed buffer, numpy's ``mf64`` of it whole."""
+    raw = {
+        name: tensor.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
+        for name, tensor in tensors.items()
+    }
+    found = []
+    for index, group in enumerate(plan_groups([(name, len(data)) for name, data in raw.items()], group_bytes)):
+        buffer = bytearray(group[-1].offset + group[-1].nbytes)
+        for placed in group:
+            buffer[placed.offset : placed.offset + placed.nbytes] = raw[placed.name]
+        found.append(digest.hex_digest(digest.reference(bytes(buffer), index)))
+    return found
 
 
 def _bytes(tensor: torch.Tensor) -> torch.Tensor:
