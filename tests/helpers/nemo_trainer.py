@@ -19,12 +19,13 @@ import ctypes
 import datetime
 import functools
 import itertools
+import os
 import pickle
 import queue
 import sys
 import threading
 import types
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any, Literal
 
 import torch
@@ -264,3 +265,41 @@ class PolicyWorkers:
 def step_source(step: int) -> str:
     """The tiny model source of the policy after ``step`` (the fleet starts at ``tiny://llama``)."""
     return f"tiny://llama?seed={100 + step}"
+
+
+class AgentTrainer:
+    """NeMo's trainer rank 0 on a thread, in a world of itself and ``members`` inference ranks joined
+    through the agent (the gloo prefix of :data:`AGENT_GLOO_PREFIX`): joins, sends ``first`` (if any),
+    then broadcasts each version handed to :meth:`send` until :meth:`finish`."""
+
+    def __init__(
+        self, first: Mapping[str, torch.Tensor], bucket_bytes: int, *, members: int = 1, wait_seconds: float = 60.0
+    ) -> None:
+        self.port = harness.free_port()
+        self.sent: list[int] = []
+        self.joined = threading.Event()
+        self._next: queue.Queue[list[torch.Tensor] | None] = queue.Queue()
+        rank = functools.partial(
+            trainer_rank,
+            0,
+            port=self.port,
+            world_size=1 + members,
+            tensors=list(first.values()),
+            target=bucket_bytes,
+            generation="nemo",
+            unique_id=os.urandom(128),
+            sent=self.sent,
+            later=iter(functools.partial(self._next.get, timeout=wait_seconds), None),
+            prefix=AGENT_GLOO_PREFIX,
+            joined=self.joined,
+        )
+        self._running = running(rank)
+        self.failures = self._running.__enter__()
+
+    def send(self, weights: Mapping[str, torch.Tensor]) -> None:
+        self._next.put(list(weights.values()))
+
+    def finish(self) -> None:
+        self._next.put(None)
+        self._running.__exit__(None, None, None)
+        assert not self.failures, self.failures

@@ -8,9 +8,6 @@ from __future__ import annotations
 
 import contextlib
 import datetime
-import functools
-import os
-import queue
 import threading
 import time
 from collections.abc import Iterator, Mapping
@@ -72,41 +69,6 @@ def post_nemo(served: harness.InProcessEngine, body: Mapping[str, Any]) -> httpx
         return agent.post("/v1/refit/nemo", json=body)
 
 
-class NemoTrainer:
-    """Trainer rank 0 of NeMo's world on a thread: joins, sends ``first``, then each refit handed to
-    :meth:`send` (until :meth:`finish`)."""
-
-    def __init__(self, first: Mapping[str, torch.Tensor], bucket_bytes: int) -> None:
-        self.port = harness.free_port()
-        self.sent: list[int] = []
-        self.joined = threading.Event()
-        self._next: queue.Queue[list[torch.Tensor] | None] = queue.Queue()
-        rank = functools.partial(
-            nemo_trainer.trainer_rank,
-            0,
-            port=self.port,
-            world_size=2,
-            tensors=list(first.values()),
-            target=bucket_bytes,
-            generation="nemo",
-            unique_id=os.urandom(128),
-            sent=self.sent,
-            later=iter(functools.partial(self._next.get, timeout=WAIT_SECONDS), None),
-            prefix=nemo_trainer.AGENT_GLOO_PREFIX,
-            joined=self.joined,
-        )
-        self._running = nemo_trainer.running(rank)
-        self.failures = self._running.__enter__()
-
-    def send(self, weights: Mapping[str, torch.Tensor]) -> None:
-        self._next.put(list(weights.values()))
-
-    def finish(self) -> None:
-        self._next.put(None)
-        self._running.__exit__(None, None, None)
-        assert not self.failures, self.failures
-
-
 def wait_phase(served: harness.InProcessEngine, phase: str) -> dict[str, Any]:
     deadline = time.monotonic() + WAIT_SECONDS
     while True:
@@ -130,7 +92,7 @@ def test_refits_over_one_nemo_world_write_in_place_and_serve_each_version(
     weights = trainer.weights()
     total = sum(tensor.numel() * tensor.element_size() for tensor in weights.values())
     bucket_bytes = total // 4  # several buckets, tensors of mixed sizes
-    nemo = NemoTrainer(weights, bucket_bytes)
+    nemo = nemo_trainer.AgentTrainer(weights, bucket_bytes)
     try:
         accepted = post_nemo(served, nemo_body(5, nemo.port, refit_info(weights), bucket_bytes))
         assert accepted.status_code == 202, accepted.text
@@ -227,7 +189,7 @@ def test_an_abort_ends_a_nemo_refit_that_waits_for_the_trainers_buckets(
     served: harness.InProcessEngine, trainer: harness.Trainer
 ) -> None:
     weights = trainer.weights()
-    nemo = NemoTrainer({}, 4096)  # joins, then sends nothing until told
+    nemo = nemo_trainer.AgentTrainer({}, 4096)  # joins, then sends nothing until told
     try:
         accepted = post_nemo(served, nemo_body(4, nemo.port, refit_info(weights), 4096, timeout_seconds=5))
         assert accepted.status_code == 202, accepted.text
@@ -288,7 +250,7 @@ def test_a_join_at_init_collective_time_serves_on_and_session_refits_reuse_it(
     info = refit_info(weights)
     total = sum(tensor.numel() * tensor.element_size() for tensor in weights.values())
     bucket_bytes = total // 4
-    nemo = NemoTrainer({}, bucket_bytes)  # NeMo's setup: the store waits for every rank; no refit yet
+    nemo = nemo_trainer.AgentTrainer({}, bucket_bytes)  # NeMo's setup: the store waits for every rank; no refit yet
     try:
         assert not nemo.joined.wait(0.5), "the trainer's init_collective must wait for the engine"
         with served.agent.client() as agent:
@@ -381,7 +343,7 @@ def test_a_leave_drops_the_joined_world_the_engine_serves_on_and_a_second_leave_
 ) -> None:
     served.refits.store_probe_seconds = 0.2
     before, _ = harness.completion_ids(served.frontend_url, PROMPT, 6)
-    nemo = NemoTrainer({}, 4096)
+    nemo = nemo_trainer.AgentTrainer({}, 4096)
     try:
         with served.agent.client() as agent:
             assert agent.post("/v1/refit/nemo/join", json=join_body("grpo-9", nemo.port)).status_code == 202
@@ -434,7 +396,7 @@ def test_the_store_probe_reports_the_trainers_store_gone_once_the_trainer_exits(
     served: harness.InProcessEngine,
 ) -> None:
     served.refits.store_probe_seconds = 0.2
-    nemo = NemoTrainer({}, 4096)
+    nemo = nemo_trainer.AgentTrainer({}, 4096)
     try:
         with served.agent.client() as agent:
             assert agent.post("/v1/refit/nemo/join", json=join_body("grpo-11", nemo.port)).status_code == 202
@@ -461,7 +423,7 @@ def test_session_refits_with_integrity_report_each_buckets_digest_and_name_a_non
     bucket_bytes = total // 4
     poisoned = {name: tensor.clone() for name, tensor in weights.items()}
     poisoned["model.norm.weight"][3] = float("nan")
-    nemo = NemoTrainer({}, bucket_bytes)
+    nemo = nemo_trainer.AgentTrainer({}, bucket_bytes)
     try:
         with served.agent.client() as agent:
             assert agent.post("/v1/refit/nemo/join", json=join_body("grpo-9", nemo.port)).status_code == 202

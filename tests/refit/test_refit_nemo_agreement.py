@@ -25,10 +25,6 @@ from __future__ import annotations
 
 import contextlib
 import datetime
-import functools
-import os
-import queue
-import threading
 import time
 from collections.abc import Iterator, Mapping
 from pathlib import Path
@@ -76,41 +72,6 @@ def corrupting(monkeypatch: pytest.MonkeyPatch) -> None:
         return receiver
 
     monkeypatch.setattr(nemo_protocol.NemoReceiver, "connect", staticmethod(connect_and_corrupt))
-
-
-class NemoTrainer:
-    """NeMo's trainer rank 0 on a thread, in a world of itself and ``MEMBERS`` inference ranks: joins,
-    then broadcasts each version handed to :meth:`send` (until :meth:`finish`)."""
-
-    def __init__(self, bucket_bytes: int) -> None:
-        self.port = harness.free_port()
-        self.sent: list[int] = []
-        self.joined = threading.Event()
-        self._next: queue.Queue[list[torch.Tensor] | None] = queue.Queue()
-        rank = functools.partial(
-            nemo_trainer.trainer_rank,
-            0,
-            port=self.port,
-            world_size=1 + MEMBERS,
-            tensors=[],
-            target=bucket_bytes,
-            generation="nemo",
-            unique_id=os.urandom(128),
-            sent=self.sent,
-            later=iter(functools.partial(self._next.get, timeout=WAIT_SECONDS), None),
-            prefix=nemo_trainer.AGENT_GLOO_PREFIX,
-            joined=self.joined,
-        )
-        self._running = nemo_trainer.running(rank)
-        self.failures = self._running.__enter__()
-
-    def send(self, weights: Mapping[str, torch.Tensor]) -> None:
-        self._next.put(list(weights.values()))
-
-    def finish(self) -> None:
-        self._next.put(None)
-        self._running.__exit__(None, None, None)
-        assert not self.failures, self.failures
 
 
 def post(member: harness.InProcessEngine, path: str, body: Mapping[str, Any]) -> httpx.Response:
@@ -227,7 +188,7 @@ def test_a_member_that_received_a_corrupt_bucket_is_named_before_the_commit_and_
     weights = trainer.weights()
     info = [{"name": name, "shape": list(tensor.shape), "dtype": str(tensor.dtype)} for name, tensor in weights.items()]
     bucket_bytes = sum(tensor.numel() * tensor.element_size() for tensor in weights.values()) // 6
-    nemo = NemoTrainer(bucket_bytes)
+    nemo = nemo_trainer.AgentTrainer({}, bucket_bytes, members=MEMBERS)
     try:
         join_all(members, nemo.port)
         nemo.send(weights)
@@ -271,7 +232,7 @@ def test_in_place_every_member_has_switched_before_the_digests_can_be_compared(
     weights = trainer.weights()
     info = [{"name": name, "shape": list(tensor.shape), "dtype": str(tensor.dtype)} for name, tensor in weights.items()]
     bucket_bytes = sum(tensor.numel() * tensor.element_size() for tensor in weights.values()) // 6
-    nemo = NemoTrainer(bucket_bytes)
+    nemo = nemo_trainer.AgentTrainer({}, bucket_bytes, members=MEMBERS)
     try:
         join_all(members, nemo.port)
         nemo.send(weights)
